@@ -1,0 +1,104 @@
+// Communicator: collectives and point-to-point transfers over a group of ranks.
+//
+// Two backends implement it: NCCL for CUDA tensors and MPI for host tensors. Every operation is
+// asynchronous and returns a Work handle; Work::wait() blocks the host until the operation is done
+// (for NCCL: until it is safe to use the result on the given stream). Every wait has a timeout
+// (CommOptions::timeout): when it expires, when NCCL reports an error, or when a peer dies, the
+// communicator is aborted and CommError names the group, the operation, the ranks and the elapsed
+// time. Groups are values: make sub-groups with split(), pass them to layers explicitly.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::comm {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+enum class Backend { MPI, NCCL };
+
+std::string_view reduce_op_name(ReduceOp op);
+std::string_view backend_name(Backend b);
+
+/// Options of one communicator (and of those split from it, unless overridden).
+struct CommOptions {
+  /// Longest time any one operation may take before the communicator is aborted with CommError.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  /// Name used in logs and errors ("world", "tp", "dp", ...), and as NCCL's commName.
+  std::string name = "world";
+  /// Before each collective, agree on (op, dtype, element count) across ranks, so a mismatch is a
+  /// clear error instead of a hang or corrupted data. Costs one small extra exchange per operation.
+  bool check_shapes = false;
+  /// NCCL only: blocking communicator (ncclConfig_t.blocking). Non-blocking is what makes timeouts
+  /// and abort work; blocking is for debugging.
+  bool nccl_blocking = false;
+  /// NCCL only: CTA limits (0 = NCCL's default).
+  int nccl_min_ctas = 0;
+  int nccl_max_ctas = 0;
+};
+
+/// Handle of an asynchronous operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  /// Blocks until the operation is done; throws CommError on timeout or failure.
+  virtual void wait() = 0;
+  /// True once the operation has finished (never throws; a failure surfaces in wait()).
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+/// One send or receive of a batch (see Communicator::batch_send_recv).
+struct P2POp {
+  enum Kind { Send, Recv } kind;
+  Tensor tensor;  ///< contiguous; for Recv it is written
+  int peer;       ///< rank in this communicator
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return options_.name; }
+  const CommOptions& options() const { return options_; }
+  /// World ranks of this group's members, in group-rank order.
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  virtual Backend backend() const = 0;
+
+  /// In place: every rank ends with op over all ranks' t.
+  virtual WorkPtr all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) = 0;
+  /// out (size() * in.numel() elements, contiguous) holds rank r's `in` at [r * n, (r + 1) * n).
+  virtual WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream& s = {}) = 0;
+  /// in has size() * out.numel() elements; rank r gets op over all ranks of in[r * n, (r + 1) * n).
+  virtual WorkPtr reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) = 0;
+  /// In place: every rank ends with root's t.
+  virtual WorkPtr broadcast(Tensor& t, int root, const Stream& s = {}) = 0;
+  /// Rank r sends in[send_offsets[p] .. +send_counts[p]) to p and receives recv_counts[p] elements
+  /// from p, stored consecutively in `out` in rank order. Empty counts mean an even split.
+  virtual WorkPtr all_to_all(const Tensor& in, Tensor& out, const std::vector<int64_t>& send_counts = {},
+                             const std::vector<int64_t>& recv_counts = {}, const Stream& s = {}) = 0;
+  /// Posts all sends and receives together (no ordering deadlock between them).
+  virtual WorkPtr batch_send_recv(const std::vector<P2POp>& ops, const Stream& s = {}) = 0;
+  /// Returns when every rank has entered it (within the timeout).
+  virtual void barrier() = 0;
+  /// Collective over this communicator: ranks with the same color form a new communicator, ordered
+  /// by (key, rank). A negative color returns nullptr (the rank joins no group).
+  virtual std::unique_ptr<Communicator> split(int color, int key, const CommOptions& options) = 0;
+  /// Tears the communicator down without waiting for peers; later operations throw CommError.
+  virtual void abort() = 0;
+  virtual bool aborted() const = 0;
+
+ protected:
+  int rank_ = 0;
+  int size_ = 1;
+  CommOptions options_;
+  std::vector<int> world_ranks_;
+};
+
+}  // namespace megacore::comm

@@ -1,0 +1,11 @@
+// The whole public API of megacore in one include.
+#pragma once
+
+#include "megacore/build_config.hpp"
+#include "megacore/core/allocator.hpp"
+#include "megacore/core/device.hpp"
+#include "megacore/core/dtype.hpp"
+#include "megacore/core/error.hpp"
+#include "megacore/core/random.hpp"
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
