@@ -1,0 +1,24 @@
+// Shared pieces of the pybind11 module: each area registers itself through a bind_<area> function.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "megacore/megacore.hpp"
+
+namespace megacore::py {
+
+namespace pyb = pybind11;
+
+/// The stream Python code is using on a device (megacore.current_stream / `with megacore.stream(s)`).
+Stream current_stream(Device d);
+/// Resolves an optional `stream` argument: None means the current stream of the tensor's device.
+Stream stream_arg(const pyb::object& stream, Device d);
+/// Parses "cpu"/"cuda:N" strings, ints (CUDA ordinal) and megacore.Device values.
+Device device_arg(const pyb::object& o);
+/// Parses "f32"/"bfloat16"/numpy-style names and megacore.DType values.
+DType dtype_arg(const pyb::object& o);
+
+void bind_core(pyb::module_& m);
+void bind_dlpack(pyb::module_& m);
+
+}  // namespace megacore::py

@@ -1,0 +1,69 @@
+"""megacore: Megatron-Core-style parallelism for training large language models.
+
+The compiled core lives in ``megacore._C``; this package re-exports it with a Pythonic surface.
+"""
+
+from contextlib import contextmanager
+
+from . import errors
+from ._C import (
+    Event,
+    Generator,
+    Stream,
+    Tensor,
+    build_info,
+    cuda_available,
+    cuda_device_count,
+    cuda_device_name,
+    current_stream,
+    empty,
+    empty_cache,
+    from_dlpack,
+    from_numpy,
+    full,
+    memory_stats,
+    reset_peak_memory_stats,
+    set_memory_limit,
+    synchronize,
+    zeros,
+)
+from ._C import _set_current_stream
+from .errors import CommError, ConfigError, CudaError, Error, IOError, OutOfMemoryError, ValueError
+
+__version__ = build_info()["version"]
+
+
+@contextmanager
+def stream(s):
+    """Makes ``s`` the current stream of its device inside the block (like ``torch.cuda.stream``)."""
+    prev = _set_current_stream(s)
+    try:
+        yield s
+    finally:
+        _set_current_stream(prev)
+
+
+def tensor(array, dtype=None, device="cpu"):
+    """A new tensor holding a copy of ``array`` (anything numpy can convert)."""
+    import numpy as np
+
+    np_dtypes = {"f32": np.float32, "float32": np.float32, "f16": np.float16, "float16": np.float16,
+                 "bf16": np.float32, "bfloat16": np.float32, "i32": np.int32, "int32": np.int32,
+                 "i64": np.int64, "int64": np.int64, "u8": np.uint8, "uint8": np.uint8}
+    if dtype is not None and dtype not in np_dtypes:
+        raise errors.ValueError(f"unknown dtype '{dtype}'; use one of f32, bf16, f16, i32, i64, u8")
+    a = np.ascontiguousarray(np.asarray(array, dtype=np_dtypes.get(dtype)))
+    if a.dtype == np.float64:
+        a = a.astype(np.float32)
+    t = from_numpy(a).clone()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to(device) if device != "cpu" else t
+
+
+__all__ = [
+    "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "errors",
+    "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
+    "cuda_available", "cuda_device_count", "cuda_device_name", "current_stream", "stream", "synchronize",
+    "memory_stats", "reset_peak_memory_stats", "empty_cache", "set_memory_limit", "build_info",
+]
