@@ -9,3 +9,4 @@
 #include "megacore/core/random.hpp"
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/parallel/process_grid.hpp"
