@@ -49,4 +49,6 @@ PYBIND11_MODULE(_C, m) {
   }, "Which optional backends this build contains.");
   mp::bind_core(m);
   mp::bind_dlpack(m);
+  mp::bind_comm(m);
+  mp::bind_parallel(m);
 }

@@ -10,3 +10,8 @@
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
 #include "megacore/parallel/process_grid.hpp"
+#include "megacore/comm/bootstrap.hpp"
+#include "megacore/comm/communicator.hpp"
+#include "megacore/comm/mpi_communicator.hpp"
+#include "megacore/comm/nccl_communicator.hpp"
+#include "megacore/comm/tcp_store.hpp"

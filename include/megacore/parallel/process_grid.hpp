@@ -13,9 +13,12 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "megacore/comm/communicator.hpp"
 
 namespace megacore::parallel {
 
@@ -132,6 +135,55 @@ class GridLayout {
   int world_ = 1, tp_ = 1, pp_ = 1, cp_ = 1, dp_ = 1, ep_ = 1, etp_ = 1, edp_ = 1, vpp_ = 1;
   std::array<int, 4> dense_stride_{};  // of tp, cp, dp, pp in the dense mixed-radix rank
   std::array<KindGroups, kGroupKinds.size()> kinds_;
+};
+
+/// The communicators of every group this rank belongs to, split from a world communicator.
+///
+/// Construction is collective over `world`: it validates the config against world.size() first
+/// (ConfigError, before any communicator is made), then splits one communicator per group kind, named
+/// after the kind ("tp", "dp_cp", ...). Groups are values handed to layers; nothing is global.
+class ProcessGrid {
+ public:
+  /// `kinds` limits which groups are built (all by default); asking later for one that was not built
+  /// is a ValueError.
+  ProcessGrid(comm::Communicator& world, const ParallelConfig& config,
+              std::vector<GroupKind> kinds = std::vector<GroupKind>(kGroupKinds.begin(), kGroupKinds.end()));
+
+  const GridLayout& layout() const { return layout_; }
+  comm::Communicator& world() const { return world_; }
+  int rank() const { return world_.rank(); }
+  int world_size() const { return world_.size(); }
+
+  /// The communicator of this rank's group of `kind`; throws ValueError if the rank is in no such group
+  /// (e.g. a middle pipeline stage has no embedding group) or the kind was not built.
+  comm::Communicator& group(GroupKind kind) const;
+  /// True when this rank is in a group of `kind` (and it was built).
+  bool has_group(GroupKind kind) const;
+
+  comm::Communicator& tp() const { return group(GroupKind::Tp); }
+  comm::Communicator& pp() const { return group(GroupKind::Pp); }
+  comm::Communicator& cp() const { return group(GroupKind::Cp); }
+  comm::Communicator& dp() const { return group(GroupKind::Dp); }
+  comm::Communicator& dp_cp() const { return group(GroupKind::DpCp); }
+  comm::Communicator& mp() const { return group(GroupKind::Mp); }
+  comm::Communicator& ep() const { return group(GroupKind::Ep); }
+  comm::Communicator& expert_tp() const { return group(GroupKind::ExpertTp); }
+  comm::Communicator& expert_dp() const { return group(GroupKind::ExpertDp); }
+  comm::Communicator& embedding() const { return group(GroupKind::Embedding); }
+
+  int tp_rank() const { return layout_.tp_rank(rank()); }
+  int pp_rank() const { return layout_.pp_rank(rank()); }
+  int cp_rank() const { return layout_.cp_rank(rank()); }
+  int dp_rank() const { return layout_.dp_rank(rank()); }
+  int ep_rank() const { return layout_.ep_rank(rank()); }
+  bool is_first_stage() const { return layout_.is_first_stage(rank()); }
+  bool is_last_stage() const { return layout_.is_last_stage(rank()); }
+
+ private:
+  comm::Communicator& world_;
+  GridLayout layout_;
+  std::array<bool, kGroupKinds.size()> built_{};
+  std::array<std::unique_ptr<comm::Communicator>, kGroupKinds.size()> groups_;
 };
 
 }  // namespace megacore::parallel

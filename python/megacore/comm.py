@@ -1,0 +1,20 @@
+"""Collectives and bootstrap: ``megacore.comm.init_from_env()`` gives the world communicator.
+
+Works unchanged under ``mpirun``, Slurm ``srun``, torchrun-style environments and
+``python -m megacore.launch``. NCCL carries CUDA tensors, MPI carries host tensors. Every operation has a
+timeout; a hang, an NCCL error or a dead peer becomes ``megacore.CommError`` naming the group, the
+operation, the ranks and the elapsed time.
+"""
+
+from ._C import comm as _c
+
+Communicator = _c.Communicator
+Work = _c.Work
+detect_launch_env = _c.detect_launch_env
+init_from_env = _c.init_from_env
+mpi_available = _c.mpi_available
+nccl_available = _c.nccl_available
+nccl_version = _c.nccl_version
+
+__all__ = ["Communicator", "Work", "detect_launch_env", "init_from_env", "mpi_available", "nccl_available",
+           "nccl_version"]

@@ -1,0 +1,538 @@
+// NCCL backend of Communicator (CUDA tensors).
+//
+// The communicator is created non-blocking (unless CommOptions::nccl_blocking) so that neither
+// init nor an enqueue can block the host forever: every call that returns ncclInProgress is polled
+// with ncclCommGetAsyncError under the timeout, and Work::wait() polls a CUDA event recorded after
+// the operation together with the async error. On error or timeout the communicator is aborted
+// (ncclCommAbort, which also stops kernels stuck waiting for a peer) and CommError is thrown.
+#include "megacore/comm/nccl_communicator.hpp"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "comm/comm_detail.hpp"
+#include "core/cuda/cuda_check.hpp"
+
+namespace megacore::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using cuda_impl::DeviceGuard;
+using namespace detail;
+
+std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
+  const char* last = ncclGetLastError(comm);
+  return fmt::format("{} ({}){}{}", ncclGetErrorString(r), int(r), last && *last ? ": " : "", last ? last : "");
+}
+
+#define MC_NCCL_CHECK(expr)                                                                        \
+  do {                                                                                             \
+    ncclResult_t mc_r_ = (expr);                                                                   \
+    if (mc_r_ != ncclSuccess && mc_r_ != ncclInProgress)                                           \
+      ::megacore::raise<::megacore::CommError>("{} failed: {}", #expr, nccl_error(mc_r_, nullptr)); \
+  } while (0)
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::F32: return ncclFloat32;
+    case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    case DType::U8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Avg: return ncclAvg;
+    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+// Polls the communicator's state until it leaves ncclInProgress or `deadline` passes.
+// Returns the state (ncclInProgress on timeout).
+ncclResult_t poll_state(ncclComm_t comm, Clock::time_point deadline) {
+  auto backoff = std::chrono::microseconds(0);
+  for (;;) {
+    ncclResult_t st = ncclInProgress;
+    ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+    if (r != ncclSuccess) return r;
+    if (st != ncclInProgress) return st;
+    if (Clock::now() > deadline) return ncclInProgress;
+    if (backoff.count() > 0) std::this_thread::sleep_for(backoff);
+    backoff = std::min(std::chrono::microseconds(1000), backoff + std::chrono::microseconds(20));
+  }
+}
+
+ncclConfig_t make_config(const CommOptions& o, const std::string& name) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = o.nccl_blocking ? 1 : 0;
+  cfg.commName = name.c_str();
+  if (o.nccl_min_ctas > 0) cfg.minCTAs = o.nccl_min_ctas;
+  if (o.nccl_max_ctas > 0) cfg.maxCTAs = o.nccl_max_ctas;
+  return cfg;
+}
+
+void check_options(const CommOptions& o) {
+  MC_CHECK(o.timeout.count() > 0, "CommOptions.timeout must be positive, got {} ms", o.timeout.count());
+  MC_CHECK(o.nccl_min_ctas >= 0 && o.nccl_max_ctas >= 0, "CommOptions.nccl_min_ctas/nccl_max_ctas must be >= 0");
+  MC_CHECK(o.nccl_min_ctas == 0 || o.nccl_max_ctas == 0 || o.nccl_min_ctas <= o.nccl_max_ctas,
+           "CommOptions.nccl_min_ctas ({}) exceeds nccl_max_ctas ({})", o.nccl_min_ctas, o.nccl_max_ctas);
+}
+
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+  std::string name;  // backs ncclConfig_t::commName
+  std::chrono::milliseconds timeout{0};
+  bool aborted = false;
+  std::string abort_reason;
+
+  ~NcclState() {
+    if (!comm) return;
+    try {
+      DeviceGuard g(device);
+      // Finalize waits for the peers to quiesce; a peer that never does must not hang the destructor.
+      ncclResult_t r = ncclCommFinalize(comm);
+      if (r == ncclSuccess || r == ncclInProgress) r = poll_state(comm, Clock::now() + timeout);
+      if (r == ncclSuccess) ncclCommDestroy(comm);
+      else ncclCommAbort(comm);
+    } catch (...) {
+      ncclCommAbort(comm);
+    }
+  }
+
+  void abort_now(std::string reason) {
+    if (aborted) return;
+    aborted = true;
+    abort_reason = std::move(reason);
+    if (comm) {
+      try {
+        DeviceGuard g(device);
+        ncclCommAbort(comm);
+      } catch (...) {
+        ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+  }
+};
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclState> st, std::string context, cudaStream_t stream, std::vector<Tensor> keep,
+           Clock::time_point start)
+      : st_(std::move(st)), context_(std::move(context)), start_(start), keep_(std::move(keep)) {
+    DeviceGuard g(st_->device);
+    MC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    MC_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~NcclWork() override {
+    if (event_) cudaEventDestroy(event_);
+  }
+
+  bool is_completed() override {
+    if (done_) return true;
+    try {
+      return poll();
+    } catch (const std::exception&) {
+      return true;  // the failure is reported by wait()
+    }
+  }
+
+  void wait() override {
+    auto backoff = std::chrono::microseconds(0);
+    while (!poll()) {
+      double elapsed = seconds_since(start_);
+      if (elapsed * 1000.0 > double(st_->timeout.count())) {
+        fail(fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s): not every rank of the group joined it (a "
+                         "rank skipped it, posted a different operation, or died); the communicator is aborted",
+                         context_, elapsed, st_->timeout.count() / 1000.0));
+      }
+      if (backoff.count() > 0) std::this_thread::sleep_for(backoff);
+      backoff = std::min(std::chrono::microseconds(1000), backoff + std::chrono::microseconds(20));
+    }
+    if (!error_.empty()) throw CommError(error_);
+  }
+
+ private:
+  // True once finished (successfully or with error_ set); throws CommError on a new failure.
+  bool poll() {
+    if (done_) return true;
+    if (st_->aborted) fail(fmt::format("{} failed: the communicator was aborted ({})", context_, st_->abort_reason));
+    cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaSuccess) {
+      done_ = true;
+      keep_.clear();
+      return true;
+    }
+    if (e != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      fail(fmt::format("{} failed: CUDA error {} ({})", context_, cudaGetErrorName(e), cudaGetErrorString(e)));
+    }
+    ncclResult_t st = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(st_->comm, &st);
+    if (r != ncclSuccess) st = r;
+    if (st != ncclSuccess && st != ncclInProgress) {
+      fail(fmt::format("{} failed after {:.1f} s: {}", context_, seconds_since(start_), nccl_error(st, st_->comm)));
+    }
+    return false;
+  }
+
+  [[noreturn]] void fail(std::string msg) {
+    done_ = true;
+    error_ = msg;
+    st_->abort_now(msg);
+    // The buffers may still be in use by kernels the abort is tearing down; keep them until then.
+    throw CommError(msg);
+  }
+
+  std::shared_ptr<NcclState> st_;
+  std::string context_;
+  Clock::time_point start_;
+  std::vector<Tensor> keep_;
+  cudaEvent_t event_ = nullptr;
+  bool done_ = false;
+  std::string error_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Takes ownership of an initialised communicator.
+  NcclCommunicator(std::shared_ptr<NcclState> st, const CommOptions& options, std::vector<int> world_ranks)
+      : st_(std::move(st)) {
+    options_ = options;
+    MC_NCCL_CHECK(ncclCommUserRank(st_->comm, &rank_));
+    MC_NCCL_CHECK(ncclCommCount(st_->comm, &size_));
+    world_ranks_ = std::move(world_ranks);
+    MC_CHECK_AS(CommError, int(world_ranks_.size()) == size_, "NCCL communicator '{}' has {} ranks, expected {}",
+                options_.name, size_, world_ranks_.size());
+  }
+
+  Backend backend() const override { return Backend::NCCL; }
+  Device device() const { return Device::cuda(st_->device); }
+
+  WorkPtr all_reduce(Tensor& t, ReduceOp op, const Stream& s) override {
+    constexpr std::string_view name = "all_reduce";
+    usable(name);
+    check_tensor(*this, name, "t", t, device());
+    cudaStream_t stream = stream_of(s, name);
+    OpSignature sig{int64_t(OpKind::AllReduce), int64_t(t.dtype()), t.numel(), int64_t(op)};
+    std::string what = signature_str(sig);
+    if (options_.check_shapes) agree(sig, what, nullptr);
+    return enqueue(what, stream, {t}, [&] {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), nccl_op(op),
+                           st_->comm, stream);
+    });
+  }
+
+  WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream& s) override {
+    constexpr std::string_view name = "all_gather";
+    usable(name);
+    check_tensor(*this, name, "in", in, device());
+    check_tensor(*this, name, "out", out, device());
+    check_same_dtype(*this, name, in, out);
+    MC_CHECK(out.numel() == in.numel() * size_,
+             "all_gather on group '{}': out has {} elements, need size() * in.numel() = {} * {} = {}", options_.name,
+             out.numel(), size_, in.numel(), in.numel() * size_);
+    cudaStream_t stream = stream_of(s, name);
+    OpSignature sig{int64_t(OpKind::AllGather), int64_t(in.dtype()), in.numel(), 0};
+    std::string what = signature_str(sig);
+    if (options_.check_shapes) agree(sig, what, nullptr);
+    return enqueue(what, stream, {in, out}, [&] {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), nccl_type(in.dtype()), st_->comm,
+                           stream);
+    });
+  }
+
+  WorkPtr reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op, const Stream& s) override {
+    constexpr std::string_view name = "reduce_scatter";
+    usable(name);
+    check_tensor(*this, name, "in", in, device());
+    check_tensor(*this, name, "out", out, device());
+    check_same_dtype(*this, name, in, out);
+    MC_CHECK(in.numel() == out.numel() * size_,
+             "reduce_scatter on group '{}': in has {} elements, need size() * out.numel() = {} * {} = {}",
+             options_.name, in.numel(), size_, out.numel(), out.numel() * size_);
+    cudaStream_t stream = stream_of(s, name);
+    OpSignature sig{int64_t(OpKind::ReduceScatter), int64_t(out.dtype()), out.numel(), int64_t(op)};
+    std::string what = signature_str(sig);
+    if (options_.check_shapes) agree(sig, what, nullptr);
+    return enqueue(what, stream, {in, out}, [&] {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.dtype()),
+                               nccl_op(op), st_->comm, stream);
+    });
+  }
+
+  WorkPtr broadcast(Tensor& t, int root, const Stream& s) override {
+    constexpr std::string_view name = "broadcast";
+    usable(name);
+    check_tensor(*this, name, "t", t, device());
+    check_root(*this, name, root);
+    cudaStream_t stream = stream_of(s, name);
+    OpSignature sig{int64_t(OpKind::Broadcast), int64_t(t.dtype()), t.numel(), root};
+    std::string what = signature_str(sig);
+    if (options_.check_shapes) agree(sig, what, nullptr);
+    return enqueue(what, stream, {t}, [&] {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), root, st_->comm,
+                           stream);
+    });
+  }
+
+  WorkPtr all_to_all(const Tensor& in, Tensor& out, const std::vector<int64_t>& send_counts,
+                     const std::vector<int64_t>& recv_counts, const Stream& s) override {
+    constexpr std::string_view name = "all_to_all";
+    usable(name);
+    check_tensor(*this, name, "in", in, device());
+    check_tensor(*this, name, "out", out, device());
+    check_same_dtype(*this, name, in, out);
+    AllToAllLayout l = all_to_all_layout(*this, in, out, send_counts, recv_counts);
+    cudaStream_t stream = stream_of(s, name);
+    OpSignature sig{int64_t(OpKind::AllToAll), int64_t(in.dtype()), size_, 0};
+    std::string what = signature_str(sig);
+    if (options_.check_shapes) agree(sig, what, &l);
+    const int64_t es = in.element_size();
+    const ncclDataType_t ty = nccl_type(in.dtype());
+    char* src = static_cast<char*>(in.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    // Grouped send/recv pairs handle uneven splits (ncclAlltoAll, 2.28.3+, is even-only).
+    return enqueue_group(what, stream, {in, out}, [&]() -> ncclResult_t {
+      // Empty transfers are skipped on both sides alike (rank r's send count to p is p's receive
+      // count from r), so no rank waits for a message that never comes.
+      for (int p = 0; p < size_; ++p) {
+        ncclResult_t r = ncclSuccess;
+        if (l.send_counts[p] > 0)
+          r = ncclSend(src + l.send_offsets[p] * es, size_t(l.send_counts[p]), ty, p, st_->comm, stream);
+        if (r == ncclSuccess && l.recv_counts[p] > 0)
+          r = ncclRecv(dst + l.recv_offsets[p] * es, size_t(l.recv_counts[p]), ty, p, st_->comm, stream);
+        if (r != ncclSuccess) return r;
+      }
+      return ncclSuccess;
+    });
+  }
+
+  WorkPtr batch_send_recv(const std::vector<P2POp>& ops, const Stream& s) override {
+    constexpr std::string_view name = "batch_send_recv";
+    usable(name);
+    std::vector<Tensor> keep;
+    for (const auto& op : ops) {
+      check_tensor(*this, name, op.kind == P2POp::Send ? "a send tensor" : "a recv tensor", op.tensor, device());
+      MC_CHECK(op.peer >= 0 && op.peer < size_, "batch_send_recv on group '{}': peer {} is out of range [0, {})",
+               options_.name, op.peer, size_);
+      keep.push_back(op.tensor);
+    }
+    cudaStream_t stream = stream_of(s, name);
+    return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), stream, std::move(keep),
+                         [&]() -> ncclResult_t {
+                           for (const auto& op : ops) {
+                             if (op.tensor.numel() == 0) continue;  // the peer's matching op is empty too
+                             void* p = op.tensor.data_ptr();
+                             size_t n = size_t(op.tensor.numel());
+                             ncclDataType_t ty = nccl_type(op.tensor.dtype());
+                             ncclResult_t r = op.kind == P2POp::Send ? ncclSend(p, n, ty, op.peer, st_->comm, stream)
+                                                                     : ncclRecv(p, n, ty, op.peer, st_->comm, stream);
+                             if (r != ncclSuccess) return r;
+                           }
+                           return ncclSuccess;
+                         });
+  }
+
+  void barrier() override {
+    usable("barrier");
+    if (!barrier_buf_.defined()) barrier_buf_ = Tensor::zeros({1}, DType::F32, device());
+    OpSignature sig{int64_t(OpKind::Barrier), -1, 0, 0};
+    if (options_.check_shapes) agree(sig, "barrier", nullptr);
+    Tensor& t = barrier_buf_;
+    enqueue("barrier", nullptr, {t}, [&] {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), 1, ncclFloat32, ncclSum, st_->comm, cudaStream_t(nullptr));
+    })->wait();
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key, const CommOptions& options) override {
+    usable("split");
+    check_options(options);
+    // Everyone's (color, key), gathered under the timeout: proves all ranks entered split (so
+    // ncclCommSplit cannot wait forever) and gives the world ranks of the new group.
+    std::vector<int64_t> mine{color < 0 ? -1 : color, key};
+    std::vector<int64_t> all = gather_host(mine, "split");
+    std::vector<int> members;
+    if (color >= 0) {
+      for (int r = 0; r < size_; ++r)
+        if (all[2 * r] == color) members.push_back(r);
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+    }
+    auto st = std::make_shared<NcclState>();
+    st->device = st_->device;
+    st->name = options.name;
+    st->timeout = options.timeout;
+    ncclConfig_t cfg = make_config(options, st->name);
+    auto start = Clock::now();
+    DeviceGuard g(st_->device);
+    ncclComm_t nc = nullptr;
+    ncclResult_t r = ncclCommSplit(st_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
+    if (r == ncclInProgress || (r == ncclSuccess && !options_.nccl_blocking)) {
+      r = poll_state(nc ? nc : st_->comm, start + options_.timeout);
+    }
+    if (r != ncclSuccess) {
+      if (nc) ncclCommAbort(nc);
+      std::string msg = r == ncclInProgress
+                            ? fmt::format("{} timed out after {:.1f} s", error_context(*this, "split"),
+                                          seconds_since(start))
+                            : fmt::format("{} failed: {}", error_context(*this, "split"), nccl_error(r, st_->comm));
+      st_->abort_now(msg);
+      throw CommError(msg);
+    }
+    if (!nc) return nullptr;
+    st->comm = nc;
+    std::vector<int> world;
+    for (int m : members) world.push_back(world_ranks_[m]);
+    return std::make_unique<NcclCommunicator>(std::move(st), options, std::move(world));
+  }
+
+  void abort() override { st_->abort_now(fmt::format("abort() called on rank {}", rank_)); }
+  bool aborted() const override { return st_->aborted; }
+
+ private:
+  void usable(std::string_view op) {
+    if (st_->aborted) {
+      raise<CommError>("{}: the communicator was aborted ({}); make a new one", error_context(*this, op),
+                       st_->abort_reason);
+    }
+  }
+
+  cudaStream_t stream_of(const Stream& s, std::string_view op) {
+    if (s.device().is_cpu()) return nullptr;  // default Stream{}: the device's legacy default stream
+    MC_CHECK(s.device() == device(), "{} on group '{}': stream is on {}, but the communicator is on {}", op,
+             options_.name, s.device().str(), device().str());
+    return static_cast<cudaStream_t>(s.native());
+  }
+
+  [[noreturn]] void fail(const std::string& what, Clock::time_point start, ncclResult_t r) {
+    std::string msg =
+        r == ncclInProgress
+            ? fmt::format("{} could not be enqueued within {:.1f} s (timeout); the communicator is aborted",
+                          error_context(*this, what), seconds_since(start))
+            : fmt::format("{} failed after {:.1f} s: {}; the communicator is aborted", error_context(*this, what),
+                          seconds_since(start), nccl_error(r, st_->comm));
+    st_->abort_now(msg);
+    throw CommError(msg);
+  }
+
+  // Issues one NCCL call (or a group, see enqueue_group), waits out ncclInProgress, records the Work.
+  // An empty tensor (equal on every rank, or check_shapes would have said so) is not handed to NCCL,
+  // whose argument checks reject the null data pointer of a zero-byte tensor in some versions.
+  template <class F>
+  WorkPtr enqueue(std::string_view what, cudaStream_t stream, std::vector<Tensor> keep, F&& call) {
+    DeviceGuard g(st_->device);
+    auto start = Clock::now();
+    bool empty = !keep.empty() && std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
+    ncclResult_t r = empty ? ncclSuccess : call();
+    if (r == ncclInProgress) r = poll_state(st_->comm, start + options_.timeout);
+    if (r != ncclSuccess) fail(std::string(what), start, r);
+    return std::make_shared<NcclWork>(st_, error_context(*this, what), stream, std::move(keep), start);
+  }
+
+  template <class F>
+  WorkPtr enqueue_group(std::string_view what, cudaStream_t stream, std::vector<Tensor> keep, F&& calls) {
+    return enqueue(what, stream, std::move(keep), [&]() -> ncclResult_t {
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      ncclResult_t inner = calls();
+      r = ncclGroupEnd();  // always closes the group, even after a failed call inside it
+      return inner != ncclSuccess ? inner : r;
+    });
+  }
+
+  // A small all-gather of host integers through the device (split and check_shapes).
+  std::vector<int64_t> gather_host(const std::vector<int64_t>& mine, std::string_view what) {
+    const int64_t w = int64_t(mine.size());
+    Tensor in = Tensor::from_vector(mine, {w}).to(device());
+    Tensor out = Tensor::empty({w * size_}, DType::I64, device());
+    enqueue(fmt::format("{} (exchange)", what), nullptr, {in, out}, [&] {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(w), ncclInt64, st_->comm, cudaStream_t(nullptr));
+    })->wait();
+    std::vector<double> v = out.to_double_vector();
+    return std::vector<int64_t>(v.begin(), v.end());
+  }
+
+  void agree(const OpSignature& sig, const std::string& what, const AllToAllLayout* l) {
+    std::vector<int64_t> all = gather_host({sig.op, sig.dtype, sig.numel, sig.extra}, what + " check_shapes");
+    std::vector<OpSignature> sigs(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) sigs[r] = {all[4 * r], all[4 * r + 1], all[4 * r + 2], all[4 * r + 3]};
+    std::string bad = signature_mismatch(sigs);
+    if (!bad.empty()) raise<CommError>("{}: check_shapes: {}", error_context(*this, what), bad);
+    if (!l) return;
+    std::vector<int64_t> counts = l->send_counts;
+    counts.insert(counts.end(), l->recv_counts.begin(), l->recv_counts.end());
+    bad = all_to_all_count_mismatch(gather_host(counts, what + " check_shapes"), size_);
+    if (!bad.empty()) raise<CommError>("{}: check_shapes: {}", error_context(*this, what), bad);
+  }
+
+  std::shared_ptr<NcclState> st_;
+  Tensor barrier_buf_;
+};
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+int nccl_version() {
+  int v = 0;
+  MC_NCCL_CHECK(ncclGetVersion(&v));
+  // NCCL >= 2.9 encodes major*10000 + minor*100 + patch; older ones major*1000 + minor*100 + patch.
+  return v >= 10000 ? v : (v / 1000) * 10000 + (v % 1000);
+}
+
+NcclUniqueId nccl_unique_id() {
+  static_assert(sizeof(ncclUniqueId) == std::tuple_size_v<NcclUniqueId>);
+  ncclUniqueId id;
+  MC_NCCL_CHECK(ncclGetUniqueId(&id));
+  NcclUniqueId out;
+  std::memcpy(out.data(), &id, out.size());
+  return out;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(int rank, int size, const NcclUniqueId& id, Device device,
+                                                     const CommOptions& options) {
+  MC_CHECK(size >= 1, "make_nccl_communicator: size must be >= 1, got {}", size);
+  MC_CHECK(rank >= 0 && rank < size, "make_nccl_communicator: rank {} is out of range [0, {})", rank, size);
+  MC_CHECK(device.is_cuda(), "make_nccl_communicator: NCCL needs a CUDA device, got {}", device.str());
+  check_device(device);
+  check_options(options);
+  auto st = std::make_shared<NcclState>();
+  st->device = device.index;
+  st->name = options.name;
+  st->timeout = options.timeout;
+  ncclConfig_t cfg = make_config(options, st->name);
+  ncclUniqueId nid;
+  std::memcpy(&nid, id.data(), id.size());
+  DeviceGuard g(device.index);
+  auto start = Clock::now();
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, size, nid, rank, &cfg);
+  if (comm && (r == ncclInProgress || r == ncclSuccess)) r = poll_state(comm, start + options.timeout);
+  if (r != ncclSuccess) {
+    std::string why = r == ncclInProgress
+                          ? fmt::format("timed out after {:.1f} s: not every rank called it with the same id and size, "
+                                        "or a peer cannot be reached (check NCCL_SOCKET_IFNAME, NCCL_DEBUG=INFO)",
+                                        seconds_since(start))
+                          : fmt::format("failed after {:.1f} s: {}", seconds_since(start), nccl_error(r, comm));
+    if (comm) ncclCommAbort(comm);
+    raise<CommError>("NCCL init of group '{}' (rank {} of {}, {}) {}", options.name, rank, size, device.str(), why);
+  }
+  st->comm = comm;
+  std::vector<int> world(static_cast<size_t>(size));
+  for (int i = 0; i < size; ++i) world[i] = i;
+  return std::make_unique<NcclCommunicator>(std::move(st), options, std::move(world));
+}
+
+}  // namespace megacore::comm
