@@ -20,6 +20,7 @@ DType dtype_arg(const pyb::object& o);
 
 void bind_core(pyb::module_& m);
 void bind_dlpack(pyb::module_& m);
+void bind_data(pyb::module_& m);
 void bind_comm(pyb::module_& m);
 void bind_parallel(pyb::module_& m);
 

@@ -51,4 +51,5 @@ PYBIND11_MODULE(_C, m) {
   mp::bind_dlpack(m);
   mp::bind_comm(m);
   mp::bind_parallel(m);
+  mp::bind_data(m);
 }

@@ -15,3 +15,4 @@
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
 #include "megacore/comm/tcp_store.hpp"
+#include "megacore/data/data.hpp"
