@@ -21,12 +21,13 @@ ReduceOp op_arg(const std::string& s) {
   raise("unknown reduce op '{}'; use 'sum', 'avg', 'max' or 'min'", s);
 }
 
-CommOptions options_arg(const std::string& name, double timeout_s, bool check_shapes) {
+CommOptions options_arg(const std::string& name, double timeout_s, bool check_shapes, bool nccl_blocking) {
   MC_CHECK(timeout_s > 0, "timeout_s must be > 0, got {}", timeout_s);
   CommOptions o;
   o.name = name;
   o.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
   o.check_shapes = check_shapes;
+  o.nccl_blocking = nccl_blocking;
   return o;
 }
 
@@ -108,13 +109,14 @@ void bind_comm(pyb::module_& root) {
                            backend_name(c.backend()), c.rank(), c.size());
       });
 
-  m.def("init_from_env", [](const std::string& device, const std::string& name, double timeout_s, bool check_shapes) {
-    CommOptions o = options_arg(name, timeout_s, check_shapes);
+  m.def("init_from_env", [](const std::string& device, const std::string& name, double timeout_s, bool check_shapes,
+                            bool nccl_blocking) {
+    CommOptions o = options_arg(name, timeout_s, check_shapes, nccl_blocking);
     pyb::gil_scoped_release nogil;
     if (device == "auto") return init_from_env(o);
     return init_from_env(Device::parse(device), o);
   }, pyb::arg("device") = "auto", pyb::arg("name") = "world", pyb::arg("timeout_s") = 600.0,
-     pyb::arg("check_shapes") = false,
+     pyb::arg("check_shapes") = false, pyb::arg("nccl_blocking") = false,
      "The world communicator (mpirun, srun, torchrun or megacore.launch): NCCL on GPUs, MPI on CPUs.");
 
   m.def("detect_launch_env", [] {

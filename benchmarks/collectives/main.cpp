@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
 #else
   int64_t min_bytes = 8, max_bytes = int64_t(1) << 30;
   int iters = 20, warmup = 5;
+  bool blocking = false;  // megacore's communicator in NCCL's blocking mode (default: non-blocking)
   std::string out_path, ops_arg = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -81,6 +82,7 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::stoi(next());
     else if (a == "--ops") ops_arg = next();
     else if (a == "--out") out_path = next();
+    else if (a == "--blocking") blocking = true;
   }
   int ndev = cuda_device_count();
   if (ndev == 0) {
@@ -101,6 +103,7 @@ int main(int argc, char** argv) {
   MPI_Bcast(uid.data(), int(uid.size()), MPI_BYTE, 0, MPI_COMM_WORLD);
   comm::CommOptions opt;
   opt.name = "bench";
+  opt.nccl_blocking = blocking;
   auto mc = comm::make_nccl_communicator(rank, world, uid, device, opt);
   ncclUniqueId raw_id;
   if (rank == 0) CK(ncclGetUniqueId(&raw_id));
@@ -146,8 +149,9 @@ int main(int argc, char** argv) {
 
   std::vector<Row> rows;
   if (rank == 0) {
-    std::printf("# megacore collectives vs raw NCCL %d, %d ranks, device %s, f32, %d iters (median of ranks' max)\n",
-                comm::nccl_version(), world, cuda_device_name(dev).c_str(), iters);
+    std::printf("# megacore collectives (%s communicator) vs raw NCCL %d (blocking), %d ranks, device %s, f32, %d iters "
+                "(time: slowest rank)\n",
+                blocking ? "blocking" : "non-blocking", comm::nccl_version(), world, cuda_device_name(dev).c_str(), iters);
     std::printf("%-15s %12s %12s %12s %10s %10s %12s %12s %8s\n", "op", "bytes", "raw_us", "mc_us", "raw_busbw",
                 "mc_busbw", "mc/raw_bw", "added_us", "");
   }
@@ -208,6 +212,7 @@ int main(int argc, char** argv) {
     j["dtype"] = "f32";
     j["iters"] = iters;
     j["peer"] = "raw NCCL (ncclCommInitRank, blocking) in the same run";
+    j["megacore_mode"] = blocking ? "blocking" : "non-blocking";
     j["busbw_formula"] = "nccl-tests PERFORMANCE.md";
     for (const Row& r : rows) {
       double n = world;

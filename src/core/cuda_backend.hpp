@@ -34,28 +34,30 @@ void raw_free(void* p, int device);
 int pointer_device(const void* p);
 
 enum class CopyKind { HostToDevice, DeviceToHost, DeviceToDevice };
-void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind kind, void* stream);
+/// All functions that take a stream also take its device: the legacy default stream (nullptr) and
+/// kernel launches refer to the calling thread's current device, which need not be the tensor's.
+void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind kind, void* stream, int device);
 
 void* stream_create(int device, bool non_blocking, int priority);
 void stream_destroy(void* s);
-void stream_synchronize(void* s);
-bool stream_query(void* s);
-void stream_wait_event(void* s, void* e);
+void stream_synchronize(void* s, int device);
+bool stream_query(void* s, int device);
+void stream_wait_event(void* s, void* e, int device);
 void* event_create(int device, bool timing);
 void event_destroy(void* e);
-void event_record(void* e, void* s);
+void event_record(void* e, void* s, int device);
 void event_synchronize(void* e);
 bool event_query(void* e);
 float event_elapsed_ms(void* start, void* end);
 void device_synchronize(int device);
 
 // Kernels (src/core/cuda/tensor_kernels.cu).
-void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream);
+void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream, int device);
 enum class RandomKind { Uniform, Normal };
 void random(void* data, DType dt, const StridedDesc& d, RandomKind kind, uint64_t seed, uint64_t offset, double a,
-            double b, void* stream);
+            double b, void* stream, int device);
 /// dst[i] = convert(src[i]) for every logical index i; both on the same device.
 void copy(void* dst, DType dst_dt, const StridedDesc& dd, const void* src, DType src_dt, const StridedDesc& sd,
-          void* stream);
+          void* stream, int device);
 
 }  // namespace megacore::cuda_impl

@@ -19,21 +19,21 @@ void mem_get_info(int, size_t*, size_t*) { no_cuda(); }
 void* raw_malloc(size_t, int) { no_cuda(); }
 void raw_free(void*, int) { no_cuda(); }
 int pointer_device(const void*) { return -1; }
-void memcpy_async(void*, const void*, size_t, CopyKind, void*) { no_cuda(); }
+void memcpy_async(void*, const void*, size_t, CopyKind, void*, int) { no_cuda(); }
 void* stream_create(int, bool, int) { no_cuda(); }
 void stream_destroy(void*) {}
-void stream_synchronize(void*) { no_cuda(); }
-bool stream_query(void*) { no_cuda(); }
-void stream_wait_event(void*, void*) { no_cuda(); }
+void stream_synchronize(void*, int) { no_cuda(); }
+bool stream_query(void*, int) { no_cuda(); }
+void stream_wait_event(void*, void*, int) { no_cuda(); }
 void* event_create(int, bool) { no_cuda(); }
 void event_destroy(void*) {}
-void event_record(void*, void*) { no_cuda(); }
+void event_record(void*, void*, int) { no_cuda(); }
 void event_synchronize(void*) { no_cuda(); }
 bool event_query(void*) { no_cuda(); }
 float event_elapsed_ms(void*, void*) { no_cuda(); }
 void device_synchronize(int) { no_cuda(); }
-void fill(void*, DType, const StridedDesc&, double, void*) { no_cuda(); }
-void random(void*, DType, const StridedDesc&, RandomKind, uint64_t, uint64_t, double, double, void*) { no_cuda(); }
-void copy(void*, DType, const StridedDesc&, const void*, DType, const StridedDesc&, void*) { no_cuda(); }
+void fill(void*, DType, const StridedDesc&, double, void*, int) { no_cuda(); }
+void random(void*, DType, const StridedDesc&, RandomKind, uint64_t, uint64_t, double, double, void*, int) { no_cuda(); }
+void copy(void*, DType, const StridedDesc&, const void*, DType, const StridedDesc&, void*, int) { no_cuda(); }
 }  // namespace megacore::cuda_impl
 #endif

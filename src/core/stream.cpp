@@ -30,12 +30,12 @@ Stream Stream::from_native(Device d, void* cuda_stream) {
 }
 
 void Stream::synchronize() const {
-  if (device_.is_cuda()) cuda_impl::stream_synchronize(handle_);
+  if (device_.is_cuda()) cuda_impl::stream_synchronize(handle_, device_.index);
 }
-bool Stream::query() const { return device_.is_cpu() || cuda_impl::stream_query(handle_); }
+bool Stream::query() const { return device_.is_cpu() || cuda_impl::stream_query(handle_, device_.index); }
 void Stream::wait(const Event& e) const {
   if (device_.is_cpu() || !e.native()) return;
-  cuda_impl::stream_wait_event(handle_, e.native());
+  cuda_impl::stream_wait_event(handle_, e.native(), device_.index);
 }
 void Stream::wait(const Stream& other) const {
   if (device_.is_cpu() || other.device().is_cpu() || other == *this) return;
@@ -51,7 +51,7 @@ void Event::record(const Stream& s) {
     void* h = cuda_impl::event_create(device_.index, timing_);
     handle_ = std::shared_ptr<void>(h, [](void* p) { cuda_impl::event_destroy(p); });
   }
-  cuda_impl::event_record(handle_.get(), s.native());
+  cuda_impl::event_record(handle_.get(), s.native(), device_.index);
 }
 void Event::synchronize() const {
   if (handle_) cuda_impl::event_synchronize(handle_.get());

@@ -387,7 +387,8 @@ Tensor& Tensor::copy_(const Tensor& src, const Stream& s) {
     MC_CHECK(dd == sd, "copy_: copies between two CUDA devices ({} and {}) are not supported; go through the host or "
              "a communicator", sd.str(), dd.str());
     check_stream_device(s, dd, "copy_");
-    cuda_impl::copy(data_ptr(), dtype_, desc_of(*this), src.data_ptr(), src.dtype(), desc_of(src), stream_for(s));
+    cuda_impl::copy(data_ptr(), dtype_, desc_of(*this), src.data_ptr(), src.dtype(), desc_of(src), stream_for(s),
+                    dd.index);
     return *this;
   }
   if (dd.is_cuda()) {  // host -> device: stage a contiguous host copy of the source's dtype
@@ -395,12 +396,12 @@ Tensor& Tensor::copy_(const Tensor& src, const Stream& s) {
     Tensor hs = src.contiguous();
     if (is_contiguous() && dtype_ == hs.dtype()) {
       cuda_impl::memcpy_async(data_ptr(), hs.data_ptr(), size_t(nbytes()), cuda_impl::CopyKind::HostToDevice,
-                              stream_for(s));
+                              stream_for(s), dd.index);
       // Pageable sources are staged before cudaMemcpyAsync returns, so hs may go away now.
     } else {
       Tensor staged = empty(shape_, hs.dtype(), dd, s);
       cuda_impl::memcpy_async(staged.data_ptr(), hs.data_ptr(), size_t(hs.nbytes()), cuda_impl::CopyKind::HostToDevice,
-                              stream_for(s));
+                              stream_for(s), dd.index);
       copy_(staged, s);
     }
     return *this;
@@ -410,13 +411,13 @@ Tensor& Tensor::copy_(const Tensor& src, const Stream& s) {
   Tensor ds = src.contiguous(s);
   if (is_contiguous() && dtype_ == ds.dtype()) {
     cuda_impl::memcpy_async(data_ptr(), ds.data_ptr(), size_t(nbytes()), cuda_impl::CopyKind::DeviceToHost,
-                            stream_for(s));
-    cuda_impl::stream_synchronize(stream_for(s));
+                            stream_for(s), sd.index);
+    cuda_impl::stream_synchronize(stream_for(s), sd.index);
   } else {
     Tensor staged = empty(shape_, ds.dtype());
     cuda_impl::memcpy_async(staged.data_ptr(), ds.data_ptr(), size_t(ds.nbytes()), cuda_impl::CopyKind::DeviceToHost,
-                            stream_for(s));
-    cuda_impl::stream_synchronize(stream_for(s));
+                            stream_for(s), sd.index);
+    cuda_impl::stream_synchronize(stream_for(s), sd.index);
     cpu_copy(*this, staged);
   }
   return *this;
@@ -426,7 +427,7 @@ Tensor& Tensor::fill_(double value, const Stream& s) {
   check_defined("fill_");
   if (device().is_cuda()) {
     check_stream_device(s, device(), "fill_");
-    cuda_impl::fill(data_ptr(), dtype_, desc_of(*this), value, stream_for(s));
+    cuda_impl::fill(data_ptr(), dtype_, desc_of(*this), value, stream_for(s), device().index);
     return *this;
   }
   dispatch_dtype(dtype_, [&](auto tag) {
@@ -446,7 +447,8 @@ Tensor& random_fill(Tensor& t, Generator& g, cuda_impl::RandomKind kind, double 
   uint64_t seed = g.seed(), offset = g.next_offset();
   if (t.device().is_cuda()) {
     check_stream_device(s, t.device(), "random fill");
-    cuda_impl::random(t.data_ptr(), t.dtype(), desc_of(t), kind, seed, offset, a, b, stream_for(s));
+    cuda_impl::random(t.data_ptr(), t.dtype(), desc_of(t), kind, seed, offset, a, b, stream_for(s),
+                      t.device().index);
     return t;
   }
   dispatch_dtype(t.dtype(), [&](auto tag) {

@@ -66,7 +66,8 @@ def test_dlpack_import_orders_producer_stream_before_megacore_stream():
     with mc.stream(s), torch.cuda.stream(busy):
         m = mc.from_dlpack(x)                         # torch (producer) syncs its stream into ours
         out = m.clone()                               # runs on s
-    np.testing.assert_array_equal(np.asarray(out.to("cpu")), np.full(1 << 22, 7.0, np.float32))
+        host = np.asarray(out.to("cpu"))              # same stream, so ordered after the clone
+    np.testing.assert_array_equal(host, np.full(1 << 22, 7.0, np.float32))
 
 
 def test_cuda_memory_stats_and_oom_error():

@@ -419,8 +419,10 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& what, Clock::time_point start, ncclResult_t r) {
     std::string msg =
         r == ncclInProgress
-            ? fmt::format("{} could not be enqueued within {:.1f} s (timeout); the communicator is aborted",
-                          error_context(*this, what), seconds_since(start))
+            ? fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s) while being enqueued: not every rank of the "
+                          "group joined it (a rank skipped it, posted a different operation, or died); the "
+                          "communicator is aborted",
+                          error_context(*this, what), seconds_since(start), options_.timeout.count() / 1000.0)
             : fmt::format("{} failed after {:.1f} s: {}; the communicator is aborted", error_context(*this, what),
                           seconds_since(start), nccl_error(r, st_->comm));
     st_->abort_now(msg);

@@ -60,7 +60,8 @@ int pointer_device(const void* p) {
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
 }
 
-void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind kind, void* stream) {
+void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind kind, void* stream, int device) {
+  DeviceGuard g(device);
   cudaMemcpyKind k = kind == CopyKind::HostToDevice   ? cudaMemcpyHostToDevice
                      : kind == CopyKind::DeviceToHost ? cudaMemcpyDeviceToHost
                                                       : cudaMemcpyDeviceToDevice;
@@ -74,8 +75,12 @@ void* stream_create(int device, bool non_blocking, int priority) {
   return s;
 }
 void stream_destroy(void* s) { cudaStreamDestroy(static_cast<cudaStream_t>(s)); }
-void stream_synchronize(void* s) { MC_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s))); }
-bool stream_query(void* s) {
+void stream_synchronize(void* s, int device) {
+  DeviceGuard g(device);
+  MC_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+}
+bool stream_query(void* s, int device) {
+  DeviceGuard g(device);
   cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(s));
   if (e == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -84,7 +89,8 @@ bool stream_query(void* s) {
   MC_CUDA_CHECK(e);
   return true;
 }
-void stream_wait_event(void* s, void* e) {
+void stream_wait_event(void* s, void* e, int device) {
+  DeviceGuard g(device);
   MC_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0));
 }
 void* event_create(int device, bool timing) {
@@ -94,7 +100,8 @@ void* event_create(int device, bool timing) {
   return e;
 }
 void event_destroy(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
-void event_record(void* e, void* s) {
+void event_record(void* e, void* s, int device) {
+  DeviceGuard g(device);
   MC_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s)));
 }
 void event_synchronize(void* e) { MC_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e))); }

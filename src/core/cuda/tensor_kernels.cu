@@ -72,8 +72,9 @@ void dispatch(DType dt, F&& f) {
 
 }  // namespace
 
-void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream) {
+void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream, int device) {
   if (d.numel == 0) return;
+  DeviceGuard g(device);
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     T v;
@@ -85,8 +86,9 @@ void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream
 }
 
 void random(void* data, DType dt, const StridedDesc& d, RandomKind kind, uint64_t seed, uint64_t offset, double a,
-            double b, void* stream) {
+            double b, void* stream, int device) {
   if (d.numel == 0) return;
+  DeviceGuard g(device);
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     random_kernel<T><<<grid_for(d.numel), 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<T*>(data), d, kind,
@@ -96,8 +98,9 @@ void random(void* data, DType dt, const StridedDesc& d, RandomKind kind, uint64_
 }
 
 void copy(void* dst, DType dst_dt, const StridedDesc& dd, const void* src, DType src_dt, const StridedDesc& sd,
-          void* stream) {
+          void* stream, int device) {
   if (dd.numel == 0) return;
+  DeviceGuard g(device);
   dispatch(dst_dt, [&](auto dtag) {
     using D = decltype(dtag);
     dispatch(src_dt, [&](auto stag) {

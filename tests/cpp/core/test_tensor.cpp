@@ -203,3 +203,28 @@ TEST_CASE("a block used on another stream is not reused before that stream finis
   a.deallocate(q);
   s2.synchronize();
 }
+
+TEST_CASE("tensor work on a device other than the current one runs on the tensor's device", "[gpu][core][tensor]") {
+  MC_REQUIRE_GPU();
+  if (cuda_device_count() < 2) {
+    WARN("needs 2 GPUs: test skipped");
+    return;
+  }
+  // The thread's current device stays 0; every operation must still run on cuda:1 (a kernel launched on
+  // device 0 with device-1 pointers is an illegal access without peer mapping).
+  Device d1 = Device::cuda(1);
+  Generator g1(3), g2(3);
+  Tensor h = Tensor::empty({129, 7});
+  h.normal_(g1);
+  Tensor x = Tensor::empty({129, 7}, DType::F32, d1);
+  x.normal_(g2);
+  REQUIRE(x.to(Device::cpu()).to_double_vector() == h.to_double_vector());
+  Tensor y = x.transpose(0, 1).contiguous().to(DType::BF16);
+  REQUIRE(y.to(Device::cpu()).to_double_vector() == h.transpose(0, 1).contiguous().to(DType::BF16).to_double_vector());
+  Tensor z = Tensor::full({33}, 4.0, DType::F16, d1);
+  REQUIRE(z.to(Device::cpu()).to_double_vector() == std::vector<double>(33, 4.0));
+  Stream s1 = Stream::create(d1);
+  Tensor w = h.to(d1, s1);
+  s1.synchronize();
+  REQUIRE(w.to(Device::cpu(), s1).to_double_vector() == h.to_double_vector());
+}

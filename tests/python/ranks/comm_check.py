@@ -9,6 +9,8 @@ import megacore as mc
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 world = mc.comm.init_from_env(device, timeout_s=60)
+if device != "cpu":  # each rank's tensors live on the GPU its communicator uses
+    device = f"cuda:{mc.comm.detect_launch_env()['local_rank'] % mc.cuda_device_count()}"
 r, n = world.rank, world.size
 env = mc.comm.detect_launch_env()
 assert env["rank"] == r and env["world_size"] == n, env
