@@ -1,0 +1,124 @@
+// Attention forward and forward+backward (causal, d = 128, bf16) through cuDNN SDPA and megacore's own
+// flash kernel; torch SDPA's figures come from torch_attention_peer.py run in the same job on the same
+// card (pass its JSON in MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward
+// 4 B H S^2 D (two products), backward 2.5x forward, halved for the causal mask.
+// (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "kernels/bench.hpp"
+#include "megacore/megacore.hpp"
+
+using namespace megacore;
+
+namespace {
+
+Tensor dev_rand(const Shape& shape, uint64_t seed) {
+  Tensor t = Tensor::empty(shape, DType::BF16, Device::cuda(0));
+  Generator g(seed, 0);
+  t.normal_(g, 0.0, 1.0);
+  return t;
+}
+
+std::map<std::string, nlohmann::json> load_peers(std::string* card) {
+  std::map<std::string, nlohmann::json> rows;
+  const char* path = std::getenv("MC_TORCH_ATTN_PEERS");
+  if (!path) return rows;
+  std::ifstream f(path);
+  if (!f) {
+    std::printf("  note: %s not found; no torch SDPA peer in this run\n", path);
+    return rows;
+  }
+  nlohmann::json j = nlohmann::json::parse(f);
+  *card = j.value("card", "");
+  for (auto& r : j["results"]) rows[r.value("shape", "")] = r;
+  return rows;
+}
+
+}  // namespace
+
+MC_BENCHMARK("attention", 30) {
+  struct Cfg {
+    int64_t b, s, h, hk;
+  };
+  std::vector<Cfg> cfgs{{8, 2048, 16, 16}, {4, 4096, 16, 16}, {2, 8192, 16, 16}, {1, 16384, 16, 16}, {4, 4096, 32, 8}};
+  if (ctx.quick) cfgs = {{4, 4096, 16, 16}};
+  std::string peer_card;
+  auto peers = load_peers(&peer_card);
+  const int64_t D = 128;
+  const int samples = ctx.quick ? 5 : 15;
+  std::printf("  %-26s %-7s %9s %9s %11s %9s  %s\n", "shape", "backend", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
+              "torch SDPA fwd / fwd+bwd TFLOP/s");
+  for (const auto& c : cfgs) {
+    Tensor q = dev_rand({c.b, c.s, c.h, D}, 1), k = dev_rand({c.b, c.s, c.hk, D}, 2), v = dev_rand({c.b, c.s, c.hk, D}, 3);
+    Tensor dout = dev_rand({c.b, c.s, c.h, D}, 4);
+    Tensor out = Tensor::empty(q.shape(), DType::BF16, Device::cuda(0));
+    Tensor lse = Tensor::empty({c.b, c.h, c.s}, DType::F32, Device::cuda(0));
+    Tensor dq = Tensor::empty(q.shape(), DType::BF16, Device::cuda(0));
+    Tensor dk = Tensor::empty(k.shape(), DType::BF16, Device::cuda(0)), dv = Tensor::empty(k.shape(), DType::BF16, Device::cuda(0));
+    const double fwd_flops = 4.0 * c.b * c.h * double(c.s) * double(c.s) * D / 2.0;
+    const double fb_flops = fwd_flops * 3.5;
+    const std::string shape = "b" + std::to_string(c.b) + "_s" + std::to_string(c.s) + "_h" + std::to_string(c.h) +
+                              "_kv" + std::to_string(c.hk) + "_d128_causal";
+    nlohmann::json peer = peers.count(shape) ? peers[shape] : nlohmann::json();
+    for (ops::AttentionBackend be : {ops::AttentionBackend::Cudnn, ops::AttentionBackend::Flash}) {
+      if (be == ops::AttentionBackend::Cudnn && !ops::attention_cudnn_available()) continue;
+      ops::AttentionOptions o;
+      o.causal = true, o.backend = be;
+      auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
+      auto fb = [&] {
+        ops::attention_forward(q, k, v, out, lse, o);
+        ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+      };
+      double fwd_ms = 0, fb_ms = 0;
+      try {
+        fwd_ms = mcbench::time_ms(fwd, 3, samples);
+        fb_ms = mcbench::time_ms(fb, 3, samples);
+      } catch (const std::exception& e) {
+        std::printf("  %-26s %-7s failed: %s\n", shape.c_str(), ops::attention_backend_name(be), e.what());
+        ctx.record({{"op", std::string("attention_") + ops::attention_backend_name(be)}, {"shape", shape}, {"error", e.what()}});
+        continue;
+      }
+      const double ftf = fwd_flops / (fwd_ms * 1e-3) / 1e12, btf = fb_flops / (fb_ms * 1e-3) / 1e12;
+      nlohmann::json row{{"op", std::string("attention_") + ops::attention_backend_name(be)},
+                         {"shape", shape},
+                         {"dtype", "bf16"},
+                         {"ms", fb_ms},
+                         {"fwd_ms", fwd_ms},
+                         {"fwd_tflops", ftf},
+                         {"fwdbwd_ms", fb_ms},
+                         {"fwdbwd_tflops", btf},
+                         {"fwd_flops", fwd_flops},
+                         {"fwdbwd_flops", fb_flops},
+                         {"frac_gemm_ceiling_fwdbwd", btf / ctx.gemm_bf16_tflops},
+                         {"card", ctx.card}};
+      std::string peer_txt = "-";
+      if (!peer.is_null()) {
+        row["peer"] = "torch SDPA";
+        row["peer_card"] = peer_card;
+        for (const char* key : {"default", "flash", "cudnn", "efficient"}) {
+          if (!peer.contains(key)) continue;
+          const auto& p = peer[key];
+          if (!p.contains("fwd_ms")) continue;
+          row[std::string("torch_") + key] = {{"fwd_ms", p["fwd_ms"]},
+                                              {"fwdbwd_ms", p["fwdbwd_ms"]},
+                                              {"fwd_tflops", fwd_flops / (p["fwd_ms"].get<double>() * 1e-3) / 1e12},
+                                              {"fwdbwd_tflops", fb_flops / (p["fwdbwd_ms"].get<double>() * 1e-3) / 1e12}};
+        }
+        if (row.contains("torch_default")) {
+          const auto& p = row["torch_default"];
+          char buf[64];
+          std::snprintf(buf, sizeof(buf), "%.0f / %.0f", p["fwd_tflops"].get<double>(), p["fwdbwd_tflops"].get<double>());
+          peer_txt = buf;
+          row["vs_torch_default_fwdbwd"] = p["fwdbwd_ms"].get<double>() / fb_ms;
+        }
+      }
+      std::printf("  %-26s %-7s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), ops::attention_backend_name(be), fwd_ms,
+                  ftf, fb_ms, btf, peer_txt.c_str());
+      ctx.record(row);
+    }
+  }
+}

@@ -1,0 +1,67 @@
+// Multi-tensor AdamW (f32 master, f32 grads, bf16 params written), global L2 norm, f32 -> bf16 cast,
+// embedding lookup and dropout.
+#include "kernels/bench_memops_util.hpp"
+#include "megacore/ops/cast.hpp"
+#include "megacore/ops/dropout.hpp"
+#include "megacore/ops/embedding.hpp"
+#include "megacore/ops/optimizer.hpp"
+
+using namespace megacore;
+
+MC_BENCHMARK("optimizer", 60) {
+  const Device d = Device::cuda(0);
+  // A 1.2B-parameter model as 48 tensors of 16M and 48 of 8M elements, roughly a Llama-1B layer mix.
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < (ctx.quick ? 8 : 48); ++i) {
+    sizes.push_back(int64_t(16) << 20);
+    sizes.push_back(int64_t(8) << 20);
+  }
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  const std::string shape = std::to_string(sizes.size()) + "tensors_" + std::to_string(total) + "el";
+  std::vector<Tensor> g, w, m, v, p;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    g.push_back(mcbench::dev_randn({sizes[i]}, DType::F32, 100 + i, 1e-3));
+    w.push_back(mcbench::dev_randn({sizes[i]}, DType::F32, 200 + i, 0.02));
+    m.push_back(mcbench::dev_randn({sizes[i]}, DType::F32, 300 + i, 1e-4));
+    v.push_back(Tensor::full({sizes[i]}, 1e-6, DType::F32, d));
+    p.push_back(Tensor::empty({sizes[i]}, DType::BF16, d));
+  }
+  ops::AdamWHyper h;
+  h.lr = 1e-4f;
+  h.step = 10;
+  const int smp = ctx.quick ? 3 : 10;
+  double ms = mcbench::time_ms([&] { ops::multi_tensor_adamw(g, w, m, v, p, h); }, 2, smp);
+  mcbench::record_bw(ctx, "adamw", shape, "f32+bf16", ms, double(total) * (4 * 4 + 3 * 4 + 2));
+  Tensor out = Tensor::empty({1}, DType::F32, d);
+  ms = mcbench::time_ms([&] { ops::multi_tensor_l2norm(g, out); }, 2, smp);
+  mcbench::record_bw(ctx, "l2norm", shape, "f32", ms, double(total) * 4);
+  ms = mcbench::time_ms([&] { ops::multi_tensor_scale(w, p, 1.f); }, 2, smp);
+  mcbench::record_bw(ctx, "cast_f32_bf16", shape, "f32->bf16", ms, double(total) * 6);
+}
+
+MC_BENCHMARK("embedding_dropout", 70) {
+  const Device d = Device::cuda(0);
+  const int64_t n = 16384, vocab = 128256, h = 4096;
+  const int smp = mcbench::bench_samples(ctx);
+  {
+    Tensor w = mcbench::dev_randn({vocab, h}, DType::BF16, 20, 0.02);
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) ids[size_t(i)] = int32_t((i * 104729) % vocab);
+    Tensor gid = Tensor::from_vector(ids, {n}).to(d), out = Tensor::empty({n, h}, DType::BF16, d);
+    const std::string shape = std::to_string(n) + "x" + std::to_string(h) + "_v" + std::to_string(vocab);
+    double ms = mcbench::time_ms([&] { ops::embedding_forward(w, gid, out); }, 3, smp);
+    mcbench::record_bw(ctx, "embedding_fwd", shape, "bf16", ms, 2.0 * double(n) * double(h) * 2);
+    Tensor dw = Tensor::empty({vocab, h}, DType::F32, d);
+    ms = mcbench::time_ms([&] { ops::embedding_backward(out, gid, dw, true); }, 2, ctx.quick ? 3 : 10);
+    // gradient rows read, touched f32 rows read and written
+    mcbench::record_bw(ctx, "embedding_bwd", shape, "bf16->f32", ms, double(n) * double(h) * (2 + 8));
+  }
+  {
+    const int64_t f = 8192;
+    Tensor x = mcbench::dev_randn({n, f}, DType::BF16, 21), y = Tensor::empty({n, f}, DType::BF16, d);
+    const std::string shape = std::to_string(n) + "x" + std::to_string(f);
+    double ms = mcbench::time_ms([&] { ops::dropout_forward(x, y, 0.1f, 1234, 0); }, 3, smp);
+    mcbench::record_bw(ctx, "dropout_fwd", shape, "bf16", ms, 2.0 * double(n) * double(f) * 2);
+  }
+}

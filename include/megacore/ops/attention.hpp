@@ -1,0 +1,88 @@
+// Scaled dot-product attention, forward and backward, with the log-sum-exp of each query row.
+//
+// Layouts (the last dimension must be contiguous; other strides are free, so q/k/v may be views
+// into a fused QKV projection):
+//   dense:  q, out, dout, dq  [B, Sq, H, D];   k, v, dk, dv  [B, Skv, Hkv, D];   lse f32 [B, H, Sq]
+//   packed: q, out, dout, dq  [Tq, H, D];      k, v, dk, dv  [Tkv, Hkv, D];      lse f32 [H, Tq]
+// Packed (variable-length) mode is selected by passing cu_seqlens_q / cu_seqlens_kv (i32 [B + 1],
+// prefix sums of the sequence lengths, on the tensors' device): sequence b holds tokens
+// [cu[b], cu[b + 1]) and attends only within itself.
+// H must be a multiple of Hkv (GQA; Hkv = 1 is MQA). D is 64 or 128 on the GPU (any on the CPU).
+// causal masks key j > query i (top-left aligned, as torch's is_causal; every query row then sees
+// at least key 0). lse[i] = log sum_j exp(scale * q_i . k_j) over the keys row i sees; it is what
+// backward needs and what context parallelism merges partial results with.
+//
+// Backends: the CPU reference (plain loops in f64; f32/bf16/f16 tensors); on CUDA, cuDNN's fused
+// SDPA (cudnn-frontend graphs cached by shape) or megacore's own flash-attention kernel (mma.sync
+// tensor-core tiles with an online softmax, bf16/f16). Auto picks cuDNN where it is built in and
+// supports the call, else the flash kernel, and logs the choice once per configuration; asking for
+// a backend explicitly never falls back (ValueError/CudaError instead). Both GPU backends compute
+// the same function; they differ only in rounding.
+#pragma once
+
+#include <cstdint>
+
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::ops {
+
+enum class AttentionBackend {
+  Auto,    ///< cuDNN if available and supported, else Flash (logged once); CPU tensors use Reference
+  Cudnn,   ///< cuDNN SDPA through cudnn-frontend
+  Flash,   ///< megacore's own kernel
+  Reference,  ///< the CPU f64 reference (CPU tensors only)
+};
+
+struct AttentionOptions {
+  bool causal = false;
+  /// Multiplies q . k; 0 means 1 / sqrt(D).
+  float softmax_scale = 0.f;
+  AttentionBackend backend = AttentionBackend::Auto;
+  /// Backward gives bit-identical gradients from run to run (megacore's kernel always does; cuDNN is
+  /// asked for its deterministic algorithm).
+  bool deterministic = false;
+  /// Packed mode: i32 [B + 1] prefix sums, on the tensors' device (see the header comment).
+  Tensor cu_seqlens_q;
+  Tensor cu_seqlens_kv;
+  /// Packed mode: the longest sequence (bounds the launch grid without reading cu_seqlens on the host).
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_kv = 0;
+};
+
+/// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                       const AttentionOptions& opts = {}, const Stream& s = {});
+
+/// Gradients of sum(out * dout) for q, k, v, from forward's out and lse. dq/dk/dv are overwritten.
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionOptions& opts = {},
+                        const Stream& s = {});
+
+/// The backend Auto would use for this call (for logs and benchmarks); throws what the call would.
+AttentionBackend attention_resolve_backend(const Tensor& q, const Tensor& k, const AttentionOptions& opts);
+
+/// "auto", "cudnn", "flash", "reference".
+const char* attention_backend_name(AttentionBackend b);
+
+/// True when this build contains the cuDNN SDPA path (cuDNN and cudnn-frontend found at build time).
+bool attention_cudnn_available();
+
+namespace ref {
+/// Sizes for the f64 references. Tensors are contiguous in the layouts above (dense unless cu_q is
+/// given; cu_q/cu_kv are host arrays of batch + 1 prefix sums).
+struct AttentionDims {
+  int64_t batch = 1, seqlen_q = 0, seqlen_kv = 0, heads = 1, kv_heads = 1, head_dim = 0;
+  bool causal = false;
+  double scale = 0;  ///< 0: 1 / sqrt(head_dim)
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_kv = nullptr;
+};
+void attention_forward_f64(const AttentionDims& d, const double* q, const double* k, const double* v, double* out,
+                           double* lse);
+void attention_backward_f64(const AttentionDims& d, const double* q, const double* k, const double* v,
+                            const double* out, const double* lse, const double* dout, double* dq, double* dk,
+                            double* dv);
+}  // namespace ref
+
+}  // namespace megacore::ops

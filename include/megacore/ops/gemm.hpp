@@ -1,0 +1,73 @@
+// Matrix products: out = alpha * op(a) @ op(b) + beta * out, with fused epilogues.
+//
+// Row-major convention: a is [M, K] (or [K, M] with trans_a), b is [K, N] (or [N, K] with trans_b),
+// out is [M, N]. A matrix view whose rows are not contiguous but whose columns are (a transposed
+// view, stride(-2) == 1) is taken as the transposed operand, so a.transpose(0, 1) needs no copy.
+// 3-D operands are batched (strided-batched): [B, M, K] etc.; a 2-D operand next to 3-D ones is
+// shared by every batch entry.
+//
+// Inputs are f32, bf16 or f16 (a and b the same); arithmetic accumulates in f32. out is a's dtype,
+// or f32 when a and b are 16-bit (beta = 1 then accumulates bf16 products into f32 main grads).
+// f32 inputs use full-precision f32 unless allow_tf32 is set (tf32: relative error near 3e-4).
+//
+// On CUDA the product runs through cuBLASLt with a heuristic plan cached per (device, shape, dtypes,
+// layout, epilogue, alignment); on the CPU through Eigen (f32 accumulation).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::ops {
+
+/// What happens to the product before (or beside) the store.
+enum class GemmEpilogue {
+  None,
+  Bias,        ///< out[m, n] += bias[n]
+  Gelu,        ///< out = gelu_tanh(product)
+  BiasGelu,    ///< out = gelu_tanh(product + bias[n])
+  BiasGradA,   ///< also writes bias[m] = sum_k op(a)[m, k] (a linear layer's db from a = dY^T)
+  BiasGradB,   ///< also writes bias[n] = sum_k op(b)[k, n]
+};
+
+struct GemmOptions {
+  bool trans_a = false;
+  bool trans_b = false;
+  float alpha = 1.f;
+  /// 0 overwrites out; 1 accumulates into it (gradient accumulation). out's old values are read only
+  /// when beta != 0.
+  float beta = 0.f;
+  GemmEpilogue epilogue = GemmEpilogue::None;
+  /// Bias vector for Bias/BiasGelu (read, out's dtype), or the bias-gradient output for BiasGrad*
+  /// (written, overwritten even when beta = 1, out's dtype). [N] (or [M] for BiasGradA); with
+  /// batched operands the same bias serves every batch entry (bias epilogues) — BiasGrad* needs B = 1.
+  Tensor bias;
+  /// f32 only: let the tensor cores round inputs to tf32.
+  bool allow_tf32 = false;
+};
+
+/// out = alpha * op(a) @ op(b) + beta * out (+ epilogue). out must be allocated with the right shape
+/// and dtype (see the header comment); its last dimension must be contiguous.
+void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts = {}, const Stream& s = {});
+
+/// Allocates out (a's dtype, or f32 when out_f32 is set for 16-bit inputs) and computes it with beta = 0.
+Tensor matmul(const Tensor& a, const Tensor& b, const GemmOptions& opts = {}, const Stream& s = {},
+              bool out_f32 = false);
+
+/// Several independent products with the same options (e.g. one per expert or per micro-batch);
+/// equal shapes reuse one cached plan.
+void gemm_batched(std::span<const Tensor> a, std::span<const Tensor> b, std::span<Tensor> out,
+                  const GemmOptions& opts = {}, const Stream& s = {});
+
+namespace ref {
+/// Float64 plain-loop reference: c[M, N] (row-major, contiguous) = alpha * op(a) op(b) + beta * c, with
+/// a, b row-major contiguous in their stored shapes. Used by tests.
+void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+              const double* b, double beta, double* c);
+/// The tanh GELU the epilogues apply.
+double gelu_tanh(double x);
+}  // namespace ref
+
+}  // namespace megacore::ops

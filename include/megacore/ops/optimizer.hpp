@@ -1,0 +1,44 @@
+// Optimizer kernels over lists of tensors ("multi-tensor": one launch covers many parameters):
+// AdamW with f32 master weights that also writes the 16-bit model weights in the same pass, the global
+// L2 norm (for gradient clipping), and scaling. All lists hold contiguous tensors on one device.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::ops {
+
+struct AdamWHyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;  ///< decoupled: w -= lr * weight_decay * w (torch.optim.AdamW)
+  int64_t step = 1;            ///< 1-based step number, for bias correction
+  float grad_scale = 1.f;      ///< gradients are multiplied by this (1 / loss scale, clip coefficient)
+};
+
+/// One AdamW step for every i: master[i], exp_avg[i], exp_avg_sq[i] are f32 and updated in place;
+/// grads[i] are f32 or bf16; params_out (empty, or one per tensor, bf16/f16/f32) receive the new
+/// master weights rounded to their dtype. grad_scale_tensor (optional f32 [1] on the device)
+/// multiplies the gradients as well, so a clip coefficient computed on the GPU needs no host sync.
+void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tensor>& master,
+                        const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
+                        const std::vector<Tensor>& params_out, const AdamWHyper& h,
+                        const Tensor& grad_scale_tensor = {}, const Stream& s = {});
+
+/// out (f32 [1], on the tensors' device) = sqrt(sum over all tensors of sum x^2), accumulated in
+/// f32 (CPU: f64) in a fixed order, so the result is identical from run to run.
+void multi_tensor_l2norm(const std::vector<Tensor>& tensors, Tensor& out, const Stream& s = {});
+
+/// dst[i] = src[i] * scale (* scale_tensor[0] when given); dst may be src; dtypes may differ (a cast).
+void multi_tensor_scale(const std::vector<Tensor>& src, const std::vector<Tensor>& dst, float scale,
+                        const Tensor& scale_tensor = {}, const Stream& s = {});
+
+/// Clip coefficient for a max norm, on the device: coef = min(1, max_norm / (norm + 1e-6)), f32 [1].
+void clip_coefficient(const Tensor& norm, float max_norm, Tensor& coef, const Stream& s = {});
+
+}  // namespace megacore::ops

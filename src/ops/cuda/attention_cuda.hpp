@@ -1,0 +1,47 @@
+// Private interface between src/ops/attention.cpp and its CUDA backends: megacore's flash kernel
+// (flash_attention.cu) and cuDNN SDPA (attention_cudnn.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::ops::cuda {
+
+/// A 4-D strided view [batch, row (token), head, dim] in elements; dim is contiguous. In packed
+/// mode batch_stride is unused (sequence b starts at row cu[b]).
+struct AttnTensor {
+  void* ptr = nullptr;
+  int64_t batch_stride = 0, row_stride = 0, head_stride = 0;
+};
+
+struct AttnProblem {
+  DType dtype = DType::BF16;
+  int batch = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int seqlen_q = 0, seqlen_kv = 0;  ///< per sequence (dense) or the maxima (packed)
+  int64_t total_q = 0, total_kv = 0;  ///< packed: token counts (rows of q and k)
+  const int32_t* cu_q = nullptr;      ///< device pointers, packed mode only
+  const int32_t* cu_kv = nullptr;
+  bool causal = false;
+  bool deterministic = false;
+  float scale = 0.f;
+  AttnTensor q, k, v, o, dout, dq, dk, dv;
+  float* lse = nullptr;  ///< [B, H, Sq] (dense) or [H, Tq] (packed)
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+};
+
+/// Why the flash kernel cannot run this problem ("" when it can).
+std::string flash_unsupported_reason(const AttnProblem& p);
+void flash_forward(const AttnProblem& p, int device, void* stream);
+/// Needs p.o and p.lse from the forward; dsum is f32 scratch with lse's layout and size.
+void flash_backward(const AttnProblem& p, float* dsum, int device, void* stream);
+
+/// True when the build has the cuDNN SDPA path.
+bool cudnn_sdpa_built();
+/// Why cuDNN SDPA cannot run this problem ("" when it can); may build (and cache) the graph to ask.
+std::string cudnn_unsupported_reason(const AttnProblem& p, bool backward, int device);
+void cudnn_forward(const AttnProblem& p, int device, void* stream);
+void cudnn_backward(const AttnProblem& p, int device, void* stream);
+
+}  // namespace megacore::ops::cuda

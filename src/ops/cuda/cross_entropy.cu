@@ -1,0 +1,230 @@
+// Cross-entropy kernels. One block per row in a persistent grid: pass 1 streams the row once with an
+// online (max, sum-exp) in the log2 domain; pass 2 (fused / backward) streams it again and writes the
+// gradient, possibly over the logits. The grid is sized so that the rows in flight fit in about half
+// of L2, so pass 2 mostly re-reads from L2 rather than from device memory.
+#include <cfloat>
+
+#include "ops/cuda/cross_entropy_cuda.hpp"
+#include "ops/cuda/memops_common.cuh"
+
+namespace megacore::ops::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kThreads = 512;
+
+struct MaxSum {
+  float m, s;  // max (log2 units) and sum of 2^(x - m)
+};
+
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * exp2f(a.m - m) + b.s * exp2f(b.m - m)};
+}
+
+__device__ __forceinline__ int64_t label_at(const CeArgs& a, int64_t row) {
+  return a.labels_i64 ? static_cast<const int64_t*>(a.labels)[row]
+                      : int64_t(static_cast<const int32_t*>(a.labels)[row]);
+}
+
+template <class T, int V, int kUnroll>
+__global__ void __launch_bounds__(kThreads) ce_kernel(CeArgs a) {
+  __shared__ MaxSum red_ms[32];
+  __shared__ float red[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t v = a.v;
+  const float smooth = a.label_smoothing;
+  const bool need_sz = smooth != 0.f || a.mode == CeMode::Stats;
+  for (int64_t row = blockIdx.x; row < a.n; row += gridDim.x) {
+    const T* z = static_cast<const T*>(a.logits) + row * v;
+    const int64_t label = label_at(a, row);
+    const bool ignored = label == a.ignore_index;
+    const int64_t tl = label - a.vocab_start;  // target column in this shard
+    float lse = 0.f;
+    float scale = 0.f;  // gradient scale for this row
+    if (a.mode != CeMode::Backward) {
+      MaxSum ms{-INFINITY, 0.f};
+      float sz = 0.f;
+      // kUnroll vectors per thread are loaded before any is used: enough bytes in flight per SM.
+      const int64_t stride = int64_t(blockDim.x) * V;
+      for (int64_t c0 = int64_t(threadIdx.x) * V; c0 < v; c0 += stride * kUnroll) {
+        float x[kUnroll][V];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * stride < v) {
+            load_f32<T, V>(z + c0 + u * stride, x[u]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < V; ++k) x[u][k] = -INFINITY;
+          }
+        }
+        float vm = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int k = 0; k < V; ++k) vm = fmaxf(vm, x[u][k]);
+        vm *= kLog2e;
+        if (vm > ms.m) {
+          ms.s *= exp2f(ms.m - vm);
+          ms.m = vm;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * stride < v) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              ms.s += exp2f(fmaf(x[u][k], kLog2e, -ms.m));
+              sz += x[u][k];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
+        ms = combine(ms, other);
+      }
+      if (need_sz) sz = warp_sum(sz);
+      if (lane == 0) {
+        red_ms[warp] = ms;
+        red[warp] = sz;
+      }
+      __syncthreads();
+      ms = lane < nwarps ? red_ms[lane] : MaxSum{-INFINITY, 0.f};
+      sz = lane < nwarps ? red[lane] : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
+        ms = combine(ms, other);
+      }
+      if (need_sz) sz = warp_sum(sz);
+      __syncthreads();  // red_ms / red are reused by the next row
+      const float zt = (tl >= 0 && tl < v) ? to_f32(z[tl]) : 0.f;
+      if (a.mode == CeMode::Stats) {
+        if (threadIdx.x == 0) {
+          a.row_max[row] = ms.m * kLn2;
+          a.sum_exp[row] = ms.s;
+          a.target[row] = ignored ? 0.f : zt;
+          a.sum_logits[row] = sz;
+        }
+        continue;
+      }
+      lse = (ms.m + log2f(ms.s)) * kLn2;
+      const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
+      if (threadIdx.x == 0) {
+        float loss = 0.f;
+        if (!ignored) {
+          loss = (label < 0 || label >= a.vocab_total) ? NAN
+                                                       : lse - (1.f - smooth) * zt - smooth / float(a.vocab_total) * sz;
+          loss *= mask;
+        }
+        a.loss[row] = loss;
+        if (a.lse_out) a.lse_out[row] = lse;
+      }
+      if (a.mode == CeMode::Forward) continue;
+      scale = ignored ? 0.f : a.grad_scale * mask;
+    } else {
+      lse = a.lse_in[row];
+      scale = ignored ? 0.f : a.dloss[row];
+    }
+    // pass 2: the gradient
+    T* dz = static_cast<T*>(a.dlogits) + row * v;
+    const float lse2 = lse * kLog2e;
+    const float off = smooth / float(a.vocab_total);
+    const int64_t stride = int64_t(blockDim.x) * V;
+    for (int64_t c0 = int64_t(threadIdx.x) * V; c0 < v; c0 += stride * kUnroll) {
+      float x[kUnroll][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + u * stride < v) load_f32<T, V>(z + c0 + u * stride, x[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t c = c0 + u * stride;
+        if (c < v) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            float g = exp2f(fmaf(x[u][k], kLog2e, -lse2)) - off;
+            if (c + k == tl) g -= 1.f - smooth;
+            x[u][k] = scale * g;
+          }
+          store_f32_stream<T, V>(dz + c, x[u]);
+        }
+      }
+    }
+  }
+}
+
+__global__ void rescale_kernel(const float* lm, const float* gm, float* se, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    se[i] = lm[i] == -INFINITY ? 0.f : se[i] * expf(lm[i] - gm[i]);
+}
+
+__global__ void loss_from_stats_kernel(const float* gmax, const float* sum_exp, const float* target,
+                                       const float* sum_logits, const void* labels, bool i64, const float* mask,
+                                       int64_t n, int64_t vocab, float smooth, int64_t ignore, float* loss,
+                                       float* lse) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t label = i64 ? static_cast<const int64_t*>(labels)[i] : int64_t(static_cast<const int32_t*>(labels)[i]);
+    const float l = gmax[i] + logf(sum_exp[i]);
+    float out = 0.f;
+    if (label != ignore) {
+      out = (label < 0 || label >= vocab) ? NAN
+                                          : l - (1.f - smooth) * target[i] - smooth / float(vocab) * sum_logits[i];
+      if (mask) out *= mask[i];
+    }
+    loss[i] = out;
+    if (lse) lse[i] = l;
+  }
+}
+
+}  // namespace
+
+void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
+  if (a.n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  cudaStream_t s = as_stream(stream);
+  int l2 = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  dispatch_float(dt, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = kVec16<T>;
+    const bool vec = a.v % V == 0 && aligned16(a.logits) && (a.dlogits == nullptr || aligned16(a.dlogits));
+    // Rows in flight: enough to fill every SM, few enough that their logits stay in half of L2.
+    const int64_t row_bytes = a.v * int64_t(sizeof(T));
+    const int sms = sm_count(device);
+    int64_t grid = int64_t(sms) * 4;
+    const int64_t fit = row_bytes > 0 ? (int64_t(l2) / 2) / row_bytes : grid;
+    if (a.mode == CeMode::Fused && fit < grid) grid = fit < sms ? sms : fit;
+    if (grid > a.n) grid = a.n;
+    // Long rows (Llama-3's 128k vocabulary) leave one block per SM, which needs several loads in flight
+    // per thread (H200: 128k bf16 1.82 ms unrolled vs 2.70 ms not); shorter rows run more blocks per
+    // SM, where the unrolled version's registers cost more than they gain (32k: 0.41 vs 0.51 ms).
+    const bool unroll = row_bytes > (128 << 10);
+    if (vec && unroll) ce_kernel<T, V, 4><<<unsigned(grid), kThreads, 0, s>>>(a);
+    else if (vec) ce_kernel<T, V, 1><<<unsigned(grid), kThreads, 0, s>>>(a);
+    else ce_kernel<T, 1, 1><<<unsigned(grid), kThreads, 0, s>>>(a);
+    MC_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void ce_rescale(const float* local_max, const float* global_max, float* sum_exp, int64_t n, int device, void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  rescale_kernel<<<elementwise_blocks(n, 256, device), 256, 0, as_stream(stream)>>>(local_max, global_max, sum_exp, n);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+void ce_loss_from_stats(const float* gmax, const float* sum_exp, const float* target, const float* sum_logits,
+                        const void* labels, bool labels_i64, const float* mask, int64_t n, int64_t vocab,
+                        float label_smoothing, int64_t ignore_index, float* loss, float* lse, int device,
+                        void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  loss_from_stats_kernel<<<elementwise_blocks(n, 256, device), 256, 0, as_stream(stream)>>>(
+      gmax, sum_exp, target, sum_logits, labels, labels_i64, mask, n, vocab, label_smoothing, ignore_index, loss, lse);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace megacore::ops::cuda

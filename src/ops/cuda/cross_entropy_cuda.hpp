@@ -1,0 +1,43 @@
+// Private interface between src/ops/cross_entropy.cpp and its CUDA kernels (cross_entropy.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::ops::cuda {
+
+enum class CeMode : int { Fused = 0, Forward = 1, Backward = 2, Stats = 3 };
+
+struct CeArgs {
+  CeMode mode = CeMode::Fused;
+  const void* logits = nullptr;  // [n, v_local]
+  void* dlogits = nullptr;       // Fused / Backward; may equal logits
+  const void* labels = nullptr;
+  bool labels_i64 = false;
+  const float* loss_mask = nullptr;  // optional (Fused / Forward)
+  const float* lse_in = nullptr;     // Backward
+  const float* dloss = nullptr;      // Backward
+  float* loss = nullptr;             // Fused / Forward
+  float* lse_out = nullptr;          // Fused / Forward, optional
+  float* row_max = nullptr;          // Stats
+  float* sum_exp = nullptr;          // Stats
+  float* target = nullptr;           // Stats
+  float* sum_logits = nullptr;       // Stats
+  int64_t n = 0, v = 0;              // rows, local vocab
+  int64_t vocab_start = 0, vocab_total = 0;
+  float grad_scale = 1.f;
+  float label_smoothing = 0.f;
+  int64_t ignore_index = -100;
+};
+void cross_entropy(DType dt, const CeArgs& a, int device, void* stream);
+
+/// sum_exp[i] *= exp(local_max[i] - global_max[i]).
+void ce_rescale(const float* local_max, const float* global_max, float* sum_exp, int64_t n, int device, void* stream);
+/// loss and lse from combined statistics.
+void ce_loss_from_stats(const float* gmax, const float* sum_exp, const float* target, const float* sum_logits,
+                        const void* labels, bool labels_i64, const float* mask, int64_t n, int64_t vocab,
+                        float label_smoothing, int64_t ignore_index, float* loss, float* lse, int device,
+                        void* stream);
+
+}  // namespace megacore::ops::cuda

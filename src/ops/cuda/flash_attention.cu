@@ -1,0 +1,699 @@
+// megacore's own flash-attention kernels (FlashAttention-2 style) on mma.sync tensor-core tiles.
+//
+// Forward: a block owns 64 query rows of one (batch, head); each of its 4 warps owns 16 rows and
+// streams 64-key tiles of K and V (double-buffered cp.async into XOR-swizzled shared memory),
+// keeping S, the running max/sum and O in registers; P is fed back to the tensor cores straight
+// from the S accumulators (their layout equals the A-operand layout of m16n8k16).
+//
+// Backward is split into two kernels so that no gradient is accumulated with atomics and results
+// are bit-identical from run to run:
+//   dK/dV: a block owns 64 keys of one kv head; it walks the query tiles of every query head of
+//          its GQA group and computes S^T = K Q^T directly, so P^T and dS^T are A operands in
+//          registers for dV += P^T dO and dK += dS^T Q.
+//   dQ:    a block owns 64 query rows and walks the key tiles: dQ += dS K.
+// That recomputes S and dP once more than FlashAttention-2's single kernel (7 instead of 5 matrix
+// products per tile pair) in exchange for determinism without a reduction buffer.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/cuda/cuda_check.hpp"
+#include "ops/cuda/attention_cuda.hpp"
+
+namespace megacore::ops::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 128;
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---- primitives ----------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+    return __bfloat1622float2(v);
+  }
+};
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __half2 v = *reinterpret_cast<__half2*>(&u);
+    return __half22float2(v);
+  }
+};
+
+// Rows of D 16-bit elements; 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so the 8 rows
+// one ldmatrix phase reads (same chunk, consecutive rows) fall into 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int col) {
+  return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// ROWS x D tile from global rows (row_stride elements apart) into swizzled shared memory; rows at or
+// beyond valid_rows are zero-filled.
+template <class T, int ROWS, int D>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows, int tid) {
+  constexpr int kChunks = D / 8;
+  static_assert((ROWS * kChunks) % kThreads == 0, "tile must split evenly over the block");
+#pragma unroll
+  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
+    const int c = i * kThreads + tid;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < valid_rows;
+    const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
+    cp_async16(smem_u32(s + swz<D>(r, ch * 8)), src, ok);
+  }
+}
+
+// A operand (16 rows x 16 cols at row0, col0) of a swizzled row-major tile.
+template <int D, class T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* s, int row0, int col0, int lane) {
+  ldsm_x4(a, smem_u32(s + swz<D>(row0 + (lane & 15), col0 + ((lane >> 4) << 3))));
+}
+// B operands of two n-tiles (rows n0..n0+15 of the tile are the n index, cols k0..k0+15 the k index):
+// b[0], b[1] for n-tile n0 and b[2], b[3] for n0 + 8. For S = Q K^T with K stored [key][d].
+template <int D, class T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* s, int n0, int k0, int lane) {
+  ldsm_x4(b, smem_u32(s + swz<D>(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + (((lane >> 3) & 1) << 3))));
+}
+// B operands when the tile is stored [k][n] (e.g. V [key][d] in O += P V): transposed ldmatrix.
+template <int D, class T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* s, int k0, int n0, int lane) {
+  ldsm_x4_t(b, smem_u32(s + swz<D>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3))));
+}
+
+struct SeqInfo {
+  int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
+};
+__device__ __forceinline__ SeqInfo seq_info(const AttnProblem& p, int b) {
+  if (p.cu_q) {
+    const int q0 = p.cu_q[b], k0 = p.cu_kv[b];
+    return {q0, p.cu_q[b + 1] - q0, k0, p.cu_kv[b + 1] - k0};
+  }
+  return {0, p.seqlen_q, 0, p.seqlen_kv};
+}
+template <class T>
+__device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int h) {
+  return static_cast<T*>(t.ptr) + int64_t(b) * t.batch_stride + int64_t(row0) * t.row_stride +
+         int64_t(h) * t.head_stride;
+}
+__device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h, int row0) {
+  return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const AttnProblem p) {
+  using Op = Mma<T>;
+  constexpr int kM = 64, kN = 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kM * D;      // two buffers
+  T* sV = sK + 2 * kN * D;  // two buffers
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, h = blockIdx.y;
+  // Causal rows further down see more keys: launch those blocks first so the tail is short.
+  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = m_block * kM;
+  if (m0 >= si.nq) return;
+  const int hk = h / (p.heads / p.kv_heads);
+  const T* q = head_ptr<const T>(p.q, b, si.q0, h);
+  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
+  const int n_blocks = (n_end + kN - 1) / kN;
+
+  load_tile<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
+  if (n_blocks > 0) {
+    load_tile<T, kN, D>(sK, k, p.k.row_stride, si.nk, tid);
+    load_tile<T, kN, D>(sV, v, p.v.row_stride, si.nk, tid);
+  }
+  cp_async_commit();
+
+  uint32_t qf[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const float sl2 = p.scale * kLog2e;
+  const int row_base = m0 + warp * 16 + g;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (nb == 0) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) load_a<D>(qf[ks], sQ, warp * 16, ks * 16, lane);
+    }
+    if (nb + 1 < n_blocks) {
+      const int n1 = (nb + 1) * kN, buf = (nb + 1) & 1;
+      load_tile<T, kN, D>(sK + buf * kN * D, k + int64_t(n1) * p.k.row_stride, p.k.row_stride, si.nk - n1, tid);
+      load_tile<T, kN, D>(sV + buf * kN * D, v + int64_t(n1) * p.v.row_stride, p.v.row_stride, si.nk - n1, tid);
+    }
+    cp_async_commit();
+    const T* cK = sK + (nb & 1) * kN * D;
+    const T* cV = sV + (nb & 1) * kN * D;
+
+    float s[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kN / 16; ++np) {
+        uint32_t bb[4];
+        load_b_nk<D>(bb, cK, np * 16, ks * 16, lane);
+        Op::run(s[2 * np], qf[ks], bb[0], bb[1]);
+        Op::run(s[2 * np + 1], qf[ks], bb[2], bb[3]);
+      }
+    }
+    const int n0 = nb * kN;
+    const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > m0 + warp * 16);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * sl2;
+        if (need_mask) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
+          if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
+        }
+        s[j][e] = x;
+      }
+    }
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float base[2], corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+      base[i] = mx[i] == -INFINITY ? 0.f : mx[i];  // a row with nothing seen yet: avoid inf - inf
+      corr[i] = fast_exp2(m_run[i] - base[i]);
+      m_run[i] = mx[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      s[j][0] = fast_exp2(s[j][0] - base[0]);
+      s[j][1] = fast_exp2(s[j][1] - base[0]);
+      s[j][2] = fast_exp2(s[j][2] - base[1]);
+      s[j][3] = fast_exp2(s[j][3] - base[1]);
+      rs[0] += s[j][0] + s[j][1];
+      rs[1] += s[j][2] + s[j][3];
+    }
+    l_run[0] = l_run[0] * corr[0] + rs[0];
+    l_run[1] = l_run[1] * corr[1] + rs[1];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= corr[0];
+      o[i][1] *= corr[0];
+      o[i][2] *= corr[1];
+      o[i][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      const uint32_t a[4] = {Op::pack(s[2 * kk][0], s[2 * kk][1]), Op::pack(s[2 * kk][2], s[2 * kk][3]),
+                             Op::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             Op::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bb[4];
+        load_b_kn<D>(bb, cV, kk * 16, dp * 16, lane);
+        Op::run(o[2 * dp], a, bb[0], bb[1]);
+        Op::run(o[2 * dp + 1], a, bb[2], bb[3]);
+      }
+    }
+  }
+
+  cp_async_wait_all();  // nothing may be in flight at exit (only happens when there were no keys)
+  T* out = head_ptr<T>(p.o, b, si.q0, h);
+  float* lse = p.lse + lse_offset(p, b, h, si.q0);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
+    const int row = row_base + i * 8;
+    if (row < si.nq) {
+      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+      T* orow = out + int64_t(row) * p.o.row_stride;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) = Op::pack(o[dn][2 * i] * inv, o[dn][2 * i + 1] * inv);
+      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
+    }
+  }
+}
+
+// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dot_kernel(const AttnProblem p, float* dsum) {
+  using Op = Mma<T>;
+  constexpr int kM = 64;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.z, h = blockIdx.y;
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = blockIdx.x * kM;
+  if (m0 >= si.nq) return;
+  const T* o = head_ptr<const T>(p.o, b, si.q0, h);
+  const T* dout = head_ptr<const T>(p.dout, b, si.q0, h);
+  float* ds = dsum + lse_offset(p, b, h, si.q0);
+  for (int r = warp; r < kM; r += kThreads / 32) {
+    const int row = m0 + r;
+    if (row >= si.nq) break;
+    float acc = 0.f;
+#pragma unroll
+    for (int c = lane * 2; c < D; c += 64) {
+      const float2 x = Op::unpack(*reinterpret_cast<const uint32_t*>(o + int64_t(row) * p.o.row_stride + c));
+      const float2 y = Op::unpack(*reinterpret_cast<const uint32_t*>(dout + int64_t(row) * p.dout.row_stride + c));
+      acc += x.x * y.x + x.y * y.y;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(kFull, acc, off);
+    if (lane == 0) ds[row] = acc;
+  }
+}
+
+// ---- backward: dK, dV ----------------------------------------------------------------------------
+template <int D>
+struct KvCfg {
+  static constexpr int kN = 64;                  // keys per block (16 per warp)
+  static constexpr int kM = D == 128 ? 32 : 64;  // queries per step (bounds the S^T/dP^T registers)
+  static constexpr int smem_bytes(int elem) { return (2 * kN * D + 4 * kM * D) * elem + 4 * kM * 4; }
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProblem p, const float* dsum) {
+  using Op = Mma<T>;
+  constexpr int kN = KvCfg<D>::kN, kM = KvCfg<D>::kM;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + kN * D;
+  T* sQ = sV + kN * D;       // two buffers
+  T* sdO = sQ + 2 * kM * D;  // two buffers
+  float* sL = reinterpret_cast<float*>(sdO + 2 * kM * D);  // two buffers: lse * log2(e)
+  float* sD = sL + 2 * kM;                                  // two buffers: rowsum(dO * O)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqInfo si = seq_info(p, b);
+  const int n0 = blockIdx.x * kN;
+  if (n0 >= si.nk) return;
+  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+  load_tile<T, kN, D>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
+  load_tile<T, kN, D>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
+
+  const int group = p.heads / p.kv_heads;
+  const int m_begin = p.causal ? n0 / kM : 0;  // earlier query tiles see none of these keys
+  const int m_blocks = (si.nq + kM - 1) / kM;
+  const int per_head = max(m_blocks - m_begin, 0);
+  const int total = group * per_head;
+
+  auto issue = [&](int it, int buf) {
+    const int hq = hk * group + it / per_head;
+    const int m0 = (m_begin + it % per_head) * kM;
+    const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
+    const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
+    load_tile<T, kM, D>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
+    load_tile<T, kM, D>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0,
+                        tid);
+    if (tid < kM) {
+      const int row = m0 + tid;
+      const int64_t off = lse_offset(p, b, hq, si.q0);
+      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
+      sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
+      sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
+    }
+  };
+  if (total > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  const float sl2 = p.scale * kLog2e;
+  const int key_base = n0 + warp * 16 + g;
+
+  for (int it = 0; it < total; ++it) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (it + 1 < total) issue(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    const int buf = it & 1;
+    const int m0 = (m_begin + it % per_head) * kM;
+    const T* cQ = sQ + buf * kM * D;
+    const T* cdO = sdO + buf * kM * D;
+    const float* cL = sL + buf * kM;
+    const float* cD = sD + buf * kM;
+
+    float st[kM / 8][4], dpt[kM / 8][4];
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ak[4], av[4];
+      load_a<D>(ak, sK, warp * 16, ks * 16, lane);
+      load_a<D>(av, sV, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kM / 16; ++np) {
+        uint32_t bq[4], bo[4];
+        load_b_nk<D>(bq, cQ, np * 16, ks * 16, lane);
+        load_b_nk<D>(bo, cdO, np * 16, ks * 16, lane);
+        Op::run(st[2 * np], ak, bq[0], bq[1]);
+        Op::run(st[2 * np + 1], ak, bq[2], bq[3]);
+        Op::run(dpt[2 * np], av, bo[0], bo[1]);
+        Op::run(dpt[2 * np + 1], av, bo[2], bo[3]);
+      }
+    }
+    const bool need_mask = p.causal && m0 < n0 + warp * 16 + 15;
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = j * 8 + 2 * t + (e & 1);
+        float pv = fast_exp2(st[j][e] * sl2 - cL[qc]);
+        if (need_mask && m0 + qc < key_base + (e >> 1) * 8) pv = 0.f;
+        st[j][e] = pv;
+        dpt[j][e] = pv * (dpt[j][e] - cD[qc]);  // dS^T
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+      const uint32_t ap[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]), Op::pack(st[2 * kk][2], st[2 * kk][3]),
+                              Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const uint32_t as[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                              Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bo[4], bq[4];
+        load_b_kn<D>(bo, cdO, kk * 16, dp * 16, lane);
+        load_b_kn<D>(bq, cQ, kk * 16, dp * 16, lane);
+        Op::run(dv[2 * dp], ap, bo[0], bo[1]);
+        Op::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
+        Op::run(dk[2 * dp], as, bq[0], bq[1]);
+        Op::run(dk[2 * dp + 1], as, bq[2], bq[3]);
+      }
+    }
+  }
+
+  cp_async_wait_all();
+  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
+  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = key_base + i * 8;
+    if (row >= si.nk) continue;
+    T* krow = dkp + int64_t(row) * p.dk.row_stride;
+    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
+          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
+    }
+  }
+}
+
+// ---- backward: dQ --------------------------------------------------------------------------------
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(const AttnProblem p, const float* dsum) {
+  using Op = Mma<T>;
+  constexpr int kM = 64, kN = 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + kM * D;
+  T* sK = sdO + kM * D;     // two buffers
+  T* sV = sK + 2 * kN * D;  // two buffers
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = m_block * kM;
+  if (m0 >= si.nq) return;
+  const int hk = h / (p.heads / p.kv_heads);
+  const T* q = head_ptr<const T>(p.q, b, si.q0, h);
+  const T* dO = head_ptr<const T>(p.dout, b, si.q0, h);
+  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
+  const int n_blocks = (n_end + kN - 1) / kN;
+
+  load_tile<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
+  load_tile<T, kM, D>(sdO, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0, tid);
+  if (n_blocks > 0) {
+    load_tile<T, kN, D>(sK, k, p.k.row_stride, si.nk, tid);
+    load_tile<T, kN, D>(sV, v, p.v.row_stride, si.nk, tid);
+  }
+  cp_async_commit();
+
+  const int row_base = m0 + warp * 16 + g;
+  float lrow[2], drow[2];
+  const int64_t off = lse_offset(p, b, h, si.q0);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_base + i * 8;
+    const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+    lrow[i] = l == -INFINITY ? INFINITY : l * kLog2e;
+    drow[i] = row < si.nq ? dsum[off + row] : 0.f;
+  }
+  float dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+  const float sl2 = p.scale * kLog2e;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (nb + 1 < n_blocks) {
+      const int n1 = (nb + 1) * kN, buf = (nb + 1) & 1;
+      load_tile<T, kN, D>(sK + buf * kN * D, k + int64_t(n1) * p.k.row_stride, p.k.row_stride, si.nk - n1, tid);
+      load_tile<T, kN, D>(sV + buf * kN * D, v + int64_t(n1) * p.v.row_stride, p.v.row_stride, si.nk - n1, tid);
+    }
+    cp_async_commit();
+    const T* cK = sK + (nb & 1) * kN * D;
+    const T* cV = sV + (nb & 1) * kN * D;
+
+    float s[kN / 8][4], dp[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t aq[4], ao[4];
+      load_a<D>(aq, sQ, warp * 16, ks * 16, lane);
+      load_a<D>(ao, sdO, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kN / 16; ++np) {
+        uint32_t bk[4], bv[4];
+        load_b_nk<D>(bk, cK, np * 16, ks * 16, lane);
+        load_b_nk<D>(bv, cV, np * 16, ks * 16, lane);
+        Op::run(s[2 * np], aq, bk[0], bk[1]);
+        Op::run(s[2 * np + 1], aq, bk[2], bk[3]);
+        Op::run(dp[2 * np], ao, bv[0], bv[1]);
+        Op::run(dp[2 * np + 1], ao, bv[2], bv[3]);
+      }
+    }
+    const int n0 = nb * kN;
+    const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > m0 + warp * 16);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(s[j][e] * sl2 - lrow[e >> 1]);
+        if (need_mask) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
+          if (key >= si.nk || (p.causal && key > row)) pv = 0.f;
+        }
+        dp[j][e] = pv * (dp[j][e] - drow[e >> 1]);  // dS
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      const uint32_t as[4] = {Op::pack(dp[2 * kk][0], dp[2 * kk][1]), Op::pack(dp[2 * kk][2], dp[2 * kk][3]),
+                              Op::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              Op::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bk[4];
+        load_b_kn<D>(bk, cK, kk * 16, dn * 16, lane);
+        Op::run(dq[2 * dn], as, bk[0], bk[1]);
+        Op::run(dq[2 * dn + 1], as, bk[2], bk[3]);
+      }
+    }
+  }
+
+  cp_async_wait_all();
+  T* dqp = head_ptr<T>(p.dq, b, si.q0, h);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_base + i * 8;
+    if (row >= si.nq) continue;
+    T* qrow = dqp + int64_t(row) * p.dq.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<uint32_t*>(qrow + dn * 8 + 2 * t) =
+          Op::pack(dq[dn][2 * i] * p.scale, dq[dn][2 * i + 1] * p.scale);
+  }
+}
+
+// ---- launchers -----------------------------------------------------------------------------------
+template <class K>
+void set_smem(K kernel, int bytes) {
+  MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <class T, int D>
+void forward_impl(const AttnProblem& p, cudaStream_t s) {
+  constexpr int smem = (64 * D + 4 * 64 * D) * int(sizeof(T));
+  auto kernel = flash_fwd_kernel<T, D>;
+  set_smem(kernel, smem);
+  const dim3 grid(unsigned((p.seqlen_q + 63) / 64), unsigned(p.heads), unsigned(p.batch));
+  kernel<<<grid, kThreads, smem, s>>>(p);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int D>
+void backward_impl(const AttnProblem& p, float* dsum, cudaStream_t s) {
+  const dim3 grid_q(unsigned((p.seqlen_q + 63) / 64), unsigned(p.heads), unsigned(p.batch));
+  flash_bwd_dot_kernel<T, D><<<grid_q, kThreads, 0, s>>>(p, dsum);
+  MC_CUDA_CHECK_LAUNCH();
+
+  constexpr int kv_smem = KvCfg<D>::smem_bytes(int(sizeof(T)));
+  auto kv_kernel = flash_bwd_dkdv_kernel<T, D>;
+  set_smem(kv_kernel, kv_smem);
+  const dim3 grid_kv(unsigned((p.seqlen_kv + KvCfg<D>::kN - 1) / KvCfg<D>::kN), unsigned(p.kv_heads),
+                     unsigned(p.batch));
+  kv_kernel<<<grid_kv, kThreads, kv_smem, s>>>(p, dsum);
+  MC_CUDA_CHECK_LAUNCH();
+
+  constexpr int dq_smem = (2 * 64 * D + 4 * 64 * D) * int(sizeof(T));
+  auto dq_kernel = flash_bwd_dq_kernel<T, D>;
+  set_smem(dq_kernel, dq_smem);
+  dq_kernel<<<grid_q, kThreads, dq_smem, s>>>(p, dsum);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+std::string check_view(const AttnTensor& t, const char* name) {
+  if (!t.ptr) return "";
+  if (!aligned16(t.ptr) || t.row_stride % 8 || t.head_stride % 8 || t.batch_stride % 8)
+    return fmt::format("{} must start on a 16-byte boundary with strides that are multiples of 8 elements "
+                       "(strides {}, {}, {}); call .contiguous()",
+                       name, t.batch_stride, t.row_stride, t.head_stride);
+  return "";
+}
+
+}  // namespace
+
+std::string flash_unsupported_reason(const AttnProblem& p) {
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16)
+    return fmt::format("dtype {} (the kernel takes bf16 or f16)", dtype_name(p.dtype));
+  if (p.head_dim != 64 && p.head_dim != 128) return fmt::format("head_dim {} (supported: 64, 128)", p.head_dim);
+  for (auto [t, name] : {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.o, "out"}, {&p.dout, "dout"},
+                         {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}}) {
+    std::string why = check_view(*t, name);
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+
+void flash_forward(const AttnProblem& p, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::BF16) {
+    if (p.head_dim == 64) forward_impl<__nv_bfloat16, 64>(p, s);
+    else forward_impl<__nv_bfloat16, 128>(p, s);
+  } else {
+    if (p.head_dim == 64) forward_impl<__half, 64>(p, s);
+    else forward_impl<__half, 128>(p, s);
+  }
+}
+
+void flash_backward(const AttnProblem& p, float* dsum, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  if (p.batch == 0) return;
+  if (p.seqlen_q == 0 && p.seqlen_kv == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::BF16) {
+    if (p.head_dim == 64) backward_impl<__nv_bfloat16, 64>(p, dsum, s);
+    else backward_impl<__nv_bfloat16, 128>(p, dsum, s);
+  } else {
+    if (p.head_dim == 64) backward_impl<__half, 64>(p, dsum, s);
+    else backward_impl<__half, 128>(p, dsum, s);
+  }
+}
+
+}  // namespace megacore::ops::cuda

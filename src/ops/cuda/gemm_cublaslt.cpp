@@ -1,0 +1,263 @@
+// cuBLASLt implementation of ops::gemm.
+//
+// cuBLASLt is column-major; a row-major matrix is the column-major view of its transpose, so the
+// row-major product D = op(a) op(b) is run as the column-major product D^T = op(b)^T op(a)^T:
+// cuBLASLt's "A" is our b and its "B" is our a, with m and n swapped. Our BiasGradA (sum over k of
+// op(a)) is therefore cuBLASLt's BGRADB, and BiasGradB its BGRADA.
+#include <cublasLt.h>
+
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
+#include "core/cuda/cuda_check.hpp"
+#include "megacore/core/allocator.hpp"
+#include "megacore/core/stream.hpp"
+#include "megacore/ops/gemm.hpp"
+#include "ops/cuda/gemm_cuda.hpp"
+
+#define MC_CUBLAS_CHECK(expr)                                                                             \
+  do {                                                                                                    \
+    cublasStatus_t mc_st_ = (expr);                                                                       \
+    if (mc_st_ != CUBLAS_STATUS_SUCCESS)                                                                  \
+      ::megacore::raise<::megacore::CudaError>("{} failed: {} at {}:{}", #expr, cublasGetStatusString(mc_st_), \
+                                               __FILE__, __LINE__);                                       \
+  } while (0)
+
+namespace megacore::ops::cuda {
+
+void bias_grad_reduce(DType in_dt, const void* x, int64_t rows, int64_t k, int64_t stride_row, int64_t stride_k,
+                      DType out_dt, void* out, void* stream);  // gemm_kernels.cu
+
+namespace {
+
+// cuBLAS's recommendation for Hopper; one workspace per call from the stream-ordered caching
+// allocator, so concurrent streams never share one.
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+cudaDataType_t cuda_type(DType dt) {
+  switch (dt) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: raise("gemm: dtype {} is not supported", dtype_name(dt));
+  }
+}
+
+cublasLtEpilogue_t lt_epilogue(int e) {
+  switch (GemmEpilogue(e)) {
+    case GemmEpilogue::None: return CUBLASLT_EPILOGUE_DEFAULT;
+    case GemmEpilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
+    case GemmEpilogue::Gelu: return CUBLASLT_EPILOGUE_GELU;
+    case GemmEpilogue::BiasGelu: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case GemmEpilogue::BiasGradA: return CUBLASLT_EPILOGUE_BGRADB;
+    case GemmEpilogue::BiasGradB: return CUBLASLT_EPILOGUE_BGRADA;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+int alignment_of(const void* p) {
+  auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && (v % (2 * a)) == 0) a *= 2;
+  return a;
+}
+
+// Owns the per-device handles; a handle serves any stream of its device.
+class Handles {
+ public:
+  cublasLtHandle_t get(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = handles_.find(device);
+    if (it != handles_.end()) return it->second;
+    cublasLtHandle_t h;
+    MC_CUBLAS_CHECK(cublasLtCreate(&h));
+    handles_.emplace(device, h);
+    return h;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int, cublasLtHandle_t> handles_;  // never destroyed: the driver may be gone at exit
+};
+
+Handles& handles() {
+  static Handles* h = new Handles();
+  return *h;
+}
+
+using PlanKey = std::array<int64_t, 24>;
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : k) h = (h ^ size_t(v)) * 1099511628211ull;
+    return h;
+  }
+};
+
+struct Layouts {
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our b), B (our a), C/D
+};
+
+struct Plan {
+  Layouts layouts;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;  // false: cuBLASLt has no kernel for this epilogue (bias grad done separately)
+};
+
+class PlanCache {
+ public:
+  std::mutex mu;
+  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+};
+PlanCache& plan_cache() {
+  static PlanCache* c = new PlanCache();
+  return *c;
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                                   int64_t stride) {
+  cublasLtMatrixLayout_t l;
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    int32_t bc = int32_t(batch);
+    MC_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof(bc)));
+    MC_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return l;
+}
+
+struct DescGuard {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~DescGuard() {
+    if (d) cublasLtMatmulDescDestroy(d);
+  }
+};
+
+void make_desc(DescGuard& g, const GemmProblem& p, bool with_epilogue) {
+  const cublasComputeType_t compute =
+      p.ab_dtype == DType::F32 && p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&g.d, compute, CUDA_R_32F));
+  cublasOperation_t ta = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our b
+  cublasOperation_t tb = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  cublasLtEpilogue_t epi = with_epilogue ? lt_epilogue(p.epilogue) : CUBLASLT_EPILOGUE_DEFAULT;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT && epi != CUBLASLT_EPILOGUE_GELU) {
+    cudaDataType_t bt = cuda_type(p.bias_dtype);
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    const void* ptr = p.bias;  // null while planning: the heuristic only needs the configuration
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)));
+    if (p.batch > 1) {
+      int64_t zero = 0;
+      MC_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &zero, sizeof(zero)));
+    }
+  }
+}
+
+bool is_bias_grad(int e) {
+  return GemmEpilogue(e) == GemmEpilogue::BiasGradA || GemmEpilogue(e) == GemmEpilogue::BiasGradB;
+}
+
+}  // namespace
+
+int64_t gemm_plan_cache_size() {
+  auto& cache = plan_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  return int64_t(cache.plans.size());
+}
+
+void gemm(const GemmProblem& p, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  cublasLtHandle_t handle = handles().get(device);
+  const cudaDataType_t ab_t = cuda_type(p.ab_dtype), c_t = cuda_type(p.out_dtype);
+
+  PlanKey key{device, int64_t(p.ab_dtype), int64_t(p.out_dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch,
+              p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c, p.epilogue, int64_t(p.bias_dtype),
+              p.allow_tf32, alignment_of(p.a), alignment_of(p.b), alignment_of(p.c),
+              p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, 0};
+  Plan plan;
+  {
+    auto& cache = plan_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.plans.find(key);
+    if (it != cache.plans.end()) {
+      plan = it->second;
+    } else {
+      Layouts& l = plan.layouts;
+      // cuBLASLt's A = our b, stored column-major as [N, K] (b row-major [K, N]) or [K, N] (trans_b).
+      l.a = p.trans_b ? make_layout(ab_t, p.k, p.n, p.ldb, p.batch, p.stride_b)
+                      : make_layout(ab_t, p.n, p.k, p.ldb, p.batch, p.stride_b);
+      l.b = p.trans_a ? make_layout(ab_t, p.m, p.k, p.lda, p.batch, p.stride_a)
+                      : make_layout(ab_t, p.k, p.m, p.lda, p.batch, p.stride_a);
+      l.c = make_layout(c_t, p.n, p.m, p.ldc, p.batch, p.stride_c);
+
+      cublasLtMatmulPreference_t pref;
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t ws = kWorkspaceBytes;
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                           sizeof(ws)));
+      uint32_t al[4] = {uint32_t(alignment_of(p.b)), uint32_t(alignment_of(p.a)), uint32_t(alignment_of(p.c)),
+                        uint32_t(alignment_of(p.c))};
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al[0], 4));
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], 4));
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], 4));
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[3], 4));
+
+      auto find_algo = [&](bool with_epilogue) {
+        DescGuard d;
+        make_desc(d, p, with_epilogue);
+        cublasLtMatmulHeuristicResult_t res{};
+        int found = 0;
+        cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, 1, &res, &found);
+        if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+          plan.algo = res.algo;
+          return true;
+        }
+        return false;
+      };
+      plan.has_algo = find_algo(true);
+      if (!plan.has_algo && is_bias_grad(p.epilogue)) {
+        // cuBLASLt has no fused bias-gradient kernel for this layout: plain product + our reduction.
+        MC_CHECK_AS(CudaError, find_algo(false), "gemm: cuBLASLt found no algorithm for m={} n={} k={} ({} -> {})",
+                    p.m, p.n, p.k, dtype_name(p.ab_dtype), dtype_name(p.out_dtype));
+      } else if (!plan.has_algo) {
+        cublasLtMatmulPreferenceDestroy(pref);
+        raise<CudaError>("gemm: cuBLASLt found no algorithm for m={} n={} k={} batch={} trans_a={} trans_b={} "
+                         "({} inputs -> {} out, epilogue {})",
+                         p.m, p.n, p.k, p.batch, p.trans_a, p.trans_b, dtype_name(p.ab_dtype),
+                         dtype_name(p.out_dtype), p.epilogue);
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+      cache.plans.emplace(key, plan);
+    }
+  }
+
+  const bool fused = plan.has_algo;
+  DescGuard d;
+  make_desc(d, p, fused);
+  Allocator& alloc = Allocator::get(Device::cuda(device));
+  Stream s = Stream::from_native(Device::cuda(device), stream);
+  void* ws = alloc.allocate(kWorkspaceBytes, s);
+  cublasStatus_t st = cublasLtMatmul(handle, d.d, &p.alpha, p.b, plan.layouts.a, p.a, plan.layouts.b, &p.beta, p.c,
+                                     plan.layouts.c, p.c, plan.layouts.c, &plan.algo, ws, kWorkspaceBytes,
+                                     static_cast<cudaStream_t>(stream));
+  alloc.deallocate(ws);  // stream-ordered: reused only by later work on this stream
+  MC_CUBLAS_CHECK(st);
+  if (!fused && is_bias_grad(p.epilogue)) {
+    if (GemmEpilogue(p.epilogue) == GemmEpilogue::BiasGradA) {
+      // op(a)[m, k]: a stored [M, K] (row stride lda) or [K, M] (trans_a).
+      bias_grad_reduce(p.ab_dtype, p.a, p.m, p.k, p.trans_a ? 1 : p.lda, p.trans_a ? p.lda : 1, p.bias_dtype,
+                       p.bias, stream);
+    } else {
+      // op(b)[k, n]: b stored [K, N] or [N, K] (trans_b).
+      bias_grad_reduce(p.ab_dtype, p.b, p.n, p.k, p.trans_b ? p.ldb : 1, p.trans_b ? 1 : p.ldb, p.bias_dtype,
+                       p.bias, stream);
+    }
+  }
+}
+
+}  // namespace megacore::ops::cuda

@@ -1,0 +1,37 @@
+// Private interface between src/ops/gemm.cpp and its cuBLASLt implementation (gemm_cublaslt.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::ops::cuda {
+
+/// One (strided-batched) product in row-major terms, already validated and normalised: every
+/// operand is row-major in its stored shape with leading dimension ld (elements) and batch stride
+/// (elements, 0 = shared by all batch entries).
+struct GemmProblem {
+  DType ab_dtype = DType::F32;
+  DType out_dtype = DType::F32;
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0, batch = 1;
+  const void* a = nullptr;
+  int64_t lda = 0, stride_a = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0, stride_b = 0;
+  void* c = nullptr;
+  int64_t ldc = 0, stride_c = 0;
+  float alpha = 1.f, beta = 0.f;
+  int epilogue = 0;  // ops::GemmEpilogue
+  void* bias = nullptr;
+  DType bias_dtype = DType::F32;
+  bool allow_tf32 = false;
+};
+
+/// Runs the product on `stream` of `device` (workspace from megacore's caching allocator).
+void gemm(const GemmProblem& p, int device, void* stream);
+
+/// Number of cached cuBLASLt plans (for tests of the cache).
+int64_t gemm_plan_cache_size();
+
+}  // namespace megacore::ops::cuda

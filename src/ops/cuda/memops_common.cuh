@@ -1,0 +1,174 @@
+// Device helpers shared by the memory-bound op kernels: 16-byte vectors of f32/bf16/f16, f32
+// conversions, warp/block reductions and launch helpers. Included only by .cu files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/cuda/cuda_check.hpp"
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::ops::cuda {
+
+template <class T>
+__device__ __forceinline__ float to_f32(T v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return float(v);  // bf16: a shift; f16: the exact widening in dtype.hpp
+}
+
+template <class T>
+__device__ __forceinline__ T from_f32(float v) {
+  // The hardware conversions round to nearest even, like dtype.hpp's host versions, in one instruction.
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    T r;
+    r.bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    return r;
+  } else {
+    T r;
+    r.bits = __half_as_ushort(__float2half_rn(v));
+    return r;
+  }
+}
+
+template <>
+__device__ __forceinline__ float to_f32<float16>(float16 v) {
+  return __half2float(__ushort_as_half(v.bits));
+}
+
+/// N consecutive elements moved as one access (16 bytes when N = 16 / sizeof(T)).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
+  Vec<T, N> t = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f32(t.v[i]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_f32(T* p, const float (&in)[N]) {
+  Vec<T, N> t;
+#pragma unroll
+  for (int i = 0; i < N; ++i) t.v[i] = from_f32<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = t;
+}
+
+/// Streaming variants: data read or written once, so keep it from evicting what is reused.
+template <class T, int N>
+__device__ __forceinline__ void load_f32_stream(const T* p, float (&out)[N]) {
+  static_assert(sizeof(Vec<T, N>) == 16 || sizeof(Vec<T, N>) <= 8, "vector width");
+  Vec<T, N> t;
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    int4 r = __ldcs(reinterpret_cast<const int4*>(p));
+    t = *reinterpret_cast<Vec<T, N>*>(&r);
+  } else {
+    t = *reinterpret_cast<const Vec<T, N>*>(p);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f32(t.v[i]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_f32_stream(T* p, const float (&in)[N]) {
+  Vec<T, N> t;
+#pragma unroll
+  for (int i = 0; i < N; ++i) t.v[i] = from_f32<T>(in[i]);
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<int4*>(&t));
+  } else {
+    *reinterpret_cast<Vec<T, N>*>(p) = t;
+  }
+}
+
+/// Elements per 16-byte access.
+template <class T>
+inline constexpr int kVec16 = int(16 / sizeof(T));
+
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/// Sum over the block, returned to every thread. `red` holds 32 floats of shared memory; the
+/// trailing barrier lets the caller reuse it right away.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? red[lane] : 0.f;
+  t = warp_sum(t);
+  __syncthreads();
+  return t;
+}
+
+/// Two sums at once (one pair of barriers instead of two).
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (lane == 0) red[warp] = make_float2(a, b);
+  __syncthreads();
+  float2 t = lane < nwarps ? red[lane] : make_float2(0.f, 0.f);
+  t.x = warp_sum(t.x);
+  t.y = warp_sum(t.y);
+  __syncthreads();
+  return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? red[lane] : -INFINITY;
+  t = warp_max(t);
+  __syncthreads();
+  return t;
+}
+
+inline int sm_count(int device) {
+  int n = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+/// Blocks for a grid-stride elementwise launch over n items of `threads` threads each.
+inline unsigned elementwise_blocks(int64_t n, int threads, int device) {
+  int64_t want = (n + threads - 1) / threads;
+  int64_t cap = int64_t(sm_count(device)) * 16;
+  if (want > cap) want = cap;
+  return unsigned(want < 1 ? 1 : want);
+}
+
+/// Calls f(T{}) for a floating DType.
+template <class F>
+void dispatch_float(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: f(float{}); break;
+    case DType::BF16: f(bfloat16{}); break;
+    case DType::F16: f(float16{}); break;
+    default: raise<ValueError>("internal: dtype {} is not a floating type", dtype_name(dt));
+  }
+}
+
+}  // namespace megacore::ops::cuda

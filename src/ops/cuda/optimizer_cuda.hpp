@@ -1,0 +1,30 @@
+// Private interface between src/ops/optimizer.cpp / cast.cpp and the multi-tensor kernels (optimizer.cu).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::ops::cuda {
+
+struct AdamWArgs {
+  float lr, beta1, beta2, eps, weight_decay, grad_scale;
+  float bias_corr1, bias_corr2;  // 1 - beta^step
+  const float* grad_scale_ptr;   // optional
+};
+/// ptrs[i] = {grad, master, exp_avg, exp_avg_sq, param_out (or nullptr)}.
+void adamw(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
+           const AdamWArgs& a, int device, void* stream);
+
+/// Bytes of scratch multi_tensor_l2norm needs for these sizes.
+size_t l2norm_workspace_bytes(const std::vector<int64_t>& n);
+void l2norm(DType dt, const std::vector<const void*>& ptrs, const std::vector<int64_t>& n, float* out,
+            void* workspace, int device, void* stream);
+
+void scale(DType src_dt, DType dst_dt, const std::vector<const void*>& src, const std::vector<void*>& dst,
+           const std::vector<int64_t>& n, float scale, const float* scale_ptr, int device, void* stream);
+
+void clip_coefficient(const float* norm, float max_norm, float* coef, int device, void* stream);
+
+}  // namespace megacore::ops::cuda

@@ -1,0 +1,177 @@
+#include "megacore/ops/rope.hpp"
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "megacore/build_config.hpp"
+#include "megacore/ops/ops_common.hpp"
+#include "ops/cuda/rope_cuda.hpp"
+#include "ops/memops_cpu.hpp"
+
+namespace megacore::ops {
+namespace {
+
+using cpu::ld;
+using cpu::st;
+
+// F is float for the Tensor path (angle rounded to f32 as on the GPU) and double for the f64 reference.
+template <class T, class F, class P>
+void rope_cpu(const T* x, const P* positions, const F* inv_freq, T* y, int64_t tokens, int64_t heads, int64_t d,
+              int64_t rot, bool interleaved, bool backward) {
+  const int64_t half = rot / 2;
+  std::vector<double> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const F ang = F(positions[t]) * inv_freq[i];
+      c[i] = std::cos(double(ang));
+      s[i] = backward ? -std::sin(double(ang)) : std::sin(double(ang));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xh = x + (t * heads + h) * d;
+      T* yh = y + (t * heads + h) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t i1 = interleaved ? 2 * i : i, i2 = interleaved ? 2 * i + 1 : i + half;
+        const double a = ld(xh[i1]), b = ld(xh[i2]);
+        yh[i1] = st<T>(a * c[i] - b * s[i]);
+        yh[i2] = st<T>(b * c[i] + a * s[i]);
+      }
+      if (xh != yh)
+        for (int64_t j = rot; j < d; ++j) yh[j] = xh[j];
+    }
+  }
+}
+
+void rope_impl(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, Tensor& y, bool interleaved,
+               bool backward, const Stream& s) {
+  const char* op = backward ? "rope_backward" : "rope_forward";
+  const char* xn = backward ? "dy" : "x";
+  const char* yn = backward ? "dx" : "y";
+  detail::check_float_input(x, op, xn);
+  MC_CHECK(x.dim() >= 3, "{}: {} must be [..., heads, head_dim] (at least 3 dimensions), got shape {}", op, xn,
+           shape_str(x.shape()));
+  const int64_t d = x.size(-1), heads = x.size(-2);
+  const int64_t tokens = (d == 0 || heads == 0) ? 0 : x.numel() / (d * heads);
+  const Device dev = x.device();
+  detail::check_dtype(inv_freq, DType::F32, op, "inv_freq");
+  detail::check_contiguous(inv_freq, op, "inv_freq");
+  detail::check_same_device(inv_freq, dev, op, "inv_freq");
+  MC_CHECK(inv_freq.dim() == 1, "{}: inv_freq must be 1-D [rotary_dim/2], got shape {}; build it with rope_inv_freq",
+           op, shape_str(inv_freq.shape()));
+  const int64_t rot = 2 * inv_freq.numel();
+  MC_CHECK(rot >= 2 && rot <= d, "{}: rotary_dim = 2 x inv_freq.numel() = {} must be in [2, head_dim = {}]", op, rot, d);
+  detail::check_index_input(positions, op, "positions");
+  detail::check_same_device(positions, dev, op, "positions");
+  MC_CHECK(positions.numel() == tokens,
+           "{}: positions has {} elements but {} of shape {} has {} tokens (rows of heads x head_dim); give one "
+           "position id per token",
+           op, positions.numel(), xn, shape_str(x.shape()), tokens);
+  detail::check_defined(y, op, yn);
+  MC_CHECK(y.dtype() == x.dtype(), "{}: {} has dtype {} but {} has {}", op, yn, dtype_name(y.dtype()), xn,
+           dtype_name(x.dtype()));
+  detail::check_shape(y, x.shape(), op, yn);
+  detail::check_contiguous(y, op, yn);
+  detail::check_same_device(y, dev, op, yn);
+
+  if (dev.is_cuda()) {
+    void* stream = detail::launch_stream(s, dev, op);
+#if MEGACORE_WITH_CUDA
+    cuda::RopeArgs a;
+    a.x = x.data_ptr();
+    a.y = y.data_ptr();
+    a.positions = positions.data_ptr();
+    a.positions_i64 = positions.dtype() == DType::I64;
+    a.inv_freq = inv_freq.data<float>();
+    a.tokens = tokens;
+    a.heads = heads;
+    a.head_dim = d;
+    a.rotary_dim = rot;
+    a.interleaved = interleaved;
+    a.backward = backward;
+    cuda::rope(x.dtype(), a, dev.index, stream);
+#else
+    (void)stream;
+#endif
+    return;
+  }
+  cpu::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::dispatch_index(positions.dtype(), [&](auto ptag) {
+      using P = decltype(ptag);
+      rope_cpu<T, float, P>(x.data<T>(), positions.data<P>(), inv_freq.data<float>(), y.data<T>(), tokens, heads, d,
+                            rot, interleaved, backward);
+    });
+  });
+}
+
+}  // namespace
+
+Tensor rope_inv_freq(const RopeConfig& cfg, Device d, const Stream& s) {
+  MC_CHECK(cfg.rotary_dim >= 2 && cfg.rotary_dim % 2 == 0, "rope_inv_freq: rotary_dim must be even and >= 2, got {}",
+           cfg.rotary_dim);
+  MC_CHECK(cfg.theta > 0, "rope_inv_freq: theta must be > 0, got {}", cfg.theta);
+  const int64_t half = cfg.rotary_dim / 2;
+  std::vector<float> f(static_cast<size_t>(half));
+  const auto& sc = cfg.scaling;
+  if (sc.type == RopeScaling::Type::Llama3) {
+    MC_CHECK(sc.factor > 0 && sc.high_freq_factor > sc.low_freq_factor && sc.original_max_position > 0,
+             "rope_inv_freq: Llama-3 scaling needs factor > 0, high_freq_factor > low_freq_factor and "
+             "original_max_position > 0 (got {}, {}, {}, {})",
+             sc.factor, sc.low_freq_factor, sc.high_freq_factor, sc.original_max_position);
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    double inv = 1.0 / std::pow(cfg.theta, double(2 * i) / double(cfg.rotary_dim));
+    if (sc.type == RopeScaling::Type::Llama3) {
+      // Wavelengths longer than the original context are stretched by `factor`; short ones are kept;
+      // the band between is interpolated linearly in (context / wavelength).
+      const double wavelen = 2 * std::numbers::pi / inv;
+      const double low_wavelen = sc.original_max_position / sc.low_freq_factor;
+      const double high_wavelen = sc.original_max_position / sc.high_freq_factor;
+      if (wavelen > low_wavelen) {
+        inv /= sc.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth =
+            (sc.original_max_position / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor);
+        inv = (1 - smooth) * inv / sc.factor + smooth * inv;
+      }
+    }
+    f[size_t(i)] = float(inv);
+  }
+  return Tensor::from_vector(f, {half}).to(d, s);
+}
+
+void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, Tensor& y, bool interleaved,
+                  const Stream& s) {
+  rope_impl(x, positions, inv_freq, y, interleaved, false, s);
+}
+
+void rope_backward(const Tensor& dy, const Tensor& positions, const Tensor& inv_freq, Tensor& dx, bool interleaved,
+                   const Stream& s) {
+  rope_impl(dy, positions, inv_freq, dx, interleaved, true, s);
+}
+
+Tensor rope_positions_from_cu_seqlens(const Tensor& cu_seqlens) {
+  const char* op = "rope_positions_from_cu_seqlens";
+  detail::check_index_input(cu_seqlens, op, "cu_seqlens");
+  MC_CHECK(cu_seqlens.device().is_cpu(), "{}: cu_seqlens must be on the host; copy it with .to(Device::cpu())", op);
+  MC_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, "{}: cu_seqlens must be 1-D [sequences + 1]", op);
+  auto cu = cu_seqlens.to_double_vector();
+  MC_CHECK(cu[0] == 0, "{}: cu_seqlens must start at 0, got {}", op, cu[0]);
+  for (size_t i = 1; i < cu.size(); ++i)
+    MC_CHECK(cu[i] >= cu[i - 1], "{}: cu_seqlens must be non-decreasing (entry {} is {} after {})", op, i, cu[i],
+             cu[i - 1]);
+  std::vector<int32_t> pos(static_cast<size_t>(cu.back()));
+  for (size_t i = 1; i < cu.size(); ++i)
+    for (int64_t t = int64_t(cu[i - 1]); t < int64_t(cu[i]); ++t) pos[size_t(t)] = int32_t(t - int64_t(cu[i - 1]));
+  return Tensor::from_vector(pos, {int64_t(pos.size())});
+}
+
+namespace ref {
+void rope_f64(const double* x, const int64_t* positions, const double* inv_freq, double* y, int64_t tokens,
+              int64_t heads, int64_t head_dim, int64_t rotary_dim, bool interleaved, bool backward) {
+  rope_cpu<double, double, int64_t>(x, positions, inv_freq, y, tokens, heads, head_dim, rotary_dim, interleaved,
+                                    backward);
+}
+}  // namespace ref
+
+}  // namespace megacore::ops

@@ -1,0 +1,172 @@
+#include "megacore/ops/norm.hpp"
+
+#include "ops/ops_test_util.hpp"
+
+using namespace megacore;
+using namespace mctest;
+
+TEST_CASE("norm backward matches finite differences (f64)", "[ops][norm]") {
+  for (bool layer : {false, true}) {
+    INFO("layer=" << layer);
+    const int64_t rows = 3, h = 7;
+    const uint64_t seed = fresh_seed();
+    INFO("seed " << seed);
+    auto x = rand_vec(rows * h, seed), w = rand_vec(h, seed + 1, 0.5, 1.5), b = rand_vec(h, seed + 2),
+         g = rand_vec(rows * h, seed + 3);
+    std::vector<double> y(rows * h), mean(rows), rstd(rows);
+    auto loss = [&](const std::vector<double>& xx, const std::vector<double>& ww, const std::vector<double>& bb) {
+      ops::ref::norm_forward_f64(layer, xx.data(), ww.data(), bb.data(), y.data(), mean.data(), rstd.data(), rows, h,
+                                 1e-5);
+      return dot(y, g);
+    };
+    loss(x, w, b);
+    std::vector<double> dx(rows * h), dw(h), db(h);
+    ops::ref::norm_backward_f64(layer, g.data(), x.data(), w.data(), mean.data(), rstd.data(), dx.data(), dw.data(),
+                                db.data(), rows, h);
+    auto ndx = numeric_grad([&](const std::vector<double>& v) { return loss(v, w, b); }, x);
+    auto ndw = numeric_grad([&](const std::vector<double>& v) { return loss(x, v, b); }, w);
+    auto ndb = numeric_grad([&](const std::vector<double>& v) { return loss(x, w, v); }, b);
+    CHECK(rel_err(dx, ndx) < 1e-7);
+    CHECK(rel_err(dw, ndw) < 1e-7);
+    if (layer) CHECK(rel_err(db, ndb) < 1e-7);
+  }
+}
+
+TEST_CASE("norm CPU path: residual fusion and accumulation", "[ops][norm]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const int64_t rows = 4, h = 9;
+  Tensor x = randn({rows, h}, DType::F32, seed), r = randn({rows, h}, DType::F32, seed + 1);
+  Tensor w = randn({h}, DType::F32, seed + 2, 1.0, 0.1), b = randn({h}, DType::F32, seed + 3);
+  Tensor y = Tensor::empty({rows, h}), ro = Tensor::empty({rows, h}), mean = Tensor::empty({rows}),
+         rstd = Tensor::empty({rows});
+  ops::layernorm_forward_residual(x, r, w, b, y, ro, mean, rstd, 1e-5f);
+  auto xv = x.to_double_vector(), rv = r.to_double_vector(), rov = ro.to_double_vector();
+  for (size_t i = 0; i < xv.size(); ++i) REQUIRE(rov[i] == double(float(xv[i] + rv[i])));
+  Tensor y2 = Tensor::empty({rows, h}), m2 = Tensor::empty({rows}), s2 = Tensor::empty({rows});
+  ops::layernorm_forward(ro, w, b, y2, m2, s2, 1e-5f);
+  REQUIRE(y.to_double_vector() == y2.to_double_vector());
+
+  // accumulate adds to what dweight held
+  Tensor dy = randn({rows, h}, DType::F32, seed + 4), dx = Tensor::empty({rows, h});
+  Tensor dw0 = Tensor::empty({h}), db0 = Tensor::empty({h});
+  ops::layernorm_backward(dy, ro, w, mean, rstd, dx, dw0, db0);
+  Tensor dw1 = Tensor::full({h}, 2.0), db1 = Tensor::full({h}, -1.0);
+  ops::layernorm_backward(dy, ro, w, mean, rstd, dx, dw1, db1, {}, true);
+  auto a0 = dw0.to_double_vector(), a1 = dw1.to_double_vector(), c0 = db0.to_double_vector(), c1 = db1.to_double_vector();
+  for (int64_t j = 0; j < h; ++j) {
+    REQUIRE(a1[j] == Approx(a0[j] + 2.0).margin(1e-5));  // f32 sums near 1: absolute tolerance
+    REQUIRE(c1[j] == Approx(c0[j] - 1.0).margin(1e-5));
+  }
+  // residual backward adds the incoming residual gradient
+  Tensor dres = randn({rows, h}, DType::F32, seed + 5), dx2 = Tensor::empty({rows, h});
+  ops::layernorm_backward_residual(dy, dres, ro, w, mean, rstd, dx2, dw0, db0);
+  auto d1 = dx.to_double_vector(), d2 = dx2.to_double_vector(), dr = dres.to_double_vector();
+  for (size_t i = 0; i < d1.size(); ++i) REQUIRE(d2[i] == Approx(d1[i] + dr[i]).margin(1e-6));
+}
+
+TEST_CASE("norm arguments are validated", "[ops][norm]") {
+  Tensor x = Tensor::zeros({4, 8}), w = Tensor::zeros({8}), y = Tensor::empty({4, 8}), rstd = Tensor::empty({4});
+  Tensor mean = Tensor::empty({4}), b = Tensor::zeros({8});
+  REQUIRE_NOTHROW(ops::rmsnorm_forward(x, w, y, rstd, 1e-5f));
+  Tensor w7 = Tensor::zeros({7});
+  REQUIRE_THROWS_WITH(ops::rmsnorm_forward(x, w7, y, rstd, 1e-5f), Catch::Contains("weight has shape [7], expected [8]"));
+  Tensor wb = Tensor::zeros({8}, DType::BF16);
+  REQUIRE_THROWS_WITH(ops::rmsnorm_forward(x, wb, y, rstd, 1e-5f), Catch::Contains("dtype"));
+  Tensor r3 = Tensor::empty({3});
+  REQUIRE_THROWS_WITH(ops::rmsnorm_forward(x, w, y, r3, 1e-5f), Catch::Contains("rstd has 3 elements"));
+  Tensor xt = Tensor::zeros({8, 4}).transpose(0, 1);
+  REQUIRE_THROWS_WITH(ops::rmsnorm_forward(xt, w, y, rstd, 1e-5f), Catch::Contains("not contiguous"));
+  Tensor xi = Tensor::zeros({4, 8}, DType::I32);
+  REQUIRE_THROWS_WITH(ops::layernorm_forward(xi, w, b, y, mean, rstd, 1e-5f), Catch::Contains("must be f32, bf16 or f16"));
+  Tensor rb = Tensor::empty({4}, DType::BF16);
+  REQUIRE_THROWS_WITH(ops::layernorm_forward(x, w, b, y, mean, rb, 1e-5f), Catch::Contains("rstd has dtype bf16"));
+  REQUIRE_THROWS_AS(ops::rmsnorm_forward(x, w, y, rstd, -1.f), ValueError);
+  Tensor dx = Tensor::empty({4, 8}), dw = Tensor::empty({8}), dy = Tensor::zeros({4, 9});
+  REQUIRE_THROWS_WITH(ops::rmsnorm_backward(dy, x, w, rstd, dx, dw), Catch::Contains("dy has shape [4, 9]"));
+}
+
+TEST_CASE("norm CUDA kernels match the CPU reference", "[ops][norm][gpu]") {
+  MC_REQUIRE_GPU();
+  struct Case { int64_t rows, h; };
+  // 37: generic kernel; 256..8192: row in registers; 12288: forward in registers, backward generic.
+  for (Case c : {Case{5, 37}, Case{67, 256}, Case{33, 1000}, Case{9, 5000}, Case{7, 8192}, Case{3, 12288}}) {
+    for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+      for (bool layer : {false, true}) {
+        for (bool fused : {false, true}) {
+          const uint64_t seed = fresh_seed();
+          INFO("rows " << c.rows << " h " << c.h << " dtype " << dtype_name(dt) << " layer " << layer << " fused "
+                       << fused << " seed " << seed);
+          const Shape sh{c.rows, c.h};
+          Tensor x = randn(sh, dt, seed, 0.3, 1.0), res = randn(sh, dt, seed + 1);
+          Tensor w = randn({c.h}, dt, seed + 2, 1.0, 0.2), b = randn({c.h}, dt, seed + 3, 0.0, 0.5);
+          Tensor dy = randn(sh, dt, seed + 4), dres = randn(sh, dt, seed + 5);
+          Tensor dw_init = randn({c.h}, DType::F32, seed + 6);
+          // CPU reference
+          Tensor y = Tensor::empty(sh, dt), ro = Tensor::empty(sh, dt), mean = Tensor::empty({c.rows}),
+                 rstd = Tensor::empty({c.rows});
+          Tensor db_init = randn({c.h}, DType::F32, seed + 7);
+          Tensor dx = Tensor::empty(sh, dt), dw = dw_init.clone(), db = db_init.clone();
+          // GPU
+          Device g = gpu();
+          Stream s = Stream::create(g);
+          Tensor gx = x.to(g), gres = res.to(g), gw = w.to(g), gb = b.to(g), gdy = dy.to(g), gdres = dres.to(g);
+          Tensor gy = poisoned(sh, dt, g), gro = poisoned(sh, dt, g), gmean = poisoned({c.rows}, DType::F32, g),
+                 grstd = poisoned({c.rows}, DType::F32, g), gdx = poisoned(sh, dt, g), gdw = dw_init.to(g),
+                 gdb = db_init.to(g);  // accumulated into
+          if (layer) {
+            if (fused) {
+              ops::layernorm_forward_residual(x, res, w, b, y, ro, mean, rstd, 1e-5f);
+              ops::layernorm_forward_residual(gx, gres, gw, gb, gy, gro, gmean, grstd, 1e-5f, s);
+              ops::layernorm_backward_residual(dy, dres, ro, w, mean, rstd, dx, dw, db, {}, true);
+              ops::layernorm_backward_residual(gdy, gdres, gro, gw, gmean, grstd, gdx, gdw, gdb, s, true);
+            } else {
+              ops::layernorm_forward(x, w, b, y, mean, rstd, 1e-5f);
+              ops::layernorm_forward(gx, gw, gb, gy, gmean, grstd, 1e-5f, s);
+              ops::layernorm_backward(dy, x, w, mean, rstd, dx, dw, db, {}, true);
+              ops::layernorm_backward(gdy, gx, gw, gmean, grstd, gdx, gdw, gdb, s, true);
+            }
+          } else {
+            if (fused) {
+              ops::rmsnorm_forward_residual(x, res, w, y, ro, rstd, 1e-5f);
+              ops::rmsnorm_forward_residual(gx, gres, gw, gy, gro, grstd, 1e-5f, s);
+              ops::rmsnorm_backward_residual(dy, dres, ro, w, rstd, dx, dw, {}, true);
+              ops::rmsnorm_backward_residual(gdy, gdres, gro, gw, grstd, gdx, gdw, s, true);
+            } else {
+              ops::rmsnorm_forward(x, w, y, rstd, 1e-5f);
+              ops::rmsnorm_forward(gx, gw, gy, grstd, 1e-5f, s);
+              ops::rmsnorm_backward(dy, x, w, rstd, dx, dw, {}, true);
+              ops::rmsnorm_backward(gdy, gx, gw, grstd, gdx, gdw, s, true);
+            }
+          }
+          s.synchronize();
+          const double tol = tol_for(dt);
+          CHECK(rel_err_t(gy, y) < tol);
+          CHECK(rel_err_t(grstd, rstd) < 1e-5);
+          if (layer) CHECK(rel_err_t(gmean, mean) < 1e-5);
+          if (fused) CHECK(rel_err_t(gro, ro) == 0.0);
+          CHECK(rel_err_t(gdx, dx) < tol);
+          CHECK(rel_err_t(gdw, dw) < 1e-4);
+          if (layer) CHECK(rel_err_t(gdb, db) < 1e-4);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("norm weight gradients are bit-identical from run to run", "[ops][norm][gpu]") {
+  MC_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  Device g = gpu();
+  const Shape sh{2049, 1024};
+  Tensor x = randn(sh, DType::BF16, seed, 0, 1, g), dy = randn(sh, DType::BF16, seed + 1, 0, 1, g);
+  Tensor w = randn({1024}, DType::BF16, seed + 2, 1, 0.1, g);
+  Tensor y = Tensor::empty(sh, DType::BF16, g), rstd = Tensor::empty({2049}, DType::F32, g);
+  ops::rmsnorm_forward(x, w, y, rstd, 1e-6f);
+  Tensor dx = Tensor::empty(sh, DType::BF16, g), dw1 = Tensor::empty({1024}, DType::F32, g),
+         dw2 = Tensor::empty({1024}, DType::F32, g);
+  ops::rmsnorm_backward(dy, x, w, rstd, dx, dw1);
+  ops::rmsnorm_backward(dy, x, w, rstd, dx, dw2);
+  REQUIRE(dw1.to_double_vector() == dw2.to_double_vector());
+}

@@ -1,0 +1,110 @@
+#include "megacore/ops/cast.hpp"
+#include "megacore/ops/optimizer.hpp"
+
+#include "ops/ops_test_util.hpp"
+
+using namespace megacore;
+using namespace mctest;
+
+TEST_CASE("AdamW CPU step matches the formula", "[ops][optimizer]") {
+  Tensor w = Tensor::from_vector(std::vector<float>{1.0f, -2.0f}, {2});
+  Tensor g = Tensor::from_vector(std::vector<float>{0.5f, 0.25f}, {2});
+  Tensor m = Tensor::zeros({2}), v = Tensor::zeros({2}), p = Tensor::empty({2}, DType::BF16);
+  ops::AdamWHyper h;
+  h.lr = 0.1f;
+  h.weight_decay = 0.1f;
+  h.step = 1;
+  ops::multi_tensor_adamw({g}, {w}, {m}, {v}, {p}, h);
+  // step 1: m_hat = g, v_hat = g^2, so the update is lr * g / (|g| + eps) = lr * sign(g)
+  auto wv = w.to_double_vector();
+  CHECK(wv[0] == Approx(1.0 * (1 - 0.01) - 0.1).epsilon(1e-6));
+  CHECK(wv[1] == Approx(-2.0 * (1 - 0.01) - 0.1).epsilon(1e-6));
+  CHECK(m.to_double_vector()[0] == Approx(0.05).epsilon(1e-6));
+  CHECK(v.to_double_vector()[0] == Approx(0.001 * 0.25).epsilon(1e-4));  // 1 - beta2 is rounded to f32
+  CHECK(p.to_double_vector()[0] == double(float(bfloat16(float(wv[0])))));
+  Tensor w3 = Tensor::zeros({3});
+  REQUIRE_THROWS_WITH(ops::multi_tensor_adamw({g}, {w3}, {m}, {v}, {}, h), Catch::Contains("elements"));
+  Tensor gi = Tensor::zeros({2}, DType::F16);
+  REQUIRE_THROWS_WITH(ops::multi_tensor_adamw({gi}, {w}, {m}, {v}, {}, h), Catch::Contains("does not accept"));
+}
+
+TEST_CASE("multi-tensor norm, scale and cast on the CPU", "[ops][optimizer]") {
+  Tensor a = Tensor::from_vector(std::vector<float>{3, 4}, {2}), b = Tensor::from_vector(std::vector<float>{12}, {1});
+  Tensor out = Tensor::empty({1});
+  ops::multi_tensor_l2norm({a, b}, out);
+  CHECK(out.item() == Approx(13.0));
+  Tensor coef = Tensor::empty({1});
+  ops::clip_coefficient(out, 1.3f, coef);
+  CHECK(coef.item() == Approx(0.1).epsilon(1e-5));
+  Tensor ab = Tensor::empty({2}, DType::BF16);
+  ops::multi_tensor_scale({a}, {ab}, 0.5f, coef);
+  CHECK(ab.to_double_vector() == std::vector<double>{double(float(bfloat16(0.15f))), double(float(bfloat16(0.2f)))});
+  Tensor c = Tensor::empty({2}, DType::F16);
+  ops::cast(a, c);
+  CHECK(c.to_double_vector() == std::vector<double>{3, 4});
+  Tensor c3 = Tensor::empty({3}, DType::F16);
+  REQUIRE_THROWS_WITH(ops::cast(a, c3), Catch::Contains("dst has shape [3], expected [2]"));
+}
+
+TEST_CASE("multi-tensor CUDA kernels match the CPU reference", "[ops][optimizer][gpu]") {
+  MC_REQUIRE_GPU();
+  Device d = gpu();
+  // Sizes around the chunk size, many tensors (several launches), one misaligned view.
+  std::vector<int64_t> sizes{1, 7, 65536, 65537, 300001, 1 << 20};
+  for (int i = 0; i < 30; ++i) sizes.push_back(1000 + 37 * i);
+  for (DType gdt : {DType::F32, DType::BF16}) {
+    const uint64_t seed = fresh_seed();
+    INFO("grads " << dtype_name(gdt) << " seed " << seed);
+    std::vector<Tensor> g, w, m, v, p, gg, gw, gm, gv, gp;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const int64_t n = sizes[i];
+      g.push_back(randn({n}, gdt, seed + 10 * i));
+      w.push_back(randn({n}, DType::F32, seed + 10 * i + 1));
+      m.push_back(randn({n}, DType::F32, seed + 10 * i + 2, 0, 0.1));
+      v.push_back(randu({n}, DType::F32, seed + 10 * i + 3, 0, 0.01));
+      p.push_back(Tensor::empty({n}, DType::BF16));
+      gg.push_back(g.back().to(d));
+      gw.push_back(w.back().to(d));
+      gm.push_back(m.back().to(d));
+      gv.push_back(v.back().to(d));
+      gp.push_back(poisoned({n}, DType::BF16, d));
+    }
+    ops::AdamWHyper h;
+    h.lr = 3e-4f;
+    h.beta2 = 0.95f;
+    h.step = 17;
+    h.grad_scale = 0.5f;
+    Tensor scale = Tensor::full({1}, 0.8), gscale = scale.to(d);
+    ops::multi_tensor_adamw(g, w, m, v, p, h, scale);
+    ops::multi_tensor_adamw(gg, gw, gm, gv, gp, h, gscale);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      INFO("tensor " << i << " n " << sizes[i]);
+      CHECK(rel_err_t(gw[i], w[i]) < 1e-6);
+      CHECK(rel_err_t(gm[i], m[i]) < 1e-6);
+      CHECK(rel_err_t(gv[i], v[i]) < 1e-6);
+      CHECK(rel_err_t(gp[i], p[i]) < 1e-2);
+    }
+    Tensor n1 = Tensor::empty({1}), gn1 = poisoned({1}, DType::F32, d), gn2 = poisoned({1}, DType::F32, d);
+    ops::multi_tensor_l2norm(g, n1);
+    ops::multi_tensor_l2norm(gg, gn1);
+    ops::multi_tensor_l2norm(gg, gn2);
+    CHECK(rel_err_t(gn1, n1) < 1e-5);
+    CHECK(gn1.item() == gn2.item());
+    for (DType dst : {DType::F32, DType::BF16, DType::F16}) {
+      std::vector<Tensor> o, go;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        o.push_back(Tensor::empty({sizes[i]}, dst));
+        go.push_back(poisoned({sizes[i]}, dst, d));
+      }
+      ops::multi_tensor_scale(g, o, 0.25f, scale);
+      ops::multi_tensor_scale(gg, go, 0.25f, gscale);
+      for (size_t i = 0; i < sizes.size(); ++i) CHECK(rel_err_t(go[i], o[i]) == 0.0);
+    }
+  }
+  // misaligned cast
+  Tensor base = randn({1001}, DType::F32, fresh_seed(), 0, 1, d);
+  Tensor src = base.slice(0, 1, 1001), dst = poisoned({1000}, DType::BF16, d), ref = Tensor::empty({1000}, DType::BF16);
+  ops::cast(src, dst);
+  ops::cast(src.to(Device::cpu()), ref);
+  CHECK(rel_err_t(dst, ref) == 0.0);
+}
