@@ -1,0 +1,140 @@
+// Tensor-parallel linear layers (Megatron-Core's ColumnParallelLinear / RowParallelLinear), with
+// explicit forward and backward.
+//
+// Weights are [out, in] as in PyTorch/Megatron (y = x W^T + b). A column-parallel layer splits W's
+// rows (the output features) over TP; a row-parallel layer splits W's columns (the input features).
+// The usual pairing is column → (elementwise) → row, which needs one collective per direction:
+//
+//   without SP:  x (replicated) → copy_to_tp → col → [..., out/TP] → row → reduce_from_tp → y (replicated)
+//   with SP:     x [s/TP, ...] → all_gather_from_sp → col → row → reduce_scatter_to_sp → y [s/TP, ...]
+//
+// Activations are [..., features] with the sequence in dim 0 ([s, b, h]); every dimension but the
+// last is flattened into rows for the GEMMs. Gradients accumulate in f32 `main_grad` (gemm beta = 1).
+//
+// Saved activations: forward keeps a handle to its input (with SP, only this rank's sequence chunk,
+// re-gathered in backward as Megatron-Core does, trading an all-gather for s·b·h·(TP−1)/TP of memory).
+// One forward is held at a time: backward consumes it. The caller must not modify x in place between
+// forward and backward.
+//
+// Initialisation: every rank draws the FULL weight with Philox from (seed, init_offset) and keeps its
+// slice, so the model is the same whatever the TP degree. This costs out·in random draws and one
+// full-size temporary per layer on every rank — fine for tests and models up to a few billion
+// parameters; Philox's counter design allows drawing only the shard's elements if that ever matters.
+// Biases start at zero.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+#include "megacore/layers/forward_context.hpp"
+#include "megacore/layers/parameter.hpp"
+
+namespace megacore::layers {
+
+struct ColumnParallelLinearOptions {
+  bool bias = true;
+  /// All-gather the output features so every rank gets [..., out] (else [..., out/TP]).
+  bool gather_output = false;
+  /// Input is this rank's sequence chunk [s/TP, ...]; it is all-gathered along dim 0 before the GEMM.
+  bool sequence_parallel = false;
+  DType params_dtype = DType::F32;
+  Device device = Device::cpu();
+  double init_std = 0.02;
+  uint64_t seed = 1234;
+  /// Philox offset of the full weight's draw: give each layer of a model its own.
+  uint64_t init_offset = 0;
+};
+
+struct RowParallelLinearOptions {
+  bool bias = true;
+  /// Input is already split along its last dimension ([..., in/TP], e.g. a column-parallel output);
+  /// otherwise it is [..., in] and this rank keeps its slice.
+  bool input_is_parallel = false;
+  /// Output is reduce-scattered along dim 0 ([s/TP, ..., out]) instead of all-reduced.
+  bool sequence_parallel = false;
+  DType params_dtype = DType::F32;
+  Device device = Device::cpu();
+  double init_std = 0.02;
+  uint64_t seed = 1234;
+  uint64_t init_offset = 0;
+};
+
+/// The full [out, in] weight every TP degree slices: normal(0, std) from Philox (seed, offset), drawn
+/// in f32 and rounded to `dtype`. Tests use it to build the single-rank reference.
+Tensor init_full_weight(int64_t out_features, int64_t in_features, double std, uint64_t seed, uint64_t offset,
+                        DType dtype = DType::F32, Device device = Device::cpu(), const Stream& s = {});
+
+/// Y = X W^T + b with W's output features split over the TP group.
+class ColumnParallelLinear {
+ public:
+  /// `tp` must outlive the layer. Throws ValueError naming the fix when out_features is not divisible
+  /// by TP or the options contradict each other (gather_output with sequence_parallel).
+  ColumnParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
+                       const ColumnParallelLinearOptions& options = {});
+
+  /// x: [..., in] (replicated), or [s/TP, ..., in] with sequence_parallel. Returns [..., out/TP], or
+  /// [..., out] with gather_output.
+  Tensor forward(const ForwardContext& ctx, const Tensor& x);
+  /// dy: the gradient of forward's output (same shape). Accumulates weight/bias main_grad and returns
+  /// the gradient of x (summed over TP; reduce-scattered to [s/TP, ...] with sequence_parallel).
+  Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  Parameter& weight() { return weight_; }  ///< [out/TP, in], partition_dim 0
+  Parameter& bias() { return bias_; }      ///< [out/TP], partition_dim 0; undefined without bias
+  std::vector<Parameter*> parameters();
+  void zero_grad();
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  int64_t out_features_per_rank() const { return out_local_; }
+  const ColumnParallelLinearOptions& options() const { return opts_; }
+
+ private:
+  comm::Communicator& tp_;
+  int64_t in_, out_, out_local_;
+  ColumnParallelLinearOptions opts_;
+  Parameter weight_, bias_;
+  Tensor saved_input_;  // x as given (with SP: the local chunk; re-gathered in backward)
+};
+
+/// Y = X W^T + b with W's input features split over the TP group; the partial products are summed
+/// (all-reduce, or reduce-scatter along the sequence with SP) and the bias is added once after that.
+class RowParallelLinear {
+ public:
+  /// Throws ValueError naming the fix when in_features is not divisible by TP or sequence_parallel
+  /// is asked without input_is_parallel.
+  RowParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
+                    const RowParallelLinearOptions& options = {});
+
+  /// x: [..., in/TP] with input_is_parallel, else [..., in]. Returns [..., out] replicated, or
+  /// [s/TP, ..., out] with sequence_parallel.
+  Tensor forward(const ForwardContext& ctx, const Tensor& x);
+  /// dy: gradient of forward's output (same shape). Returns the gradient of x in x's layout.
+  Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  Parameter& weight() { return weight_; }  ///< [out, in/TP], partition_dim 1
+  /// [out], replicated; with sequence_parallel its main_grad holds only this rank's sequence chunk's
+  /// share (Parameter::sequence_parallel is set) until allreduce_sequence_parallel_grads.
+  Parameter& bias() { return bias_; }
+  std::vector<Parameter*> parameters();
+  void zero_grad();
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  int64_t in_features_per_rank() const { return in_local_; }
+  const RowParallelLinearOptions& options() const { return opts_; }
+
+ private:
+  comm::Communicator& tp_;
+  int64_t in_, out_, in_local_;
+  RowParallelLinearOptions opts_;
+  Parameter weight_, bias_;
+  Tensor saved_input_;  // this rank's [..., in/TP] input
+};
+
+/// Sums over `tp` the main_grad of every parameter flagged sequence_parallel (once per step, before
+/// the optimizer or the DP gradient reduction).
+void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector<Parameter*>& params,
+                                       const Stream& s = {});
+
+}  // namespace megacore::layers

@@ -1,0 +1,27 @@
+// Parameter: one trainable tensor (this rank's shard) with its f32 gradient accumulator.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::layers {
+
+struct Parameter {
+  std::string name;  ///< "weight", "bias"; models prefix it with the module path
+  /// This rank's shard, in the layer's params dtype.
+  Tensor data;
+  /// f32 gradient of the same shape; backward accumulates into it (gemm beta = 1), so several
+  /// micro-batches add up until the optimizer zeroes it.
+  Tensor main_grad;
+  /// Dimension along which the full tensor is split over TP, or -1 when it is replicated.
+  int partition_dim = -1;
+  /// True for a replicated parameter whose gradient each TP rank computed from only its own sequence
+  /// chunk (biases and norms after a sequence-parallel region): main_grad must be summed over the TP
+  /// group before the optimizer uses it (see layers::allreduce_sequence_parallel_grads). Deferred, as
+  /// in Megatron-Core, so it is one collective per step, not one per layer per micro-batch.
+  bool sequence_parallel = false;
+};
+
+}  // namespace megacore::layers

@@ -1,0 +1,130 @@
+// TransformerConfig: the shape and flavour of a GPT/Llama-style decoder, validated as a whole before
+// anything is allocated, plus the parameter and FLOP counts that MFU reporting uses.
+//
+// Field names follow Megatron-Core's TransformerConfig where one exists. Zero means "derived" for
+// kv_channels (hidden/heads), num_query_groups (= heads, plain multi-head attention) and
+// ffn_hidden_size (4·hidden); use the accessors head_dim(), query_groups() and ffn_size().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "megacore/core/dtype.hpp"
+
+namespace megacore::model {
+
+enum class NormType { RMSNorm, LayerNorm };
+/// SwiGLU: fc1 produces [gate | up] (2·ffn) and fc2 consumes ffn; GELU: fc1 ffn → fc2 (tanh GELU as GPT-2).
+enum class ActivationType { SwiGLU, GELU };
+enum class PositionEmbeddingType { RoPE, Learned };
+/// What a layer recomputes in backward: nothing, core attention only, or the whole layer.
+enum class RecomputeGranularity { None, Selective, Full };
+enum class RopeScalingType { None, Llama3 };
+
+std::string_view norm_type_name(NormType t);
+std::string_view activation_type_name(ActivationType t);
+std::string_view position_embedding_type_name(PositionEmbeddingType t);
+std::string_view recompute_granularity_name(RecomputeGranularity g);
+
+/// Llama-3.1-style frequency scaling of RoPE (Hugging Face rope_type "llama3").
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::None;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct TransformerConfig {
+  int64_t num_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_query_groups = 0;  ///< KV heads (GQA); 0 = num_attention_heads
+  int64_t ffn_hidden_size = 0;   ///< 0 = 4·hidden_size
+  int64_t kv_channels = 0;       ///< head dimension; 0 = hidden_size / num_attention_heads
+  int64_t vocab_size = 0;        ///< the tokenizer's vocabulary (unpadded)
+  int64_t max_position_embeddings = 0;
+  /// The embedding and output layer are padded to a multiple of this × TP (Megatron's
+  /// make_vocab_size_divisible_by); the padding rows are masked out of the loss.
+  int64_t make_vocab_size_divisible_by = 128;
+
+  NormType normalization = NormType::RMSNorm;
+  double norm_eps = 1e-5;
+  ActivationType activation = ActivationType::SwiGLU;
+  bool add_bias_linear = false;  ///< biases on every linear layer (GPT-2: yes, Llama: no)
+  bool tie_word_embeddings = false;
+  PositionEmbeddingType position_embedding = PositionEmbeddingType::RoPE;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+
+  double init_method_std = 0.02;
+  DType params_dtype = DType::F32;
+  bool sequence_parallel = false;
+  RecomputeGranularity recompute_granularity = RecomputeGranularity::None;
+  uint64_t seed = 1234;
+
+  int64_t head_dim() const { return kv_channels > 0 ? kv_channels : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0); }
+  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  int64_t ffn_size() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
+  /// Width of the attention output (heads · head_dim), the input of the output projection.
+  int64_t attention_width() const { return num_attention_heads * head_dim(); }
+  /// Output width of the fused QKV projection: (heads + 2·query_groups) · head_dim.
+  int64_t qkv_width() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
+};
+
+/// Throws ConfigError listing every inconsistency of `cfg` for `tp_size`-way tensor parallelism, each
+/// with the change that fixes it. Call it before allocating anything.
+void validate(const TransformerConfig& cfg, int tp_size = 1);
+
+/// vocab_size rounded up to a multiple of make_vocab_size_divisible_by × tp_size.
+int64_t padded_vocab_size(const TransformerConfig& cfg, int tp_size = 1);
+
+/// Parameters of the whole model by part (biases and norm weights included).
+struct ParameterCount {
+  int64_t embedding = 0;           ///< word embedding (vocab × hidden)
+  int64_t position_embedding = 0;  ///< learned positions (max_positions × hidden), else 0
+  int64_t per_layer = 0;           ///< one transformer layer
+  int64_t layers = 0;              ///< num_layers × per_layer
+  int64_t final_norm = 0;
+  int64_t output_layer = 0;        ///< 0 when tied to the embedding
+  int64_t total = 0;
+};
+
+/// Counts every parameter. tp_size = 0 counts the true vocabulary (as Hugging Face reports it); a
+/// positive tp_size counts the padded vocabulary that is allocated for that TP degree.
+ParameterCount parameter_count(const TransformerConfig& cfg, int tp_size = 0);
+
+/// Training FLOPs per token (forward + backward, no recompute), the numerator of MFU.
+struct FlopsPerToken {
+  /// 6 · N_matmul: N_matmul counts the weights that take part in a matrix product (every linear
+  /// layer and the output layer, whether or not it is tied), not the embedding lookup, norms, biases
+  /// or position tables.
+  double dense = 0;
+  /// 12 · L · (heads · head_dim) · s for QK^T and AV over the full s×s score matrix (forward 4·L·a·d·s,
+  /// backward twice that); halved when `causal` is set, counting only the lower triangle.
+  double attention = 0;
+  double total = 0;
+};
+
+/// FLOPs per token at sequence length `seq_len`. By default the non-causal attention count (the
+/// convention of Megatron-LM's and PaLM's MFU), so numbers compare with theirs; pass causal = true for
+/// the work a causal kernel actually does.
+FlopsPerToken flops_per_token(const TransformerConfig& cfg, int64_t seq_len, bool causal = false);
+
+/// Ready-made configs (parameters dtype f32; set params_dtype for bf16 training).
+namespace presets {
+/// A two-layer Llama small enough for CPU tests: h64, 8 heads, 4 KV groups (GQA), ffn 128,
+/// vocab 256; valid for TP 1, 2 and 4.
+TransformerConfig tiny_llama();
+/// A two-layer GPT-2 (LayerNorm, learned positions, GELU, biases, tied) of the same size.
+TransformerConfig tiny_gpt2();
+/// Llama 3.2 1B: h2048, 16 layers, 32 heads, 8 KV, ffn 8192, vocab 128256, tied, llama3 RoPE scaling.
+TransformerConfig llama32_1b();
+/// Llama 3 8B: h4096, 32 layers, 32 heads, 8 KV, ffn 14336, vocab 128256, untied.
+TransformerConfig llama3_8b();
+/// GPT-2 small (124M): h768, 12 layers, 12 heads, vocab 50257, 1024 positions.
+TransformerConfig gpt2_124m();
+}  // namespace presets
+
+}  // namespace megacore::model

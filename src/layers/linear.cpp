@@ -1,0 +1,270 @@
+#include "megacore/layers/linear.hpp"
+
+#include <fmt/format.h>
+
+#include "megacore/ops/gemm.hpp"
+#include "megacore/parallel/mappings.hpp"
+
+namespace megacore::layers {
+namespace {
+
+namespace pm = megacore::parallel;
+
+Tensor zeros_f32(const Shape& shape, Device d, const Stream& s) { return Tensor::zeros(shape, DType::F32, d, s); }
+
+// The shape with the last dimension replaced.
+Shape with_last(Shape shape, int64_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+// Rows of a [..., features] tensor as a contiguous 2-D matrix.
+Tensor as_rows(const Tensor& t, int64_t features, const Stream& s) {
+  return t.contiguous(s).view({t.numel() / std::max<int64_t>(features, 1), features});
+}
+
+void check_activation(const Tensor& x, int64_t features, DType dtype, Device device, std::string_view layer,
+                      std::string_view what, std::string_view fix) {
+  MC_CHECK(x.defined(), "{}: {} is undefined; pass the output of the previous layer", layer, what);
+  MC_CHECK(x.dim() >= 1 && x.size(-1) == features,
+           "{}: {} has shape {} but its last dimension must be {}; {}", layer, what, shape_str(x.shape()), features, fix);
+  MC_CHECK(x.dtype() == dtype, "{}: {} has dtype {} but the layer's parameters are {}; convert it with .to(DType::{})",
+           layer, what, dtype_name(x.dtype()), dtype_name(dtype), dtype_name(dtype));
+  MC_CHECK(x.device() == device, "{}: {} is on {} but the layer is on {}; move it with .to(Device)", layer, what,
+           x.device().str(), device.str());
+}
+
+void check_sequence_chunk(const Tensor& x, std::string_view layer, std::string_view what) {
+  MC_CHECK(x.dim() >= 2,
+           "{}: with sequence_parallel {} must be [s/TP, ..., features] with the sequence in dim 0, got shape {}; add "
+           "the sequence dimension",
+           layer, what, shape_str(x.shape()));
+}
+
+// main_grad[n] += column sums of dy [rows, n], as a GEMM with a ones row so it runs on any device
+// and accumulates in f32 (the BiasGrad epilogues overwrite instead of accumulating).
+void accumulate_bias_grad(Tensor& main_grad, const Tensor& dy2, const Stream& s) {
+  Tensor ones = Tensor::full({1, dy2.size(0)}, 1.0, dy2.dtype(), dy2.device(), s);
+  Tensor g = main_grad.view({1, main_grad.numel()});
+  ops::GemmOptions o;
+  o.beta = 1.f;
+  ops::gemm(ones, dy2, g, o, s);
+}
+
+// y2 [rows, n] += bias [n] broadcast over rows (a K = 1 GEMM: ones [rows, 1] @ bias [1, n]).
+void add_bias_rows(Tensor& y2, const Tensor& bias, const Stream& s) {
+  Tensor ones = Tensor::full({y2.size(0), 1}, 1.0, bias.dtype(), bias.device(), s);
+  ops::GemmOptions o;
+  o.beta = 1.f;
+  ops::gemm(ones, bias.view({1, bias.numel()}), y2, o, s);
+}
+
+void check_features(int64_t in, int64_t out, std::string_view layer) {
+  MC_CHECK(in > 0 && out > 0, "{}: in_features {} and out_features {} must be positive", layer, in, out);
+}
+
+Parameter make_param(std::string name, Tensor data, int partition_dim) {
+  Parameter p;
+  p.name = std::move(name);
+  p.main_grad = zeros_f32(data.shape(), data.device(), {});
+  p.data = std::move(data);
+  p.partition_dim = partition_dim;
+  return p;
+}
+
+}  // namespace
+
+Tensor init_full_weight(int64_t out_features, int64_t in_features, double std, uint64_t seed, uint64_t offset,
+                        DType dtype, Device device, const Stream& s) {
+  MC_CHECK(std >= 0, "init_full_weight: std is {}; pass a non-negative standard deviation (0.02)", std);
+  Tensor w = Tensor::empty({out_features, in_features}, DType::F32, device, s);
+  Generator g(seed, offset);
+  w.normal_(g, 0.0, std, s);
+  return w.to(dtype, s);
+}
+
+// ---- ColumnParallelLinear ---------------------------------------------------------------------------
+
+ColumnParallelLinear::ColumnParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
+                                           const ColumnParallelLinearOptions& options)
+    : tp_(tp), in_(in_features), out_(out_features), out_local_(0), opts_(options) {
+  constexpr std::string_view kName = "ColumnParallelLinear";
+  check_features(in_, out_, kName);
+  MC_CHECK(out_ % tp.size() == 0,
+           "{}: out_features {} is not divisible by the TP size {}; make out_features a multiple of {} (or pad it)",
+           kName, out_, tp.size(), tp.size());
+  MC_CHECK(!(opts_.gather_output && opts_.sequence_parallel),
+           "{}: gather_output and sequence_parallel cannot both be set (a sequence-parallel region ends in a "
+           "row-parallel layer's reduce-scatter); turn gather_output off",
+           kName);
+  MC_CHECK(is_floating(opts_.params_dtype), "{}: params_dtype {} is not a float type; use f32, bf16 or f16", kName,
+           dtype_name(opts_.params_dtype));
+  out_local_ = out_ / tp.size();
+  Tensor full = init_full_weight(out_, in_, opts_.init_std, opts_.seed, opts_.init_offset, opts_.params_dtype,
+                                 opts_.device);
+  weight_ = make_param("weight", full.narrow(0, tp.rank() * out_local_, out_local_).contiguous(), 0);
+  if (opts_.bias) bias_ = make_param("bias", Tensor::zeros({out_local_}, opts_.params_dtype, opts_.device), 0);
+}
+
+Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
+  constexpr std::string_view kName = "ColumnParallelLinear.forward";
+  const Stream& s = ctx.stream;
+  check_activation(x, in_, opts_.params_dtype, opts_.device, kName, "the input",
+                   fmt::format("the layer was built with in_features = {}", in_));
+  if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
+  Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, x, s) : pm::copy_to_tp_forward(tp_, x, s);
+  Tensor x2 = as_rows(total, in_, s);
+  Tensor y2 = Tensor::empty({x2.size(0), out_local_}, opts_.params_dtype, opts_.device, s);
+  ops::GemmOptions o;
+  o.trans_b = true;
+  if (opts_.bias) {
+    o.epilogue = ops::GemmEpilogue::Bias;
+    o.bias = bias_.data;
+  }
+  ops::gemm(x2, weight_.data, y2, o, s);
+  saved_input_ = ctx.training ? x : Tensor();
+  Tensor y = y2.view(with_last(total.shape(), out_local_));
+  return opts_.gather_output ? pm::gather_from_tp_forward(tp_, y, s) : y;
+}
+
+Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) {
+  constexpr std::string_view kName = "ColumnParallelLinear.backward";
+  const Stream& s = ctx.stream;
+  MC_CHECK(saved_input_.defined(),
+           "{}: no saved input; call forward with ctx.training = true before backward (each forward allows one "
+           "backward)",
+           kName);
+  const int64_t dy_features = opts_.gather_output ? out_ : out_local_;
+  check_activation(dy, dy_features, opts_.params_dtype, opts_.device, kName, "dy",
+                   "pass the gradient of forward's output, which has the same shape");
+  Tensor dyl = opts_.gather_output ? pm::gather_from_tp_backward(tp_, dy, s) : dy;
+  // With SP the input is re-gathered here instead of being kept whole since forward.
+  Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
+  Tensor x2 = as_rows(total, in_, s);
+  Tensor dy2 = as_rows(dyl, out_local_, s);
+  MC_CHECK(dy2.size(0) == x2.size(0),
+           "{}: dy has shape {} but forward's output had {} rows; pass the gradient of forward's output", kName,
+           shape_str(dy.shape()), x2.size(0));
+  ops::GemmOptions wg;
+  wg.trans_a = true;
+  wg.beta = 1.f;
+  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
+  Tensor dx = ops::matmul(dy2, weight_.data, {}, s).view(total.shape());
+  saved_input_ = Tensor();
+  return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
+}
+
+std::vector<Parameter*> ColumnParallelLinear::parameters() {
+  std::vector<Parameter*> p{&weight_};
+  if (opts_.bias) p.push_back(&bias_);
+  return p;
+}
+
+void ColumnParallelLinear::zero_grad() {
+  for (Parameter* p : parameters()) p->main_grad.zero_();
+}
+
+// ---- RowParallelLinear ------------------------------------------------------------------------------
+
+RowParallelLinear::RowParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
+                                     const RowParallelLinearOptions& options)
+    : tp_(tp), in_(in_features), out_(out_features), in_local_(0), opts_(options) {
+  constexpr std::string_view kName = "RowParallelLinear";
+  check_features(in_, out_, kName);
+  MC_CHECK(in_ % tp.size() == 0,
+           "{}: in_features {} is not divisible by the TP size {}; make in_features a multiple of {} (or pad it)",
+           kName, in_, tp.size(), tp.size());
+  MC_CHECK(!opts_.sequence_parallel || opts_.input_is_parallel,
+           "{}: sequence_parallel needs input_is_parallel = true (the input must come split from a column-parallel "
+           "layer); set input_is_parallel",
+           kName);
+  MC_CHECK(is_floating(opts_.params_dtype), "{}: params_dtype {} is not a float type; use f32, bf16 or f16", kName,
+           dtype_name(opts_.params_dtype));
+  in_local_ = in_ / tp.size();
+  Tensor full = init_full_weight(out_, in_, opts_.init_std, opts_.seed, opts_.init_offset, opts_.params_dtype,
+                                 opts_.device);
+  weight_ = make_param("weight", full.narrow(1, tp.rank() * in_local_, in_local_).contiguous(), 1);
+  if (opts_.bias) {
+    bias_ = make_param("bias", Tensor::zeros({out_}, opts_.params_dtype, opts_.device), -1);
+    bias_.sequence_parallel = opts_.sequence_parallel;
+  }
+}
+
+Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
+  constexpr std::string_view kName = "RowParallelLinear.forward";
+  const Stream& s = ctx.stream;
+  const int64_t x_features = opts_.input_is_parallel ? in_local_ : in_;
+  check_activation(x, x_features, opts_.params_dtype, opts_.device, kName, "the input",
+                   opts_.input_is_parallel
+                       ? fmt::format("with input_is_parallel it is this rank's slice in_features / TP = {} / {}", in_,
+                                     tp_.size())
+                       : fmt::format("without input_is_parallel it is the full in_features = {}", in_));
+  if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
+  Tensor xin = opts_.input_is_parallel ? x : pm::scatter_to_tp_forward(tp_, x, s);
+  Tensor x2 = as_rows(xin, in_local_, s);
+  ops::GemmOptions o;
+  o.trans_b = true;
+  Tensor partial = ops::matmul(x2, weight_.data, o, s).view(with_last(xin.shape(), out_));
+  Tensor y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
+                                     : pm::reduce_from_tp_forward(tp_, partial, s);
+  if (opts_.bias) {
+    // After the reduction, so the bias is added once and not TP times.
+    Tensor y2 = y.view({y.numel() / out_, out_});
+    add_bias_rows(y2, bias_.data, s);
+  }
+  saved_input_ = ctx.training ? xin : Tensor();
+  return y;
+}
+
+Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) {
+  constexpr std::string_view kName = "RowParallelLinear.backward";
+  const Stream& s = ctx.stream;
+  MC_CHECK(saved_input_.defined(),
+           "{}: no saved input; call forward with ctx.training = true before backward (each forward allows one "
+           "backward)",
+           kName);
+  check_activation(dy, out_, opts_.params_dtype, opts_.device, kName, "dy",
+                   "pass the gradient of forward's output, which has the same shape");
+  if (opts_.sequence_parallel) check_sequence_chunk(dy, kName, "dy");
+  Tensor dy_total = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_backward(tp_, dy, s)
+                                            : pm::reduce_from_tp_backward(tp_, dy, s);
+  Tensor x2 = as_rows(saved_input_, in_local_, s);
+  Tensor dy2 = as_rows(dy_total, out_, s);
+  MC_CHECK(dy2.size(0) == x2.size(0),
+           "{}: dy has shape {} but forward's output had {} rows{}; pass the gradient of forward's output", kName,
+           shape_str(dy.shape()), x2.size(0) / (opts_.sequence_parallel ? tp_.size() : 1),
+           opts_.sequence_parallel ? " on this rank" : "");
+  ops::GemmOptions wg;
+  wg.trans_a = true;
+  wg.beta = 1.f;
+  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+  // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
+  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
+  Tensor dx = ops::matmul(dy2, weight_.data, {}, s).view(saved_input_.shape());
+  saved_input_ = Tensor();
+  return opts_.input_is_parallel ? dx : pm::scatter_to_tp_backward(tp_, dx, s);
+}
+
+std::vector<Parameter*> RowParallelLinear::parameters() {
+  std::vector<Parameter*> p{&weight_};
+  if (opts_.bias) p.push_back(&bias_);
+  return p;
+}
+
+void RowParallelLinear::zero_grad() {
+  for (Parameter* p : parameters()) p->main_grad.zero_();
+}
+
+void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector<Parameter*>& params,
+                                       const Stream& s) {
+  if (tp.size() == 1) return;
+  for (Parameter* p : params)
+    if (p && p->sequence_parallel) {
+      MC_CHECK(p->main_grad.is_contiguous(), "allreduce_sequence_parallel_grads: main_grad of '{}' is not contiguous; "
+               "allocate gradients contiguous", p->name);
+      tp.all_reduce(p->main_grad, comm::ReduceOp::Sum, s)->wait();
+    }
+}
+
+}  // namespace megacore::layers

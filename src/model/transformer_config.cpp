@@ -1,0 +1,253 @@
+#include "megacore/model/transformer_config.hpp"
+
+#include <fmt/format.h>
+
+#include <vector>
+
+#include "megacore/core/error.hpp"
+
+namespace megacore::model {
+
+std::string_view norm_type_name(NormType t) { return t == NormType::RMSNorm ? "RMSNorm" : "LayerNorm"; }
+std::string_view activation_type_name(ActivationType t) { return t == ActivationType::SwiGLU ? "swiglu" : "gelu"; }
+std::string_view position_embedding_type_name(PositionEmbeddingType t) {
+  return t == PositionEmbeddingType::RoPE ? "rope" : "learned_absolute";
+}
+std::string_view recompute_granularity_name(RecomputeGranularity g) {
+  switch (g) {
+    case RecomputeGranularity::None: return "none";
+    case RecomputeGranularity::Selective: return "selective";
+    case RecomputeGranularity::Full: return "full";
+  }
+  return "?";
+}
+
+namespace {
+
+// Largest divisor of n that is <= limit: a concrete suggestion to put in an error message.
+int64_t divisor_at_most(int64_t n, int64_t limit) {
+  for (int64_t d = std::min(n, limit); d > 1; --d)
+    if (n % d == 0) return d;
+  return 1;
+}
+
+}  // namespace
+
+void validate(const TransformerConfig& c, int tp) {
+  // Collect every problem so one run of the check tells the user everything to change.
+  std::vector<std::string> errs;
+  auto add = [&]<class... A>(fmt::format_string<A...> f, A&&... a) { errs.push_back(fmt::format(f, std::forward<A>(a)...)); };
+
+  if (tp < 1) add("the tensor-parallel size is {}; it must be at least 1", tp);
+  auto positive = [&](int64_t v, std::string_view name, std::string_view what) {
+    if (v <= 0) add("{} is {}; set it to the {} (a positive number)", name, v, what);
+  };
+  positive(c.num_layers, "num_layers", "number of transformer layers");
+  positive(c.hidden_size, "hidden_size", "model width");
+  positive(c.num_attention_heads, "num_attention_heads", "number of query heads");
+  positive(c.vocab_size, "vocab_size", "tokenizer's vocabulary size");
+  positive(c.max_position_embeddings, "max_position_embeddings", "longest sequence the model supports");
+  positive(c.make_vocab_size_divisible_by, "make_vocab_size_divisible_by", "padding granule of the vocabulary (128)");
+  auto derived = [&](int64_t v, std::string_view name, std::string_view dflt) {
+    if (v < 0) add("{} is {}; set it to a positive value, or 0 for the default ({})", name, v, dflt);
+  };
+  derived(c.num_query_groups, "num_query_groups", "num_attention_heads, i.e. no GQA");
+  derived(c.ffn_hidden_size, "ffn_hidden_size", "4 × hidden_size");
+  derived(c.kv_channels, "kv_channels", "hidden_size / num_attention_heads");
+
+  const int64_t heads = c.num_attention_heads, groups = c.query_groups();
+  if (c.hidden_size > 0 && heads > 0 && c.kv_channels == 0 && c.hidden_size % heads != 0)
+    add("hidden_size {} is not divisible by num_attention_heads {}; use a head count that divides it (e.g. {}) or set "
+        "kv_channels to the head dimension explicitly",
+        c.hidden_size, heads, divisor_at_most(c.hidden_size, heads));
+  if (heads > 0 && groups > 0 && heads % groups != 0)
+    add("num_attention_heads {} is not divisible by num_query_groups {}; each KV group must serve a whole number of "
+        "query heads: use a group count that divides the heads (e.g. {})",
+        heads, groups, divisor_at_most(heads, groups));
+  if (tp >= 1) {
+    if (heads > 0 && heads % tp != 0)
+      add("num_attention_heads {} is not divisible by TP {}; use a TP that divides the heads (e.g. {}) or change the "
+          "head count",
+          heads, tp, divisor_at_most(heads, tp));
+    if (groups > 0 && groups % tp != 0)
+      add("num_query_groups {} is not divisible by TP {}; every TP rank needs whole KV groups: use a TP that divides "
+          "them (e.g. {}) or raise num_query_groups",
+          groups, tp, divisor_at_most(groups, tp));
+    const int64_t ffn = c.ffn_size();
+    if (c.ffn_hidden_size >= 0 && ffn > 0 && ffn % tp != 0)
+      add("ffn_hidden_size {} is not divisible by TP {}; round it to a multiple of {}", ffn, tp, tp);
+    if (c.sequence_parallel && tp == 1)
+      add("sequence_parallel needs TP > 1 (it splits the sequence over the TP group) but TP is 1; turn "
+          "sequence_parallel off or raise TP");
+  }
+  if (c.position_embedding == PositionEmbeddingType::RoPE) {
+    const int64_t d = c.head_dim();
+    if (d > 0 && d % 2 != 0)
+      add("RoPE rotates pairs of channels but the head dimension is {} (odd); use an even kv_channels / head size", d);
+    if (!(c.rope_theta > 0)) add("rope_theta is {}; set it to the RoPE base (10000 for Llama 2, 500000 for Llama 3)", c.rope_theta);
+    const RopeScaling& r = c.rope_scaling;
+    if (r.type == RopeScalingType::Llama3) {
+      if (!(r.factor >= 1)) add("rope_scaling.factor is {}; the llama3 scaling factor must be at least 1 (8 for 3.1, 32 for 3.2)", r.factor);
+      if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor))
+        add("rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {} and {}; Llama 3 uses 1 and 4",
+            r.low_freq_factor, r.high_freq_factor);
+      if (r.original_max_position_embeddings <= 0)
+        add("rope_scaling.original_max_position_embeddings is {}; set it to the pre-training context (8192 for Llama 3)",
+            r.original_max_position_embeddings);
+    }
+  } else if (c.rope_scaling.type != RopeScalingType::None) {
+    add("rope_scaling is set but position_embedding is learned; set rope_scaling.type to None or use RoPE");
+  }
+  if (!(c.norm_eps > 0)) add("norm_eps is {}; set it to a small positive number (1e-5)", c.norm_eps);
+  if (!(c.init_method_std > 0)) add("init_method_std is {}; set it to a positive standard deviation (0.02)", c.init_method_std);
+  if (!is_floating(c.params_dtype))
+    add("params_dtype is {}; parameters must be f32, bf16 or f16", dtype_name(c.params_dtype));
+
+  if (errs.empty()) return;
+  std::string msg = errs.size() == 1 ? "invalid TransformerConfig: " : fmt::format("invalid TransformerConfig ({} problems): ", errs.size());
+  for (size_t i = 0; i < errs.size(); ++i) msg += (i ? "; " : "") + errs[i];
+  throw ConfigError(msg);
+}
+
+int64_t padded_vocab_size(const TransformerConfig& c, int tp) {
+  MC_CHECK_AS(ConfigError, tp >= 1 && c.make_vocab_size_divisible_by > 0 && c.vocab_size > 0,
+              "padded_vocab_size: needs vocab_size > 0, make_vocab_size_divisible_by > 0 and TP >= 1 (got {}, {}, {}); "
+              "fix the config (validate() lists everything)",
+              c.vocab_size, c.make_vocab_size_divisible_by, tp);
+  const int64_t m = c.make_vocab_size_divisible_by * tp;
+  return (c.vocab_size + m - 1) / m * m;
+}
+
+namespace {
+
+struct LayerShapes {
+  int64_t qkv_w, proj_w, fc1_w, fc2_w;  // matmul weights of one layer
+  int64_t biases, norms;                // everything else in the layer
+};
+
+LayerShapes layer_shapes(const TransformerConfig& c) {
+  const int64_t h = c.hidden_size, f = c.ffn_size();
+  const int64_t fc1_out = c.activation == ActivationType::SwiGLU ? 2 * f : f;
+  const int64_t norm = c.normalization == NormType::LayerNorm ? 2 * h : h;  // LayerNorm has a bias
+  LayerShapes s{};
+  s.qkv_w = h * c.qkv_width();
+  s.proj_w = c.attention_width() * h;
+  s.fc1_w = h * fc1_out;
+  s.fc2_w = f * h;
+  s.biases = c.add_bias_linear ? c.qkv_width() + h + fc1_out + h : 0;
+  s.norms = 2 * norm;
+  return s;
+}
+
+}  // namespace
+
+ParameterCount parameter_count(const TransformerConfig& c, int tp) {
+  const int64_t h = c.hidden_size;
+  const int64_t vocab = tp > 0 ? padded_vocab_size(c, tp) : c.vocab_size;
+  const LayerShapes s = layer_shapes(c);
+  ParameterCount p;
+  p.embedding = vocab * h;
+  p.position_embedding = c.position_embedding == PositionEmbeddingType::Learned ? c.max_position_embeddings * h : 0;
+  p.per_layer = s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w + s.biases + s.norms;
+  p.layers = c.num_layers * p.per_layer;
+  p.final_norm = c.normalization == NormType::LayerNorm ? 2 * h : h;
+  p.output_layer = c.tie_word_embeddings ? 0 : vocab * h;
+  p.total = p.embedding + p.position_embedding + p.layers + p.final_norm + p.output_layer;
+  return p;
+}
+
+FlopsPerToken flops_per_token(const TransformerConfig& c, int64_t seq_len, bool causal) {
+  MC_CHECK(seq_len > 0, "flops_per_token: seq_len is {}; pass the training sequence length", seq_len);
+  const LayerShapes s = layer_shapes(c);
+  // The output layer is a matmul whether or not its weight is shared with the embedding lookup.
+  const double n_matmul = double(c.num_layers) * double(s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w) +
+                          double(c.vocab_size) * double(c.hidden_size);
+  FlopsPerToken f;
+  f.dense = 6.0 * n_matmul;
+  f.attention = 12.0 * double(c.num_layers) * double(c.attention_width()) * double(seq_len) * (causal ? 0.5 : 1.0);
+  f.total = f.dense + f.attention;
+  return f;
+}
+
+namespace presets {
+
+TransformerConfig tiny_llama() {
+  TransformerConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 8;
+  c.num_query_groups = 4;
+  c.ffn_hidden_size = 128;
+  c.vocab_size = 256;
+  c.max_position_embeddings = 128;
+  c.normalization = NormType::RMSNorm;
+  c.activation = ActivationType::SwiGLU;
+  c.position_embedding = PositionEmbeddingType::RoPE;
+  c.rope_theta = 10000.0;
+  return c;
+}
+
+TransformerConfig tiny_gpt2() {
+  TransformerConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 8;
+  c.ffn_hidden_size = 256;
+  c.vocab_size = 256;
+  c.max_position_embeddings = 128;
+  c.normalization = NormType::LayerNorm;
+  c.activation = ActivationType::GELU;
+  c.add_bias_linear = true;
+  c.tie_word_embeddings = true;
+  c.position_embedding = PositionEmbeddingType::Learned;
+  return c;
+}
+
+TransformerConfig llama32_1b() {
+  TransformerConfig c;
+  c.num_layers = 16;
+  c.hidden_size = 2048;
+  c.num_attention_heads = 32;
+  c.num_query_groups = 8;
+  c.ffn_hidden_size = 8192;
+  c.kv_channels = 64;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 131072;
+  c.tie_word_embeddings = true;
+  c.rope_theta = 500000.0;
+  c.rope_scaling = RopeScaling{RopeScalingType::Llama3, 32.0, 1.0, 4.0, 8192};
+  return c;
+}
+
+TransformerConfig llama3_8b() {
+  TransformerConfig c;
+  c.num_layers = 32;
+  c.hidden_size = 4096;
+  c.num_attention_heads = 32;
+  c.num_query_groups = 8;
+  c.ffn_hidden_size = 14336;
+  c.kv_channels = 128;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 8192;
+  c.rope_theta = 500000.0;
+  return c;
+}
+
+TransformerConfig gpt2_124m() {
+  TransformerConfig c;
+  c.num_layers = 12;
+  c.hidden_size = 768;
+  c.num_attention_heads = 12;
+  c.ffn_hidden_size = 3072;
+  c.vocab_size = 50257;
+  c.max_position_embeddings = 1024;
+  c.normalization = NormType::LayerNorm;
+  c.activation = ActivationType::GELU;
+  c.add_bias_linear = true;
+  c.tie_word_embeddings = true;
+  c.position_embedding = PositionEmbeddingType::Learned;
+  return c;
+}
+
+}  // namespace presets
+}  // namespace megacore::model
