@@ -12,23 +12,12 @@ import json
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch_peers import bench as _bench  # same folder: the scripts are run by path
 
 
 def bench(fn, warmup=3, samples=15):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of fn() (torch_peers.bench, with this benchmark's sample count)."""
+    return _bench(fn, warmup, samples)
 
 
 def main():
