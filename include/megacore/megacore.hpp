@@ -22,6 +22,7 @@
 #include "megacore/data/data.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/parallel/process_grid.hpp"
+#include "megacore/layers/attention.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/cross_entropy.hpp"
 #include "megacore/layers/embedding.hpp"

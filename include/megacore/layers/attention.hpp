@@ -1,0 +1,119 @@
+// Tensor-parallel self-attention (Megatron-Core's SelfAttention): fused QKV projection, GQA, RoPE,
+// causal core attention and the output projection, with explicit forward and backward.
+//
+// Data flow (activations [s, b, h], sequence first, as the linear layers):
+//
+//   x [s, b, h] (or [s/TP, b, h] with SP)
+//     → linear_qkv (ColumnParallelLinear; with SP it all-gathers the sequence)  → [s, b, qkv_width/TP]
+//     → split into q [s, b, heads/TP, d], k and v [s, b, groups/TP, d]
+//     → RoPE on q and k (rotate-half unless rotary_interleaved; partial rotary with rotary_percent)
+//     → causal core attention (ops::attention_forward, GQA native)              → [s, b, heads/TP · d]
+//     → linear_proj (RowParallelLinear, input_is_parallel; with SP it reduce-scatters the sequence)
+//   y [s, b, h] (or [s/TP, b, h] with SP)
+//
+// Fused QKV layout: the full weight's rows (qkv_width = (heads + 2·groups)·d of them) are ordered by
+// query group g as [the heads/groups query heads of g ; k_g ; v_g], each head d rows. A contiguous TP
+// slice of the rows is therefore groups/TP whole groups with their query heads, so each rank runs
+// attention on its own heads with no communication (this is why groups % TP == 0 is required).
+// fuse_qkv_weight / split_qkv_weight convert from and to separate Wq [heads·d, h], Wk, Wv [groups·d, h]
+// (the Hugging Face layout, query head i belonging to group i / (heads/groups)).
+//
+// Saved activations per forward (the linear layers keep their own inputs: linear_qkv the input x —
+// with SP only this rank's chunk — and linear_proj the core attention output):
+//   recompute None:      q, k (after RoPE) and v, the core attention output and its LSE f32 [b, heads/TP, s].
+//   recompute Selective: q, k (after RoPE) and v only; backward reruns ops::attention_forward for the
+//                        output and LSE. The output tensor is still held by linear_proj (it needs it for its
+//                        weight gradient, as in Megatron-Core), so what this frees is the LSE and the
+//                        separately materialised output in a layer that does not share it; with a fused
+//                        attention kernel the s×s scores that selective recompute exists to avoid are never
+//                        stored in either mode. The recomputation is deterministic, so both modes give
+//                        bit-identical gradients.
+//   recompute Full is the TransformerLayer's business (it reruns the whole layer); here it acts as None.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+#include "megacore/layers/forward_context.hpp"
+#include "megacore/layers/linear.hpp"
+#include "megacore/layers/parameter.hpp"
+#include "megacore/model/transformer_config.hpp"
+#include "megacore/ops/attention.hpp"
+
+namespace megacore::layers {
+
+struct SelfAttentionOptions {
+  Device device = Device::cpu();
+  /// Philox offsets of the two full weights' draws; give every layer of a model its own pair.
+  uint64_t qkv_init_offset = 0;
+  uint64_t proj_init_offset = 1;
+  /// Std of the output projection's init; 0 uses Megatron's scaled init, init_method_std / sqrt(2 · num_layers).
+  double proj_init_std = 0.0;
+  /// Fraction of each head's channels that RoPE rotates (GPT-NeoX / Phi style partial rotary); the rotary
+  /// dimension, head_dim × rotary_percent, must be even.
+  double rotary_percent = 1.0;
+  /// Rotate pairs (2i, 2i+1) (GPT-J / Megatron rotary_interleaved) instead of (i, i + rotary_dim/2).
+  bool rotary_interleaved = false;
+  /// Core attention backend (Auto: the CPU reference for host tensors, cuDNN or the flash kernel on GPUs).
+  ops::AttentionBackend backend = ops::AttentionBackend::Auto;
+  /// Ask the GPU backends for run-to-run identical gradients.
+  bool deterministic = false;
+};
+
+/// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,
+/// RoPE and selective recompute follow the TransformerConfig (add_bias_linear, sequence_parallel,
+/// position_embedding == RoPE with rope_theta and rope_scaling, recompute_granularity).
+class SelfAttention {
+ public:
+  /// `tp` must outlive the layer. Validates `cfg` for tp.size()-way TP first (ConfigError naming every fix,
+  /// e.g. num_query_groups % TP != 0), then the options (ValueError naming the fix).
+  SelfAttention(comm::Communicator& tp, const model::TransformerConfig& cfg, const SelfAttentionOptions& options = {});
+
+  /// x: [s, b, hidden] replicated over TP, or this rank's chunk [s/TP, b, hidden] with sequence_parallel.
+  /// position_ids (optional, i32/i64 on any device): [s] shared by the batch or [b, s], for the FULL sequence
+  /// even with SP; undefined means 0..s-1. Returns y in x's layout.
+  Tensor forward(const ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
+  /// dy: gradient of forward's output (same shape). Accumulates every parameter's main_grad and returns
+  /// the gradient of x in x's layout. One backward per forward.
+  Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  ColumnParallelLinear& linear_qkv() { return qkv_; }
+  RowParallelLinear& linear_proj() { return proj_; }
+  /// linear_qkv's weight (and bias), then linear_proj's.
+  std::vector<Parameter*> parameters();
+  void zero_grad();
+  const model::TransformerConfig& config() const { return cfg_; }
+  int64_t heads_per_rank() const { return heads_local_; }
+  int64_t groups_per_rank() const { return groups_local_; }
+  /// 0 when the layer does not use RoPE (learned positions).
+  int64_t rotary_dim() const { return rotary_dim_; }
+  bool recompute_core_attention() const { return recompute_; }
+
+ private:
+  Tensor positions_for(const Tensor& position_ids, int64_t s, int64_t b, const Stream& st) const;
+  ops::AttentionOptions attention_options() const;
+
+  comm::Communicator& tp_;
+  model::TransformerConfig cfg_;
+  SelfAttentionOptions opts_;
+  int64_t head_dim_ = 0, heads_local_ = 0, groups_local_ = 0, rotary_dim_ = 0;
+  bool recompute_ = false;
+  Tensor inv_freq_;  // f32 [rotary_dim / 2] on the layer's device, empty without RoPE
+  ColumnParallelLinear qkv_;
+  RowParallelLinear proj_;
+  // Saved between forward and backward (see the header comment for what each mode keeps).
+  Tensor q_, k_, v_, out_, lse_, positions_;
+  int64_t seq_ = 0, batch_ = 0;
+};
+
+/// The fused QKV weight [(heads + 2·groups)·d, hidden] in the grouped layout above, from separate
+/// Wq [heads·d, hidden], Wk and Wv [groups·d, hidden] (contiguous host or device tensors of one dtype).
+/// Also works for the bias (1-D [heads·d] etc.).
+Tensor fuse_qkv_weight(const Tensor& wq, const Tensor& wk, const Tensor& wv, int64_t heads, int64_t groups,
+                       const Stream& s = {});
+/// The inverse of fuse_qkv_weight: {Wq, Wk, Wv} as contiguous tensors.
+std::vector<Tensor> split_qkv_weight(const Tensor& wqkv, int64_t heads, int64_t groups, const Stream& s = {});
+
+}  // namespace megacore::layers

@@ -1,0 +1,253 @@
+#include "megacore/layers/attention.hpp"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "megacore/ops/rope.hpp"
+
+namespace megacore::layers {
+namespace {
+
+constexpr std::string_view kName = "SelfAttention";
+
+const model::TransformerConfig& validated(const model::TransformerConfig& cfg, const comm::Communicator& tp) {
+  // The whole-config check names every fix at once (groups % TP, heads % groups, odd head_dim with RoPE, ...).
+  model::validate(cfg, tp.size());
+  return cfg;
+}
+
+double proj_std(const model::TransformerConfig& cfg, const SelfAttentionOptions& o) {
+  if (o.proj_init_std > 0) return o.proj_init_std;
+  return cfg.init_method_std / std::sqrt(2.0 * double(cfg.num_layers));
+}
+
+ops::RopeScaling rope_scaling_of(const model::RopeScaling& r) {
+  ops::RopeScaling s;
+  if (r.type == model::RopeScalingType::Llama3) s.type = ops::RopeScaling::Type::Llama3;
+  s.factor = r.factor;
+  s.low_freq_factor = r.low_freq_factor;
+  s.high_freq_factor = r.high_freq_factor;
+  s.original_max_position = double(r.original_max_position_embeddings);
+  return s;
+}
+
+// [s, b, H, D] (sequence first) seen as the op's dense [B, S, H, D]: a strided view, no copy.
+Tensor bshd(const Tensor& t) { return t.permute({1, 0, 2, 3}); }
+
+}  // namespace
+
+SelfAttention::SelfAttention(comm::Communicator& tp, const model::TransformerConfig& cfg,
+                             const SelfAttentionOptions& options)
+    : tp_(tp),
+      cfg_(validated(cfg, tp)),
+      opts_(options),
+      head_dim_(cfg.head_dim()),
+      heads_local_(cfg.num_attention_heads / tp.size()),
+      groups_local_(cfg.query_groups() / tp.size()),
+      recompute_(cfg.recompute_granularity == model::RecomputeGranularity::Selective),
+      qkv_(tp, cfg.hidden_size, cfg.qkv_width(),
+           {.bias = cfg.add_bias_linear,
+            .gather_output = false,
+            .sequence_parallel = cfg.sequence_parallel,
+            .params_dtype = cfg.params_dtype,
+            .device = options.device,
+            .init_std = cfg.init_method_std,
+            .seed = cfg.seed,
+            .init_offset = options.qkv_init_offset}),
+      proj_(tp, cfg.attention_width(), cfg.hidden_size,
+            {.bias = cfg.add_bias_linear,
+             .input_is_parallel = true,
+             .sequence_parallel = cfg.sequence_parallel,
+             .params_dtype = cfg.params_dtype,
+             .device = options.device,
+             .init_std = proj_std(cfg, options),
+             .seed = cfg.seed,
+             .init_offset = options.proj_init_offset}) {
+  MC_CHECK(opts_.qkv_init_offset != opts_.proj_init_offset,
+           "{}: qkv_init_offset and proj_init_offset are both {}; give the two weights different Philox offsets "
+           "or they start from correlated draws",
+           kName, opts_.qkv_init_offset);
+  if (cfg_.position_embedding == model::PositionEmbeddingType::RoPE) {
+    MC_CHECK(opts_.rotary_percent > 0 && opts_.rotary_percent <= 1,
+             "{}: rotary_percent is {}; it must be in (0, 1] (1 rotates the whole head)", kName, opts_.rotary_percent);
+    const double rd = double(head_dim_) * opts_.rotary_percent;
+    rotary_dim_ = int64_t(std::llround(rd));
+    MC_CHECK(std::abs(rd - double(rotary_dim_)) < 1e-9 && rotary_dim_ >= 2 && rotary_dim_ % 2 == 0,
+             "{}: head_dim {} × rotary_percent {} = {} is not an even whole number of channels; pick a "
+             "rotary_percent that makes it one (e.g. {})",
+             kName, head_dim_, opts_.rotary_percent, rd, double(std::max<int64_t>(2, (int64_t(rd) / 2) * 2)) / head_dim_);
+    ops::RopeConfig rc{.rotary_dim = rotary_dim_, .theta = cfg_.rope_theta, .scaling = rope_scaling_of(cfg_.rope_scaling)};
+    inv_freq_ = ops::rope_inv_freq(rc, opts_.device);
+  }
+}
+
+ops::AttentionOptions SelfAttention::attention_options() const {
+  ops::AttentionOptions o;
+  o.causal = true;
+  o.backend = opts_.backend;
+  o.deterministic = opts_.deterministic;
+  return o;
+}
+
+Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64_t b, const Stream& st) const {
+  // One id per token of the [s, b] activations, in their (sequence-major) order.
+  std::vector<int64_t> pos(size_t(s * b));
+  if (!position_ids.defined()) {
+    for (int64_t i = 0; i < s; ++i)
+      for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = i;
+  } else {
+    MC_CHECK(position_ids.dtype() == DType::I32 || position_ids.dtype() == DType::I64,
+             "{}.forward: position_ids has dtype {}; pass integer ids (i32 or i64)", kName,
+             dtype_name(position_ids.dtype()));
+    const bool shared = position_ids.dim() == 1 && position_ids.size(0) == s;
+    const bool per_sample = position_ids.dim() == 2 && position_ids.size(0) == b && position_ids.size(1) == s;
+    MC_CHECK(shared || per_sample,
+             "{}.forward: position_ids has shape {}; pass [s] = [{}] or [b, s] = [{}, {}] for the full sequence "
+             "(with sequence_parallel too)",
+             kName, shape_str(position_ids.shape()), s, b, s);
+    const std::vector<double> ids = position_ids.to_double_vector();
+    for (int64_t i = 0; i < s; ++i)
+      for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = int64_t(ids[size_t(shared ? i : j * s + i)]);
+  }
+  return Tensor::from_vector(pos, {s * b}).to(opts_.device, st);
+}
+
+Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const Tensor& position_ids) {
+  const Stream& st = ctx.stream;
+  MC_CHECK(x.defined() && x.dim() == 3,
+           "{}.forward: the input must be [s, b, hidden] (sequence first){}, got {}; transpose a [b, s, h] batch "
+           "with .transpose(0, 1)",
+           kName, cfg_.sequence_parallel ? " with s the local chunk under sequence_parallel" : "",
+           x.defined() ? shape_str(x.shape()) : std::string("an undefined tensor"));
+  Tensor qkv = qkv_.forward(ctx, x);  // [s, b, groups/TP · (hpg + 2) · d], the sequence gathered under SP
+  const int64_t s = qkv.size(0), b = qkv.size(1), d = head_dim_, hpg = heads_local_ / groups_local_;
+  Tensor grouped = qkv.view({s, b, groups_local_, hpg + 2, d});
+  // Contiguous copies: RoPE wants contiguous heads, and they are what backward keeps.
+  Tensor q = grouped.narrow(3, 0, hpg).contiguous(st).view({s, b, heads_local_, d});
+  Tensor k = grouped.select(3, hpg).contiguous(st);
+  Tensor v = grouped.select(3, hpg + 1).contiguous(st);
+  Tensor positions;
+  if (rotary_dim_ > 0) {
+    positions = positions_for(position_ids, s, b, st);
+    ops::rope_forward(q, positions, inv_freq_, q, opts_.rotary_interleaved, st);
+    ops::rope_forward(k, positions, inv_freq_, k, opts_.rotary_interleaved, st);
+  } else {
+    MC_CHECK(!position_ids.defined(),
+             "{}.forward: position_ids were given but this layer has no RoPE (position_embedding is learned); add "
+             "the positions at the embedding instead",
+             kName);
+  }
+  Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
+  Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, x.device(), st);
+  Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
+  ops::attention_forward(bshd(q), bshd(k), bshd(v), out4, lse, attention_options(), st);
+  Tensor y = proj_.forward(ctx, out);
+  if (ctx.training) {
+    q_ = q, k_ = k, v_ = v, positions_ = positions;
+    seq_ = s, batch_ = b;
+    // Selective recompute drops the output and LSE here; backward recomputes them from q, k, v.
+    out_ = recompute_ ? Tensor() : out;
+    lse_ = recompute_ ? Tensor() : lse;
+  } else {
+    q_ = k_ = v_ = out_ = lse_ = positions_ = Tensor();
+  }
+  return y;
+}
+
+Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
+  const Stream& st = ctx.stream;
+  MC_CHECK(q_.defined(),
+           "{}.backward: nothing saved; call forward with ctx.training = true before backward (each forward allows "
+           "one backward)",
+           kName);
+  const int64_t s = seq_, b = batch_, d = head_dim_, hpg = heads_local_ / groups_local_;
+  Tensor dout = proj_.backward(ctx, dy).contiguous(st);  // [s, b, heads/TP · d]
+  Tensor out = out_, lse = lse_;
+  const ops::AttentionOptions ao = attention_options();
+  if (recompute_) {
+    out = Tensor::empty({s, b, heads_local_ * d}, q_.dtype(), q_.device(), st);
+    lse = Tensor::empty({b, heads_local_, s}, DType::F32, q_.device(), st);
+    Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
+    ops::attention_forward(bshd(q_), bshd(k_), bshd(v_), out4, lse, ao, st);
+  }
+  // dQKV in the fused grouped layout; attention and RoPE write their gradients straight into it.
+  Tensor dqkv = Tensor::empty({s, b, groups_local_, hpg + 2, d}, q_.dtype(), q_.device(), st);
+  Tensor dq = Tensor::empty({s, b, heads_local_, d}, q_.dtype(), q_.device(), st);
+  Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
+  Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
+  {
+    Tensor dq4 = bshd(dq), dk4 = bshd(dk), dv4 = bshd(dv);
+    ops::attention_backward(bshd(q_), bshd(k_), bshd(v_), bshd(out.view({s, b, heads_local_, d})), lse,
+                            bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, ao, st);
+  }
+  if (rotary_dim_ > 0) {
+    ops::rope_backward(dq, positions_, inv_freq_, dq, opts_.rotary_interleaved, st);
+    ops::rope_backward(dk, positions_, inv_freq_, dk, opts_.rotary_interleaved, st);
+  }
+  dqkv.narrow(3, 0, hpg).copy_(dq.view({s, b, groups_local_, hpg, d}), st);
+  dqkv.select(3, hpg).copy_(dk, st);
+  dqkv.select(3, hpg + 1).copy_(dv, st);
+  q_ = k_ = v_ = out_ = lse_ = positions_ = Tensor();
+  return qkv_.backward(ctx, dqkv.view({s, b, groups_local_ * (hpg + 2) * d}));
+}
+
+std::vector<Parameter*> SelfAttention::parameters() {
+  std::vector<Parameter*> p = qkv_.parameters();
+  for (Parameter* q : proj_.parameters()) p.push_back(q);
+  return p;
+}
+
+void SelfAttention::zero_grad() {
+  qkv_.zero_grad();
+  proj_.zero_grad();
+}
+
+// ---- layout conversion ------------------------------------------------------------------------------
+
+Tensor fuse_qkv_weight(const Tensor& wq, const Tensor& wk, const Tensor& wv, int64_t heads, int64_t groups,
+                       const Stream& s) {
+  constexpr std::string_view op = "fuse_qkv_weight";
+  MC_CHECK(heads > 0 && groups > 0 && heads % groups == 0,
+           "{}: heads {} must be a positive multiple of groups {}; pass the model's num_attention_heads and "
+           "num_query_groups",
+           op, heads, groups);
+  MC_CHECK(wq.defined() && wk.defined() && wv.defined() && wq.dim() >= 1 && wq.size(0) % heads == 0,
+           "{}: wq must be [heads · head_dim, ...] with heads = {}; got {}", op, heads,
+           wq.defined() ? shape_str(wq.shape()) : std::string("undefined"));
+  const int64_t d = wq.size(0) / heads, hpg = heads / groups;
+  Shape kv_shape = wq.shape();
+  kv_shape[0] = groups * d;
+  MC_CHECK(wk.shape() == kv_shape && wv.shape() == kv_shape && wk.dtype() == wq.dtype() && wv.dtype() == wq.dtype(),
+           "{}: wk and wv must both be {} ({} groups × head_dim {}) of wq's dtype; got {} and {}", op,
+           shape_str(kv_shape), groups, d, shape_str(wk.shape()), shape_str(wv.shape()));
+  const int64_t rest = wq.numel() / wq.size(0);
+  Tensor out = Tensor::empty({groups, hpg + 2, d, rest}, wq.dtype(), wq.device(), s);
+  out.narrow(1, 0, hpg).copy_(wq.contiguous(s).view({groups, hpg, d, rest}), s);
+  out.select(1, hpg).copy_(wk.contiguous(s).view({groups, d, rest}), s);
+  out.select(1, hpg + 1).copy_(wv.contiguous(s).view({groups, d, rest}), s);
+  Shape full = wq.shape();
+  full[0] = (heads + 2 * groups) * d;
+  return out.view(full);
+}
+
+std::vector<Tensor> split_qkv_weight(const Tensor& wqkv, int64_t heads, int64_t groups, const Stream& s) {
+  constexpr std::string_view op = "split_qkv_weight";
+  MC_CHECK(heads > 0 && groups > 0 && heads % groups == 0,
+           "{}: heads {} must be a positive multiple of groups {}; pass the model's num_attention_heads and "
+           "num_query_groups",
+           op, heads, groups);
+  MC_CHECK(wqkv.defined() && wqkv.dim() >= 1 && wqkv.size(0) % (heads + 2 * groups) == 0,
+           "{}: wqkv must be [(heads + 2·groups) · head_dim, ...] = [({} + 2·{}) · head_dim, ...]; got {}", op, heads,
+           groups, wqkv.defined() ? shape_str(wqkv.shape()) : std::string("undefined"));
+  const int64_t d = wqkv.size(0) / (heads + 2 * groups), hpg = heads / groups;
+  const int64_t rest = wqkv.numel() / wqkv.size(0);
+  Tensor g = wqkv.contiguous(s).view({groups, hpg + 2, d, rest});
+  Shape qs = wqkv.shape(), ks = wqkv.shape();
+  qs[0] = heads * d;
+  ks[0] = groups * d;
+  return {g.narrow(1, 0, hpg).contiguous(s).view(qs), g.select(1, hpg).contiguous(s).view(ks),
+          g.select(1, hpg + 1).contiguous(s).view(ks)};
+}
+
+}  // namespace megacore::layers
