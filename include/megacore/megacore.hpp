@@ -31,6 +31,8 @@
 #include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
 #include "megacore/model/transformer_config.hpp"
+#include "megacore/model/transformer_layer.hpp"
+#include "megacore/model/gpt_model.hpp"
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/communicator.hpp"
 #include "megacore/comm/mpi_communicator.hpp"

@@ -1,0 +1,90 @@
+// TransformerLayer: one pre-norm decoder layer with explicit forward and backward.
+//
+//   x ─┬─ input_layernorm → self_attention ─(+)─┬─ pre_mlp_layernorm → mlp ─(+)─ y
+//      └────────────────────────────────────────┘└──────────────────────────────┘
+//
+// The second norm is fused with the residual add in front of it (NormLayer::forward_residual).
+// Activations are [s, b, h], or this rank's sequence chunk [s/TP, b, h] with sequence parallelism.
+//
+// Activation recompute (cfg.recompute_granularity):
+//   None       every sub-module keeps what its backward needs.
+//   Selective  passed down to SelfAttention, which recomputes core attention in backward.
+//   Full       forward runs the sub-modules with ctx.training = false (they save nothing) and the layer
+//              keeps only its input (and position ids); backward first reruns the forward with saving
+//              on, then runs the ordinary backward. Same operations in the same order, so the
+//              gradients are bit-identical to None.
+//
+// Initialisation is TP-invariant and distinct per layer: the layer's Philox offsets are
+// base + layer_number × kTransformerLayerInitStride (attention: +0 qkv, +1 proj; MLP: +2 .. +4).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+#include "megacore/layers/attention.hpp"
+#include "megacore/layers/forward_context.hpp"
+#include "megacore/layers/mlp.hpp"
+#include "megacore/layers/norm.hpp"
+#include "megacore/layers/parameter.hpp"
+#include "megacore/model/transformer_config.hpp"
+
+namespace megacore::model {
+
+/// Philox offsets reserved per layer (2 for attention, 3 for the MLP, the rest spare for additions
+/// such as MoE or LoRA without changing the existing layers' draws).
+constexpr uint64_t kTransformerLayerInitStride = 8;
+
+struct TransformerLayerOptions {
+  /// 0-based index of the layer in the model; selects its Philox offsets.
+  int64_t layer_number = 0;
+  /// Offset of layer 0's first draw (a model puts its embeddings below it).
+  uint64_t init_offset_base = 16;
+  Device device = Device::cpu();
+};
+
+/// Elementwise a + b (same shape and dtype, any device) into a new contiguous tensor. Used for the
+/// residual adds and gradient sums the fused norm kernels do not cover.
+Tensor add(const Tensor& a, const Tensor& b, const Stream& s = {});
+
+class TransformerLayer {
+ public:
+  /// `tp` must outlive the layer. Validates cfg for tp.size()-way TP first (ConfigError naming every fix).
+  TransformerLayer(comm::Communicator& tp, const TransformerConfig& cfg, const TransformerLayerOptions& options = {});
+
+  /// x: [s, b, h] replicated, or [s/TP, b, h] with sequence_parallel. position_ids: see
+  /// SelfAttention::forward (full sequence, undefined = 0..s-1). Returns y in x's layout.
+  Tensor forward(const layers::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
+  /// dy: gradient of forward's output. Accumulates every parameter's main_grad and returns dx.
+  Tensor backward(const layers::ForwardContext& ctx, const Tensor& dy);
+
+  layers::NormLayer& input_layernorm() { return *input_norm_; }
+  layers::SelfAttention& self_attention() { return attention_; }
+  layers::NormLayer& pre_mlp_layernorm() { return *mlp_norm_; }
+  layers::MLP& mlp() { return mlp_; }
+  /// Parameters with their names relative to the layer ("self_attention.linear_qkv.weight", ...).
+  std::vector<std::pair<std::string, layers::Parameter*>> named_parameters();
+  std::vector<layers::Parameter*> parameters();
+  void zero_grad();
+  int64_t layer_number() const { return opts_.layer_number; }
+  RecomputeGranularity recompute() const { return cfg_.recompute_granularity; }
+
+ private:
+  Tensor forward_impl(const layers::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids);
+
+  TransformerConfig cfg_;
+  TransformerLayerOptions opts_;
+  std::unique_ptr<layers::NormLayer> input_norm_;
+  layers::SelfAttention attention_;
+  std::unique_ptr<layers::NormLayer> mlp_norm_;
+  layers::MLP mlp_;
+  // Full recompute: the layer input and position ids, kept instead of the sub-modules' activations.
+  Tensor saved_x_, saved_positions_;
+  bool has_forward_ = false;
+};
+
+}  // namespace megacore::model

@@ -1,0 +1,158 @@
+#include "megacore/model/transformer_layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "megacore/core/error.hpp"
+#include "megacore/ops/norm.hpp"
+
+namespace megacore::model {
+
+namespace ly = megacore::layers;
+
+namespace {
+
+const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp) {
+  validate(cfg, tp.size());
+  return cfg;
+}
+
+std::unique_ptr<ly::NormLayer> make_norm(const TransformerConfig& cfg, Device device) {
+  ly::NormOptions o{.eps = cfg.norm_eps,
+                    .sequence_parallel = cfg.sequence_parallel,
+                    .bias = cfg.add_bias_linear,
+                    .params_dtype = cfg.params_dtype,
+                    .device = device};
+  if (cfg.normalization == NormType::LayerNorm) return std::make_unique<ly::LayerNorm>(cfg.hidden_size, o);
+  return std::make_unique<ly::RMSNorm>(cfg.hidden_size, o);
+}
+
+uint64_t layer_base(const TransformerLayerOptions& o) {
+  return o.init_offset_base + uint64_t(o.layer_number) * kTransformerLayerInitStride;
+}
+
+// Megatron's scaled init of the layers that write into the residual stream.
+double output_std(const TransformerConfig& cfg) {
+  return cfg.init_method_std / std::sqrt(2.0 * double(cfg.num_layers));
+}
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b, const Stream& s) {
+  MC_CHECK(a.defined() && b.defined(), "model::add: both operands must be defined");
+  MC_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype() && a.device() == b.device(),
+           "model::add: operands differ ({} {} on {} vs {} {} on {}); pass tensors of one shape, dtype and device",
+           shape_str(a.shape()), dtype_name(a.dtype()), a.device().str(), shape_str(b.shape()), dtype_name(b.dtype()),
+           b.device().str());
+  // ops has no plain elementwise add yet; the fused residual RMSNorm writes x + residual as a
+  // by-product (rounded once to the dtype, like a native add) on every device, so we borrow it and
+  // discard the normalised output. Costs one extra activation-sized write.
+  const int64_t h = a.dim() == 0 ? 1 : a.size(-1);
+  const Shape rows_shape{a.numel() / std::max<int64_t>(h, 1), h};
+  Tensor x = a.contiguous(s).view(rows_shape), r = b.contiguous(s).view(rows_shape);
+  Tensor out = Tensor::empty(rows_shape, a.dtype(), a.device(), s);
+  Tensor y = Tensor::empty(rows_shape, a.dtype(), a.device(), s);
+  Tensor rstd = Tensor::empty({rows_shape[0]}, DType::F32, a.device(), s);
+  Tensor ones = Tensor::full({h}, 1.0, a.dtype(), a.device(), s);
+  ops::rmsnorm_forward_residual(x, r, ones, y, out, rstd, 1e-5f, s);
+  return out.view(a.shape());
+}
+
+TransformerLayer::TransformerLayer(comm::Communicator& tp, const TransformerConfig& cfg,
+                                   const TransformerLayerOptions& options)
+    : cfg_(validated(cfg, tp)),
+      opts_(options),
+      input_norm_(make_norm(cfg, options.device)),
+      attention_(tp, cfg,
+                 ly::SelfAttentionOptions{.device = options.device,
+                                          .qkv_init_offset = layer_base(options) + 0,
+                                          .proj_init_offset = layer_base(options) + 1,
+                                          .proj_init_std = output_std(cfg)}),
+      mlp_norm_(make_norm(cfg, options.device)),
+      mlp_(tp, cfg.hidden_size, cfg.ffn_size(),
+           ly::MLPOptions{.activation = cfg.activation,
+                          .bias = cfg.add_bias_linear,
+                          .sequence_parallel = cfg.sequence_parallel,
+                          .params_dtype = cfg.params_dtype,
+                          .device = options.device,
+                          .init_std = cfg.init_method_std,
+                          .output_init_std = output_std(cfg),
+                          .seed = cfg.seed,
+                          .init_offset = layer_base(options) + 2}) {
+  static_assert(2 + ly::kMLPInitOffsets <= kTransformerLayerInitStride, "a layer's draws overlap the next layer's");
+  MC_CHECK(options.layer_number >= 0, "TransformerLayer: layer_number is {}; pass the 0-based index of the layer",
+           options.layer_number);
+}
+
+Tensor TransformerLayer::forward_impl(const ly::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids) {
+  Tensor n1 = input_norm_->forward(ctx, x);
+  Tensor a = attention_.forward(ctx, n1, position_ids);
+  ly::NormResidualOutput h = mlp_norm_->forward_residual(ctx, a, x);  // y = norm(x + a)
+  Tensor m = mlp_.forward(ctx, h.y);
+  return add(m, h.residual_out, ctx.stream);
+}
+
+Tensor TransformerLayer::forward(const ly::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids) {
+  if (cfg_.recompute_granularity != RecomputeGranularity::Full || !ctx.training) {
+    has_forward_ = ctx.training;
+    return forward_impl(ctx, x, position_ids);
+  }
+  ly::ForwardContext no_save = ctx;
+  no_save.training = false;
+  Tensor y = forward_impl(no_save, x, position_ids);
+  saved_x_ = x;
+  saved_positions_ = position_ids;
+  has_forward_ = true;
+  return y;
+}
+
+Tensor TransformerLayer::backward(const ly::ForwardContext& ctx, const Tensor& dy) {
+  MC_CHECK(has_forward_,
+           "TransformerLayer {}.backward: no saved forward; call forward with ctx.training = true before backward "
+           "(each forward allows one backward)",
+           opts_.layer_number);
+  has_forward_ = false;
+  if (cfg_.recompute_granularity == RecomputeGranularity::Full) {
+    // Rerun the forward with saving on; its output is not needed, only the sub-modules' saved state.
+    forward_impl(ctx, saved_x_, saved_positions_);
+    saved_x_ = Tensor();
+    saved_positions_ = Tensor();
+  }
+  Tensor dn2 = mlp_.backward(ctx, dy);
+  Tensor dh = mlp_norm_->backward_residual(ctx, dn2, dy);  // gradient of both x and the attention output
+  Tensor dn1 = attention_.backward(ctx, dh);
+  return add(input_norm_->backward(ctx, dn1), dh, ctx.stream);
+}
+
+std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_parameters() {
+  // Names are built from fixed leaves, not Parameter::name, because a model overwrites that field with
+  // the full path.
+  std::vector<std::pair<std::string, ly::Parameter*>> out;
+  auto norm = [&](const std::string& prefix, ly::NormLayer& n) {
+    out.emplace_back(prefix + "weight", &n.weight());
+    if (n.has_bias()) out.emplace_back(prefix + "bias", &n.bias());
+  };
+  auto linear = [&](const std::string& prefix, auto& l) {
+    out.emplace_back(prefix + "weight", &l.weight());
+    if (l.options().bias) out.emplace_back(prefix + "bias", &l.bias());
+  };
+  norm("input_layernorm.", *input_norm_);
+  linear("self_attention.linear_qkv.", attention_.linear_qkv());
+  linear("self_attention.linear_proj.", attention_.linear_proj());
+  norm("pre_mlp_layernorm.", *mlp_norm_);
+  linear("mlp.linear_fc1.", mlp_.fc1());
+  linear("mlp.linear_fc2.", mlp_.fc2());
+  return out;
+}
+
+std::vector<ly::Parameter*> TransformerLayer::parameters() {
+  std::vector<ly::Parameter*> out;
+  for (auto& [name, p] : named_parameters()) out.push_back(p);
+  return out;
+}
+
+void TransformerLayer::zero_grad() {
+  for (ly::Parameter* p : parameters()) p->main_grad.zero_();
+}
+
+}  // namespace megacore::model
