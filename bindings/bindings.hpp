@@ -23,5 +23,6 @@ void bind_dlpack(pyb::module_& m);
 void bind_data(pyb::module_& m);
 void bind_comm(pyb::module_& m);
 void bind_parallel(pyb::module_& m);
+void bind_model(pyb::module_& m);
 
 }  // namespace megacore::py

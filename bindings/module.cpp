@@ -52,4 +52,5 @@ PYBIND11_MODULE(_C, m) {
   mp::bind_comm(m);
   mp::bind_parallel(m);
   mp::bind_data(m);
+  mp::bind_model(m);
 }

@@ -5,7 +5,7 @@ The compiled core lives in ``megacore._C``; this package re-exports it with a Py
 
 from contextlib import contextmanager
 
-from . import comm, data, errors, parallel
+from . import comm, data, errors, layers, model, parallel
 from ._C import (
     Event,
     Generator,
@@ -66,4 +66,5 @@ __all__ = [
     "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
     "cuda_available", "cuda_device_count", "cuda_device_name", "current_stream", "stream", "synchronize",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "set_memory_limit", "build_info", "comm", "data", "parallel",
+    "model", "layers",
 ]

@@ -1,0 +1,343 @@
+// Python bindings of the transformer model and the tensor-parallel linear layers: megacore._C.model and
+// megacore._C.layers (re-exported as megacore.model and megacore.layers).
+#include <cctype>
+#include <initializer_list>
+#include <memory>
+#include <utility>
+
+#include <pybind11/stl.h>
+
+#include "bindings.hpp"
+#include "megacore/layers/forward_context.hpp"
+#include "megacore/layers/linear.hpp"
+#include "megacore/layers/parameter.hpp"
+#include "megacore/model/gpt_model.hpp"
+#include "megacore/model/transformer_config.hpp"
+
+namespace megacore::py {
+namespace {
+
+using namespace megacore::model;
+namespace ly = megacore::layers;
+
+std::string lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// An enum usable from Python both as a member (NormType.RMSNorm) and as a case-insensitive string.
+template <typename E>
+void bind_enum(pyb::module_& m, const char* name, std::initializer_list<std::pair<const char*, E>> values) {
+  std::vector<std::pair<std::string, E>> table;
+  for (const auto& [n, v] : values) table.emplace_back(n, v);
+  pyb::enum_<E> e(m, name);
+  for (const auto& [n, v] : table) e.value(n.c_str(), v);
+  e.def(pyb::init([table, name](const std::string& s) {
+    std::string names;
+    for (const auto& [n, v] : table) {
+      if (lower(n) == lower(s)) return v;
+      names += (names.empty() ? "'" : ", '") + n + "'";
+    }
+    throw ValueError(fmt::format("unknown {} '{}'; use one of {}", name, s, names));
+  }));
+  pyb::implicitly_convertible<std::string, E>();
+}
+
+// A megacore.Tensor as is; a numpy array shared through from_numpy (made contiguous first); any other
+// DLPack producer (torch, jax, cupy, ...) through from_dlpack; anything else through numpy.asarray.
+Tensor tensor_arg(const pyb::object& o, const char* what) {
+  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
+  MC_CHECK(!o.is_none(), "{} is None; pass a megacore.Tensor, a numpy array or a DLPack tensor", what);
+  pyb::module_ np = pyb::module_::import("numpy");
+  pyb::module_ core = pyb::module_::import("megacore._C");
+  if (pyb::isinstance(o, np.attr("ndarray")))
+    return core.attr("from_numpy")(np.attr("ascontiguousarray")(o)).cast<Tensor>();
+  if (pyb::hasattr(o, "__dlpack__")) return core.attr("from_dlpack")(o).cast<Tensor>();
+  return core.attr("from_numpy")(np.attr("ascontiguousarray")(np.attr("asarray")(o))).cast<Tensor>();
+}
+
+ly::ForwardContext context_for(Device d, bool training = true) {
+  ly::ForwardContext ctx;
+  ctx.stream = current_stream(d);
+  ctx.training = training;
+  return ctx;
+}
+
+pyb::dict parameter_count_dict(const ParameterCount& c) {
+  pyb::dict d;
+  d["embedding"] = c.embedding;
+  d["position_embedding"] = c.position_embedding;
+  d["per_layer"] = c.per_layer;
+  d["layers"] = c.layers;
+  d["final_norm"] = c.final_norm;
+  d["output_layer"] = c.output_layer;
+  d["total"] = c.total;
+  return d;
+}
+
+pyb::tuple param_tuple(const ly::Parameter& p) { return pyb::make_tuple(p.data, p.main_grad); }
+
+template <typename Layer>
+pyb::dict layer_params(Layer& l) {
+  pyb::dict d;
+  d["weight"] = param_tuple(l.weight());
+  if (l.options().bias) d["bias"] = param_tuple(l.bias());
+  return d;
+}
+
+void bind_config(pyb::module_& m) {
+  bind_enum<NormType>(m, "NormType", {{"RMSNorm", NormType::RMSNorm}, {"LayerNorm", NormType::LayerNorm}});
+  bind_enum<ActivationType>(m, "ActivationType",
+                            {{"SwiGLU", ActivationType::SwiGLU}, {"GELU", ActivationType::GELU}});
+  bind_enum<PositionEmbeddingType>(m, "PositionEmbeddingType",
+                                   {{"RoPE", PositionEmbeddingType::RoPE}, {"Learned", PositionEmbeddingType::Learned}});
+  bind_enum<RecomputeGranularity>(m, "RecomputeGranularity",
+                                  {{"none", RecomputeGranularity::None},
+                                   {"selective", RecomputeGranularity::Selective},
+                                   {"full", RecomputeGranularity::Full}});
+  bind_enum<RopeScalingType>(m, "RopeScalingType", {{"none", RopeScalingType::None}, {"llama3", RopeScalingType::Llama3}});
+
+  pyb::class_<RopeScaling>(m, "RopeScaling", "Llama-3.1-style RoPE frequency scaling.")
+      .def(pyb::init<>())
+      .def_readwrite("type", &RopeScaling::type)
+      .def_readwrite("factor", &RopeScaling::factor)
+      .def_readwrite("low_freq_factor", &RopeScaling::low_freq_factor)
+      .def_readwrite("high_freq_factor", &RopeScaling::high_freq_factor)
+      .def_readwrite("original_max_position_embeddings", &RopeScaling::original_max_position_embeddings);
+
+  using C = TransformerConfig;
+  pyb::class_<C>(m, "TransformerConfig",
+                 "Shape and flavour of a GPT/Llama decoder. Zero means derived for num_query_groups, "
+                 "ffn_hidden_size and kv_channels.")
+      .def(pyb::init([](const pyb::kwargs& kw) {
+             auto c = std::make_unique<C>();
+             pyb::object self = pyb::cast(c.get(), pyb::return_value_policy::reference);
+             for (const auto& [k, v] : kw) {
+               const std::string key = k.cast<std::string>();
+               if (!pyb::hasattr(self, key.c_str()) || key.rfind("_", 0) == 0)
+                 throw ValueError(fmt::format("TransformerConfig has no field '{}'", key));
+               pyb::setattr(self, key.c_str(), v);
+             }
+             return c.release();
+           }),
+           "TransformerConfig(**fields): every field defaults as in C++ (zero sizes).")
+      .def_readwrite("num_layers", &C::num_layers)
+      .def_readwrite("hidden_size", &C::hidden_size)
+      .def_readwrite("num_attention_heads", &C::num_attention_heads)
+      .def_readwrite("num_query_groups", &C::num_query_groups)
+      .def_readwrite("ffn_hidden_size", &C::ffn_hidden_size)
+      .def_readwrite("kv_channels", &C::kv_channels)
+      .def_readwrite("vocab_size", &C::vocab_size)
+      .def_readwrite("max_position_embeddings", &C::max_position_embeddings)
+      .def_readwrite("make_vocab_size_divisible_by", &C::make_vocab_size_divisible_by)
+      .def_readwrite("normalization", &C::normalization)
+      .def_readwrite("norm_eps", &C::norm_eps)
+      .def_readwrite("activation", &C::activation)
+      .def_readwrite("add_bias_linear", &C::add_bias_linear)
+      .def_readwrite("tie_word_embeddings", &C::tie_word_embeddings)
+      .def_readwrite("position_embedding", &C::position_embedding)
+      .def_readwrite("rope_theta", &C::rope_theta)
+      .def_readwrite("rope_scaling", &C::rope_scaling)
+      .def_readwrite("init_method_std", &C::init_method_std)
+      .def_property("params_dtype", [](const C& c) { return std::string(dtype_name(c.params_dtype)); },
+                    [](C& c, const pyb::object& d) { c.params_dtype = dtype_arg(d); })
+      .def_readwrite("sequence_parallel", &C::sequence_parallel)
+      .def_readwrite("recompute_granularity", &C::recompute_granularity)
+      .def_readwrite("seed", &C::seed)
+      .def_property_readonly("head_dim", &C::head_dim)
+      .def_property_readonly("query_groups", &C::query_groups)
+      .def_property_readonly("ffn_size", &C::ffn_size)
+      .def_property_readonly("attention_width", &C::attention_width)
+      .def_property_readonly("qkv_width", &C::qkv_width)
+      .def("copy", [](const C& c) { return C(c); })
+      .def("validate", [](const C& c, int tp) { validate(c, tp); }, pyb::arg("tp_size") = 1)
+      .def("__repr__", [](const C& c) {
+        return fmt::format("megacore.model.TransformerConfig(num_layers={}, hidden_size={}, num_attention_heads={}, "
+                           "num_query_groups={}, ffn_hidden_size={}, vocab_size={}, normalization={}, activation={}, "
+                           "position_embedding={}, params_dtype={})",
+                           c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size,
+                           c.vocab_size, norm_type_name(c.normalization), activation_type_name(c.activation),
+                           position_embedding_type_name(c.position_embedding), dtype_name(c.params_dtype));
+      });
+
+  m.def("validate", [](const C& c, int tp) { validate(c, tp); }, pyb::arg("config"), pyb::arg("tp_size") = 1,
+        "Raises megacore.ConfigError listing every inconsistency for tp_size-way TP, each with its fix.");
+  m.def("padded_vocab_size", [](const C& c, int tp) { return padded_vocab_size(c, tp); }, pyb::arg("config"),
+        pyb::arg("tp_size") = 1);
+  m.def("parameter_count", [](const C& c, int tp) { return parameter_count_dict(parameter_count(c, tp)); },
+        pyb::arg("config"), pyb::arg("tp_size") = 0,
+        "Parameters by part (dict); tp_size=0 counts the true vocabulary, >0 the padded one.");
+  m.def("flops_per_token", [](const C& c, int64_t seq_len, bool causal) {
+    FlopsPerToken f = flops_per_token(c, seq_len, causal);
+    pyb::dict d;
+    d["dense"] = f.dense;
+    d["attention"] = f.attention;
+    d["total"] = f.total;
+    return d;
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("causal") = false, "Training FLOPs per token (dict).");
+
+  pyb::module_ p = m.def_submodule("presets", "Ready-made configs.");
+  p.def("tiny_llama", &presets::tiny_llama);
+  p.def("tiny_gpt2", &presets::tiny_gpt2);
+  p.def("llama32_1b", &presets::llama32_1b);
+  p.def("llama3_8b", &presets::llama3_8b);
+  p.def("gpt2_124m", &presets::gpt2_124m);
+  // Also at module level: megacore.model.tiny_llama().
+  m.attr("tiny_llama") = p.attr("tiny_llama");
+  m.attr("tiny_gpt2") = p.attr("tiny_gpt2");
+  m.attr("llama32_1b") = p.attr("llama32_1b");
+  m.attr("llama3_8b") = p.attr("llama3_8b");
+  m.attr("gpt2_124m") = p.attr("gpt2_124m");
+}
+
+void bind_gpt(pyb::module_& m) {
+  pyb::class_<GPTModel>(m, "GPTModel", "Decoder-only LM over one TP group, with explicit forward and backward.")
+      .def(pyb::init([](const TransformerConfig& cfg, comm::Communicator& tp, const pyb::object& device,
+                        float label_smoothing) {
+             GPTModelOptions o;
+             o.device = device_arg(device);
+             o.label_smoothing = label_smoothing;
+             pyb::gil_scoped_release nogil;
+             return new GPTModel(cfg, tp, o);
+           }),
+           pyb::arg("config"), pyb::arg("tp"), pyb::arg("device") = "cpu", pyb::arg("label_smoothing") = 0.f,
+           pyb::keep_alive<1, 3>())
+      .def("forward", [](GPTModel& g, const pyb::object& tokens, const pyb::object& labels,
+                         const pyb::object& loss_mask, bool training) {
+        Tensor t = tensor_arg(tokens, "tokens"), l = tensor_arg(labels, "labels");
+        Tensor mask = loss_mask.is_none() ? Tensor() : tensor_arg(loss_mask, "loss_mask");
+        pyb::gil_scoped_release nogil;
+        ly::ForwardContext ctx = context_for(g.embedding().weight().data.device(), training);
+        // Inputs go to the model's device (numpy arrays arrive on the host).
+        const Device d = ctx.stream.device();
+        if (t.device() != d) t = t.to(d, ctx.stream);
+        if (l.device() != d) l = l.to(d, ctx.stream);
+        if (mask.defined() && mask.device() != d) mask = mask.to(d, ctx.stream);
+        return g.forward(ctx, t, l, mask).item();
+      }, pyb::arg("tokens"), pyb::arg("labels"), pyb::arg("loss_mask") = pyb::none(), pyb::arg("training") = true,
+         "tokens, labels: int [b, s] (labels -100 ignored); loss_mask: optional f32 [b, s]. Returns the mean loss.")
+      .def("backward", [](GPTModel& g) {
+        pyb::gil_scoped_release nogil;
+        g.backward(context_for(g.embedding().weight().data.device()));
+      }, "Accumulates every parameter's main_grad from the last forward's mean loss.")
+      .def("logits", &GPTModel::logits, "This rank's vocabulary shard of the last logits, [b, s, padded_vocab/TP].")
+      .def("zero_grad", &GPTModel::zero_grad)
+      .def("parameters", [](const GPTModel& g) {
+        pyb::dict d;
+        for (const ly::Parameter* p : g.parameters()) d[pyb::str(p->name)] = param_tuple(*p);
+        return d;
+      }, "{name: (data, main_grad)} for every trainable parameter (this rank's shards).")
+      .def("named_parameters", [](const GPTModel& g) {
+        pyb::dict d;
+        for (const ly::Parameter* p : g.parameters()) d[pyb::str(p->name)] = param_tuple(*p);
+        return d;
+      }, "Same as parameters().")
+      .def("parameter", [](const GPTModel& g, const std::string& name) { return param_tuple(g.parameter(name)); },
+           pyb::arg("name"), "(data, main_grad) of one parameter; ValueError listing the names if unknown.")
+      .def("partition_dims", [](const GPTModel& g) {
+        pyb::dict d;
+        for (const ly::Parameter* p : g.parameters()) d[pyb::str(p->name)] = p->partition_dim;
+        return d;
+      }, "{name: TP partition dim, -1 when replicated}.")
+      .def_property_readonly("config", &GPTModel::config, pyb::return_value_policy::copy)
+      .def_property_readonly("padded_vocab_size", &GPTModel::padded_vocab_size)
+      .def_property_readonly("num_layers", &GPTModel::num_layers);
+}
+
+void bind_linear(pyb::module_& m) {
+  pyb::class_<ly::ColumnParallelLinear>(m, "ColumnParallelLinear", "Y = X W^T + b with W's rows split over TP.")
+      .def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool gather_output,
+                        bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
+                        uint64_t seed, uint64_t init_offset) {
+             ly::ColumnParallelLinearOptions o;
+             o.bias = bias;
+             o.gather_output = gather_output;
+             o.sequence_parallel = sequence_parallel;
+             o.params_dtype = dtype_arg(dtype);
+             o.device = device_arg(device);
+             o.init_std = init_std;
+             o.seed = seed;
+             o.init_offset = init_offset;
+             pyb::gil_scoped_release nogil;
+             return new ly::ColumnParallelLinear(tp, in, out, o);
+           }),
+           pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
+           pyb::arg("gather_output") = false, pyb::arg("sequence_parallel") = false, pyb::arg("params_dtype") = "f32",
+           pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02, pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0,
+           pyb::keep_alive<1, 2>())
+      .def("forward", [](ly::ColumnParallelLinear& l, const pyb::object& x) {
+        Tensor t = tensor_arg(x, "x");
+        pyb::gil_scoped_release nogil;
+        return l.forward(context_for(t.device()), t);
+      }, pyb::arg("x"), "x: [..., in] (or [s/TP, ..., in] with SP) → [..., out/TP] (or [..., out] gathered).")
+      .def("backward", [](ly::ColumnParallelLinear& l, const pyb::object& dy) {
+        Tensor t = tensor_arg(dy, "dy");
+        pyb::gil_scoped_release nogil;
+        return l.backward(context_for(t.device()), t);
+      }, pyb::arg("dy"), "Accumulates weight/bias main_grad and returns dx.")
+      .def("zero_grad", &ly::ColumnParallelLinear::zero_grad)
+      .def_property_readonly("weight", [](ly::ColumnParallelLinear& l) { return param_tuple(l.weight()); },
+                             "(data [out/TP, in], main_grad)")
+      .def_property_readonly("bias", [](ly::ColumnParallelLinear& l) -> pyb::object {
+        if (!l.options().bias) return pyb::none();
+        return param_tuple(l.bias());
+      }, "(data [out/TP], main_grad), or None without bias")
+      .def("parameters", [](ly::ColumnParallelLinear& l) { return layer_params(l); })
+      .def_property_readonly("in_features", &ly::ColumnParallelLinear::in_features)
+      .def_property_readonly("out_features", &ly::ColumnParallelLinear::out_features)
+      .def_property_readonly("out_features_per_rank", &ly::ColumnParallelLinear::out_features_per_rank);
+
+  pyb::class_<ly::RowParallelLinear>(m, "RowParallelLinear", "Y = X W^T + b with W's columns split over TP.")
+      .def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool input_is_parallel,
+                        bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
+                        uint64_t seed, uint64_t init_offset) {
+             ly::RowParallelLinearOptions o;
+             o.bias = bias;
+             o.input_is_parallel = input_is_parallel;
+             o.sequence_parallel = sequence_parallel;
+             o.params_dtype = dtype_arg(dtype);
+             o.device = device_arg(device);
+             o.init_std = init_std;
+             o.seed = seed;
+             o.init_offset = init_offset;
+             pyb::gil_scoped_release nogil;
+             return new ly::RowParallelLinear(tp, in, out, o);
+           }),
+           pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
+           pyb::arg("input_is_parallel") = false, pyb::arg("sequence_parallel") = false,
+           pyb::arg("params_dtype") = "f32", pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02,
+           pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0, pyb::keep_alive<1, 2>())
+      .def("forward", [](ly::RowParallelLinear& l, const pyb::object& x) {
+        Tensor t = tensor_arg(x, "x");
+        pyb::gil_scoped_release nogil;
+        return l.forward(context_for(t.device()), t);
+      }, pyb::arg("x"), "x: [..., in/TP] with input_is_parallel, else [..., in] → [..., out] (summed over TP).")
+      .def("backward", [](ly::RowParallelLinear& l, const pyb::object& dy) {
+        Tensor t = tensor_arg(dy, "dy");
+        pyb::gil_scoped_release nogil;
+        return l.backward(context_for(t.device()), t);
+      }, pyb::arg("dy"), "Accumulates weight/bias main_grad and returns dx in x's layout.")
+      .def("zero_grad", &ly::RowParallelLinear::zero_grad)
+      .def_property_readonly("weight", [](ly::RowParallelLinear& l) { return param_tuple(l.weight()); },
+                             "(data [out, in/TP], main_grad)")
+      .def_property_readonly("bias", [](ly::RowParallelLinear& l) -> pyb::object {
+        if (!l.options().bias) return pyb::none();
+        return param_tuple(l.bias());
+      }, "(data [out], main_grad), or None without bias")
+      .def("parameters", [](ly::RowParallelLinear& l) { return layer_params(l); })
+      .def_property_readonly("in_features", &ly::RowParallelLinear::in_features)
+      .def_property_readonly("out_features", &ly::RowParallelLinear::out_features)
+      .def_property_readonly("in_features_per_rank", &ly::RowParallelLinear::in_features_per_rank);
+}
+
+}  // namespace
+
+void bind_model(pyb::module_& root) {
+  pyb::module_ m = root.def_submodule("model", "TransformerConfig, presets and GPTModel.");
+  bind_config(m);
+  bind_gpt(m);
+  pyb::module_ l = root.def_submodule("layers", "Tensor-parallel layers with explicit forward/backward.");
+  bind_linear(l);
+}
+
+}  // namespace megacore::py
