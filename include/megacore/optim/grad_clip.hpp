@@ -1,0 +1,58 @@
+// Global-norm gradient clipping across model-parallel ranks, counting every parameter exactly once.
+//
+// The global norm is sqrt(Σ over the *full* model's parameters of ||grad||²). Each rank holds shards
+// and copies, so a naive per-rank sum all-reduced over the model-parallel group double counts:
+//   - a TP-replicated parameter (partition_dim == -1: norms, row-parallel biases) has the same gradient
+//     on every TP rank → counted on TP rank 0 only;
+//   - a TP-sharded parameter is a disjoint piece on each rank → counted everywhere;
+//   - a weight held on two pipeline stages (tied embeddings: the first stage's embedding and the last
+//     stage's output layer, kept equal by the embedding group) → the caller skips the copy with `skip`.
+// The per-rank sums of squares are then all-reduced over `reduce` — normally the model-parallel group
+// (TP × PP); add the DP group when gradients are sharded over DP (ZeRO), since each DP rank then holds a
+// disjoint part.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+#include "megacore/layers/parameter.hpp"
+
+namespace megacore::parallel {
+class ProcessGrid;
+}
+
+namespace megacore::optim {
+
+struct GradNormGroups {
+  /// This rank's position in its TP group: replicated parameters count on TP rank 0 only.
+  int tp_rank = 0;
+  /// The squared norm is summed over each of these in turn (e.g. {&mp} or {&mp, &dp_cp}).
+  std::vector<comm::Communicator*> reduce;
+  /// Parameters this rank must not count (a tied copy on a non-first pipeline stage); empty = none.
+  std::function<bool(const layers::Parameter&)> skip;
+};
+
+/// Groups for a grid: TP rank from the grid, reduction over its model-parallel group (tp × pp), plus
+/// dp_cp when `grads_sharded_over_dp`. The grid must have built Mp (and DpCp when sharded).
+GradNormGroups grad_norm_groups(const parallel::ProcessGrid& grid, bool grads_sharded_over_dp = false);
+
+struct GradNormResult {
+  double norm = 0.0;        ///< global L2 norm of the gradients (before clipping); NaN/Inf when not finite
+  bool finite = true;       ///< false when any gradient holds NaN or Inf: skip the step
+  double clip_coef = 1.0;   ///< min(1, max_norm / (norm + 1e-6)); 1 when not finite (nothing scaled)
+};
+
+/// The global gradient norm over `params` (each rank passes its own list). Collective over every
+/// communicator in groups.reduce. Parameters with an undefined main_grad are ValueError; a parameter
+/// listed twice, or two sharing one main_grad, is ValueError (it would be counted twice).
+GradNormResult global_grad_norm(const std::vector<layers::Parameter*>& params, const GradNormGroups& groups);
+
+/// global_grad_norm, then, when finite and above max_norm, multiplies every main_grad by clip_coef
+/// (all of this rank's parameters, also those skipped in the count: their copies must stay equal).
+/// max_norm <= 0 disables clipping (the norm is still computed and reported).
+GradNormResult clip_grad_norm(const std::vector<layers::Parameter*>& params, double max_norm,
+                              const GradNormGroups& groups);
+
+}  // namespace megacore::optim
