@@ -33,6 +33,8 @@
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/model/transformer_layer.hpp"
 #include "megacore/model/gpt_model.hpp"
+#include "megacore/pipeline/layout.hpp"
+#include "megacore/pipeline/schedule.hpp"
 #include "megacore/optim/grad_clip.hpp"
 #include "megacore/optim/lr_schedule.hpp"
 #include "megacore/optim/optimizer.hpp"

@@ -1,0 +1,350 @@
+// Pipeline stage layouts and schedules, checked as data on one process.
+//
+// For every (PP, VP, m) setting each rank's op list is checked against the schedule's definition
+// (forward/backward order, warm-up length, in-flight bound), and then all ranks are executed together
+// by a small simulator: sends go into per-(src, dst, direction) FIFO channels, a receive blocks until
+// the head of its channel is there and must be exactly the (micro-batch, stage) it expects, compute
+// ops take one time unit and communication none. A schedule that cannot finish is a deadlock; one that
+// finishes gives each rank's idle fraction, compared with the theoretical bubble.
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "megacore/pipeline/layout.hpp"
+#include "megacore/pipeline/schedule.hpp"
+#include "test_helpers.hpp"
+
+using namespace megacore;
+using namespace megacore::pipeline;
+
+namespace {
+
+template <class F>
+std::string config_error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "<no ConfigError>";
+}
+
+struct SimResult {
+  bool deadlock = false;
+  std::string error;                 // first mismatch found, empty when none
+  int64_t makespan = 0;
+  std::vector<int64_t> busy;         // compute time units per rank
+};
+
+// Executes all ranks' schedules together; see the file comment for the model.
+SimResult simulate(const ScheduleConfig& cfg, const std::vector<std::vector<Op>>& ops) {
+  const int pp = cfg.pipeline_parallel, num_stages = pp * cfg.virtual_stages;
+  struct Msg {
+    int64_t microbatch;
+    int stage;
+    int64_t ready;
+  };
+  std::map<std::tuple<int, int, bool>, std::vector<Msg>> channels;  // (src, dst, is_grad) -> FIFO
+  std::map<std::tuple<int, int, bool>, size_t> heads;
+  std::vector<size_t> pc(pp, 0);
+  std::vector<int64_t> clock(pp, 0);
+  SimResult r;
+  r.busy.assign(pp, 0);
+  auto fail = [&](int rank, const Op& op, const std::string& why) {
+    if (r.error.empty()) r.error = fmt::format("rank {} at {}: {}", rank, to_string(op), why);
+  };
+  bool progress = true;
+  while (progress && r.error.empty()) {
+    progress = false;
+    for (int rank = 0; rank < pp; ++rank) {
+      while (pc[rank] < ops[rank].size() && r.error.empty()) {
+        const Op& op = ops[rank][pc[rank]];
+        const int stage = op.chunk * pp + rank;
+        if (op.is_compute()) {
+          clock[rank] += 1;
+          r.busy[rank] += 1;
+        } else {
+          const bool fwd = op.kind == OpKind::SendForward || op.kind == OpKind::RecvForward;
+          const bool send = op.kind == OpKind::SendForward || op.kind == OpKind::SendBackward;
+          // Activations flow to stage + 1, gradients to stage - 1.
+          const int other = send == fwd ? stage + 1 : stage - 1;
+          if (other < 0 || other >= num_stages) {
+            fail(rank, op, "communicates past the end of the pipeline");
+            break;
+          }
+          if (op.peer != other % pp) {
+            fail(rank, op, fmt::format("peer should be rank {}", other % pp));
+            break;
+          }
+          if (send) {
+            channels[{rank, op.peer, !fwd}].push_back({op.microbatch, stage, clock[rank]});
+          } else {
+            auto key = std::make_tuple(op.peer, rank, !fwd);
+            auto& q = channels[key];
+            size_t& h = heads[key];
+            if (h == q.size()) break;  // blocked until the peer sends
+            const Msg m = q[h++];
+            if (m.microbatch != op.microbatch || m.stage != other) {
+              fail(rank, op, fmt::format("received mb {} from stage {} instead (out of order)", m.microbatch, m.stage));
+              break;
+            }
+            clock[rank] = std::max(clock[rank], m.ready);
+          }
+        }
+        ++pc[rank];
+        progress = true;
+      }
+    }
+  }
+  for (int rank = 0; rank < pp; ++rank) {
+    if (pc[rank] < ops[rank].size()) r.deadlock = true;
+    r.makespan = std::max(r.makespan, clock[rank]);
+  }
+  if (!r.deadlock && r.error.empty()) {
+    for (auto& [key, q] : channels) {
+      if (heads[key] != q.size()) r.error = "a message was sent but never received";
+    }
+  }
+  return r;
+}
+
+// The definition, restated independently of the library: forward order over virtual micro-batches.
+std::pair<int64_t, int> virtual_mb(const ScheduleConfig& c, int64_t k, bool forward) {
+  const int64_t pp = c.pipeline_parallel, vp = c.virtual_stages;
+  int chunk = static_cast<int>((k % (pp * vp)) / pp);
+  if (!forward) chunk = static_cast<int>(vp) - 1 - chunk;
+  return {k / (pp * vp) * pp + k % pp, chunk};
+}
+
+int64_t expected_warmup(const ScheduleConfig& c, int rank) {
+  const int64_t pp = c.pipeline_parallel, vp = c.virtual_stages, m = c.num_microbatches;
+  if (c.kind == ScheduleKind::NoPipelining) return 0;
+  if (c.kind == ScheduleKind::OneFOneB) return std::min(pp - rank - 1, m);
+  if (m == pp) return m * vp;
+  return std::min((pp - rank - 1) * 2 + (vp - 1) * pp, m * vp);
+}
+
+}  // namespace
+
+TEST_CASE("schedules: every rank's ops follow the definition and the pipeline runs without deadlock",
+          "[pipeline]") {
+  for (int pp : {1, 2, 4}) {
+    for (int vp : {1, 2}) {
+      if (pp == 1 && vp == 2) continue;  // refused; see the refusal test
+      std::set<int64_t> ms = {pp, 2 * pp, 8};
+      for (int64_t m : ms) {
+        const ScheduleConfig cfg = make_schedule_config(pp, vp, m);
+        INFO(fmt::format("{} PP={} VP={} m={}", schedule_kind_name(cfg.kind), pp, vp, m));
+        std::vector<std::vector<Op>> all;
+        for (int rank = 0; rank < pp; ++rank) {
+          INFO("rank " << rank);
+          const auto ops = rank_schedule(cfg, rank);
+          all.push_back(ops);
+          std::vector<std::pair<int64_t, int>> fwd, bwd;
+          int64_t in_flight = 0, max_in_flight = 0, warmup = -1;
+          std::set<std::pair<int64_t, int>> done_fwd;
+          for (const Op& op : ops) {
+            if (op.kind == OpKind::Forward) {
+              fwd.emplace_back(op.microbatch, op.chunk);
+              REQUIRE(done_fwd.insert({op.microbatch, op.chunk}).second);
+              max_in_flight = std::max(max_in_flight, ++in_flight);
+            } else if (op.kind == OpKind::Backward) {
+              if (warmup < 0) warmup = static_cast<int64_t>(fwd.size()) - 1;  // the steady F before it
+              REQUIRE(done_fwd.count({op.microbatch, op.chunk}) == 1);        // backward after its forward
+              bwd.emplace_back(op.microbatch, op.chunk);
+              --in_flight;
+            }
+          }
+          // Every (micro-batch, chunk) exactly once each way, in the defined order.
+          REQUIRE(fwd.size() == static_cast<size_t>(m * vp));
+          REQUIRE(bwd.size() == fwd.size());
+          REQUIRE(std::set(bwd.begin(), bwd.end()).size() == bwd.size());
+          for (int64_t k = 0; k < m * vp; ++k) {
+            REQUIRE(fwd[k] == virtual_mb(cfg, k, true));
+            REQUIRE(bwd[k] == virtual_mb(cfg, k, false));
+          }
+          // Warm-up: forwards before the first backward, less the steady-state forward (if any).
+          const int64_t want = expected_warmup(cfg, rank);
+          REQUIRE(num_warmup_forwards(cfg, rank) == want);
+          if (want == m * vp) {
+            REQUIRE(warmup == m * vp - 1);  // no steady state: the counting above saw the last F
+          } else {
+            REQUIRE(warmup == want);
+          }
+          // 1F1B's memory bound: at most PP − rank micro-batches' activations alive at once.
+          if (cfg.kind != ScheduleKind::Interleaved1F1B) {
+            REQUIRE(max_in_flight <= pp - rank);
+            REQUIRE(max_in_flight == std::min<int64_t>(pp - rank, m));
+          }
+          // Steady state alternates one forward and one backward.
+          std::vector<OpKind> compute;
+          for (const Op& op : ops) {
+            if (op.is_compute()) compute.push_back(op.kind);
+          }
+          for (int64_t i = 0; i < m * vp - want; ++i) {
+            REQUIRE(compute[want + 2 * i] == OpKind::Forward);
+            REQUIRE(compute[want + 2 * i + 1] == OpKind::Backward);
+          }
+        }
+        const SimResult sim = simulate(cfg, all);
+        INFO(sim.error);
+        REQUIRE(sim.error.empty());
+        REQUIRE_FALSE(sim.deadlock);
+        // With unit-cost stages and free communication every rank idles for the same time; 1F1B and
+        // no pipelining reach the theoretical bubble exactly, interleaving never beats its theory.
+        const double theory = theoretical_bubble_fraction(cfg);
+        for (int rank = 0; rank < pp; ++rank) {
+          const double idle = 1.0 - static_cast<double>(sim.busy[rank]) / static_cast<double>(sim.makespan);
+          INFO("rank " << rank << " simulated idle " << idle << " theory " << theory);
+          if (cfg.kind == ScheduleKind::Interleaved1F1B) {
+            REQUIRE(idle >= theory - 1e-12);
+          } else {
+            REQUIRE(idle == Approx(theory).margin(1e-12));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("schedules: the simulator catches a deadlock and an out-of-order receive", "[pipeline]") {
+  const ScheduleConfig cfg = make_schedule_config(2, 1, 4);
+  std::vector<std::vector<Op>> all = {rank_schedule(cfg, 0), rank_schedule(cfg, 1)};
+  REQUIRE(simulate(cfg, all).error.empty());
+
+  // Rank 0 waiting for a gradient before sending any activation: nobody can move.
+  auto stuck = all;
+  stuck[0].insert(stuck[0].begin(), Op{OpKind::RecvBackward, 0, 0, 1});
+  REQUIRE(simulate(cfg, stuck).deadlock);
+
+  // Rank 1 consuming micro-batches 0 and 1 in the wrong order.
+  auto swapped = all;
+  for (Op& op : swapped[1]) {
+    if (op.kind == OpKind::RecvForward && op.microbatch <= 1) op.microbatch = 1 - op.microbatch;
+  }
+  REQUIRE_FALSE(simulate(cfg, swapped).error.empty());
+}
+
+TEST_CASE("schedules: exact op lists for small cases", "[pipeline]") {
+  using K = OpKind;
+  // No pipelining: gradient accumulation, no communication.
+  REQUIRE(rank_schedule(make_schedule_config(1, 1, 2), 0) ==
+          std::vector<Op>{{K::Forward, 0, 0, -1}, {K::Backward, 0, 0, -1}, {K::Forward, 1, 0, -1},
+                          {K::Backward, 1, 0, -1}});
+  // 1F1B, PP = 2, m = 2: rank 0 warms up with one forward.
+  REQUIRE(rank_schedule(make_schedule_config(2, 1, 2), 0) ==
+          std::vector<Op>{{K::Forward, 0, 0, -1},      {K::SendForward, 0, 0, 1},  {K::Forward, 1, 0, -1},
+                          {K::SendForward, 1, 0, 1},   {K::RecvBackward, 0, 0, 1}, {K::Backward, 0, 0, -1},
+                          {K::RecvBackward, 1, 0, 1},  {K::Backward, 1, 0, -1}});
+  REQUIRE(rank_schedule(make_schedule_config(2, 1, 2), 1) ==
+          std::vector<Op>{{K::RecvForward, 0, 0, 0}, {K::Forward, 0, 0, -1}, {K::Backward, 0, 0, -1},
+                          {K::SendBackward, 0, 0, 0}, {K::RecvForward, 1, 0, 0}, {K::Forward, 1, 0, -1},
+                          {K::Backward, 1, 0, -1},    {K::SendBackward, 1, 0, 0}});
+  // Interleaved, PP = 2, VP = 2, m = 4: rank 1's chunk 0 feeds rank 0's chunk 1 (the wrap).
+  const auto r1 = rank_schedule(make_schedule_config(2, 2, 4), 1);
+  REQUIRE(r1[0] == Op{K::RecvForward, 0, 0, 0});
+  REQUIRE(r1[2] == Op{K::SendForward, 0, 0, 0});
+  REQUIRE(to_string(r1[2]) == "SendForward(mb 0, chunk 0 -> rank 0)");
+  REQUIRE(num_warmup_forwards(make_schedule_config(2, 2, 4), 0) == 4);  // (2-0-1)·2 + (2-1)·2
+  REQUIRE(num_warmup_forwards(make_schedule_config(2, 2, 4), 1) == 2);
+  REQUIRE(num_warmup_forwards(make_schedule_config(4, 2, 4), 3) == 8);  // m = PP: all forwards first
+}
+
+TEST_CASE("schedules: micro-batch count and theoretical bubble", "[pipeline]") {
+  REQUIRE(num_microbatches(256, 2, 4) == 32);
+  REQUIRE(num_microbatches(8, 8, 1) == 1);
+  REQUIRE(theoretical_bubble_fraction(make_schedule_config(1, 1, 8)) == 0.0);
+  REQUIRE(theoretical_bubble_fraction(make_schedule_config(4, 1, 8)) == Approx(3.0 / 11.0));
+  REQUIRE(theoretical_bubble_fraction(make_schedule_config(4, 2, 8)) == Approx(3.0 / 19.0));
+  REQUIRE(make_schedule_config(1, 1, 4).kind == ScheduleKind::NoPipelining);
+  REQUIRE(make_schedule_config(2, 1, 4).kind == ScheduleKind::OneFOneB);
+  REQUIRE(make_schedule_config(2, 2, 4).kind == ScheduleKind::Interleaved1F1B);
+}
+
+TEST_CASE("schedules: refused configurations name the fix", "[pipeline]") {
+  using Catch::Contains;
+  auto cfg = [](ScheduleKind k, int pp, int vp, int64_t m) {
+    ScheduleConfig c;
+    c.kind = k;
+    c.pipeline_parallel = pp;
+    c.virtual_stages = vp;
+    c.num_microbatches = m;
+    return c;
+  };
+  const auto I = ScheduleKind::Interleaved1F1B;
+  CHECK_THAT(config_error_of([&] { validate(cfg(I, 4, 2, 2)); }),
+             Contains("needs at least pipeline_parallel = 4 micro-batches but has 2") &&
+                 Contains("num_microbatches >= 4"));
+  CHECK_THAT(config_error_of([&] { rank_schedule(cfg(I, 4, 2, 6), 0); }),
+             Contains("num_microbatches (6) to be a multiple of pipeline_parallel (4)") && Contains("4 or 8"));
+  CHECK_THAT(config_error_of([&] { validate(cfg(I, 1, 2, 4)); }), Contains("needs pipeline_parallel >= 2"));
+  CHECK_THAT(config_error_of([&] { validate(cfg(ScheduleKind::NoPipelining, 2, 1, 4)); }),
+             Contains("use the 1f1b"));
+  CHECK_THAT(config_error_of([&] { validate(cfg(ScheduleKind::OneFOneB, 2, 2, 4)); }),
+             Contains("use the interleaved_1f1b schedule or set virtual_stages = 1"));
+  CHECK_THAT(config_error_of([&] { validate(cfg(ScheduleKind::OneFOneB, 2, 1, 0)); }),
+             Contains("at least one micro-batch"));
+  CHECK_THAT(config_error_of([&] { validate(cfg(ScheduleKind::OneFOneB, 0, 1, 4)); }),
+             Contains("pipeline_parallel is 0"));
+  CHECK_THAT(config_error_of([&] { num_microbatches(100, 4, 8); }),
+             Contains("global_batch_size 100 is not divisible by micro_batch_size × data_parallel = 4 × 8 = 32") &&
+                 Contains("nearest above is 128"));
+  CHECK_THAT(config_error_of([&] { num_microbatches(8, 0, 1); }), Contains("micro_batch_size is 0"));
+  CHECK_THROWS_AS(rank_schedule(make_schedule_config(2, 1, 4), 2), ValueError);
+  // 1F1B itself accepts fewer micro-batches than stages (just a bigger bubble).
+  CHECK_NOTHROW(validate(make_schedule_config(4, 1, 2)));
+}
+
+TEST_CASE("layout: even and explicit splits give the right global layers", "[pipeline]") {
+  const auto even = PipelineLayout::uniform(80, 4);
+  for (int r = 0; r < 4; ++r) {
+    REQUIRE(even.range(r, 0).first == 20 * r);
+    REQUIRE(even.range(r, 0).count == 20);
+  }
+  // Interleaved: stages in model order chunk·PP + rank, so rank 0 holds layers 0-1 and 4-5.
+  const auto inter = PipelineLayout::uniform(8, 2, 2);
+  REQUIRE(inter.layer_indices(0, 0) == std::vector<int64_t>{0, 1});
+  REQUIRE(inter.layer_indices(1, 0) == std::vector<int64_t>{2, 3});
+  REQUIRE(inter.layer_indices(0, 1) == std::vector<int64_t>{4, 5});
+  REQUIRE(inter.layer_indices(1, 1) == std::vector<int64_t>{6, 7});
+  REQUIRE(inter.num_layers_on_rank(1) == 4);
+  REQUIRE(inter.has_embedding(0, 0));
+  REQUIRE_FALSE(inter.has_embedding(0, 1));
+  REQUIRE(inter.has_head(1, 1));
+  REQUIRE_FALSE(inter.has_head(1, 0));
+
+  // Embedding + 5 / 6 / 6 / 5 + head.
+  const auto expl = PipelineLayout::from_counts(22, 4, 1, {5, 6, 6, 5});
+  REQUIRE(expl.layer_indices(0, 0) == std::vector<int64_t>{0, 1, 2, 3, 4});
+  REQUIRE(expl.range(1, 0).first == 5);
+  REQUIRE(expl.range(2, 0).first == 11);
+  REQUIRE(expl.layer_indices(3, 0) == std::vector<int64_t>{17, 18, 19, 20, 21});
+  REQUIRE(expl.has_embedding(0, 0));
+  REQUIRE(expl.has_head(3, 0));
+  // Empty stages are allowed (e.g. a stage that only holds the head).
+  const auto empty_last = PipelineLayout::from_counts(8, 2, 2, {3, 3, 2, 0});
+  REQUIRE(empty_last.layer_indices(1, 1).empty());
+  REQUIRE(empty_last.layer_indices(0, 1) == std::vector<int64_t>{6, 7});
+  REQUIRE_THROWS_AS(empty_last.range(2, 0), ValueError);
+  REQUIRE_THROWS_AS(empty_last.range(0, 2), ValueError);
+}
+
+TEST_CASE("layout: refused layouts name the fix", "[pipeline]") {
+  using Catch::Contains;
+  CHECK_THAT(config_error_of([] { PipelineLayout::from_counts(80, 4, 1, {16, 16, 16, 16}); }),
+             Contains("pipeline layout assigns 64 layers but the model has 80") && Contains("add 16 layers"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::from_counts(20, 4, 1, {5, 6, 6, 5}); }),
+             Contains("assigns 22 layers but the model has 20") && Contains("remove 2 layers"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::from_counts(8, 2, 1, {9, -1}); }),
+             Contains("entry 1 (pp_rank 1, virtual chunk 0) is -1"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::from_counts(8, 2, 2, {4, 4}); }),
+             Contains("has 2 entries but pipeline_parallel × virtual_stages = 2 × 2 = 4"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::uniform(80, 3); }),
+             Contains("num_layers 80 is not divisible by pipeline_parallel × virtual_stages = 3 × 1 = 3") &&
+                 Contains("explicit per-stage layout"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::uniform(8, 2, 3); }), Contains("2 × 3 = 6"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::uniform(8, 0); }), Contains("pipeline_parallel is 0"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::uniform(0, 2); }), Contains("num_layers is 0"));
+}
