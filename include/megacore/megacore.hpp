@@ -9,6 +9,7 @@
 #include "megacore/core/random.hpp"
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/checkpoint/safetensors.hpp"
 #include "megacore/ops/activation.hpp"
 #include "megacore/ops/attention.hpp"
 #include "megacore/ops/cast.hpp"
