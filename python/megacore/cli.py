@@ -53,7 +53,102 @@ def _run_preprocess(args) -> int:
     return 0
 
 
-_COMMANDS = [_add_preprocess]
+def _add_plan(sub):
+    p = sub.add_parser(
+        "plan", help="print the parallel layout, group table and per-GPU memory estimate of a model and layout",
+        description="Validates a model preset and a parallel layout as a whole (nothing runs), then prints every "
+                    "rank's coordinates, the parameters each GPU holds and an estimate of its memory.")
+    p.add_argument("--model", default="tiny_llama",
+                   help="model preset: tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m (default: tiny_llama)")
+    p.add_argument("--world-size", type=int, required=True, help="total number of ranks (GPUs)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--vp", type=int, default=1, help="virtual pipeline stages per rank (interleaving)")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (needs TP > 1)")
+    p.add_argument("--zero", action="store_true", help="shard optimizer state over DP×CP (ZeRO-1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the warning")
+    p.add_argument("--no-table", dest="table", action="store_false", help="omit the per-rank table")
+    p.set_defaults(func=_run_plan, parser=p)
+
+
+def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
+         sequence_parallel=False, zero=False, gpu_memory_gib=80.0):
+    """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
+
+    Memory per GPU (the busiest pipeline stage), in bytes: bf16 weights (2/param), f32 main grads (4/param),
+    AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), and activations by
+    Korthikanti et al. (2022) with selective recompute (the attention scores are recomputed): s·b·h·34/t per
+    layer with sequence parallelism, s·b·h·(10 + 24/t) without, times the PP micro-batches the first stage of
+    1F1B holds in flight.
+    """
+    from . import model as m
+    from . import parallel as par
+    from .errors import ValueError as McValueError
+
+    presets = {"tiny_llama": m.tiny_llama, "tiny_gpt2": m.tiny_gpt2, "llama32_1b": m.llama32_1b,
+               "llama3_8b": m.llama3_8b, "gpt2_124m": m.gpt2_124m}
+    if model not in presets:
+        raise McValueError(f"unknown model preset '{model}'; use one of {', '.join(presets)}")
+    cfg = presets[model]()
+    cfg.sequence_parallel = sequence_parallel
+    layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, virtual_pipeline=vp),
+                            world_size)
+    m.validate(cfg, tp)
+    if cfg.num_layers % (pp * vp) != 0:
+        from .errors import ConfigError
+        raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by PP×VP = {pp * vp}; choose PP and VP whose "
+                          f"product divides {cfg.num_layers}")
+    counts = m.parameter_count(cfg, tp)
+    layers_per_stage = cfg.num_layers // pp
+    stage_params = [layers_per_stage * counts["per_layer"] / tp for _ in range(pp)]
+    stage_params[0] += (counts["embedding"] + counts["position_embedding"]) / tp
+    stage_params[-1] += (counts["output_layer"] + counts["final_norm"]) / tp
+    if cfg.tie_word_embeddings and pp > 1:
+        stage_params[-1] += counts["embedding"] / tp  # the last stage keeps its own copy of the tied table
+    busiest = max(stage_params)
+    dp_cp = layout.sizes["dp"] * layout.sizes["cp"]
+    s, b, h = seq_length // cp, micro_batch_size, cfg.hidden_size
+    act_layer = s * b * h * (34 / tp if sequence_parallel else 10 + 24 / tp)
+    in_flight = pp  # 1F1B: the first stage holds PP micro-batches
+    mem = {
+        "weights": 2 * busiest,
+        "main_grads": 4 * busiest,
+        "optimizer": 12 * busiest / (dp_cp if zero else 1),
+        "activations": act_layer * layers_per_stage * in_flight,
+    }
+    total = sum(mem.values())
+    return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
+            "memory_bytes": mem, "total_bytes": total, "fits": total <= gpu_memory_gib * 2**30,
+            "flops_per_token": m.flops_per_token(cfg, seq_length, True)}
+
+
+def _run_plan(args) -> int:
+    r = plan(args.model, args.world_size, args.tp, args.pp, args.cp, args.ep, args.vp, args.seq_length,
+             args.micro_batch_size, args.sequence_parallel, args.zero, args.gpu_memory_gib)
+    L, cfg, gib = r["layout"], r["config"], 2**30
+    sz = L.sizes
+    print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "
+          f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.query_groups} (query/KV)")
+    print(f"layout: world {args.world_size} = TP {sz['tp']} × CP {sz['cp']} × DP {sz['dp']} × PP {sz['pp']}"
+          f" (EP {sz['ep']}, VP {sz['vpp']}), order {L.order}")
+    for i, p in enumerate(r["stage_params"]):
+        print(f"  stage {i}: {p / 1e6:.1f} M parameters per GPU")
+    mem = r["memory_bytes"]
+    print("memory per GPU (busiest stage, estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
+          + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")
+    if not r["fits"]:
+        print(f"warning: the estimate exceeds {args.gpu_memory_gib:g} GiB per GPU; raise TP or PP, enable "
+              f"--sequence-parallel or --zero, or lower --micro-batch-size")
+    if args.table:
+        print(L.table())
+    return 0
+
+
+_COMMANDS = [_add_preprocess, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

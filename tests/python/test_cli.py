@@ -1,0 +1,38 @@
+"""`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front."""
+
+import megacore as mc
+from megacore import cli
+
+
+def test_plan_prints_layout_counts_and_memory(capsys):
+    assert cli.main(["plan", "--model", "llama32_1b", "--world-size", "8", "--tp", "2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1.236 B parameters" in out
+    assert "world 8 = TP 2 × CP 1 × DP 2 × PP 2" in out
+    assert "memory per GPU" in out and "stage 1:" in out
+    # one table line per rank, with Megatron-Core's coordinates: rank 5 is tp 1, dp 0, pp 1
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert len(rows) == 8
+    assert rows[5][:5] == ["5", "1", "0", "0", "1"]
+
+
+def test_plan_numbers():
+    r = cli.plan("llama3_8b", world_size=8, tp=2, pp=2)
+    n = r["parameters"]
+    # two stages of 16 layers, TP-sharded; embedding on the first stage, output layer on the last
+    assert r["stage_params"][0] == (16 * n["per_layer"] + n["embedding"]) / 2
+    assert r["memory_bytes"]["optimizer"] == 12 * max(r["stage_params"])
+    zero = cli.plan("llama3_8b", world_size=8, tp=2, pp=2, zero=True)
+    assert zero["memory_bytes"]["optimizer"] == r["memory_bytes"]["optimizer"] / 2  # DP = 2
+    sp = cli.plan("llama3_8b", world_size=8, tp=2, pp=2, sequence_parallel=True)
+    assert sp["memory_bytes"]["activations"] < r["memory_bytes"]["activations"]
+    assert not cli.plan("llama3_8b", world_size=1, gpu_memory_gib=80)["fits"]
+
+
+def test_plan_refuses_bad_layouts_with_the_fix(capsys):
+    assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "6", "--tp", "4"]) == 1
+    assert "world_size 6 is not divisible by TP(4)" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "8", "--pp", "3"]) == 1
+    assert cli.main(["plan", "--model", "nope", "--world-size", "1"]) == 1
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny_llama", "--world-size", "2", "--sequence-parallel"]) == 1
