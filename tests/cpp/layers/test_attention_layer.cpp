@@ -10,41 +10,16 @@
 #include <numbers>
 
 #include "megacore/layers/attention.hpp"
+#include "layers_test_util.hpp"
 #include "test_helpers.hpp"
 
 using namespace megacore;
 namespace ly = megacore::layers;
 namespace mdl = megacore::model;
 
+using layers_test::NoCommCommunicator;  // every collective throws; size 1 is a TP = 1 group
+
 namespace {
-
-// A group of `size` ranks seen from `rank` for checks that must fail before any communication; at size 1
-// no collective is ever issued, so it also serves as the TP = 1 group.
-class NoCommCommunicator : public comm::Communicator {
- public:
-  NoCommCommunicator(int rank, int size) {
-    rank_ = rank;
-    size_ = size;
-    options_.name = "tp";
-  }
-  comm::Backend backend() const override { return comm::Backend::MPI; }
-  comm::WorkPtr all_reduce(Tensor&, comm::ReduceOp, const Stream&) override { fail(); }
-  comm::WorkPtr all_gather(const Tensor&, Tensor&, const Stream&) override { fail(); }
-  comm::WorkPtr reduce_scatter(const Tensor&, Tensor&, comm::ReduceOp, const Stream&) override { fail(); }
-  comm::WorkPtr broadcast(Tensor&, int, const Stream&) override { fail(); }
-  comm::WorkPtr all_to_all(const Tensor&, Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                           const Stream&) override {
-    fail();
-  }
-  comm::WorkPtr batch_send_recv(const std::vector<comm::P2POp>&, const Stream&) override { fail(); }
-  void barrier() override { fail(); }
-  std::unique_ptr<comm::Communicator> split(int, int, const comm::CommOptions&) override { fail(); }
-  void abort() override {}
-  bool aborted() const override { return false; }
-
- private:
-  [[noreturn]] static void fail() { throw std::logic_error("test communicator: no collective expected here"); }
-};
 
 Tensor randn(const Shape& shape, uint64_t offset, double std = 1.0) {
   Tensor t = Tensor::empty(shape);
