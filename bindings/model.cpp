@@ -244,9 +244,35 @@ void bind_gpt(pyb::module_& m) {
       .def_property_readonly("num_layers", &GPTModel::num_layers);
 }
 
+// What the two parallel linear layers share in Python: forward/backward on the tensor's current stream,
+// parameters as (data, main_grad) pairs, and the feature sizes.
+template <class L>
+void bind_linear_methods(pyb::class_<L>& c, const char* forward_doc, const char* backward_doc, const char* weight_doc,
+                         const char* bias_doc) {
+  c.def("forward", [](L& l, const pyb::object& x) {
+     Tensor t = tensor_arg(x, "x");
+     pyb::gil_scoped_release nogil;
+     return l.forward(context_for(t.device()), t);
+   }, pyb::arg("x"), forward_doc)
+      .def("backward", [](L& l, const pyb::object& dy) {
+        Tensor t = tensor_arg(dy, "dy");
+        pyb::gil_scoped_release nogil;
+        return l.backward(context_for(t.device()), t);
+      }, pyb::arg("dy"), backward_doc)
+      .def("zero_grad", &L::zero_grad)
+      .def_property_readonly("weight", [](L& l) { return param_tuple(l.weight()); }, weight_doc)
+      .def_property_readonly("bias", [](L& l) -> pyb::object {
+        if (!l.options().bias) return pyb::none();
+        return param_tuple(l.bias());
+      }, bias_doc)
+      .def("parameters", [](L& l) { return layer_params(l); })
+      .def_property_readonly("in_features", &L::in_features)
+      .def_property_readonly("out_features", &L::out_features);
+}
+
 void bind_linear(pyb::module_& m) {
-  pyb::class_<ly::ColumnParallelLinear>(m, "ColumnParallelLinear", "Y = X W^T + b with W's rows split over TP.")
-      .def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool gather_output,
+  pyb::class_<ly::ColumnParallelLinear> col(m, "ColumnParallelLinear", "Y = X W^T + b with W's rows split over TP.");
+  col.def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool gather_output,
                         bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
                         uint64_t seed, uint64_t init_offset) {
              ly::ColumnParallelLinearOptions o;
@@ -264,31 +290,14 @@ void bind_linear(pyb::module_& m) {
            pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
            pyb::arg("gather_output") = false, pyb::arg("sequence_parallel") = false, pyb::arg("params_dtype") = "f32",
            pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02, pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0,
-           pyb::keep_alive<1, 2>())
-      .def("forward", [](ly::ColumnParallelLinear& l, const pyb::object& x) {
-        Tensor t = tensor_arg(x, "x");
-        pyb::gil_scoped_release nogil;
-        return l.forward(context_for(t.device()), t);
-      }, pyb::arg("x"), "x: [..., in] (or [s/TP, ..., in] with SP) → [..., out/TP] (or [..., out] gathered).")
-      .def("backward", [](ly::ColumnParallelLinear& l, const pyb::object& dy) {
-        Tensor t = tensor_arg(dy, "dy");
-        pyb::gil_scoped_release nogil;
-        return l.backward(context_for(t.device()), t);
-      }, pyb::arg("dy"), "Accumulates weight/bias main_grad and returns dx.")
-      .def("zero_grad", &ly::ColumnParallelLinear::zero_grad)
-      .def_property_readonly("weight", [](ly::ColumnParallelLinear& l) { return param_tuple(l.weight()); },
-                             "(data [out/TP, in], main_grad)")
-      .def_property_readonly("bias", [](ly::ColumnParallelLinear& l) -> pyb::object {
-        if (!l.options().bias) return pyb::none();
-        return param_tuple(l.bias());
-      }, "(data [out/TP], main_grad), or None without bias")
-      .def("parameters", [](ly::ColumnParallelLinear& l) { return layer_params(l); })
-      .def_property_readonly("in_features", &ly::ColumnParallelLinear::in_features)
-      .def_property_readonly("out_features", &ly::ColumnParallelLinear::out_features)
-      .def_property_readonly("out_features_per_rank", &ly::ColumnParallelLinear::out_features_per_rank);
+           pyb::keep_alive<1, 2>());
+  bind_linear_methods(col, "x: [..., in] (or [s/TP, ..., in] with SP) → [..., out/TP] (or [..., out] gathered).",
+                      "Accumulates weight/bias main_grad and returns dx.", "(data [out/TP, in], main_grad)",
+                      "(data [out/TP], main_grad), or None without bias");
+  col.def_property_readonly("out_features_per_rank", &ly::ColumnParallelLinear::out_features_per_rank);
 
-  pyb::class_<ly::RowParallelLinear>(m, "RowParallelLinear", "Y = X W^T + b with W's columns split over TP.")
-      .def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool input_is_parallel,
+  pyb::class_<ly::RowParallelLinear> row(m, "RowParallelLinear", "Y = X W^T + b with W's columns split over TP.");
+  row.def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool input_is_parallel,
                         bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
                         uint64_t seed, uint64_t init_offset) {
              ly::RowParallelLinearOptions o;
@@ -306,28 +315,11 @@ void bind_linear(pyb::module_& m) {
            pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
            pyb::arg("input_is_parallel") = false, pyb::arg("sequence_parallel") = false,
            pyb::arg("params_dtype") = "f32", pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02,
-           pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0, pyb::keep_alive<1, 2>())
-      .def("forward", [](ly::RowParallelLinear& l, const pyb::object& x) {
-        Tensor t = tensor_arg(x, "x");
-        pyb::gil_scoped_release nogil;
-        return l.forward(context_for(t.device()), t);
-      }, pyb::arg("x"), "x: [..., in/TP] with input_is_parallel, else [..., in] → [..., out] (summed over TP).")
-      .def("backward", [](ly::RowParallelLinear& l, const pyb::object& dy) {
-        Tensor t = tensor_arg(dy, "dy");
-        pyb::gil_scoped_release nogil;
-        return l.backward(context_for(t.device()), t);
-      }, pyb::arg("dy"), "Accumulates weight/bias main_grad and returns dx in x's layout.")
-      .def("zero_grad", &ly::RowParallelLinear::zero_grad)
-      .def_property_readonly("weight", [](ly::RowParallelLinear& l) { return param_tuple(l.weight()); },
-                             "(data [out, in/TP], main_grad)")
-      .def_property_readonly("bias", [](ly::RowParallelLinear& l) -> pyb::object {
-        if (!l.options().bias) return pyb::none();
-        return param_tuple(l.bias());
-      }, "(data [out], main_grad), or None without bias")
-      .def("parameters", [](ly::RowParallelLinear& l) { return layer_params(l); })
-      .def_property_readonly("in_features", &ly::RowParallelLinear::in_features)
-      .def_property_readonly("out_features", &ly::RowParallelLinear::out_features)
-      .def_property_readonly("in_features_per_rank", &ly::RowParallelLinear::in_features_per_rank);
+           pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0, pyb::keep_alive<1, 2>());
+  bind_linear_methods(row, "x: [..., in/TP] with input_is_parallel, else [..., in] → [..., out] (summed over TP).",
+                      "Accumulates weight/bias main_grad and returns dx in x's layout.", "(data [out, in/TP], main_grad)",
+                      "(data [out], main_grad), or None without bias");
+  row.def_property_readonly("in_features_per_rank", &ly::RowParallelLinear::in_features_per_rank);
 }
 
 }  // namespace
