@@ -64,6 +64,7 @@ MLP::MLP(comm::Communicator& tp, int64_t hidden_size, int64_t ffn_hidden_size, c
     Tensor& w = fc1_.weight().data;
     w.narrow(0, 0, f_local).copy_(gate.narrow(0, row0, f_local));
     w.narrow(0, f_local, f_local).copy_(up.narrow(0, row0, f_local));
+    for (Parameter* p : fc1_.parameters()) p->partition_chunks = 2;  // the bias too, when there is one
   }
 }
 

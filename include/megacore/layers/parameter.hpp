@@ -17,6 +17,12 @@ struct Parameter {
   Tensor main_grad;
   /// Dimension along which the full tensor is split over TP, or -1 when it is replicated.
   int partition_dim = -1;
+  /// How the full tensor maps onto the TP shards along partition_dim: the full dimension is
+  /// `partition_chunks` equal blocks, each split evenly over TP, and this rank's shard is its piece of
+  /// every block, concatenated in block order. 1 for an ordinary contiguous slice; 2 for SwiGLU's fused
+  /// fc1 ([gate ; up] full, [gate_r ; up_r] on rank r). Checkpoints use it to place shards in the full
+  /// tensor independently of the TP degree.
+  int partition_chunks = 1;
   /// True for a replicated parameter whose gradient each TP rank computed from only its own sequence
   /// chunk (biases and norms after a sequence-parallel region): main_grad must be summed over the TP
   /// group before the optimizer uses it (see layers::allreduce_sequence_parallel_grads). Deferred, as
