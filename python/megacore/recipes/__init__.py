@@ -1,0 +1,35 @@
+"""Recipes in the style of NeMo 2.0: functions returning an editable, validated ``Recipe``.
+
+    import megacore as mc
+    recipe = mc.recipes.llama32_1b.pretrain_recipe(num_nodes=1, num_gpus_per_node=4)
+    recipe.parallel.tensor_model_parallel_size = 2
+    recipe.validate()
+    mc.run(recipe, executor=mc.LocalExecutor(nproc_per_node=4))
+
+``get("tiny")`` returns a recipe by name (``tiny``, ``gpt2_124m``, ``llama32_1b``, ``llama3_8b``, each with a
+``_finetune`` variant needing ``sft_path`` and ``resume``).
+"""
+
+from __future__ import annotations
+
+from . import gpt2_124m, llama3_8b, llama32_1b, tiny
+from .config import (ALIASES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+                     ParallelConfig, Recipe, Resources, TrainerConfig)
+from ..errors import ConfigError
+
+RECIPES = {"tiny": tiny, "gpt2_124m": gpt2_124m, "llama32_1b": llama32_1b, "llama3_8b": llama3_8b}
+
+
+def get(name: str, **kwargs) -> Recipe:
+    """The pretrain recipe of that name (``name_finetune`` for the SFT variant); kwargs go to the function."""
+    base, _, kind = name.partition("_finetune")
+    if base not in RECIPES or (kind and kind != ""):
+        raise ConfigError(f"unknown recipe '{name}'; use one of "
+                          f"{', '.join(list(RECIPES) + [n + '_finetune' for n in RECIPES])}")
+    mod = RECIPES[base]
+    return mod.finetune_recipe(**kwargs) if name.endswith("_finetune") else mod.pretrain_recipe(**kwargs)
+
+
+__all__ = ["ALIASES", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
+           "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "get", "tiny", "gpt2_124m",
+           "llama32_1b", "llama3_8b"]

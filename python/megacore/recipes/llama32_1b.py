@@ -1,0 +1,22 @@
+"""Llama 3.2 1B: h2048, 16 layers, 32 heads / 8 KV groups, FFN 8192, vocab 128256, tied embeddings,
+llama3 RoPE scaling. Fits one 80 GB GPU with bf16 and micro-batch 4 × 2048."""
+
+from __future__ import annotations
+
+from ._common import finetune_from, make
+from .config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, Recipe, TrainerConfig
+
+
+def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 8, dir: str | None = None) -> Recipe:
+    return make("llama32_1b_pretrain", ModelConfig.from_preset("llama32_1b"), num_nodes=num_nodes,
+                num_gpus_per_node=num_gpus_per_node, parallel=ParallelConfig(),
+                data=DataConfig(paths=[], tokenizer="meta-llama/Llama-3.2-1B", seq_length=2048, micro_batch_size=4,
+                                global_batch_size=4 * num_nodes * num_gpus_per_node * 8),
+                optim=OptimizerConfig(lr=3e-4, min_lr=3e-5, weight_decay=0.1, lr_warmup_iters=2000),
+                trainer=TrainerConfig(max_steps=100000, val_check_interval=1000, precision="bf16",
+                                      recompute="selective"), dir=dir)
+
+
+def finetune_recipe(sft_path: str, resume: str, num_nodes: int = 1, num_gpus_per_node: int = 8,
+                    dir: str | None = None) -> Recipe:
+    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node, dir), sft_path, resume, lr=1e-5)

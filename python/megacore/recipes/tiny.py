@@ -1,0 +1,27 @@
+"""The tiny recipe: the embedded default corpus and a 4-layer Llama small enough for CPU ranks. It is the
+README's main job (TP = 2, PP = 2 on 4 ranks) and the smoke test of every parallel layout."""
+
+from __future__ import annotations
+
+from ._common import finetune_from, make
+from .config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, Recipe, TrainerConfig
+
+
+def model() -> ModelConfig:
+    return ModelConfig(name="tiny", num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=256, vocab_size=259, max_position_embeddings=256)
+
+
+def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 4, dir: str | None = None) -> Recipe:
+    return make("tiny_pretrain", model(), num_nodes=num_nodes, num_gpus_per_node=num_gpus_per_node,
+                parallel=ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                data=DataConfig(paths=["embedded"], seq_length=128, micro_batch_size=4, global_batch_size=16),
+                optim=OptimizerConfig(lr=3e-3, min_lr=3e-4, weight_decay=0.01, lr_warmup_iters=5),
+                trainer=TrainerConfig(max_steps=60, val_check_interval=20, limit_val_batches=2, precision="f32",
+                                      generate_tokens=40, generate_prompt="seven plus two is"),
+                dir=dir)
+
+
+def finetune_recipe(sft_path: str, resume: str, num_nodes: int = 1, num_gpus_per_node: int = 4,
+                    dir: str | None = None) -> Recipe:
+    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node, dir), sft_path, resume, lr=1e-3)

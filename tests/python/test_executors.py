@@ -1,0 +1,89 @@
+"""Executors: the Slurm script and the Kubeflow PyTorchJob manifest are rendered from a recipe and checked
+field by field (the manifest against the PyTorchJob v1 schema's required structure)."""
+
+import json
+
+import pytest
+
+from megacore import executors, recipes
+from megacore.errors import ConfigError
+
+
+def test_slurm_dry_run_script(capsys):
+    r = recipes.llama32_1b.pretrain_recipe(num_nodes=2, num_gpus_per_node=8)
+    ex = executors.SlurmExecutor(account="acct", partition="gpu", time="01:00:00", job_dir="/shared/run1",
+                                 container_image="nvcr.io/x/megacore:1", env={"NCCL_IB_HCA": "mlx5"}, dryrun=True)
+    assert ex.launch(r) == 0
+    s = capsys.readouterr().out
+    lines = s.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for want in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --account=acct", "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00",
+                 "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}", "export NCCL_IB_HCA=mlx5"):
+        assert want in lines, want
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert "--container-image=nvcr.io/x/megacore:1" in srun and "/shared/run1:/shared/run1" in srun
+    assert srun.endswith("python -u -m megacore.train --config /shared/run1/recipe.json")
+    # srun gives every task SLURM_PROCID/SLURM_NTASKS, which megacore.comm.init_from_env reads
+    assert "MASTER_ADDR=$(scontrol show hostnames" in s
+
+
+def test_slurm_refuses_an_invalid_recipe_before_writing_anything(tmp_path):
+    r = recipes.tiny.pretrain_recipe()
+    r.parallel.tensor_model_parallel_size = 3
+    with pytest.raises(ConfigError, match="not divisible by TP×PP×CP"):
+        executors.SlurmExecutor(job_dir=str(tmp_path / "job"), nodes=1, gpus_per_node=4).launch(r)
+    assert not (tmp_path / "job").exists()
+
+
+def _check_container(c, gpus):
+    assert c["name"] == "pytorch"  # the Kubeflow training operator finds the container by this name
+    assert isinstance(c["image"], str) and c["image"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/etc/megacore"] == "recipe"
+    cmd = " ".join(c["command"])
+    assert f"--nproc-per-node {gpus}" in cmd and "--node-rank ${RANK}" in cmd
+    assert "--master-addr ${MASTER_ADDR}" in cmd and "--config /etc/megacore/recipe.json" in cmd
+
+
+def test_kubernetes_manifest_follows_the_pytorchjob_schema():
+    r = recipes.llama32_1b.pretrain_recipe(num_nodes=3, num_gpus_per_node=8)
+    ex = executors.KubernetesExecutor(image="registry/megacore:1", namespace="ml", memory="500Gi")
+    cm, job = ex.manifests(r)
+    assert cm["kind"] == "ConfigMap" and cm["apiVersion"] == "v1"
+    saved = json.loads(cm["data"]["recipe.json"])
+    assert saved["resources"] == {"num_nodes": 3, "num_gpus_per_node": 8}
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"]["name"] == "megacore-llama32-1b-pretrain" and job["metadata"]["namespace"] == "ml"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    for spec in specs.values():
+        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        pod = spec["template"]["spec"]
+        (c,) = pod["containers"]
+        _check_container(c, 8)
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert vols["recipe"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
+
+
+def test_kubernetes_dry_run_prints_yaml(capsys):
+    yaml = pytest.importorskip("yaml")
+    r = recipes.tiny.pretrain_recipe(num_nodes=1, num_gpus_per_node=4)
+    assert executors.KubernetesExecutor(dryrun=True).launch(r) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]
+    assert set(docs[1]["spec"]["pytorchReplicaSpecs"]) == {"Master"}  # one node: no workers
+
+
+def test_local_dry_run_command(capsys):
+    r = recipes.tiny.pretrain_recipe()
+    assert executors.LocalExecutor(nproc_per_node=4, cpu=True).launch(r, dryrun=True) == 0
+    out = capsys.readouterr().out
+    assert "-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config runs/tiny_pretrain/logs/recipe.json" \
+        in out

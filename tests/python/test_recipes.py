@@ -1,0 +1,130 @@
+"""Recipes: editable dataclasses, validated as a whole before launch, serialised and restored exactly."""
+
+import json
+
+import pytest
+
+import megacore as mc
+from megacore import recipes
+from megacore.errors import ConfigError
+from megacore.recipes import Recipe
+
+
+def test_recipes_build_and_validate():
+    for name in recipes.RECIPES:
+        r = recipes.get(name)
+        assert isinstance(r, Recipe)
+        r.validate(check_paths=False)
+    tiny = recipes.tiny.pretrain_recipe()
+    assert tiny.parallel.tensor_model_parallel_size == 2 and tiny.parallel.pipeline_model_parallel_size == 2
+    assert tiny.world_size == 4 and tiny.data_parallel_size == 1 and tiny.num_microbatches == 4
+    assert tiny.validate() == []  # embedded corpus: no paths to check
+
+
+def test_model_config_mirrors_the_cpp_presets():
+    m = recipes.ModelConfig.from_preset("llama32_1b")
+    c = m.to_transformer_config("bf16")
+    ref = mc.model.llama32_1b()
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "vocab_size", "tie_word_embeddings", "rope_theta"):
+        assert getattr(c, f) == getattr(ref, f), f
+    assert str(c.rope_scaling.type) == str(ref.rope_scaling.type)
+    assert mc.model.parameter_count(c)["total"] == mc.model.parameter_count(ref)["total"]
+    assert c.params_dtype == "bf16"
+
+
+def test_round_trip_json_and_yaml(tmp_path):
+    r = recipes.llama3_8b.pretrain_recipe(num_nodes=2, num_gpus_per_node=8)
+    r.set("parallel.pp", "2").set("optim.lr", "1e-4").set("parallel.pipeline_layout", "[15, 17]")
+    r.to_json(str(tmp_path / "r.json"))
+    back = Recipe.from_file(str(tmp_path / "r.json"))
+    assert back == r
+    assert back.parallel.pipeline_layout == [15, 17]
+    pytest.importorskip("yaml")
+    r.to_yaml(str(tmp_path / "r.yaml"))
+    assert Recipe.from_file(str(tmp_path / "r.yaml")) == r
+
+
+def test_set_converts_types_and_knows_aliases():
+    r = recipes.tiny.pretrain_recipe()
+    r.apply_overrides(["parallel.tp=4", "parallel.sp=true", "data.gbs=32", "optim.lr=0.01", "trainer.steps=7",
+                       "data.paths=0.3,a,0.7,b"])
+    assert r.parallel.tensor_model_parallel_size == 4 and r.parallel.sequence_parallel is True
+    assert r.data.global_batch_size == 32 and r.optim.lr == 0.01 and r.trainer.max_steps == 7
+    assert r.data.paths == [0.3, "a", 0.7, "b"]
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("parallel.tensor=2", "unknown field 'tensor' in recipe section 'parallel'"),
+    ("paralel.tp=2", "unknown recipe section 'paralel'"),
+    ("parallel.tp=two", "parallel.tensor_model_parallel_size must be an integer"),
+    ("parallel.sp=maybe", "must be true or false"),
+    ("lr=1", "must be section.field"),
+    ("optim.lr", "must be key=value"),
+])
+def test_bad_overrides_name_the_field(item, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        recipes.tiny.pretrain_recipe().apply_overrides([item])
+
+
+def test_unknown_fields_in_files_are_refused(tmp_path):
+    d = recipes.tiny.pretrain_recipe().to_dict()
+    d["optim"]["learning_rate"] = 1.0
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="unknown field.*'learning_rate'.*recipe.optim"):
+        Recipe.from_file(str(p))
+    with pytest.raises(ConfigError, match="cannot read recipe file"):
+        Recipe.from_file(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"resources.num_gpus_per_node": 6}, "world size 6 .* not divisible by TP×PP×CP = 2×2×1 = 4"),
+    ({"data.global_batch_size": 10}, "10 is not divisible by micro_batch_size × DP = 4 × 1"),
+    ({"model.num_layers": 5}, "5 layers cannot be split evenly over PP×VP = 2×1"),
+    ({"parallel.pipeline_layout": [1, 2]}, "sums to 3 layers but the model has 4"),
+    ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
+    ({"parallel.vp": 2, "data.global_batch_size": 12, "data.micro_batch_size": 4},
+     "number of micro-batches \\(3\\) to be a multiple of PP = 2"),
+    ({"parallel.tp": 1, "parallel.sp": True}, "sequence_parallel: needs tensor_model_parallel_size > 1"),
+    ({"data.seq_length": 4096}, "exceeds model.max_position_embeddings"),
+    ({"data.paths": ["/nonexistent/corpus"]}, "'/nonexistent/corpus' has no /nonexistent/corpus.bin"),
+    ({"model.vocab_size": 100}, "smaller than the byte tokenizer"),
+    ({"optim.lr_decay_style": "exp"}, "'exp' is not one of constant, linear, cosine, wsd"),
+    ({"trainer.precision": "fp8"}, "'fp8' is not one of f32, bf16, f16"),
+    ({"model.num_query_groups": 3}, "model:"),
+    ({"checkpoint.resume": "/nonexistent/step_5"}, "is not a checkpoint directory"),
+])
+def test_bad_recipes_fail_before_launch_naming_field_and_fix(changes, needle):
+    r = recipes.tiny.pretrain_recipe()
+    for k, v in changes.items():
+        r.set(k, v)
+    with pytest.raises(ConfigError, match=needle):
+        r.validate()
+
+
+def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path):
+    ck = tmp_path / "step_10"
+    ck.mkdir()
+    other = recipes.tiny.pretrain_recipe()
+    other.model.hidden_size = 256
+    other.to_json(str(ck / "recipe.json"))
+    r = recipes.tiny.pretrain_recipe()
+    r.checkpoint.resume = str(ck)
+    with pytest.raises(ConfigError, match="holds another model \\(hidden_size 256 vs 128"):
+        r.validate()
+    same = recipes.tiny.pretrain_recipe()
+    same.to_json(str(ck / "recipe.json"))
+    r.validate()
+
+
+def test_few_microbatches_for_the_pipeline_warn():
+    r = recipes.tiny.pretrain_recipe()
+    r.data.global_batch_size = 4  # one micro-batch for PP = 2
+    (w,) = r.validate()
+    assert "only 1 micro-batches for PP = 2" in w and "50%" in w
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(ConfigError, match="unknown recipe 'llama9'"):
+        recipes.get("llama9")
