@@ -250,4 +250,20 @@ std::vector<Tensor> split_qkv_weight(const Tensor& wqkv, int64_t heads, int64_t 
           g.select(1, hpg + 1).contiguous(s).view(ks)};
 }
 
+void SelfAttention::stash_activations(ActivationStash& s) {
+  qkv_.stash_activations(s);
+  proj_.stash_activations(s);
+  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_}) s.put(*t);
+  s.put_int(seq_);
+  s.put_int(batch_);
+}
+
+void SelfAttention::restore_activations(ActivationStash& s) {
+  qkv_.restore_activations(s);
+  proj_.restore_activations(s);
+  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_}) s.take(*t);
+  seq_ = s.take_int();
+  batch_ = s.take_int();
+}
+
 }  // namespace megacore::layers

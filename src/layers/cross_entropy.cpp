@@ -136,4 +136,15 @@ Tensor VocabParallelCrossEntropy::backward_impl(const ForwardContext& ctx, const
   return dlogits.view(logits_shape_);
 }
 
+void VocabParallelCrossEntropy::stash_activations(ActivationStash& s) {
+  // lse_ is kept for lse() after a forward but also read by backward, so it travels with the rest.
+  for (Tensor* t : {&logits_, &valid_logits_, &labels_, &mask_, &lse_}) s.put(*t);
+  s.put_shape(logits_shape_);
+}
+
+void VocabParallelCrossEntropy::restore_activations(ActivationStash& s) {
+  for (Tensor* t : {&logits_, &valid_logits_, &labels_, &mask_, &lse_}) s.take(*t);
+  logits_shape_ = s.take_shape();
+}
+
 }  // namespace megacore::layers

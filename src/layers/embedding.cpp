@@ -118,4 +118,7 @@ void VocabParallelEmbedding::backward(const ForwardContext& ctx, const Tensor& d
   saved_ids_ = Tensor();
 }
 
+void VocabParallelEmbedding::stash_activations(ActivationStash& s) { s.put(saved_ids_); }
+void VocabParallelEmbedding::restore_activations(ActivationStash& s) { s.take(saved_ids_); }
+
 }  // namespace megacore::layers

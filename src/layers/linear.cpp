@@ -267,4 +267,9 @@ void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector
     }
 }
 
+void ColumnParallelLinear::stash_activations(ActivationStash& s) { s.put(saved_input_); }
+void ColumnParallelLinear::restore_activations(ActivationStash& s) { s.take(saved_input_); }
+void RowParallelLinear::stash_activations(ActivationStash& s) { s.put(saved_input_); }
+void RowParallelLinear::restore_activations(ActivationStash& s) { s.take(saved_input_); }
+
 }  // namespace megacore::layers

@@ -109,4 +109,16 @@ void MLP::zero_grad() {
   fc2_.zero_grad();
 }
 
+void MLP::stash_activations(ActivationStash& s) {
+  fc1_.stash_activations(s);
+  fc2_.stash_activations(s);
+  s.put(saved_fc1_out_);
+}
+
+void MLP::restore_activations(ActivationStash& s) {
+  fc1_.restore_activations(s);
+  fc2_.restore_activations(s);
+  s.take(saved_fc1_out_);
+}
+
 }  // namespace megacore::layers

@@ -151,4 +151,18 @@ void NormLayer::zero_grad() {
   for (Parameter* p : parameters()) p->main_grad.zero_();
 }
 
+void NormLayer::stash_activations(ActivationStash& s) {
+  s.put(saved_x_);
+  s.put(saved_mean_);
+  s.put(saved_rstd_);
+  s.put_int(saved_fused_ ? 1 : 0);
+}
+
+void NormLayer::restore_activations(ActivationStash& s) {
+  s.take(saved_x_);
+  s.take(saved_mean_);
+  s.take(saved_rstd_);
+  saved_fused_ = s.take_int() != 0;
+}
+
 }  // namespace megacore::layers

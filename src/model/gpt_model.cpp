@@ -1,5 +1,7 @@
 #include "megacore/model/gpt_model.hpp"
 
+#include <bit>
+#include <cstdint>
 #include <utility>
 
 #include "megacore/core/error.hpp"
@@ -14,10 +16,29 @@ namespace {
 
 constexpr uint64_t kWordEmbeddingOffset = 0, kPositionEmbeddingOffset = 1, kOutputLayerOffset = 2;
 
-// Runs first in the member-initialiser list, so a bad config is refused before any allocation.
-const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp) {
+// Runs first in the member-initialiser list, so a bad config or stage description is refused before
+// any allocation.
+const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp, const GPTModelOptions& o) {
   validate(cfg, tp.size());
+  if (o.layer_indices) {
+    const std::vector<int64_t>& li = *o.layer_indices;
+    for (size_t i = 0; i < li.size(); ++i) {
+      MC_CHECK_AS(ConfigError, li[i] >= 0 && li[i] < cfg.num_layers,
+                  "GPTModel: layer index {} is outside the model's {} layers; pass global indices 0..{} (e.g. from "
+                  "PipelineLayout::layer_indices)", li[i], cfg.num_layers, cfg.num_layers - 1);
+      MC_CHECK_AS(ConfigError, i == 0 || li[i] > li[i - 1],
+                  "GPTModel: layer_indices must be strictly increasing, got {} after {}; list each layer once, in "
+                  "model order", li[i], li[i - 1]);
+    }
+  }
   return cfg;
+}
+
+std::vector<int64_t> indices_of(const TransformerConfig& cfg, const GPTModelOptions& o) {
+  if (o.layer_indices) return *o.layer_indices;
+  std::vector<int64_t> all(size_t(cfg.num_layers));
+  for (int64_t i = 0; i < cfg.num_layers; ++i) all[size_t(i)] = i;
+  return all;
 }
 
 std::unique_ptr<ly::NormLayer> make_norm(const TransformerConfig& cfg, Device device) {
@@ -40,32 +61,41 @@ void check_batch(const Tensor& t, std::string_view name, bool index) {
     MC_CHECK(t.dtype() == DType::F32, "GPTModel.forward: {} has dtype {}; use f32", name, dtype_name(t.dtype()));
 }
 
+int64_t double_bits(double v) { return std::bit_cast<int64_t>(v); }
+double bits_double(int64_t v) { return std::bit_cast<double>(v); }
+
 }  // namespace
 
+double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask, int64_t ignore_index) {
+  const std::vector<double> lab = labels.to_double_vector();
+  const std::vector<double> msk = loss_mask.defined() ? loss_mask.to_double_vector() : std::vector<double>();
+  MC_CHECK(msk.empty() || msk.size() == lab.size(),
+           "count_loss_tokens: loss_mask has {} elements but labels {}; pass one mask value per label", msk.size(),
+           lab.size());
+  double count = 0;
+  for (size_t i = 0; i < lab.size(); ++i)
+    if (int64_t(lab[i]) != ignore_index) count += msk.empty() ? 1.0 : msk[i];
+  return count;
+}
+
+struct GPTModel::SpHold {
+  std::vector<std::pair<ly::Parameter*, Tensor>> earlier;
+};
+
 GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const GPTModelOptions& options)
-    : tp_(tp),
-      cfg_(validated(cfg, tp)),
-      opts_(options),
-      embedding_(tp, cfg.vocab_size, cfg.hidden_size,
-                 ly::VocabParallelEmbeddingOptions{.padded_vocab_size = model::padded_vocab_size(cfg, tp.size()),
-                                                   .sequence_parallel = cfg.sequence_parallel,
-                                                   .params_dtype = cfg.params_dtype,
-                                                   .device = options.device,
-                                                   .init_std = cfg.init_method_std,
-                                                   .seed = cfg.seed,
-                                                   .init_offset = kWordEmbeddingOffset}),
-      final_norm_(make_norm(cfg, options.device)),
-      output_layer_(tp, cfg.hidden_size, model::padded_vocab_size(cfg, tp.size()),
-                    ly::ColumnParallelLinearOptions{.bias = false,
-                                                    .gather_output = false,
-                                                    .sequence_parallel = cfg.sequence_parallel,
-                                                    .params_dtype = cfg.params_dtype,
-                                                    .device = options.device,
-                                                    .init_std = cfg.init_method_std,
-                                                    .seed = cfg.seed,
-                                                    .init_offset = kOutputLayerOffset}),
-      loss_(tp, cfg.vocab_size, ly::VocabParallelCrossEntropyOptions{.label_smoothing = options.label_smoothing}) {
-  if (cfg_.position_embedding == PositionEmbeddingType::Learned) {
+    : tp_(tp), cfg_(validated(cfg, tp, options)), opts_(options), layer_indices_(indices_of(cfg, options)) {
+  const bool tied_copy = cfg_.tie_word_embeddings && opts_.post_process && !opts_.pre_process;
+  if (opts_.pre_process || tied_copy)
+    embedding_ = std::make_unique<ly::VocabParallelEmbedding>(
+        tp, cfg_.vocab_size, cfg_.hidden_size,
+        ly::VocabParallelEmbeddingOptions{.padded_vocab_size = model::padded_vocab_size(cfg_, tp.size()),
+                                          .sequence_parallel = cfg_.sequence_parallel,
+                                          .params_dtype = cfg_.params_dtype,
+                                          .device = opts_.device,
+                                          .init_std = cfg_.init_method_std,
+                                          .seed = cfg_.seed,
+                                          .init_offset = kWordEmbeddingOffset});
+  if (opts_.pre_process && cfg_.position_embedding == PositionEmbeddingType::Learned) {
     position_.name = "weight";
     position_.data = ly::init_full_weight(cfg_.max_position_embeddings, cfg_.hidden_size, cfg_.init_method_std,
                                           cfg_.seed, kPositionEmbeddingOffset, cfg_.params_dtype, opts_.device);
@@ -73,82 +103,161 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
     // Each rank looks up only its chunk's positions under SP, so its gradient is a partial sum.
     position_.sequence_parallel = cfg_.sequence_parallel;
   }
-  for (int64_t i = 0; i < cfg_.num_layers; ++i)
+  for (int64_t i : layer_indices_)
     layers_.push_back(std::make_unique<TransformerLayer>(
         tp, cfg_, TransformerLayerOptions{.layer_number = i, .init_offset_base = kModelLayerInitBase,
                                           .device = opts_.device}));
-  if (cfg_.tie_word_embeddings) {
-    // Share the tensors themselves: the output GEMM reads the embedding table and its weight-gradient
-    // GEMM accumulates (beta = 1) into the embedding's main_grad, which is how the two gradients add.
-    // The output layer's own initial draw is dropped.
-    output_layer_.weight().data = embedding_.weight().data;
-    output_layer_.weight().main_grad = embedding_.weight().main_grad;
+  if (opts_.post_process) {
+    final_norm_ = make_norm(cfg_, opts_.device);
+    output_layer_ = std::make_unique<ly::ColumnParallelLinear>(
+        tp, cfg_.hidden_size, model::padded_vocab_size(cfg_, tp.size()),
+        ly::ColumnParallelLinearOptions{.bias = false,
+                                        .gather_output = false,
+                                        .sequence_parallel = cfg_.sequence_parallel,
+                                        .params_dtype = cfg_.params_dtype,
+                                        .device = opts_.device,
+                                        .init_std = cfg_.init_method_std,
+                                        .seed = cfg_.seed,
+                                        .init_offset = kOutputLayerOffset});
+    loss_ = std::make_unique<ly::VocabParallelCrossEntropy>(
+        tp, cfg_.vocab_size, ly::VocabParallelCrossEntropyOptions{.label_smoothing = opts_.label_smoothing});
+    if (cfg_.tie_word_embeddings) {
+      // Share the tensors themselves: the output GEMM reads the embedding table (or the last stage's copy
+      // of it, drawn identically) and its weight-gradient GEMM accumulates (beta = 1) into the same
+      // main_grad, which is how the two gradients add. The output layer's own initial draw is dropped.
+      output_layer_->weight().data = embedding_->weight().data;
+      output_layer_->weight().main_grad = embedding_->weight().main_grad;
+    }
   }
 
-  std::vector<std::pair<std::string, ly::Parameter*>> named;
-  named.emplace_back("embedding.weight", &embedding_.weight());
-  if (position_.data.defined()) named.emplace_back("position_embedding.weight", &position_);
-  for (size_t i = 0; i < layers_.size(); ++i)
-    for (auto& [n, p] : layers_[i]->named_parameters()) named.emplace_back(fmt::format("layers.{}.{}", i, n), p);
-  named.emplace_back("final_layernorm.weight", &final_norm_->weight());
-  if (final_norm_->has_bias()) named.emplace_back("final_layernorm.bias", &final_norm_->bias());
-  if (!cfg_.tie_word_embeddings) named.emplace_back("output_layer.weight", &output_layer_.weight());
-  for (auto& [n, p] : named) {
-    p->name = n;
-    params_.push_back(p);
+  auto add = [&](std::vector<ly::Parameter*>& group, const std::string& name, ly::Parameter* p) {
+    p->name = name;
+    group.push_back(p);
+  };
+  if (opts_.pre_process) {
+    add(embedding_group_, "embedding.weight", &embedding_->weight());
+    if (position_.data.defined()) add(embedding_group_, "position_embedding.weight", &position_);
   }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    layer_groups_.emplace_back();
+    for (auto& [n, p] : layers_[i]->named_parameters())
+      add(layer_groups_.back(), fmt::format("layers.{}.{}", layer_indices_[i], n), p);
+  }
+  if (opts_.post_process) {
+    add(head_group_, "final_layernorm.weight", &final_norm_->weight());
+    if (final_norm_->has_bias()) add(head_group_, "final_layernorm.bias", &final_norm_->bias());
+    if (!cfg_.tie_word_embeddings) add(head_group_, "output_layer.weight", &output_layer_->weight());
+    if (tied_copy) add(head_group_, "embedding.weight", &embedding_->weight());
+  }
+  // parameters() in model order: embedding, positions, layers, final norm, output layer (or tied copy).
+  params_ = embedding_group_;
+  for (auto& g : layer_groups_) params_.insert(params_.end(), g.begin(), g.end());
+  params_.insert(params_.end(), head_group_.begin(), head_group_.end());
+}
+
+int64_t GPTModel::padded_vocab_size() const { return model::padded_vocab_size(cfg_, tp_.size()); }
+
+Shape GPTModel::activation_shape(int64_t batch, int64_t seq) const {
+  const int64_t s = cfg_.sequence_parallel ? seq / tp_.size() : seq;
+  return {s, batch, cfg_.hidden_size};
 }
 
 Tensor GPTModel::forward(const ly::ForwardContext& ctx, const Tensor& tokens, const Tensor& labels,
                          const Tensor& loss_mask) {
-  const Stream& st = ctx.stream;
-  check_batch(tokens, "tokens", true);
-  check_batch(labels, "labels", true);
-  MC_CHECK(labels.shape() == tokens.shape(), "GPTModel.forward: labels {} and tokens {} differ in shape; pass one label "
-           "per token", shape_str(labels.shape()), shape_str(tokens.shape()));
-  if (loss_mask.defined()) {
-    check_batch(loss_mask, "loss_mask", false);
-    MC_CHECK(loss_mask.shape() == tokens.shape(), "GPTModel.forward: loss_mask {} and tokens {} differ in shape; pass "
-             "one mask value per token", shape_str(loss_mask.shape()), shape_str(tokens.shape()));
-  }
-  const int64_t b = tokens.size(0), s = tokens.size(1), tpn = tp_.size();
-  MC_CHECK(s <= cfg_.max_position_embeddings,
-           "GPTModel.forward: sequence length {} exceeds max_position_embeddings {}; shorten the sequences or raise "
-           "max_position_embeddings", s, cfg_.max_position_embeddings);
-  MC_CHECK(!cfg_.sequence_parallel || s % tpn == 0,
-           "GPTModel.forward: sequence length {} is not a multiple of TP {} (sequence parallelism splits it); pad the "
-           "sequences to a multiple of {}", s, tpn, tpn);
+  MC_CHECK(opts_.pre_process && opts_.post_process,
+           "GPTModel.forward: this model is a pipeline stage (pre_process {}, post_process {}); run it with "
+           "forward_stage, or build it with both set for the whole model", opts_.pre_process, opts_.post_process);
+  return forward_stage(ctx, Tensor(), tokens, labels, loss_mask);
+}
 
-  // The layers work sequence-first ([s, b, h]) as Megatron-Core does.
-  Tensor ids = tokens.transpose(0, 1).contiguous(st);
-  Tensor x = embedding_.forward(ctx, ids);
-  if (position_.data.defined()) {
-    const int64_t s_local = cfg_.sequence_parallel ? s / tpn : s, first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
-    std::vector<int64_t> pos(size_t(s_local * b));
-    for (int64_t i = 0; i < s_local; ++i)
-      for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = first + i;
-    Tensor pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
-    Tensor pe = Tensor::empty(x.shape(), x.dtype(), x.device(), st);
-    ops::embedding_forward(position_.data, pos_ids, pe, -1, st);
-    x = add(x, pe, st);
-    positions_ = ctx.training ? pos_ids : Tensor();
+void GPTModel::backward(const ly::ForwardContext& ctx) {
+  MC_CHECK(opts_.pre_process && opts_.post_process,
+           "GPTModel.backward: this model is a pipeline stage; run it with backward_stage");
+  backward_stage(ctx, Tensor(), 1.f);
+}
+
+Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& input, const Tensor& tokens,
+                               const Tensor& labels, const Tensor& loss_mask) {
+  const Stream& st = ctx.stream;
+  const int64_t tpn = tp_.size();
+  int64_t b = -1, s = -1;
+  if (opts_.pre_process) {
+    MC_CHECK(!input.defined(),
+             "GPTModel.forward_stage: this stage embeds the tokens (pre_process) but got an input hidden state "
+             "{}; pass an undefined input", shape_str(input.shape()));
+    check_batch(tokens, "tokens", true);
+    b = tokens.size(0), s = tokens.size(1);
+  }
+  if (opts_.post_process) {
+    check_batch(labels, "labels", true);
+    if (b >= 0)
+      MC_CHECK(labels.shape() == tokens.shape(), "GPTModel.forward: labels {} and tokens {} differ in shape; pass one "
+               "label per token", shape_str(labels.shape()), shape_str(tokens.shape()));
+    b = labels.size(0), s = labels.size(1);
+    if (loss_mask.defined()) {
+      check_batch(loss_mask, "loss_mask", false);
+      MC_CHECK(loss_mask.shape() == labels.shape(), "GPTModel.forward: loss_mask {} and labels {} differ in shape; "
+               "pass one mask value per token", shape_str(loss_mask.shape()), shape_str(labels.shape()));
+    }
+  }
+  if (s >= 0) {
+    MC_CHECK(s <= cfg_.max_position_embeddings,
+             "GPTModel.forward: sequence length {} exceeds max_position_embeddings {}; shorten the sequences or "
+             "raise max_position_embeddings", s, cfg_.max_position_embeddings);
+    MC_CHECK(!cfg_.sequence_parallel || s % tpn == 0,
+             "GPTModel.forward: sequence length {} is not a multiple of TP {} (sequence parallelism splits it); pad "
+             "the sequences to a multiple of {}", s, tpn, tpn);
+  }
+
+  Tensor x;
+  if (opts_.pre_process) {
+    // The layers work sequence-first ([s, b, h]) as Megatron-Core does.
+    Tensor ids = tokens.transpose(0, 1).contiguous(st);
+    x = embedding_->forward(ctx, ids);
+    if (position_.data.defined()) {
+      const int64_t s_local = cfg_.sequence_parallel ? s / tpn : s,
+                    first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
+      std::vector<int64_t> pos(size_t(s_local * b));
+      for (int64_t i = 0; i < s_local; ++i)
+        for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = first + i;
+      Tensor pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
+      Tensor pe = Tensor::empty(x.shape(), x.dtype(), x.device(), st);
+      ops::embedding_forward(position_.data, pos_ids, pe, -1, st);
+      x = add(x, pe, st);
+      positions_ = ctx.training ? pos_ids : Tensor();
+    }
+  } else {
+    MC_CHECK(input.defined(),
+             "GPTModel.forward_stage: this stage has no embedding (pre_process = false) and needs the previous "
+             "stage's hidden states; pass them as input");
+    MC_CHECK(input.dim() == 3 && input.size(2) == cfg_.hidden_size,
+             "GPTModel.forward_stage: input has shape {}; it must be [s, b, {}] ([s/TP, b, {}] with sequence "
+             "parallelism)", shape_str(input.shape()), cfg_.hidden_size, cfg_.hidden_size);
+    if (b >= 0)
+      MC_CHECK(input.shape() == activation_shape(b, s),
+               "GPTModel.forward_stage: input has shape {} but labels [{}, {}] need {}; pass the previous stage's "
+               "output for this micro-batch", shape_str(input.shape()), b, s, shape_str(activation_shape(b, s)));
+    MC_CHECK(input.dtype() == cfg_.params_dtype && input.device() == opts_.device,
+             "GPTModel.forward_stage: input is {} on {}; the model runs in {} on {}", dtype_name(input.dtype()),
+             input.device().str(), dtype_name(cfg_.params_dtype), opts_.device.str());
+    x = input;
   }
   for (auto& layer : layers_) x = layer->forward(ctx, x);
-  Tensor n = final_norm_->forward(ctx, x);
-  logits_ = output_layer_.forward(ctx, n);
+  out_shape_ = x.shape();
+  has_forward_ = ctx.training;
+  if (!opts_.post_process) return x;
 
+  sync_tied_output_weight();
+  Tensor n = final_norm_->forward(ctx, x);
+  logits_ = output_layer_->forward(ctx, n);
   Tensor labels_sb = labels.transpose(0, 1).contiguous(st);
   Tensor mask_sb = loss_mask.defined() ? loss_mask.transpose(0, 1).contiguous(st) : Tensor();
-  Tensor per_token = loss_.forward(ctx, logits_, labels_sb, mask_sb);
+  Tensor per_token = loss_->forward(ctx, logits_, labels_sb, mask_sb);
 
   // The denominator comes from the inputs, which a data loader has on the host; reading them back from a
   // device is a sync, acceptable once per micro-batch.
-  const std::vector<double> lab = labels.to_double_vector();
-  const std::vector<double> msk = loss_mask.defined() ? loss_mask.to_double_vector() : std::vector<double>();
-  double count = 0;
-  for (size_t i = 0; i < lab.size(); ++i)
-    if (int64_t(lab[i]) != loss_.options().ignore_index) count += msk.empty() ? 1.0 : msk[i];
-  grad_scale_ = count > 0 ? float(1.0 / count) : 0.f;
+  loss_tokens_ = count_loss_tokens(labels, loss_mask, loss_->options().ignore_index);
+  grad_scale_ = loss_tokens_ > 0 ? float(1.0 / loss_tokens_) : 0.f;
 
   // Σ loss on the device as a [1, N] × [N, 1] product, scaled by 1 / count.
   const int64_t nt = per_token.numel();
@@ -157,44 +266,166 @@ Tensor GPTModel::forward(const ly::ForwardContext& ctx, const Tensor& tokens, co
   ops::GemmOptions sum;
   sum.alpha = grad_scale_;
   ops::gemm(ones, per_token.contiguous(st).view({nt, 1}), loss, sum, st);
-  has_forward_ = ctx.training;
   return loss.view({1});
 }
 
-void GPTModel::backward(const ly::ForwardContext& ctx) {
+GPTModel::SpHold GPTModel::begin_grad_group(const std::vector<ly::Parameter*>& group, const Stream& s) {
+  // Sequence-parallel gradients are partial sums until all-reduced over TP. Each group reduces its own
+  // right after its backward (so the group can be reported complete); setting the earlier
+  // micro-batches' (already reduced) totals aside first keeps that right under gradient accumulation.
+  // These are only norms, biases and positions, so the copies are small. (Megatron-Core instead defers
+  // the reduction to once per step.)
+  SpHold hold;
+  if (cfg_.sequence_parallel && tp_.size() > 1)
+    for (ly::Parameter* p : group)
+      if (p->sequence_parallel) {
+        hold.earlier.emplace_back(p, p->main_grad.clone(s));
+        p->main_grad.zero_(s);
+      }
+  return hold;
+}
+
+void GPTModel::end_grad_group(const std::vector<ly::Parameter*>& group, SpHold& hold, const Stream& s) {
+  if (!hold.earlier.empty()) {
+    std::vector<ly::Parameter*> sp;
+    for (auto& [p, g] : hold.earlier) sp.push_back(p);
+    ly::allreduce_sequence_parallel_grads(tp_, sp, s);
+    for (auto& [p, g] : hold.earlier) p->main_grad.copy_(add(p->main_grad, g, s), s);
+  }
+  if (grad_ready_ && !group.empty()) grad_ready_(group);
+}
+
+Tensor GPTModel::backward_stage(const ly::ForwardContext& ctx, const Tensor& grad_output, float loss_grad_scale) {
   MC_CHECK(has_forward_,
            "GPTModel.backward: no saved forward; call forward with ctx.training = true before backward (each forward "
-           "allows one backward)");
+           "allows one backward; with several micro-batches in flight, restore_activations the micro-batch first)");
+  const Stream& st = ctx.stream;
+  Tensor dx;
+  if (opts_.post_process) {
+    MC_CHECK(!grad_output.defined(),
+             "GPTModel.backward_stage: this stage computes the loss (post_process), so it takes no output gradient; "
+             "pass an undefined grad_output (scale the loss with loss_grad_scale)");
+    sync_tied_output_weight();
+    SpHold hold = begin_grad_group(head_group_, st);
+    Tensor dlogits = loss_->backward(ctx, grad_scale_ * loss_grad_scale);
+    dx = final_norm_->backward(ctx, output_layer_->backward(ctx, dlogits));
+    end_grad_group(head_group_, hold, st);
+  } else {
+    MC_CHECK(grad_output.defined() && grad_output.shape() == out_shape_,
+             "GPTModel.backward_stage: grad_output {} does not match this stage's output {}; pass the next stage's "
+             "input gradient for the same micro-batch", grad_output.defined() ? shape_str(grad_output.shape())
+                                                                                : std::string("(undefined)"),
+             shape_str(out_shape_));
+    dx = grad_output;
+  }
   has_forward_ = false;
-  // Sequence-parallel gradients are partial sums until all-reduced. Reducing them here keeps every
-  // main_grad complete after each backward; setting the earlier micro-batches' (already reduced)
-  // totals aside first keeps that right under gradient accumulation. These are only norms, biases
-  // and positions, so the copies are small. (Megatron-Core instead defers the reduction to once per
-  // step; a trainer that wants that can own the schedule.)
-  std::vector<std::pair<ly::Parameter*, Tensor>> earlier;
-  if (cfg_.sequence_parallel)
-    for (ly::Parameter* p : params_)
-      if (p->sequence_parallel) {
-        earlier.emplace_back(p, p->main_grad.clone(ctx.stream));
-        p->main_grad.zero_(ctx.stream);
-      }
-  Tensor dlogits = loss_.backward(ctx, grad_scale_);
-  Tensor dx = final_norm_->backward(ctx, output_layer_.backward(ctx, dlogits));
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) dx = (*it)->backward(ctx, dx);
+  for (size_t i = layers_.size(); i-- > 0;) {
+    SpHold hold = begin_grad_group(layer_groups_[i], st);
+    dx = layers_[i]->backward(ctx, dx);
+    end_grad_group(layer_groups_[i], hold, st);
+  }
+  if (!opts_.pre_process) return dx;
+  SpHold hold = begin_grad_group(embedding_group_, st);
   if (position_.data.defined()) {
-    ops::embedding_backward(dx, positions_, position_.main_grad, /*accumulate=*/true, -1, ctx.stream);
+    ops::embedding_backward(dx, positions_, position_.main_grad, /*accumulate=*/true, -1, st);
     positions_ = Tensor();
   }
-  embedding_.backward(ctx, dx);
-  if (cfg_.sequence_parallel) {
-    ly::allreduce_sequence_parallel_grads(tp_, params_, ctx.stream);
-    for (auto& [p, g] : earlier) p->main_grad.copy_(add(p->main_grad, g, ctx.stream), ctx.stream);
+  embedding_->backward(ctx, dx);
+  end_grad_group(embedding_group_, hold, st);
+  return Tensor();
+}
+
+ly::ActivationStash GPTModel::stash_activations() {
+  ly::ActivationStash s;
+  s.put_int(int64_t(reinterpret_cast<intptr_t>(this)));  // whose stash it is
+  if (opts_.pre_process) embedding_->stash_activations(s);
+  for (auto& layer : layers_) layer->stash_activations(s);
+  if (opts_.post_process) {
+    final_norm_->stash_activations(s);
+    output_layer_->stash_activations(s);
+    loss_->stash_activations(s);
   }
+  s.put(logits_);
+  s.put(positions_);
+  s.put_shape(out_shape_);
+  s.put_int(double_bits(double(grad_scale_)));
+  s.put_int(double_bits(loss_tokens_));
+  s.put_int(std::exchange(has_forward_, false) ? 1 : 0);
+  return s;
+}
+
+void GPTModel::restore_activations(ly::ActivationStash&& s) {
+  MC_CHECK(!has_forward_,
+           "GPTModel.restore_activations: the model still holds an un-backpropagated forward; stash_activations it "
+           "(or run its backward) before restoring another micro-batch");
+  MC_CHECK(!s.empty() && s.take_int() == int64_t(reinterpret_cast<intptr_t>(this)),
+           "GPTModel.restore_activations: this stash was not taken from this model (chunk); restore each stash into "
+           "the model chunk whose stash_activations made it");
+  if (opts_.pre_process) embedding_->restore_activations(s);
+  for (auto& layer : layers_) layer->restore_activations(s);
+  if (opts_.post_process) {
+    final_norm_->restore_activations(s);
+    output_layer_->restore_activations(s);
+    loss_->restore_activations(s);
+  }
+  s.take(logits_);
+  s.take(positions_);
+  out_shape_ = s.take_shape();
+  grad_scale_ = float(bits_double(s.take_int()));
+  loss_tokens_ = bits_double(s.take_int());
+  has_forward_ = s.take_int() != 0;
+  MC_CHECK(s.empty(),
+           "GPTModel.restore_activations: the stash holds more than this model saved; restore a stash only into the "
+           "model (chunk) it was taken from");
+}
+
+void GPTModel::sync_tied_output_weight() {
+  // A DDP / distributed optimizer may rebind the listed parameter's data and main_grad to views of its
+  // contiguous buffers; the output layer's alias (not listed in parameters()) follows it here.
+  if (!cfg_.tie_word_embeddings || !output_layer_) return;
+  output_layer_->weight().data = embedding_->weight().data;
+  output_layer_->weight().main_grad = embedding_->weight().main_grad;
+}
+
+bool GPTModel::is_tied_copy(const ly::Parameter& p) const {
+  return cfg_.tie_word_embeddings && opts_.post_process && !opts_.pre_process && embedding_ &&
+         &p == &embedding_->weight();
+}
+
+ly::Parameter* GPTModel::tied_embedding_weight() {
+  return cfg_.tie_word_embeddings && embedding_ ? &embedding_->weight() : nullptr;
+}
+
+void GPTModel::allreduce_tied_embedding_grads(comm::Communicator& embedding_group, const Stream& s) {
+  ly::Parameter* w = tied_embedding_weight();
+  if (!w || (opts_.pre_process && opts_.post_process) || embedding_group.size() == 1) return;
+  MC_CHECK(w->main_grad.is_contiguous(), "GPTModel.allreduce_tied_embedding_grads: main_grad of '{}' is not "
+           "contiguous; allocate gradients contiguous", w->name);
+  embedding_group.all_reduce(w->main_grad, comm::ReduceOp::Sum, s)->wait();
 }
 
 Tensor GPTModel::logits() const {
-  MC_CHECK(logits_.defined(), "GPTModel.logits: no forward has run yet; call forward first");
+  MC_CHECK(logits_.defined(), "GPTModel.logits: no forward has run yet (or it was stashed, or this stage has no output "
+           "layer); call forward on a post_process model first");
   return logits_.transpose(0, 1);
+}
+
+ly::VocabParallelEmbedding& GPTModel::embedding() {
+  MC_CHECK(embedding_ != nullptr, "GPTModel.embedding: this stage holds no embedding (pre_process = false, untied); "
+           "ask the first pipeline stage");
+  return *embedding_;
+}
+
+ly::ColumnParallelLinear& GPTModel::output_layer() {
+  MC_CHECK(output_layer_ != nullptr, "GPTModel.output_layer: this stage has no output layer (post_process = false); "
+           "ask the last pipeline stage");
+  return *output_layer_;
+}
+
+ly::NormLayer& GPTModel::final_layernorm() {
+  MC_CHECK(final_norm_ != nullptr, "GPTModel.final_layernorm: this stage has no final norm (post_process = false); "
+           "ask the last pipeline stage");
+  return *final_norm_;
 }
 
 ly::Parameter& GPTModel::parameter(const std::string& name) const {

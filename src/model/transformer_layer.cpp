@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "megacore/core/error.hpp"
 #include "megacore/ops/norm.hpp"
@@ -122,6 +123,26 @@ Tensor TransformerLayer::backward(const ly::ForwardContext& ctx, const Tensor& d
   Tensor dh = mlp_norm_->backward_residual(ctx, dn2, dy);  // gradient of both x and the attention output
   Tensor dn1 = attention_.backward(ctx, dh);
   return add(input_norm_->backward(ctx, dn1), dh, ctx.stream);
+}
+
+void TransformerLayer::stash_activations(ly::ActivationStash& s) {
+  input_norm_->stash_activations(s);
+  attention_.stash_activations(s);
+  mlp_norm_->stash_activations(s);
+  mlp_.stash_activations(s);
+  s.put(saved_x_);
+  s.put(saved_positions_);
+  s.put_int(std::exchange(has_forward_, false) ? 1 : 0);
+}
+
+void TransformerLayer::restore_activations(ly::ActivationStash& s) {
+  input_norm_->restore_activations(s);
+  attention_.restore_activations(s);
+  mlp_norm_->restore_activations(s);
+  mlp_.restore_activations(s);
+  s.take(saved_x_);
+  s.take(saved_positions_);
+  has_forward_ = s.take_int() != 0;
 }
 
 std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_parameters() {

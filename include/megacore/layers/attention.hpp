@@ -36,6 +36,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
@@ -78,6 +79,11 @@ class SelfAttention {
   /// dy: gradient of forward's output (same shape). Accumulates every parameter's main_grad and returns
   /// the gradient of x in x's layout. One backward per forward.
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  /// Moves the saved state of the last forward into `s` (the layer (its linear layers included) is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   ColumnParallelLinear& linear_qkv() { return qkv_; }
   RowParallelLinear& linear_proj() { return proj_; }

@@ -20,6 +20,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/ops/cross_entropy.hpp"
 
@@ -48,6 +49,11 @@ class VocabParallelCrossEntropy {
   /// a loss_mask on a GPU this multiplies mask and dloss on the host (a sync); prefer the grad_scale
   /// overload in training loops.
   Tensor backward(const ForwardContext& ctx, const Tensor& dloss);
+
+  /// Moves the saved state of the last forward into `s` (the loss is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   /// The log-sum-exp of each row over the full vocabulary, from the last forward (f32 [tokens]).
   const Tensor& lse() const { return lse_; }

@@ -22,6 +22,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/parameter.hpp"
 
@@ -57,6 +58,11 @@ class VocabParallelEmbedding {
   /// dy: gradient of forward's output (same shape). Accumulates the weight's main_grad (token ids
   /// have no gradient).
   void backward(const ForwardContext& ctx, const Tensor& dy);
+
+  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   Parameter& weight() { return weight_; }  ///< [padded_vocab/TP, h], partition_dim 0
   std::vector<Parameter*> parameters() { return {&weight_}; }

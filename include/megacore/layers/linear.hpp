@@ -28,6 +28,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/parameter.hpp"
 
@@ -81,6 +82,11 @@ class ColumnParallelLinear {
   /// the gradient of x (summed over TP; reduce-scattered to [s/TP, ...] with sequence_parallel).
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
 
+  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
+
   Parameter& weight() { return weight_; }  ///< [out/TP, in], partition_dim 0
   Parameter& bias() { return bias_; }      ///< [out/TP], partition_dim 0; undefined without bias
   std::vector<Parameter*> parameters();
@@ -112,6 +118,11 @@ class RowParallelLinear {
   Tensor forward(const ForwardContext& ctx, const Tensor& x);
   /// dy: gradient of forward's output (same shape). Returns the gradient of x in x's layout.
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   Parameter& weight() { return weight_; }  ///< [out, in/TP], partition_dim 1
   /// [out], replicated; with sequence_parallel its main_grad holds only this rank's sequence chunk's

@@ -19,6 +19,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
@@ -53,6 +54,11 @@ class MLP {
   Tensor forward(const ForwardContext& ctx, const Tensor& x);
   /// dy: gradient of forward's output. Accumulates fc1/fc2 main grads and returns dx (x's layout).
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
+
+  /// Moves the saved state of the last forward into `s` (the block (fc1 and fc2 included) is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   ColumnParallelLinear& fc1() { return fc1_; }
   RowParallelLinear& fc2() { return fc2_; }

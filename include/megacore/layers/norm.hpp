@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/parameter.hpp"
 
@@ -48,6 +49,11 @@ class NormLayer {
   /// Backward of forward_residual: dy for y and dresidual_out for residual_out; returns the gradient
   /// of both x and residual (they are the same tensor).
   Tensor backward_residual(const ForwardContext& ctx, const Tensor& dy, const Tensor& dresidual_out);
+
+  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
 
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }  ///< undefined without bias (and always for RMSNorm)

@@ -1,5 +1,6 @@
 // GPTModel: a decoder-only language model (Llama or GPT-2 flavour, chosen by the TransformerConfig)
-// over one tensor-parallel group, with explicit forward and backward.
+// over one tensor-parallel group, with explicit forward and backward — the whole model, or one
+// pipeline stage (model chunk) of it.
 //
 //   tokens [b, s] → (transpose to [s, b]) → VocabParallelEmbedding (+ learned positions, GPT-2)
 //     → N × TransformerLayer → final norm → output layer (column-parallel, no gather) → logits
@@ -8,24 +9,53 @@
 // Sequence parallelism (cfg.sequence_parallel) follows Megatron-Core: the embedding reduce-scatters
 // its output to this rank's sequence chunk [s/TP, b, h] (the scatter after the embedding), the layers
 // and the final norm run on chunks, and the output layer all-gathers the sequence before its GEMM.
-// backward ends with layers::allreduce_sequence_parallel_grads, so every main_grad is complete after
-// each backward, also when micro-batches accumulate.
+// Sequence-parallel gradients (norms, biases, positions) are all-reduced over TP during backward, per
+// gradient group (see "grad-ready groups" below), so every main_grad is complete after each backward,
+// also when micro-batches accumulate.
 //
-// Tied embeddings (cfg.tie_word_embeddings): the output layer uses the embedding's weight and writes
-// its weight gradient into the same main_grad, so the two gradients add; parameters() lists the
-// shared weight once, as "embedding.weight".
+// Pipeline stages (GPTModelOptions::layer_indices / pre_process / post_process): a stage holds a set
+// of the model's transformer layers, plus the embedding (pre_process, the first stage) and/or the final
+// norm, output layer and loss (post_process, the last stage). Layers keep their GLOBAL index in their
+// parameter names ("layers.7.mlp.linear_fc1.weight") and in their Philox init offsets, so a stage's
+// weights are exactly the same layers of the PP = 1 model. forward_stage / backward_stage run one
+// stage on one micro-batch: hidden states in and out are [s, b, h], or [s/TP, b, h] under SP.
+// stash_activations / restore_activations move a forward's saved state out of the modules and back,
+// so a pipeline schedule can hold several micro-batches in flight on one stage.
+//
+// Tied embeddings (cfg.tie_word_embeddings): when one model holds both ends, the output layer uses the
+// embedding's weight and writes its weight gradient into the same main_grad, so the two gradients add;
+// parameters() lists the shared weight once, as "embedding.weight". On a last stage without the
+// embedding (post_process && !pre_process), the stage holds its own copy of the table, initialised
+// from the same draw, also named "embedding.weight" (so names map 1:1 onto the PP = 1 model) and
+// reported by is_tied_copy(). Each copy only gets its own stage's gradient; after the step's last
+// backward, allreduce_tied_embedding_grads sums them over the embedding group (first and last stage),
+// so both copies then hold the PP = 1 gradient and stay equal under any optimizer. A checkpoint saves
+// the weight from the first stage and skips the copy (is_tied_copy), loading it from the same tensor.
+//
+// Grad-ready groups (set_grad_ready_callback): backward reports parameters whose main_grad is final
+// for this backward (TP sequence-parallel sums included) as soon as they are, in this order:
+//   1. post_process: after the loss, output layer and final norm: {final_layernorm.*, output_layer.weight
+//      or, on a last stage without the embedding, the tied copy "embedding.weight"};
+//   2. after each transformer layer's backward (last layer first): that layer's parameters;
+//   3. pre_process: after the embedding: {embedding.weight (with the head's contribution when tied
+//      on the same model), position_embedding.weight}.
+// Empty groups are not reported. The cross-stage tied-embedding sum is not part of it (it is a separate
+// collective, linear like a DP average, so it may run before or after the DP reduction).
 //
 // Philox offsets (all TP-invariant full-tensor draws from cfg.seed): 0 word embedding, 1 learned
 // positions, 2 untied output layer; layer i uses kModelLayerInitBase + i × kTransformerLayerInitStride.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/cross_entropy.hpp"
 #include "megacore/layers/embedding.hpp"
 #include "megacore/layers/forward_context.hpp"
@@ -42,12 +72,28 @@ constexpr uint64_t kModelLayerInitBase = 16;
 struct GPTModelOptions {
   Device device = Device::cpu();
   float label_smoothing = 0.f;
+  /// Global indices (0 .. cfg.num_layers − 1, strictly increasing) of the transformer layers this model
+  /// chunk holds; unset = all of them. An empty list is a stage with no transformer layer (allowed by
+  /// PipelineLayout::from_counts). Pass PipelineLayout::layer_indices(pp_rank, chunk).
+  std::optional<std::vector<int64_t>> layer_indices;
+  /// Holds the word embedding (and learned positions): the first pipeline stage.
+  bool pre_process = true;
+  /// Holds the final norm, the output layer and the loss: the last pipeline stage.
+  bool post_process = true;
 };
+
+/// Called with a group of parameters whose main_grad is final for the current backward (see the
+/// header comment for the groups and their order).
+using GradReadyCallback = std::function<void(const std::vector<layers::Parameter*>&)>;
+
+/// Σ mask over tokens whose label is not ignore_index (host arithmetic; labels i32/i64, mask optional
+/// f32 of the same shape). The denominator of the model's mean loss.
+double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask = {}, int64_t ignore_index = -100);
 
 class GPTModel {
  public:
-  /// `tp` must outlive the model. The config is validated for tp.size()-way TP before anything is
-  /// allocated (ConfigError listing every problem with its fix).
+  /// `tp` must outlive the model. The config is validated for tp.size()-way TP, and the stage options
+  /// (layer_indices in range and increasing), before anything is allocated (ConfigError with the fix).
   GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const GPTModelOptions& options = {});
 
   /// tokens, labels: i32/i64 [b, s] (the same on every TP rank; labels = ignore_index -100 are skipped);
@@ -59,6 +105,50 @@ class GPTModel {
   /// Backpropagates the mean loss of the last forward: accumulates every parameter's main_grad
   /// (sequence-parallel partial sums included, so they are complete on return).
   void backward(const layers::ForwardContext& ctx);
+  // forward/backward need a model holding the whole network (pre_process && post_process); they are
+  // forward_stage(ctx, {}, tokens, labels, mask) and backward_stage(ctx, {}).
+
+  /// One pipeline stage's forward on one micro-batch.
+  ///  input: undefined on a pre_process stage (it embeds `tokens`), else the previous stage's output,
+  ///         [s, b, h] or [s/TP, b, h] with SP, in the params dtype on the model's device.
+  ///  tokens: [b, s] i32/i64, needed on pre_process (ignored elsewhere).
+  ///  labels, loss_mask: [b, s], needed (labels) on post_process (ignored elsewhere).
+  /// Returns the output hidden states (activation_shape(b, s)) or, on post_process, the mean loss over
+  /// this micro-batch's counted tokens (f32 [1]; see forward()).
+  Tensor forward_stage(const layers::ForwardContext& ctx, const Tensor& input, const Tensor& tokens,
+                       const Tensor& labels = {}, const Tensor& loss_mask = {});
+  /// Backward of the last forward_stage (or of the restored stash). grad_output: undefined on
+  /// post_process (the loss is the output), else the gradient of forward_stage's output (same shape).
+  /// On post_process the gradient of loss_grad_scale × (mean loss) is backpropagated: a pipeline uses
+  /// it to weight micro-batches by their token counts. Returns the gradient of `input` (undefined on
+  /// pre_process). Fires the grad-ready callback per group.
+  Tensor backward_stage(const layers::ForwardContext& ctx, const Tensor& grad_output, float loss_grad_scale = 1.f);
+  /// Shape of the hidden states between stages for a [batch, seq] micro-batch: {s, b, h}, or
+  /// {s/TP, b, h} with sequence parallelism.
+  Shape activation_shape(int64_t batch, int64_t seq) const;
+  /// Tokens counted by the last forward on a post_process stage (the mean loss's denominator).
+  double last_loss_tokens() const { return loss_tokens_; }
+
+  /// Moves everything the last forward saved (every module's activations and the model's own state)
+  /// into the returned stash, leaving the model as if no forward had run. restore_activations puts a
+  /// stash taken from THIS model back (then backward_stage can run). See layers/activation_stash.hpp.
+  layers::ActivationStash stash_activations();
+  void restore_activations(layers::ActivationStash&& stash);
+
+  /// Installs (or, with an empty function, removes) the grad-ready callback; see the header comment.
+  void set_grad_ready_callback(GradReadyCallback cb) { grad_ready_ = std::move(cb); }
+
+  /// True for the tied-embedding copy a last stage without the embedding holds ("embedding.weight"
+  /// with post_process && !pre_process && tie_word_embeddings): a checkpoint skips it.
+  bool is_tied_copy(const layers::Parameter& p) const;
+  /// The weight shared by the embedding and the output layer on this stage (the embedding itself or
+  /// the tied copy); nullptr when the model is untied or this stage holds neither end.
+  layers::Parameter* tied_embedding_weight();
+  /// Sums the tied weight's main_grad over `embedding_group` (the first and last stage of this pipeline,
+  /// ProcessGrid's GroupKind::Embedding) so both copies hold the full gradient. Call once per step after
+  /// the last backward, on the stages holding the tied weight; a no-op when the model is untied, holds
+  /// both ends itself, or holds neither.
+  void allreduce_tied_embedding_grads(comm::Communicator& embedding_group, const Stream& s = {});
 
   /// This rank's vocabulary shard of the last forward's logits, [b, s, padded_vocab/TP] (a view);
   /// columns ≥ vocab_size of the gathered logits are padding.
@@ -71,28 +161,49 @@ class GPTModel {
   void zero_grad();
 
   const TransformerConfig& config() const { return cfg_; }
-  int64_t padded_vocab_size() const { return embedding_.padded_vocab_size(); }
+  const GPTModelOptions& options() const { return opts_; }
+  Device device() const { return opts_.device; }
+  int64_t padded_vocab_size() const;
+  bool pre_process() const { return opts_.pre_process; }
+  bool post_process() const { return opts_.post_process; }
+  /// Transformer layers held by this model (chunk).
   int64_t num_layers() const { return int64_t(layers_.size()); }
+  /// Their global indices, ascending.
+  const std::vector<int64_t>& layer_indices() const { return layer_indices_; }
+  /// The i-th layer held here (LOCAL index 0 .. num_layers() − 1; its global index is layer_indices()[i]).
   TransformerLayer& layer(int64_t i) { return *layers_.at(size_t(i)); }
-  layers::VocabParallelEmbedding& embedding() { return embedding_; }
-  layers::ColumnParallelLinear& output_layer() { return output_layer_; }
-  layers::NormLayer& final_layernorm() { return *final_norm_; }
+  /// ValueError when this stage has no such module (embedding: pre_process, or the tied copy on a last
+  /// stage; output layer / final norm: post_process).
+  layers::VocabParallelEmbedding& embedding();
+  layers::ColumnParallelLinear& output_layer();
+  layers::NormLayer& final_layernorm();
 
  private:
+  void sync_tied_output_weight();
+  struct SpHold;  // sequence-parallel gradients set aside while a group's backward runs
+  SpHold begin_grad_group(const std::vector<layers::Parameter*>& group, const Stream& s);
+  void end_grad_group(const std::vector<layers::Parameter*>& group, SpHold& hold, const Stream& s);
+
   comm::Communicator& tp_;
   TransformerConfig cfg_;
   GPTModelOptions opts_;
-  layers::VocabParallelEmbedding embedding_;
+  std::vector<int64_t> layer_indices_;
+  std::unique_ptr<layers::VocabParallelEmbedding> embedding_;  // pre_process, or the tied copy
   layers::Parameter position_;  // learned positions [max_positions, h], replicated; undefined for RoPE
   std::vector<std::unique_ptr<TransformerLayer>> layers_;
-  std::unique_ptr<layers::NormLayer> final_norm_;
-  layers::ColumnParallelLinear output_layer_;
-  layers::VocabParallelCrossEntropy loss_;
+  std::unique_ptr<layers::NormLayer> final_norm_;               // post_process
+  std::unique_ptr<layers::ColumnParallelLinear> output_layer_;  // post_process
+  std::unique_ptr<layers::VocabParallelCrossEntropy> loss_;     // post_process
   std::vector<layers::Parameter*> params_;
-  // Saved by forward.
+  std::vector<layers::Parameter*> head_group_, embedding_group_;  // grad-ready groups
+  std::vector<std::vector<layers::Parameter*>> layer_groups_;
+  GradReadyCallback grad_ready_;
+  // Saved by forward (moved by stash_activations).
   Tensor logits_;     // [s, b, V/TP]
   Tensor positions_;  // i64 [s_local, b] ids into position_, learned positions only
+  Shape out_shape_;   // shape of forward_stage's output
   float grad_scale_ = 0.f;
+  double loss_tokens_ = 0;
   bool has_forward_ = false;
 };
 

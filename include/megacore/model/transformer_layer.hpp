@@ -26,6 +26,7 @@
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
+#include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/attention.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/mlp.hpp"
@@ -61,6 +62,11 @@ class TransformerLayer {
   Tensor forward(const layers::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
   /// dy: gradient of forward's output. Accumulates every parameter's main_grad and returns dx.
   Tensor backward(const layers::ForwardContext& ctx, const Tensor& dy);
+
+  /// Moves everything the last forward saved (sub-modules included) into `s`, leaving the layer as if
+  /// no forward had run; restore_activations moves it back (same order). See activation_stash.hpp.
+  void stash_activations(layers::ActivationStash& s);
+  void restore_activations(layers::ActivationStash& s);
 
   layers::NormLayer& input_layernorm() { return *input_norm_; }
   layers::SelfAttention& self_attention() { return attention_; }
