@@ -1,0 +1,25 @@
+"""Pipeline parallelism (see docs/pipeline.md): ``PipelineLayout`` (layers per pipeline rank and virtual
+chunk), schedules as data (``rank_schedule``, ``theoretical_bubble_fraction``), ``make_stage`` (a
+``GPTModel`` holding one stage) and ``PipelineEngine``, which runs a training step's forwards and backwards
+over this rank's chunks with the 1F1B or interleaved 1F1B schedule::
+
+    layout = pipeline.PipelineLayout.uniform(cfg.num_layers, pp, vp)
+    chunks = [pipeline.make_stage(cfg, grid.tp, layout.layer_indices(r, c), layout.has_embedding(r, c),
+                                  layout.has_head(r, c)) for c in range(vp)]
+    engine = pipeline.PipelineEngine(grid.pp, layout, chunks, dp=grid.dp)
+    result = engine.step([(tokens, labels, mask), ...])   # result["loss"]: global per-token mean
+"""
+
+from ._C import pipeline as _p
+
+PipelineLayout = _p.PipelineLayout
+PipelineEngine = _p.PipelineEngine
+make_stage = _p.make_stage
+rank_schedule = _p.rank_schedule
+theoretical_bubble_fraction = _p.theoretical_bubble_fraction
+num_microbatches = _p.num_microbatches
+
+__all__ = [
+    "PipelineLayout", "PipelineEngine", "make_stage", "rank_schedule", "theoretical_bubble_fraction",
+    "num_microbatches",
+]
