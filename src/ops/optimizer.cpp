@@ -105,6 +105,72 @@ void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tens
   }
 }
 
+void multi_tensor_sgd(const std::vector<Tensor>& grads, const std::vector<Tensor>& master,
+                      const std::vector<Tensor>& momentum, const std::vector<Tensor>& params_out, const SGDHyper& h,
+                      const Tensor& gst, const Stream& s) {
+  const char* op = "multi_tensor_sgd";
+  if (master.empty()) return;
+  const Device d = master[0].device();
+  const size_t k = master.size();
+  check_list(master, k, op, "master", d, {DType::F32});
+  check_list(grads, k, op, "grads", d, {DType::F32, DType::BF16}, &master);
+  const bool use_mom = h.momentum != 0.f;
+  MC_CHECK(!use_mom || !momentum.empty(), "{}: momentum {} needs one momentum buffer per tensor (got none)", op,
+           h.momentum);
+  if (use_mom) check_list(momentum, k, op, "momentum", d, {DType::F32}, &master);
+  if (!params_out.empty()) check_list(params_out, k, op, "params_out", d, {DType::F32, DType::BF16, DType::F16}, &master);
+  MC_CHECK(h.momentum >= 0 && h.dampening >= 0 && h.weight_decay >= 0,
+           "{}: momentum {}, dampening {} and weight_decay {} must be >= 0", op, h.momentum, h.dampening,
+           h.weight_decay);
+  MC_CHECK(!h.nesterov || (use_mom && h.dampening == 0), "{}: nesterov needs momentum > 0 and dampening 0", op);
+  if (gst.defined()) {
+    detail::check_dtype(gst, DType::F32, op, "grad_scale_tensor");
+    detail::check_numel(gst, 1, op, "grad_scale_tensor");
+    detail::check_same_device(gst, d, op, "grad_scale_tensor");
+  }
+  if (d.is_cuda()) {
+    void* stream = detail::launch_stream(s, d, op);
+#if MEGACORE_WITH_CUDA
+    cuda::SGDArgs a{h.lr, h.momentum, h.dampening, h.weight_decay, h.grad_scale, h.nesterov, h.first_step,
+                    gst.defined() ? gst.data<float>() : nullptr};
+    std::vector<std::vector<void*>> ptrs(k);
+    std::vector<int64_t> n(k);
+    for (size_t i = 0; i < k; ++i) {
+      ptrs[i] = {grads[i].data_ptr(), master[i].data_ptr(), use_mom ? momentum[i].data_ptr() : nullptr,
+                 params_out.empty() ? nullptr : params_out[i].data_ptr()};
+      n[i] = master[i].numel();
+    }
+    cuda::sgd(grads[0].dtype(), params_out.empty() ? DType::F32 : params_out[0].dtype(), ptrs, n, a, d.index, stream);
+#else
+    (void)stream;
+#endif
+    return;
+  }
+  // f32 arithmetic in the same order as the CUDA kernel.
+  const float sc = h.grad_scale * (gst.defined() ? gst.data<float>()[0] : 1.f);
+  const float mu = h.momentum, damp = 1.f - h.dampening;
+  for (size_t i = 0; i < k; ++i) {
+    float* w = master[i].data<float>();
+    float* buf = use_mom ? momentum[i].data<float>() : nullptr;
+    cpu::dispatch_float(grads[i].dtype(), [&](auto gtag) {
+      using G = decltype(gtag);
+      const G* g = grads[i].data<G>();
+      for (int64_t j = 0; j < master[i].numel(); ++j) {
+        float dv = float(ld(g[j])) * sc + h.weight_decay * w[j];
+        if (buf) {
+          buf[j] = h.first_step ? dv : mu * buf[j] + damp * dv;
+          dv = h.nesterov ? dv + mu * buf[j] : buf[j];
+        }
+        w[j] -= h.lr * dv;
+      }
+    });
+    if (!params_out.empty()) {
+      Tensor po = params_out[i];
+      cast(master[i].view(po.shape()), po);
+    }
+  }
+}
+
 void multi_tensor_l2norm(const std::vector<Tensor>& tensors, Tensor& out, const Stream& s) {
   const char* op = "multi_tensor_l2norm";
   detail::check_dtype(out, DType::F32, op, "out");

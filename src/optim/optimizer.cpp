@@ -148,36 +148,36 @@ SGD::SGD(std::vector<Parameter*> params, const SGDConfig& cfg) : Optimizer(std::
            "SGD: nesterov needs momentum > 0 and dampening 0 (got momentum {}, dampening {})", cfg.momentum,
            cfg.dampening);
   init_decay(cfg.no_decay);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    MC_CHECK(master_[i].device().is_cpu(),
-             "SGD: parameter '{}' is on CUDA, but SGD has no multi-tensor CUDA kernel yet; use AdamW on the GPU",
-             params_[i]->name);
+  for (size_t i = 0; i < params_.size(); ++i)
     momentum_.push_back(Tensor::zeros(master_[i].shape(), DType::F32, master_[i].device()));
-  }
 }
 
 void SGD::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
   const bool first = step_ == 0;
   ++step_;
-  double scale = grad_scale;
-  if (grad_scale_tensor.defined()) scale *= grad_scale_tensor.item();
-  const float s = float(scale), mu = cfg_.momentum, damp = 1.f - cfg_.dampening;
+  // One multi-tensor launch per (weight decay, parameter dtype), as AdamW.
+  struct Group {
+    std::vector<Tensor> g, w, m, out;
+  };
+  std::map<std::pair<bool, int>, Group> groups;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const float wd = decay_[i] ? cfg_.weight_decay : 0.f;
-    const float* g = params_[i]->main_grad.data<float>();
-    float* w = master_[i].data<float>();
-    float* buf = momentum_[i].data<float>();
-    const int64_t n = master_[i].numel();
-    for (int64_t k = 0; k < n; ++k) {
-      float d = g[k] * s + wd * w[k];
-      if (mu != 0.f) {
-        buf[k] = first ? d : mu * buf[k] + damp * d;
-        d = cfg_.nesterov ? d + mu * buf[k] : buf[k];
-      }
-      w[k] -= lr * d;
-    }
+    Group& gr = groups[{decay_[i], int(params_[i]->data.dtype())}];
+    gr.g.push_back(params_[i]->main_grad);
+    gr.w.push_back(master_[i]);
+    gr.m.push_back(momentum_[i]);
+    gr.out.push_back(params_[i]->data);
   }
-  write_back();
+  for (auto& [key, gr] : groups) {
+    ops::SGDHyper h;
+    h.lr = lr;
+    h.momentum = cfg_.momentum;
+    h.dampening = cfg_.dampening;
+    h.nesterov = cfg_.nesterov;
+    h.weight_decay = key.first ? cfg_.weight_decay : 0.f;
+    h.first_step = first;
+    h.grad_scale = grad_scale;
+    ops::multi_tensor_sgd(gr.g, gr.w, gr.m, gr.out, h, grad_scale_tensor);
+  }
 }
 
 std::vector<NamedTensor> SGD::state() const {

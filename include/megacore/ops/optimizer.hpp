@@ -1,5 +1,5 @@
 // Optimizer kernels over lists of tensors ("multi-tensor": one launch covers many parameters):
-// AdamW with f32 master weights that also writes the 16-bit model weights in the same pass, the global
+// AdamW and SGD with f32 master weights that also write the 16-bit model weights in the same pass, the global
 // L2 norm (for gradient clipping), and scaling. All lists hold contiguous tensors on one device.
 #pragma once
 
@@ -29,6 +29,26 @@ void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tens
                         const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
                         const std::vector<Tensor>& params_out, const AdamWHyper& h,
                         const Tensor& grad_scale_tensor = {}, const Stream& s = {});
+
+struct SGDHyper {
+  float lr = 1e-3f;
+  float momentum = 0.f;
+  float dampening = 0.f;
+  bool nesterov = false;
+  float weight_decay = 0.f;  ///< coupled L2: g += weight_decay * w (torch.optim.SGD)
+  bool first_step = false;   ///< the momentum buffer is set to the gradient instead of updated
+  float grad_scale = 1.f;    ///< gradients are multiplied by this
+};
+
+/// One SGD step (torch.optim.SGD semantics) for every i, in f32: d = g·scale + wd·w; with momentum,
+/// buf = first_step ? d : μ·buf + (1 − dampening)·d and d = nesterov ? d + μ·buf : buf; w −= lr·d.
+/// master[i] and momentum[i] (f32; momentum may be empty when momentum == 0) are updated in place;
+/// grads[i] are f32 or bf16; params_out (empty, or one per tensor, bf16/f16/f32) receive the new
+/// master weights rounded to their dtype; grad_scale_tensor (optional f32 [1] on the device) also
+/// multiplies the gradients.
+void multi_tensor_sgd(const std::vector<Tensor>& grads, const std::vector<Tensor>& master,
+                      const std::vector<Tensor>& momentum, const std::vector<Tensor>& params_out, const SGDHyper& h,
+                      const Tensor& grad_scale_tensor = {}, const Stream& s = {});
 
 /// out (f32 [1], on the tensors' device) = sqrt(sum over all tensors of sum x^2), accumulated in
 /// f32 (CPU: f64) in a fixed order, so the result is identical from run to run.

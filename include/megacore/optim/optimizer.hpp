@@ -109,8 +109,7 @@ class AdamW : public Optimizer {
 };
 
 /// SGD with momentum (torch.optim.SGD semantics: g ← g + wd·w; buf ← μ·buf + (1 − dampening)·g, buf = g
-/// on the first step; w ← w − lr·(nesterov ? g + μ·buf : buf)). CPU only for now: there is no
-/// multi-tensor SGD kernel yet, so CUDA parameters are a ValueError at construction.
+/// on the first step; w ← w − lr·(nesterov ? g + μ·buf : buf)), via ops::multi_tensor_sgd on CPU and CUDA.
 class SGD : public Optimizer {
  public:
   SGD(std::vector<layers::Parameter*> params, const SGDConfig& cfg = {});

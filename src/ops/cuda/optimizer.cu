@@ -108,6 +108,33 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(Meta<5> m, AdamWArgs a)
   }
 }
 
+template <class G, class P>
+__global__ void __launch_bounds__(kThreads) sgd_kernel(Meta<4> m, SGDArgs a) {
+  const int t = m.tensor[blockIdx.x];
+  const int64_t base = int64_t(m.chunk[blockIdx.x]) * kChunk;
+  const int64_t len = min(kChunk, m.n[t] - base);
+  const G* g = static_cast<const G*>(m.p[0][t]) + base;
+  float* w = static_cast<float*>(m.p[1][t]) + base;
+  float* buf = static_cast<float*>(m.p[2][t]);
+  if (buf) buf += base;
+  P* po = static_cast<P*>(m.p[3][t]);
+  if (po) po += base;
+  const float gs = a.grad_scale * (a.grad_scale_ptr ? *a.grad_scale_ptr : 1.f);
+  const float mu = a.momentum, damp = 1.f - a.dampening;
+  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+    float wv = w[i];
+    float d = to_f32(g[i]) * gs + a.weight_decay * wv;
+    if (buf) {
+      const float b = a.first_step ? d : mu * buf[i] + damp * d;
+      buf[i] = b;
+      d = a.nesterov ? d + mu * b : b;
+    }
+    wv -= a.lr * d;
+    w[i] = wv;
+    if (po) po[i] = from_f32<P>(wv);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads) l2norm_kernel(Meta<1> m, float* partial) {
   __shared__ float red[32];
@@ -212,6 +239,32 @@ void adamw(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>&
       case DType::BF16: go(gtag, bfloat16{}); break;
       case DType::F16: go(gtag, float16{}); break;
       default: go(gtag, float{}); break;  // f32 params_out, or none
+    }
+  };
+  if (grad_dt == DType::BF16) with_param(bfloat16{});
+  else with_param(float{});
+}
+
+void sgd(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
+         const SGDArgs& a, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  cudaStream_t s = as_stream(stream);
+  std::vector<std::array<void*, 4>> p(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i)
+    for (int k = 0; k < 4; ++k) p[i][k] = ptrs[i][size_t(k)];
+  auto go = [&](auto gtag, auto ptag) {
+    using G = decltype(gtag);
+    using P = decltype(ptag);
+    for_each_launch<4>(p, n, [&](const Meta<4>& m, int blocks) {
+      sgd_kernel<G, P><<<unsigned(blocks), kThreads, 0, s>>>(m, a);
+      MC_CUDA_CHECK_LAUNCH();
+    });
+  };
+  auto with_param = [&](auto gtag) {
+    switch (param_dt) {
+      case DType::BF16: go(gtag, bfloat16{}); break;
+      case DType::F16: go(gtag, float16{}); break;
+      default: go(gtag, float{}); break;
     }
   };
   if (grad_dt == DType::BF16) with_param(bfloat16{});

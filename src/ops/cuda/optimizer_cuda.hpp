@@ -17,6 +17,15 @@ struct AdamWArgs {
 void adamw(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
            const AdamWArgs& a, int device, void* stream);
 
+struct SGDArgs {
+  float lr, momentum, dampening, weight_decay, grad_scale;
+  bool nesterov, first_step;
+  const float* grad_scale_ptr;  // optional
+};
+/// ptrs[i] = {grad, master, momentum (or nullptr when momentum == 0), param_out (or nullptr)}.
+void sgd(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
+         const SGDArgs& a, int device, void* stream);
+
 /// Bytes of scratch multi_tensor_l2norm needs for these sizes.
 size_t l2norm_workspace_bytes(const std::vector<int64_t>& n);
 void l2norm(DType dt, const std::vector<const void*>& ptrs, const std::vector<int64_t>& n, float* out,

@@ -1,0 +1,113 @@
+// DistributedOptimizer (ZeRO-1): AdamW whose f32 master weights and moments are sharded over the
+// data-parallel group.
+//
+// It works on a DistributedDataParallel built with use_distributed_optimizer = true. Each bucket of
+// the ParamAndGradBuffer (length n, a multiple of DP) is split evenly: DP rank r owns the contiguous
+// range [r·n/DP, (r+1)·n/DP) of every bucket and keeps f32 master weights, exp_avg and exp_avg_sq for
+// that range only, so optimizer state per rank is ≈ 1/DP of AdamW's (state_bytes()). A step:
+//   ddp.finish_grad_sync()     reduce-scatter: this rank's range of the grad buffer holds the averaged grads
+//   opt.step(lr)               AdamW on the owned range (the same multi-tensor kernel and no-decay rule as
+//                              AdamW; a parameter cut by a shard boundary is updated piecewise), writing the
+//                              new weights into the param buffer, then one all-gather per bucket (in the
+//                              params' dtype) so every rank has all weights again.
+// With overlap_param_gather the all-gathers are only started by step(); call wait_param_gather(params)
+// before a forward first reads those parameters (bucket by bucket, in forward order, so the gather of
+// later buckets overlaps the forward of earlier layers) or finish_param_gather() to wait for all.
+// step() itself finishes outstanding gathers first.
+//
+// Checkpoints: state()/load_state() are this rank's shards plus a layout record (DP size, rank,
+// buckets), valid only for the same layout; gathered_state()/load_gathered_state() exchange per-
+// parameter full (TP-local) tensors named as AdamW::state() does, so a checkpoint can be resharded
+// to another DP size or read into a plain AdamW.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "megacore/optim/distributed_data_parallel.hpp"
+#include "megacore/optim/grad_clip.hpp"
+#include "megacore/optim/optimizer.hpp"
+
+namespace megacore::optim {
+
+class DistributedOptimizer {
+ public:
+  /// `ddp` (use_distributed_optimizer = true, else ValueError) must outlive the optimizer. The master
+  /// weights start as this rank's range of the current parameters.
+  explicit DistributedOptimizer(DistributedDataParallel& ddp, const AdamWConfig& cfg = {},
+                                bool overlap_param_gather = false);
+  ~DistributedOptimizer();
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+
+  /// One AdamW step on this rank's shard (after ddp.finish_grad_sync()), then the param all-gather
+  /// (waited for unless overlap_param_gather). Gradients are multiplied by grad_scale and, when given,
+  /// by the f32 [1] device tensor grad_scale_tensor. Collective over the DP group.
+  void step(float lr, float grad_scale = 1.f, const Tensor& grad_scale_tensor = {});
+  /// Zeroes the gradients (the DDP grad buffer).
+  void zero_grad() { ddp_.zero_grad(); }
+  int64_t step_count() const { return step_; }
+
+  /// Global gradient norm over the shards: each rank counts its owned range (TP-replicated parameters
+  /// on TP rank 0 only, `groups.skip` honoured), summed over groups.reduce, which must contain the DDP
+  /// group when DP > 1 (grad_norm_groups(grid, /*grads_sharded_over_dp=*/true); ValueError otherwise).
+  GradNormResult grad_norm(const GradNormGroups& groups) const;
+  /// grad_norm, then, when finite and above max_norm (> 0), scales this rank's owned gradients by clip_coef.
+  GradNormResult clip_grad_norm(double max_norm, const GradNormGroups& groups);
+
+  /// Waits for the param all-gathers of the buckets holding these parameters (no-op when none pending).
+  void wait_param_gather(const std::vector<layers::Parameter*>& params);
+  /// Waits for every pending param all-gather.
+  void finish_param_gather();
+  bool param_gather_pending() const;
+
+  /// Bytes of optimizer state on this rank: master weights, exp_avg, exp_avg_sq (f32, shard only).
+  int64_t state_bytes() const;
+  /// Elements this rank owns (padding included).
+  int64_t shard_numel() const;
+
+  /// This rank's shards ("bucket<b>.master", ".exp_avg", ".exp_avg_sq", views of the live state) and
+  /// "layout" (i64: DP size, DP rank, buckets and parameter offsets). Not collective.
+  std::vector<NamedTensor> state() const;
+  /// Restores state() of an optimizer with exactly this layout; ValueError naming the difference (a
+  /// different DP size or bucket layout: use gathered_state / load_gathered_state to reshard).
+  void load_state(const std::vector<NamedTensor>& state, int64_t step_count);
+  /// Collective over DP: per parameter, in parameters() order, "<param>.master", "<param>.exp_avg",
+  /// "<param>.exp_avg_sq" as full TP-local f32 tensors of the parameter's shape (on its device) — the
+  /// names, shapes and order of AdamW::state().
+  std::vector<NamedTensor> gathered_state() const;
+  /// Collective over DP: keeps this rank's range of each tensor (names and shapes must match
+  /// gathered_state() exactly, ValueError naming the first difference), sets the step count and
+  /// writes the master weights into the parameters (all-gathered).
+  void load_gathered_state(const std::vector<NamedTensor>& state, int64_t step_count);
+
+  const std::vector<layers::Parameter*>& parameters() const { return ddp_.buffer().parameters(); }
+  bool decays(size_t i) const { return decay_[i]; }
+  const AdamWConfig& config() const { return cfg_; }
+  DistributedDataParallel& ddp() const { return ddp_; }
+
+ private:
+  /// The intersection of one parameter with this rank's shard of one bucket.
+  struct Segment {
+    size_t param;
+    int bucket;
+    int64_t shard_off;  // offset in the bucket's shard (and its state tensors)
+    int64_t param_off;  // offset in the flattened parameter
+    int64_t len;
+    int64_t buf_off;    // offset in the group's buffers
+  };
+  void start_param_gather();
+  void write_masters_to_params();
+  std::vector<int64_t> layout() const;
+
+  DistributedDataParallel& ddp_;
+  AdamWConfig cfg_;
+  bool overlap_param_gather_;
+  std::vector<bool> decay_;
+  std::vector<Segment> segments_;
+  std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;  // per bucket, shard length
+  std::vector<comm::WorkPtr> gather_;                   // per bucket
+  int64_t step_ = 0;
+};
+
+}  // namespace megacore::optim

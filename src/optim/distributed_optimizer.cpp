@@ -1,0 +1,322 @@
+#include "megacore/optim/distributed_optimizer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "megacore/core/error.hpp"
+#include "megacore/ops/optimizer.hpp"
+
+namespace megacore::optim {
+
+using layers::Parameter;
+
+DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp, const AdamWConfig& cfg,
+                                           bool overlap_param_gather)
+    : ddp_(ddp), cfg_(cfg), overlap_param_gather_(overlap_param_gather) {
+  const char* who = "DistributedOptimizer";
+  MC_CHECK(ddp.config().use_distributed_optimizer,
+           "{}: the DistributedDataParallel was built with use_distributed_optimizer = false (all-reduce); set it to "
+           "true so gradients are reduce-scattered to the ranks that own them",
+           who);
+  MC_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1 && cfg.beta2 >= 0 && cfg.beta2 < 1, "{}: betas ({}, {}) must lie in [0, 1)",
+           who, cfg.beta1, cfg.beta2);
+  MC_CHECK(cfg.eps > 0, "{}: eps = {} must be > 0 (1e-8 is usual)", who, cfg.eps);
+  MC_CHECK(cfg.weight_decay >= 0, "{}: weight_decay = {} must be >= 0", who, cfg.weight_decay);
+  const ParamAndGradBuffer& buf = ddp.buffer();
+  for (const Parameter* p : buf.parameters()) decay_.push_back(!(cfg.no_decay ? cfg.no_decay(*p) : default_no_decay(*p)));
+  const size_t nb = buf.buckets().size();
+  gather_.assign(nb, nullptr);
+  for (const Bucket& b : buf.buckets()) {
+    const int64_t shard = ddp.shard_size(b.index);
+    const int64_t rs = b.offset + ddp.shard_begin(b.index), re = rs + shard;
+    for (size_t i : b.params) {
+      const ParamLocation& l = buf.location(i);
+      const int64_t s = std::max(rs, l.offset), e = std::min(re, l.offset + l.numel);
+      if (s < e) segments_.push_back({i, b.index, s - rs, s - l.offset, e - s, s});
+    }
+    // Masters start as this rank's range of the parameters (padding: zeros).
+    Tensor m = Tensor::empty({shard}, DType::F32, buf.device());
+    m.copy_(buf.bucket_params(b.index).narrow(0, ddp.shard_begin(b.index), shard));
+    master_.push_back(m);
+    exp_avg_.push_back(Tensor::zeros({shard}, DType::F32, buf.device()));
+    exp_avg_sq_.push_back(Tensor::zeros({shard}, DType::F32, buf.device()));
+  }
+  if (buf.device().is_cuda()) synchronize_device(buf.device());
+}
+
+DistributedOptimizer::~DistributedOptimizer() {
+  for (auto& w : gather_)
+    if (w) try {
+        w->wait();
+      } catch (...) {
+      }
+}
+
+void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
+  finish_param_gather();
+  ++step_;
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  struct Group {
+    std::vector<Tensor> g, w, m, v, out;
+  };
+  std::map<std::pair<bool, int>, Group> groups;
+  for (const Segment& s : segments_) {
+    const ParamLocation& l = buf.location(s.param);
+    Group& gr = groups[{decay_[s.param], int(buf.group_dtype(l.group))}];
+    gr.g.push_back(buf.grad_buffer(l.group).narrow(0, s.buf_off, s.len));
+    gr.w.push_back(master_[size_t(s.bucket)].narrow(0, s.shard_off, s.len));
+    gr.m.push_back(exp_avg_[size_t(s.bucket)].narrow(0, s.shard_off, s.len));
+    gr.v.push_back(exp_avg_sq_[size_t(s.bucket)].narrow(0, s.shard_off, s.len));
+    gr.out.push_back(buf.param_buffer(l.group).narrow(0, s.buf_off, s.len));
+  }
+  const Stream& cs = ddp_.config().compute_stream;
+  for (auto& [key, gr] : groups) {
+    ops::AdamWHyper h;
+    h.lr = lr;
+    h.beta1 = cfg_.beta1;
+    h.beta2 = cfg_.beta2;
+    h.eps = cfg_.eps;
+    h.weight_decay = key.first ? cfg_.weight_decay : 0.f;
+    h.step = step_;
+    h.grad_scale = grad_scale;
+    ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, h, grad_scale_tensor, cs);
+  }
+  start_param_gather();
+  if (!overlap_param_gather_) finish_param_gather();
+}
+
+void DistributedOptimizer::start_param_gather() {
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  comm::Communicator& dp = ddp_.group();
+  if (dp.size() == 1) return;
+  const bool cuda = buf.device().is_cuda();
+  if (cuda) ddp_.comm_stream().wait(ddp_.config().compute_stream);
+  for (const Bucket& b : buf.buckets()) {
+    Tensor full = buf.bucket_params(b.index);
+    Tensor mine = full.narrow(0, ddp_.shard_begin(b.index), ddp_.shard_size(b.index));
+    gather_[size_t(b.index)] = dp.all_gather(mine, full, ddp_.comm_stream());
+  }
+}
+
+void DistributedOptimizer::wait_param_gather(const std::vector<Parameter*>& params) {
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  for (const Parameter* p : params) {
+    comm::WorkPtr& w = gather_[size_t(buf.location(p).bucket)];
+    if (w) {
+      w->wait();
+      w = nullptr;
+    }
+  }
+}
+
+void DistributedOptimizer::finish_param_gather() {
+  for (auto& w : gather_)
+    if (w) {
+      w->wait();
+      w = nullptr;
+    }
+}
+
+bool DistributedOptimizer::param_gather_pending() const {
+  return std::any_of(gather_.begin(), gather_.end(), [](const comm::WorkPtr& w) { return w != nullptr; });
+}
+
+int64_t DistributedOptimizer::shard_numel() const {
+  int64_t n = 0;
+  for (const Tensor& m : master_) n += m.numel();
+  return n;
+}
+
+int64_t DistributedOptimizer::state_bytes() const { return 3 * int64_t(sizeof(float)) * shard_numel(); }
+
+GradNormResult DistributedOptimizer::grad_norm(const GradNormGroups& groups) const {
+  const char* who = "DistributedOptimizer.grad_norm";
+  MC_CHECK(groups.tp_rank >= 0, "{}: tp_rank {} must be >= 0", who, groups.tp_rank);
+  comm::Communicator& dp = ddp_.group();
+  if (dp.size() > 1)
+    MC_CHECK(std::find(groups.reduce.begin(), groups.reduce.end(), &dp) != groups.reduce.end(),
+             "{}: gradients are sharded over the data-parallel group '{}', but it is not among the reduce groups, so "
+             "each rank would see only its shard's norm; use grad_norm_groups(grid, /*grads_sharded_over_dp=*/true) "
+             "with the same group DDP was built on",
+             who, dp.name());
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  std::vector<Tensor> counted;
+  for (const Segment& s : segments_) {
+    const Parameter& p = *buf.parameters()[s.param];
+    if (p.partition_dim < 0 && groups.tp_rank != 0) continue;
+    if (groups.skip && groups.skip(p)) continue;
+    counted.push_back(buf.grad_buffer(buf.location(s.param).group).narrow(0, s.buf_off, s.len));
+  }
+  const Stream& cs = ddp_.config().compute_stream;
+  Tensor sq = Tensor::zeros({1}, DType::F32, buf.device(), cs);
+  if (!counted.empty()) {
+    Tensor norm = Tensor::empty({1}, DType::F32, buf.device(), cs);
+    ops::multi_tensor_l2norm(counted, norm, cs);
+    ops::multi_tensor_scale({norm}, {sq}, 1.f, norm, cs);
+  }
+  for (comm::Communicator* c : groups.reduce) {
+    MC_CHECK(c != nullptr, "{}: a reduce group is null", who);
+    if (c->size() > 1) c->all_reduce(sq, comm::ReduceOp::Sum, cs)->wait();
+  }
+  GradNormResult r;
+  r.norm = std::sqrt(sq.item());
+  r.finite = std::isfinite(r.norm);
+  return r;
+}
+
+GradNormResult DistributedOptimizer::clip_grad_norm(double max_norm, const GradNormGroups& groups) {
+  GradNormResult r = grad_norm(groups);
+  if (!r.finite || max_norm <= 0) return r;
+  r.clip_coef = std::min(1.0, max_norm / (r.norm + 1e-6));
+  if (r.clip_coef < 1.0) {
+    const ParamAndGradBuffer& buf = ddp_.buffer();
+    std::vector<Tensor> grads;
+    for (const Segment& s : segments_) grads.push_back(buf.grad_buffer(buf.location(s.param).group).narrow(0, s.buf_off, s.len));
+    ops::multi_tensor_scale(grads, grads, float(r.clip_coef), {}, ddp_.config().compute_stream);
+  }
+  return r;
+}
+
+// ---- state ------------------------------------------------------------------------------------
+
+std::vector<int64_t> DistributedOptimizer::layout() const {
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  std::vector<int64_t> l{ddp_.group().size(), ddp_.group().rank(), int64_t(buf.buckets().size())};
+  for (const Bucket& b : buf.buckets()) {
+    l.push_back(b.group);
+    l.push_back(b.offset);
+    l.push_back(b.numel);
+  }
+  l.push_back(int64_t(buf.parameters().size()));
+  for (size_t i = 0; i < buf.parameters().size(); ++i) {
+    l.push_back(buf.location(i).offset);
+    l.push_back(buf.location(i).numel);
+  }
+  return l;
+}
+
+std::vector<NamedTensor> DistributedOptimizer::state() const {
+  std::vector<NamedTensor> out;
+  const std::vector<int64_t> l = layout();
+  out.push_back({"layout", Tensor::from_vector<int64_t>(l, {int64_t(l.size())})});
+  for (size_t b = 0; b < master_.size(); ++b) {
+    const std::string n = "bucket" + std::to_string(b);
+    out.push_back({n + ".master", master_[b]});
+    out.push_back({n + ".exp_avg", exp_avg_[b]});
+    out.push_back({n + ".exp_avg_sq", exp_avg_sq_[b]});
+  }
+  return out;
+}
+
+void DistributedOptimizer::load_state(const std::vector<NamedTensor>& st, int64_t step_count) {
+  const char* who = "DistributedOptimizer.load_state";
+  MC_CHECK(step_count >= 0, "{}: step count {} must be >= 0", who, step_count);
+  MC_CHECK(!st.empty() && st[0].name == "layout" && st[0].tensor.dtype() == DType::I64,
+           "{}: the state does not start with its 'layout' record; pass what DistributedOptimizer::state() returned "
+           "(for per-parameter tensors use load_gathered_state)",
+           who);
+  const std::vector<int64_t> mine = layout();
+  std::vector<int64_t> theirs;
+  for (double v : st[0].tensor.to_double_vector()) theirs.push_back(int64_t(v));
+  MC_CHECK(theirs.size() >= 2 && theirs[0] == mine[0] && theirs[1] == mine[1],
+           "{}: the state was saved by DP rank {} of {}, but this optimizer is DP rank {} of {}; sharded state only "
+           "loads into the same layout — save gathered_state() and load it with load_gathered_state() to reshard",
+           who, theirs.size() >= 2 ? theirs[1] : -1, theirs.size() >= 2 ? theirs[0] : -1, mine[1], mine[0]);
+  MC_CHECK(theirs == mine,
+           "{}: the state's bucket layout differs from this optimizer's (another bucket size, parameter list or "
+           "alignment); build DDP with the same config, or go through gathered_state()/load_gathered_state()",
+           who);
+  const std::vector<NamedTensor> cur = state();
+  MC_CHECK(st.size() == cur.size(), "{}: got {} entries, expected {}", who, st.size(), cur.size());
+  for (size_t i = 1; i < st.size(); ++i) {
+    MC_CHECK(st[i].name == cur[i].name, "{}: entry {} is '{}', expected '{}'", who, i, st[i].name, cur[i].name);
+    MC_CHECK(st[i].tensor.numel() == cur[i].tensor.numel(), "{}: '{}' has {} elements, expected {}", who, st[i].name,
+             st[i].tensor.numel(), cur[i].tensor.numel());
+  }
+  finish_param_gather();
+  for (size_t i = 1; i < st.size(); ++i) {
+    Tensor dst = cur[i].tensor;
+    dst.copy_(st[i].tensor.contiguous().view({-1}));
+  }
+  step_ = step_count;
+  write_masters_to_params();
+}
+
+std::vector<NamedTensor> DistributedOptimizer::gathered_state() const {
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  comm::Communicator& dp = ddp_.group();
+  const size_t np = buf.parameters().size();
+  // Full per-bucket copies of each kind, then per-parameter views cloned out.
+  std::vector<std::vector<Tensor>> full(3);
+  const std::vector<Tensor>* kinds[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const Stream& cs = ddp_.config().compute_stream;
+  for (int k = 0; k < 3; ++k)
+    for (const Bucket& b : buf.buckets()) {
+      const Tensor& shard = (*kinds[k])[size_t(b.index)];
+      Tensor f = Tensor::empty({b.numel}, DType::F32, buf.device(), cs);
+      if (dp.size() == 1) f.copy_(shard, cs);
+      else dp.all_gather(shard, f, cs)->wait();
+      full[size_t(k)].push_back(f);
+    }
+  static const char* suffix[3] = {".master", ".exp_avg", ".exp_avg_sq"};
+  std::vector<NamedTensor> out;
+  for (size_t i = 0; i < np; ++i) {
+    const Parameter& p = *buf.parameters()[i];
+    const ParamLocation& l = buf.location(i);
+    const Bucket& b = buf.buckets()[size_t(l.bucket)];
+    for (int k = 0; k < 3; ++k)
+      out.push_back({p.name + suffix[k],
+                     full[size_t(k)][size_t(l.bucket)].narrow(0, l.offset - b.offset, l.numel).view(p.data.shape()).clone(cs)});
+  }
+  return out;
+}
+
+void DistributedOptimizer::load_gathered_state(const std::vector<NamedTensor>& st, int64_t step_count) {
+  const char* who = "DistributedOptimizer.load_gathered_state";
+  MC_CHECK(step_count >= 0, "{}: step count {} must be >= 0", who, step_count);
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  const size_t np = buf.parameters().size();
+  MC_CHECK(st.size() == 3 * np,
+           "{}: got {} state tensors, expected {} (master, exp_avg, exp_avg_sq for each of {} parameters); the state is "
+           "from a different optimizer or parameter list",
+           who, st.size(), 3 * np, np);
+  static const char* suffix[3] = {".master", ".exp_avg", ".exp_avg_sq"};
+  // Check everything before changing anything.
+  for (size_t i = 0; i < np; ++i) {
+    const Parameter& p = *buf.parameters()[i];
+    for (int k = 0; k < 3; ++k) {
+      const NamedTensor& t = st[3 * i + size_t(k)];
+      MC_CHECK(t.name == p.name + suffix[k], "{}: entry {} is '{}', expected '{}'", who, 3 * i + size_t(k), t.name,
+               p.name + suffix[k]);
+      MC_CHECK(t.tensor.defined() && t.tensor.shape() == p.data.shape(),
+               "{}: '{}' has shape {}, but the parameter is {} on this rank (a different TP layout? reshard the "
+               "checkpoint for this layout)",
+               who, t.name, t.tensor.defined() ? shape_str(t.tensor.shape()) : std::string("undefined"),
+               shape_str(p.data.shape()));
+    }
+  }
+  finish_param_gather();
+  const std::vector<Tensor>* kinds[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  for (const Segment& s : segments_)
+    for (int k = 0; k < 3; ++k) {
+      Tensor dst = (*kinds[k])[size_t(s.bucket)].narrow(0, s.shard_off, s.len);
+      dst.copy_(st[3 * s.param + size_t(k)].tensor.contiguous().view({-1}).narrow(0, s.param_off, s.len));
+    }
+  step_ = step_count;
+  write_masters_to_params();
+}
+
+void DistributedOptimizer::write_masters_to_params() {
+  const ParamAndGradBuffer& buf = ddp_.buffer();
+  // The state was copied in on the legacy default stream (loads are rare: a full sync is fine).
+  if (buf.device().is_cuda()) synchronize_device(buf.device());
+  for (const Segment& s : segments_) {
+    Tensor dst = buf.param_buffer(buf.location(s.param).group).narrow(0, s.buf_off, s.len);
+    dst.copy_(master_[size_t(s.bucket)].narrow(0, s.shard_off, s.len), ddp_.config().compute_stream);
+  }
+  start_param_gather();
+  finish_param_gather();
+}
+
+}  // namespace megacore::optim
