@@ -1,0 +1,152 @@
+"""Checkpoint save/load throughput: megacore's distributed checkpoint vs torch.save / torch.load of the
+same state, in the same run, on the same file system.
+
+State: a 1B-class model's training state built from a megacore TransformerConfig preset (default
+llama32_1b, 1.24B parameters): bf16 parameters plus f32 master weights, exp_avg and exp_avg_sq (AdamW),
+14 bytes per parameter (~17 GB); --state params keeps only the bf16 parameters. Tensors live on
+--device (cuda: copied to host by both savers, as in training).
+
+One process:   python benchmarks/checkpoint/bench_checkpoint.py --out results.json
+N GPUs:        mpirun -np 4 python benchmarks/checkpoint/bench_checkpoint.py --out results.json
+With N ranks, every tensor is split along dim 0 into N pieces (as TP/ZeRO would): rank r writes its piece
+(megacore: one shard file per rank + metadata; torch: one torch.save file per rank). Time is the slowest
+rank's, between barriers. GB/s = total bytes / time (1 GB = 1e9 bytes).
+
+Loads are timed after dropping the files from the page cache with posix_fadvise(DONTNEED) (which works
+for clean pages without root; whether the device's storage stack honours it is recorded as
+"cache_evicted"); --warm skips that. megacore loads with CRC verification on (its default) and --no-verify
+shows the cost. The JSON records the card name, world size, bytes and every timing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+
+
+def shapes_for(cfg):
+    h, f, L, V = cfg.hidden_size, cfg.ffn_size, cfg.num_layers, cfg.vocab_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    out = {"embedding.weight": (V, h), "final_layernorm.weight": (h,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "self_attention.linear_qkv.weight": (qkv, h),
+                    p + "self_attention.linear_proj.weight": (h, cfg.attention_width),
+                    p + "pre_mlp_layernorm.weight": (h,), p + "mlp.linear_fc1.weight": (2 * f, h),
+                    p + "mlp.linear_fc2.weight": (h, f)})
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = (V, h)
+    return out
+
+
+def evict(paths):
+    ok = True
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        except OSError:
+            ok = False
+    return ok
+
+
+def files_under(d):
+    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama32_1b")
+    ap.add_argument("--state", choices=["full", "params"], default="full")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dir", default="/tmp/mc_ckpt_bench")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import torch
+
+    import megacore as mc
+    from megacore import checkpoint as ck
+    from megacore import model
+
+    world = mc.comm.init_from_env("cpu")  # MPI (or a singleton): the checkpoint's agreement collectives
+    rank, n = world.rank, world.size
+    dev = torch.device(args.device if args.device == "cpu" else f"cuda:{rank % max(1, torch.cuda.device_count())}")
+    cfg = getattr(model, args.preset)()
+    g = torch.Generator(device=dev).manual_seed(rank)
+    state = {}  # name -> (local torch tensor, global shape, offsets)
+    for name, shape in shapes_for(cfg).items():
+        kinds = [("", torch.bfloat16)]
+        if args.state == "full":
+            kinds += [(".master", torch.float32), (".exp_avg", torch.float32), (".exp_avg_sq", torch.float32)]
+        rows = shape[0]
+        lo, hi = rows * rank // n, rows * (rank + 1) // n
+        for suffix, dt in kinds:
+            local = torch.empty((hi - lo,) + tuple(shape[1:]), dtype=dt, device=dev)
+            local.normal_(generator=g)
+            key = ("optimizer." + name + suffix) if suffix else name
+            state[key] = (local, list(shape), [lo] + [0] * (len(shape) - 1))
+    local_bytes = sum(t.numel() * t.element_size() for t, _, _ in state.values())
+    total = np.array([local_bytes], dtype=np.int64)
+    tot_t = mc.from_numpy(total)
+    world.all_reduce(tot_t)
+    total_bytes = int(np.asarray(tot_t.numpy())[0])
+
+    def timed(fn):
+        world.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        world.barrier()
+        return time.perf_counter() - t0
+
+    mc_root = os.path.join(args.dir, "megacore")
+    torch_dir = os.path.join(args.dir, "torch")
+    if rank == 0:
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(torch_dir)
+    world.barrier()
+    mc_tensors = [(k, mc.from_dlpack(t), gs, off) for k, (t, gs, off) in state.items()]
+    torch_state = {k: t for k, (t, _, _) in state.items()}
+    torch_file = os.path.join(torch_dir, f"rank{rank}.pt")
+    res = {"mc_save": [], "mc_load": [], "torch_save": [], "torch_load": []}
+    evicted = True
+    for rep in range(args.repeats):
+        res["mc_save"].append(timed(lambda: ck.save(world, mc_root, rep, mc_tensors, verify=not args.no_verify)))
+        res["torch_save"].append(timed(lambda: torch.save(torch_state, torch_file)))
+        if not args.warm:
+            evicted &= evict(files_under(os.path.join(mc_root, f"step_{rep}")) + [torch_file])
+        dst = [(k, mc.from_dlpack(torch.empty_like(t)), gs, off) for k, (t, gs, off) in state.items()]
+        res["mc_load"].append(timed(lambda: ck.load(world, mc_root, dst, verify=not args.no_verify)))
+        if rep == 0:  # correctness of the round trip, once
+            for (k, (t, _, _)), (_, d, _, _) in zip(state.items(), dst):
+                assert torch.equal(torch.from_dlpack(d), t), k
+        del dst
+        res["torch_load"].append(timed(lambda: torch.load(torch_file, map_location=dev)))
+    if rank == 0:
+        best = {k: min(v) for k, v in res.items()}
+        out = {"benchmark": "checkpoint save/load", "preset": args.preset, "state": args.state,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "world_size": n, "total_bytes": total_bytes, "verify": not args.no_verify,
+               "cache_evicted": (not args.warm) and bool(evicted), "seconds": res,
+               "best_GBps": {k: total_bytes / 1e9 / v for k, v in best.items()}}
+        print(json.dumps(out, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+// megacore._C.checkpoint: distributed checkpoints from Python (save / load / inspect). Tensors are
+// given as (name, local, global_shape, global_offsets[, write]) tuples — one box per tensor, which covers
+// every plain TP slice — or as a {name: tensor} dict of whole (replicated) tensors. See
+// include/megacore/checkpoint/dist_checkpoint.hpp for the format and the crash-safety protocol.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include "bindings.hpp"
+#include "megacore/checkpoint/dist_checkpoint.hpp"
+
+namespace megacore::py {
+
+namespace {
+
+using namespace megacore::checkpoint;
+
+Tensor as_tensor(const pyb::handle& o, const std::string& what) {
+  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
+  MC_CHECK(!o.is_none(), "checkpoint: {} is None; pass a megacore.Tensor, a numpy array or a DLPack tensor", what);
+  pyb::module_ np = pyb::module_::import("numpy");
+  pyb::module_ core = pyb::module_::import("megacore._C");
+  if (pyb::hasattr(o, "__dlpack__") && !pyb::isinstance(o, np.attr("ndarray")))
+    return core.attr("from_dlpack")(o).cast<Tensor>();
+  return core.attr("from_numpy")(np.attr("ascontiguousarray")(o)).cast<Tensor>();
+}
+
+std::vector<ShardedTensor> sharded_arg(const pyb::object& tensors) {
+  std::vector<ShardedTensor> out;
+  if (pyb::isinstance<pyb::dict>(tensors)) {
+    for (auto [k, v] : tensors.cast<pyb::dict>()) {
+      const std::string name = k.cast<std::string>();
+      out.push_back(replicated_tensor(name, as_tensor(v, name)));
+    }
+    return out;
+  }
+  for (const pyb::handle& item : tensors) {
+    auto t = item.cast<pyb::tuple>();
+    MC_CHECK(t.size() == 4 || t.size() == 5,
+             "checkpoint: each tensor is (name, local, global_shape, global_offsets[, write]); got {} fields", t.size());
+    ShardedTensor st;
+    st.name = t[0].cast<std::string>();
+    st.local = as_tensor(t[1], st.name);
+    st.dtype = st.local.dtype();
+    st.global_shape = t[2].cast<Shape>();
+    Shape offs = t[3].cast<Shape>();
+    MC_CHECK(offs.size() == st.local.shape().size() && st.global_shape.size() == offs.size(),
+             "checkpoint: tensor '{}' has {} dims but {} global dims and {} offsets", st.name, st.local.dim(),
+             st.global_shape.size(), offs.size());
+    // The box is the local tensor clipped to the global one (vocabulary padding rows fall off the end).
+    Shape box = st.local.shape();
+    for (size_t d = 0; d < box.size(); ++d) box[d] = std::max<int64_t>(0, std::min(box[d], st.global_shape[d] - offs[d]));
+    st.pieces.push_back({Shape(offs.size(), 0), offs, box});
+    st.write = t.size() == 5 ? t[4].cast<bool>() : true;
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+CheckpointState state_arg(int64_t step, const pyb::object& tensors, const std::map<std::string, std::string>& json,
+                          const pyb::object& extra, const std::optional<double>& val_loss) {
+  CheckpointState st;
+  st.step = step;
+  st.tensors = sharded_arg(tensors);
+  st.json = json;
+  if (!extra.is_none())
+    for (auto [k, v] : extra.cast<pyb::dict>()) st.extra_tensors[k.cast<std::string>()] = as_tensor(v, "extra tensor");
+  st.val_loss = val_loss;
+  return st;
+}
+
+}  // namespace
+
+void bind_checkpoint(pyb::module_& root) {
+  pyb::module_ m = root.def_submodule("checkpoint", "Distributed checkpoints that reshard on load.");
+  m.def("save", [](comm::Communicator& world, const std::string& path, int64_t step, const pyb::object& tensors,
+                   const std::map<std::string, std::string>& json, const pyb::object& extra_tensors,
+                   std::optional<double> val_loss, bool verify, int threads) {
+    CheckpointState st = state_arg(step, tensors, json, extra_tensors, val_loss);
+    SaveOptions o;
+    o.verify = verify;
+    o.threads = threads;
+    pyb::gil_scoped_release nogil;
+    return save_checkpoint(world, path, st, o);
+  }, pyb::arg("world"), pyb::arg("root"), pyb::arg("step"), pyb::arg("tensors"),
+     pyb::arg("json") = std::map<std::string, std::string>{}, pyb::arg("extra_tensors") = pyb::none(),
+     pyb::arg("val_loss") = pyb::none(), pyb::arg("verify") = true, pyb::arg("threads") = 0,
+     "Collective save into root/step_<step>; returns the directory. tensors: {name: tensor} (whole) or a list of "
+     "(name, local, global_shape, global_offsets[, write]).");
+  m.def("load", [](comm::Communicator* world, const std::string& path, const pyb::object& tensors, bool verify,
+                   bool allow_missing) {
+    std::vector<ShardedTensor> targets = sharded_arg(tensors);
+    LoadOptions o;
+    o.verify_checksums = verify;
+    o.allow_missing = allow_missing;
+    std::optional<CheckpointReader> r;
+    {
+      pyb::gil_scoped_release nogil;
+      r.emplace(load_checkpoint(world, path, targets, o));
+    }
+    pyb::dict d;
+    d["dir"] = r->dir();
+    d["step"] = r->step();
+    d["json"] = r->json();
+    d["val_loss"] = r->val_loss() ? pyb::cast(*r->val_loss()) : pyb::none();
+    d["bytes_read"] = r->bytes_read();
+    return d;
+  }, pyb::arg("world"), pyb::arg("path"), pyb::arg("tensors"), pyb::arg("verify") = true,
+     pyb::arg("allow_missing") = false,
+     "Fills the given tensors in place from the checkpoint at path (a step dir or a root with `latest`); "
+     "world may be None (no agreement). Returns {dir, step, json, val_loss, bytes_read}.");
+  m.def("resolve", &resolve_checkpoint, pyb::arg("path"),
+        "The checkpoint directory to load from path, or None.");
+  m.def("list_checkpoints", [](const std::string& root) {
+    pyb::list out;
+    for (const auto& c : list_checkpoints(root)) {
+      pyb::dict d;
+      d["step"] = c.step;
+      d["dir"] = c.dir;
+      d["val_loss"] = c.val_loss ? pyb::cast(*c.val_loss) : pyb::none();
+      out.append(d);
+    }
+    return out;
+  }, pyb::arg("root"));
+  m.def("read_full", [](const std::string& path, const std::string& name, bool verify) {
+    LoadOptions o;
+    o.verify_checksums = verify;
+    CheckpointReader r(path, o);
+    return r.load_full(name);
+  }, pyb::arg("path"), pyb::arg("name"), pyb::arg("verify") = true, "One whole tensor on the host.");
+  m.def("tensor_names", [](const std::string& path) { return CheckpointReader(path).tensor_names(); },
+        pyb::arg("path"));
+  m.def("crc32", [](const pyb::bytes& b, uint32_t crc) {
+    std::string_view s = b;
+    return crc32(s.data(), s.size(), crc);
+  }, pyb::arg("data"), pyb::arg("crc") = 0u);
+}
+
+}  // namespace megacore::py

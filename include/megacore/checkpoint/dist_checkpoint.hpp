@@ -1,0 +1,202 @@
+// Distributed checkpoints that reshard on load.
+//
+// On disk (one directory per checkpoint, `<root>/step_<N>`; docs/checkpoint.md has the full format):
+//   shard_<rank>.safetensors  the pieces this rank wrote, one entry per piece, keyed "<name>[o0,o1,..]"
+//                             (global offsets); only ranks with something to write have one
+//   metadata.json             written by rank 0 last: format/version, step, every tensor's global shape,
+//                             dtype and shards (file, key, global offsets, shape, CRC-32), the caller's
+//                             JSON blobs and the validation loss
+// and `<root>/latest` names the newest complete checkpoint ("step_<N>\n").
+//
+// Save protocol (collective over `world`; all ranks must see the same file system):
+//   1. rank 0 removes leftovers of interrupted saves (.tmp.* / .trash.* in root) and creates
+//      root/.tmp.step_<N>; every rank copies its pieces to host memory;
+//   2. each rank writes shard_<rank>.safetensors (temporary name, fsync, rename), re-reads it and checks
+//      every CRC (verify), and writes its fragment shard_<rank>.json — in a background thread when async;
+//   3. finalize: the ranks agree that every write succeeded; rank 0 merges the fragments into
+//      metadata.json, checks that every tensor's shards tile it exactly, fsyncs the directory, renames it
+//      to step_<N> (fsync root), then writes `latest` (temporary file, fsync, rename, fsync root).
+// A crash anywhere before the rename leaves only a .tmp.* directory, which loaders never look at and
+// the next save removes; a crash after it leaves a complete checkpoint whatever `latest` says, and
+// resolve_checkpoint() falls back to the newest complete step_<N> if `latest` is missing or stale.
+//
+// Errors: every phase ends with an agreement (all-reduce of a failure flag), so a failure on one rank
+// is an IOError on every rank (naming the rank that failed), never a hang or a half-finished save.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megacore/checkpoint/sharded_tensor.hpp"
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::optim {
+class Optimizer;
+}
+
+namespace megacore::checkpoint {
+
+/// What one rank contributes to a checkpoint. `json` and `val_loss` are taken from rank 0.
+struct CheckpointState {
+  int64_t step = 0;
+  std::vector<ShardedTensor> tensors;
+  /// Caller's blobs (scheduler, scaler, data-loader position, config, ...): name → JSON text.
+  std::map<std::string, std::string> json;
+  /// Small tensors this rank writes whole (RNG states, ...). Names must be unique across ranks (put
+  /// the rank in the name of per-rank state) and must not clash with `tensors`.
+  std::map<std::string, Tensor> extra_tensors;
+  /// Validation loss, for CheckpointManager's keep-top-k policy.
+  std::optional<double> val_loss;
+};
+
+struct SaveOptions {
+  /// Re-read each written file and check every entry's CRC before committing.
+  bool verify = true;
+  /// Threads computing and checking CRCs (0 = min(8, hardware threads)).
+  int threads = 0;
+  /// Fault injection for tests: called at the protocol's points ("prepared" on rank 0 after the temporary
+  /// directory exists, "shard_written", "fragment_written", and on rank 0 "metadata_written" (before the
+  /// rename) and "renamed" (before `latest` is updated)). Leave empty.
+  std::function<void(const std::string& point)> fault_hook;
+};
+
+/// Path of the checkpoint directory for `step` under `root` ("<root>/step_<step>").
+std::string checkpoint_dir(const std::string& root, int64_t step);
+
+/// Saves synchronously and returns the checkpoint directory. Collective over `world`; every rank must
+/// call it with the same root and step. Throws IOError (on every rank) when any rank fails, leaving the
+/// previous checkpoints untouched.
+std::string save_checkpoint(comm::Communicator& world, const std::string& root, const CheckpointState& state,
+                            const SaveOptions& options = {});
+
+/// Async save: save() copies this rank's pieces to host memory (the only work on the caller's time,
+/// besides waiting for the previous save) and returns; a background thread writes them. Only one save is
+/// in flight, so host memory is bounded by one copy of this rank's shards. The commit (step 3) is
+/// collective and happens in the next wait() or save(), or in finalize_if_done() once every rank's
+/// writer is done; errors of the background writer surface there as IOError (on every rank).
+class AsyncCheckpointSaver {
+ public:
+  /// `world` must outlive the saver.
+  explicit AsyncCheckpointSaver(comm::Communicator& world, const SaveOptions& options = {});
+  /// Waits for the background writer but does not commit (a collective may not be reachable from a
+  /// destructor): call wait() before destroying it, or the checkpoint is left uncommitted (ignored).
+  ~AsyncCheckpointSaver();
+  AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
+  AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
+
+  /// Commits the previous save (wait()), copies `state` to host and starts writing it. Collective.
+  void save(const std::string& root, const CheckpointState& state);
+  /// Waits for the writer and commits. Collective; returns the committed directory ("" if none pending).
+  std::string wait();
+  /// True while a save is written or waits for its commit.
+  bool pending() const;
+  /// Invoked (on rank 0, after the commit of step N) with the root and step: CheckpointManager applies
+  /// its retention policy here.
+  void set_on_commit(std::function<void(const std::string& root, int64_t step)> fn) { on_commit_ = std::move(fn); }
+
+  struct Job;  ///< one save in flight (implementation detail)
+
+ private:
+  comm::Communicator& world_;
+  SaveOptions options_;
+  std::unique_ptr<Job> job_;
+  std::function<void(const std::string&, int64_t)> on_commit_;
+};
+
+/// The checkpoint directory to load from `path`: `path` itself when it holds a metadata.json, else the
+/// target of `<path>/latest` when complete, else the complete step_<N> with the largest N; nullopt when
+/// there is none. Never returns a .tmp.* directory.
+std::optional<std::string> resolve_checkpoint(const std::string& path);
+
+/// A complete checkpoint under a root.
+struct CheckpointInfo {
+  int64_t step = 0;
+  std::string dir;
+  std::optional<double> val_loss;
+};
+/// The complete step_<N> checkpoints under `root` (metadata.json present and valid), by increasing step.
+std::vector<CheckpointInfo> list_checkpoints(const std::string& root);
+
+struct LoadOptions {
+  /// Check the CRC of every shard entry read from (reads the whole entry, not just the needed bytes).
+  bool verify_checksums = true;
+  /// Skip targets the checkpoint does not have instead of failing.
+  bool allow_missing = false;
+};
+
+/// What the header of one tensor in a checkpoint says.
+struct TensorMeta {
+  std::string name;
+  Shape global_shape;
+  DType dtype = DType::F32;
+  struct Shard {
+    std::string file, key;
+    Shape offsets, shape;
+    uint32_t crc32 = 0;
+  };
+  std::vector<Shard> shards;
+};
+
+/// A checkpoint directory opened for reading: metadata.json is parsed and validated up front; shard
+/// files are mapped lazily, and only the pages a load needs are touched.
+class CheckpointReader {
+ public:
+  /// `dir` is a checkpoint directory (or a root with `latest`; see resolve_checkpoint). IOError when
+  /// there is no complete checkpoint or its metadata is malformed.
+  explicit CheckpointReader(const std::string& dir, const LoadOptions& options = {});
+  ~CheckpointReader();
+  CheckpointReader(CheckpointReader&&) noexcept;
+
+  const std::string& dir() const { return dir_; }
+  int64_t step() const { return step_; }
+  std::optional<double> val_loss() const { return val_loss_; }
+  std::vector<std::string> tensor_names() const;
+  bool has_tensor(const std::string& name) const { return tensors_.count(name) != 0; }
+  /// IOError naming the tensor (and a few that exist) when absent.
+  const TensorMeta& meta(const std::string& name) const;
+  const std::map<std::string, std::string>& json() const { return json_; }
+  /// One JSON blob; IOError listing the names present when absent.
+  const std::string& json(const std::string& name) const;
+
+  /// Fills target.local's pieces from the checkpoint: IOError when the tensor is absent, its global shape
+  /// or dtype differs (both named), a file is missing, truncated or fails its CRC.
+  void load(ShardedTensor& target);
+  /// The whole global tensor, on the host.
+  Tensor load_full(const std::string& name);
+  /// Bytes copied out of shard files so far (excluding checksum reads).
+  int64_t bytes_read() const { return bytes_read_; }
+
+ private:
+  struct Files;
+  std::string dir_;
+  LoadOptions options_;
+  int64_t step_ = 0;
+  std::optional<double> val_loss_;
+  std::map<std::string, TensorMeta> tensors_;
+  std::map<std::string, std::string> json_;
+  std::unique_ptr<Files> files_;
+  int64_t bytes_read_ = 0;
+};
+
+/// Loads every target (a missing one is an IOError unless allow_missing) and returns the reader (for
+/// the step and JSON blobs). Collective over `world` when given: a failure on one rank is an IOError on
+/// all of them.
+CheckpointReader load_checkpoint(comm::Communicator* world, const std::string& dir, std::vector<ShardedTensor>& targets,
+                                 const LoadOptions& options = {});
+
+// ---- optimizer state ------------------------------------------------------------------------------
+
+/// The optimizer's state (opt.state(), views of the live state) mapped like its parameters, plus the
+/// step count in a JSON blob "optimizer" = {"step": n}; appends both to `state`.
+void add_optimizer_state(CheckpointState& state, const optim::Optimizer& opt, const std::vector<ShardedTensor>& params);
+/// Restores what add_optimizer_state saved (any layout) into `opt`: reads into copies of its current
+/// state, then opt.load_state(copies, step). Padding rows keep their current values.
+void load_optimizer_state(CheckpointReader& reader, optim::Optimizer& opt, const std::vector<ShardedTensor>& params);
+
+}  // namespace megacore::checkpoint

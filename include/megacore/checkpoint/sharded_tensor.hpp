@@ -1,0 +1,97 @@
+// Sharded tensors: how the pieces a rank holds map onto the global (unsharded, unpadded) tensors a
+// checkpoint stores, independently of the parallel layout that produced them.
+//
+// A ShardedTensor names one global tensor (its global shape and dtype) and lists this rank's pieces:
+// rectangular boxes of its local tensor together with where each box sits in the global tensor.
+// Saving writes each piece as its own entry; loading intersects the pieces a rank needs with the
+// pieces in the checkpoint, so any layout loads into any other (resharding is just box intersection).
+//
+// How a layers::Parameter maps (see its comment): partition_dim = -1 is one piece covering the whole
+// tensor; otherwise the full dimension is partition_chunks equal blocks, each split evenly over TP,
+// and rank r holds its 1/TP of every block (SwiGLU fc1: [gate_r; up_r] ↔ rows r·f/T.. of gate and of
+// up). The global tensor may be shorter than TP × local along the partition dimension: the vocabulary
+// padding of the embedding and output layer (which depends on TP) is cut off, so the checkpoint
+// stores [vocab_size, hidden] whatever the TP degree, and padding rows are never written or read.
+//
+// Who writes: replicas (DP/CP copies, and TP copies of replicated tensors) must not write the same
+// bytes twice, so `write` is true on exactly one holder of every piece: the DP/CP rank 0 replica and,
+// for replicated tensors, TP rank 0. A tied embedding's copy on the last pipeline stage is loaded but
+// never written.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "megacore/core/tensor.hpp"
+#include "megacore/layers/parameter.hpp"
+
+namespace megacore::model {
+class GPTModel;
+}
+namespace megacore::optim {
+struct NamedTensor;
+}
+namespace megacore::parallel {
+class ProcessGrid;
+}
+
+namespace megacore::checkpoint {
+
+/// One rectangular box: `shape` elements starting at `local_offsets` in the local tensor and at
+/// `global_offsets` in the global tensor.
+struct ShardPiece {
+  Shape local_offsets;
+  Shape global_offsets;
+  Shape shape;
+};
+
+/// A global tensor and this rank's pieces of it. `local` is the rank's tensor (the source when
+/// saving, the destination when loading; any device).
+struct ShardedTensor {
+  std::string name;
+  Shape global_shape;
+  DType dtype = DType::F32;
+  Tensor local;
+  std::vector<ShardPiece> pieces;
+  /// Whether this rank writes its pieces when saving (false on replicas whose copy another rank writes).
+  bool write = true;
+};
+
+/// Where this rank sits for sharding purposes.
+struct ShardLayout {
+  int tp_rank = 0;
+  int tp_size = 1;
+  /// True on the one DP/CP replica that writes (DP rank 0 and CP rank 0).
+  bool replica_writer = true;
+};
+
+/// TP rank/size from the grid's TP group (1 if not built); replica_writer when DP and CP ranks are 0.
+ShardLayout shard_layout(const parallel::ProcessGrid& grid);
+
+/// A one-piece tensor covering all of `t` (replicated; written when `write`).
+ShardedTensor replicated_tensor(const std::string& name, const Tensor& t, bool write = true);
+
+/// The pieces of parameter `p` (name = p.name). `global_shape` empty derives it (local × TP along
+/// partition_dim); a shorter extent along partition_dim cuts padding off the end (partition_chunks must
+/// then be 1). ValueError when the shapes cannot correspond.
+ShardedTensor shard_parameter(const layers::Parameter& p, const ShardLayout& layout, const Shape& global_shape = {});
+
+/// Every parameter of a (stage of a) GPTModel, with the vocabulary padding cut off the embedding,
+/// output layer and their optimizer state; a tied embedding's copy held by a stage that is not the
+/// first is marked write = false.
+std::vector<ShardedTensor> shard_model(const model::GPTModel& model, const ShardLayout& layout);
+
+/// Optimizer state ("<param>.<kind>", e.g. AdamW::state() or a ZeRO gathered state) mapped like its
+/// parameter, whose description must be in `params`; names get `prefix` ("optimizer." by default).
+/// ValueError when a state tensor's parameter is unknown or its shape differs from the parameter's.
+std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedTensor>& state,
+                                                 const std::vector<ShardedTensor>& params,
+                                                 const std::string& prefix = "optimizer.");
+
+/// CRC-32 (IEEE 802.3, the polynomial of zlib's crc32, so Python's zlib.crc32 gives the same value),
+/// continuing from `crc` (0 to start).
+uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
+
+}  // namespace megacore::checkpoint

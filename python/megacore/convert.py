@@ -1,0 +1,410 @@
+"""Hugging Face ↔ megacore checkpoint conversion (Llama family and GPT-2), bit-exact in both directions.
+
+``hf_to_megacore(hf_dir, out_root)`` reads a Hugging Face model directory (config.json plus
+model.safetensors, or sharded model-0000k-of-0000n.safetensors with model.safetensors.index.json) and
+writes a megacore checkpoint ``out_root/step_0`` holding the whole (TP = 1) tensors, which loads into any
+parallel layout (megacore checkpoints reshard on load). The TransformerConfig travels as the JSON blob
+"config" (``config_from_checkpoint`` / ``transformer_config`` turn it back into a TransformerConfig).
+
+``megacore_to_hf(ckpt, out_dir)`` does the reverse from any megacore checkpoint (any layout it was saved
+from: shards are assembled), writing config.json and safetensors (sharded with an index above
+``max_shard_size`` bytes).
+
+Name and layout mapping (docs/checkpoint.md has the table):
+
+* Llama: q/k/v_proj → the fused ``linear_qkv`` (rows grouped per KV group: the group's query heads, then its
+  key head, then its value head — include/megacore/layers/attention.hpp); gate/up_proj → ``linear_fc1`` =
+  [gate; up]; o/down_proj, norms, embedding and lm_head map one to one. megacore's RoPE rotates halves
+  (i, i + d/2) exactly as HF Llama does, so q/k rows need no permutation (only checkpoints in Meta's
+  original interleaved layout would). A tied model has no lm_head.weight.
+* GPT-2: Conv1D weights are stored [in, out] and are transposed; c_attn is [q | k | v] along its output,
+  fused per head like Llama with groups = heads (bias too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .checkpoint import (BF16Array, SafetensorsReader, dtype_name, load_full_checkpoint, save_full_checkpoint,
+                         write_safetensors)
+from .errors import ConfigError
+from .errors import IOError as MegacoreIOError
+
+# ----------------------------------------------------------------------------- fused QKV layout
+
+def _keep(a: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return BF16Array(a) if isinstance(like, BF16Array) else a
+
+
+def fuse_qkv(wq, wk, wv, heads: int, groups: int):
+    """HF Wq [heads·d, ...], Wk/Wv [groups·d, ...] → megacore's fused rows (per group: its queries, k, v)."""
+    hpg = heads // groups
+    d = wk.shape[0] // groups
+    tail = wq.shape[1:]
+    q = np.asarray(wq).reshape((groups, hpg * d) + tail)
+    k = np.asarray(wk).reshape((groups, d) + tail)
+    v = np.asarray(wv).reshape((groups, d) + tail)
+    return _keep(np.concatenate([q, k, v], axis=1).reshape(((heads + 2 * groups) * d,) + tail), wq)
+
+
+def split_qkv(w, heads: int, groups: int):
+    """Inverse of fuse_qkv: (Wq, Wk, Wv)."""
+    hpg = heads // groups
+    d = w.shape[0] // (heads + 2 * groups)
+    tail = w.shape[1:]
+    g = np.asarray(w).reshape((groups, (hpg + 2) * d) + tail)
+    wq = np.ascontiguousarray(g[:, :hpg * d].reshape((heads * d,) + tail))
+    wk = np.ascontiguousarray(g[:, hpg * d:(hpg + 1) * d].reshape((groups * d,) + tail))
+    wv = np.ascontiguousarray(g[:, (hpg + 1) * d:].reshape((groups * d,) + tail))
+    return _keep(wq, w), _keep(wk, w), _keep(wv, w)
+
+
+def _t(a):
+    return _keep(np.ascontiguousarray(np.asarray(a).T), a)
+
+
+def _cat(parts):
+    return _keep(np.concatenate([np.asarray(p) for p in parts], axis=0), parts[0])
+
+
+# ----------------------------------------------------------------------------- configs
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> Tuple[float, dict]:
+    params = hf.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or {}
+    if params.get("rope_type", "default") not in ("default", None):
+        scaling = params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in ("default", None):
+        return theta, {"type": "None"}
+    if kind != "llama3":
+        raise ConfigError(f"rope scaling type '{kind}' is not supported by megacore; only llama3 (or none) is")
+    return theta, {"type": "Llama3", "factor": float(scaling["factor"]),
+                   "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                   "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+                   "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))}
+
+
+def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str, Any]:
+    """A megacore TransformerConfig (as a dict of its fields) from an HF config.json dict."""
+    mt = hf.get("model_type")
+    if mt in ("llama", "mistral") or (mt is None and "num_hidden_layers" in hf):
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act '{hf['hidden_act']}' is not SwiGLU's silu; megacore Llama uses silu")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ConfigError("attention_bias / mlp_bias Llama variants are not supported (megacore puts biases on "
+                              "every linear layer or none)")
+        if hf.get("sliding_window"):
+            raise ConfigError("sliding-window attention is not supported by megacore; use a full-attention model")
+        heads = int(hf["num_attention_heads"])
+        theta, scaling = _rope_from_hf(hf)
+        return {"num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
+                "num_attention_heads": heads,
+                "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+                "ffn_hidden_size": int(hf["intermediate_size"]),
+                "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                "vocab_size": int(hf["vocab_size"]),
+                "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
+                "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+                "activation": "SwiGLU", "add_bias_linear": False,
+                "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+                "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
+                "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+    if mt == "gpt2" or (mt is None and "n_embd" in hf):
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"GPT-2 activation_function '{act}' is not the tanh GELU megacore implements")
+        h = int(hf["n_embd"])
+        return {"num_layers": int(hf["n_layer"]), "hidden_size": h, "num_attention_heads": int(hf["n_head"]),
+                "num_query_groups": int(hf["n_head"]), "ffn_hidden_size": int(hf.get("n_inner") or 4 * h),
+                "kv_channels": h // int(hf["n_head"]), "vocab_size": int(hf["vocab_size"]),
+                "max_position_embeddings": int(hf.get("n_positions", 1024)),
+                "normalization": "LayerNorm", "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+                "activation": "GELU", "add_bias_linear": True,
+                "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+                "position_embedding": "Learned", "rope_theta": 10000.0, "rope_scaling": {"type": "None"},
+                "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+    raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family and GPT-2 checkpoints")
+
+
+def _flavour(c: Mapping[str, Any]) -> str:
+    llama = (c["normalization"], c["activation"], c["position_embedding"], c["add_bias_linear"]) == \
+        ("RMSNorm", "SwiGLU", "RoPE", False)
+    gpt2 = (c["normalization"], c["activation"], c["position_embedding"], c["add_bias_linear"]) == \
+        ("LayerNorm", "GELU", "Learned", True)
+    if llama:
+        return "llama"
+    if gpt2:
+        return "gpt2"
+    raise ConfigError("this megacore model is neither Llama-shaped (RMSNorm, SwiGLU, RoPE, no bias) nor GPT-2-shaped "
+                      f"(LayerNorm, GELU, learned positions, biases): {dict(c)}; no Hugging Face class matches it")
+
+
+_TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def config_to_hf(c: Mapping[str, Any]) -> Dict[str, Any]:
+    dt = _TORCH_DTYPE.get(str(c.get("params_dtype", "f32")).lower(), "float32")
+    if _flavour(c) == "llama":
+        rs = c.get("rope_scaling") or {"type": "None"}
+        scaling = None
+        if rs.get("type", "None").lower() == "llama3":
+            scaling = {"rope_type": "llama3", "factor": rs["factor"], "low_freq_factor": rs["low_freq_factor"],
+                       "high_freq_factor": rs["high_freq_factor"],
+                       "original_max_position_embeddings": rs["original_max_position_embeddings"]}
+        heads = c["num_attention_heads"]
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "hidden_size": c["hidden_size"], "intermediate_size": c["ffn_hidden_size"],
+                "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
+                "num_key_value_heads": c.get("num_query_groups") or heads,
+                "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "vocab_size": c["vocab_size"],
+                "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["norm_eps"],
+                "rope_theta": c["rope_theta"], "rope_scaling": scaling,
+                "tie_word_embeddings": bool(c["tie_word_embeddings"]), "attention_bias": False, "mlp_bias": False,
+                "attention_dropout": 0.0, "initializer_range": c.get("init_method_std", 0.02), "torch_dtype": dt}
+    h = c["hidden_size"]
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": h, "n_layer": c["num_layers"],
+            "n_head": c["num_attention_heads"], "n_positions": c["max_position_embeddings"],
+            "n_ctx": c["max_position_embeddings"], "n_inner": c["ffn_hidden_size"] or 4 * h,
+            "vocab_size": c["vocab_size"], "layer_norm_epsilon": c["norm_eps"], "activation_function": "gelu_new",
+            "tie_word_embeddings": bool(c["tie_word_embeddings"]), "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "initializer_range": c.get("init_method_std", 0.02), "torch_dtype": dt}
+
+
+def config_dict(cfg) -> Dict[str, Any]:
+    """The JSON form of a megacore.model.TransformerConfig (what the "config" blob holds)."""
+    rs = cfg.rope_scaling
+    d = {k: getattr(cfg, k) for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+        "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by", "norm_eps", "add_bias_linear",
+        "tie_word_embeddings", "rope_theta", "init_method_std", "params_dtype", "seed")}
+    d["num_query_groups"] = cfg.query_groups
+    d["ffn_hidden_size"] = cfg.ffn_size
+    d["kv_channels"] = cfg.head_dim
+    d["normalization"] = cfg.normalization.name
+    d["activation"] = cfg.activation.name
+    d["position_embedding"] = cfg.position_embedding.name
+    d["rope_scaling"] = {"type": rs.type.name, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                         "high_freq_factor": rs.high_freq_factor,
+                         "original_max_position_embeddings": rs.original_max_position_embeddings}
+    return d
+
+
+def transformer_config(d: Mapping[str, Any]):
+    """megacore.model.TransformerConfig from its JSON form."""
+    from . import model
+
+    d = dict(d)
+    rs = d.pop("rope_scaling", None) or {"type": "None"}
+    cfg = model.TransformerConfig(**d)
+    r = model.RopeScaling()
+    r.type = model.RopeScalingType(rs["type"])
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if k in rs:
+            setattr(r, k, rs[k])
+    cfg.rope_scaling = r
+    return cfg
+
+
+def config_from_checkpoint(ckpt: str) -> Dict[str, Any]:
+    from .checkpoint import resolve_checkpoint
+
+    d = resolve_checkpoint(ckpt)
+    if d is None:
+        raise MegacoreIOError(f"'{ckpt}' holds no complete megacore checkpoint")
+    with open(os.path.join(d, "metadata.json")) as f:
+        meta = json.load(f)
+    if "config" not in meta.get("json", {}):
+        raise MegacoreIOError(f"{d}: the checkpoint has no 'config' JSON blob; save it with json={{'config': ...}} "
+                              "(megacore.convert.config_dict(cfg)) to export it")
+    return meta["json"]["config"]
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def _read_hf_tensors(hf_dir: str) -> Dict[str, np.ndarray]:
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    files = []
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise MegacoreIOError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json (PyTorch .bin "
+                              "checkpoints are not read; re-save with safe_serialization=True)")
+    out = {}
+    for fn in files:
+        r = SafetensorsReader(os.path.join(hf_dir, fn))
+        for n in r.names():
+            out[n] = r.get(n)
+    return out
+
+
+def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+    """HF tensor names/layouts → megacore's (whole tensors)."""
+    def take(name):
+        if name not in hf:
+            raise MegacoreIOError(f"the Hugging Face checkpoint lacks '{name}' (it has {len(hf)} tensors, e.g. "
+                                  f"{', '.join(list(hf)[:4])})")
+        return hf[name]
+
+    out: Dict[str, np.ndarray] = {}
+    L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
+    if _flavour(c) == "llama":
+        out["embedding.weight"] = take("model.embed_tokens.weight")
+        for i in range(L):
+            p, m = f"model.layers.{i}.", f"layers.{i}."
+            out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                take(p + "self_attn.v_proj.weight"), heads, groups)
+            out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
+            out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+            out[m + "mlp.linear_fc1.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
+        out["final_layernorm.weight"] = take("model.norm.weight")
+        if not c["tie_word_embeddings"]:
+            out["output_layer.weight"] = take("lm_head.weight")
+        return out
+    hf = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf.items()}
+    out["embedding.weight"] = take("wte.weight")
+    out["position_embedding.weight"] = take("wpe.weight")
+    for i in range(L):
+        p, m = f"h.{i}.", f"layers.{i}."
+        for src, dst in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            out[m + dst + ".weight"] = take(p + src + ".weight")
+            out[m + dst + ".bias"] = take(p + src + ".bias")
+        w = _t(take(p + "attn.c_attn.weight"))  # [3h, h] = [q; k; v]
+        b = take(p + "attn.c_attn.bias")
+        h = w.shape[1]
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(w[:h], w[h:2 * h], w[2 * h:], heads, heads)
+        out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(b[:h], b[h:2 * h], b[2 * h:], heads, heads)
+        out[m + "self_attention.linear_proj.weight"] = _t(take(p + "attn.c_proj.weight"))
+        out[m + "self_attention.linear_proj.bias"] = take(p + "attn.c_proj.bias")
+        out[m + "mlp.linear_fc1.weight"] = _t(take(p + "mlp.c_fc.weight"))
+        out[m + "mlp.linear_fc1.bias"] = take(p + "mlp.c_fc.bias")
+        out[m + "mlp.linear_fc2.weight"] = _t(take(p + "mlp.c_proj.weight"))
+        out[m + "mlp.linear_fc2.bias"] = take(p + "mlp.c_proj.bias")
+    out["final_layernorm.weight"] = take("ln_f.weight")
+    out["final_layernorm.bias"] = take("ln_f.bias")
+    if not c["tie_word_embeddings"]:
+        out["output_layer.weight"] = take("lm_head.weight")
+    return out
+
+
+def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+    """megacore's whole tensors → HF names/layouts."""
+    def take(name):
+        if name not in t:
+            raise MegacoreIOError(f"the megacore checkpoint lacks '{name}'; was it saved from this model config?")
+        return t[name]
+
+    out: Dict[str, np.ndarray] = {}
+    L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
+    if _flavour(c) == "llama":
+        out["model.embed_tokens.weight"] = take("embedding.weight")
+        f = c["ffn_hidden_size"]
+        for i in range(L):
+            p, m = f"model.layers.{i}.", f"layers.{i}."
+            out[p + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
+            q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), heads, groups)
+            out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+            out[p + "self_attn.v_proj.weight"] = v
+            out[p + "self_attn.o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
+            out[p + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+            fc1 = take(m + "mlp.linear_fc1.weight")
+            out[p + "mlp.gate_proj.weight"] = _keep(np.ascontiguousarray(fc1[:f]), fc1)
+            out[p + "mlp.up_proj.weight"] = _keep(np.ascontiguousarray(fc1[f:]), fc1)
+            out[p + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
+        out["model.norm.weight"] = take("final_layernorm.weight")
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = take("output_layer.weight")
+        return out
+    out["transformer.wte.weight"] = take("embedding.weight")
+    out["transformer.wpe.weight"] = take("position_embedding.weight")
+    for i in range(L):
+        p, m = f"transformer.h.{i}.", f"layers.{i}."
+        for dst, src in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            out[p + dst + ".weight"] = take(m + src + ".weight")
+            out[p + dst + ".bias"] = take(m + src + ".bias")
+        q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), heads, heads)
+        out[p + "attn.c_attn.weight"] = _t(_cat([q, k, v]))
+        qb, kb, vb = split_qkv(take(m + "self_attention.linear_qkv.bias"), heads, heads)
+        out[p + "attn.c_attn.bias"] = _cat([qb, kb, vb])
+        out[p + "attn.c_proj.weight"] = _t(take(m + "self_attention.linear_proj.weight"))
+        out[p + "attn.c_proj.bias"] = take(m + "self_attention.linear_proj.bias")
+        out[p + "mlp.c_fc.weight"] = _t(take(m + "mlp.linear_fc1.weight"))
+        out[p + "mlp.c_fc.bias"] = take(m + "mlp.linear_fc1.bias")
+        out[p + "mlp.c_proj.weight"] = _t(take(m + "mlp.linear_fc2.weight"))
+        out[p + "mlp.c_proj.bias"] = take(m + "mlp.linear_fc2.bias")
+    out["transformer.ln_f.weight"] = take("final_layernorm.weight")
+    out["transformer.ln_f.bias"] = take("final_layernorm.bias")
+    if not c["tie_word_embeddings"]:
+        out["lm_head.weight"] = take("output_layer.weight")
+    return out
+
+
+_PARAMS_DTYPE = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def hf_to_megacore(hf_dir: str, out_root: str, step: int = 0) -> str:
+    """Converts a Hugging Face model directory into a megacore checkpoint under ``out_root``; returns its
+    directory (``out_root/step_<step>``, with ``latest`` pointing at it)."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise MegacoreIOError(f"{hf_dir}: no config.json; pass a Hugging Face model directory")
+    with open(cfg_path) as f:
+        hf_cfg = json.load(f)
+    hf = _read_hf_tensors(hf_dir)
+    dts = {dtype_name(a) for a in hf.values()}
+    if len(dts) != 1 or next(iter(dts)) not in _PARAMS_DTYPE:
+        raise ConfigError(f"{hf_dir}: tensors have dtypes {sorted(dts)}; megacore needs one of F32/BF16/F16 for all")
+    c = config_from_hf(hf_cfg, _PARAMS_DTYPE[next(iter(dts))])
+    tensors = hf_state_to_megacore(hf, c)
+    return save_full_checkpoint(out_root, step, tensors, {"config": c, "hf_config": hf_cfg})
+
+
+def megacore_to_hf(ckpt: str, out_dir: str, max_shard_size: int = 5 * 1024 ** 3) -> str:
+    """Writes config.json and model.safetensors (or model-0000k-of-0000n.safetensors + index above
+    ``max_shard_size`` bytes) for the megacore checkpoint at ``ckpt``; returns ``out_dir``."""
+    c = config_from_checkpoint(ckpt)
+    needed = None  # all model tensors; optimizer state is not exported
+    tensors, _ = load_full_checkpoint(ckpt, names=needed)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    hf = megacore_state_to_hf(tensors, c)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_to_hf(c), f, indent=2)
+    shards, cur, size = [], {}, 0
+    for name, a in hf.items():
+        if cur and size + a.nbytes > max_shard_size:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = a
+        size += a.nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0], {"format": "pt"})
+        return out_dir
+    weight_map = {}
+    for k, s in enumerate(shards):
+        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fn), s, {"format": "pt"})
+        weight_map.update({n: fn for n in s})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))}, "weight_map": weight_map},
+                  f, indent=2)
+    return out_dir
+
+
+__all__ = ["hf_to_megacore", "megacore_to_hf", "fuse_qkv", "split_qkv", "config_from_hf", "config_to_hf",
+           "config_dict", "transformer_config", "config_from_checkpoint", "hf_state_to_megacore",
+           "megacore_state_to_hf"]

@@ -1,0 +1,715 @@
+// Distributed checkpoint save/commit/load (the protocol is described in dist_checkpoint.hpp).
+#include "megacore/checkpoint/dist_checkpoint.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "megacore/checkpoint/safetensors.hpp"
+#include "megacore/core/error.hpp"
+#include "megacore/optim/optimizer.hpp"
+
+namespace megacore::checkpoint {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "megacore-distributed-checkpoint";
+constexpr int kVersion = 1;
+constexpr const char* kMetadataFile = "metadata.json";
+constexpr const char* kLatestFile = "latest";
+
+std::string errno_str() { return std::strerror(errno); }
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) raise<IOError>("checkpoint: cannot open '{}' to fsync it: {}", path, errno_str());
+  const int rc = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (rc != 0) raise<IOError>("checkpoint: fsync of '{}' failed: {}", path, std::strerror(e));
+}
+
+// Writes `text` to `path` atomically: temporary file in the same directory, fsync, rename, fsync dir.
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) raise<IOError>("checkpoint: cannot create '{}': {}", tmp, errno_str());
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      raise<IOError>("checkpoint: write to '{}' failed: {}", tmp, std::strerror(e));
+    }
+    p += n;
+    left -= size_t(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    raise<IOError>("checkpoint: fsync of '{}' failed: {}", tmp, std::strerror(e));
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    raise<IOError>("checkpoint: cannot rename '{}' to '{}': {}", tmp, path, std::strerror(e));
+  }
+  fsync_path(fs::path(path).parent_path().string(), true);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) raise<IOError>("checkpoint: cannot read '{}': {}", path, errno_str());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string shard_file_name(int rank) { return fmt::format("shard_{:05d}.safetensors", rank); }
+std::string fragment_file_name(int rank) { return fmt::format("shard_{:05d}.json", rank); }
+
+std::string entry_key(const std::string& name, const Shape& offsets) {
+  std::string k = name + "[";
+  for (size_t i = 0; i < offsets.size(); ++i) k += (i ? "," : "") + std::to_string(offsets[i]);
+  return k + "]";
+}
+
+int64_t volume(const Shape& s) {
+  int64_t v = 1;
+  for (int64_t x : s) v *= x;
+  return v;
+}
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads; the first exception is rethrown.
+void parallel_for(size_t n, int threads, const std::function<void(size_t)>& fn) {
+  if (threads <= 0) threads = int(std::min<unsigned>(8, std::max(1u, std::thread::hardware_concurrency())));
+  threads = int(std::min<size_t>(size_t(threads), n));
+  if (threads <= 1) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::exception_ptr err;
+  std::mutex mu;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < n;) {
+        try {
+          fn(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!err) err = std::current_exception();
+          next = n;
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+  if (err) std::rethrow_exception(err);
+}
+
+// Every rank learns whether any rank failed; the failing ranks rethrow their own error, the others an
+// IOError naming the lowest failing rank. Acts as a barrier.
+void agree(comm::Communicator* world, const std::exception_ptr& local, const char* phase) {
+  if (world == nullptr || world->size() == 1) {
+    if (local) std::rethrow_exception(local);
+    return;
+  }
+  Tensor flag = Tensor::from_vector<int32_t>({local ? 1 : 0, local ? world->size() - world->rank() : 0}, {2});
+  world->all_reduce(flag, comm::ReduceOp::Max)->wait();
+  const int32_t* f = flag.data<int32_t>();
+  if (local) std::rethrow_exception(local);
+  if (f[0] != 0)
+    raise<IOError>("checkpoint {}: rank {} failed (its own error message says why); nothing was committed", phase,
+                   world->size() - f[1]);
+}
+
+struct Entry {
+  std::string name, key;
+  Shape global_shape, offsets, shape;
+  DType dtype = DType::F32;
+  Tensor host;
+  uint32_t crc = 0;
+};
+
+json entry_json(const Entry& e) {
+  return {{"name", e.name},     {"key", e.key},     {"dtype", std::string(safetensors_dtype_name(e.dtype))},
+          {"global_shape", e.global_shape}, {"offsets", e.offsets}, {"shape", e.shape}, {"crc32", e.crc}};
+}
+
+bool boxes_overlap(const Shape& ao, const Shape& as, const Shape& bo, const Shape& bs) {
+  for (size_t i = 0; i < ao.size(); ++i)
+    if (ao[i] + as[i] <= bo[i] || bo[i] + bs[i] <= ao[i]) return false;
+  return true;
+}
+
+// Shards must lie inside the tensor, not overlap and cover it completely.
+void check_tiling(const std::string& where, const std::string& name, const Shape& gs,
+                  const std::vector<TensorMeta::Shard>& shards) {
+  int64_t covered = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    if (s.offsets.size() != gs.size() || s.shape.size() != gs.size())
+      raise<IOError>("{}: tensor '{}' has a shard of rank {} but the tensor has rank {}", where, name, s.shape.size(),
+                     gs.size());
+    for (size_t d = 0; d < gs.size(); ++d)
+      if (s.offsets[d] < 0 || s.shape[d] < 0 || s.offsets[d] + s.shape[d] > gs[d])
+        raise<IOError>("{}: tensor '{}' of shape {} has shard {} at {} of shape {} outside it", where, name,
+                       shape_str(gs), s.key, shape_str(s.offsets), shape_str(s.shape));
+    for (size_t j = 0; j < i; ++j)
+      if (volume(s.shape) > 0 && volume(shards[j].shape) > 0 &&
+          boxes_overlap(s.offsets, s.shape, shards[j].offsets, shards[j].shape))
+        raise<IOError>("{}: tensor '{}' has overlapping shards {} ({}) and {} ({})", where, name, s.key, s.file,
+                       shards[j].key, shards[j].file);
+    covered += volume(s.shape);
+  }
+  if (covered != volume(gs))
+    raise<IOError>("{}: the shards of tensor '{}' cover {} of its {} elements (shape {}); the checkpoint is "
+                   "incomplete — was a rank's shard lost?",
+                   where, name, covered, volume(gs), shape_str(gs));
+}
+
+std::optional<json> parse_metadata(const std::string& dir) {
+  const fs::path p = fs::path(dir) / kMetadataFile;
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec)) return std::nullopt;
+  try {
+    json j = json::parse(read_text(p.string()));
+    if (!j.is_object() || j.value("format", "") != kFormat) return std::nullopt;
+    return j;
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+std::optional<int64_t> step_of_dir_name(const std::string& name) {
+  if (name.rfind("step_", 0) != 0 || name.size() == 5) return std::nullopt;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+  return std::stoll(name.substr(5));
+}
+
+}  // namespace
+
+std::string checkpoint_dir(const std::string& root, int64_t step) {
+  return (fs::path(root) / ("step_" + std::to_string(step))).string();
+}
+
+// ---- save -----------------------------------------------------------------------------------------
+
+struct AsyncCheckpointSaver::Job {
+  std::string root, tmp_dir, final_dir;
+  int64_t step = 0;
+  std::vector<Entry> entries;
+  std::map<std::string, std::string> json_blobs;
+  std::optional<double> val_loss;
+  std::thread thread;
+  std::exception_ptr error;  // set by the writer thread before it ends
+  bool joined = false;
+
+  void join() {
+    if (!joined && thread.joinable()) thread.join();
+    joined = true;
+  }
+};
+
+namespace {
+
+// Phase 1: rank 0 prepares the temporary directory; each rank validates and copies its pieces to host.
+void hook(const SaveOptions& o, const char* point) {
+  if (o.fault_hook) o.fault_hook(point);
+}
+
+std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, const std::string& root,
+                                                   const CheckpointState& state, bool copy_always,
+                                                   const SaveOptions& options) {
+  auto job = std::make_unique<AsyncCheckpointSaver::Job>();
+  job->root = root;
+  job->step = state.step;
+  job->tmp_dir = (fs::path(root) / (".tmp.step_" + std::to_string(state.step))).string();
+  job->final_dir = checkpoint_dir(root, state.step);
+  job->json_blobs = state.json;
+  job->val_loss = state.val_loss;
+  std::exception_ptr err;
+  try {
+    MC_CHECK(!root.empty(), "save_checkpoint: the root directory is empty; pass a directory path");
+    MC_CHECK(state.step >= 0, "save_checkpoint: step {} is negative; pass the training step (>= 0)", state.step);
+    for (const auto& [name, text] : state.json) {
+      MC_CHECK(json::accept(text), "save_checkpoint: JSON blob '{}' is not valid JSON; pass a JSON document", name);
+    }
+    if (world.rank() == 0) {
+      std::error_code ec;
+      fs::create_directories(root, ec);
+      if (ec) raise<IOError>("save_checkpoint: cannot create '{}': {}", root, ec.message());
+      // Leftovers of interrupted saves and deletions are never loaded; remove them now.
+      for (const auto& de : fs::directory_iterator(root)) {
+        const std::string n = de.path().filename().string();
+        if (n.rfind(".tmp.", 0) == 0 || n.rfind(".trash.", 0) == 0) fs::remove_all(de.path(), ec);
+      }
+      fs::create_directories(job->tmp_dir, ec);
+      if (ec) raise<IOError>("save_checkpoint: cannot create '{}': {}", job->tmp_dir, ec.message());
+      fsync_path(root, true);
+      hook(options, "prepared");
+    }
+    std::set<std::string> names;
+    auto add = [&](const std::string& name, const Shape& gs, DType dt, const Tensor& view, const Shape& offs) {
+      Entry e;
+      e.name = name;
+      e.key = entry_key(name, offs);
+      e.global_shape = gs;
+      e.offsets = offs;
+      e.shape = view.shape();
+      e.dtype = dt;
+      Tensor h = view.to(Device::cpu()).contiguous();
+      // A host tensor may still share memory with the live one; async writes need their own copy.
+      if (copy_always && h.storage() == view.storage()) h = h.clone();
+      e.host = std::move(h);
+      job->entries.push_back(std::move(e));
+    };
+    for (const ShardedTensor& t : state.tensors) {
+      MC_CHECK(!t.name.empty() && t.name.find('[') == std::string::npos,
+               "save_checkpoint: tensor name '{}' is empty or contains '['; rename it", t.name);
+      MC_CHECK(names.insert(t.name).second, "save_checkpoint: tensor '{}' is described twice on rank {}", t.name,
+               world.rank());
+      if (!t.write) continue;
+      MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
+      MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
+               t.name, dtype_name(t.dtype), dtype_name(t.local.dtype()));
+      for (const ShardPiece& p : t.pieces) {
+        Tensor v = t.local;
+        for (size_t d = 0; d < p.shape.size(); ++d) v = v.narrow(int64_t(d), p.local_offsets[d], p.shape[d]);
+        add(t.name, t.global_shape, t.dtype, v, p.global_offsets);
+      }
+    }
+    for (const auto& [name, t] : state.extra_tensors) {
+      MC_CHECK(t.defined(), "save_checkpoint: extra tensor '{}' is undefined", name);
+      MC_CHECK(!name.empty() && name.find('[') == std::string::npos && names.insert(name).second,
+               "save_checkpoint: extra tensor name '{}' is empty, contains '[' or clashes with another tensor", name);
+      add(name, t.shape(), t.dtype(), t, Shape(t.shape().size(), 0));
+    }
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(&world, err, "save (prepare)");
+  return job;
+}
+
+// Phase 2: CRCs, the shard file, verification and the fragment. Runs on any thread; no collectives.
+void write_shards(AsyncCheckpointSaver::Job& job, int rank, const SaveOptions& options) {
+  parallel_for(job.entries.size(), options.threads, [&](size_t i) {
+    Entry& e = job.entries[i];
+    e.crc = crc32(e.host.data_ptr(), size_t(e.host.nbytes()));
+  });
+  json frag = {{"rank", rank}, {"file", nullptr}, {"entries", json::array()}};
+  if (!job.entries.empty()) {
+    const std::string file = shard_file_name(rank);
+    const std::string path = (fs::path(job.tmp_dir) / file).string();
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    tensors.reserve(job.entries.size());
+    for (const Entry& e : job.entries) tensors.emplace_back(e.key, e.host);
+    save_safetensors(path, tensors, {{"format", kFormat}, {"rank", std::to_string(rank)}});
+    hook(options, "shard_written");
+    if (options.verify) {
+      SafetensorsFile f(path);
+      parallel_for(job.entries.size(), options.threads, [&](size_t i) {
+        const Entry& e = job.entries[i];
+        const SafetensorsInfo& info = f.info(e.key);
+        Tensor t = f.tensor(e.key);
+        if (info.shape != e.shape || info.dtype != e.dtype || crc32(t.data_ptr(), size_t(t.nbytes())) != e.crc)
+          raise<IOError>("save_checkpoint: entry '{}' of '{}' reads back differently from what was written (shape, "
+                         "dtype or CRC); the storage is corrupting data",
+                         e.key, path);
+      });
+    }
+    frag["file"] = file;
+    for (const Entry& e : job.entries) frag["entries"].push_back(entry_json(e));
+  }
+  // The host copies are no longer needed; free them before the commit.
+  for (Entry& e : job.entries) e.host = Tensor();
+  write_file_atomic((fs::path(job.tmp_dir) / fragment_file_name(rank)).string(), frag.dump());
+  hook(options, "fragment_written");
+}
+
+// Phase 3 on rank 0: merge the fragments, check, rename and point `latest` at the result.
+void commit(AsyncCheckpointSaver::Job& job, int world_size, const SaveOptions& options) {
+  json tensors = json::object();
+  std::map<std::string, std::vector<TensorMeta::Shard>> shards;
+  std::map<std::string, Shape> shapes;
+  for (int r = 0; r < world_size; ++r) {
+    const std::string fp = (fs::path(job.tmp_dir) / fragment_file_name(r)).string();
+    json frag;
+    try {
+      frag = json::parse(read_text(fp));
+    } catch (const json::exception& e) {
+      raise<IOError>("save_checkpoint: fragment '{}' is malformed ({})", fp, e.what());
+    }
+    for (const json& e : frag.at("entries")) {
+      const std::string name = e.at("name");
+      json& t = tensors[name];
+      if (t.is_null()) {
+        t = {{"dtype", e.at("dtype")}, {"shape", e.at("global_shape")}, {"shards", json::array()}};
+        shapes[name] = e.at("global_shape").get<Shape>();
+      } else if (t["dtype"] != e.at("dtype") || t["shape"] != e.at("global_shape")) {
+        raise<IOError>("save_checkpoint: ranks disagree about tensor '{}': dtype {} shape {} vs dtype {} shape {}; "
+                       "every rank must describe the same model",
+                       name, t["dtype"].dump(), t["shape"].dump(), e.at("dtype").dump(), e.at("global_shape").dump());
+      }
+      t["shards"].push_back({{"file", frag.at("file")},
+                             {"key", e.at("key")},
+                             {"offsets", e.at("offsets")},
+                             {"shape", e.at("shape")},
+                             {"crc32", e.at("crc32")}});
+      shards[name].push_back({frag.at("file").get<std::string>(), e.at("key").get<std::string>(),
+                              e.at("offsets").get<Shape>(), e.at("shape").get<Shape>(), e.at("crc32").get<uint32_t>()});
+    }
+  }
+  for (const auto& [name, s] : shards) check_tiling("save_checkpoint", name, shapes[name], s);
+  json blobs = json::object();
+  for (const auto& [name, text] : job.json_blobs) blobs[name] = json::parse(text);
+  json meta = {{"format", kFormat},
+               {"version", kVersion},
+               {"step", job.step},
+               {"world_size", world_size},
+               {"val_loss", job.val_loss ? json(*job.val_loss) : json(nullptr)},
+               {"tensors", tensors},
+               {"json", blobs}};
+  write_file_atomic((fs::path(job.tmp_dir) / kMetadataFile).string(), meta.dump(1));
+  std::error_code ec;
+  for (int r = 0; r < world_size; ++r) fs::remove(fs::path(job.tmp_dir) / fragment_file_name(r), ec);
+  fsync_path(job.tmp_dir, true);
+  hook(options, "metadata_written");
+  std::string trash;
+  if (fs::exists(job.final_dir)) {  // re-saving a step replaces it
+    trash = (fs::path(job.root) / (".trash.step_" + std::to_string(job.step))).string();
+    fs::remove_all(trash, ec);
+    if (::rename(job.final_dir.c_str(), trash.c_str()) != 0)
+      raise<IOError>("save_checkpoint: cannot move the old '{}' aside: {}", job.final_dir, errno_str());
+  }
+  if (::rename(job.tmp_dir.c_str(), job.final_dir.c_str()) != 0)
+    raise<IOError>("save_checkpoint: cannot rename '{}' to '{}': {}", job.tmp_dir, job.final_dir, errno_str());
+  fsync_path(job.root, true);
+  hook(options, "renamed");
+  write_file_atomic((fs::path(job.root) / kLatestFile).string(),
+                    fs::path(job.final_dir).filename().string() + "\n");
+  if (!trash.empty()) fs::remove_all(trash, ec);
+}
+
+}  // namespace
+
+AsyncCheckpointSaver::AsyncCheckpointSaver(comm::Communicator& world, const SaveOptions& options)
+    : world_(world), options_(options) {}
+
+AsyncCheckpointSaver::~AsyncCheckpointSaver() {
+  if (job_) job_->join();
+}
+
+bool AsyncCheckpointSaver::pending() const { return job_ != nullptr; }
+
+void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& state) {
+  wait();
+  auto job = prepare(world_, root, state, /*copy_always=*/true, options_);
+  Job* j = job.get();
+  const int rank = world_.rank();
+  const SaveOptions opts = options_;
+  job_ = std::move(job);
+  j->thread = std::thread([j, rank, opts] {
+    try {
+      write_shards(*j, rank, opts);
+    } catch (...) {
+      j->error = std::current_exception();
+    }
+  });
+}
+
+std::string AsyncCheckpointSaver::wait() {
+  if (!job_) return "";
+  std::unique_ptr<Job> job = std::move(job_);
+  job->join();
+  agree(&world_, job->error, "save (write)");
+  std::exception_ptr err;
+  if (world_.rank() == 0) {
+    try {
+      commit(*job, world_.size(), options_);
+      if (on_commit_) on_commit_(job->root, job->step);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  agree(&world_, err, "save (commit)");
+  return job->final_dir;
+}
+
+std::string save_checkpoint(comm::Communicator& world, const std::string& root, const CheckpointState& state,
+                            const SaveOptions& options) {
+  auto job = prepare(world, root, state, /*copy_always=*/false, options);
+  std::exception_ptr err;
+  try {
+    write_shards(*job, world.rank(), options);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(&world, err, "save (write)");
+  err = nullptr;
+  if (world.rank() == 0) {
+    try {
+      commit(*job, world.size(), options);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  agree(&world, err, "save (commit)");
+  return job->final_dir;
+}
+
+// ---- resolve --------------------------------------------------------------------------------------
+
+std::optional<std::string> resolve_checkpoint(const std::string& path) {
+  if (parse_metadata(path)) return path;
+  std::error_code ec;
+  const fs::path latest = fs::path(path) / kLatestFile;
+  if (fs::is_regular_file(latest, ec)) {
+    try {
+      std::string name = read_text(latest.string());
+      while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r')) name.pop_back();
+      if (step_of_dir_name(name) && parse_metadata((fs::path(path) / name).string()))
+        return (fs::path(path) / name).string();
+    } catch (const IOError&) {
+    }
+  }
+  std::optional<std::pair<int64_t, std::string>> best;
+  if (!fs::is_directory(path, ec)) return std::nullopt;
+  for (const auto& de : fs::directory_iterator(path, ec)) {
+    const std::string n = de.path().filename().string();
+    auto step = step_of_dir_name(n);
+    if (!step || !de.is_directory(ec)) continue;
+    if ((!best || *step > best->first) && parse_metadata(de.path().string())) best = {*step, de.path().string()};
+  }
+  if (best) return best->second;
+  return std::nullopt;
+}
+
+std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
+  std::vector<CheckpointInfo> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& de : fs::directory_iterator(root, ec)) {
+    auto step = step_of_dir_name(de.path().filename().string());
+    if (!step || !de.is_directory(ec)) continue;
+    auto meta = parse_metadata(de.path().string());
+    if (!meta) continue;
+    CheckpointInfo info{*step, de.path().string(), std::nullopt};
+    if (meta->contains("val_loss") && (*meta)["val_loss"].is_number()) info.val_loss = (*meta)["val_loss"].get<double>();
+    out.push_back(std::move(info));
+  }
+  std::sort(out.begin(), out.end(), [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
+  return out;
+}
+
+// ---- load -----------------------------------------------------------------------------------------
+
+struct CheckpointReader::Files {
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
+  std::set<std::pair<std::string, std::string>> verified;
+};
+
+CheckpointReader::~CheckpointReader() = default;
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+
+CheckpointReader::CheckpointReader(const std::string& path, const LoadOptions& options)
+    : options_(options), files_(std::make_unique<Files>()) {
+  auto dir = resolve_checkpoint(path);
+  if (!dir)
+    raise<IOError>("checkpoint: '{}' holds no complete checkpoint (no metadata.json, no valid `latest`, no complete "
+                   "step_<N>); pass a checkpoint directory or a root a save wrote to",
+                   path);
+  dir_ = *dir;
+  const std::string mp = (fs::path(dir_) / kMetadataFile).string();
+  nlohmann::json meta = nlohmann::json::parse(read_text(mp));  // parse_metadata succeeded, so this does
+  try {
+    if (meta.at("version").get<int>() > kVersion)
+      raise<IOError>("checkpoint '{}': format version {} is newer than this megacore reads ({}); upgrade megacore",
+                     mp, meta.at("version").get<int>(), kVersion);
+    step_ = meta.at("step").get<int64_t>();
+    if (meta.contains("val_loss") && !meta["val_loss"].is_null()) val_loss_ = meta["val_loss"].get<double>();
+    for (const auto& [name, t] : meta.at("tensors").items()) {
+      TensorMeta tm;
+      tm.name = name;
+      tm.global_shape = t.at("shape").get<Shape>();
+      tm.dtype = safetensors_dtype_from_name(t.at("dtype").get<std::string>());
+      for (const nlohmann::json& s : t.at("shards"))
+        tm.shards.push_back({s.at("file").get<std::string>(), s.at("key").get<std::string>(),
+                             s.at("offsets").get<Shape>(), s.at("shape").get<Shape>(), s.at("crc32").get<uint32_t>()});
+      check_tiling("checkpoint '" + mp + "'", name, tm.global_shape, tm.shards);
+      tensors_[name] = std::move(tm);
+    }
+    for (const auto& [name, v] : meta.at("json").items()) json_[name] = v.dump();
+  } catch (const nlohmann::json::exception& e) {
+    raise<IOError>("checkpoint '{}': metadata is malformed ({}); the file is corrupt", mp, e.what());
+  }
+}
+
+std::vector<std::string> CheckpointReader::tensor_names() const {
+  std::vector<std::string> out;
+  for (const auto& [n, _] : tensors_) out.push_back(n);
+  return out;
+}
+
+const TensorMeta& CheckpointReader::meta(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    std::string some;
+    int k = 0;
+    for (const auto& [n, _] : tensors_) {
+      if (k++ == 5) break;
+      some += (some.empty() ? "" : ", ") + n;
+    }
+    raise<IOError>("checkpoint '{}' has no tensor '{}' (it has {} tensors, e.g. {}); was it saved from a different "
+                   "model or without optimizer state?",
+                   dir_, name, tensors_.size(), some);
+  }
+  return it->second;
+}
+
+const std::string& CheckpointReader::json(const std::string& name) const {
+  auto it = json_.find(name);
+  if (it == json_.end()) {
+    std::string have;
+    for (const auto& [n, _] : json_) have += (have.empty() ? "" : ", ") + n;
+    raise<IOError>("checkpoint '{}' has no JSON blob '{}' (it has: {})", dir_, name, have.empty() ? "none" : have);
+  }
+  return it->second;
+}
+
+void CheckpointReader::load(ShardedTensor& target) {
+  const TensorMeta& m = meta(target.name);
+  if (m.global_shape != target.global_shape)
+    raise<IOError>("checkpoint '{}': tensor '{}' has global shape {} but the model expects {}; the checkpoint is of "
+                   "a different model configuration",
+                   dir_, target.name, shape_str(m.global_shape), shape_str(target.global_shape));
+  if (m.dtype != target.dtype)
+    raise<IOError>("checkpoint '{}': tensor '{}' is stored as {} but the model expects {}; load into a model with "
+                   "params_dtype {} (or convert the checkpoint)",
+                   dir_, target.name, dtype_name(m.dtype), dtype_name(target.dtype), dtype_name(m.dtype));
+  MC_CHECK(target.local.defined() && target.local.dtype() == target.dtype,
+           "checkpoint load: target '{}' has no local tensor of dtype {}", target.name, dtype_name(target.dtype));
+  Tensor host = target.local.device().is_cpu() ? target.local : target.local.to(Device::cpu());
+  for (const ShardPiece& p : target.pieces) {
+    int64_t filled = 0;
+    for (const TensorMeta::Shard& s : m.shards) {
+      Shape lo(p.shape.size()), hi(p.shape.size());
+      bool empty = false;
+      for (size_t d = 0; d < p.shape.size(); ++d) {
+        lo[d] = std::max(p.global_offsets[d], s.offsets[d]);
+        hi[d] = std::min(p.global_offsets[d] + p.shape[d], s.offsets[d] + s.shape[d]);
+        empty |= hi[d] <= lo[d];
+      }
+      if (empty) continue;
+      auto& f = files_->open[s.file];
+      const std::string fp = (fs::path(dir_) / s.file).string();
+      if (!f) f = std::make_unique<SafetensorsFile>(fp);  // IOError when missing, truncated or malformed
+      if (!f->contains(s.key))
+        raise<IOError>("checkpoint '{}': file {} lacks entry '{}' that metadata.json lists; the file is corrupt or "
+                       "from another save",
+                       dir_, s.file, s.key);
+      const SafetensorsInfo& info = f->info(s.key);
+      if (info.shape != s.shape || info.dtype != m.dtype)
+        raise<IOError>("checkpoint '{}': entry '{}' of {} is {} {} but metadata.json says {} {}; the file is corrupt",
+                       dir_, s.key, s.file, dtype_name(info.dtype), shape_str(info.shape), dtype_name(m.dtype),
+                       shape_str(s.shape));
+      Tensor src = f->tensor(s.key);
+      if (options_.verify_checksums && files_->verified.insert({s.file, s.key}).second) {
+        if (crc32(src.data_ptr(), size_t(src.nbytes())) != s.crc32) {
+          files_->verified.erase({s.file, s.key});
+          raise<IOError>("checkpoint '{}': entry '{}' of {} fails its CRC-32 check; the file is corrupt — load an "
+                         "earlier checkpoint",
+                         dir_, s.key, s.file);
+        }
+      }
+      Tensor dst = host;
+      for (size_t d = 0; d < p.shape.size(); ++d) {
+        src = src.narrow(int64_t(d), lo[d] - s.offsets[d], hi[d] - lo[d]);
+        dst = dst.narrow(int64_t(d), lo[d] - p.global_offsets[d] + p.local_offsets[d], hi[d] - lo[d]);
+      }
+      dst.copy_(src);
+      filled += volume(src.shape());
+      bytes_read_ += src.nbytes();
+    }
+    if (filled != volume(p.shape))
+      raise<IOError>("checkpoint '{}': tensor '{}' has only {} of the {} elements at {} of shape {}", dir_, target.name,
+                     filled, volume(p.shape), shape_str(p.global_offsets), shape_str(p.shape));
+  }
+  if (!target.local.device().is_cpu()) target.local.copy_(host);
+}
+
+Tensor CheckpointReader::load_full(const std::string& name) {
+  const TensorMeta& m = meta(name);
+  ShardedTensor t;
+  t.name = name;
+  t.global_shape = m.global_shape;
+  t.dtype = m.dtype;
+  t.local = Tensor::empty(m.global_shape, m.dtype);
+  t.pieces.push_back({Shape(m.global_shape.size(), 0), Shape(m.global_shape.size(), 0), m.global_shape});
+  load(t);
+  return t.local;
+}
+
+CheckpointReader load_checkpoint(comm::Communicator* world, const std::string& dir, std::vector<ShardedTensor>& targets,
+                                 const LoadOptions& options) {
+  std::optional<CheckpointReader> reader;
+  std::exception_ptr err;
+  try {
+    reader.emplace(dir, options);
+    for (ShardedTensor& t : targets) {
+      if (options.allow_missing && !reader->has_tensor(t.name)) continue;
+      reader->load(t);
+    }
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(world, err, "load");
+  return std::move(*reader);
+}
+
+// ---- optimizer ------------------------------------------------------------------------------------
+
+void add_optimizer_state(CheckpointState& state, const optim::Optimizer& opt, const std::vector<ShardedTensor>& params) {
+  for (ShardedTensor& t : shard_optimizer_state(opt.state(), params)) state.tensors.push_back(std::move(t));
+  state.json["optimizer"] = nlohmann::json{{"step", opt.step_count()}}.dump();
+}
+
+void load_optimizer_state(CheckpointReader& reader, optim::Optimizer& opt, const std::vector<ShardedTensor>& params) {
+  std::vector<optim::NamedTensor> st = opt.state();
+  for (auto& nt : st) nt.tensor = nt.tensor.clone();
+  std::vector<ShardedTensor> desc = shard_optimizer_state(st, params);
+  for (ShardedTensor& t : desc) reader.load(t);
+  int64_t step = 0;
+  try {
+    step = json::parse(reader.json("optimizer")).at("step").get<int64_t>();
+  } catch (const json::exception& e) {
+    raise<IOError>("checkpoint '{}': JSON blob 'optimizer' has no integer 'step' ({})", reader.dir(), e.what());
+  }
+  opt.load_state(st, step);
+}
+
+}  // namespace megacore::checkpoint

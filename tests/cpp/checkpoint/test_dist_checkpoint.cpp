@@ -1,0 +1,405 @@
+// Distributed checkpoints on one process: CRC-32 against a bitwise reference, the sharding of
+// parameters (partition_chunks, vocabulary padding), save/load round trips of every dtype with JSON
+// blobs and extra tensors, crash safety (a forked writer SIGKILLed at every point of the protocol:
+// the previous checkpoint still loads, the partial one is ignored and cleaned up by the next save),
+// corrupt / truncated / mismatched checkpoints (IOError naming the problem), async saves (including a
+// background failure surfacing on wait()) and the CheckpointManager's retention policies.
+// Resharding across layouts is tested under mpirun (mpi_test_dist_checkpoint.cpp).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+
+#include "megacore/checkpoint/checkpoint_manager.hpp"
+#include "megacore/checkpoint/dist_checkpoint.hpp"
+#include "megacore/checkpoint/safetensors.hpp"
+#include "megacore/core/error.hpp"
+#include "megacore/core/random.hpp"
+
+using namespace megacore;
+using namespace megacore::checkpoint;
+namespace fs = std::filesystem;
+
+namespace {
+
+class DoneWork : public comm::Work {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+};
+
+// A one-rank world: every collective is the identity.
+class SoloWorld : public comm::Communicator {
+ public:
+  SoloWorld() {
+    rank_ = 0;
+    size_ = 1;
+    options_.name = "world";
+  }
+  comm::Backend backend() const override { return comm::Backend::MPI; }
+  comm::WorkPtr all_reduce(Tensor&, comm::ReduceOp, const Stream&) override { return done(); }
+  comm::WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream& s) override {
+    out.copy_(in.view(out.shape()), s);
+    return done();
+  }
+  comm::WorkPtr reduce_scatter(const Tensor& in, Tensor& out, comm::ReduceOp, const Stream& s) override {
+    out.copy_(in.view(out.shape()), s);
+    return done();
+  }
+  comm::WorkPtr broadcast(Tensor&, int, const Stream&) override { return done(); }
+  comm::WorkPtr all_to_all(const Tensor&, Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                           const Stream&) override {
+    throw std::logic_error("not expected");
+  }
+  comm::WorkPtr batch_send_recv(const std::vector<comm::P2POp>&, const Stream&) override {
+    throw std::logic_error("not expected");
+  }
+  void barrier() override {}
+  std::unique_ptr<comm::Communicator> split(int, int, const comm::CommOptions&) override {
+    throw std::logic_error("not expected");
+  }
+  void abort() override {}
+  bool aborted() const override { return false; }
+
+ private:
+  comm::WorkPtr done() { return std::make_shared<DoneWork>(); }
+};
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/mc_ckpt_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+Tensor randn(const Shape& shape, uint64_t offset, DType dt = DType::F32) {
+  Tensor t = Tensor::empty(shape);
+  Generator g(4242, offset);
+  t.normal_(g);
+  return dt == DType::F32 ? t : t.to(dt);
+}
+
+uint32_t crc32_bitwise(const uint8_t* p, size_t n) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+  }
+  return ~c;
+}
+
+void require_same(const Tensor& a, const Tensor& b) {
+  REQUIRE(a.shape() == b.shape());
+  REQUIRE(a.dtype() == b.dtype());
+  REQUIRE(a.contiguous().to_double_vector() == b.contiguous().to_double_vector());
+}
+
+// A small "model": a replicated f32 tensor, a bf16 one and an i64 one.
+CheckpointState sample_state(int64_t step, uint64_t seed_offset) {
+  CheckpointState st;
+  st.step = step;
+  st.tensors.push_back(replicated_tensor("w", randn({6, 5}, seed_offset)));
+  st.tensors.push_back(replicated_tensor("h", randn({7}, seed_offset + 1, DType::BF16)));
+  st.tensors.push_back(replicated_tensor("ids", Tensor::from_vector<int64_t>({1, -2, 3, 1LL << 40}, {2, 2})));
+  // Compact with sorted keys: the form the reader hands back (it re-serialises the parsed JSON).
+  st.json["scheduler"] = R"({"last_lr":0.001,"warmup":10})";
+  st.json["config"] = R"({"hidden":64,"name":"tiny"})";
+  st.extra_tensors["rng.rank0"] = Tensor::from_vector<int64_t>({1234, int64_t(seed_offset)}, {2});
+  return st;
+}
+
+std::vector<ShardedTensor> fresh_targets(const CheckpointState& like) {
+  std::vector<ShardedTensor> out;
+  for (const ShardedTensor& t : like.tensors) {
+    ShardedTensor c = t;
+    c.local = Tensor::zeros(t.local.shape(), t.dtype);
+    out.push_back(c);
+  }
+  return out;
+}
+
+void check_loads_as(const std::string& root, const CheckpointState& want) {
+  std::vector<ShardedTensor> targets = fresh_targets(want);
+  SoloWorld w;
+  CheckpointReader r = load_checkpoint(&w, root, targets);
+  REQUIRE(r.step() == want.step);
+  for (size_t i = 0; i < targets.size(); ++i) require_same(targets[i].local, want.tensors[i].local);
+  for (const auto& [k, v] : want.extra_tensors) require_same(r.load_full(k), v);
+  for (const auto& [k, v] : want.json) REQUIRE(r.json(k) == v);
+}
+
+}  // namespace
+
+TEST_CASE("crc32 matches a bitwise CRC-32 at every length and alignment", "[checkpoint]") {
+  const char* check = "123456789";
+  REQUIRE(crc32(check, 9) == 0xCBF43926u);  // the standard CRC-32 check value
+  std::vector<uint8_t> buf(300);
+  uint32_t x = 12345;
+  for (auto& b : buf) b = uint8_t((x = x * 1103515245u + 12345u) >> 16);
+  for (size_t off : {0, 1, 3, 7})
+    for (size_t n : {0, 1, 7, 8, 9, 63, 64, 200}) REQUIRE(crc32(buf.data() + off, n) == crc32_bitwise(buf.data() + off, n));
+  // Incremental use continues the same CRC.
+  REQUIRE(crc32(buf.data() + 100, 50, crc32(buf.data(), 100)) == crc32_bitwise(buf.data(), 150));
+}
+
+TEST_CASE("shard_parameter places fused (SwiGLU) and vocabulary-padded shards in the global tensor", "[checkpoint]") {
+  const int T = 4;
+  // fc1 full [gate; up] 2f × h with f = 8: rank r holds [gate rows r·2..r·2+2 ; up rows the same].
+  for (int r = 0; r < T; ++r) {
+    layers::Parameter p;
+    p.name = "fc1";
+    p.data = Tensor::zeros({4, 3});
+    p.partition_dim = 0;
+    p.partition_chunks = 2;
+    ShardedTensor st = shard_parameter(p, {r, T, true});
+    REQUIRE(st.global_shape == Shape{16, 3});
+    REQUIRE(st.pieces.size() == 2);
+    CHECK(st.pieces[0].local_offsets == Shape{0, 0});
+    CHECK(st.pieces[0].global_offsets == Shape{2 * r, 0});
+    CHECK(st.pieces[1].local_offsets == Shape{2, 0});
+    CHECK(st.pieces[1].global_offsets == Shape{8 + 2 * r, 0});
+    CHECK(st.pieces[1].shape == Shape{2, 3});
+    CHECK(st.write);
+  }
+  // Embedding padded to 12 rows over 4 ranks (3 each), vocabulary 7: rank 2 keeps 1 row, rank 3 none.
+  std::vector<int64_t> rows;
+  for (int r = 0; r < T; ++r) {
+    layers::Parameter p;
+    p.name = "embedding.weight";
+    p.data = Tensor::zeros({3, 2});
+    p.partition_dim = 0;
+    ShardedTensor st = shard_parameter(p, {r, T, true}, {7, 2});
+    int64_t n = 0;
+    for (const auto& pc : st.pieces) n += pc.shape[0];
+    rows.push_back(n);
+  }
+  REQUIRE(rows == std::vector<int64_t>{3, 3, 1, 0});
+  // Replicated: only TP rank 0 of the writing replica writes; a non-writing replica never does.
+  layers::Parameter norm;
+  norm.name = "norm";
+  norm.data = Tensor::zeros({5});
+  CHECK(shard_parameter(norm, {0, 2, true}).write);
+  CHECK_FALSE(shard_parameter(norm, {1, 2, true}).write);
+  layers::Parameter col = norm;
+  col.partition_dim = 0;
+  CHECK_FALSE(shard_parameter(col, {0, 2, false}).write);
+  // Shapes that cannot correspond are a ValueError.
+  CHECK_THROWS_AS(shard_parameter(col, {0, 2, true}, {11}), ValueError);
+  CHECK_THROWS_AS(shard_parameter(norm, {0, 2, true}, {4}), ValueError);
+}
+
+TEST_CASE("save_checkpoint / load round-trips every dtype, JSON blobs, extra tensors and val_loss", "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  CheckpointState st = sample_state(7, 10);
+  st.val_loss = 2.5;
+  const std::string dir = save_checkpoint(w, tmp.path, st);
+  REQUIRE(dir == checkpoint_dir(tmp.path, 7));
+  REQUIRE(resolve_checkpoint(tmp.path) == dir);
+  check_loads_as(tmp.path, st);
+  CheckpointReader r(dir);
+  REQUIRE(r.val_loss() == 2.5);
+  // The files are plain safetensors: another reader sees the entries with their global offsets in the key.
+  SafetensorsFile f(dir + "/shard_00000.safetensors");
+  REQUIRE(f.contains("w[0,0]"));
+  require_same(f.load("w[0,0]"), st.tensors[0].local);
+  // Nothing but the checkpoint and the pointer is left behind.
+  std::vector<std::string> names;
+  for (const auto& de : fs::directory_iterator(tmp.path)) names.push_back(de.path().filename().string());
+  std::sort(names.begin(), names.end());
+  REQUIRE(names == std::vector<std::string>{"latest", "step_7"});
+  // Invalid JSON blobs are refused before anything is written.
+  CheckpointState bad = sample_state(8, 1);
+  bad.json["x"] = "{not json";
+  CHECK_THROWS_AS(save_checkpoint(w, tmp.path, bad), ValueError);
+  REQUIRE(resolve_checkpoint(tmp.path) == dir);
+}
+
+TEST_CASE("a writer SIGKILLed at any point of a save leaves the previous checkpoint loadable", "[checkpoint]") {
+  for (const char* point : {"prepared", "shard_written", "fragment_written", "metadata_written", "renamed"}) {
+    INFO("killed at " << point);
+    TempDir tmp;
+    SoloWorld w;
+    const CheckpointState first = sample_state(1, 100);
+    save_checkpoint(w, tmp.path, first);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {  // the child saves step 2 and dies at `point`
+      try {
+        SoloWorld cw;
+        SaveOptions o;
+        o.fault_hook = [point](const std::string& p) {
+          if (p == point) ::kill(::getpid(), SIGKILL);
+        };
+        save_checkpoint(cw, tmp.path, sample_state(2, 200), o);
+      } catch (...) {
+      }
+      ::_exit(3);  // not killed: the test fails below
+    }
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    REQUIRE(WIFSIGNALED(status));
+    REQUIRE(WTERMSIG(status) == SIGKILL);
+    // `latest` still names step 1 (even when step 2 was renamed into place but `latest` not updated).
+    REQUIRE(resolve_checkpoint(tmp.path) == checkpoint_dir(tmp.path, 1));
+    check_loads_as(tmp.path, first);
+    // A partial save is never listed; the next save removes its leftovers.
+    for (const auto& c : list_checkpoints(tmp.path)) REQUIRE((c.step == 1 || std::string(point) == "renamed"));
+    const CheckpointState third = sample_state(3, 300);
+    save_checkpoint(w, tmp.path, third);
+    for (const auto& de : fs::directory_iterator(tmp.path))
+      REQUIRE(de.path().filename().string().rfind(".tmp", 0) != 0);
+    check_loads_as(tmp.path, third);
+  }
+}
+
+TEST_CASE("corrupt, truncated, incomplete and mismatched checkpoints are IOErrors naming the problem", "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  const CheckpointState st = sample_state(4, 7);
+  const std::string dir = save_checkpoint(w, tmp.path, st);
+  const std::string shard = dir + "/shard_00000.safetensors";
+  auto load_all = [&](const LoadOptions& o = {}) {
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    load_checkpoint(&w, tmp.path, t, o);
+  };
+  auto expect_io = [&](const std::string& needle, const LoadOptions& o = {}) {
+    try {
+      load_all(o);
+      FAIL("expected an IOError mentioning " << needle);
+    } catch (const IOError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    }
+  };
+  load_all();
+  const std::string good = [&] {
+    std::ifstream in(shard, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  auto write = [&](const std::string& bytes) {
+    std::ofstream out(shard, std::ios::binary | std::ios::trunc);
+    out << bytes;
+  };
+  SECTION("a flipped data byte fails its CRC") {
+    std::string bad = good;
+    uint64_t header = 0;
+    for (int i = 0; i < 8; ++i) header |= uint64_t(uint8_t(bad[size_t(i)])) << (8 * i);
+    bad[8 + header + 5] ^= 0x10;  // inside the first entry ("w")
+    write(bad);
+    expect_io("CRC");
+    LoadOptions no_verify;
+    no_verify.verify_checksums = false;
+    load_all(no_verify);  // the checks can be turned off, and only then does it load
+  }
+  SECTION("a truncated shard file") {
+    write(good.substr(0, good.size() - 16));
+    expect_io("shard_00000.safetensors");
+  }
+  SECTION("a missing shard file") {
+    fs::remove(shard);
+    expect_io("shard_00000.safetensors");
+  }
+  SECTION("wrong global shape, names the tensor and both shapes") {
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    t[0].local = Tensor::zeros({6, 4});
+    t[0].global_shape = {6, 4};
+    t[0].pieces[0].shape = {6, 4};
+    try {
+      load_checkpoint(&w, tmp.path, t);
+      FAIL("expected IOError");
+    } catch (const IOError& e) {
+      const std::string m = e.what();
+      CHECK(m.find("'w'") != std::string::npos);
+      CHECK(m.find("[6, 5]") != std::string::npos);
+      CHECK(m.find("[6, 4]") != std::string::npos);
+    }
+  }
+  SECTION("wrong dtype") {
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    t[0].local = Tensor::zeros({6, 5}, DType::BF16);
+    t[0].dtype = DType::BF16;
+    CHECK_THROWS_AS(load_checkpoint(&w, tmp.path, t), IOError);
+  }
+  SECTION("a tensor the checkpoint lacks; allow_missing skips it") {
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    t.push_back(replicated_tensor("not_there", Tensor::zeros({2})));
+    CHECK_THROWS_WITH(load_checkpoint(&w, tmp.path, t), Catch::Contains("not_there"));
+    LoadOptions o;
+    o.allow_missing = true;
+    load_checkpoint(&w, tmp.path, t, o);
+  }
+  SECTION("garbage metadata: the directory is not a checkpoint") {
+    std::ofstream(dir + "/metadata.json") << "{\"format\": 1";
+    CHECK_THROWS_AS(CheckpointReader(tmp.path), IOError);
+    CHECK_FALSE(resolve_checkpoint(tmp.path).has_value());
+  }
+}
+
+TEST_CASE("async saves copy first, write in the background and surface background errors on wait", "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  CheckpointState st = sample_state(5, 50);
+  const Tensor original = st.tensors[0].local.clone();
+  {
+    AsyncCheckpointSaver saver(w);
+    saver.save(tmp.path, st);
+    REQUIRE(saver.pending());
+    st.tensors[0].local.fill_(-1.0);  // training goes on: the saved copy must not change
+    REQUIRE(saver.wait() == checkpoint_dir(tmp.path, 5));
+    REQUIRE_FALSE(saver.pending());
+  }
+  st.tensors[0].local.copy_(original);
+  check_loads_as(tmp.path, st);
+
+  SaveOptions o;
+  o.fault_hook = [](const std::string& p) {
+    if (p == "shard_written") throw IOError("injected disk failure");
+  };
+  AsyncCheckpointSaver saver(w, o);
+  saver.save(tmp.path, sample_state(6, 60));
+  CHECK_THROWS_WITH(saver.wait(), Catch::Contains("injected disk failure"));
+  REQUIRE(resolve_checkpoint(tmp.path) == checkpoint_dir(tmp.path, 5));
+  // The error was reported once; the saver is usable again.
+  REQUIRE(saver.wait().empty());
+}
+
+TEST_CASE("CheckpointManager: save every N, keep last k and top-k by validation loss, resume", "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  CheckpointPolicy pol;
+  pol.save_every = 2;
+  pol.keep_last = 2;
+  pol.keep_top_k = 1;
+  pol.async = true;
+  CheckpointManager mgr(w, tmp.path, pol);
+  REQUIRE_FALSE(mgr.latest().has_value());
+  std::vector<ShardedTensor> none;
+  REQUIRE_FALSE(mgr.resume(none).has_value());
+  const std::vector<double> loss = {3.0, 1.0, 2.0, 2.5, 2.2};  // step 4 is the best
+  for (int64_t step = 1; step <= 10; ++step) {
+    if (!mgr.should_save(step)) continue;
+    CheckpointState st = sample_state(step, uint64_t(step));
+    st.val_loss = loss[size_t(step / 2 - 1)];
+    mgr.save(st);
+  }
+  mgr.wait();
+  std::vector<int64_t> kept;
+  for (const auto& c : list_checkpoints(tmp.path)) kept.push_back(c.step);
+  REQUIRE(kept == std::vector<int64_t>{4, 8, 10});
+  const CheckpointState last = sample_state(10, 10);
+  std::vector<ShardedTensor> targets = fresh_targets(last);
+  auto r = mgr.resume(targets);
+  REQUIRE(r.has_value());
+  REQUIRE(r->step() == 10);
+  for (size_t i = 0; i < targets.size(); ++i) require_same(targets[i].local, last.tensors[i].local);
+  CHECK_THROWS_AS(CheckpointManager(w, tmp.path, CheckpointPolicy{.keep_last = -1}), ValueError);
+}
