@@ -24,5 +24,9 @@ void bind_data(pyb::module_& m);
 void bind_comm(pyb::module_& m);
 void bind_parallel(pyb::module_& m);
 void bind_model(pyb::module_& m);
+void bind_checkpoint(pyb::module_& m);
+void bind_train(pyb::module_& m);
+void bind_optim(pyb::module_& m);
+void bind_pipeline(pyb::module_& m);
 
 }  // namespace megacore::py

@@ -12,6 +12,7 @@
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
 #include "megacore/model/gpt_model.hpp"
+#include "megacore/model/memory.hpp"
 #include "megacore/model/transformer_config.hpp"
 
 namespace megacore::py {
@@ -175,6 +176,19 @@ void bind_config(pyb::module_& m) {
     d["total"] = f.total;
     return d;
   }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("causal") = false, "Training FLOPs per token (dict).");
+  m.def("activation_bytes_per_layer", [](const C& c, int64_t seq_len, int64_t micro_batch, int tp, bool sp,
+                                         int act_bytes, RecomputeGranularity rc) {
+    ActivationEstimate e = activation_bytes_per_layer(c, seq_len, micro_batch, tp, sp, act_bytes, rc);
+    pyb::dict d;
+    d["replicated"] = e.replicated;
+    d["sharded"] = e.sharded;
+    d["total"] = e.total;
+    return d;
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("micro_batch"), pyb::arg("tp_size") = 1,
+     pyb::arg("sequence_parallel") = false, pyb::arg("act_bytes") = 2,
+     pyb::arg("recompute") = RecomputeGranularity::Selective,
+     "Saved-activation bytes of one layer on one TP rank, counted tensor by tensor (Korthikanti et al.'s method "
+     "for megacore's layer; include/megacore/model/memory.hpp).");
 
   pyb::module_ p = m.def_submodule("presets", "Ready-made configs.");
   p.def("tiny_llama", &presets::tiny_llama);

@@ -53,4 +53,8 @@ PYBIND11_MODULE(_C, m) {
   mp::bind_parallel(m);
   mp::bind_data(m);
   mp::bind_model(m);
+  mp::bind_checkpoint(m);
+  mp::bind_train(m);
+  mp::bind_optim(m);
+  mp::bind_pipeline(m);
 }

@@ -5,7 +5,7 @@ The compiled core lives in ``megacore._C``; this package re-exports it with a Py
 
 from contextlib import contextmanager
 
-from . import comm, data, errors, layers, model, parallel
+from . import checkpoint, comm, convert, data, errors, layers, model, optim, parallel, pipeline, recipes
 from ._C import (
     Event,
     Generator,
@@ -29,6 +29,7 @@ from ._C import (
 )
 from ._C import _set_current_stream
 from .errors import CommError, ConfigError, CudaError, Error, IOError, OutOfMemoryError, ValueError
+from .executors import KubernetesExecutor, LocalExecutor, SlurmExecutor, run
 
 __version__ = build_info()["version"]
 
@@ -66,5 +67,5 @@ __all__ = [
     "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
     "cuda_available", "cuda_device_count", "cuda_device_name", "current_stream", "stream", "synchronize",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "set_memory_limit", "build_info", "comm", "data", "parallel",
-    "model", "layers",
+    "model", "layers", "optim", "pipeline", "checkpoint", "convert", "recipes", "run", "LocalExecutor", "SlurmExecutor", "KubernetesExecutor",
 ]

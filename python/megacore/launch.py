@@ -88,9 +88,13 @@ def main(argv=None) -> int:
     port = a.master_port or _free_port()
     world = nproc * a.nnodes
     procs = []
+    # A launcher started from an MPI process (an Open MPI singleton, e.g. a test that used the CPU backend, or a
+    # job step under mpirun) must not hand its MPI identity to the ranks it spawns: they would see "rank 0 of 1"
+    # from MPI next to the rank this launcher gives them.
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     for local in range(nproc):
         rank = a.node_rank * nproc + local
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+        env = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(nproc), NODE_RANK=str(a.node_rank), GROUP_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(port))
         procs.append(subprocess.Popen(_command(a), env=env))

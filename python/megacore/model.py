@@ -20,6 +20,7 @@ validate = _m.validate
 padded_vocab_size = _m.padded_vocab_size
 parameter_count = _m.parameter_count
 flops_per_token = _m.flops_per_token
+activation_bytes_per_layer = _m.activation_bytes_per_layer
 presets = _m.presets
 tiny_llama = _m.tiny_llama
 tiny_gpt2 = _m.tiny_gpt2
@@ -30,5 +31,5 @@ gpt2_124m = _m.gpt2_124m
 __all__ = [
     "TransformerConfig", "RopeScaling", "NormType", "ActivationType", "PositionEmbeddingType",
     "RecomputeGranularity", "RopeScalingType", "GPTModel", "validate", "padded_vocab_size", "parameter_count",
-    "flops_per_token", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m",
+    "flops_per_token", "activation_bytes_per_layer", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m",
 ]

@@ -41,8 +41,9 @@ std::optional<CheckpointReader> CheckpointManager::resume(std::vector<ShardedTen
                                                           const LoadOptions& options) {
   // Every rank must make the same choice; rank 0's view of the file system decides.
   auto dir = latest();
-  Tensor has = Tensor::from_vector<int32_t>({dir ? 1 : 0}, {1});
+  Tensor has = Tensor::from_vector<int32_t>({dir ? 1 : 0}, {1}).to(world_.device());
   world_.broadcast(has, 0)->wait();
+  has = has.to(Device::cpu());
   if (has.data<int32_t>()[0] == 0) {
     MC_CHECK_AS(IOError, !dir, "CheckpointManager: rank 0 sees no checkpoint under '{}' but rank {} sees {}", root_,
                 world_.rank(), *dir);

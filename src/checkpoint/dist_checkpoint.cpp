@@ -136,8 +136,11 @@ void agree(comm::Communicator* world, const std::exception_ptr& local, const cha
     if (local) std::rethrow_exception(local);
     return;
   }
-  Tensor flag = Tensor::from_vector<int32_t>({local ? 1 : 0, local ? world->size() - world->rank() : 0}, {2});
+  // On the communicator's device (a CUDA tensor for NCCL worlds), then back to the host.
+  Tensor flag = Tensor::from_vector<int32_t>({local ? 1 : 0, local ? world->size() - world->rank() : 0}, {2})
+                    .to(world->device());
   world->all_reduce(flag, comm::ReduceOp::Max)->wait();
+  flag = flag.to(Device::cpu());
   const int32_t* f = flag.data<int32_t>();
   if (local) std::rethrow_exception(local);
   if (f[0] != 0)

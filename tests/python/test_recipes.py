@@ -108,13 +108,17 @@ def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path):
     ck.mkdir()
     other = recipes.tiny.pretrain_recipe()
     other.model.hidden_size = 256
-    other.to_json(str(ck / "recipe.json"))
+    # the trainer stores its recipe as the "recipe" JSON blob of metadata.json
+    (ck / "metadata.json").write_text(json.dumps({"format": "megacore-dist-checkpoint", "json": {"recipe": other.to_dict()}}))
     r = recipes.tiny.pretrain_recipe()
     r.checkpoint.resume = str(ck)
     with pytest.raises(ConfigError, match="holds another model \\(hidden_size 256 vs 128"):
         r.validate()
     same = recipes.tiny.pretrain_recipe()
-    same.to_json(str(ck / "recipe.json"))
+    (ck / "metadata.json").write_text(json.dumps({"json": {"recipe": same.to_dict()}}))
+    r.validate()
+    r.checkpoint.resume = str(tmp_path)  # a root: resolved through `latest`
+    (tmp_path / "latest").write_text("step_10\n")
     r.validate()
 
 

@@ -70,6 +70,8 @@ class Communicator {
   /// World ranks of this group's members, in group-rank order.
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   virtual Backend backend() const = 0;
+  /// Where this communicator's tensors must live: the CPU for MPI, its CUDA device for NCCL.
+  virtual Device device() const { return Device::cpu(); }
 
   /// In place: every rank ends with op over all ranks' t.
   virtual WorkPtr all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) = 0;

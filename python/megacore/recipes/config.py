@@ -174,6 +174,9 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 100
+    #: End this run after this many steps (0 = run to max_steps); the LR schedule and the data order still follow
+    #: max_steps, so a later run resumes exactly where this one stopped (time-limited jobs).
+    stop_after_steps: int = 0
     #: Validate every N steps (0 = never).
     val_check_interval: int = 0
     limit_val_batches: int = 4

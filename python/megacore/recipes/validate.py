@@ -125,6 +125,11 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
         err("optim.min_lr", f"{o.min_lr} must be in [0, lr = {o.lr}]")
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters > t.max_steps:
         err("optim.lr_warmup_iters", f"{o.lr_warmup_iters} must be in [0, trainer.max_steps = {t.max_steps}]")
+    decay = o.lr_decay_iters or t.max_steps
+    if o.lr_decay_style != "constant" and o.lr_warmup_iters > 0 and decay <= o.lr_warmup_iters:
+        err("optim.lr_decay_iters", f"the decay ends at step {decay} (lr_decay_iters, or trainer.max_steps when 0), "
+            f"not after the {o.lr_warmup_iters} warmup steps; raise lr_decay_iters / max_steps or shorten "
+            "lr_warmup_iters")
     if o.clip_grad < 0:
         err("optim.clip_grad", f"must be >= 0 (0 disables clipping), got {o.clip_grad}")
 
@@ -171,20 +176,37 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
     return warnings
 
 
+def _saved_model(path):
+    """The model section of the recipe a checkpoint was written with (metadata.json's "recipe" blob, or a
+    recipe.json beside it); None when the checkpoint carries no recipe."""
+    meta = os.path.join(path, "metadata.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            rec = json.load(f).get("json", {}).get("recipe")
+        if isinstance(rec, dict):
+            return rec.get("model", {})
+    side = os.path.join(path, "recipe.json")
+    if os.path.isfile(side):
+        with open(side) as f:
+            return json.load(f).get("model", {})
+    return None
+
+
 def _check_resume(path, r, err):
     """A checkpoint must exist and hold the same model (its saved recipe's model section)."""
-    meta = os.path.join(path, "recipe.json")
     if not os.path.isdir(path):
         err("checkpoint.resume", f"'{path}' is not a checkpoint directory; give a step_<N> directory, 'auto' or ''")
         return
-    if not os.path.isfile(meta):
-        return  # a checkpoint written outside the trainer: the loader compares tensor shapes itself
+    if not os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, "latest")):
+        with open(os.path.join(path, "latest")) as f:
+            path = os.path.join(path, f.read().strip())
     try:
-        with open(meta) as f:
-            saved = json.load(f).get("model", {})
+        saved = _saved_model(path)
     except (OSError, json.JSONDecodeError) as e:
-        err("checkpoint.resume", f"cannot read '{meta}': {e}")
+        err("checkpoint.resume", f"cannot read the checkpoint metadata in '{path}': {e}")
         return
+    if saved is None:
+        return  # a checkpoint written outside the trainer (e.g. converted): the loader compares tensor shapes
     want = r.to_dict()["model"]
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
             "normalization", "activation", "tie_word_embeddings", "position_embedding", "add_bias_linear")

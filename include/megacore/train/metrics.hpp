@@ -1,0 +1,78 @@
+// Training metrics: the numbers a log line carries, and where they are written.
+//
+// TensorBoardWriter writes TensorBoard event files (events.out.tfevents.<time>.<host>) directly, without
+// TensorFlow or protobuf: each record is TFRecord-framed (u64 length, masked CRC-32C of the length, the
+// bytes, masked CRC-32C of the bytes) and holds an `Event` protobuf (wall_time = 1, step = 2,
+// file_version = 3, summary = 5 { value = 1 { tag = 1, simple_value = 2 } }) encoded by hand. The first
+// record is the file_version "brain.Event:2" event TensorBoard expects. JsonlWriter appends one JSON object
+// per line. Both flush after every write, so a crash loses nothing already logged.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace megacore::train {
+
+/// One optimizer step as logged.
+struct StepMetrics {
+  int64_t step = 0;            ///< 1-based: the number of optimizer steps taken after this one
+  double loss = 0;             ///< token-weighted mean over the global batch
+  double grad_norm = 0;        ///< global norm before clipping
+  double lr = 0;
+  double loss_scale = 1;       ///< f16 dynamic loss scale (1 otherwise)
+  bool skipped = false;        ///< NaN/Inf gradients: no update
+  double step_seconds = 0;
+  double tokens_per_s = 0;     ///< global
+  double tflops_per_gpu = 0;   ///< model FLOPs (6N + attention, non-causal) per second per rank
+  double mfu = 0;              ///< tflops_per_gpu / peak (0 when the peak is unknown, e.g. CPU)
+  double mem_allocated_gib = 0;
+  double mem_peak_gib = 0;
+  double consumed_samples = 0;
+};
+
+/// Dense bf16 tensor-core peak in TFLOP/s of a card by name (H100/H200 SXM 989, H100 PCIe 756, A100 312);
+/// 0 when unknown.
+double known_peak_tflops(const std::string& device_name);
+
+/// CRC-32C (Castagnoli), as TFRecord framing uses it.
+uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+
+class TensorBoardWriter {
+ public:
+  /// Creates `dir` if needed and opens a new event file in it (IOError naming the path on failure).
+  explicit TensorBoardWriter(const std::string& dir);
+  ~TensorBoardWriter();
+  TensorBoardWriter(const TensorBoardWriter&) = delete;
+  TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
+  /// One event holding scalar values (tag → value) at `step`.
+  void add_scalars(int64_t step, const std::map<std::string, double>& values);
+  const std::string& path() const { return path_; }
+
+ private:
+  void write_record(const std::string& bytes);
+  std::string path_;
+  std::FILE* f_ = nullptr;
+};
+
+/// Appends JSON lines to a file (created with its directory; IOError naming the path on failure).
+class JsonlWriter {
+ public:
+  explicit JsonlWriter(const std::string& path);
+  ~JsonlWriter();
+  JsonlWriter(const JsonlWriter&) = delete;
+  JsonlWriter& operator=(const JsonlWriter&) = delete;
+  void write(const std::string& json_object);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
+};
+
+/// The JSON object of a StepMetrics ({"step": ..., "loss": ..., ...}).
+std::string to_json(const StepMetrics& m);
+
+}  // namespace megacore::train

@@ -1,0 +1,110 @@
+"""One rank of a training run: ``python -m megacore.train --config recipe.json``.
+
+Executors start this on every rank (``megacore.launch``, srun, a PyTorchJob pod). It reads the recipe, joins
+the world communicator, builds this rank's data sources, hands everything to the C++ ``Trainer`` and, when the
+recipe asks for it, prints a greedy sample from the trained model on rank 0. Rank 0 also writes the recipe
+next to the logs, so the run can be reproduced from its own config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import ConfigError
+
+
+def build_data(recipe, world):
+    """(train, valid) sample sources of this rank. Rank 0 writes shared files (the embedded corpus, dataset
+    index caches) first; the other ranks read them after a barrier, so no two ranks write the same file."""
+    from . import data as mdata
+
+    d, t = recipe.data, recipe.trainer
+    run_dir = os.path.dirname(recipe.logging.log_dir.rstrip("/")) if recipe.logging.log_dir else os.path.join(
+        "runs", recipe.name)
+    cache = d.cache_dir or os.path.join(run_dir, "data")
+    train_samples = t.max_steps * d.global_batch_size
+    valid_samples = t.limit_val_batches * d.global_batch_size if t.val_check_interval > 0 else 0
+
+    def build():
+        if d.sft_path:
+            if d.sft_pack:
+                raise ConfigError("data.sft_pack: packed SFT rows need per-sequence attention boundaries through the "
+                                  "model, which the trainer does not pass yet; set data.sft_pack = false (one example "
+                                  "per row)")
+            return mdata.build_sft_dataset(d.sft_path, d.tokenizer, d.seq_length, pack=False), None
+        paths = d.paths
+        if list(paths) == ["embedded"]:
+            os.makedirs(cache, exist_ok=True)
+            paths = [mdata.default_corpus(cache, d.embedded_documents, d.seed)]
+        cfg = mdata.PretrainData(paths=paths, seq_length=d.seq_length, global_batch_size=d.global_batch_size,
+                                 micro_batch_size=d.micro_batch_size, split=d.split, seed=d.seed, cache_dir=cache)
+        train, valid, _ = cfg.datasets(train_samples, valid_samples)
+        return train, valid
+
+    if world.rank == 0:
+        out = build()
+        world.barrier()
+    else:
+        world.barrier()
+        out = build()
+    return out
+
+
+def run(recipe, world=None) -> dict:
+    """Trains `recipe` on this rank (collective over the world); returns the C++ trainer's result dict."""
+    from . import _C, comm, tokenizers
+
+    recipe.validate()
+    if world is None:
+        dev = {"auto": "auto", "cpu": "cpu", "cuda": "cuda:0"}[recipe.trainer.device]
+        world = comm.init_from_env(device=dev, timeout_s=recipe.trainer.comm_timeout_s)
+    if world.size != recipe.world_size:
+        raise ConfigError(f"the recipe is for {recipe.world_size} ranks (resources: {recipe.resources.num_nodes} × "
+                          f"{recipe.resources.num_gpus_per_node}) but {world.size} were started; launch "
+                          f"{recipe.world_size} ranks or change resources")
+    if world.rank == 0 and recipe.logging.log_dir:
+        os.makedirs(recipe.logging.log_dir, exist_ok=True)
+        recipe.to_json(os.path.join(recipe.logging.log_dir, "recipe.json"))
+    train, valid = build_data(recipe, world)
+    cfg = _C.train.TrainConfig.from_recipe_json(recipe.to_json())
+    trainer = _C.train.Trainer(cfg, world, train, valid)
+    result = trainer.fit()
+    hist = result["history"]
+    if world.rank == 0 and hist:
+        first = hist[0]["loss"]
+        last = hist[-1]["loss"]
+        print(f"trained steps {result['start_step'] + 1}..{result['final_step']}: loss {first:.4f} -> {last:.4f}"
+              + (f"; checkpoint {result['last_checkpoint']}" if result["last_checkpoint"] else ""), flush=True)
+    n = recipe.trainer.generate_tokens
+    if n > 0:
+        tok = tokenizers.load_tokenizer(recipe.data.tokenizer)
+        prompt = tok.encode(recipe.trainer.generate_prompt or " ")
+        ids = trainer.generate(prompt, n)
+        result["generated"] = ids
+        if world.rank == 0:
+            print(f"sample: {recipe.trainer.generate_prompt!r} -> {tok.decode(ids)!r}", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megacore.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the recipe (JSON or YAML, as Recipe.to_json/to_yaml wrote it)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
+    a = ap.parse_args(argv)
+    from .errors import Error
+    from .recipes import Recipe
+
+    try:
+        recipe = Recipe.from_file(a.config).apply_overrides(a.set)
+        run(recipe)
+    except Error as e:
+        print(f"megacore.train: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
