@@ -59,7 +59,7 @@ def test_tiny_recipe_tp2_pp2_converges_and_samples(tmp_path):
     assert steps[0]["lr"] == 0 and steps[5]["lr"] == r.optim.lr  # linear warmup from 0 over 5 steps
     print("tiny TP2xPP2 losses:", [round(s["loss"], 3) for s in steps], "val:", vals)
     assert "step 40/40 | loss" in out and "TFLOP/s/GPU" in out
-    assert "sample: 'seven plus two is' ->" in out
+    assert "sample: 'sam says tree' ->" in out
     ckpt = os.path.join(r.checkpoint.save_dir, "step_40")
     assert os.path.isfile(os.path.join(ckpt, "metadata.json"))
     assert open(os.path.join(r.checkpoint.save_dir, "latest")).read().strip() == "step_40"

@@ -17,8 +17,8 @@ def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 4, dir: str | N
                 parallel=ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                 data=DataConfig(paths=["embedded"], seq_length=128, micro_batch_size=4, global_batch_size=16),
                 optim=OptimizerConfig(lr=3e-3, min_lr=3e-4, weight_decay=0.01, lr_warmup_iters=5),
-                trainer=TrainerConfig(max_steps=60, val_check_interval=20, limit_val_batches=2, precision="f32",
-                                      generate_tokens=40, generate_prompt="seven plus two is"),
+                trainer=TrainerConfig(max_steps=150, val_check_interval=50, limit_val_batches=2, precision="f32",
+                                      generate_tokens=40, generate_prompt="sam says tree"),
                 dir=dir)
 
 
