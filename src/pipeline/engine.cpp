@@ -1,5 +1,7 @@
 #include "megacore/pipeline/engine.hpp"
 
+#include <cmath>
+
 #include <chrono>
 #include <map>
 #include <memory>
@@ -100,7 +102,9 @@ ScheduleConfig PipelineEngine::schedule_config(int64_t m) const {
   return make_schedule_config(layout_.pipeline_parallel(), layout_.virtual_stages(), m);
 }
 
-StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector<MicroBatch>& mbs) {
+StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector<MicroBatch>& mbs, float loss_scale) {
+  MC_CHECK(loss_scale > 0 && std::isfinite(loss_scale), "PipelineEngine.step: loss_scale {} must be positive and finite",
+           loss_scale);
   const auto t_start = std::chrono::steady_clock::now();
   const int64_t m = int64_t(mbs.size());
   const ScheduleConfig cfg = schedule_config(m);
@@ -207,7 +211,8 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
         Tensor dy = chunk.post_process() ? Tensor() : take(grad_outs, key, op);
         auto it = stash.find(key);
         MC_CHECK(it != stash.end(), "PipelineEngine: internal schedule error at {}: no stashed forward", to_string(op));
-        const float scale = total_tokens > 0 ? float(tokens[size_t(op.microbatch)] * dp_size / total_tokens) : 0.f;
+        const float scale =
+            total_tokens > 0 ? float(tokens[size_t(op.microbatch)] * dp_size / total_tokens * loss_scale) : 0.f;
         busy.begin();
         chunk.restore_activations(std::move(it->second));
         stash.erase(it);

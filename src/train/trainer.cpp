@@ -21,6 +21,7 @@
 #include "megacore/optim/distributed_data_parallel.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
 #include "megacore/optim/grad_clip.hpp"
+#include "megacore/optim/loss_scaler.hpp"
 #include "megacore/optim/optimizer.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/pipeline/engine.hpp"
@@ -140,6 +141,7 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   c.sgd_momentum = get<double>(o, "optim", "sgd_momentum");
   c.clip_grad = get<double>(o, "optim", "clip_grad");
   c.skip_nonfinite_steps = get<bool>(o, "optim", "skip_nonfinite_steps");
+  c.initial_loss_scale = get<double>(o, "optim", "initial_loss_scale");
 
   const json& tr = section(j, "trainer");
   c.max_steps = get<int64_t>(tr, "trainer", "max_steps");
@@ -148,9 +150,6 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   c.limit_val_batches = get<int64_t>(tr, "trainer", "limit_val_batches");
   c.log_interval = get<int64_t>(tr, "trainer", "log_interval");
   t.params_dtype = precision_dtype(get<std::string>(tr, "trainer", "precision"));
-  MC_CHECK_AS(ConfigError, t.params_dtype != DType::F16,
-              "trainer.precision f16 needs loss scaling, which the trainer does not wire up yet; use bf16 (same memory, "
-              "no scaling needed) or f32");
   c.device = get<std::string>(tr, "trainer", "device");
   const auto rc = get<std::string>(tr, "trainer", "recompute");
   t.recompute_granularity = rc == "full"        ? mdl::RecomputeGranularity::Full
@@ -204,6 +203,7 @@ struct Trainer::Impl {
   std::unique_ptr<optim::Optimizer> opt;               // AdamW / SGD
   std::unique_ptr<optim::DistributedOptimizer> zero;   // ZeRO-1
   std::unique_ptr<optim::LRScheduler> sched;
+  std::unique_ptr<optim::DynamicLossScaler> scaler;  // f16 only
   std::unique_ptr<pipeline::PipelineEngine> engine;
   std::unique_ptr<data::DataLoader> loader;
   std::unique_ptr<checkpoint::CheckpointManager> ckpt;
@@ -294,6 +294,11 @@ void Trainer::Impl::build() {
       if (ly::Parameter* t = ch->tied_embedding_weight()) tied.push_back(t);
   }
   sched = std::make_unique<optim::LRScheduler>(cfg.lr);
+  if (m.params_dtype == DType::F16) {
+    optim::LossScalerConfig lc;
+    lc.initial_scale = cfg.initial_loss_scale;
+    scaler = std::make_unique<optim::DynamicLossScaler>(lc);
+  }
 
   peak = cfg.peak_tflops > 0 ? cfg.peak_tflops : (is_cuda() ? known_peak_tflops(cuda_device_name(device.index)) : 0);
   if (!cfg.save_dir.empty()) {
@@ -413,29 +418,31 @@ StepMetrics Trainer::Impl::train_step() {
   if (is_cuda()) Allocator::get(device).reset_peak_stats();
   ddp->zero_grad();
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*loader);
-  pipeline::StepResult sr = engine->step(ctx, mbs);
+  const double loss_scale = scaler ? scaler->scale() : 1.0;
+  pipeline::StepResult sr = engine->step(ctx, mbs, float(loss_scale));
   if (!tied.empty()) ddp->notify_grad_ready(tied);
   ddp->finish_grad_sync();
 
+  // Norm (tied copies counted once), NaN/Inf check, clipping and the update in one place; with f16 the
+  // gradients carry the loss scale, which checked_step divides out and adjusts.
   optim::GradNormGroups groups = optim::grad_norm_groups(*grid, zero != nullptr);
   groups.skip = [this](const ly::Parameter& p) {
     for (const auto& ch : chunks)
       if (ch->is_tied_copy(p)) return true;
     return false;
   };
-  const optim::GradNormResult gn =
-      zero ? zero->clip_grad_norm(cfg.clip_grad, groups) : optim::clip_grad_norm(params, cfg.clip_grad, groups);
+  optim::CheckedStepOptions co;
+  co.max_norm = cfg.clip_grad;
+  co.scaler = scaler.get();
+  co.skip_nonfinite = cfg.skip_nonfinite_steps;
+  const double lr = sched->lr();
+  const optim::StepResult st = zero ? optim::checked_step(*zero, lr, groups, co) : optim::checked_step(*opt, lr, groups, co);
   StepMetrics m;
-  m.lr = sched->lr();
-  m.grad_norm = gn.norm;
-  m.skipped = !gn.finite && cfg.skip_nonfinite_steps;
-  if (!m.skipped) {
-    if (zero)
-      zero->step(float(m.lr));
-    else
-      opt->step(float(m.lr));
-  }
-  sched->step();
+  m.lr = lr;
+  m.grad_norm = st.grad_norm;
+  m.skipped = st.skipped;
+  m.loss_scale = st.loss_scale;
+  if (!st.skipped) sched->step();  // as Megatron-Core: a skipped step does not advance the schedule
   ++step;
   consumed_samples += cfg.global_batch_size;
   if (is_cuda()) ctx.stream.synchronize();
@@ -469,7 +476,8 @@ void Trainer::Impl::log(const StepMetrics& m) {
       "mem {:.2f}/{:.2f} GiB | {:.3f} s/step{}",
       m.step, std::to_string(cfg.max_steps).size(), cfg.max_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s / 1e3,
       m.tflops_per_gpu, 100 * m.mfu, m.mem_allocated_gib, m.mem_peak_gib, m.step_seconds,
-      m.skipped ? " | SKIPPED (non-finite gradients)" : "");
+      (m.skipped ? " | SKIPPED (non-finite gradients)" : "") +
+          (scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()));
   if (bar) {
     const int width = 20, done = int(width * m.step / std::max<int64_t>(1, cfg.max_steps));
     line += " [" + std::string(size_t(done), '#') + std::string(size_t(width - done), '.') + "]";
@@ -557,6 +565,10 @@ std::string Trainer::Impl::save() {
   }
   st.json["trainer"] = json{{"step", step}, {"consumed_samples", consumed_samples}, {"scheduler_steps",
                                                                                        sched->num_steps()}}.dump();
+  if (scaler)
+    st.json["loss_scaler"] = json{{"scale", scaler->state().scale},
+                                  {"growth_tracker", scaler->state().growth_tracker},
+                                  {"hysteresis_tracker", scaler->state().hysteresis_tracker}}.dump();
   st.json["recipe"] = cfg.recipe_json;
   ckpt->save(st);
   const std::string dir = checkpoint::checkpoint_dir(cfg.save_dir, step);
@@ -583,6 +595,14 @@ void Trainer::Impl::load(const std::string& path, bool optimizer) {
   step = tj.at("step").get<int64_t>();
   consumed_samples = tj.at("consumed_samples").get<int64_t>();
   sched->set_num_steps(tj.at("scheduler_steps").get<int64_t>());
+  if (scaler && reader.json().count("loss_scaler")) {
+    const json sj = json::parse(reader.json("loss_scaler"));
+    optim::LossScalerState ls;
+    ls.scale = sj.at("scale").get<double>();
+    ls.growth_tracker = sj.at("growth_tracker").get<int64_t>();
+    ls.hysteresis_tracker = sj.at("hysteresis_tracker").get<int>();
+    scaler->load_state(ls);
+  }
   if (loader) {  // a load after construction restarts the data at the saved position
     data::LoaderConfig lc = loader->config();
     lc.consumed_samples = consumed_samples;

@@ -91,8 +91,10 @@ class PipelineEngine {
   /// One step over micro_batches (the same list on every rank of the pipeline; its size is the number
   /// of micro-batches m, which must suit the schedule — ConfigError otherwise). Accumulates main_grads
   /// (call zero_grad before); does not reduce over DP. Throws CommError when a peer stage fails or hangs
-  /// past the communicator's timeout.
-  StepResult step(const layers::ForwardContext& ctx, const std::vector<MicroBatch>& micro_batches);
+  /// past the communicator's timeout. `loss_scale` multiplies every loss gradient (f16 dynamic loss scaling:
+  /// the gradients then carry that factor; the reported loss does not).
+  StepResult step(const layers::ForwardContext& ctx, const std::vector<MicroBatch>& micro_batches,
+                  float loss_scale = 1.f);
 
   /// The schedule a step with m micro-batches runs.
   ScheduleConfig schedule_config(int64_t m) const;

@@ -56,6 +56,7 @@ struct TrainConfig {
   double weight_decay = 0.01, adam_beta1 = 0.9, adam_beta2 = 0.95, adam_eps = 1e-8, sgd_momentum = 0.9;
   double clip_grad = 1.0;
   bool skip_nonfinite_steps = true;
+  double initial_loss_scale = 65536.0;  ///< f16 dynamic loss scaling
   optim::LRScheduleConfig lr;
 
   int64_t max_steps = 1;
