@@ -63,6 +63,49 @@ void check_features(int64_t in, int64_t out, std::string_view layer) {
   MC_CHECK(in > 0 && out > 0, "{}: in_features {} and out_features {} must be positive", layer, in, out);
 }
 
+// One TP collective overlapped with compute (ColumnParallelLinear's overlap_grad_comm). On CUDA it
+// runs on `comm`: start() records an event on `compute` (after the producer and the output buffer's
+// allocation, both enqueued there) and makes `comm` wait for it before launching; finish() host-waits
+// the Work (NCCL blocks here, so call it only after the overlapped compute is enqueued) and makes
+// `compute` wait for everything queued on `comm`, so later kernels see the result and buffers freed on
+// `compute` are not reused before the collective is done with them. On the CPU both streams are the
+// host stream and the events are no-ops.
+class OverlappedCollective {
+ public:
+  OverlappedCollective(const Stream& compute, const Stream& comm) : compute_(compute), comm_(comm) {}
+  OverlappedCollective(const OverlappedCollective&) = delete;
+  OverlappedCollective& operator=(const OverlappedCollective&) = delete;
+  ~OverlappedCollective() {
+    // Only reached with a pending op when an exception unwinds between start and finish: do not leave
+    // the collective running on buffers about to be freed.
+    if (work_) try {
+        work_->wait();
+      } catch (...) {
+      }
+  }
+
+  template <class Launch>
+  void start(Launch&& launch) {
+    if (!(comm_ == compute_)) {
+      Event ready;
+      ready.record(compute_);
+      comm_.wait(ready);
+    }
+    work_ = launch(comm_);
+  }
+
+  void finish() {
+    if (!work_) return;
+    comm::WorkPtr w = std::move(work_);
+    w->wait();
+    if (!(comm_ == compute_)) compute_.wait(comm_);
+  }
+
+ private:
+  Stream compute_, comm_;
+  comm::WorkPtr work_;
+};
+
 Parameter make_param(std::string name, Tensor data, int partition_dim) {
   Parameter p;
   p.name = std::move(name);
@@ -138,6 +181,7 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   check_activation(dy, dy_features, opts_.params_dtype, opts_.device, kName, "dy",
                    "pass the gradient of forward's output, which has the same shape");
   Tensor dyl = opts_.gather_output ? pm::gather_from_tp_backward(tp_, dy, s) : dy;
+  if (opts_.overlap_grad_comm && tp_.size() > 1) return backward_overlapped(s, dyl);
   // With SP the input is re-gathered here instead of being kept whole since forward.
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
   Tensor x2 = as_rows(total, in_, s);
@@ -153,6 +197,60 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   Tensor dx = ops::matmul(dy2, weight_.data, {}, s).view(total.shape());
   saved_input_ = Tensor();
   return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
+}
+
+Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tensor& dyl) {
+  constexpr std::string_view kName = "ColumnParallelLinear.backward";
+  const bool cuda = opts_.device.is_cuda();
+  // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
+  const Stream s = cuda && given.device().is_cpu() ? Stream::default_stream(opts_.device) : given;
+  if (cuda && (comm_stream_.device() != opts_.device || comm_stream_.is_default()))
+    comm_stream_ = Stream::create(opts_.device);
+  const Stream comm_s = cuda ? comm_stream_ : s;
+  const int64_t tpn = tp_.size();
+
+  Shape total_shape = saved_input_.shape();
+  if (opts_.sequence_parallel) total_shape[0] *= tpn;
+  int64_t rows = 1;
+  for (int64_t d : total_shape) rows *= d;
+  rows /= in_;
+  Tensor dy2 = as_rows(dyl, out_local_, s);
+  MC_CHECK(dy2.size(0) == rows,
+           "{}: dy has shape {} but forward's output had {} rows; pass the gradient of forward's output", kName,
+           shape_str(dyl.shape()), rows);
+
+  // SP: re-gather the saved input chunk while the grad-input GEMM runs.
+  Tensor total = saved_input_;
+  OverlappedCollective gather(s, comm_s);
+  if (opts_.sequence_parallel) {
+    Tensor chunk = saved_input_.contiguous(s);
+    total = Tensor::empty(total_shape, chunk.dtype(), chunk.device(), s);
+    gather.start([&](const Stream& cs) { return tp_.all_gather(chunk, total, cs); });
+  }
+  Tensor dx = ops::matmul(dy2, weight_.data, {}, s);  // dX = dY W, [rows, in], contiguous
+  gather.finish();
+
+  // The input-gradient collective runs while the weight-gradient GEMM computes.
+  Tensor result;
+  OverlappedCollective reduce(s, comm_s);
+  if (opts_.sequence_parallel) {
+    Shape chunk_shape = total_shape;
+    chunk_shape[0] /= tpn;
+    result = Tensor::empty(chunk_shape, dx.dtype(), dx.device(), s);
+    reduce.start([&](const Stream& cs) { return tp_.reduce_scatter(dx, result, comm::ReduceOp::Sum, cs); });
+  } else {
+    result = dx.view(total_shape);
+    reduce.start([&](const Stream& cs) { return tp_.all_reduce(dx, comm::ReduceOp::Sum, cs); });
+  }
+  Tensor x2 = as_rows(total, in_, s);
+  ops::GemmOptions wg;
+  wg.trans_a = true;
+  wg.beta = 1.f;
+  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
+  reduce.finish();
+  saved_input_ = Tensor();
+  return result;
 }
 
 std::vector<Parameter*> ColumnParallelLinear::parameters() {

@@ -41,16 +41,6 @@ std::vector<int64_t> indices_of(const TransformerConfig& cfg, const GPTModelOpti
   return all;
 }
 
-std::unique_ptr<ly::NormLayer> make_norm(const TransformerConfig& cfg, Device device) {
-  ly::NormOptions o{.eps = cfg.norm_eps,
-                    .sequence_parallel = cfg.sequence_parallel,
-                    .bias = cfg.add_bias_linear,
-                    .params_dtype = cfg.params_dtype,
-                    .device = device};
-  if (cfg.normalization == NormType::LayerNorm) return std::make_unique<ly::LayerNorm>(cfg.hidden_size, o);
-  return std::make_unique<ly::RMSNorm>(cfg.hidden_size, o);
-}
-
 void check_batch(const Tensor& t, std::string_view name, bool index) {
   MC_CHECK(t.defined(), "GPTModel.forward: {} is undefined; pass a [batch, seq] tensor", name);
   MC_CHECK(t.dim() == 2, "GPTModel.forward: {} has shape {}; it must be [batch, seq]", name, shape_str(t.shape()));
@@ -78,10 +68,6 @@ double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask, int64_t 
   return count;
 }
 
-struct GPTModel::SpHold {
-  std::vector<std::pair<ly::Parameter*, Tensor>> earlier;
-};
-
 GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const GPTModelOptions& options)
     : tp_(tp), cfg_(validated(cfg, tp, options)), opts_(options), layer_indices_(indices_of(cfg, options)) {
   const bool tied_copy = cfg_.tie_word_embeddings && opts_.post_process && !opts_.pre_process;
@@ -103,12 +89,12 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
     // Each rank looks up only its chunk's positions under SP, so its gradient is a partial sum.
     position_.sequence_parallel = cfg_.sequence_parallel;
   }
-  for (int64_t i : layer_indices_)
-    layers_.push_back(std::make_unique<TransformerLayer>(
-        tp, cfg_, TransformerLayerOptions{.layer_number = i, .init_offset_base = kModelLayerInitBase,
-                                          .device = opts_.device}));
+  block_ = std::make_unique<TransformerBlock>(tp, cfg_,
+                                              TransformerBlockOptions{.layer_indices = layer_indices_,
+                                                                      .final_layernorm = opts_.post_process,
+                                                                      .init_offset_base = kModelLayerInitBase,
+                                                                      .device = opts_.device});
   if (opts_.post_process) {
-    final_norm_ = make_norm(cfg_, opts_.device);
     output_layer_ = std::make_unique<ly::ColumnParallelLinear>(
         tp, cfg_.hidden_size, model::padded_vocab_size(cfg_, tp.size()),
         ly::ColumnParallelLinearOptions{.bias = false,
@@ -118,7 +104,8 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                         .device = opts_.device,
                                         .init_std = cfg_.init_method_std,
                                         .seed = cfg_.seed,
-                                        .init_offset = kOutputLayerOffset});
+                                        .init_offset = kOutputLayerOffset,
+                                        .overlap_grad_comm = cfg_.tp_comm_overlap});
     loss_ = std::make_unique<ly::VocabParallelCrossEntropy>(
         tp, cfg_.vocab_size, ly::VocabParallelCrossEntropyOptions{.label_smoothing = opts_.label_smoothing});
     if (cfg_.tie_word_embeddings) {
@@ -138,21 +125,18 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
     add(embedding_group_, "embedding.weight", &embedding_->weight());
     if (position_.data.defined()) add(embedding_group_, "position_embedding.weight", &position_);
   }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    layer_groups_.emplace_back();
-    for (auto& [n, p] : layers_[i]->named_parameters())
-      add(layer_groups_.back(), fmt::format("layers.{}.{}", layer_indices_[i], n), p);
-  }
+  // The block names its parameters "layers.<i>.*" and "final_layernorm.*"; the head's own weight is
+  // reported with the final norm's grad-ready group.
+  std::vector<ly::Parameter*> head_extra;
   if (opts_.post_process) {
-    add(head_group_, "final_layernorm.weight", &final_norm_->weight());
-    if (final_norm_->has_bias()) add(head_group_, "final_layernorm.bias", &final_norm_->bias());
-    if (!cfg_.tie_word_embeddings) add(head_group_, "output_layer.weight", &output_layer_->weight());
-    if (tied_copy) add(head_group_, "embedding.weight", &embedding_->weight());
+    if (!cfg_.tie_word_embeddings) add(head_extra, "output_layer.weight", &output_layer_->weight());
+    if (tied_copy) add(head_extra, "embedding.weight", &embedding_->weight());
+    block_->set_final_norm_group_extra(head_extra);
   }
   // parameters() in model order: embedding, positions, layers, final norm, output layer (or tied copy).
   params_ = embedding_group_;
-  for (auto& g : layer_groups_) params_.insert(params_.end(), g.begin(), g.end());
-  params_.insert(params_.end(), head_group_.begin(), head_group_.end());
+  for (auto& [n, p] : block_->named_parameters()) params_.push_back(p);
+  params_.insert(params_.end(), head_extra.begin(), head_extra.end());
 }
 
 int64_t GPTModel::padded_vocab_size() const { return model::padded_vocab_size(cfg_, tp_.size()); }
@@ -242,13 +226,14 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
              input.device().str(), dtype_name(cfg_.params_dtype), opts_.device.str());
     x = input;
   }
-  for (auto& layer : layers_) x = layer->forward(ctx, x);
+  // The block ends with the final norm on a post_process stage (same shape as its layers' output).
+  x = block_->forward(ctx, x);
   out_shape_ = x.shape();
   has_forward_ = ctx.training;
   if (!opts_.post_process) return x;
 
   sync_tied_output_weight();
-  Tensor n = final_norm_->forward(ctx, x);
+  const Tensor& n = x;
   logits_ = output_layer_->forward(ctx, n);
   Tensor labels_sb = labels.transpose(0, 1).contiguous(st);
   Tensor mask_sb = loss_mask.defined() ? loss_mask.transpose(0, 1).contiguous(st) : Tensor();
@@ -269,32 +254,6 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
   return loss.view({1});
 }
 
-GPTModel::SpHold GPTModel::begin_grad_group(const std::vector<ly::Parameter*>& group, const Stream& s) {
-  // Sequence-parallel gradients are partial sums until all-reduced over TP. Each group reduces its own
-  // right after its backward (so the group can be reported complete); setting the earlier
-  // micro-batches' (already reduced) totals aside first keeps that right under gradient accumulation.
-  // These are only norms, biases and positions, so the copies are small. (Megatron-Core instead defers
-  // the reduction to once per step.)
-  SpHold hold;
-  if (cfg_.sequence_parallel && tp_.size() > 1)
-    for (ly::Parameter* p : group)
-      if (p->sequence_parallel) {
-        hold.earlier.emplace_back(p, p->main_grad.clone(s));
-        p->main_grad.zero_(s);
-      }
-  return hold;
-}
-
-void GPTModel::end_grad_group(const std::vector<ly::Parameter*>& group, SpHold& hold, const Stream& s) {
-  if (!hold.earlier.empty()) {
-    std::vector<ly::Parameter*> sp;
-    for (auto& [p, g] : hold.earlier) sp.push_back(p);
-    ly::allreduce_sequence_parallel_grads(tp_, sp, s);
-    for (auto& [p, g] : hold.earlier) p->main_grad.copy_(add(p->main_grad, g, s), s);
-  }
-  if (grad_ready_ && !group.empty()) grad_ready_(group);
-}
-
 Tensor GPTModel::backward_stage(const ly::ForwardContext& ctx, const Tensor& grad_output, float loss_grad_scale) {
   MC_CHECK(has_forward_,
            "GPTModel.backward: no saved forward; call forward with ctx.training = true before backward (each forward "
@@ -306,10 +265,9 @@ Tensor GPTModel::backward_stage(const ly::ForwardContext& ctx, const Tensor& gra
              "GPTModel.backward_stage: this stage computes the loss (post_process), so it takes no output gradient; "
              "pass an undefined grad_output (scale the loss with loss_grad_scale)");
     sync_tied_output_weight();
-    SpHold hold = begin_grad_group(head_group_, st);
+    // The head group {final norm, output layer weight} is reported by the block after the final norm.
     Tensor dlogits = loss_->backward(ctx, grad_scale_ * loss_grad_scale);
-    dx = final_norm_->backward(ctx, output_layer_->backward(ctx, dlogits));
-    end_grad_group(head_group_, hold, st);
+    dx = output_layer_->backward(ctx, dlogits);
   } else {
     MC_CHECK(grad_output.defined() && grad_output.shape() == out_shape_,
              "GPTModel.backward_stage: grad_output {} does not match this stage's output {}; pass the next stage's "
@@ -319,19 +277,15 @@ Tensor GPTModel::backward_stage(const ly::ForwardContext& ctx, const Tensor& gra
     dx = grad_output;
   }
   has_forward_ = false;
-  for (size_t i = layers_.size(); i-- > 0;) {
-    SpHold hold = begin_grad_group(layer_groups_[i], st);
-    dx = layers_[i]->backward(ctx, dx);
-    end_grad_group(layer_groups_[i], hold, st);
-  }
+  dx = block_->backward(ctx, dx);  // final norm (post_process), then the layers, last first
   if (!opts_.pre_process) return dx;
-  SpHold hold = begin_grad_group(embedding_group_, st);
-  if (position_.data.defined()) {
-    ops::embedding_backward(dx, positions_, position_.main_grad, /*accumulate=*/true, -1, st);
-    positions_ = Tensor();
-  }
-  embedding_->backward(ctx, dx);
-  end_grad_group(embedding_group_, hold, st);
+  run_grad_group(tp_, cfg_, embedding_group_, grad_ready_, st, [&] {
+    if (position_.data.defined()) {
+      ops::embedding_backward(dx, positions_, position_.main_grad, /*accumulate=*/true, -1, st);
+      positions_ = Tensor();
+    }
+    embedding_->backward(ctx, dx);
+  });
   return Tensor();
 }
 
@@ -339,9 +293,8 @@ ly::ActivationStash GPTModel::stash_activations() {
   ly::ActivationStash s;
   s.put_int(int64_t(reinterpret_cast<intptr_t>(this)));  // whose stash it is
   if (opts_.pre_process) embedding_->stash_activations(s);
-  for (auto& layer : layers_) layer->stash_activations(s);
+  block_->stash_activations(s);
   if (opts_.post_process) {
-    final_norm_->stash_activations(s);
     output_layer_->stash_activations(s);
     loss_->stash_activations(s);
   }
@@ -362,9 +315,8 @@ void GPTModel::restore_activations(ly::ActivationStash&& s) {
            "GPTModel.restore_activations: this stash was not taken from this model (chunk); restore each stash into "
            "the model chunk whose stash_activations made it");
   if (opts_.pre_process) embedding_->restore_activations(s);
-  for (auto& layer : layers_) layer->restore_activations(s);
+  block_->restore_activations(s);
   if (opts_.post_process) {
-    final_norm_->restore_activations(s);
     output_layer_->restore_activations(s);
     loss_->restore_activations(s);
   }
@@ -423,9 +375,9 @@ ly::ColumnParallelLinear& GPTModel::output_layer() {
 }
 
 ly::NormLayer& GPTModel::final_layernorm() {
-  MC_CHECK(final_norm_ != nullptr, "GPTModel.final_layernorm: this stage has no final norm (post_process = false); "
-           "ask the last pipeline stage");
-  return *final_norm_;
+  MC_CHECK(block_->has_final_layernorm(), "GPTModel.final_layernorm: this stage has no final norm (post_process = "
+           "false); ask the last pipeline stage");
+  return block_->final_layernorm();
 }
 
 ly::Parameter& GPTModel::parameter(const std::string& name) const {

@@ -1,4 +1,5 @@
 #include "megacore/model/transformer_layer.hpp"
+#include "megacore/model/transformer_block.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -19,13 +20,7 @@ const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communica
 }
 
 std::unique_ptr<ly::NormLayer> make_norm(const TransformerConfig& cfg, Device device) {
-  ly::NormOptions o{.eps = cfg.norm_eps,
-                    .sequence_parallel = cfg.sequence_parallel,
-                    .bias = cfg.add_bias_linear,
-                    .params_dtype = cfg.params_dtype,
-                    .device = device};
-  if (cfg.normalization == NormType::LayerNorm) return std::make_unique<ly::LayerNorm>(cfg.hidden_size, o);
-  return std::make_unique<ly::RMSNorm>(cfg.hidden_size, o);
+  return make_model_norm(cfg, device);
 }
 
 uint64_t layer_base(const TransformerLayerOptions& o) {
@@ -83,6 +78,9 @@ TransformerLayer::TransformerLayer(comm::Communicator& tp, const TransformerConf
   static_assert(2 + ly::kMLPInitOffsets <= kTransformerLayerInitStride, "a layer's draws overlap the next layer's");
   MC_CHECK(options.layer_number >= 0, "TransformerLayer: layer_number is {}; pass the 0-based index of the layer",
            options.layer_number);
+  // The column-parallel layers' backward collectives overlap their weight-gradient GEMMs.
+  attention_.linear_qkv().set_overlap_grad_comm(cfg_.tp_comm_overlap);
+  mlp_.fc1().set_overlap_grad_comm(cfg_.tp_comm_overlap);
 }
 
 Tensor TransformerLayer::forward_impl(const ly::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids) {

@@ -3,8 +3,8 @@
 // pipeline stage (model chunk) of it.
 //
 //   tokens [b, s] → (transpose to [s, b]) → VocabParallelEmbedding (+ learned positions, GPT-2)
-//     → N × TransformerLayer → final norm → output layer (column-parallel, no gather) → logits
-//     [s, b, V/TP] → vocab-parallel cross-entropy → mean loss over the unmasked tokens
+//     → TransformerBlock (N × TransformerLayer → final norm) → output layer (column-parallel, no gather)
+//     → logits [s, b, V/TP] → vocab-parallel cross-entropy → mean loss over the unmasked tokens
 //
 // Sequence parallelism (cfg.sequence_parallel) follows Megatron-Core: the embedding reduce-scatters
 // its output to this rank's sequence chunk [s/TP, b, h] (the scatter after the embedding), the layers
@@ -62,6 +62,7 @@
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/model/transformer_block.hpp"
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/model/transformer_layer.hpp"
 
@@ -82,9 +83,8 @@ struct GPTModelOptions {
   bool post_process = true;
 };
 
-/// Called with a group of parameters whose main_grad is final for the current backward (see the
-/// header comment for the groups and their order).
-using GradReadyCallback = std::function<void(const std::vector<layers::Parameter*>&)>;
+// GradReadyCallback (transformer_block.hpp) is called with a group of parameters whose main_grad is
+// final for the current backward (see the header comment for the groups and their order).
 
 /// Σ mask over tokens whose label is not ignore_index (host arithmetic; labels i32/i64, mask optional
 /// f32 of the same shape). The denominator of the model's mean loss.
@@ -136,7 +136,10 @@ class GPTModel {
   void restore_activations(layers::ActivationStash&& stash);
 
   /// Installs (or, with an empty function, removes) the grad-ready callback; see the header comment.
-  void set_grad_ready_callback(GradReadyCallback cb) { grad_ready_ = std::move(cb); }
+  void set_grad_ready_callback(GradReadyCallback cb) {
+    grad_ready_ = cb;
+    block_->set_grad_ready_callback(std::move(cb));
+  }
 
   /// True for the tied-embedding copy a last stage without the embedding holds ("embedding.weight"
   /// with post_process && !pre_process && tie_word_embeddings): a checkpoint skips it.
@@ -167,11 +170,13 @@ class GPTModel {
   bool pre_process() const { return opts_.pre_process; }
   bool post_process() const { return opts_.post_process; }
   /// Transformer layers held by this model (chunk).
-  int64_t num_layers() const { return int64_t(layers_.size()); }
+  int64_t num_layers() const { return block_->num_layers(); }
   /// Their global indices, ascending.
   const std::vector<int64_t>& layer_indices() const { return layer_indices_; }
   /// The i-th layer held here (LOCAL index 0 .. num_layers() − 1; its global index is layer_indices()[i]).
-  TransformerLayer& layer(int64_t i) { return *layers_.at(size_t(i)); }
+  TransformerLayer& layer(int64_t i) { return block_->layer(i); }
+  /// The chunk's layers and (post_process) final norm.
+  TransformerBlock& block() { return *block_; }
   /// ValueError when this stage has no such module (embedding: pre_process, or the tied copy on a last
   /// stage; output layer / final norm: post_process).
   layers::VocabParallelEmbedding& embedding();
@@ -180,9 +185,6 @@ class GPTModel {
 
  private:
   void sync_tied_output_weight();
-  struct SpHold;  // sequence-parallel gradients set aside while a group's backward runs
-  SpHold begin_grad_group(const std::vector<layers::Parameter*>& group, const Stream& s);
-  void end_grad_group(const std::vector<layers::Parameter*>& group, SpHold& hold, const Stream& s);
 
   comm::Communicator& tp_;
   TransformerConfig cfg_;
@@ -190,13 +192,11 @@ class GPTModel {
   std::vector<int64_t> layer_indices_;
   std::unique_ptr<layers::VocabParallelEmbedding> embedding_;  // pre_process, or the tied copy
   layers::Parameter position_;  // learned positions [max_positions, h], replicated; undefined for RoPE
-  std::vector<std::unique_ptr<TransformerLayer>> layers_;
-  std::unique_ptr<layers::NormLayer> final_norm_;               // post_process
+  std::unique_ptr<TransformerBlock> block_;  // the layers, and the final norm on post_process
   std::unique_ptr<layers::ColumnParallelLinear> output_layer_;  // post_process
   std::unique_ptr<layers::VocabParallelCrossEntropy> loss_;     // post_process
   std::vector<layers::Parameter*> params_;
-  std::vector<layers::Parameter*> head_group_, embedding_group_;  // grad-ready groups
-  std::vector<std::vector<layers::Parameter*>> layer_groups_;
+  std::vector<layers::Parameter*> embedding_group_;  // grad-ready group (the others are the block's)
   GradReadyCallback grad_ready_;
   // Saved by forward (moved by stash_activations).
   Tensor logits_;     // [s, b, V/TP]

@@ -63,6 +63,11 @@ struct TransformerConfig {
   bool sequence_parallel = false;
   RecomputeGranularity recompute_granularity = RecomputeGranularity::None;
   uint64_t seed = 1234;
+  /// Overlap each column-parallel layer's backward TP collective (input-gradient all-reduce /
+  /// reduce-scatter, SP input re-gather) with its GEMMs, as Megatron-Core does
+  /// (ColumnParallelLinearOptions::overlap_grad_comm). Same results; default off because the CUDA
+  /// path (comm stream + events) has not yet been validated on a GPU.
+  bool tp_comm_overlap = false;
 
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0); }
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }

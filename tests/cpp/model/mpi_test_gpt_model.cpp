@@ -5,6 +5,9 @@
 // model built on the same rank from the same seed. Two micro-batches are accumulated on the TP model
 // (so the sequence-parallel gradient reduction is checked under accumulation) against twice the
 // reference's single backward. Full and selective recompute give bit-identical gradients to none.
+// With TP > 1 a third model with tp_comm_overlap (the column-parallel layers' backward collectives
+// overlapped with their GEMMs) runs the same micro-batches and must give the SAME loss, logits and
+// gradients as the model without it, bit-for-bit (it runs the same operations on the same operands).
 //
 // Tolerances: the TP model runs the same f32 arithmetic as the reference except for the order of
 // additions (TP partial GEMM products summed by all-reduce / reduce-scatter, vocab-parallel softmax
@@ -12,6 +15,8 @@
 // -np 4: loss identical to printing precision, logits ≤ 3e-7 and gradients ≤ 7e-7 relative error
 // (||a − b|| / ||b|| per tensor). We hold the loss to 1e-6 and logits and gradients to 1e-5.
 #include <cmath>
+#include <memory>
+#include <string>
 
 #include "layers/layers_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
@@ -86,12 +91,29 @@ void compare(comm::Communicator& tp1, comm::Communicator& tp, mdl::TransformerCo
   cfg.sequence_parallel = sp;
   mdl::GPTModel model(cfg, tp);
   REQUIRE(model.parameters().size() == ref.parameters().size());
+  std::unique_ptr<mdl::GPTModel> overlapped;
+  if (tpn > 1) {
+    mdl::TransformerConfig ocfg = cfg;
+    ocfg.tp_comm_overlap = true;
+    overlapped = std::make_unique<mdl::GPTModel>(ocfg, tp);
+    REQUIRE(overlapped->layer(0).mlp().fc1().options().overlap_grad_comm);
+    REQUIRE(overlapped->output_layer().options().overlap_grad_comm);
+  }
   for (int micro = 0; micro < 2; ++micro) {
     const double loss = model.forward(ctx, batch.tokens, batch.labels, batch.mask).item();
     CHECK(std::abs(loss - ref_loss) <= kLossTol * std::abs(ref_loss));
     require_close(full_logits(tp, model), ref_logits, kLogitsTol, "logits (gathered)");
     model.backward(ctx);
+    if (overlapped) {
+      CHECK(overlapped->forward(ctx, batch.tokens, batch.labels, batch.mask).item() == loss);
+      require_equal(overlapped->logits().contiguous(), model.logits().contiguous(), "logits (tp_comm_overlap)");
+      overlapped->backward(ctx);
+    }
   }
+  if (overlapped)
+    for (size_t i = 0; i < model.parameters().size(); ++i)
+      require_equal(overlapped->parameters()[i]->main_grad, model.parameters()[i]->main_grad,
+                    ("tp_comm_overlap gradient of " + model.parameters()[i]->name).c_str());
   for (size_t i = 0; i < ref.parameters().size(); ++i) {
     const ly::Parameter& pr = *ref.parameters()[i];
     const ly::Parameter& p = *model.parameters()[i];
