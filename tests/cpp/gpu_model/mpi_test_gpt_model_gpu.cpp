@@ -100,7 +100,7 @@ double rel(const Tensor& got, const Tensor& want) {
 void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Communicator& gpu_tp,
              mdl::TransformerConfig cfg, bool sp, DType dtype) {
   const int tpn = gpu_tp.size();
-  INFO("TP " << tpn << " SP " << sp << " dtype " << dtype_name(dtype) << " norm "
+  INFO("TP " << tpn << " SP " << sp << " overlap " << cfg.tp_comm_overlap << " dtype " << dtype_name(dtype) << " norm "
              << mdl::norm_type_name(cfg.normalization) << " tied " << cfg.tie_word_embeddings);
   const Batch batch = make_batch(cfg.vocab_size);
   ly::ForwardContext cpu_ctx;
@@ -173,8 +173,11 @@ TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP 
     };
     mdl::TransformerConfig llama = gpu_sized(mdl::presets::tiny_llama()), tied = llama;
     tied.tie_word_embeddings = true;
-    for (const mdl::TransformerConfig& cfg : {llama, tied, gpu_sized(mdl::presets::tiny_gpt2())})
-      for (bool sp : {false, true})
-        for (DType dt : {DType::BF16, DType::F16}) compare(grid1.tp(), grid.tp(), *gpu_tp, cfg, sp, dt);
+    for (mdl::TransformerConfig cfg : {llama, tied, gpu_sized(mdl::presets::tiny_gpt2())})
+      for (bool overlap : {false, true}) {  // TP collective overlapped with the weight-gradient GEMM (side stream)
+        cfg.tp_comm_overlap = overlap;
+        for (bool sp : {false, true})
+          for (DType dt : {DType::BF16, DType::F16}) compare(grid1.tp(), grid.tp(), *gpu_tp, cfg, sp, dt);
+      }
   }
 }
