@@ -124,6 +124,7 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   c.overlap_grad_reduce = get<bool>(p, "parallel", "overlap_grad_reduce");
   c.bucket_size = get<int64_t>(p, "parallel", "bucket_size");
   c.grad_reduce_in_bf16 = get<bool>(p, "parallel", "grad_reduce_in_bf16");
+  t.tp_comm_overlap = p.contains("tp_comm_overlap") && get<bool>(p, "parallel", "tp_comm_overlap");
 
   const json& d = section(j, "data");
   c.seq_length = get<int64_t>(d, "data", "seq_length");
@@ -349,6 +350,16 @@ void Trainer::Impl::build() {
               "at least max_steps × global_batch_size = {} samples", loader->num_steps(), cfg.global_batch_size,
               cfg.max_steps, cfg.max_steps * cfg.global_batch_size);
 
+  if (root) {
+    std::printf("megacore: world %d = TP %d x PP %d (VP %d) x CP %d x DP %d on %s | %lld layers, %s | micro-batch %lld x "
+                "%lld, %lld micro-batches per step | %s%s%s\n",
+                world.size(), pc.tensor, pc.pipeline, pc.virtual_pipeline, pc.context, dp(),
+                is_cuda() ? cuda_device_name(device.index).c_str() : "CPU", (long long)m.num_layers,
+                std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.micro_batch_size,
+                (long long)cfg.seq_length, (long long)num_micro, zero ? "ZeRO-1" : cfg.optimizer.c_str(),
+                m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "");
+    std::fflush(stdout);
+  }
   if (root && !cfg.log_dir.empty()) {
     if (cfg.jsonl) jsonl = std::make_unique<JsonlWriter>((fs::path(cfg.log_dir) / "metrics.jsonl").string());
     if (cfg.tensorboard) tb = std::make_unique<TensorBoardWriter>((fs::path(cfg.log_dir) / "tensorboard").string());

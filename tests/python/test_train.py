@@ -159,3 +159,17 @@ def test_f16_with_dynamic_loss_scaling(tmp_path):
     scales = [s["loss_scale"] for s in steps]
     assert scales[0] == 2.0**24 and min(scales) < 2.0**24  # backed off (hysteresis 2: after the second overflow)
     assert any(not s["skipped"] for s in steps)  # once the scale is low enough, updates go through
+
+
+@needs_mpi
+def test_tp_comm_overlap_gives_identical_training(tmp_path):
+    """parallel.tp_comm_overlap (the TP collective of the column-parallel backward overlapped with the
+    weight-gradient GEMM) reaches the layers through the recipe and changes no number: the same losses and
+    gradient norms, bit for bit, with sequence parallelism on."""
+    runs = []
+    for ov in (False, True):
+        r = _tiny(tmp_path, f"ov{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap=ov)
+        out = _train(r, tmp_path, f"ov{int(ov)}")
+        assert ("| tp_comm_overlap" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
+        runs.append(_metrics(r.logging.log_dir)[0])
+    assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]

@@ -124,6 +124,9 @@ class ParallelConfig:
     bucket_size: int = 0
     #: Reduce gradients in bf16 instead of f32.
     grad_reduce_in_bf16: bool = False
+    #: Overlap the column-parallel layers' backward TP collective with their weight-gradient GEMM (off until
+    #: validated on GPUs; bit-identical on CPU ranks).
+    tp_comm_overlap: bool = False
 
 
 @dataclass
