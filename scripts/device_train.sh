@@ -2,9 +2,10 @@
 # The 4-GPU validation run of the model/optimizer/pipeline/checkpoint/trainer issues (docs/gpu.md): builds the
 # working tree for sm_90a with the carried .deps bundle (cuDNN off unless CUDNN=ON: the attention path then uses
 # megacore's flash kernel), then, per PHASE:
-#   tests   single-GPU [gpu] tests, multi-rank [gpu] tests under mpirun -np 2 and 4, Python GPU tests
-#           (transformers logits vs megacore), and the llama32_1b recipe for 10 steps in DP4, TP2×DP2, PP2×DP2
-#           and TP2×PP2 (metrics JSONL kept);
+#   tests   single-GPU [gpu] tests, multi-rank [gpu] tests under mpirun -np 2 and 4 (incl. tp_comm_overlap),
+#           Python GPU tests (transformers logits vs megacore, the trainer learning on 1 and 4 GPUs), and the
+#           llama32_1b recipe for 12 steps in DP4, TP2×DP2, PP2×DP2 and TP2×PP2 with a checkpoint at the end
+#           (metrics JSONL kept);
 #   bench   model fwd+bwd vs HF, DDP/ZeRO scaling vs torch DDP, pipeline bubble, checkpoint save/load vs torch.save.
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json/.
 #   device run: bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4; PHASE=tests|bench|all)
@@ -34,7 +35,8 @@ if [ $PHASE = tests ] || [ $PHASE = all ]; then
     grep -E "\[gpu model\]|test cases|assertions" $OUT/gpu_mpi_np$np.log | sort -u | head -30
     grep -B4 -A14 "FAILED" $OUT/gpu_mpi_np$np.log | grep -v "^\[rank" | head -40
   done
-  step pytest_gpu 240 $PY -m pytest -q -x -rs tests/python/test_convert_transformers.py tests/python/test_dlpack_torch.py
+  step pytest_gpu 300 $PY -m pytest -q -rs -s tests/python/test_convert_transformers.py tests/python/test_dlpack_torch.py \
+    tests/python/test_train_gpu.py
   tail -5 $OUT/pytest_gpu.log
   for lay in "dp4:parallel.tp=1 parallel.pp=1" "tp2dp2:parallel.tp=2 parallel.pp=1" \
              "pp2dp2:parallel.tp=1 parallel.pp=2" "tp2pp2:parallel.tp=2 parallel.pp=2"; do
@@ -42,9 +44,10 @@ if [ $PHASE = tests ] || [ $PHASE = all ]; then
     step recipe_$name 200 $PY -m megacore.cli train --recipe llama32_1b --nproc-per-node 4 $sets \
       --set data.paths=embedded --set data.tokenizer=byte --set data.global_batch_size=32 --set data.seq=2048 \
       --set data.mbs=2 --set trainer.max_steps=12 --set trainer.val_check_interval=0 --set optim.lr_warmup_iters=2 \
-      --set checkpoint.save_dir= --set checkpoint.save_last=false --set logging.log_dir=$OUT/runs/$name \
+      --set checkpoint.save_dir=/tmp/ck/$name --set checkpoint.keep_last=1 --set logging.log_dir=$OUT/runs/$name \
       --set logging.tensorboard=false --set trainer.recompute=selective
-    grep -E "^step (1|6|12)/" $OUT/recipe_$name.log | cut -c1-200; grep -iE "error" $OUT/recipe_$name.log | head -3
+    grep -E "^step (1|6|12)/|checkpoint" $OUT/recipe_$name.log | cut -c1-200; grep -iE "error" $OUT/recipe_$name.log | head -3
+    rm -rf /tmp/ck/$name
     cp $OUT/runs/$name/metrics.jsonl $OUT/json/recipe_llama32_1b_$name.jsonl 2>/dev/null
   done
 fi
