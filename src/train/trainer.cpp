@@ -235,6 +235,10 @@ struct Trainer::Impl {
   Tensor forward_only(const Tensor& tokens, const Tensor& labels, const Tensor& mask, double* loss_tokens);
   std::string save();
   void load(const std::string& path, bool optimizer);
+  /// Resolves `path` and loads the model's parameters; the reader serves load_training_state.
+  checkpoint::CheckpointReader load_model(const std::string& path);
+  /// Optimizer state, step, scheduler, loss scaler and data position from an open checkpoint.
+  void load_training_state(checkpoint::CheckpointReader& reader);
 };
 
 void Trainer::Impl::build() {
@@ -321,13 +325,11 @@ void Trainer::Impl::build() {
                 "checkpoint.resume '{}' holds no complete checkpoint; give a step_<N> directory or a root with "
                 "'latest', or set resume = '' to start fresh", cfg.resume);
   }
-  if (resume_dir) load(*resume_dir, false);
+  std::optional<checkpoint::CheckpointReader> resumed;
+  if (resume_dir) resumed.emplace(load_model(*resume_dir));
   build_optimizer();
-  if (resume_dir) {
-    // The optimizer state is optional (a converted Hugging Face checkpoint has none): start it fresh then.
-    checkpoint::CheckpointReader reader(*resume_dir);
-    if (reader.json().count("trainer")) load(*resume_dir, true);
-  }
+  // The training state is optional (a converted Hugging Face checkpoint has none): the optimizer starts fresh then.
+  if (resumed && resumed->json().count("trainer")) load_training_state(*resumed);
 
   pipeline::PipelineEngineOptions eo;
   eo.dp = &grid->dp_cp();
@@ -587,12 +589,21 @@ std::string Trainer::Impl::save() {
   return dir;
 }
 
-void Trainer::Impl::load(const std::string& path, bool optimizer) {
+checkpoint::CheckpointReader Trainer::Impl::load_model(const std::string& path) {
   std::optional<std::string> dir = checkpoint::resolve_checkpoint(path);
   MC_CHECK_AS(IOError, dir.has_value(), "no complete checkpoint at '{}'", path);
   std::vector<checkpoint::ShardedTensor> targets = model_tensors();
-  checkpoint::CheckpointReader reader = checkpoint::load_checkpoint(&world, *dir, targets);
-  if (!optimizer) return;
+  return checkpoint::load_checkpoint(&world, *dir, targets);
+}
+
+void Trainer::Impl::load(const std::string& path, bool optimizer) {
+  checkpoint::CheckpointReader reader = load_model(path);
+  if (optimizer) load_training_state(reader);
+}
+
+void Trainer::Impl::load_training_state(checkpoint::CheckpointReader& reader) {
+  // Only the parameters' shard mapping is needed here (the optimizer state is mapped like its parameter).
+  const std::vector<checkpoint::ShardedTensor> targets = model_tensors();
   if (zero) {
     std::vector<optim::NamedTensor> state = zero->gathered_state();
     std::vector<checkpoint::ShardedTensor> st = checkpoint::shard_optimizer_state(state, targets);
