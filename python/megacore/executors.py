@@ -29,6 +29,16 @@ def _entry(config_path: str) -> list[str]:
     return ["-m", "megacore.train", "--config", config_path]
 
 
+def _sized(recipe, nodes: int, gpus_per_node: int):
+    """A copy of the recipe with the executor's sizes (0 keeps the recipe's own)."""
+    r = recipe.copy()
+    if nodes:
+        r.resources.num_nodes = nodes
+    if gpus_per_node:
+        r.resources.num_gpus_per_node = gpus_per_node
+    return r
+
+
 def _config_path(recipe, base_dir: str | None = None) -> str:
     d = base_dir or recipe.logging.log_dir or os.path.join("runs", recipe.name)
     return os.path.join(d, "recipe.json")
@@ -44,10 +54,8 @@ class LocalExecutor:
     env: dict = field(default_factory=dict)
 
     def launch(self, recipe, dryrun: bool = False) -> int:
-        n = self.nproc_per_node or recipe.resources.num_gpus_per_node
-        if recipe.resources.num_nodes != 1 or n != recipe.resources.num_gpus_per_node:
-            recipe = recipe.copy()
-            recipe.resources.num_nodes, recipe.resources.num_gpus_per_node = 1, n
+        recipe = _sized(recipe, 1, self.nproc_per_node or 0)  # one node: this one
+        n = recipe.resources.num_gpus_per_node
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
         cfg = _config_path(recipe)
@@ -79,10 +87,13 @@ class SlurmExecutor:
     env: dict = field(default_factory=dict)
     dryrun: bool = False
 
+    def _job_dir(self, recipe) -> str:
+        return self.job_dir or os.path.abspath(os.path.join("runs", recipe.name))
+
     def script(self, recipe) -> str:
-        nodes = self.nodes or recipe.resources.num_nodes
-        gpn = self.gpus_per_node or recipe.resources.num_gpus_per_node
-        job_dir = self.job_dir or os.path.abspath(os.path.join("runs", recipe.name))
+        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
+        nodes, gpn = recipe.resources.num_nodes, recipe.resources.num_gpus_per_node
+        job_dir = self._job_dir(recipe)
         cfg = os.path.join(job_dir, "recipe.json")
         lines = ["#!/bin/bash", f"#SBATCH --job-name={self.job_name or 'megacore-' + recipe.name}",
                  f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpn}", f"#SBATCH --gpus-per-node={gpn}",
@@ -106,18 +117,14 @@ class SlurmExecutor:
         return "\n".join(lines) + "\n"
 
     def launch(self, recipe, dryrun: bool | None = None) -> int:
-        recipe = recipe.copy()
-        if self.nodes:
-            recipe.resources.num_nodes = self.nodes
-        if self.gpus_per_node:
-            recipe.resources.num_gpus_per_node = self.gpus_per_node
+        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
         for w in recipe.validate(check_paths=not (self.dryrun if dryrun is None else dryrun)):
             print(f"megacore: warning: {w}", file=sys.stderr)
         text = self.script(recipe)
         if self.dryrun if dryrun is None else dryrun:
             print(text, end="")
             return 0
-        job_dir = self.job_dir or os.path.abspath(os.path.join("runs", recipe.name))
+        job_dir = self._job_dir(recipe)
         os.makedirs(job_dir, exist_ok=True)
         recipe.to_json(os.path.join(job_dir, "recipe.json"))
         path = os.path.join(job_dir, "job.sbatch")
@@ -151,12 +158,10 @@ class KubernetesExecutor:
     dryrun: bool = False
 
     def manifests(self, recipe) -> list[dict]:
-        nodes = self.nodes or recipe.resources.num_nodes
-        gpn = self.gpus_per_node or recipe.resources.num_gpus_per_node
+        rec = _sized(recipe, self.nodes, self.gpus_per_node)
+        nodes, gpn = rec.resources.num_nodes, rec.resources.num_gpus_per_node
         name = (self.name or f"megacore-{recipe.name}").lower().replace("_", "-")
         cm_name = f"{name}-recipe"
-        rec = recipe.copy()
-        rec.resources.num_nodes, rec.resources.num_gpus_per_node = nodes, gpn
         config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                       "metadata": {"name": cm_name, "namespace": self.namespace},
                       "data": {"recipe.json": rec.to_json()}}
@@ -198,11 +203,7 @@ class KubernetesExecutor:
         return "---\n".join(_yaml().safe_dump(m, sort_keys=False) for m in self.manifests(recipe))
 
     def launch(self, recipe, dryrun: bool | None = None) -> int:
-        recipe = recipe.copy()
-        if self.nodes:
-            recipe.resources.num_nodes = self.nodes
-        if self.gpus_per_node:
-            recipe.resources.num_gpus_per_node = self.gpus_per_node
+        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
         for w in recipe.validate(check_paths=False):
             print(f"megacore: warning: {w}", file=sys.stderr)
         text = self.render(recipe)
