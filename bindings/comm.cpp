@@ -32,11 +32,13 @@ CommOptions options_arg(const std::string& name, double timeout_s, bool check_sh
 }
 
 // Synchronous calls wait before returning; async_op=True hands the Work back instead.
-pyb::object finish(WorkPtr w, bool async_op) {
+// async_op: the Work is returned. Otherwise the call returns once `s` is ordered after the operation
+// (Work::wait_on, as torch.distributed does: NCCL does not block the host, MPI completes the operation).
+pyb::object finish(WorkPtr w, bool async_op, const Stream& s) {
   if (async_op) return pyb::cast(w);
   {
     pyb::gil_scoped_release nogil;
-    w->wait();
+    w->wait_on(s);
   }
   return pyb::none();
 }
@@ -50,7 +52,10 @@ void bind_comm(pyb::module_& root) {
 
   pyb::class_<Work, WorkPtr>(m, "Work", "Handle of an asynchronous collective.")
       .def("wait", &Work::wait, Release(), "Blocks until done; raises CommError on timeout or failure.")
-      .def("is_completed", &Work::is_completed);
+      .def("is_completed", &Work::is_completed)
+      .def("wait_on", &Work::wait_on, pyb::arg("stream"), Release(),
+           "Orders `stream` after the operation without blocking the host (NCCL); MPI waits like wait(). A "
+           "failure is then raised by the next operation on the communicator (the watchdog aborts it).");
 
   pyb::class_<Communicator>(m, "Communicator")
       .def_property_readonly("rank", &Communicator::rank)
@@ -60,22 +65,27 @@ void bind_comm(pyb::module_& root) {
       .def_property_readonly("world_ranks", &Communicator::world_ranks)
       .def_property_readonly("timeout_s", [](const Communicator& c) { return c.options().timeout.count() / 1000.0; })
       .def("all_reduce", [](Communicator& c, Tensor& t, const std::string& op, const pyb::object& st, bool async_op) {
-        return finish(c.all_reduce(t, op_arg(op), comm_stream(st, t)), async_op);
+        Stream s = comm_stream(st, t);
+        return finish(c.all_reduce(t, op_arg(op), s), async_op, s);
       }, pyb::arg("tensor"), pyb::arg("op") = "sum", pyb::arg("stream") = pyb::none(), pyb::arg("async_op") = false)
       .def("all_gather", [](Communicator& c, const Tensor& in, Tensor& out, const pyb::object& st, bool async_op) {
-        return finish(c.all_gather(in, out, comm_stream(st, in)), async_op);
+        Stream s = comm_stream(st, in);
+        return finish(c.all_gather(in, out, s), async_op, s);
       }, pyb::arg("input"), pyb::arg("output"), pyb::arg("stream") = pyb::none(), pyb::arg("async_op") = false)
       .def("reduce_scatter", [](Communicator& c, const Tensor& in, Tensor& out, const std::string& op,
                                 const pyb::object& st, bool async_op) {
-        return finish(c.reduce_scatter(in, out, op_arg(op), comm_stream(st, in)), async_op);
+        Stream s = comm_stream(st, in);
+        return finish(c.reduce_scatter(in, out, op_arg(op), s), async_op, s);
       }, pyb::arg("input"), pyb::arg("output"), pyb::arg("op") = "sum", pyb::arg("stream") = pyb::none(),
          pyb::arg("async_op") = false)
       .def("broadcast", [](Communicator& c, Tensor& t, int root_rank, const pyb::object& st, bool async_op) {
-        return finish(c.broadcast(t, root_rank, comm_stream(st, t)), async_op);
+        Stream s = comm_stream(st, t);
+        return finish(c.broadcast(t, root_rank, s), async_op, s);
       }, pyb::arg("tensor"), pyb::arg("root"), pyb::arg("stream") = pyb::none(), pyb::arg("async_op") = false)
       .def("all_to_all", [](Communicator& c, const Tensor& in, Tensor& out, const std::vector<int64_t>& sc,
                             const std::vector<int64_t>& rc, const pyb::object& st, bool async_op) {
-        return finish(c.all_to_all(in, out, sc, rc, comm_stream(st, in)), async_op);
+        Stream s = comm_stream(st, in);
+        return finish(c.all_to_all(in, out, sc, rc, s), async_op, s);
       }, pyb::arg("input"), pyb::arg("output"), pyb::arg("send_counts") = std::vector<int64_t>{},
          pyb::arg("recv_counts") = std::vector<int64_t>{}, pyb::arg("stream") = pyb::none(), pyb::arg("async_op") = false)
       .def("batch_send_recv", [](Communicator& c, const std::vector<std::tuple<std::string, Tensor, int>>& ops,
@@ -87,7 +97,8 @@ void bind_comm(pyb::module_& root) {
           v.push_back(P2POp{kind == "send" ? P2POp::Send : P2POp::Recv, t, peer});
           d = t.device();
         }
-        return finish(c.batch_send_recv(v, stream_arg(st, d)), async_op);
+        Stream s = stream_arg(st, d);
+        return finish(c.batch_send_recv(v, s), async_op, s);
       }, pyb::arg("ops"), pyb::arg("stream") = pyb::none(), pyb::arg("async_op") = false,
          "ops: list of ('send' | 'recv', tensor, peer)")
       .def("barrier", &Communicator::barrier, Release())
@@ -109,6 +120,8 @@ void bind_comm(pyb::module_& root) {
                            backend_name(c.backend()), c.rank(), c.size());
       });
 
+  m.def("check_health", &check_health,
+        "Raises CommError if the NCCL watchdog aborted a communicator since the last check (each once).");
   m.def("init_from_env", [](const std::string& device, const std::string& name, double timeout_s, bool check_shapes,
                             bool nccl_blocking) {
     CommOptions o = options_arg(name, timeout_s, check_shapes, nccl_blocking);
@@ -116,7 +129,7 @@ void bind_comm(pyb::module_& root) {
     if (device == "auto") return init_from_env(o);
     return init_from_env(Device::parse(device), o);
   }, pyb::arg("device") = "auto", pyb::arg("name") = "world", pyb::arg("timeout_s") = 600.0,
-     pyb::arg("check_shapes") = false, pyb::arg("nccl_blocking") = false,
+     pyb::arg("check_shapes") = false, pyb::arg("nccl_blocking") = true,
      "The world communicator (mpirun, srun, torchrun or megacore.launch): NCCL on GPUs, MPI on CPUs.");
 
   m.def("detect_launch_env", [] {

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
 #else
   int64_t min_bytes = 8, max_bytes = int64_t(1) << 30;
   int iters = 20, warmup = 5;
-  bool blocking = false;  // megacore's communicator in NCCL's blocking mode (default: non-blocking)
+  bool blocking = true;  // megacore's default: blocking NCCL calls (--non-blocking: every call non-blocking and polled)
   std::string out_path, ops_arg = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
     else if (a == "--ops") ops_arg = next();
     else if (a == "--out") out_path = next();
     else if (a == "--blocking") blocking = true;
+    else if (a == "--non-blocking") blocking = false;
   }
   int ndev = cuda_device_count();
   if (ndev == 0) {

@@ -16,6 +16,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(const void*, const CommOptio
 #endif
 
 #if !MEGACORE_WITH_NCCL
+void check_health() {}
 bool nccl_available() { return false; }
 int nccl_version() { return 0; }
 NcclUniqueId nccl_unique_id() {

@@ -1,8 +1,8 @@
 // Communicator: collectives and point-to-point transfers over a group of ranks.
 //
 // Two backends implement it: NCCL for CUDA tensors and MPI for host tensors. Every operation is
-// asynchronous and returns a Work handle; Work::wait() blocks the host until the operation is done
-// (for NCCL: until it is safe to use the result on the given stream). Every wait has a timeout
+// asynchronous and returns a Work handle; Work::wait() blocks the host until the operation is done,
+// Work::wait_on(stream) only orders a stream after it (NCCL; MPI waits on the host). Every wait has a timeout
 // (CommOptions::timeout): when it expires, when NCCL reports an error, or when a peer dies, the
 // communicator is aborted and CommError names the group, the operation, the ranks and the elapsed
 // time. Groups are values: make sub-groups with split(), pass them to layers explicitly.
@@ -33,9 +33,14 @@ struct CommOptions {
   /// Before each collective, agree on (op, dtype, element count) across ranks, so a mismatch is a
   /// clear error instead of a hang or corrupted data. Costs one small extra exchange per operation.
   bool check_shapes = false;
-  /// NCCL only: blocking communicator (ncclConfig_t.blocking). Non-blocking is what makes timeouts
-  /// and abort work; blocking is for debugging.
-  bool nccl_blocking = false;
+  /// NCCL only: operations are enqueued by blocking NCCL calls (ncclConfig_t.blocking = 1, as
+  /// PyTorch does). NCCL (2.2x) launches each operation of a non-blocking communicator from a new
+  /// thread, which costs ~100-200 µs per call; blocking calls cost a few µs. Both modes are timed out:
+  /// initialisation is always non-blocking (a blocking communicator is split off the initialised one),
+  /// a Work that does not complete is aborted by wait() or by the watchdog, and a call stuck inside
+  /// NCCL (connection setup with a dead peer) is aborted by the watchdog, which makes it return.
+  /// false keeps every call non-blocking and polled (slower; for debugging enqueue-side hangs).
+  bool nccl_blocking = true;
   /// NCCL only: CTA limits (0 = NCCL's default).
   int nccl_min_ctas = 0;
   int nccl_max_ctas = 0;
@@ -49,6 +54,17 @@ class Work {
   virtual void wait() = 0;
   /// True once the operation has finished (never throws; a failure surfaces in wait()).
   virtual bool is_completed() = 0;
+  /// Orders the work queued on stream `s` after the operation without blocking the host where the
+  /// backend allows it: NCCL makes `s` wait for the operation's completion event (nothing at all when
+  /// `s` is the stream it ran on); MPI, whose operations progress on the host, waits as wait() does.
+  /// The timeout and the error checks of an operation nobody host-waits are the NCCL watchdog's: it
+  /// aborts the communicator, which lets the waiting streams go on, and the next operation or wait on
+  /// that communicator throws CommError with the reason. Use it where the result is consumed on a
+  /// stream (the layers' TP collectives, pipeline receives); use wait() where the host needs it.
+  virtual void wait_on(const Stream& s) {
+    (void)s;
+    wait();
+  }
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -102,5 +118,11 @@ class Communicator {
   CommOptions options_;
   std::vector<int> world_ranks_;
 };
+
+/// Throws CommError if the NCCL watchdog has aborted a communicator of this process since the last call
+/// (each abort is reported once, with its reason). Operations nobody host-waits (Work::wait_on) fail
+/// silently on the device once aborted: call this at host synchronisation points (the trainer does it
+/// every step; Python's megacore.synchronize does it after synchronising).
+void check_health();
 
 }  // namespace megacore::comm

@@ -11,10 +11,15 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "comm/comm_detail.hpp"
+#include "megacore/core/allocator.hpp"
 #include "core/cuda/cuda_check.hpp"
 
 namespace megacore::comm {
@@ -109,11 +114,22 @@ struct NcclState {
   int device = 0;
   std::string name;  // backs ncclConfig_t::commName
   std::chrono::milliseconds timeout{0};
-  bool aborted = false;
+  // Held by the calling thread around every NCCL call on `comm`, so that an abort never frees the
+  // communicator under a call. A call stuck inside NCCL (a blocking enqueue waiting for a dead peer)
+  // keeps it: the watchdog then aborts without it, since ncclCommAbort is what makes that call return.
+  std::timed_mutex mu;
+  std::atomic<bool> aborting{false};
+  std::atomic<bool> aborted{false};
+  // The NCCL call in progress on the calling thread (for the watchdog): its start (0 when none) and name
+  // (the caller's string, alive until end_call, which clears it under call_mu).
+  std::atomic<int64_t> call_start_ns{0};
+  std::mutex call_mu;
+  std::string_view call_what;
+  std::mutex reason_mu;
   std::string abort_reason;
 
   ~NcclState() {
-    if (!comm) return;
+    if (!comm || aborting.load()) return;
     try {
       DeviceGuard g(device);
       // Finalize waits for the peers to quiesce; a peer that never does must not hang the destructor.
@@ -126,10 +142,60 @@ struct NcclState {
     }
   }
 
+  std::string reason() {
+    std::lock_guard<std::mutex> l(reason_mu);
+    return abort_reason;
+  }
+
+  // Marks the start and the end of an NCCL call made under `mu`.
+  void begin_call(std::string_view what) {
+    {
+      std::lock_guard<std::mutex> l(call_mu);
+      call_what = what;
+    }
+    call_start_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
+  }
+  void end_call() {
+    call_start_ns.store(0);
+    std::lock_guard<std::mutex> l(call_mu);
+    call_what = {};
+  }
+  // Seconds the current call has been running (0 when none), and its name.
+  double call_seconds(std::string* what) {
+    int64_t s = call_start_ns.load();
+    if (s == 0) return 0.0;
+    {
+      std::lock_guard<std::mutex> l(call_mu);
+      if (call_what.empty()) return 0.0;  // ended meanwhile
+      *what = std::string(call_what);
+    }
+    int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+    return double(now - s) * 1e-9;
+  }
+
+  // The communicator's asynchronous error state (ncclSuccess, ncclInProgress or an error); ncclInvalidUsage
+  // once aborted; ncclInProgress when `mu` is busy and `wait` is false (the watchdog does not queue behind
+  // a call in progress).
+  ncclResult_t async_error(bool wait = true) {
+    std::unique_lock<std::timed_mutex> l(mu, std::defer_lock);
+    if (wait) l.lock();
+    else if (!l.try_lock()) return ncclInProgress;
+    if (!comm || aborted.load()) return ncclInvalidUsage;
+    ncclResult_t st = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+    return r != ncclSuccess ? r : st;
+  }
+
+  // Aborts once with `reason`. Never call it while holding `mu`.
   void abort_now(std::string reason) {
-    if (aborted) return;
-    aborted = true;
-    abort_reason = std::move(reason);
+    if (aborting.exchange(true)) return;
+    {
+      std::lock_guard<std::mutex> l(reason_mu);
+      abort_reason = std::move(reason);
+    }
+    std::unique_lock<std::timed_mutex> l(mu, std::defer_lock);
+    const bool locked = l.try_lock_for(std::chrono::seconds(2));
+    aborted.store(true);
     if (comm) {
       try {
         DeviceGuard g(device);
@@ -137,22 +203,269 @@ struct NcclState {
       } catch (...) {
         ncclCommAbort(comm);
       }
-      comm = nullptr;
+      if (locked) comm = nullptr;  // else the stuck call still holds it; nobody uses it once `aborted` is set
     }
   }
 };
+
+// Completion events are reused (cudaEventCreate costs about a microsecond per operation otherwise).
+class EventPool {
+ public:
+  static cudaEvent_t get(int device) {
+    {
+      std::lock_guard<std::mutex> l(mu());
+      auto& v = free()[device];
+      if (!v.empty()) {
+        cudaEvent_t e = v.back();
+        v.pop_back();
+        return e;
+      }
+    }
+    DeviceGuard g(device);
+    cudaEvent_t e = nullptr;
+    MC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  static void put(int device, cudaEvent_t e) {
+    std::lock_guard<std::mutex> l(mu());
+    free()[device].push_back(e);
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex* m = new std::mutex();
+    return *m;
+  }
+  static std::map<int, std::vector<cudaEvent_t>>& free() {
+    static auto* f = new std::map<int, std::vector<cudaEvent_t>>();  // never destroyed (used at exit)
+    return *f;
+  }
+};
+
+// One enqueued operation: its completion event, when it was enqueued, and the external-memory tensors it
+// uses (kept alive until it has finished, so a stream-ordered wait can drop its Work at once; memory of
+// megacore's allocator is instead marked as used on the operation's stream, see protect_buffers).
+struct PendingOp {
+  std::weak_ptr<NcclState> st;
+  int device = 0;
+  cudaEvent_t event = nullptr;
+  cudaStream_t stream = nullptr;
+  Clock::time_point start;
+  std::string context;
+  std::vector<Tensor> keep;
+  std::atomic<bool> finished{false};
+
+  ~PendingOp() {
+    if (event) EventPool::put(device, event);
+  }
+  // Marks the op finished and releases its tensors; true for the one caller that did so.
+  bool finish() {
+    if (finished.exchange(true)) return false;
+    keep.clear();
+    return true;
+  }
+};
+
+// Reasons of the watchdog's aborts not yet reported by check_health().
+std::mutex g_unreported_mu;
+std::vector<std::string> g_unreported;
+
+// The watchdog: one thread that follows every live NCCL communicator and every operation enqueued on
+// one until its event completes, so that operations nobody host-waits (Work::wait_on) and calls stuck
+// inside NCCL still get the timeout and the error checks. When an operation has been pending, or a call
+// has been running, longer than its communicator's timeout, or NCCL reports an asynchronous error, it
+// aborts that communicator (ncclCommAbort stops the kernels stuck on it, so streams waiting for them
+// move on, and makes a stuck call return) and records why: the next operation or wait on the
+// communicator throws CommError with that reason. It runs while at least one NCCL communicator exists,
+// polls every millisecond while operations are pending and every 50 ms otherwise.
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static Watchdog* w = new Watchdog();  // never destroyed: the thread is joined when the last communicator goes
+    return *w;
+  }
+
+  void add_communicator(const std::shared_ptr<NcclState>& st) {
+    std::lock_guard<std::mutex> l(mu_);
+    states_.push_back(st);
+    if (users_++ == 0) {
+      if (thread_.joinable()) thread_.join();
+      stop_ = false;
+      thread_ = std::thread([this] { run(); });
+    }
+  }
+
+  void remove_communicator() {
+    std::thread t;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (--users_ > 0) return;
+      stop_ = true;
+      t = std::move(thread_);
+    }
+    cv_.notify_all();
+    if (t.joinable()) t.join();
+  }
+
+  void watch(std::shared_ptr<PendingOp> op) {
+    bool wake;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      wake = pending_.empty() && idle_;
+      pending_.push_back(std::move(op));
+    }
+    if (wake) cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    std::vector<std::shared_ptr<PendingOp>> mine;
+    std::vector<std::weak_ptr<NcclState>> states;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        idle_ = mine.empty();
+        cv_.wait_for(l, std::chrono::milliseconds(mine.empty() ? 50 : 1),
+                     [&] { return stop_ || (idle_ && !pending_.empty()); });
+        idle_ = false;
+        if (stop_) return;
+        for (auto& p : pending_) mine.push_back(std::move(p));
+        pending_.clear();
+        states_.erase(std::remove_if(states_.begin(), states_.end(), [](const auto& w) { return w.expired(); }),
+                      states_.end());
+        states = states_;
+      }
+      // Decide first, abort afterwards (abort_now may wait for the state's lock).
+      std::vector<std::pair<std::shared_ptr<NcclState>, std::string>> aborts;
+      auto abort_later = [&](std::shared_ptr<NcclState> st, std::string why) {
+        for (auto& [s, w] : aborts)
+          if (s == st) return;
+        aborts.emplace_back(std::move(st), std::move(why));
+      };
+      // Calls stuck inside NCCL, and asynchronous errors of communicators with nothing pending.
+      for (auto& w : states) {
+        std::shared_ptr<NcclState> st = w.lock();
+        if (!st || st->aborting.load()) continue;
+        std::string what;
+        double s = st->call_seconds(&what);
+        if (s * 1000.0 > double(st->timeout.count())) {
+          abort_later(st, fmt::format("{} has been inside NCCL for {:.1f} s (timeout {:.1f} s, found by the "
+                                      "watchdog): a peer it needs (connection setup, a blocking call) never came; "
+                                      "the communicator is aborted",
+                                      what, s, st->timeout.count() / 1000.0));
+        }
+      }
+      std::vector<NcclState*> error_checked;
+      for (size_t i = 0; i < mine.size();) {
+        PendingOp& op = *mine[i];
+        std::shared_ptr<NcclState> st = op.st.lock();
+        bool drop = op.finished.load() || !st || st->aborting.load();
+        if (!drop) {
+          DeviceGuard g(op.device);
+          cudaError_t e = cudaEventQuery(op.event);
+          if (e == cudaSuccess) {
+            op.finish();
+            drop = true;
+          } else if (e != cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            abort_later(st, fmt::format("{} failed: CUDA error {} ({})", op.context, cudaGetErrorName(e),
+                                        cudaGetErrorString(e)));
+          } else {
+            double elapsed = seconds_since(op.start);
+            if (elapsed * 1000.0 > double(st->timeout.count())) {
+              abort_later(st, fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s, found by the watchdog): "
+                                          "not every rank of the group joined it (a rank skipped it, posted a "
+                                          "different operation, or died); the communicator is aborted",
+                                          op.context, elapsed, st->timeout.count() / 1000.0));
+            } else if (std::find(error_checked.begin(), error_checked.end(), st.get()) == error_checked.end()) {
+              error_checked.push_back(st.get());
+              ncclResult_t r = st->async_error(/*wait=*/false);
+              if (r != ncclSuccess && r != ncclInProgress && !st->aborting.load()) {
+                abort_later(st, fmt::format("{} failed after {:.1f} s (found by the watchdog): {}", op.context, elapsed,
+                                            nccl_error(r, nullptr)));
+              }
+            }
+          }
+        }
+        if (drop) {
+          mine[i] = std::move(mine.back());
+          mine.pop_back();
+        } else {
+          ++i;
+        }
+      }
+      for (auto& [st, why] : aborts) {
+        fmt::print(stderr, "megacore: {}\n", why);
+        {
+          // Recorded before the abort: the abort is what lets a host synchronisation return, and
+          // check_health() right after it must see the reason.
+          std::lock_guard<std::mutex> l(g_unreported_mu);
+          g_unreported.push_back(fmt::format("group '{}': {}", st->name, why));
+        }
+        st->abort_now(why);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<PendingOp>> pending_;
+  std::vector<std::weak_ptr<NcclState>> states_;
+  std::thread thread_;
+  int users_ = 0;
+  bool stop_ = false;
+  bool idle_ = false;
+};
+
+// Registers a communicator's state with the watchdog for the communicator's lifetime.
+struct WatchdogUser {
+  explicit WatchdogUser(const std::shared_ptr<NcclState>& st) { Watchdog::get().add_communicator(st); }
+  ~WatchdogUser() { Watchdog::get().remove_communicator(); }
+  WatchdogUser(const WatchdogUser&) = delete;
+  WatchdogUser& operator=(const WatchdogUser&) = delete;
+};
+
+// The buffers of an operation must not be reused before it has finished. Blocks of megacore's allocator
+// are marked as used on the operation's stream (Allocator::record_stream: a freed block returns to its
+// pool once that stream has passed the free), so they are released as soon as their owners drop them, in
+// stream order; holding them until the watchdog sees the op complete would let a host that runs ahead
+// of the device pile up activation-sized buffers. Anything else (DLPack, from_blob) is returned to be
+// held until the operation has finished.
+std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, cudaStream_t stream) {
+  std::vector<Tensor> held;
+  const Device dev = Device::cuda(device);
+  for (Tensor& t : tensors) {
+    const auto& st = t.storage();
+    if (!st || !st->data()) continue;
+    bool recorded = false;
+    if (st->owned() && st->device() == dev) {
+      try {
+        Allocator::get(dev).record_stream(st->data(), Stream::from_native(dev, stream));
+        recorded = true;
+      } catch (const std::exception&) {
+        recorded = false;  // not a block the allocator knows: hold it instead
+      }
+    }
+    if (!recorded) held.push_back(std::move(t));
+  }
+  return held;
+}
 
 class NcclWork final : public Work {
  public:
   NcclWork(std::shared_ptr<NcclState> st, std::string context, cudaStream_t stream, std::vector<Tensor> keep,
            Clock::time_point start)
-      : st_(std::move(st)), context_(std::move(context)), start_(start), keep_(std::move(keep)) {
+      : st_(std::move(st)), op_(std::make_shared<PendingOp>()) {
+    op_->st = st_;
+    op_->device = st_->device;
+    op_->stream = stream;
+    op_->start = start;
+    op_->context = std::move(context);
+    op_->keep = protect_buffers(std::move(keep), st_->device, stream);
+    op_->event = EventPool::get(st_->device);
     DeviceGuard g(st_->device);
-    MC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    MC_CUDA_CHECK(cudaEventRecord(event_, stream));
-  }
-  ~NcclWork() override {
-    if (event_) cudaEventDestroy(event_);
+    MC_CUDA_CHECK(cudaEventRecord(op_->event, stream));
+    Watchdog::get().watch(op_);
   }
 
   bool is_completed() override {
@@ -167,37 +480,54 @@ class NcclWork final : public Work {
   void wait() override {
     Backoff backoff;
     while (!poll()) {
-      double elapsed = seconds_since(start_);
+      double elapsed = seconds_since(op_->start);
       if (elapsed * 1000.0 > double(st_->timeout.count())) {
         fail(fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s): not every rank of the group joined it (a "
                          "rank skipped it, posted a different operation, or died); the communicator is aborted",
-                         context_, elapsed, st_->timeout.count() / 1000.0));
+                         op_->context, elapsed, st_->timeout.count() / 1000.0));
       }
       backoff.pause();
     }
     if (!error_.empty()) throw CommError(error_);
   }
 
+  void wait_on(const Stream& s) override {
+    if (!error_.empty()) throw CommError(error_);
+    if (st_->aborted.load())
+      fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+    cudaStream_t target = nullptr;
+    if (!s.device().is_cpu()) {
+      MC_CHECK(s.device() == Device::cuda(st_->device), "{}: wait_on got a stream on {}, but the operation runs on "
+               "cuda:{}; pass a stream of the communicator's device", op_->context, s.device().str(), st_->device);
+      target = static_cast<cudaStream_t>(s.native());
+    }
+    if (done_ || target == op_->stream) return;  // stream order already holds
+    DeviceGuard g(st_->device);
+    MC_CUDA_CHECK(cudaStreamWaitEvent(target, op_->event, 0));
+  }
+
  private:
   // True once finished (successfully or with error_ set); throws CommError on a new failure.
   bool poll() {
     if (done_) return true;
-    if (st_->aborted) fail(fmt::format("{} failed: the communicator was aborted ({})", context_, st_->abort_reason));
-    cudaError_t e = cudaEventQuery(event_);
+    if (st_->aborted.load())
+      fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+    cudaError_t e = cudaEventQuery(op_->event);
     if (e == cudaSuccess) {
       done_ = true;
-      keep_.clear();
+      op_->finish();
       return true;
     }
     if (e != cudaErrorNotReady) {
       (void)cudaGetLastError();
-      fail(fmt::format("{} failed: CUDA error {} ({})", context_, cudaGetErrorName(e), cudaGetErrorString(e)));
+      fail(fmt::format("{} failed: CUDA error {} ({})", op_->context, cudaGetErrorName(e), cudaGetErrorString(e)));
     }
-    ncclResult_t st = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(st_->comm, &st);
-    if (r != ncclSuccess) st = r;
+    ncclResult_t st = st_->async_error();
     if (st != ncclSuccess && st != ncclInProgress) {
-      fail(fmt::format("{} failed after {:.1f} s: {}", context_, seconds_since(start_), nccl_error(st, st_->comm)));
+      if (st_->aborted.load())
+        fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+      fail(fmt::format("{} failed after {:.1f} s: {}", op_->context, seconds_since(op_->start),
+                       nccl_error(st, nullptr)));
     }
     return false;
   }
@@ -211,10 +541,7 @@ class NcclWork final : public Work {
   }
 
   std::shared_ptr<NcclState> st_;
-  std::string context_;
-  Clock::time_point start_;
-  std::vector<Tensor> keep_;
-  cudaEvent_t event_ = nullptr;
+  std::shared_ptr<PendingOp> op_;
   bool done_ = false;
   std::string error_;
 };
@@ -223,7 +550,7 @@ class NcclCommunicator final : public Communicator {
  public:
   // Takes ownership of an initialised communicator.
   NcclCommunicator(std::shared_ptr<NcclState> st, const CommOptions& options, std::vector<int> world_ranks)
-      : st_(std::move(st)) {
+      : st_(std::move(st)), watchdog_(st_) {
     options_ = options;
     MC_NCCL_CHECK(ncclCommUserRank(st_->comm, &rank_));
     MC_NCCL_CHECK(ncclCommCount(st_->comm, &size_));
@@ -392,16 +719,30 @@ class NcclCommunicator final : public Communicator {
     auto start = Clock::now();
     DeviceGuard g(st_->device);
     ncclComm_t nc = nullptr;
-    ncclResult_t r = ncclCommSplit(st_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
-    if (r == ncclInProgress || (r == ncclSuccess && !options_.nccl_blocking)) {
-      r = poll_state(nc ? nc : st_->comm, start + options_.timeout);
+    ncclResult_t r = ncclSuccess;
+    std::string detail;
+    {
+      std::lock_guard<std::timed_mutex> l(st_->mu);
+      if (!st_->comm || st_->aborted.load()) {
+        r = ncclInvalidUsage;
+        detail = "the communicator was aborted";
+      } else {
+        st_->begin_call("split");
+        r = ncclCommSplit(st_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
+        if (r == ncclInProgress || (r == ncclSuccess && !options.nccl_blocking)) {
+          r = poll_state(nc ? nc : st_->comm, start + options_.timeout);
+        }
+        st_->end_call();
+        if (st_->aborted.load()) r = ncclInvalidUsage, detail = "the communicator was aborted (" + st_->reason() + ")";
+        else if (r != ncclSuccess && r != ncclInProgress) detail = nccl_error(r, st_->comm);
+      }
     }
     if (r != ncclSuccess) {
       if (nc) ncclCommAbort(nc);
       std::string msg = r == ncclInProgress
                             ? fmt::format("{} timed out after {:.1f} s", error_context(*this, "split"),
                                           seconds_since(start))
-                            : fmt::format("{} failed: {}", error_context(*this, "split"), nccl_error(r, st_->comm));
+                            : fmt::format("{} failed: {}", error_context(*this, "split"), detail);
       st_->abort_now(msg);
       throw CommError(msg);
     }
@@ -413,13 +754,13 @@ class NcclCommunicator final : public Communicator {
   }
 
   void abort() override { st_->abort_now(fmt::format("abort() called on rank {}", rank_)); }
-  bool aborted() const override { return st_->aborted; }
+  bool aborted() const override { return st_->aborted.load(); }
 
  private:
   void usable(std::string_view op) {
-    if (st_->aborted) {
+    if (st_->aborted.load()) {
       raise<CommError>("{}: the communicator was aborted ({}); make a new one", error_context(*this, op),
-                       st_->abort_reason);
+                       st_->reason());
     }
   }
 
@@ -430,7 +771,7 @@ class NcclCommunicator final : public Communicator {
     return static_cast<cudaStream_t>(s.native());
   }
 
-  [[noreturn]] void fail(const std::string& what, Clock::time_point start, ncclResult_t r) {
+  [[noreturn]] void fail(const std::string& what, Clock::time_point start, ncclResult_t r, const std::string& detail) {
     std::string msg =
         r == ncclInProgress
             ? fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s) while being enqueued: not every rank of the "
@@ -438,23 +779,41 @@ class NcclCommunicator final : public Communicator {
                           "communicator is aborted",
                           error_context(*this, what), seconds_since(start), options_.timeout.count() / 1000.0)
             : fmt::format("{} failed after {:.1f} s: {}; the communicator is aborted", error_context(*this, what),
-                          seconds_since(start), nccl_error(r, st_->comm));
+                          seconds_since(start), detail);
     st_->abort_now(msg);
     throw CommError(msg);
   }
 
-  // Issues one NCCL call (or a group, see enqueue_group), waits out ncclInProgress, records the Work.
-  // An empty tensor (equal on every rank, or check_shapes would have said so) is not handed to NCCL,
-  // whose argument checks reject the null data pointer of a zero-byte tensor in some versions.
+  // Issues one NCCL call (or a group, see enqueue_group), waits out ncclInProgress, records the Work
+  // (which the watchdog follows from then on). An empty tensor (equal on every rank, or check_shapes
+  // would have said so) is not handed to NCCL, whose argument checks reject the null data pointer of a
+  // zero-byte tensor in some versions. The state's lock is held while NCCL is called, so the watchdog
+  // cannot abort the communicator under the call.
   template <class F>
   WorkPtr enqueue(std::string_view what, cudaStream_t stream, std::vector<Tensor> keep, F&& call) {
     DeviceGuard g(st_->device);
     auto start = Clock::now();
     bool empty = !keep.empty() && std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
-    ncclResult_t r = empty ? ncclSuccess : call();
-    if (r == ncclInProgress) r = poll_state(st_->comm, start + options_.timeout);
-    if (r != ncclSuccess) fail(std::string(what), start, r);
-    return std::make_shared<NcclWork>(st_, error_context(*this, what), stream, std::move(keep), start);
+    ncclResult_t r = ncclSuccess;
+    std::string detail;
+    bool was_aborted = false;
+    {
+      std::lock_guard<std::timed_mutex> l(st_->mu);
+      if (!st_->comm || st_->aborted.load()) {
+        was_aborted = true;
+      } else {
+        st_->begin_call(what);
+        r = empty ? ncclSuccess : call();
+        if (r == ncclInProgress) r = poll_state(st_->comm, start + options_.timeout);
+        st_->end_call();
+        if (st_->aborted.load()) was_aborted = true;  // the watchdog ended a call stuck inside NCCL
+        else if (r != ncclSuccess && r != ncclInProgress) detail = nccl_error(r, st_->comm);
+      }
+    }
+    if (was_aborted) usable(what);  // throws: the watchdog aborted it since the op's first check
+    if (r != ncclSuccess) fail(std::string(what), start, r, detail);
+    if (context_prefix_.empty()) context_prefix_ = error_context(*this, "");  // "group '..' (...) op "
+    return std::make_shared<NcclWork>(st_, context_prefix_ + std::string(what), stream, std::move(keep), start);
   }
 
   template <class F>
@@ -494,10 +853,24 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<NcclState> st_;
+  WatchdogUser watchdog_;
   Tensor barrier_buf_;
+  std::string context_prefix_;
 };
 
 }  // namespace
+
+void check_health() {
+  std::vector<std::string> errs;
+  {
+    std::lock_guard<std::mutex> l(g_unreported_mu);
+    errs.swap(g_unreported);
+  }
+  if (errs.empty()) return;
+  std::string more = errs.size() > 1 ? fmt::format(" (and {} more aborted communicators)", errs.size() - 1) : "";
+  raise<CommError>("the NCCL watchdog aborted a communicator: {}{}; results computed since then are invalid",
+                   errs.front(), more);
+}
 
 bool nccl_available() { return true; }
 
@@ -528,7 +901,12 @@ std::unique_ptr<Communicator> make_nccl_communicator(int rank, int size, const N
   st->device = device.index;
   st->name = options.name;
   st->timeout = options.timeout;
-  ncclConfig_t cfg = make_config(options, st->name);
+  // Initialisation is always non-blocking, so a rank that never arrives ends in a timeout instead of a
+  // hang. A blocking communicator (the default, see CommOptions::nccl_blocking) is then split off it
+  // (every rank is known to be present by then) and the non-blocking one retired.
+  CommOptions init_options = options;
+  init_options.nccl_blocking = false;
+  ncclConfig_t cfg = make_config(init_options, st->name);
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), id.size());
   DeviceGuard g(device.index);
@@ -544,6 +922,26 @@ std::unique_ptr<Communicator> make_nccl_communicator(int rank, int size, const N
                           : fmt::format("failed after {:.1f} s: {}", seconds_since(start), nccl_error(r, comm));
     if (comm) ncclCommAbort(comm);
     raise<CommError>("NCCL init of group '{}' (rank {} of {}, {}) {}", options.name, rank, size, device.str(), why);
+  }
+  if (options.nccl_blocking) {
+    ncclConfig_t bcfg = make_config(options, st->name);
+    ncclComm_t child = nullptr;
+    r = ncclCommSplit(comm, 0, rank, &child, &bcfg);
+    if (r == ncclInProgress || r == ncclSuccess) r = poll_state(child ? child : comm, start + options.timeout);
+    if (r != ncclSuccess || !child) {
+      std::string why = fmt::format("{} after {:.1f} s", r == ncclInProgress ? "timed out" : nccl_error(r, comm),
+                                    seconds_since(start));
+      if (child) ncclCommAbort(child);
+      ncclCommAbort(comm);
+      raise<CommError>("NCCL init of group '{}' (rank {} of {}, {}): making the blocking communicator failed: {}",
+                       options.name, rank, size, device.str(), why);
+    }
+    // Retire the init communicator: finalize (non-blocking, under the timeout), else abort it.
+    ncclResult_t f = ncclCommFinalize(comm);
+    if (f == ncclSuccess || f == ncclInProgress) f = poll_state(comm, Clock::now() + options.timeout);
+    if (f == ncclSuccess) ncclCommDestroy(comm);
+    else ncclCommAbort(comm);
+    comm = child;
   }
   st->comm = comm;
   std::vector<int> world(static_cast<size_t>(size));

@@ -101,7 +101,9 @@ TEST_CASE("nccl timeout: a rank that skips a collective", "[gpu][comm]") {
       std::string msg = e.what();
       INFO(msg);
       CHECK(msg.find("group 'tmo'") != std::string::npos);
-      CHECK(msg.find("timed out after") != std::string::npos);
+      // Either the host wait times out, or (blocking communicators) the first call on the communicator is
+      // stuck inside NCCL setting up its connections and the watchdog aborts it.
+      CHECK((msg.find("timed out after") != std::string::npos || msg.find("inside NCCL for") != std::string::npos));
     }
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     CHECK(elapsed < 5.0 + 15.0);
@@ -113,4 +115,64 @@ TEST_CASE("nccl timeout: a rank that skips a collective", "[gpu][comm]") {
   CHECK(c->aborted());
   Tensor u = Tensor::zeros({1}, DType::F32, my_device());
   CHECK_THROWS_AS(c->all_reduce(u), CommError);
+}
+
+TEST_CASE("nccl wait_on: stream-ordered waits, and the watchdog ends a skipped collective", "[gpu][comm]") {
+  MC_REQUIRE_GPU();
+  auto mpi = make_mpi_world();
+  CommOptions o = nccl_opts("wd");
+  o.timeout = 4s;
+  auto c = nccl_world(o);
+  const Device dev = my_device();
+  Stream side = Stream::create(dev), consumer = Stream::create(dev);
+  // Correct results through wait_on alone: the collective runs on `side`, the copy to the host is queued
+  // on `consumer` right after wait_on returns (no host wait in between), many times over.
+  for (int i = 0; i < 20; ++i) {
+    Tensor t = Tensor::full({int64_t(1) << 18}, double(c->rank() + i), DType::F32, dev, side);
+    c->all_reduce(t, ReduceOp::Sum, side)->wait_on(consumer);
+    std::vector<double> v = t.to(Device::cpu(), consumer).to_double_vector();
+    const double want = double(c->size()) * (c->size() - 1) / 2 + double(c->size()) * i;
+    REQUIRE(v.front() == want);
+    REQUIRE(v.back() == want);
+  }
+  // wait_on({}) orders the device's legacy default stream (what item() reads on).
+  Tensor one = Tensor::full({1}, 1.0, DType::F32, dev, consumer);
+  c->all_reduce(one, ReduceOp::Sum, consumer)->wait_on({});
+  CHECK(one.item() == double(c->size()));
+  if (mpi->size() < 2) return;
+  // Rank 1 skips a collective the others only stream-wait: nobody host-waits it, so the watchdog must
+  // find the timeout, abort the communicator (which frees the waiting streams), report it through
+  // check_health() and make the next operation throw CommError with the reason.
+  try {
+    check_health();  // drop what earlier cases left unreported
+  } catch (const CommError&) {
+  }
+  c->barrier();
+  if (c->rank() != 1) {
+    Tensor t = Tensor::full({4096}, 1.0, DType::F32, dev, side);
+    const auto start = std::chrono::steady_clock::now();
+    c->all_reduce(t, ReduceOp::Sum, side)->wait_on(consumer);
+    const double enqueue_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(enqueue_s < 1.0);  // the host did not wait
+    consumer.synchronize();  // returns once the abort has stopped the stuck kernel
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(elapsed >= 3.0);
+    CHECK(elapsed < 4.0 + 15.0);
+    CHECK(c->aborted());
+    CHECK_THROWS_AS(check_health(), CommError);
+    CHECK_NOTHROW(check_health());  // reported once
+    Tensor u = Tensor::zeros({1}, DType::F32, dev);
+    try {
+      c->all_reduce(u, ReduceOp::Sum, consumer);
+      FAIL("an operation on the aborted communicator did not throw");
+    } catch (const CommError& e) {
+      std::string msg = e.what();
+      INFO(msg);
+      CHECK(msg.find("group 'wd'") != std::string::npos);
+      CHECK(msg.find("found by the watchdog") != std::string::npos);
+    }
+  }
+  mpi->barrier();
+  c->abort();
+  CHECK(c->aborted());
 }
