@@ -67,9 +67,9 @@ Tensor VocabParallelCrossEntropy::forward(const ForwardContext& ctx, const Tenso
     sums.zero_(s);
   }
   Tensor global_max = local_max.clone(s);
-  tp_.all_reduce(global_max, comm::ReduceOp::Max, s)->wait();
+  tp_.all_reduce(global_max, comm::ReduceOp::Max, s)->wait_on(s);
   ops::cross_entropy_rescale_sum_exp(local_max, global_max, sum_exp, s);
-  tp_.all_reduce(sums, comm::ReduceOp::Sum, s)->wait();  // one collective for the three sums
+  tp_.all_reduce(sums, comm::ReduceOp::Sum, s)->wait_on(s);  // one collective for the three sums
   Tensor loss = Tensor::empty({n}, DType::F32, d, s);
   Tensor lse = Tensor::empty({n}, DType::F32, d, s);
   ops::cross_entropy_loss_from_stats(global_max, sum_exp, target, sum_logits, lab, vocab_, loss, lse, mask,

@@ -65,9 +65,10 @@ void check_features(int64_t in, int64_t out, std::string_view layer) {
 
 // One TP collective overlapped with compute (ColumnParallelLinear's overlap_grad_comm). On CUDA it
 // runs on `comm`: start() records an event on `compute` (after the producer and the output buffer's
-// allocation, both enqueued there) and makes `comm` wait for it before launching; finish() host-waits
-// the Work (NCCL blocks here, so call it only after the overlapped compute is enqueued) and makes
-// `compute` wait for everything queued on `comm`, so later kernels see the result and buffers freed on
+// allocation, both enqueued there) and makes `comm` wait for it before launching; finish() orders
+// `comm` after the Work (Work::wait_on: nothing for NCCL on its own stream, a host wait for MPI, so call
+// it only after the overlapped compute is enqueued) and makes `compute` wait for everything queued on
+// `comm`, so later kernels see the result and buffers freed on
 // `compute` are not reused before the collective is done with them. On the CPU both streams are the
 // host stream and the events are no-ops.
 class OverlappedCollective {
@@ -97,7 +98,7 @@ class OverlappedCollective {
   void finish() {
     if (!work_) return;
     comm::WorkPtr w = std::move(work_);
-    w->wait();
+    w->wait_on(comm_);
     if (!(comm_ == compute_)) compute_.wait(comm_);
   }
 
@@ -361,7 +362,7 @@ void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector
     if (p && p->sequence_parallel) {
       MC_CHECK(p->main_grad.is_contiguous(), "allreduce_sequence_parallel_grads: main_grad of '{}' is not contiguous; "
                "allocate gradients contiguous", p->name);
-      tp.all_reduce(p->main_grad, comm::ReduceOp::Sum, s)->wait();
+      tp.all_reduce(p->main_grad, comm::ReduceOp::Sum, s)->wait_on(s);
     }
 }
 

@@ -56,9 +56,11 @@ double bits_double(int64_t v) { return std::bit_cast<double>(v); }
 
 }  // namespace
 
-double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask, int64_t ignore_index) {
-  const std::vector<double> lab = labels.to_double_vector();
-  const std::vector<double> msk = loss_mask.defined() ? loss_mask.to_double_vector() : std::vector<double>();
+double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask, int64_t ignore_index, const Stream& s) {
+  // Device tensors are read on `s` (the stream they are ready on), host tensors directly.
+  const std::vector<double> lab = labels.to(Device::cpu(), s).to_double_vector();
+  const std::vector<double> msk =
+      loss_mask.defined() ? loss_mask.to(Device::cpu(), s).to_double_vector() : std::vector<double>();
   MC_CHECK(msk.empty() || msk.size() == lab.size(),
            "count_loss_tokens: loss_mask has {} elements but labels {}; pass one mask value per label", msk.size(),
            lab.size());
@@ -241,7 +243,7 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
 
   // The denominator comes from the inputs, which a data loader has on the host; reading them back from a
   // device is a sync, acceptable once per micro-batch.
-  loss_tokens_ = count_loss_tokens(labels, loss_mask, loss_->options().ignore_index);
+  loss_tokens_ = count_loss_tokens(labels, loss_mask, loss_->options().ignore_index, st);
   grad_scale_ = loss_tokens_ > 0 ? float(1.0 / loss_tokens_) : 0.f;
 
   // Σ loss on the device as a [1, N] × [N, 1] product, scaled by 1 / count.
@@ -353,7 +355,7 @@ void GPTModel::allreduce_tied_embedding_grads(comm::Communicator& embedding_grou
   if (!w || (opts_.pre_process && opts_.post_process) || embedding_group.size() == 1) return;
   MC_CHECK(w->main_grad.is_contiguous(), "GPTModel.allreduce_tied_embedding_grads: main_grad of '{}' is not "
            "contiguous; allocate gradients contiguous", w->name);
-  embedding_group.all_reduce(w->main_grad, comm::ReduceOp::Sum, s)->wait();
+  embedding_group.all_reduce(w->main_grad, comm::ReduceOp::Sum, s)->wait_on(s);
 }
 
 Tensor GPTModel::logits() const {

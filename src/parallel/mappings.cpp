@@ -45,14 +45,14 @@ Tensor all_gather_along(comm::Communicator& tp, const Tensor& x, int64_t dim, co
     Shape out_shape = in.shape();
     out_shape[0] *= parts;
     Tensor out = Tensor::empty(out_shape, in.dtype(), in.device(), s);
-    tp.all_gather(in, out, s)->wait();
+    tp.all_gather(in, out, s)->wait_on(s);
     return out;
   }
   // Last dim: gather into [TP, ..., h/TP], then move the TP axis next to the feature axis.
   Shape buf_shape{parts};
   buf_shape.insert(buf_shape.end(), in.shape().begin(), in.shape().end());
   Tensor buf = Tensor::empty(buf_shape, in.dtype(), in.device(), s);
-  tp.all_gather(in, buf, s)->wait();
+  tp.all_gather(in, buf, s)->wait_on(s);
   const int64_t nd = in.dim();
   std::vector<int64_t> perm;
   for (int64_t i = 1; i < nd; ++i) perm.push_back(i);
@@ -75,7 +75,7 @@ Tensor reduce_scatter_along_first(comm::Communicator& tp, const Tensor& x, const
   Shape out_shape = in.shape();
   out_shape[0] /= parts;
   Tensor out = Tensor::empty(out_shape, in.dtype(), in.device(), s);
-  tp.reduce_scatter(in, out, comm::ReduceOp::Sum, s)->wait();
+  tp.reduce_scatter(in, out, comm::ReduceOp::Sum, s)->wait_on(s);
   return out;
 }
 
@@ -83,7 +83,7 @@ Tensor all_reduce_sum(comm::Communicator& tp, Tensor x, const Stream& s) {
   MC_CHECK(x.defined(), "all_reduce_sum: the tensor is undefined; pass the activation or gradient to reduce");
   if (tp.size() == 1) return x;
   if (!x.is_contiguous()) x = x.contiguous(s);
-  tp.all_reduce(x, comm::ReduceOp::Sum, s)->wait();
+  tp.all_reduce(x, comm::ReduceOp::Sum, s)->wait_on(s);
   return x;
 }
 

@@ -136,7 +136,7 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
   std::vector<double> tokens(static_cast<size_t>(m));
   double local_tokens = 0;
   for (int64_t i = 0; i < m; ++i) {
-    tokens[size_t(i)] = model::count_loss_tokens(mbs[size_t(i)].labels, mbs[size_t(i)].loss_mask);
+    tokens[size_t(i)] = model::count_loss_tokens(mbs[size_t(i)].labels, mbs[size_t(i)].loss_mask, -100, st);
     local_tokens += tokens[size_t(i)];
   }
   double total_tokens = local_tokens;

@@ -75,10 +75,9 @@ void StageP2P::flush() {
       if (send) sends_.push_back(std::move(w));
       else recvs.emplace_back(std::move(w), ch.stream);
     }
-    for (auto& [w, stream] : recvs) {
-      w->wait();
-      compute_.wait(stream);  // the received tensor is ready for the compute stream
-    }
+    // The compute stream waits for the received tensors; the host does not (the watchdog enforces the
+    // timeout), so it can queue the next micro-batch's work while the transfer is still in flight.
+    for (auto& r : recvs) r.first->wait_on(compute_);
   } else {
     std::vector<comm::P2POp> sends, recvs;
     for (auto& op : ops) (op.kind == comm::P2POp::Send ? sends : recvs).push_back(op);

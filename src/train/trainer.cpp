@@ -435,6 +435,7 @@ StepMetrics Trainer::Impl::train_step() {
   pipeline::StepResult sr = engine->step(ctx, mbs, float(loss_scale));
   if (!tied.empty()) ddp->notify_grad_ready(tied);
   ddp->finish_grad_sync();
+  comm::check_health();  // a TP/PP collective the NCCL watchdog aborted during the step (stream-ordered waits)
 
   // Norm (tied copies counted once), NaN/Inf check, clipping and the update in one place; with f16 the
   // gradients carry the loss scale, which checked_step divides out and adjusts.

@@ -88,7 +88,8 @@ struct GPTModelOptions {
 
 /// Σ mask over tokens whose label is not ignore_index (host arithmetic; labels i32/i64, mask optional
 /// f32 of the same shape). The denominator of the model's mean loss.
-double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask = {}, int64_t ignore_index = -100);
+double count_loss_tokens(const Tensor& labels, const Tensor& loss_mask = {}, int64_t ignore_index = -100,
+                         const Stream& s = {});
 
 class GPTModel {
  public:

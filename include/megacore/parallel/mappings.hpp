@@ -20,8 +20,9 @@
 // returned tensor is the argument) because callers hand over a temporary they own — this saves an
 // activation-sized copy per layer. Pass x.clone() to keep the input. Splits return views of the
 // input when no copy is needed (seq splits) and contiguous copies otherwise (last-dim splits).
-// Every function returns after the collective has completed for `s` (Work::wait()); overlap of
-// these collectives with compute is left to the layers that need it.
+// Every function returns with `s` ordered after the collective (Work::wait_on: on NCCL the host does
+// not wait, on MPI it does); overlap of these collectives with compute is left to the layers that
+// need it.
 #pragma once
 
 #include "megacore/comm/communicator.hpp"

@@ -119,7 +119,7 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   mo.device = dev;
   mdl::GPTModel model(cfg, gpu_tp, mo);
   const double loss = model.forward(ctx, batch.tokens.to(dev, ctx.stream), batch.labels.to(dev, ctx.stream),
-                                    batch.mask.to(dev, ctx.stream)).item();
+                                    batch.mask.to(dev, ctx.stream)).to(Device::cpu(), ctx.stream).item();
   model.backward(ctx);
   ctx.stream.synchronize();
   Tensor logits = gather_host(mpi_tp, model.logits().contiguous(ctx.stream), -1);
