@@ -4,6 +4,7 @@
 #include <map>
 
 #include "bindings.hpp"
+#include "megacore/comm/communicator.hpp"
 
 namespace megacore::py {
 
@@ -154,8 +155,14 @@ void bind_core(pyb::module_& m) {
   m.def("empty_cache", [](const pyb::object& d) { Allocator::get(device_arg(d)).empty_cache(); }, pyb::arg("device") = "cuda:0");
   m.def("set_memory_limit", [](const pyb::object& d, int64_t b) { Allocator::get(device_arg(d)).set_memory_limit(b); },
         pyb::arg("device"), pyb::arg("bytes"));
-  m.def("synchronize", [](const pyb::object& d) { synchronize_device(device_arg(d)); }, pyb::arg("device") = "cuda:0",
-        pyb::call_guard<pyb::gil_scoped_release>());
+  m.def("synchronize", [](const pyb::object& d) {
+    const Device dev = device_arg(d);
+    {
+      pyb::gil_scoped_release nogil;
+      synchronize_device(dev);
+    }
+    comm::check_health();  // a collective the NCCL watchdog aborted ends here as CommError
+  }, pyb::arg("device") = "cuda:0");
 
   auto shape_of = [](const pyb::object& o) {
     if (pyb::isinstance<pyb::int_>(o)) return Shape{o.cast<int64_t>()};
@@ -229,8 +236,10 @@ void bind_core(pyb::module_& m) {
         return x.normal_(g, mean, std, stream_arg(st, x.device()));
       }, pyb::arg("generator"), pyb::arg("mean") = 0.0, pyb::arg("std") = 1.0, pyb::arg("stream") = pyb::none(),
          pyb::return_value_policy::reference_internal)
-      .def("item", &Tensor::item)
-      .def("tolist_flat", &Tensor::to_double_vector, "All elements as floats, row-major.")
+      // Host reads of a device tensor are ordered after the current stream (the one its producer ran on).
+      .def("item", [](const Tensor& t) { return t.to(Device::cpu(), current_stream(t.device())).item(); })
+      .def("tolist_flat", [](const Tensor& t) { return t.to(Device::cpu(), current_stream(t.device())).to_double_vector(); },
+           "All elements as floats, row-major.")
       .def("numpy", &as_numpy, "Zero-copy numpy view (the array keeps this tensor alive).")
       .def("__array__", [](const pyb::object& self, const pyb::object& dtype, const pyb::object& copy) {
         pyb::object a = as_numpy(self);
