@@ -6,6 +6,10 @@ llama32_1b, 1.24B parameters): bf16 parameters plus f32 master weights, exp_avg 
 14 bytes per parameter (~17 GB); --state params keeps only the bf16 parameters. Tensors live on
 --device (cuda: copied to host by both savers, as in training).
 
+Savers: megacore (temp dir, fsync, re-read and CRC check unless --no-verify, atomic rename), torch.save
+(returns with the bytes in the page cache) and torch.save + fsync (durable, like megacore). Loaders:
+megacore with CRC verification (its default) and without, torch.load.
+
 One process:   python benchmarks/checkpoint/bench_checkpoint.py --out results.json
 N GPUs:        mpirun -np 4 python benchmarks/checkpoint/bench_checkpoint.py --out results.json
 With N ranks, every tensor is split along dim 0 into N pieces (as TP/ZeRO would): rank r writes its piece
@@ -80,6 +84,8 @@ def main():
     world = mc.comm.init_from_env("cpu")  # MPI (or a singleton): the checkpoint's agreement collectives
     rank, n = world.rank, world.size
     dev = torch.device(args.device if args.device == "cpu" else f"cuda:{rank % max(1, torch.cuda.device_count())}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # DLPack export needs the tensor's device to be the current one
     cfg = getattr(model, args.preset)()
     g = torch.Generator(device=dev).manual_seed(rank)
     state = {}  # name -> (local torch tensor, global shape, offsets)
@@ -120,18 +126,32 @@ def main():
     mc_tensors = [(k, mc.from_dlpack(t), gs, off) for k, (t, gs, off) in state.items()]
     torch_state = {k: t for k, (t, _, _) in state.items()}
     torch_file = os.path.join(torch_dir, f"rank{rank}.pt")
-    res = {"mc_save": [], "mc_load": [], "torch_save": [], "torch_load": []}
+    def torch_save_durable():
+        # torch.save returns once the bytes are in the page cache; megacore's save returns once they are on
+        # disk (fsync). This is the like-for-like figure: torch.save followed by an fsync of its file.
+        torch.save(torch_state, torch_file)
+        fd = os.open(torch_file, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    res = {"mc_save": [], "mc_load": [], "mc_load_noverify": [], "torch_save": [], "torch_save_fsync": [],
+           "torch_load": []}
     evicted = True
     for rep in range(args.repeats):
         res["mc_save"].append(timed(lambda: ck.save(world, mc_root, rep, mc_tensors, verify=not args.no_verify)))
         res["torch_save"].append(timed(lambda: torch.save(torch_state, torch_file)))
+        res["torch_save_fsync"].append(timed(torch_save_durable))
+        mc_files = files_under(os.path.join(mc_root, f"step_{rep}"))
         if not args.warm:
-            evicted &= evict(files_under(os.path.join(mc_root, f"step_{rep}")) + [torch_file])
+            evicted &= evict(mc_files + [torch_file])
         dst = [(k, mc.from_dlpack(torch.empty_like(t)), gs, off) for k, (t, gs, off) in state.items()]
         res["mc_load"].append(timed(lambda: ck.load(world, mc_root, dst, verify=not args.no_verify)))
         if rep == 0:  # correctness of the round trip, once
             for (k, (t, _, _)), (_, d, _, _) in zip(state.items(), dst):
                 assert torch.equal(torch.from_dlpack(d), t), k
+        if not args.warm:
+            evicted &= evict(mc_files)
+        res["mc_load_noverify"].append(timed(lambda: ck.load(world, mc_root, dst, verify=False)))
         del dst
         res["torch_load"].append(timed(lambda: torch.load(torch_file, map_location=dev)))
     if rank == 0:
