@@ -243,7 +243,7 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
 
   // The denominator comes from the inputs, which a data loader has on the host; reading them back from a
   // device is a sync, acceptable once per micro-batch.
-  loss_tokens_ = count_loss_tokens(labels, loss_mask, loss_->options().ignore_index, st);
+  loss_tokens_ = ctx.loss_tokens >= 0 ? ctx.loss_tokens : count_loss_tokens(labels, loss_mask, loss_->options().ignore_index, st);
   grad_scale_ = loss_tokens_ > 0 ? float(1.0 / loss_tokens_) : 0.f;
 
   // Σ loss on the device as a [1, N] × [N, 1] product, scaled by 1 / count.

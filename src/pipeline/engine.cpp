@@ -197,7 +197,9 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
         p2p.flush();
         Tensor in = chunk.pre_process() ? Tensor() : take(inputs, key, op);
         busy.begin();
-        Tensor out = chunk.forward_stage(ctx, in, mb.tokens, mb.labels, mb.loss_mask);
+        ly::ForwardContext fctx = ctx;
+        fctx.loss_tokens = tokens[size_t(op.microbatch)];  // counted above: no device read-back per micro-batch
+        Tensor out = chunk.forward_stage(fctx, in, mb.tokens, mb.labels, mb.loss_mask);
         stash.emplace(key, chunk.stash_activations());
         busy.end();
         if (chunk.post_process()) losses[size_t(op.microbatch)] = out;

@@ -12,6 +12,10 @@ struct ForwardContext {
   Stream stream;
   /// When false, forward saves nothing and backward is refused (evaluation / inference).
   bool training = true;
+  /// The loss-token count of the micro-batch (model::count_loss_tokens of its labels and mask) when the
+  /// caller already has it, e.g. the pipeline engine; negative: the model counts them itself, which for
+  /// labels on a GPU is a device-to-host read (the host waits for the forward queued so far).
+  double loss_tokens = -1.0;
 };
 
 }  // namespace megacore::layers
