@@ -49,7 +49,7 @@ std::vector<ShardedTensor> sharded_arg(const pyb::object& tensors) {
     // The box is the local tensor clipped to the global one (vocabulary padding rows fall off the end).
     Shape box = st.local.shape();
     for (size_t d = 0; d < box.size(); ++d) box[d] = std::max<int64_t>(0, std::min(box[d], st.global_shape[d] - offs[d]));
-    st.pieces.push_back({Shape(offs.size(), 0), offs, box});
+    st.pieces.push_back({Shape(offs.size(), 0), offs, box, Tensor()});
     st.write = t.size() == 5 ? t[4].cast<bool>() : true;
     out.push_back(std::move(st));
   }

@@ -90,9 +90,14 @@ std::string shard_file_name(int rank) { return fmt::format("shard_{:05d}.safeten
 std::string fragment_file_name(int rank) { return fmt::format("shard_{:05d}.json", rank); }
 
 std::string entry_key(const std::string& name, const Shape& offsets) {
-  std::string k = name + "[";
-  for (size_t i = 0; i < offsets.size(); ++i) k += (i ? "," : "") + std::to_string(offsets[i]);
-  return k + "]";
+  std::string k = name;
+  k += '[';
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    if (i) k += ',';
+    k += std::to_string(offsets[i]);
+  }
+  k += ']';
+  return k;
 }
 
 int64_t volume(const Shape& s) {
@@ -295,13 +300,25 @@ std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, co
                "save_checkpoint: tensor name '{}' is empty or contains '['; rename it", t.name);
       MC_CHECK(names.insert(t.name).second, "save_checkpoint: tensor '{}' is described twice on rank {}", t.name,
                world.rank());
-      if (!t.write) continue;
-      MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
-      MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
-               t.name, dtype_name(t.dtype), dtype_name(t.local.dtype()));
+      if (!t.write || t.pieces.empty()) continue;  // nothing of it on this rank (e.g. a ZeRO shard elsewhere)
+      const bool own_data = !t.pieces.empty() && std::all_of(t.pieces.begin(), t.pieces.end(),
+                                                             [](const ShardPiece& p) { return p.data.defined(); });
+      if (!own_data) {
+        MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
+        MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
+                 t.name, dtype_name(t.dtype), dtype_name(t.local.dtype()));
+      }
       for (const ShardPiece& p : t.pieces) {
-        Tensor v = t.local;
-        for (size_t d = 0; d < p.shape.size(); ++d) v = v.narrow(int64_t(d), p.local_offsets[d], p.shape[d]);
+        Tensor v = p.data;
+        if (v.defined()) {
+          MC_CHECK(v.shape() == p.shape && v.dtype() == t.dtype, "save_checkpoint: a piece of '{}' holds {} {} but is "
+                   "described as {} {}", t.name, dtype_name(v.dtype()), shape_str(v.shape()), dtype_name(t.dtype),
+                   shape_str(p.shape));
+        } else {
+          MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
+          v = t.local;
+          for (size_t d = 0; d < p.shape.size(); ++d) v = v.narrow(int64_t(d), p.local_offsets[d], p.shape[d]);
+        }
         add(t.name, t.global_shape, t.dtype, v, p.global_offsets);
       }
     }
@@ -614,9 +631,39 @@ void CheckpointReader::load(ShardedTensor& target) {
     raise<IOError>("checkpoint '{}': tensor '{}' is stored as {} but the model expects {}; load into a model with "
                    "params_dtype {} (or convert the checkpoint)",
                    dir_, target.name, dtype_name(m.dtype), dtype_name(target.dtype), dtype_name(m.dtype));
+  if (target.pieces.empty()) return;  // this rank needs none of it (e.g. a ZeRO shard owned elsewhere)
+  bool own_data = false;
+  for (const ShardPiece& p : target.pieces)
+    if (p.data.defined()) {
+      own_data = true;
+      MC_CHECK(p.data.shape() == p.shape && p.data.dtype() == target.dtype, "checkpoint load: a piece of '{}' holds "
+               "{} {} but is described as {} {}", target.name, dtype_name(p.data.dtype()), shape_str(p.data.shape()),
+               dtype_name(target.dtype), shape_str(p.shape));
+    }
+  if (own_data) {
+    // Pieces with their own tensors (ZeRO shards): each one is loaded as a one-piece target of its own.
+    for (const ShardPiece& p : target.pieces) {
+      MC_CHECK(p.data.defined(), "checkpoint load: target '{}' mixes pieces with and without their own data",
+               target.name);
+      ShardedTensor one;
+      one.name = target.name;
+      one.global_shape = target.global_shape;
+      one.dtype = target.dtype;
+      one.local = p.data;
+      one.pieces.push_back({Shape(p.shape.size(), 0), p.global_offsets, p.shape, Tensor()});
+      load(one);
+    }
+    return;
+  }
   MC_CHECK(target.local.defined() && target.local.dtype() == target.dtype,
            "checkpoint load: target '{}' has no local tensor of dtype {}", target.name, dtype_name(target.dtype));
-  Tensor host = target.local.device().is_cpu() ? target.local : target.local.to(Device::cpu());
+  // A device target is filled through a host staging copy. When its pieces cover it completely (the usual
+  // case; not the padded vocabulary rows) nothing of the old contents survives, so it is not copied down.
+  int64_t covered = 0;
+  for (const ShardPiece& p : target.pieces) covered += volume(p.shape);
+  Tensor host = target.local.device().is_cpu()      ? target.local
+                : covered == target.local.numel() ? Tensor::empty(target.local.shape(), target.local.dtype())
+                                                  : target.local.to(Device::cpu());
   for (const ShardPiece& p : target.pieces) {
     int64_t filled = 0;
     for (const TensorMeta::Shard& s : m.shards) {
@@ -672,7 +719,7 @@ Tensor CheckpointReader::load_full(const std::string& name) {
   t.global_shape = m.global_shape;
   t.dtype = m.dtype;
   t.local = Tensor::empty(m.global_shape, m.dtype);
-  t.pieces.push_back({Shape(m.global_shape.size(), 0), Shape(m.global_shape.size(), 0), m.global_shape});
+  t.pieces.push_back({Shape(m.global_shape.size(), 0), Shape(m.global_shape.size(), 0), m.global_shape, Tensor()});
   load(t);
   return t.local;
 }

@@ -8,6 +8,7 @@
 
 #include "megacore/core/error.hpp"
 #include "megacore/model/gpt_model.hpp"
+#include "megacore/optim/distributed_optimizer.hpp"
 #include "megacore/optim/optimizer.hpp"
 #include "megacore/parallel/process_grid.hpp"
 
@@ -83,7 +84,7 @@ ShardedTensor replicated_tensor(const std::string& name, const Tensor& t, bool w
   st.dtype = t.dtype();
   st.local = t;
   st.write = write;
-  st.pieces.push_back({Shape(t.shape().size(), 0), Shape(t.shape().size(), 0), t.shape()});
+  st.pieces.push_back({Shape(t.shape().size(), 0), Shape(t.shape().size(), 0), t.shape(), Tensor()});
   return st;
 }
 
@@ -133,7 +134,7 @@ ShardedTensor shard_parameter(const layers::Parameter& p, const ShardLayout& lay
     const int64_t g0 = j * B + layout.tp_rank * b;
     const int64_t g1 = std::min(g0 + b, gs[size_t(d)]);
     if (g1 <= g0) continue;  // all padding
-    ShardPiece piece{Shape(size_t(nd), 0), Shape(size_t(nd), 0), ls};
+    ShardPiece piece{Shape(size_t(nd), 0), Shape(size_t(nd), 0), ls, Tensor()};
     piece.local_offsets[size_t(d)] = j * b;
     piece.global_offsets[size_t(d)] = g0;
     piece.shape[size_t(d)] = g1 - g0;
@@ -152,7 +153,7 @@ std::vector<ShardedTensor> shard_model(const model::GPTModel& m, const ShardLayo
         p->partition_dim == 0)
       gs = {cfg.vocab_size, p->data.size(1)};
     ShardedTensor st = shard_parameter(*p, layout, gs);
-    if (m.is_tied_copy(*p)) st.write = false;  // the first stage writes the tied embedding
+    if (m.is_tied_copy(*p)) st.write = false, st.tied_copy = true;  // the first stage writes the tied embedding
     out.push_back(std::move(st));
   }
   return out;
@@ -183,6 +184,113 @@ std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedT
     st.dtype = nt.tensor.dtype();
     st.local = nt.tensor;
     out.push_back(std::move(st));
+  }
+  return out;
+}
+
+std::vector<std::pair<Shape, Shape>> flat_range_boxes(const Shape& shape, int64_t begin, int64_t end) {
+  const int64_t n = int64_t(shape.size());
+  int64_t total = 1;
+  for (int64_t d : shape) total *= d;
+  MC_CHECK(0 <= begin && begin <= end && end <= total, "flat_range_boxes: range [{}, {}) is outside a tensor of {} "
+           "elements", begin, end, total);
+  std::vector<std::pair<Shape, Shape>> out;
+  if (n == 0) {
+    if (begin < end) out.push_back({{}, {}});
+    return out;
+  }
+  std::vector<int64_t> stride(size_t(n), 1);
+  for (int64_t d = n - 2; d >= 0; --d) stride[size_t(d)] = stride[size_t(d + 1)] * shape[size_t(d + 1)];
+  int64_t a = begin;
+  while (a < end) {
+    // The outermost dimension d whose unit (stride[d]) `a` is aligned to and that still fits before `end`.
+    int64_t d = n - 1;
+    while (d > 0 && a % stride[size_t(d - 1)] == 0 && a + stride[size_t(d - 1)] <= end) --d;
+    const int64_t idx = (a / stride[size_t(d)]) % shape[size_t(d)];
+    const int64_t count = std::min(shape[size_t(d)] - idx, (end - a) / stride[size_t(d)]);
+    Shape off(static_cast<size_t>(n), 0), sz(static_cast<size_t>(n), 1);
+    int64_t rem = a;
+    for (int64_t k = 0; k < n; ++k) {
+      off[size_t(k)] = rem / stride[size_t(k)];
+      rem %= stride[size_t(k)];
+    }
+    sz[size_t(d)] = count;
+    for (int64_t k = d + 1; k < n; ++k) sz[size_t(k)] = shape[size_t(k)];
+    out.push_back({std::move(off), std::move(sz)});
+    a += count * stride[size_t(d)];
+  }
+  return out;
+}
+
+std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& opt,
+                                            const std::vector<ShardedTensor>& params, const ShardLayout& layout,
+                                            const std::string& prefix) {
+  std::map<std::string, const ShardedTensor*> by_name;
+  for (const ShardedTensor& p : params) by_name[p.name] = &p;
+  const std::vector<layers::Parameter*>& ps = opt.parameters();
+  static const char* kinds[3] = {"master", "exp_avg", "exp_avg_sq"};
+  // One ShardedTensor per (parameter, kind), in parameter order.
+  std::vector<ShardedTensor> out(3 * ps.size());
+  std::vector<int64_t> row_size(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const layers::Parameter& p = *ps[i];
+    auto it = by_name.find(p.name);
+    MC_CHECK(it != by_name.end(),
+             "shard_zero_state: the optimizer's parameter '{}' is not among the {} described parameters; describe the "
+             "model's parameters first (shard_model) and pass them",
+             p.name, params.size());
+    const ShardedTensor& desc = *it->second;
+    MC_CHECK(desc.local.shape() == p.data.shape(), "shard_zero_state: '{}' is described with local shape {} but the "
+             "parameter is {}", p.name, shape_text(desc.local.shape()), shape_text(p.data.shape()));
+    // Whether this rank's copy is the one to write, ignoring DP (every DP rank owns different elements):
+    // TP-partitioned or TP rank 0, and not the tied embedding's copy on the last pipeline stage.
+    const bool tp_writer = p.partition_dim >= 0 || layout.tp_rank == 0;
+    const bool tied_copy = desc.tied_copy;
+    for (int k = 0; k < 3; ++k) {
+      ShardedTensor& st = out[3 * i + size_t(k)];
+      st.name = prefix + p.name + "." + kinds[k];
+      st.global_shape = desc.global_shape;
+      st.dtype = DType::F32;
+      st.write = tp_writer && !tied_copy;
+    }
+    for (const ShardPiece& pc : desc.pieces)
+      for (size_t d = 1; d < pc.shape.size(); ++d)
+        MC_CHECK(pc.local_offsets[d] == 0 && pc.shape[d] == p.data.size(int64_t(d)),
+                 "shard_zero_state: '{}' is described by pieces that are not whole rows of its local tensor; ZeRO "
+                 "state can only be mapped for row-range pieces",
+                 p.name);
+    row_size[i] = p.data.dim() == 0 ? 1 : p.data.numel() / std::max<int64_t>(1, p.data.size(0));
+  }
+  for (const optim::DistributedOptimizer::OwnedRange& r : opt.owned_ranges()) {
+    const layers::Parameter& p = *ps[r.param];
+    const ShardedTensor& desc = *by_name.at(p.name);
+    const Tensor views[3] = {r.master, r.exp_avg, r.exp_avg_sq};
+    for (const ShardPiece& pc : desc.pieces) {
+      // The piece is rows [r0, r0 + rows) of the local tensor: a flat range; intersect with the owned one.
+      const int64_t r0 = pc.shape.empty() ? 0 : pc.local_offsets[0];
+      const int64_t rows = pc.shape.empty() ? 1 : pc.shape[0];
+      const int64_t lo = std::max(r.param_offset, r0 * row_size[r.param]);
+      const int64_t hi = std::min(r.param_offset + r.numel, (r0 + rows) * row_size[r.param]);
+      if (lo >= hi) continue;
+      for (const auto& [off, shape] : flat_range_boxes(p.data.shape(), lo, hi)) {
+        int64_t flat = 0, vol = 1, stride = 1;
+        for (int64_t d = int64_t(shape.size()) - 1; d >= 0; --d) {
+          flat += off[size_t(d)] * stride;
+          stride *= p.data.size(d);
+          vol *= shape[size_t(d)];
+        }
+        Shape global(off.size());
+        for (size_t d = 0; d < off.size(); ++d) global[d] = off[d] - pc.local_offsets[d] + pc.global_offsets[d];
+        for (int k = 0; k < 3; ++k) {
+          ShardPiece piece;
+          piece.local_offsets = Shape(off.size(), 0);
+          piece.global_offsets = global;
+          piece.shape = shape;
+          piece.data = views[k].narrow(0, flat - r.param_offset, vol).view(shape);
+          out[3 * r.param + size_t(k)].pieces.push_back(std::move(piece));
+        }
+      }
+    }
   }
   return out;
 }

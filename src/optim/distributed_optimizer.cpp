@@ -307,6 +307,27 @@ void DistributedOptimizer::load_gathered_state(const std::vector<NamedTensor>& s
   write_masters_to_params();
 }
 
+std::vector<DistributedOptimizer::OwnedRange> DistributedOptimizer::owned_ranges() const {
+  std::vector<OwnedRange> out;
+  out.reserve(segments_.size());
+  for (const Segment& s : segments_) {
+    const size_t b = size_t(s.bucket);
+    out.push_back({s.param, s.param_off, s.len, master_[b].narrow(0, s.shard_off, s.len),
+                   exp_avg_[b].narrow(0, s.shard_off, s.len), exp_avg_sq_[b].narrow(0, s.shard_off, s.len)});
+  }
+  std::stable_sort(out.begin(), out.end(), [](const OwnedRange& a, const OwnedRange& b) {
+    return a.param != b.param ? a.param < b.param : a.param_offset < b.param_offset;
+  });
+  return out;
+}
+
+void DistributedOptimizer::finish_load(int64_t step_count) {
+  MC_CHECK(step_count >= 0, "DistributedOptimizer.finish_load: step count {} must be >= 0", step_count);
+  finish_param_gather();
+  step_ = step_count;
+  write_masters_to_params();
+}
+
 void DistributedOptimizer::write_masters_to_params() {
   const ParamAndGradBuffer& buf = ddp_.buffer();
   // The state was copied in on the legacy default stream (loads are rare: a full sync is fine).

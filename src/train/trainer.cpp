@@ -570,8 +570,10 @@ std::string Trainer::Impl::save() {
   st.step = step;
   st.tensors = model_tensors();
   if (zero) {
-    std::vector<optim::NamedTensor> gathered = zero->gathered_state();
-    for (auto& t : checkpoint::shard_optimizer_state(gathered, st.tensors)) st.tensors.push_back(std::move(t));
+    // Each rank writes the ZeRO shard it owns (no gather); the pieces reshard on load like any other.
+    const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
+    for (auto& t : checkpoint::shard_zero_state(*zero, params_only, checkpoint::shard_layout(*grid)))
+      st.tensors.push_back(std::move(t));
     st.json["optimizer"] = json{{"step", zero->step_count()}}.dump();
   } else {
     const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
@@ -606,11 +608,11 @@ void Trainer::Impl::load_training_state(checkpoint::CheckpointReader& reader) {
   // Only the parameters' shard mapping is needed here (the optimizer state is mapped like its parameter).
   const std::vector<checkpoint::ShardedTensor> targets = model_tensors();
   if (zero) {
-    std::vector<optim::NamedTensor> state = zero->gathered_state();
-    std::vector<checkpoint::ShardedTensor> st = checkpoint::shard_optimizer_state(state, targets);
+    // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
+    std::vector<checkpoint::ShardedTensor> st = checkpoint::shard_zero_state(*zero, targets, checkpoint::shard_layout(*grid));
     for (auto& t : st) reader.load(t);
     const json oj = json::parse(reader.json("optimizer"));
-    zero->load_gathered_state(state, oj.at("step").get<int64_t>());
+    zero->finish_load(oj.at("step").get<int64_t>());
   } else {
     checkpoint::load_optimizer_state(reader, *opt, targets);
   }

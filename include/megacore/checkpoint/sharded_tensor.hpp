@@ -32,6 +32,7 @@ class GPTModel;
 }
 namespace megacore::optim {
 struct NamedTensor;
+class DistributedOptimizer;
 }
 namespace megacore::parallel {
 class ProcessGrid;
@@ -40,11 +41,14 @@ class ProcessGrid;
 namespace megacore::checkpoint {
 
 /// One rectangular box: `shape` elements starting at `local_offsets` in the local tensor and at
-/// `global_offsets` in the global tensor.
+/// `global_offsets` in the global tensor. When `data` is defined (of shape `shape`), it holds the box's
+/// elements instead (the source when saving, the destination when loading; `local_offsets` unused):
+/// for pieces that are not boxes of one local tensor, such as ZeRO shards (shard_zero_state).
 struct ShardPiece {
   Shape local_offsets;
   Shape global_offsets;
   Shape shape;
+  Tensor data;
 };
 
 /// A global tensor and this rank's pieces of it. `local` is the rank's tensor (the source when
@@ -57,6 +61,8 @@ struct ShardedTensor {
   std::vector<ShardPiece> pieces;
   /// Whether this rank writes its pieces when saving (false on replicas whose copy another rank writes).
   bool write = true;
+  /// A tied embedding's copy on a stage other than the first (shard_model): never written, by any rank.
+  bool tied_copy = false;
 };
 
 /// Where this rank sits for sharding purposes.
@@ -89,6 +95,22 @@ std::vector<ShardedTensor> shard_model(const model::GPTModel& model, const Shard
 std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedTensor>& state,
                                                  const std::vector<ShardedTensor>& params,
                                                  const std::string& prefix = "optimizer.");
+
+/// A ZeRO-1 optimizer's state as this rank's own pieces, named like shard_optimizer_state
+/// ("optimizer.<param>.master", ".exp_avg", ".exp_avg_sq"): for every parameter, the flat range this
+/// rank owns of its TP-local shard (DistributedOptimizer::owned_ranges), cut into boxes of the global
+/// tensor whose `data` are views of the live state. Every rank of the DDP group writes its own pieces
+/// (no gather; TP-replicated parameters on TP rank 0 only, a tied copy never), and loading into them
+/// writes the state in place — call opt.finish_load(step) afterwards. The pieces of all ranks tile each
+/// tensor like shard_optimizer_state's do, so checkpoints of either kind load into any layout.
+/// `params` must describe the optimizer's parameters (shard_model); ValueError otherwise.
+std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& opt,
+                                            const std::vector<ShardedTensor>& params, const ShardLayout& layout,
+                                            const std::string& prefix = "optimizer.");
+
+/// Boxes (offsets, shape) of a row-major tensor of shape `shape` that together cover the flat element
+/// range [begin, end) in order, each one contiguous in memory: at most 2·dim − 1 of them.
+std::vector<std::pair<Shape, Shape>> flat_range_boxes(const Shape& shape, int64_t begin, int64_t end);
 
 /// CRC-32 (IEEE 802.3, the polynomial of zlib's crc32, so Python's zlib.crc32 gives the same value),
 /// continuing from `crc` (0 to start).

@@ -81,6 +81,22 @@ class DistributedOptimizer {
   /// writes the master weights into the parameters (all-gathered).
   void load_gathered_state(const std::vector<NamedTensor>& state, int64_t step_count);
 
+  /// The part of one parameter this rank owns: elements [param_offset, param_offset + numel) of the
+  /// flattened (TP-local) parameter, and 1-D views of the live state for them (write into the views, then
+  /// call finish_load). Every element of every parameter is owned by exactly one rank of the DDP group.
+  struct OwnedRange {
+    size_t param;  ///< index in parameters()
+    int64_t param_offset;
+    int64_t numel;
+    Tensor master, exp_avg, exp_avg_sq;
+  };
+  /// This rank's owned ranges, in parameter order (a parameter cut by a shard boundary has several).
+  /// Not collective: this is what a checkpoint writes per rank (checkpoint::shard_zero_state).
+  std::vector<OwnedRange> owned_ranges() const;
+  /// After the state was written into owned_ranges()' views: sets the step count and writes the master
+  /// weights into the parameters (all-gathered). Collective over DP.
+  void finish_load(int64_t step_count);
+
   const std::vector<layers::Parameter*>& parameters() const { return ddp_.buffer().parameters(); }
   bool decays(size_t i) const { return decay_[i]; }
   const AdamWConfig& config() const { return cfg_; }

@@ -10,13 +10,18 @@
 // tolerances of mpi_test_gpt_model.cpp (1e-5 relative for logits, 1e-6 for the loss: only the order
 // of additions differs).
 //
-// Optimizer state: a TP2 × DP model takes an AdamW step (plain AdamW, and ZeRO-1 DistributedOptimizer
-// gathered state), saves, and every TP × DP target loads model + state: parameters and state equal the
-// source's gathered tensors exactly, and the next step's loss agrees (1e-6 relative).
+// Optimizer state: a TP2 × DP model takes an AdamW step (plain AdamW, and ZeRO-1 DistributedOptimizer,
+// whose every DP rank writes the shard it owns), saves, and every TP × DP target (AdamW, or ZeRO reading
+// in place into its owned ranges) loads model + state: parameters and state equal the source's
+// gathered tensors exactly, and the next step's loss agrees (1e-6 relative).
 // Exact resume: 10 steps vs 5 + save + fresh objects + load + 5: bit-identical losses (sync and async).
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "layers/layers_test_util.hpp"
 #include "megacore/checkpoint/checkpoint_manager.hpp"
@@ -261,27 +266,38 @@ struct Trainer {
     }
     return loss;
   }
+  // The full TP-local state: AdamW's, or ZeRO's gathered over DP (the test's reference; the checkpoint
+  // itself is written and read per rank through shard_zero_state).
   std::vector<optim::NamedTensor> opt_state() const { return zero ? zero->gathered_state() : adamw->state(); }
+  std::vector<ck::ShardedTensor> opt_tensors(const std::vector<ck::ShardedTensor>& params) const {
+    if (zero) return ck::shard_zero_state(*zero, params, ck::shard_layout(*s.grid));
+    return ck::shard_optimizer_state(adamw->state(), params);
+  }
   void save(comm::Communicator& world, const std::string& root, int64_t step) {
     ck::CheckpointState st;
     st.step = step;
     st.tensors = ck::shard_model(*s.model, ck::shard_layout(*s.grid));
     auto params = st.tensors;
-    for (auto& t : ck::shard_optimizer_state(opt_state(), params)) st.tensors.push_back(t);
+    for (auto& t : opt_tensors(params)) st.tensors.push_back(t);
     st.json["optimizer"] = fmt::format(R"({{"step":{}}})", zero ? zero->step_count() : adamw->step_count());
     ck::save_checkpoint(world, root, st);
   }
   void load(comm::Communicator& world, const std::string& root) {
     auto params = ck::shard_model(*s.model, ck::shard_layout(*s.grid));
-    std::vector<optim::NamedTensor> state = opt_state();
-    for (auto& nt : state) nt.tensor = nt.tensor.clone();
     auto targets = params;
-    for (auto& t : ck::shard_optimizer_state(state, params)) targets.push_back(t);
+    std::vector<optim::NamedTensor> state;
+    if (zero) {
+      for (auto& t : ck::shard_zero_state(*zero, params, ck::shard_layout(*s.grid))) targets.push_back(t);
+    } else {
+      state = adamw->state();
+      for (auto& nt : state) nt.tensor = nt.tensor.clone();
+      for (auto& t : ck::shard_optimizer_state(state, params)) targets.push_back(t);
+    }
     ck::CheckpointReader r = ck::load_checkpoint(&world, root, targets);
     const std::string js = r.json("optimizer");
     const int64_t step = std::stoll(js.substr(js.find(':') + 1));
     if (zero)
-      zero->load_gathered_state(state, step);
+      zero->finish_load(step);  // the state was read in place into the owned ranges
     else
       adamw->load_state(state, step);
   }
@@ -300,6 +316,16 @@ TEST_CASE("model + optimizer state saved at TP2 x DP (AdamW and ZeRO-1) load int
     Trainer src(*world, cfg, 2, src_zero);
     src.step(make_batch(cfg.vocab_size, 1));
     src.save(*world, root, 1);
+    if (src_zero && src.s.grid->dp().size() > 1) {
+      // ZeRO: the optimizer state was written by every DP rank (its own shard), not gathered to one.
+      std::ifstream f(root + "/step_1/metadata.json");
+      const nlohmann::json meta = nlohmann::json::parse(f);
+      std::set<std::string> files;
+      for (const auto& [name, t] : meta.at("tensors").items())
+        if (name.rfind("optimizer.", 0) == 0)
+          for (const auto& s : t.at("shards")) files.insert(s.at("file").get<std::string>());
+      CHECK(int(files.size()) == world->size());  // TP2 × DP: every rank holds a distinct part
+    }
     // The source's own full tensors, gathered independently of the checkpoint code.
     std::map<std::string, Tensor> want;
     for (ly::Parameter* p : src.s.model->parameters())
@@ -356,7 +382,7 @@ TEST_CASE("exact resume: 10 steps equal 5 steps, save, fresh objects, load, 5 st
         st.step = 5;
         st.tensors = ck::shard_model(*t.s.model, ck::shard_layout(*t.s.grid));
         auto params = st.tensors;
-        for (auto& x : ck::shard_optimizer_state(t.opt_state(), params)) st.tensors.push_back(x);
+        for (auto& x : t.opt_tensors(params)) st.tensors.push_back(x);
         st.json["optimizer"] = fmt::format(R"({{"step":{}}})", 5);
         mgr.save(st);
         if (async) t.step(make_batch(cfg.vocab_size, 999));  // keeps training while the writer runs

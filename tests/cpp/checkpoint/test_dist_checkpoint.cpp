@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "megacore/checkpoint/checkpoint_manager.hpp"
 #include "megacore/checkpoint/dist_checkpoint.hpp"
@@ -148,6 +149,43 @@ TEST_CASE("crc32 matches a bitwise CRC-32 at every length and alignment", "[chec
     for (size_t n : {0, 1, 7, 8, 9, 63, 64, 200}) REQUIRE(crc32(buf.data() + off, n) == crc32_bitwise(buf.data() + off, n));
   // Incremental use continues the same CRC.
   REQUIRE(crc32(buf.data() + 100, 50, crc32(buf.data(), 100)) == crc32_bitwise(buf.data(), 150));
+}
+
+TEST_CASE("flat_range_boxes covers a flat range in order with contiguous boxes", "[checkpoint]") {
+  std::mt19937 rng(7);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int trial = 0; trial < 300; ++trial) {
+    const int nd = int(pick(1, 4));
+    Shape shape;
+    int64_t total = 1;
+    for (int d = 0; d < nd; ++d) shape.push_back(pick(1, 5)), total *= shape.back();
+    int64_t a = pick(0, total), b = pick(0, total);
+    if (a > b) std::swap(a, b);
+    INFO("shape " << shape_str(shape) << " range [" << a << ", " << b << ")");
+    const auto boxes = flat_range_boxes(shape, a, b);
+    CHECK(int64_t(boxes.size()) <= std::max<int64_t>(0, 2 * nd - 1));
+    int64_t next = a;
+    for (const auto& [off, sz] : boxes) {
+      // Flat index of the box's first element must continue the range, and its elements must be the next
+      // volume(sz) flat indices (contiguous): walk the box in row-major order.
+      int64_t vol = 1;
+      for (int64_t s : sz) vol *= s;
+      REQUIRE(vol > 0);
+      Shape idx(off.size(), 0);
+      for (int64_t e = 0; e < vol; ++e) {
+        int64_t flat = 0;
+        for (size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + off[d] + idx[d];
+        REQUIRE(flat == next);
+        ++next;
+        for (int64_t d = int64_t(sz.size()) - 1; d >= 0; --d) {
+          if (++idx[size_t(d)] < sz[size_t(d)]) break;
+          idx[size_t(d)] = 0;
+        }
+      }
+    }
+    CHECK(next == b);
+  }
+  CHECK_THROWS_AS(flat_range_boxes({2, 3}, 4, 7), ValueError);
 }
 
 TEST_CASE("shard_parameter places fused (SwiGLU) and vocabulary-padded shards in the global tensor", "[checkpoint]") {
