@@ -63,6 +63,20 @@ if has collectives || has collectives_py; then
   grep -E "^(all_reduce|all_gather) +(8|67108864) " $OUT/bench_coll_py.log; tail -3 $OUT/bench_coll_py.log
 fi
 
+if has quick; then
+  # A short check of a build on all GPUs: C++ collectives vs raw NCCL, the [gpu] multi-rank tests, one
+  # pipeline-bubble measurement (VP 1).
+  step bench_coll 60 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_collectives \
+    --out $OUT/json/collectives_${ngpu}gpu_blocking.json
+  grep -E "^[a-z_]+ +(8|67108864) " $OUT/bench_coll.log
+  step gpu_mpi_np$ngpu 150 mpirun -np $ngpu --bind-to none $B/tests/megacore_mpi_tests "[gpu]"
+  grep -E "test cases|assertions|All tests" $OUT/gpu_mpi_np$ngpu.log | sort -u | head -4
+  grep -B4 -A14 "FAILED" $OUT/gpu_mpi_np$ngpu.log | grep -v "^\[rank" | head -30
+  step bench_pipe_vp1 90 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp 1 \
+    --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp1.json
+  grep -E "^PP|bubble|rror" $OUT/bench_pipe_vp1.log | head -8
+fi
+
 if has recipes; then
   lays=("dp4:parallel.tp=1 parallel.pp=1" "tp2dp2:parallel.tp=2 parallel.pp=1" "pp2dp2:parallel.tp=1 parallel.pp=2"
         "tp2pp2:parallel.tp=2 parallel.pp=2")
