@@ -14,6 +14,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -81,9 +82,12 @@ struct Backoff {
 
 // Polls the communicator's state until it leaves ncclInProgress or `deadline` passes.
 // Returns the state (ncclInProgress on timeout).
-ncclResult_t poll_state(ncclComm_t comm, Clock::time_point deadline) {
+// A set `stop` flag (the state's `aborting`) ends the wait early with ncclInProgress, so a thread polling
+// under the state's lock lets go of it as soon as an abort is claimed.
+ncclResult_t poll_state(ncclComm_t comm, Clock::time_point deadline, const std::atomic<bool>* stop = nullptr) {
   Backoff backoff;
   for (;;) {
+    if (stop && stop->load()) return ncclInProgress;
     ncclResult_t st = ncclInProgress;
     ncclResult_t r = ncclCommGetAsyncError(comm, &st);
     if (r != ncclSuccess) return r;
@@ -109,6 +113,20 @@ void check_options(const CommOptions& o) {
            "CommOptions.nccl_min_ctas ({}) exceeds nccl_max_ctas ({})", o.nccl_min_ctas, o.nccl_max_ctas);
 }
 
+// Switches the calling thread's device without throwing (for the watchdog, which must survive a device in
+// a sticky error state).
+struct QuietDeviceGuard {
+  int prev = -1;
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    if (prev != device) (void)cudaSetDevice(device);
+    (void)cudaGetLastError();
+  }
+  ~QuietDeviceGuard() {
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
+};
+
 struct NcclState {
   ncclComm_t comm = nullptr;
   int device = 0;
@@ -116,30 +134,24 @@ struct NcclState {
   std::chrono::milliseconds timeout{0};
   // Held by the calling thread around every NCCL call on `comm`, so that an abort never frees the
   // communicator under a call. A call stuck inside NCCL (a blocking enqueue waiting for a dead peer)
-  // keeps it: the watchdog then aborts without it, since ncclCommAbort is what makes that call return.
+  // keeps it: the watchdog then aborts without it, since ncclCommAbort is what makes that call return;
+  // every path that holds `mu` re-checks `aborting` after its NCCL call and then leaves `comm` alone.
   std::timed_mutex mu;
-  std::atomic<bool> aborting{false};
-  std::atomic<bool> aborted{false};
+  std::atomic<bool> aborting{false};  // claimed by the one abort that runs
+  std::atomic<bool> aborted{false};   // the abort has been issued
   // The NCCL call in progress on the calling thread (for the watchdog): its start (0 when none) and name
-  // (the caller's string, alive until end_call, which clears it under call_mu).
-  std::atomic<int64_t> call_start_ns{0};
+  // (the caller's string, alive until the call ends, which clears it under call_mu).
   std::mutex call_mu;
+  int64_t call_start_ns = 0;
   std::string_view call_what;
   std::mutex reason_mu;
   std::string abort_reason;
 
   ~NcclState() {
     if (!comm || aborting.load()) return;
-    try {
-      DeviceGuard g(device);
-      // Finalize waits for the peers to quiesce; a peer that never does must not hang the destructor.
-      ncclResult_t r = ncclCommFinalize(comm);
-      if (r == ncclSuccess || r == ncclInProgress) r = poll_state(comm, Clock::now() + timeout);
-      if (r == ncclSuccess) ncclCommDestroy(comm);
-      else ncclCommAbort(comm);
-    } catch (...) {
-      ncclCommAbort(comm);
-    }
+    // Normally shut down by ~NcclCommunicator (shutdown()); this is the fallback for a state whose last
+    // user is a Work: never wait for peers here (this may run on any thread), just abort locally.
+    ncclCommAbort(comm);
   }
 
   std::string reason() {
@@ -147,64 +159,87 @@ struct NcclState {
     return abort_reason;
   }
 
-  // Marks the start and the end of an NCCL call made under `mu`.
-  void begin_call(std::string_view what) {
-    {
-      std::lock_guard<std::mutex> l(call_mu);
-      call_what = what;
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  }
+
+  // RAII bracket of an NCCL call made under `mu`, for the watchdog's stuck-call check.
+  struct CallScope {
+    NcclState& st;
+    CallScope(NcclState& s, std::string_view what) : st(s) {
+      std::lock_guard<std::mutex> l(st.call_mu);
+      st.call_what = what;
+      st.call_start_ns = now_ns();
     }
-    call_start_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
-  }
-  void end_call() {
-    call_start_ns.store(0);
-    std::lock_guard<std::mutex> l(call_mu);
-    call_what = {};
-  }
+    ~CallScope() {
+      std::lock_guard<std::mutex> l(st.call_mu);
+      st.call_start_ns = 0;
+      st.call_what = {};
+    }
+  };
   // Seconds the current call has been running (0 when none), and its name.
   double call_seconds(std::string* what) {
-    int64_t s = call_start_ns.load();
-    if (s == 0) return 0.0;
-    {
-      std::lock_guard<std::mutex> l(call_mu);
-      if (call_what.empty()) return 0.0;  // ended meanwhile
-      *what = std::string(call_what);
-    }
-    int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-    return double(now - s) * 1e-9;
+    std::lock_guard<std::mutex> l(call_mu);
+    if (call_start_ns == 0) return 0.0;
+    *what = std::string(call_what);
+    return double(now_ns() - call_start_ns) * 1e-9;
   }
 
   // The communicator's asynchronous error state (ncclSuccess, ncclInProgress or an error); ncclInvalidUsage
-  // once aborted; ncclInProgress when `mu` is busy and `wait` is false (the watchdog does not queue behind
+  // once aborting; ncclInProgress when `mu` is busy and `wait` is false (the watchdog does not queue behind
   // a call in progress).
   ncclResult_t async_error(bool wait = true) {
     std::unique_lock<std::timed_mutex> l(mu, std::defer_lock);
     if (wait) l.lock();
     else if (!l.try_lock()) return ncclInProgress;
-    if (!comm || aborted.load()) return ncclInvalidUsage;
+    if (!comm || aborting.load()) return ncclInvalidUsage;
     ncclResult_t st = ncclSuccess;
     ncclResult_t r = ncclCommGetAsyncError(comm, &st);
     return r != ncclSuccess ? r : st;
   }
 
-  // Aborts once with `reason`. Never call it while holding `mu`.
-  void abort_now(std::string reason) {
-    if (aborting.exchange(true)) return;
+  // Aborts once with `reason`; false when another abort got there first. `before` runs after the claim and
+  // before ncclCommAbort (the watchdog records the reason there, so that whoever is released by the abort
+  // finds it). Never call it while holding `mu`.
+  bool abort_now(std::string reason, const std::function<void()>& before = {}) {
+    if (aborting.exchange(true)) return false;
     {
       std::lock_guard<std::mutex> l(reason_mu);
       abort_reason = std::move(reason);
     }
+    if (before) before();
+    // Polling loops under `mu` see `aborting` and let go within a poll; only a call stuck inside NCCL keeps
+    // the lock past that.
     std::unique_lock<std::timed_mutex> l(mu, std::defer_lock);
     const bool locked = l.try_lock_for(std::chrono::seconds(2));
-    aborted.store(true);
     if (comm) {
-      try {
-        DeviceGuard g(device);
-        ncclCommAbort(comm);
-      } catch (...) {
-        ncclCommAbort(comm);
-      }
-      if (locked) comm = nullptr;  // else the stuck call still holds it; nobody uses it once `aborted` is set
+      QuietDeviceGuard g(device);
+      ncclCommAbort(comm);
+      if (locked) comm = nullptr;  // else the stuck call's thread still holds it; it never uses it again
     }
+    aborted.store(true);
+    return true;
+  }
+
+  // Orderly teardown from the communicator's destructor: finalize (waits for outstanding operations) under
+  // the watchdog's stuck-call check, then destroy; abort when it fails or the watchdog aborted meanwhile.
+  void shutdown() {
+    std::lock_guard<std::timed_mutex> l(mu);
+    if (!comm || aborting.load()) return;
+    QuietDeviceGuard g(device);
+    ncclResult_t r;
+    {
+      CallScope c(*this, "finalize");
+      r = ncclCommFinalize(comm);
+      if (r == ncclInProgress || r == ncclSuccess) r = poll_state(comm, Clock::now() + timeout, &aborting);
+    }
+    if (aborting.exchange(true)) return;  // the watchdog aborted it (and owns the teardown)
+    if (r == ncclSuccess) ncclCommDestroy(comm);
+    else ncclCommAbort(comm);
+    comm = nullptr;
+    aborted.store(true);
+    std::lock_guard<std::mutex> rl(reason_mu);
+    abort_reason = "the communicator was destroyed";
   }
 };
 
@@ -242,6 +277,29 @@ class EventPool {
   }
 };
 
+// Tensors whose release must not run on the watchdog thread: external memory (DLPack, from_blob) may run
+// a callback that needs the Python GIL, which a thread waiting for the watchdog (a communicator's
+// destructor joining it) can hold. They are released by calling threads instead (drain_deferred).
+std::mutex g_deferred_mu;
+std::vector<Tensor>* g_deferred = new std::vector<Tensor>();  // never destroyed (used at exit)
+
+void defer_release(std::vector<Tensor>&& ts) {
+  if (ts.empty()) return;
+  std::lock_guard<std::mutex> l(g_deferred_mu);
+  for (Tensor& t : ts) g_deferred->push_back(std::move(t));
+  ts.clear();
+}
+
+void drain_deferred() {
+  std::vector<Tensor> ts;
+  {
+    std::lock_guard<std::mutex> l(g_deferred_mu);
+    if (g_deferred->empty()) return;
+    ts.swap(*g_deferred);
+  }
+  // ts goes out of scope here, on the calling thread.
+}
+
 // One enqueued operation: its completion event, when it was enqueued, and the external-memory tensors it
 // uses (kept alive until it has finished, so a stream-ordered wait can drop its Work at once; memory of
 // megacore's allocator is instead marked as used on the operation's stream, see protect_buffers).
@@ -257,18 +315,18 @@ struct PendingOp {
 
   ~PendingOp() {
     if (event) EventPool::put(device, event);
+    defer_release(std::move(keep));  // whatever thread this is, external memory is released elsewhere
   }
-  // Marks the op finished and releases its tensors; true for the one caller that did so.
-  bool finish() {
-    if (finished.exchange(true)) return false;
-    keep.clear();
-    return true;
+  // Marks the op finished (its event completed) and hands its tensors over for release.
+  void finish() {
+    if (finished.exchange(true)) return;
+    defer_release(std::move(keep));
   }
 };
 
 // Reasons of the watchdog's aborts not yet reported by check_health().
 std::mutex g_unreported_mu;
-std::vector<std::string> g_unreported;
+std::vector<std::string>* g_unreported = new std::vector<std::string>();  // never destroyed (used at exit)
 
 // The watchdog: one thread that follows every live NCCL communicator and every operation enqueued on
 // one until its event completes, so that operations nobody host-waits (Work::wait_on) and calls stuck
@@ -276,8 +334,11 @@ std::vector<std::string> g_unreported;
 // has been running, longer than its communicator's timeout, or NCCL reports an asynchronous error, it
 // aborts that communicator (ncclCommAbort stops the kernels stuck on it, so streams waiting for them
 // move on, and makes a stuck call return) and records why: the next operation or wait on the
-// communicator throws CommError with that reason. It runs while at least one NCCL communicator exists,
-// polls every millisecond while operations are pending and every 50 ms otherwise.
+// communicator throws CommError with that reason, and check_health() reports it. Operations of an
+// aborted communicator are followed until their events complete (their buffers stay protected until
+// the abort has really stopped the kernels). It runs while at least one NCCL communicator exists, polls
+// every millisecond while operations are pending and every 50 ms otherwise; it never releases external
+// memory itself and survives any exception.
 class Watchdog {
  public:
   static Watchdog& get() {
@@ -289,22 +350,23 @@ class Watchdog {
     std::lock_guard<std::mutex> l(mu_);
     states_.push_back(st);
     if (users_++ == 0) {
-      if (thread_.joinable()) thread_.join();
-      stop_ = false;
-      thread_ = std::thread([this] { run(); });
+      // A fresh stop token per thread: a thread being stopped by remove_communicator never sees this one.
+      stop_ = std::make_shared<std::atomic<bool>>(false);
+      threads_.emplace_back([this, stop = stop_] { run(stop); });
     }
   }
 
   void remove_communicator() {
-    std::thread t;
+    std::vector<std::thread> done;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (--users_ > 0) return;
-      stop_ = true;
-      t = std::move(thread_);
+      stop_->store(true);
+      done.swap(threads_);
     }
     cv_.notify_all();
-    if (t.joinable()) t.join();
+    for (std::thread& t : done)
+      if (t.joinable()) t.join();
   }
 
   void watch(std::shared_ptr<PendingOp> op) {
@@ -318,92 +380,105 @@ class Watchdog {
   }
 
  private:
-  void run() {
+  void run(std::shared_ptr<std::atomic<bool>> stop) {
     std::vector<std::shared_ptr<PendingOp>> mine;
-    std::vector<std::weak_ptr<NcclState>> states;
-    for (;;) {
+    while (!stop->load()) {
+      std::vector<std::weak_ptr<NcclState>> states;
       {
         std::unique_lock<std::mutex> l(mu_);
         idle_ = mine.empty();
         cv_.wait_for(l, std::chrono::milliseconds(mine.empty() ? 50 : 1),
-                     [&] { return stop_ || (idle_ && !pending_.empty()); });
+                     [&] { return stop->load() || (idle_ && !pending_.empty()); });
         idle_ = false;
-        if (stop_) return;
+        if (stop->load()) break;
         for (auto& p : pending_) mine.push_back(std::move(p));
         pending_.clear();
         states_.erase(std::remove_if(states_.begin(), states_.end(), [](const auto& w) { return w.expired(); }),
                       states_.end());
         states = states_;
       }
-      // Decide first, abort afterwards (abort_now may wait for the state's lock).
-      std::vector<std::pair<std::shared_ptr<NcclState>, std::string>> aborts;
-      auto abort_later = [&](std::shared_ptr<NcclState> st, std::string why) {
-        for (auto& [s, w] : aborts)
-          if (s == st) return;
-        aborts.emplace_back(std::move(st), std::move(why));
-      };
-      // Calls stuck inside NCCL, and asynchronous errors of communicators with nothing pending.
-      for (auto& w : states) {
-        std::shared_ptr<NcclState> st = w.lock();
-        if (!st || st->aborting.load()) continue;
-        std::string what;
-        double s = st->call_seconds(&what);
-        if (s * 1000.0 > double(st->timeout.count())) {
-          abort_later(st, fmt::format("{} has been inside NCCL for {:.1f} s (timeout {:.1f} s, found by the "
-                                      "watchdog): a peer it needs (connection setup, a blocking call) never came; "
-                                      "the communicator is aborted",
-                                      what, s, st->timeout.count() / 1000.0));
-        }
+      try {
+        pass(mine, states);
+      } catch (...) {
+        // Keep watching: a failure here (out of memory formatting a message) must not end the process.
       }
-      std::vector<NcclState*> error_checked;
-      for (size_t i = 0; i < mine.size();) {
-        PendingOp& op = *mine[i];
-        std::shared_ptr<NcclState> st = op.st.lock();
-        bool drop = op.finished.load() || !st || st->aborting.load();
-        if (!drop) {
-          DeviceGuard g(op.device);
-          cudaError_t e = cudaEventQuery(op.event);
-          if (e == cudaSuccess) {
-            op.finish();
-            drop = true;
-          } else if (e != cudaErrorNotReady) {
-            (void)cudaGetLastError();
+    }
+    // Stopping (no communicator left): unfinished operations are handed back, never released here.
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& p : mine) pending_.push_back(std::move(p));
+  }
+
+  void pass(std::vector<std::shared_ptr<PendingOp>>& mine, const std::vector<std::weak_ptr<NcclState>>& states) {
+    // Decide first, abort afterwards (abort_now may wait for a state's lock).
+    std::vector<std::pair<std::shared_ptr<NcclState>, std::string>> aborts;
+    auto abort_later = [&](std::shared_ptr<NcclState> st, std::string why) {
+      for (auto& [s, w] : aborts)
+        if (s == st) return;
+      aborts.emplace_back(std::move(st), std::move(why));
+    };
+    // Calls stuck inside NCCL.
+    for (const auto& w : states) {
+      std::shared_ptr<NcclState> st = w.lock();
+      if (!st || st->aborting.load()) continue;
+      std::string what;
+      const double s = st->call_seconds(&what);
+      if (s * 1000.0 > double(st->timeout.count()))
+        abort_later(st, fmt::format("{} has been inside NCCL for {:.1f} s (timeout {:.1f} s, found by the watchdog): "
+                                    "a peer it needs (connection setup, a blocking call) never came; the "
+                                    "communicator is aborted",
+                                    what, s, st->timeout.count() / 1000.0));
+    }
+    std::vector<NcclState*> error_checked;
+    for (size_t i = 0; i < mine.size();) {
+      PendingOp& op = *mine[i];
+      std::shared_ptr<NcclState> st = op.st.lock();
+      bool drop = op.finished.load();
+      if (!drop) {
+        QuietDeviceGuard g(op.device);
+        const cudaError_t e = cudaEventQuery(op.event);
+        if (e == cudaSuccess) {
+          op.finish();
+          drop = true;
+        } else if (e != cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          if (st && !st->aborting.load())
             abort_later(st, fmt::format("{} failed: CUDA error {} ({})", op.context, cudaGetErrorName(e),
                                         cudaGetErrorString(e)));
-          } else {
-            double elapsed = seconds_since(op.start);
-            if (elapsed * 1000.0 > double(st->timeout.count())) {
-              abort_later(st, fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s, found by the watchdog): "
-                                          "not every rank of the group joined it (a rank skipped it, posted a "
-                                          "different operation, or died); the communicator is aborted",
-                                          op.context, elapsed, st->timeout.count() / 1000.0));
-            } else if (std::find(error_checked.begin(), error_checked.end(), st.get()) == error_checked.end()) {
-              error_checked.push_back(st.get());
-              ncclResult_t r = st->async_error(/*wait=*/false);
-              if (r != ncclSuccess && r != ncclInProgress && !st->aborting.load()) {
-                abort_later(st, fmt::format("{} failed after {:.1f} s (found by the watchdog): {}", op.context, elapsed,
-                                            nccl_error(r, nullptr)));
-              }
-            }
+          drop = true;  // the event will never tell more
+        } else if (st && !st->aborting.load()) {
+          const double elapsed = seconds_since(op.start);
+          if (elapsed * 1000.0 > double(st->timeout.count())) {
+            abort_later(st, fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s, found by the watchdog): not "
+                                        "every rank of the group joined it (a rank skipped it, posted a different "
+                                        "operation, or died); the communicator is aborted",
+                                        op.context, elapsed, st->timeout.count() / 1000.0));
+          } else if (std::find(error_checked.begin(), error_checked.end(), st.get()) == error_checked.end()) {
+            error_checked.push_back(st.get());
+            const ncclResult_t r = st->async_error(/*wait=*/false);
+            if (r != ncclSuccess && r != ncclInProgress && !st->aborting.load())
+              abort_later(st, fmt::format("{} failed after {:.1f} s (found by the watchdog): {}", op.context, elapsed,
+                                          nccl_error(r, nullptr)));
           }
         }
-        if (drop) {
-          mine[i] = std::move(mine.back());
-          mine.pop_back();
-        } else {
-          ++i;
-        }
+        // An op of an aborted (or destroyed) communicator stays until its event completes: the abort stops
+        // its kernels, and until then its buffers must stay protected.
       }
-      for (auto& [st, why] : aborts) {
-        fmt::print(stderr, "megacore: {}\n", why);
-        {
-          // Recorded before the abort: the abort is what lets a host synchronisation return, and
-          // check_health() right after it must see the reason.
-          std::lock_guard<std::mutex> l(g_unreported_mu);
-          g_unreported.push_back(fmt::format("group '{}': {}", st->name, why));
-        }
-        st->abort_now(why);
+      if (drop) {
+        mine[i] = std::move(mine.back());
+        mine.pop_back();
+      } else {
+        ++i;
       }
+    }
+    for (auto& [st, why] : aborts) {
+      const std::string full = fmt::format("group '{}': {}", st->name, why);
+      const bool won = st->abort_now(why, [&] {
+        // Recorded before ncclCommAbort: the abort is what lets a host synchronisation return, and
+        // check_health() right after it must see the reason.
+        std::lock_guard<std::mutex> l(g_unreported_mu);
+        g_unreported->push_back(full);
+      });
+      if (won) fmt::print(stderr, "megacore: {}\n", full);
     }
   }
 
@@ -411,9 +486,9 @@ class Watchdog {
   std::condition_variable cv_;
   std::vector<std::shared_ptr<PendingOp>> pending_;
   std::vector<std::weak_ptr<NcclState>> states_;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
+  std::shared_ptr<std::atomic<bool>> stop_;
   int users_ = 0;
-  bool stop_ = false;
   bool idle_ = false;
 };
 
@@ -430,8 +505,9 @@ struct WatchdogUser {
 // pool once that stream has passed the free), so they are released as soon as their owners drop them, in
 // stream order; holding them until the watchdog sees the op complete would let a host that runs ahead
 // of the device pile up activation-sized buffers. Anything else (DLPack, from_blob) is returned to be
-// held until the operation has finished.
-std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, cudaStream_t stream) {
+// held until the operation has finished. `stream` is the caller's Stream object (it owns the CUDA stream,
+// so the allocator's record of it stays valid).
+std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, const Stream& stream) {
   std::vector<Tensor> held;
   const Device dev = Device::cuda(device);
   for (Tensor& t : tensors) {
@@ -440,7 +516,7 @@ std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, cud
     bool recorded = false;
     if (st->owned() && st->device() == dev) {
       try {
-        Allocator::get(dev).record_stream(st->data(), Stream::from_native(dev, stream));
+        Allocator::get(dev).record_stream(st->data(), stream);
         recorded = true;
       } catch (const std::exception&) {
         recorded = false;  // not a block the allocator knows: hold it instead
@@ -453,18 +529,18 @@ std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, cud
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclState> st, std::string context, cudaStream_t stream, std::vector<Tensor> keep,
+  NcclWork(std::shared_ptr<NcclState> st, std::string context, const Stream& stream, std::vector<Tensor> keep,
            Clock::time_point start)
       : st_(std::move(st)), op_(std::make_shared<PendingOp>()) {
     op_->st = st_;
     op_->device = st_->device;
-    op_->stream = stream;
+    op_->stream = static_cast<cudaStream_t>(stream.native());
     op_->start = start;
     op_->context = std::move(context);
     op_->keep = protect_buffers(std::move(keep), st_->device, stream);
     op_->event = EventPool::get(st_->device);
     DeviceGuard g(st_->device);
-    MC_CUDA_CHECK(cudaEventRecord(op_->event, stream));
+    MC_CUDA_CHECK(cudaEventRecord(op_->event, op_->stream));
     Watchdog::get().watch(op_);
   }
 
@@ -488,12 +564,13 @@ class NcclWork final : public Work {
       }
       backoff.pause();
     }
+    drain_deferred();
     if (!error_.empty()) throw CommError(error_);
   }
 
   void wait_on(const Stream& s) override {
     if (!error_.empty()) throw CommError(error_);
-    if (st_->aborted.load())
+    if (st_->aborting.load())
       fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
     cudaStream_t target = nullptr;
     if (!s.device().is_cpu()) {
@@ -510,7 +587,7 @@ class NcclWork final : public Work {
   // True once finished (successfully or with error_ set); throws CommError on a new failure.
   bool poll() {
     if (done_) return true;
-    if (st_->aborted.load())
+    if (st_->aborting.load())
       fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
     cudaError_t e = cudaEventQuery(op_->event);
     if (e == cudaSuccess) {
@@ -524,7 +601,7 @@ class NcclWork final : public Work {
     }
     ncclResult_t st = st_->async_error();
     if (st != ncclSuccess && st != ncclInProgress) {
-      if (st_->aborted.load())
+      if (st_->aborting.load())
         fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
       fail(fmt::format("{} failed after {:.1f} s: {}", op_->context, seconds_since(op_->start),
                        nccl_error(st, nullptr)));
@@ -536,7 +613,8 @@ class NcclWork final : public Work {
     done_ = true;
     error_ = msg;
     st_->abort_now(msg);
-    // The buffers may still be in use by kernels the abort is tearing down; keep them until then.
+    // The buffers may still be in use by kernels the abort is tearing down: the op (and the watchdog's
+    // reference to it) keeps them until its event completes.
     throw CommError(msg);
   }
 
@@ -559,6 +637,16 @@ class NcclCommunicator final : public Communicator {
                 options_.name, size_, world_ranks_.size());
   }
 
+  // Orderly teardown on the owner's thread (finalize under the watchdog's stuck-call check, then destroy),
+  // so it never happens on the watchdog thread through a Work that outlives the communicator.
+  ~NcclCommunicator() override {
+    try {
+      st_->shutdown();
+    } catch (...) {
+    }
+    drain_deferred();
+  }
+
   Backend backend() const override { return Backend::NCCL; }
   Device device() const override { return Device::cuda(st_->device); }
 
@@ -566,11 +654,12 @@ class NcclCommunicator final : public Communicator {
     constexpr std::string_view name = "all_reduce";
     usable(name);
     check_tensor(*this, name, "t", t, device());
-    cudaStream_t stream = stream_of(s, name);
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
     OpSignature sig{int64_t(OpKind::AllReduce), int64_t(t.dtype()), t.numel(), int64_t(op)};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
-    return enqueue(what, stream, {t}, [&] {
+    return enqueue(what, sobj, {t}, [&] {
       return ncclAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), nccl_op(op),
                            st_->comm, stream);
     });
@@ -585,11 +674,12 @@ class NcclCommunicator final : public Communicator {
     MC_CHECK(out.numel() == in.numel() * size_,
              "all_gather on group '{}': out has {} elements, need size() * in.numel() = {} * {} = {}", options_.name,
              out.numel(), size_, in.numel(), in.numel() * size_);
-    cudaStream_t stream = stream_of(s, name);
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
     OpSignature sig{int64_t(OpKind::AllGather), int64_t(in.dtype()), in.numel(), 0};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
-    return enqueue(what, stream, {in, out}, [&] {
+    return enqueue(what, sobj, {in, out}, [&] {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), nccl_type(in.dtype()), st_->comm,
                            stream);
     });
@@ -604,11 +694,12 @@ class NcclCommunicator final : public Communicator {
     MC_CHECK(in.numel() == out.numel() * size_,
              "reduce_scatter on group '{}': in has {} elements, need size() * out.numel() = {} * {} = {}",
              options_.name, in.numel(), size_, out.numel(), out.numel() * size_);
-    cudaStream_t stream = stream_of(s, name);
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
     OpSignature sig{int64_t(OpKind::ReduceScatter), int64_t(out.dtype()), out.numel(), int64_t(op)};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
-    return enqueue(what, stream, {in, out}, [&] {
+    return enqueue(what, sobj, {in, out}, [&] {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.dtype()),
                                nccl_op(op), st_->comm, stream);
     });
@@ -619,11 +710,12 @@ class NcclCommunicator final : public Communicator {
     usable(name);
     check_tensor(*this, name, "t", t, device());
     check_root(*this, name, root);
-    cudaStream_t stream = stream_of(s, name);
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
     OpSignature sig{int64_t(OpKind::Broadcast), int64_t(t.dtype()), t.numel(), root};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
-    return enqueue(what, stream, {t}, [&] {
+    return enqueue(what, sobj, {t}, [&] {
       return ncclBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), root, st_->comm,
                            stream);
     });
@@ -637,7 +729,8 @@ class NcclCommunicator final : public Communicator {
     check_tensor(*this, name, "out", out, device());
     check_same_dtype(*this, name, in, out);
     AllToAllLayout l = all_to_all_layout(*this, in, out, send_counts, recv_counts);
-    cudaStream_t stream = stream_of(s, name);
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
     OpSignature sig{int64_t(OpKind::AllToAll), int64_t(in.dtype()), size_, 0};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, &l);
@@ -646,7 +739,7 @@ class NcclCommunicator final : public Communicator {
     char* src = static_cast<char*>(in.data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
     // Grouped send/recv pairs handle uneven splits (ncclAlltoAll, 2.28.3+, is even-only).
-    return enqueue_group(what, stream, {in, out}, [&]() -> ncclResult_t {
+    return enqueue_group(what, sobj, {in, out}, [&]() -> ncclResult_t {
       // Empty transfers are skipped on both sides alike (rank r's send count to p is p's receive
       // count from r), so no rank waits for a message that never comes.
       for (int p = 0; p < size_; ++p) {
@@ -671,8 +764,9 @@ class NcclCommunicator final : public Communicator {
                options_.name, op.peer, size_);
       keep.push_back(op.tensor);
     }
-    cudaStream_t stream = stream_of(s, name);
-    return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), stream, std::move(keep),
+    const Stream sobj = stream_of(s, name);
+    cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
+    return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep),
                          [&]() -> ncclResult_t {
                            for (const auto& op : ops) {
                              if (op.tensor.numel() == 0) continue;  // the peer's matching op is empty too
@@ -693,7 +787,7 @@ class NcclCommunicator final : public Communicator {
     OpSignature sig{int64_t(OpKind::Barrier), -1, 0, 0};
     if (options_.check_shapes) agree(sig, "barrier", nullptr);
     Tensor& t = barrier_buf_;
-    enqueue("barrier", nullptr, {t}, [&] {
+    enqueue("barrier", Stream::default_stream(device()), {t}, [&] {
       return ncclAllReduce(t.data_ptr(), t.data_ptr(), 1, ncclFloat32, ncclSum, st_->comm, cudaStream_t(nullptr));
     })->wait();
   }
@@ -723,17 +817,18 @@ class NcclCommunicator final : public Communicator {
     std::string detail;
     {
       std::lock_guard<std::timed_mutex> l(st_->mu);
-      if (!st_->comm || st_->aborted.load()) {
+      if (!st_->comm || st_->aborting.load()) {
         r = ncclInvalidUsage;
         detail = "the communicator was aborted";
       } else {
-        st_->begin_call("split");
-        r = ncclCommSplit(st_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
-        if (r == ncclInProgress || (r == ncclSuccess && !options.nccl_blocking)) {
-          r = poll_state(nc ? nc : st_->comm, start + options_.timeout);
+        {
+          NcclState::CallScope call(*st_, "split");
+          r = ncclCommSplit(st_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
+          if (r == ncclInProgress || (r == ncclSuccess && !options.nccl_blocking)) {
+            r = poll_state(nc ? nc : st_->comm, start + options_.timeout, &st_->aborting);
+          }
         }
-        st_->end_call();
-        if (st_->aborted.load()) r = ncclInvalidUsage, detail = "the communicator was aborted (" + st_->reason() + ")";
+        if (st_->aborting.load()) r = ncclInvalidUsage, detail = "the communicator was aborted (" + st_->reason() + ")";
         else if (r != ncclSuccess && r != ncclInProgress) detail = nccl_error(r, st_->comm);
       }
     }
@@ -754,21 +849,23 @@ class NcclCommunicator final : public Communicator {
   }
 
   void abort() override { st_->abort_now(fmt::format("abort() called on rank {}", rank_)); }
-  bool aborted() const override { return st_->aborted.load(); }
+  bool aborted() const override { return st_->aborting.load(); }
 
  private:
   void usable(std::string_view op) {
-    if (st_->aborted.load()) {
+    if (st_->aborting.load()) {
       raise<CommError>("{}: the communicator was aborted ({}); make a new one", error_context(*this, op),
                        st_->reason());
     }
   }
 
-  cudaStream_t stream_of(const Stream& s, std::string_view op) {
-    if (s.device().is_cpu()) return nullptr;  // default Stream{}: the device's legacy default stream
+  // The caller's stream object (it owns the CUDA stream; see protect_buffers); the host Stream{} means the
+  // device's legacy default stream.
+  Stream stream_of(const Stream& s, std::string_view op) {
+    if (s.device().is_cpu()) return Stream::default_stream(device());
     MC_CHECK(s.device() == device(), "{} on group '{}': stream is on {}, but the communicator is on {}", op,
              options_.name, s.device().str(), device().str());
-    return static_cast<cudaStream_t>(s.native());
+    return s;
   }
 
   [[noreturn]] void fail(const std::string& what, Clock::time_point start, ncclResult_t r, const std::string& detail) {
@@ -790,7 +887,8 @@ class NcclCommunicator final : public Communicator {
   // zero-byte tensor in some versions. The state's lock is held while NCCL is called, so the watchdog
   // cannot abort the communicator under the call.
   template <class F>
-  WorkPtr enqueue(std::string_view what, cudaStream_t stream, std::vector<Tensor> keep, F&& call) {
+  WorkPtr enqueue(std::string_view what, const Stream& stream, std::vector<Tensor> keep, F&& call) {
+    drain_deferred();  // external buffers of finished operations, released here on the calling thread
     DeviceGuard g(st_->device);
     auto start = Clock::now();
     bool empty = !keep.empty() && std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
@@ -799,14 +897,15 @@ class NcclCommunicator final : public Communicator {
     bool was_aborted = false;
     {
       std::lock_guard<std::timed_mutex> l(st_->mu);
-      if (!st_->comm || st_->aborted.load()) {
+      if (!st_->comm || st_->aborting.load()) {
         was_aborted = true;
       } else {
-        st_->begin_call(what);
-        r = empty ? ncclSuccess : call();
-        if (r == ncclInProgress) r = poll_state(st_->comm, start + options_.timeout);
-        st_->end_call();
-        if (st_->aborted.load()) was_aborted = true;  // the watchdog ended a call stuck inside NCCL
+        {
+          NcclState::CallScope scope(*st_, what);
+          r = empty ? ncclSuccess : call();
+          if (r == ncclInProgress) r = poll_state(st_->comm, start + options_.timeout, &st_->aborting);
+        }
+        if (st_->aborting.load()) was_aborted = true;  // aborted meanwhile (e.g. a call stuck inside NCCL)
         else if (r != ncclSuccess && r != ncclInProgress) detail = nccl_error(r, st_->comm);
       }
     }
@@ -817,7 +916,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   template <class F>
-  WorkPtr enqueue_group(std::string_view what, cudaStream_t stream, std::vector<Tensor> keep, F&& calls) {
+  WorkPtr enqueue_group(std::string_view what, const Stream& stream, std::vector<Tensor> keep, F&& calls) {
     return enqueue(what, stream, std::move(keep), [&]() -> ncclResult_t {
       ncclResult_t r = ncclGroupStart();
       if (r != ncclSuccess) return r;
@@ -832,7 +931,7 @@ class NcclCommunicator final : public Communicator {
     const int64_t w = int64_t(mine.size());
     Tensor in = Tensor::from_vector(mine, {w}).to(device());
     Tensor out = Tensor::empty({w * size_}, DType::I64, device());
-    enqueue(fmt::format("{} (exchange)", what), nullptr, {in, out}, [&] {
+    enqueue(fmt::format("{} (exchange)", what), Stream::default_stream(device()), {in, out}, [&] {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(w), ncclInt64, st_->comm, cudaStream_t(nullptr));
     })->wait();
     std::vector<double> v = out.to_double_vector();
@@ -861,10 +960,11 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 void check_health() {
+  drain_deferred();
   std::vector<std::string> errs;
   {
     std::lock_guard<std::mutex> l(g_unreported_mu);
-    errs.swap(g_unreported);
+    errs.swap(*g_unreported);
   }
   if (errs.empty()) return;
   std::string more = errs.size() > 1 ? fmt::format(" (and {} more aborted communicators)", errs.size() - 1) : "";
