@@ -64,6 +64,13 @@ got = on(np.zeros(7, np.float32))
 w = world.batch_send_recv([("send", on(np.full(7, r, np.float32)), nxt), ("recv", got, prv)], async_op=True)
 w.wait()
 assert (host(got) == prv).all()
+# stream-ordered wait: the consumer stream (the current one) is ordered after the all-reduce (on MPI the host
+# completes it), then a host read on that stream sees the result
+y = on(np.full(5, r + 1, np.float32))
+w = world.all_reduce(y, async_op=True)
+w.wait_on(mc.current_stream(y.device))
+assert (host(y) == n * (n + 1) / 2).all()
+mc.comm.check_health()  # nothing was aborted
 world.barrier()
 
 # process grid: a TP all-reduce sums exactly the TP group's ranks
