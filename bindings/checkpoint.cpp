@@ -87,11 +87,12 @@ void bind_checkpoint(pyb::module_& root) {
      "Collective save into root/step_<step>; returns the directory. tensors: {name: tensor} (whole) or a list of "
      "(name, local, global_shape, global_offsets[, write]).");
   m.def("load", [](comm::Communicator* world, const std::string& path, const pyb::object& tensors, bool verify,
-                   bool allow_missing) {
+                   bool allow_missing, int threads) {
     std::vector<ShardedTensor> targets = sharded_arg(tensors);
     LoadOptions o;
     o.verify_checksums = verify;
     o.allow_missing = allow_missing;
+    o.threads = threads;
     std::optional<CheckpointReader> r;
     {
       pyb::gil_scoped_release nogil;
@@ -105,7 +106,7 @@ void bind_checkpoint(pyb::module_& root) {
     d["bytes_read"] = r->bytes_read();
     return d;
   }, pyb::arg("world"), pyb::arg("path"), pyb::arg("tensors"), pyb::arg("verify") = true,
-     pyb::arg("allow_missing") = false,
+     pyb::arg("allow_missing") = false, pyb::arg("threads") = 0,
      "Fills the given tensors in place from the checkpoint at path (a step dir or a root with `latest`); "
      "world may be None (no agreement). Returns {dir, step, json, val_loss, bytes_read}.");
   m.def("resolve", &resolve_checkpoint, pyb::arg("path"),

@@ -50,10 +50,11 @@ def save(world, root, step, tensors, json=None, extra_tensors=None, val_loss=Non
     return _need_c().save(world, root, step, tensors, json or {}, extra_tensors, val_loss, verify, threads)
 
 
-def load(world, path, tensors, verify=True, allow_missing=False):
+def load(world, path, tensors, verify=True, allow_missing=False, threads=0):
     """Fills ``tensors`` (same forms as ``save``) in place from the checkpoint at ``path`` (a step directory
-    or a root with ``latest``). Returns ``{dir, step, json, val_loss, bytes_read}``."""
-    return _need_c().load(world, path, tensors, verify, allow_missing)
+    or a root with ``latest``), ``threads`` tensors at a time (0: min(8, CPU threads)). Returns
+    ``{dir, step, json, val_loss, bytes_read}``."""
+    return _need_c().load(world, path, tensors, verify, allow_missing, threads)
 
 
 def resolve(path):

@@ -548,10 +548,64 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
 
 // ---- load -----------------------------------------------------------------------------------------
 
+// Shared by the threads of load_all: the open files and the verified entries are guarded by `mu`.
 struct CheckpointReader::Files {
+  std::mutex mu;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
   std::set<std::pair<std::string, std::string>> verified;
+  std::atomic<int64_t> bytes_read{0};
+
+  SafetensorsFile& file(const std::string& dir, const std::string& name) {
+    std::lock_guard<std::mutex> l(mu);
+    auto& f = open[name];
+    if (!f) f = std::make_unique<SafetensorsFile>((fs::path(dir) / name).string());  // IOError when bad
+    return *f;
+  }
+  bool is_verified(const std::string& file, const std::string& key) {
+    std::lock_guard<std::mutex> l(mu);
+    return verified.count({file, key}) != 0;
+  }
+  void set_verified(const std::string& file, const std::string& key) {
+    std::lock_guard<std::mutex> l(mu);
+    verified.insert({file, key});
+  }
 };
+
+int64_t CheckpointReader::bytes_read() const { return files_->bytes_read.load(); }
+
+void CheckpointReader::load_all(const std::vector<ShardedTensor*>& targets) {
+  std::vector<ShardedTensor*> todo;
+  for (ShardedTensor* t : targets)
+    if (!(options_.allow_missing && !has_tensor(t->name))) todo.push_back(t);
+  int n = options_.threads > 0 ? options_.threads : int(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
+  n = int(std::min<size_t>(size_t(n), todo.size()));
+  if (n <= 1) {
+    for (ShardedTensor* t : todo) load(*t);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex err_mu;
+  std::exception_ptr err;
+  auto work = [&] {
+    for (;;) {
+      const size_t i = next.fetch_add(1);
+      if (i >= todo.size() || failed.load()) return;
+      try {
+        load(*todo[i]);
+      } catch (...) {
+        std::lock_guard<std::mutex> l(err_mu);
+        if (!err) err = std::current_exception();
+        failed.store(true);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int k = 1; k < n; ++k) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (err) std::rethrow_exception(err);
+}
 
 CheckpointReader::~CheckpointReader() = default;
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
@@ -675,9 +729,7 @@ void CheckpointReader::load(ShardedTensor& target) {
         empty |= hi[d] <= lo[d];
       }
       if (empty) continue;
-      auto& f = files_->open[s.file];
-      const std::string fp = (fs::path(dir_) / s.file).string();
-      if (!f) f = std::make_unique<SafetensorsFile>(fp);  // IOError when missing, truncated or malformed
+      SafetensorsFile* f = &files_->file(dir_, s.file);  // IOError when missing, truncated or malformed
       if (!f->contains(s.key))
         raise<IOError>("checkpoint '{}': file {} lacks entry '{}' that metadata.json lists; the file is corrupt or "
                        "from another save",
@@ -688,9 +740,10 @@ void CheckpointReader::load(ShardedTensor& target) {
                        dir_, s.key, s.file, dtype_name(info.dtype), shape_str(info.shape), dtype_name(m.dtype),
                        shape_str(s.shape));
       Tensor src = f->tensor(s.key);
-      if (options_.verify_checksums && files_->verified.insert({s.file, s.key}).second) {
-        if (crc32(src.data_ptr(), size_t(src.nbytes())) != s.crc32) {
-          files_->verified.erase({s.file, s.key});
+      if (options_.verify_checksums && !files_->is_verified(s.file, s.key)) {
+        if (crc32(src.data_ptr(), size_t(src.nbytes())) == s.crc32) {
+          files_->set_verified(s.file, s.key);
+        } else {
           raise<IOError>("checkpoint '{}': entry '{}' of {} fails its CRC-32 check; the file is corrupt — load an "
                          "earlier checkpoint",
                          dir_, s.key, s.file);
@@ -703,7 +756,7 @@ void CheckpointReader::load(ShardedTensor& target) {
       }
       dst.copy_(src);
       filled += volume(src.shape());
-      bytes_read_ += src.nbytes();
+      files_->bytes_read += src.nbytes();
     }
     if (filled != volume(p.shape))
       raise<IOError>("checkpoint '{}': tensor '{}' has only {} of the {} elements at {} of shape {}", dir_, target.name,
@@ -730,10 +783,9 @@ CheckpointReader load_checkpoint(comm::Communicator* world, const std::string& d
   std::exception_ptr err;
   try {
     reader.emplace(dir, options);
-    for (ShardedTensor& t : targets) {
-      if (options.allow_missing && !reader->has_tensor(t.name)) continue;
-      reader->load(t);
-    }
+    std::vector<ShardedTensor*> ptrs;
+    for (ShardedTensor& t : targets) ptrs.push_back(&t);
+    reader->load_all(ptrs);
   } catch (...) {
     err = std::current_exception();
   }
@@ -752,7 +804,9 @@ void load_optimizer_state(CheckpointReader& reader, optim::Optimizer& opt, const
   std::vector<optim::NamedTensor> st = opt.state();
   for (auto& nt : st) nt.tensor = nt.tensor.clone();
   std::vector<ShardedTensor> desc = shard_optimizer_state(st, params);
-  for (ShardedTensor& t : desc) reader.load(t);
+  std::vector<ShardedTensor*> ptrs;
+  for (ShardedTensor& t : desc) ptrs.push_back(&t);
+  reader.load_all(ptrs);
   int64_t step = 0;
   try {
     step = json::parse(reader.json("optimizer")).at("step").get<int64_t>();

@@ -128,6 +128,9 @@ struct LoadOptions {
   bool verify_checksums = true;
   /// Skip targets the checkpoint does not have instead of failing.
   bool allow_missing = false;
+  /// Threads loading targets concurrently in load_all / load_checkpoint (0 = min(8, hardware threads)):
+  /// checksums, copies and the file reads behind them proceed in parallel.
+  int threads = 0;
 };
 
 /// What the header of one tensor in a checkpoint says.
@@ -167,10 +170,13 @@ class CheckpointReader {
   /// Fills target.local's pieces from the checkpoint: IOError when the tensor is absent, its global shape
   /// or dtype differs (both named), a file is missing, truncated or fails its CRC.
   void load(ShardedTensor& target);
+  /// load() of every target, on LoadOptions::threads threads; the first failure is rethrown after all
+  /// threads have stopped. Targets missing from the checkpoint are skipped when allow_missing.
+  void load_all(const std::vector<ShardedTensor*>& targets);
   /// The whole global tensor, on the host.
   Tensor load_full(const std::string& name);
   /// Bytes copied out of shard files so far (excluding checksum reads).
-  int64_t bytes_read() const { return bytes_read_; }
+  int64_t bytes_read() const;
 
  private:
   struct Files;
@@ -181,7 +187,6 @@ class CheckpointReader {
   std::map<std::string, TensorMeta> tensors_;
   std::map<std::string, std::string> json_;
   std::unique_ptr<Files> files_;
-  int64_t bytes_read_ = 0;
 };
 
 /// Loads every target (a missing one is an IOError unless allow_missing) and returns the reader (for
