@@ -106,6 +106,29 @@ def test_zero_resume_from_per_rank_shards_is_bit_exact(tmp_path):
 
 
 @needs_mpi
+def test_zero_resume_with_pipeline_and_tied_embeddings_is_bit_exact(tmp_path):
+    """PP2×DP2 with ZeRO-1 and tied embeddings: the last stage's copy of the embedding is never written (its ZeRO
+    shards neither), the save's tiling check passes, and stopping at 3 then resuming reproduces the run."""
+    sets = dict(parallel__tp=1, parallel__pp=2, parallel__zero=True, model__tie_word_embeddings=True)
+    full = _tiny(tmp_path, "tfull", 6, **sets)
+    _train(full, tmp_path, "tfull")
+    ref, _ = _metrics(full.logging.log_dir)
+    first = _tiny(tmp_path, "tsplit", 6, trainer__stop_after_steps=3, **sets)
+    _train(first, tmp_path, "tfirst")
+    meta = json.load(open(os.path.join(first.checkpoint.save_dir, "step_3", "metadata.json")))
+    assert "output_layer.weight" not in meta["tensors"]
+    emb = {s["file"] for s in meta["tensors"]["optimizer.embedding.weight.master"]["shards"]}
+    # Written by the first stage's ranks (world ranks 0 and 1 in Megatron's order) only, whichever of them owns
+    # which part; the tied copy on the last stage (ranks 2 and 3) is not written.
+    assert emb and emb <= {"shard_00000.safetensors", "shard_00001.safetensors"}, emb
+    second = _tiny(tmp_path, "tsplit", 6, **sets)
+    _train(second, tmp_path, "tsecond")
+    got, _ = _metrics(second.logging.log_dir)
+    assert [g["loss"] for g in got] == [r["loss"] for r in ref]
+    assert [g["grad_norm"] for g in got] == [r["grad_norm"] for r in ref]
+
+
+@needs_mpi
 def test_checkpoint_of_tp2_pp2_continues_under_dp_zero(tmp_path):
     """A checkpoint written by TP2×PP2 (AdamW) resumes under DP=2×TP=2 with ZeRO-1: the next two steps' losses equal
     the TP2×PP2 run's within f32 reduction-order tolerance (step 6 checks the weights, step 7 the optimizer state)."""
