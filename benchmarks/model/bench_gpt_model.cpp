@@ -22,6 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bench_common.hpp"
+
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -66,36 +68,11 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-mdl::TransformerConfig llama_1b() {
-  mdl::TransformerConfig c = mdl::presets::llama32_1b();
-  c.vocab_size = 32000;
-  c.tie_word_embeddings = false;
-  c.rope_scaling = {};
-  c.max_position_embeddings = 4096;
-  c.params_dtype = DType::BF16;
-  return c;
-}
-
 mdl::RecomputeGranularity recompute_of(const std::string& s) {
   if (s == "none") return mdl::RecomputeGranularity::None;
   if (s == "selective") return mdl::RecomputeGranularity::Selective;
   if (s == "full") return mdl::RecomputeGranularity::Full;
   throw std::runtime_error("--recompute must be none, selective or full");
-}
-
-std::unique_ptr<comm::Communicator> nccl_world(comm::Communicator& mpi, Device dev) {
-  Tensor id = Tensor::zeros({128}, DType::U8);
-  if (mpi.rank() == 0) {
-    comm::NcclUniqueId u = comm::nccl_unique_id();
-    std::memcpy(id.data_ptr(), u.data(), u.size());
-  }
-  mpi.broadcast(id, 0)->wait();
-  comm::NcclUniqueId u;
-  std::memcpy(u.data(), id.data_ptr(), u.size());
-  comm::CommOptions o;
-  o.name = "tp";
-  o.timeout = std::chrono::seconds(300);
-  return comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, dev, o);
 }
 
 // Saved activations of one layer: allocated bytes after its forward (output held) minus before.
@@ -136,8 +113,8 @@ int main(int argc, char** argv) {
     auto mpi = comm::make_mpi_world();
     comm::LaunchEnv env = comm::detect_launch_env();
     const Device dev = Device::cuda(env.local_rank % cuda_device_count());
-    auto tp = nccl_world(*mpi, dev);
-    mdl::TransformerConfig cfg = llama_1b();
+    auto tp = bench::nccl_over(*mpi, dev, "tp", std::chrono::seconds(300));
+    mdl::TransformerConfig cfg = bench::llama_1b();
     cfg.sequence_parallel = a.sp && tp->size() > 1;
     cfg.tp_comm_overlap = a.overlap;
     cfg.recompute_granularity = recompute_of(a.recompute);

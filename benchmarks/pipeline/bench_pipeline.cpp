@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bench_common.hpp"
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -79,25 +80,12 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-std::unique_ptr<comm::Communicator> nccl_comm(comm::Communicator& mpi, Device dev, int rank, int size,
-                                              const std::string& name) {
-  // One unique id per rank-0 of the group: broadcast over `mpi` when the group is the world, local otherwise.
-  comm::NcclUniqueId u;
-  if (size == 1) {
-    u = comm::nccl_unique_id();
-  } else {
-    Tensor id = Tensor::zeros({128}, DType::U8);
-    if (mpi.rank() == 0) {
-      comm::NcclUniqueId v = comm::nccl_unique_id();
-      std::memcpy(id.data_ptr(), v.data(), v.size());
-    }
-    mpi.broadcast(id, 0)->wait();
-    std::memcpy(u.data(), id.data_ptr(), u.size());
-  }
+// A one-rank NCCL communicator (the TP group of TP = 1).
+std::unique_ptr<comm::Communicator> solo_nccl(Device dev, const std::string& name) {
   comm::CommOptions o;
   o.name = name;
   o.timeout = std::chrono::seconds(300);
-  return comm::make_nccl_communicator(rank, size, u, dev, o);
+  return comm::make_nccl_communicator(0, 1, comm::nccl_unique_id(), dev, o);
 }
 
 }  // namespace
@@ -118,8 +106,8 @@ int main(int argc, char** argv) {
     if (gpu) {
       comm::LaunchEnv env = comm::detect_launch_env();
       dev = Device::cuda(env.local_rank % cuda_device_count());
-      pp_comm = nccl_comm(*mpi, dev, mpi->rank(), pp, "pp");
-      tp = nccl_comm(*mpi, dev, 0, 1, "tp");
+      pp_comm = bench::nccl_over(*mpi, dev, "pp", std::chrono::seconds(300));
+      tp = solo_nccl(dev, "tp");
       cfg = mdl::presets::llama32_1b();
       cfg.hidden_size = a.hidden ? a.hidden : 1024;
       cfg.num_layers = a.layers ? a.layers : 16;

@@ -29,6 +29,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bench_common.hpp"
+
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -80,32 +82,6 @@ Args parse(int argc, char** argv) {
   if (a.micro_batch < 1 || a.seq < 1 || a.grad_accum < 1 || a.iters < 1 || a.warmup < 0)
     throw std::runtime_error("--micro-batch, --seq, --grad-accum, --iters must be >= 1 (--warmup >= 0)");
   return a;
-}
-
-mdl::TransformerConfig llama_1b() {
-  mdl::TransformerConfig c = mdl::presets::llama32_1b();
-  c.vocab_size = 32000;
-  c.tie_word_embeddings = false;
-  c.rope_scaling = {};
-  c.max_position_embeddings = 4096;
-  c.params_dtype = DType::BF16;
-  return c;
-}
-
-// A NCCL communicator over the ranks of `mpi` (unique id broadcast through MPI).
-std::unique_ptr<comm::Communicator> nccl_over(comm::Communicator& mpi, Device dev, const std::string& name) {
-  Tensor id = Tensor::zeros({128}, DType::U8);
-  if (mpi.rank() == 0) {
-    comm::NcclUniqueId u = comm::nccl_unique_id();
-    std::memcpy(id.data_ptr(), u.data(), u.size());
-  }
-  if (mpi.size() > 1) mpi.broadcast(id, 0)->wait();
-  comm::NcclUniqueId u;
-  std::memcpy(u.data(), id.data_ptr(), u.size());
-  comm::CommOptions o;
-  o.name = name;
-  o.timeout = std::chrono::seconds(600);
-  return comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, dev, o);
 }
 
 struct Trainer {
@@ -202,11 +178,12 @@ int main(int argc, char** argv) {
     comm::LaunchEnv env = comm::detect_launch_env();
     const Device dev = Device::cuda(env.local_rank % cuda_device_count());
     const bool root = mpi->rank() == 0;
-    const mdl::TransformerConfig cfg = llama_1b();
+    const mdl::TransformerConfig cfg = bench::llama_1b();
     comm::CommOptions so;
     so.name = "self";
     auto self_mpi = mpi->split(mpi->rank(), 0, so);
-    auto self = nccl_over(*self_mpi, dev, "self");  // TP = 1, and the DP group of the single phase
+    // TP = 1, and the DP group of the single phase
+    auto self = bench::nccl_over(*self_mpi, dev, "self", std::chrono::seconds(600));
     const double tokens_per_step = double(a.micro_batch * a.seq * a.grad_accum);
     const mdl::FlopsPerToken fpt = mdl::flops_per_token(cfg, a.seq, false);
     Allocator& al = Allocator::get(dev);
@@ -245,7 +222,7 @@ int main(int argc, char** argv) {
 
     // 2. and 3. DDP over all ranks.
     if (!a.single && mpi->size() > 1) {
-      auto dp = nccl_over(*mpi, dev, "dp");
+      auto dp = bench::nccl_over(*mpi, dev, "dp", std::chrono::seconds(600));
       Trainer t(cfg, *self, *dp, dev, a, s);
       al.reset_peak_stats();
       const double sec = time_steps(t, a, *mpi);

@@ -1,0 +1,47 @@
+// What the model-level benchmarks (model, training, pipeline) share: the Llama-1.1B shape they measure and
+// an NCCL communicator over the MPI world (the unique id made on rank 0 and broadcast through MPI).
+#pragma once
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/comm/nccl_communicator.hpp"
+#include "megacore/model/transformer_config.hpp"
+
+namespace bench {
+
+/// Llama-3.2-1B's layers with a 32000-token untied vocabulary, no RoPE scaling, 4096 positions, bf16:
+/// the ~1.1B-parameter model of ../shared/NOTES.md that the peers are measured on too.
+inline megacore::model::TransformerConfig llama_1b() {
+  megacore::model::TransformerConfig c = megacore::model::presets::llama32_1b();
+  c.vocab_size = 32000;
+  c.tie_word_embeddings = false;
+  c.rope_scaling = {};
+  c.max_position_embeddings = 4096;
+  c.params_dtype = megacore::DType::BF16;
+  return c;
+}
+
+/// An NCCL communicator over all ranks of `mpi` on `dev` (collective over `mpi`).
+inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::Communicator& mpi,
+                                                               megacore::Device dev, const std::string& name,
+                                                               std::chrono::seconds timeout) {
+  using namespace megacore;
+  Tensor id = Tensor::zeros({128}, DType::U8);
+  if (mpi.rank() == 0) {
+    comm::NcclUniqueId u = comm::nccl_unique_id();
+    std::memcpy(id.data_ptr(), u.data(), u.size());
+  }
+  if (mpi.size() > 1) mpi.broadcast(id, 0)->wait();
+  comm::NcclUniqueId u;
+  std::memcpy(u.data(), id.data_ptr(), u.size());
+  comm::CommOptions o;
+  o.name = name;
+  o.timeout = timeout;
+  return comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, dev, o);
+}
+
+}  // namespace bench
