@@ -71,17 +71,9 @@ void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_s
     gr.out.push_back(buf.param_buffer(l.group).narrow(0, s.buf_off, s.len));
   }
   const Stream& cs = ddp_.config().compute_stream;
-  for (auto& [key, gr] : groups) {
-    ops::AdamWHyper h;
-    h.lr = lr;
-    h.beta1 = cfg_.beta1;
-    h.beta2 = cfg_.beta2;
-    h.eps = cfg_.eps;
-    h.weight_decay = key.first ? cfg_.weight_decay : 0.f;
-    h.step = step_;
-    h.grad_scale = grad_scale;
-    ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, h, grad_scale_tensor, cs);
-  }
+  for (auto& [key, gr] : groups)
+    ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, adamw_hyper(cfg_, lr, key.first, step_, grad_scale),
+                            grad_scale_tensor, cs);
   start_param_gather();
   if (!overlap_param_gather_) finish_param_gather();
 }

@@ -9,6 +9,18 @@
 
 namespace megacore::optim {
 
+ops::AdamWHyper adamw_hyper(const AdamWConfig& cfg, float lr, bool decay, int64_t step, float grad_scale) {
+  ops::AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = cfg.beta1;
+  h.beta2 = cfg.beta2;
+  h.eps = cfg.eps;
+  h.weight_decay = decay ? cfg.weight_decay : 0.f;
+  h.step = step;
+  h.grad_scale = grad_scale;
+  return h;
+}
+
 using layers::Parameter;
 
 bool default_no_decay(const Parameter& p) {
@@ -114,17 +126,9 @@ void AdamW::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
     gr.v.push_back(exp_avg_sq_[i]);
     gr.out.push_back(params_[i]->data);
   }
-  for (auto& [key, gr] : groups) {
-    ops::AdamWHyper h;
-    h.lr = lr;
-    h.beta1 = cfg_.beta1;
-    h.beta2 = cfg_.beta2;
-    h.eps = cfg_.eps;
-    h.weight_decay = key.first ? cfg_.weight_decay : 0.f;
-    h.step = step_;
-    h.grad_scale = grad_scale;
-    ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, h, grad_scale_tensor);
-  }
+  for (auto& [key, gr] : groups)
+    ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, adamw_hyper(cfg_, lr, key.first, step_, grad_scale),
+                            grad_scale_tensor);
 }
 
 std::vector<NamedTensor> AdamW::state() const {

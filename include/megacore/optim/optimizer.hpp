@@ -18,6 +18,7 @@
 
 #include "megacore/core/tensor.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/ops/optimizer.hpp"
 
 namespace megacore::optim {
 
@@ -40,6 +41,10 @@ struct AdamWConfig {
   /// Which parameters get no weight decay; empty = default_no_decay. Return false always to decay all.
   NoDecayRule no_decay;
 };
+
+/// The kernel's hyper-parameters for one AdamW step of a group (decaying or not), shared by AdamW and the
+/// ZeRO-1 DistributedOptimizer so both apply the same update.
+ops::AdamWHyper adamw_hyper(const AdamWConfig& cfg, float lr, bool decay, int64_t step, float grad_scale);
 
 struct SGDConfig {
   float momentum = 0.9f;
