@@ -19,6 +19,7 @@
 #include "megacore/checkpoint/safetensors.hpp"
 #include "megacore/core/error.hpp"
 #include "megacore/core/random.hpp"
+#include "test_helpers.hpp"
 
 using namespace megacore;
 using namespace megacore::checkpoint;
@@ -26,47 +27,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class DoneWork : public comm::Work {
- public:
-  void wait() override {}
-  bool is_completed() override { return true; }
-};
-
 // A one-rank world: every collective is the identity.
-class SoloWorld : public comm::Communicator {
- public:
-  SoloWorld() {
-    rank_ = 0;
-    size_ = 1;
-    options_.name = "world";
-  }
-  comm::Backend backend() const override { return comm::Backend::MPI; }
-  comm::WorkPtr all_reduce(Tensor&, comm::ReduceOp, const Stream&) override { return done(); }
-  comm::WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream& s) override {
-    out.copy_(in.view(out.shape()), s);
-    return done();
-  }
-  comm::WorkPtr reduce_scatter(const Tensor& in, Tensor& out, comm::ReduceOp, const Stream& s) override {
-    out.copy_(in.view(out.shape()), s);
-    return done();
-  }
-  comm::WorkPtr broadcast(Tensor&, int, const Stream&) override { return done(); }
-  comm::WorkPtr all_to_all(const Tensor&, Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                           const Stream&) override {
-    throw std::logic_error("not expected");
-  }
-  comm::WorkPtr batch_send_recv(const std::vector<comm::P2POp>&, const Stream&) override {
-    throw std::logic_error("not expected");
-  }
-  void barrier() override {}
-  std::unique_ptr<comm::Communicator> split(int, int, const comm::CommOptions&) override {
-    throw std::logic_error("not expected");
-  }
-  void abort() override {}
-  bool aborted() const override { return false; }
-
- private:
-  comm::WorkPtr done() { return std::make_shared<DoneWork>(); }
+struct SoloWorld : mctest::SoloCommunicator {
+  SoloWorld() : mctest::SoloCommunicator(1, "world") {}
 };
 
 struct TempDir {

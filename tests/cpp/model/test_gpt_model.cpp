@@ -20,52 +20,7 @@ namespace mdl = megacore::model;
 
 namespace {
 
-class DoneWork : public comm::Work {
- public:
-  void wait() override {}
-  bool is_completed() override { return true; }
-};
-
-/// A one-rank group: every collective is the identity. `size` > 1 makes a group whose collectives
-/// throw, for checks that must fail before communicating.
-class SoloCommunicator : public comm::Communicator {
- public:
-  explicit SoloCommunicator(int size = 1) {
-    rank_ = 0;
-    size_ = size;
-    options_.name = "tp";
-  }
-  comm::Backend backend() const override { return comm::Backend::MPI; }
-  comm::WorkPtr all_reduce(Tensor&, comm::ReduceOp, const Stream&) override { return done(); }
-  comm::WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream& s) override {
-    out.copy_(in.view(out.shape()), s);
-    return done();
-  }
-  comm::WorkPtr reduce_scatter(const Tensor& in, Tensor& out, comm::ReduceOp, const Stream& s) override {
-    out.copy_(in.view(out.shape()), s);
-    return done();
-  }
-  comm::WorkPtr broadcast(Tensor&, int, const Stream&) override { return done(); }
-  comm::WorkPtr all_to_all(const Tensor&, Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                           const Stream&) override {
-    throw std::logic_error("SoloCommunicator: all_to_all not expected");
-  }
-  comm::WorkPtr batch_send_recv(const std::vector<comm::P2POp>&, const Stream&) override {
-    throw std::logic_error("SoloCommunicator: send/recv not expected");
-  }
-  void barrier() override {}
-  std::unique_ptr<comm::Communicator> split(int, int, const comm::CommOptions&) override {
-    throw std::logic_error("SoloCommunicator: split not expected");
-  }
-  void abort() override {}
-  bool aborted() const override { return false; }
-
- private:
-  comm::WorkPtr done() {
-    if (size_ > 1) throw std::logic_error("test communicator: no collective expected here");
-    return std::make_shared<DoneWork>();
-  }
-};
+using mctest::SoloCommunicator;
 
 struct Batch {
   Tensor tokens, labels, mask;
