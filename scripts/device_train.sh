@@ -50,9 +50,13 @@ if has tests; then
 fi
 
 if has collectives; then
-  step bench_coll 240 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_collectives \
-    --out $OUT/json/collectives_${ngpu}gpu_blocking.json
-  grep -E "^all_reduce +(8|1048576|67108864) |^(all_gather|reduce_scatter|all_to_all|broadcast) +67108864 " $OUT/bench_coll.log
+  for np in 2 4 8; do
+    [ $np -le $ngpu ] || continue
+    step bench_coll_np$np 240 mpirun -np $np --bind-to none $B/benchmarks/megacore_bench_collectives \
+      --out $OUT/json/collectives_${np}gpu_blocking.json
+    grep -E "^all_reduce +(8|1048576|67108864|1073741824) |^(all_gather|reduce_scatter|all_to_all|broadcast) +(8|67108864) " \
+      $OUT/bench_coll_np$np.log
+  done
   step bench_coll_nb 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_collectives --non-blocking \
     --max-bytes 1M --ops all_reduce --out $OUT/json/collectives_${ngpu}gpu_nonblocking_small.json
   grep -E "^all_reduce +(8|1048576) " $OUT/bench_coll_nb.log

@@ -2,7 +2,11 @@
 // broadcast over 8 B … 1 GiB, the time, algorithm bandwidth and bus bandwidth of megacore's
 // Communicator next to raw NCCL calls on the same GPUs, in the same run.
 //   mpirun -np <GPUs> megacore_bench_collectives [--min-bytes 8] [--max-bytes 1G] [--iters 20]
-//                                               [--warmup 5] [--ops all_reduce,...] [--out file.json]
+//                                               [--warmup 5] [--trials 7] [--ops all_reduce,...] [--out file.json]
+// Every (op, size) is timed in `trials` rounds that alternate which side goes first (raw NCCL, then
+// megacore; then megacore, then raw …), each round `warmup` untimed and `iters` timed calls; a side's
+// time is the median of its rounds. One sample per side (the first version) let a cold first call, a
+// clock change or one slow round decide a row.
 // Bus bandwidth follows nccl-tests' PERFORMANCE.md: all-reduce algbw·2(n−1)/n; all-gather,
 // reduce-scatter and all-to-all algbw·(n−1)/n with size the full buffer (n·count·sizeof); broadcast ×1.
 #include <mpi.h>
@@ -12,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,8 +58,15 @@ int64_t parse_size(const std::string& s) {
 struct Row {
   std::string op;
   int64_t bytes;
-  double raw_us, mc_us;
+  double raw_us, mc_us;  // medians over the trials
+  std::vector<double> raw_trials, mc_trials;
 };
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 }  // namespace
 
@@ -70,7 +82,7 @@ int main(int argc, char** argv) {
   return 0;
 #else
   int64_t min_bytes = 8, max_bytes = int64_t(1) << 30;
-  int iters = 20, warmup = 5;
+  int iters = 20, warmup = 5, trials = 7;
   bool blocking = true;  // megacore's default: blocking NCCL calls (--non-blocking: every call non-blocking and polled)
   std::string out_path, ops_arg = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast";
   for (int i = 1; i < argc; ++i) {
@@ -80,6 +92,7 @@ int main(int argc, char** argv) {
     else if (a == "--max-bytes") max_bytes = parse_size(next());
     else if (a == "--iters") iters = std::stoi(next());
     else if (a == "--warmup") warmup = std::stoi(next());
+    else if (a == "--trials") trials = std::max(1, std::stoi(next()));
     else if (a == "--ops") ops_arg = next();
     else if (a == "--out") out_path = next();
     else if (a == "--blocking") blocking = true;
@@ -133,7 +146,7 @@ int main(int argc, char** argv) {
   buf_b.fill_(0.0, stream);
   stream.synchronize();
 
-  auto time_it = [&](auto&& fn) {
+  auto time_it = [&](const std::function<void()>& fn) {
     for (int i = 0; i < warmup; ++i) fn();
     CK(cudaStreamSynchronize(cs));
     MPI_Barrier(MPI_COMM_WORLD);
@@ -150,9 +163,10 @@ int main(int argc, char** argv) {
 
   std::vector<Row> rows;
   if (rank == 0) {
-    std::printf("# megacore collectives (%s communicator) vs raw NCCL %d (blocking), %d ranks, device %s, f32, %d iters "
-                "(time: slowest rank)\n",
-                blocking ? "blocking" : "non-blocking", comm::nccl_version(), world, cuda_device_name(dev).c_str(), iters);
+    std::printf("# megacore collectives (%s communicator) vs raw NCCL %d (blocking), %d ranks, device %s, f32, median of %d "
+                "alternating rounds of %d iters (time: slowest rank)\n",
+                blocking ? "blocking" : "non-blocking", comm::nccl_version(), world, cuda_device_name(dev).c_str(), trials,
+                iters);
     std::printf("%-15s %12s %12s %12s %10s %10s %12s %12s %8s\n", "op", "bytes", "raw_us", "mc_us", "raw_busbw",
                 "mc_busbw", "mc/raw_bw", "added_us", "");
   }
@@ -166,35 +180,46 @@ int main(int argc, char** argv) {
       int64_t full = whole ? count * world : count;
       Tensor a = buf_a.slice(0, 0, whole ? full : count);
       Tensor b = buf_b.slice(0, 0, whole && op == "reduce_scatter" ? count : full);
-      double raw_us = 0, mc_us = 0;
+      std::function<void()> raw_fn, mc_fn;
       if (op == "all_reduce") {
-        raw_us = time_it([&] { CK(ncclAllReduce(a.data_ptr(), a.data_ptr(), count, ncclFloat, ncclSum, raw, cs)); });
-        mc_us = time_it([&] { mc->all_reduce(a, comm::ReduceOp::Sum, stream); });
+        raw_fn = [&] { CK(ncclAllReduce(a.data_ptr(), a.data_ptr(), count, ncclFloat, ncclSum, raw, cs)); };
+        mc_fn = [&] { mc->all_reduce(a, comm::ReduceOp::Sum, stream); };
       } else if (op == "all_gather") {
         Tensor in = a.slice(0, 0, count);
-        raw_us = time_it([&] { CK(ncclAllGather(in.data_ptr(), b.data_ptr(), count, ncclFloat, raw, cs)); });
-        mc_us = time_it([&] { mc->all_gather(in, b, stream); });
+        raw_fn = [&, in] { CK(ncclAllGather(in.data_ptr(), b.data_ptr(), count, ncclFloat, raw, cs)); };
+        mc_fn = [&, in] { mc->all_gather(in, b, stream); };
       } else if (op == "reduce_scatter") {
-        raw_us = time_it([&] { CK(ncclReduceScatter(a.data_ptr(), b.data_ptr(), count, ncclFloat, ncclSum, raw, cs)); });
-        mc_us = time_it([&] { mc->reduce_scatter(a, b, comm::ReduceOp::Sum, stream); });
+        raw_fn = [&] { CK(ncclReduceScatter(a.data_ptr(), b.data_ptr(), count, ncclFloat, ncclSum, raw, cs)); };
+        mc_fn = [&] { mc->reduce_scatter(a, b, comm::ReduceOp::Sum, stream); };
       } else if (op == "all_to_all") {
-        raw_us = time_it([&] {
+        raw_fn = [&] {
           CK(ncclGroupStart());
           for (int p = 0; p < world; ++p) {
             CK(ncclSend(static_cast<float*>(a.data_ptr()) + p * count, count, ncclFloat, p, raw, cs));
             CK(ncclRecv(static_cast<float*>(b.data_ptr()) + p * count, count, ncclFloat, p, raw, cs));
           }
           CK(ncclGroupEnd());
-        });
-        mc_us = time_it([&] { mc->all_to_all(a, b, {}, {}, stream); });
+        };
+        mc_fn = [&] { mc->all_to_all(a, b, {}, {}, stream); };
       } else if (op == "broadcast") {
-        raw_us = time_it([&] { CK(ncclBroadcast(a.data_ptr(), a.data_ptr(), count, ncclFloat, 0, raw, cs)); });
-        mc_us = time_it([&] { mc->broadcast(a, 0, stream); });
+        raw_fn = [&] { CK(ncclBroadcast(a.data_ptr(), a.data_ptr(), count, ncclFloat, 0, raw, cs)); };
+        mc_fn = [&] { mc->broadcast(a, 0, stream); };
       } else {
         if (rank == 0) std::fprintf(stderr, "unknown op %s\n", op.c_str());
         break;
       }
-      rows.push_back({op, full * 4, raw_us, mc_us});
+      std::vector<double> raw_t, mc_t;
+      for (int t = 0; t < trials; ++t) {
+        if (t % 2 == 0) {
+          raw_t.push_back(time_it(raw_fn));
+          mc_t.push_back(time_it(mc_fn));
+        } else {
+          mc_t.push_back(time_it(mc_fn));
+          raw_t.push_back(time_it(raw_fn));
+        }
+      }
+      const double raw_us = median(raw_t), mc_us = median(mc_t);
+      rows.push_back({op, full * 4, raw_us, mc_us, raw_t, mc_t});
       if (rank == 0) {
         double n = world;
         double factor = op == "all_reduce" ? 2 * (n - 1) / n : op == "broadcast" ? 1.0 : (n - 1) / n;
@@ -212,6 +237,8 @@ int main(int argc, char** argv) {
     j["nccl_version"] = comm::nccl_version();
     j["dtype"] = "f32";
     j["iters"] = iters;
+    j["trials"] = trials;
+    j["statistic"] = "median over alternating rounds (raw first in even rounds, megacore first in odd ones)";
     j["peer"] = "raw NCCL (ncclCommInitRank, blocking) in the same run";
     j["megacore_mode"] = blocking ? "blocking" : "non-blocking";
     j["busbw_formula"] = "nccl-tests PERFORMANCE.md";
@@ -220,7 +247,8 @@ int main(int argc, char** argv) {
       double factor = r.op == "all_reduce" ? 2 * (n - 1) / n : r.op == "broadcast" ? 1.0 : (n - 1) / n;
       j["rows"].push_back({{"op", r.op}, {"bytes", r.bytes}, {"raw_us", r.raw_us}, {"megacore_us", r.mc_us},
                            {"raw_busbw_GBps", double(r.bytes) / r.raw_us / 1e3 * factor},
-                           {"megacore_busbw_GBps", double(r.bytes) / r.mc_us / 1e3 * factor}});
+                           {"megacore_busbw_GBps", double(r.bytes) / r.mc_us / 1e3 * factor},
+                           {"raw_us_trials", r.raw_trials}, {"megacore_us_trials", r.mc_trials}});
     }
     std::ofstream(out_path) << j.dump(2) << "\n";
     std::printf("wrote %s\n", out_path.c_str());
