@@ -124,10 +124,15 @@ if has ddp; then
 fi
 
 if has pipeline; then
+  # The default 16-layer model split evenly, then 15 layers with the split balanced from a profiled step
+  # (the last stage's output layer + loss costs about a layer: 4/4/4/3 evens the stages).
   for vp in 1 2; do
     step bench_pipe_vp$vp 200 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp $vp \
       --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp$vp.json
     grep -E "^PP|bubble|rror" $OUT/bench_pipe_vp$vp.log | head -8
+    step bench_pipe_bal_vp$vp 200 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp $vp \
+      --layers 15 --layout balanced --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp${vp}_balanced.json
+    grep -E "^PP|^balanced|rror" $OUT/bench_pipe_bal_vp$vp.log | head -8
   done
 fi
 

@@ -3,6 +3,7 @@
 //   mpirun -np 4 build/benchmarks/megacore_bench_pipeline --out results.json               # 4 GPUs (NCCL)
 //   mpirun -np 4 build/benchmarks/megacore_bench_pipeline --vp 2 --microbatches 4,8,16
 //   mpirun --oversubscribe -np 4 build/benchmarks/megacore_bench_pipeline --cpu            # CPU ranks (MPI)
+//   mpirun -np 4 build/benchmarks/megacore_bench_pipeline --layers 15 --layout balanced
 //
 // Every launched rank is one pipeline stage (PP = world size, TP = DP = 1). With GPUs (one per rank,
 // NCCL point-to-point on a dedicated stream) the model is a Llama-style decoder (h1024, 16 layers, 16
@@ -13,6 +14,10 @@
 // timed steps), next to the ideal (PP − 1)/(VP·m + PP − 1). Measured idle also contains what the ideal
 // ignores: transfers, stage imbalance (the first stage embeds, the last runs the output layer and
 // loss — with a 32k vocabulary that is a sizeable extra) and host overhead. No optimizer step.
+// --layout: `uniform` (default; needs layers % (PP·VP) == 0), explicit counts `4,4,4,3` (model order), or
+// `balanced`: one profiled step with the near-even split measures each rank's compute, then
+// stage_costs_from_profile() gives the embedding and head costs in layers and PipelineLayout::balanced()
+// the split that evens out the stages, which the measurement then uses (both recorded in the JSON).
 #include <mpi.h>
 
 #include <algorithm>
@@ -47,7 +52,7 @@ struct Args {
   int64_t micro_batch = 0, seq = 0, layers = 0, hidden = 0;
   int iters = 5, warmup = 2;
   bool cpu = false;
-  std::string out;
+  std::string out, layout = "uniform";
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -74,6 +79,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--iters") a.iters = std::stoi(next());
     else if (k == "--warmup") a.warmup = std::stoi(next());
     else if (k == "--cpu") a.cpu = true;
+    else if (k == "--layout") a.layout = next();
     else if (k == "--out") a.out = next();
     else throw std::runtime_error("unknown argument " + k + " (see the header of bench_pipeline.cpp)");
   }
@@ -132,22 +138,31 @@ int main(int argc, char** argv) {
     }
     if (a.microbatches.empty()) a.microbatches = {int64_t(pp), int64_t(2 * pp), int64_t(4 * pp)};
     const int r = pp_comm->rank();
-    const pl::PipelineLayout layout = pl::PipelineLayout::uniform(cfg.num_layers, pp, a.vp);
-    std::vector<std::unique_ptr<mdl::GPTModel>> chunks;
-    std::vector<mdl::GPTModel*> ptrs;
-    for (int c = 0; c < a.vp; ++c) {
-      chunks.push_back(std::make_unique<mdl::GPTModel>(
-          cfg, *tp,
-          mdl::GPTModelOptions{.device = dev,
-                               .layer_indices = layout.layer_indices(r, c),
-                               .pre_process = layout.has_embedding(r, c),
-                               .post_process = layout.has_head(r, c)}));
-      ptrs.push_back(chunks.back().get());
-    }
-    pl::PipelineEngine engine(*pp_comm, layout, ptrs);
+    // The model chunks and engine for one layout (rebuilt when `balanced` replaces the profiling split).
+    struct Built {
+      pl::PipelineLayout layout;
+      std::vector<std::unique_ptr<mdl::GPTModel>> chunks;
+      std::vector<mdl::GPTModel*> ptrs;
+      std::unique_ptr<pl::PipelineEngine> engine;
+    };
+    auto build = [&](const pl::PipelineLayout& lay) {
+      auto b = std::make_unique<Built>(Built{lay, {}, {}, nullptr});
+      for (int c = 0; c < a.vp; ++c) {
+        b->chunks.push_back(std::make_unique<mdl::GPTModel>(
+            cfg, *tp,
+            mdl::GPTModelOptions{.device = dev,
+                                 .layer_indices = b->layout.layer_indices(r, c),
+                                 .pre_process = b->layout.has_embedding(r, c),
+                                 .post_process = b->layout.has_head(r, c)}));
+        b->ptrs.push_back(b->chunks.back().get());
+      }
+      b->engine = std::make_unique<pl::PipelineEngine>(*pp_comm, b->layout, b->ptrs);
+      return b;
+    };
+    std::unique_ptr<Built> built;
+    json layout_info = {{"mode", a.layout}};
     ly::ForwardContext ctx;
     if (gpu) ctx.stream = Stream::create(dev);
-
     std::vector<int64_t> tok(size_t(a.micro_batch * a.seq)), lab(tok.size());
     for (size_t i = 0; i < tok.size(); ++i) {
       tok[i] = int64_t((i * 7919 + 13) % size_t(cfg.vocab_size));
@@ -155,6 +170,39 @@ int main(int argc, char** argv) {
     }
     const pl::MicroBatch mb{Tensor::from_vector<int64_t>(tok, {a.micro_batch, a.seq}).to(dev),
                             Tensor::from_vector<int64_t>(lab, {a.micro_batch, a.seq}).to(dev), Tensor()};
+
+    if (a.layout == "uniform") {
+      built = build(pl::PipelineLayout::uniform(cfg.num_layers, pp, a.vp));
+    } else if (a.layout == "balanced") {
+      // Profile: the near-even split, warm-up steps then one measured step at the largest m.
+      built = build(pl::PipelineLayout::balanced(cfg.num_layers, pp, a.vp, {}));
+      const std::vector<pl::MicroBatch> mbs(size_t(a.microbatches.back()), mb);
+      double busy = 0;
+      for (int it = 0; it < a.warmup + 1; ++it) {
+        for (auto* c : built->ptrs) c->zero_grad();
+        busy = built->engine->step(ctx, mbs).busy_seconds;
+      }
+      std::vector<double> all(static_cast<size_t>(pp), 0.0);
+      MPI_Allgather(&busy, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
+      const pl::StageCosts costs = pl::stage_costs_from_profile(built->layout, all);
+      layout_info["profiled_counts"] = built->layout.counts();
+      std::vector<double> all_ms = all;
+      for (double& v : all_ms) v *= 1e3;
+      layout_info["profiled_busy_ms"] = all_ms;
+      layout_info["embedding_cost_layers"] = costs.embedding;
+      layout_info["head_cost_layers"] = costs.head;
+      const pl::PipelineLayout lay = pl::PipelineLayout::balanced(cfg.num_layers, pp, a.vp, costs);
+      built.reset();
+      built = build(lay);
+      if (mpi->rank() == 0)
+        std::printf("balanced layout: head %.2f layers, embedding %.2f layers -> %s\n", costs.head,
+                    costs.embedding, json(lay.counts()).dump().c_str());
+    } else {
+      built = build(pl::PipelineLayout::from_counts(cfg.num_layers, pp, a.vp, parse_list(a.layout)));
+    }
+    layout_info["counts"] = built->layout.counts();
+    pl::PipelineEngine& engine = *built->engine;
+    const std::vector<mdl::GPTModel*>& ptrs = built->ptrs;
 
     json results = json::array();
     for (int64_t m : a.microbatches) {
@@ -204,6 +252,7 @@ int main(int argc, char** argv) {
                 {"model", {{"hidden", cfg.hidden_size}, {"layers", cfg.num_layers}, {"heads", cfg.num_attention_heads},
                            {"ffn", cfg.ffn_hidden_size}, {"vocab", cfg.vocab_size},
                            {"dtype", std::string(dtype_name(cfg.params_dtype))}}},
+                {"layout", layout_info},
                 {"micro_batch", a.micro_batch},
                 {"seq", a.seq},
                 {"iters", a.iters},

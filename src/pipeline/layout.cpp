@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <utility>
 
@@ -60,6 +62,77 @@ PipelineLayout PipelineLayout::from_counts(int64_t num_layers, int pipeline_para
         (total < num_layers ? num_layers - total : total - num_layers) == 1 ? "" : "s");
   }
   return PipelineLayout(num_layers, pipeline_parallel, virtual_stages, std::move(counts));
+}
+
+PipelineLayout PipelineLayout::balanced(int64_t num_layers, int pipeline_parallel, int virtual_stages,
+                                       StageCosts costs) {
+  check_sizes(num_layers, pipeline_parallel, virtual_stages);
+  MC_CHECK_AS(ConfigError, std::isfinite(costs.embedding) && costs.embedding >= 0,
+              "balanced pipeline layout: embedding cost is {}; give it in layers, >= 0", costs.embedding);
+  MC_CHECK_AS(ConfigError, std::isfinite(costs.head) && costs.head >= 0,
+              "balanced pipeline layout: head cost is {}; give it in layers, >= 0", costs.head);
+  const size_t stages = size_t(pipeline_parallel) * size_t(virtual_stages);
+  std::vector<double> extra(stages, 0.0);
+  extra.front() += costs.embedding;
+  extra.back() += costs.head;
+  // Layers a stage can take under a cost bound t (a small slack absorbs rounding of t - extra).
+  auto capacity = [&](double t, size_t s) {
+    const double c = std::floor(t - extra[s] + 1e-9);
+    return c < 0 ? int64_t{0} : int64_t(c);
+  };
+  auto fits = [&](double t) {
+    int64_t n = 0;
+    for (size_t s = 0; s < stages; ++s) n += capacity(t, s);
+    return n >= num_layers;
+  };
+  // The optimum is n + extra[s] for some stage s and layer count n: the smallest feasible one.
+  std::vector<double> candidates;
+  for (size_t s = 0; s < stages; ++s)
+    for (int64_t n = 0; n <= num_layers; ++n) candidates.push_back(double(n) + extra[s]);
+  std::sort(candidates.begin(), candidates.end());
+  const auto best = std::partition_point(candidates.begin(), candidates.end(), [&](double t) { return !fits(t); });
+  const double bound = best == candidates.end() ? double(num_layers) + extra.back() : *best;
+  std::vector<int64_t> counts(stages);
+  int64_t total = 0;
+  for (size_t s = 0; s < stages; ++s) total += counts[s] = capacity(bound, s);
+  while (total > num_layers) {  // take the surplus off the costliest stages
+    size_t pick = stages;
+    for (size_t s = 0; s < stages; ++s) {
+      if (counts[s] == 0) continue;
+      if (pick == stages || double(counts[s]) + extra[s] >= double(counts[pick]) + extra[pick]) pick = s;
+    }
+    --counts[pick];
+    --total;
+  }
+  return from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(counts));
+}
+
+StageCosts stage_costs_from_profile(const PipelineLayout& layout, const std::vector<double>& busy_per_rank) {
+  const int pp = layout.pipeline_parallel();
+  MC_CHECK(int64_t(busy_per_rank.size()) == pp,
+           "stage_costs_from_profile: {} busy times for a layout of {} pipeline ranks; give one per rank",
+           busy_per_rank.size(), pp);
+  for (double b : busy_per_rank)
+    MC_CHECK(std::isfinite(b) && b > 0, "stage_costs_from_profile: busy time {} is not a positive time", b);
+  if (pp == 1) return {};
+  std::vector<double> per_layer;
+  for (int r = (pp == 2 ? 0 : 1); r < (pp == 2 ? 1 : pp - 1); ++r) {
+    const int64_t n = layout.num_layers_on_rank(r);
+    if (n > 0) per_layer.push_back(busy_per_rank[size_t(r)] / double(n));
+  }
+  MC_CHECK(!per_layer.empty(),
+           "stage_costs_from_profile: the profiled layout has no layers on the ranks that measure one layer's "
+           "cost (the middle ranks, or rank 0 with PP 2); profile with an even layout");
+  std::sort(per_layer.begin(), per_layer.end());
+  const size_t k = per_layer.size();
+  const double unit = k % 2 ? per_layer[k / 2] : 0.5 * (per_layer[k / 2 - 1] + per_layer[k / 2]);
+  auto excess = [&](int r) {
+    return std::max(0.0, busy_per_rank[size_t(r)] / unit - double(layout.num_layers_on_rank(r)));
+  };
+  StageCosts c;
+  c.embedding = pp == 2 ? 0.0 : excess(0);
+  c.head = excess(pp - 1);
+  return c;
 }
 
 void PipelineLayout::check_position(int pp_rank, int chunk) const {

@@ -7,6 +7,12 @@
 //
 // Layers are split evenly by default, or by an explicit list of per-stage layer counts in model order,
 // e.g. {5, 6, 6, 5} for PP = 4 so the stages carrying the embedding and the head get one layer fewer.
+// A third way balances the stages for the extra work of the first and last stage (the embedding, and
+// the output layer + loss, which with a large vocabulary costs about as much as a layer or two):
+// `balanced` takes those costs in units of one transformer layer, and `stage_costs_from_profile`
+// measures them from one profiled step with any layout (per-rank compute times). The theoretical
+// bubble (PP − 1)/(m + PP − 1) holds for equal stages; with the uniform split the last stage is the
+// bottleneck and every other stage waits on it.
 // Both are validated as a whole up front: a layout that does not cover the model exactly is refused
 // (a run that silently trains 64 of 80 layers looks healthy and is wrong).
 #pragma once
@@ -22,6 +28,12 @@ struct LayerRange {
   int64_t count = 0;
 };
 
+/// Extra work of the first and last virtual stage, in units of one transformer layer's compute.
+struct StageCosts {
+  double embedding = 0;  ///< the input embedding (first stage)
+  double head = 0;       ///< the final norm, output layer and loss (last stage)
+};
+
 /// The assignment of layers to (pp_rank, virtual chunk). Immutable once built; always valid.
 class PipelineLayout {
  public:
@@ -31,6 +43,12 @@ class PipelineLayout {
   /// ConfigError unless there are exactly PP × VP counts, each >= 0, summing to num_layers.
   static PipelineLayout from_counts(int64_t num_layers, int pipeline_parallel, int virtual_stages,
                                     std::vector<int64_t> counts);
+
+  /// The counts that minimise the largest stage cost (layers + the stage's extra from `costs`); among
+  /// those, layers are taken off the costliest stages first (ties: the later stage), so a stage never
+  /// holds more than the one after it needs to. ConfigError for negative or non-finite costs.
+  /// Example: 15 layers, PP 4, head ≈ 0.9 layer → {4, 4, 4, 3}.
+  static PipelineLayout balanced(int64_t num_layers, int pipeline_parallel, int virtual_stages, StageCosts costs);
 
   int pipeline_parallel() const { return pp_; }
   int virtual_stages() const { return vp_; }
@@ -59,5 +77,12 @@ class PipelineLayout {
   std::vector<int64_t> counts_;
   std::vector<int64_t> starts_;  // prefix sums of counts_, same indexing
 };
+
+/// The embedding and head costs, in layers, from one step's measured compute time per pipeline rank
+/// (busy_per_rank[r], any unit) under `layout`: one layer's cost is the median of busy/layers over the
+/// ranks in between (with PP = 2, rank 0's, the embedding counted as free), and the first and last
+/// rank's excess over their layers is their extra. Negative excesses (noise) count as 0. PP = 1 gives
+/// {0, 0} (nothing to balance). ValueError when the sizes disagree or a time is not positive.
+StageCosts stage_costs_from_profile(const PipelineLayout& layout, const std::vector<double>& busy_per_rank);
 
 }  // namespace megacore::pipeline

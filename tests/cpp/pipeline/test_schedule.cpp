@@ -7,7 +7,9 @@
 // ops take one time unit and communication none. A schedule that cannot finish is a deadlock; one that
 // finishes gives each rank's idle fraction, compared with the theoretical bubble.
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -329,6 +331,79 @@ TEST_CASE("layout: even and explicit splits give the right global layers", "[pip
   REQUIRE(empty_last.layer_indices(0, 1) == std::vector<int64_t>{6, 7});
   REQUIRE_THROWS_AS(empty_last.range(2, 0), ValueError);
   REQUIRE_THROWS_AS(empty_last.range(0, 2), ValueError);
+}
+
+TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]") {
+  // Brute force over every split of L layers into S stages (small cases) gives the optimum to match.
+  auto best_max = [](int64_t L, size_t S, const std::vector<double>& extra) {
+    double best = 1e300;
+    std::vector<int64_t> c(S, 0);
+    std::function<void(size_t, int64_t)> rec = [&](size_t s, int64_t left) {
+      if (s + 1 == S) {
+        c[s] = left;
+        double m = 0;
+        for (size_t i = 0; i < S; ++i) m = std::max(m, double(c[i]) + extra[i]);
+        best = std::min(best, m);
+        return;
+      }
+      for (int64_t n = 0; n <= left; ++n) {
+        c[s] = n;
+        rec(s + 1, left - n);
+      }
+    };
+    rec(0, L);
+    return best;
+  };
+  std::mt19937_64 rng(20261126);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int pp = 1 + int(rng() % 4), vp = 1 + int(rng() % 2);
+    const int64_t L = 1 + int64_t(rng() % 14);
+    const StageCosts costs{double(rng() % 100) / 50.0, double(rng() % 300) / 50.0};
+    const auto lay = PipelineLayout::balanced(L, pp, vp, costs);
+    const size_t S = size_t(pp) * size_t(vp);
+    std::vector<double> extra(S, 0.0);
+    extra.front() += costs.embedding;
+    extra.back() += costs.head;
+    double got = 0;
+    int64_t sum = 0;
+    for (size_t s = 0; s < S; ++s) {
+      got = std::max(got, double(lay.counts()[s]) + extra[s]);
+      sum += lay.counts()[s];
+    }
+    INFO("L " << L << " pp " << pp << " vp " << vp << " emb " << costs.embedding << " head " << costs.head);
+    REQUIRE(sum == L);
+    REQUIRE(got == Approx(best_max(L, S, extra)).margin(1e-12));
+  }
+  // Worked cases: the head of a 32k-vocabulary model costs ~0.9 layer.
+  REQUIRE(PipelineLayout::balanced(15, 4, 1, {0.0, 0.86}).counts() == std::vector<int64_t>{4, 4, 4, 3});
+  REQUIRE(PipelineLayout::balanced(16, 4, 1, {0.0, 0.86}).counts() == std::vector<int64_t>{4, 4, 4, 4});
+  REQUIRE(PipelineLayout::balanced(16, 4, 1, {0.0, 0.0}).counts() == std::vector<int64_t>{4, 4, 4, 4});
+  REQUIRE(PipelineLayout::balanced(22, 4, 1, {1.0, 1.0}).counts() == std::vector<int64_t>{5, 6, 6, 5});
+  REQUIRE(PipelineLayout::balanced(4, 2, 1, {0.0, 10.0}).counts() == std::vector<int64_t>{4, 0});
+  CHECK_THAT(config_error_of([] { PipelineLayout::balanced(8, 2, 1, {-1.0, 0.0}); }),
+             Catch::Contains("embedding cost is -1"));
+  CHECK_THAT(config_error_of([] { PipelineLayout::balanced(8, 2, 1, {0.0, std::nan("")}); }),
+             Catch::Contains("head cost is nan"));
+}
+
+TEST_CASE("layout: stage costs from a profile recover the embedding and head costs", "[pipeline]") {
+  // busy = unit · layers + extras, unit 3.9 ms: the costs come back in layers, for any layout.
+  for (auto [pp, vp] : std::vector<std::pair<int, int>>{{2, 1}, {3, 1}, {4, 1}, {4, 2}}) {
+    const auto lay = PipelineLayout::uniform(8 * pp * vp, pp, vp);
+    std::vector<double> busy(static_cast<size_t>(pp), 0.0);
+    for (int r = 0; r < pp; ++r) busy[size_t(r)] = 3.9 * double(lay.num_layers_on_rank(r));
+    busy.back() += 3.9 * 0.86;
+    if (pp > 2) busy.front() += 3.9 * 0.05;
+    const StageCosts c = stage_costs_from_profile(lay, busy);
+    REQUIRE(c.head == Approx(0.86));
+    REQUIRE(c.embedding == Approx(pp > 2 ? 0.05 : 0.0).margin(1e-12));
+  }
+  // Noise that makes a stage look cheaper than its layers counts as no extra.
+  const auto lay = PipelineLayout::uniform(16, 4);
+  REQUIRE(stage_costs_from_profile(lay, {15.6, 15.7, 15.8, 15.65}).head == 0.0);
+  REQUIRE(stage_costs_from_profile(PipelineLayout::uniform(4, 1), {1.0}).head == 0.0);
+  REQUIRE_THROWS_AS(stage_costs_from_profile(lay, {1.0, 2.0}), ValueError);
+  REQUIRE_THROWS_AS(stage_costs_from_profile(lay, {1.0, 0.0, 1.0, 1.0}), ValueError);
 }
 
 TEST_CASE("layout: refused layouts name the fix", "[pipeline]") {
