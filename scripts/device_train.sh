@@ -113,12 +113,17 @@ if has model; then
 fi
 
 if has ddp; then
+  # DDP and ZeRO-1 with NCCL's own CTA choice and with the DP communicator capped at 8 / 16 CTAs (the
+  # reduction overlaps backward GEMMs: fewer CTAs, fewer SMs taken from them); f32 and bf16 reduction.
   for z in "" "--zero"; do
-    step bench_ddp$z 300 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $z \
+    step bench_ddp$z 200 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $z --max-ctas 0,8,16 \
       --out $OUT/json/ddp_${ngpu}gpu${z:+_zero}.json
-    grep -iE "scaling|tokens|exposed|overlap|error" $OUT/bench_ddp$z.log | head -12
+    grep -iE "^ddp max_ctas|\"scaling|error" $OUT/bench_ddp$z.log | head -12
   done
-  step peer_ddp 300 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
+  step bench_ddp_bf16 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --bf16-reduce \
+    --max-ctas 0,8 --out $OUT/json/ddp_${ngpu}gpu_bf16_reduce.json
+  grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_bf16.log | head -6
+  step peer_ddp 200 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
     --out $OUT/json/ddp_torch_peer_${ngpu}gpu.json
   grep -iE "scaling|tokens|error" $OUT/peer_ddp.log | head -6
 fi

@@ -25,10 +25,11 @@ inline megacore::model::TransformerConfig llama_1b() {
   return c;
 }
 
-/// An NCCL communicator over all ranks of `mpi` on `dev` (collective over `mpi`).
+/// An NCCL communicator over all ranks of `mpi` on `dev` (collective over `mpi`); max_ctas > 0 caps
+/// NCCL's CTAs (CommOptions::nccl_max_ctas).
 inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::Communicator& mpi,
                                                                megacore::Device dev, const std::string& name,
-                                                               std::chrono::seconds timeout) {
+                                                               std::chrono::seconds timeout, int max_ctas = 0) {
   using namespace megacore;
   Tensor id = Tensor::zeros({128}, DType::U8);
   if (mpi.rank() == 0) {
@@ -41,6 +42,7 @@ inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::C
   comm::CommOptions o;
   o.name = name;
   o.timeout = timeout;
+  o.nccl_max_ctas = max_ctas;
   return comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, dev, o);
 }
 

@@ -2,6 +2,7 @@
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --out ddp.json            # DDP + AdamW
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --out zero.json    # ZeRO-1
 //   mpirun -np 1 build/benchmarks/megacore_bench_training --out one.json            # one GPU only
+//   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 0,8,16          # DP comm CTA limits
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -17,6 +18,9 @@
 //      overlap on and off: time in finish_grad_sync after backward has finished is the EXPOSED
 //      reduction; with the overlap off it is the whole reduction. Buckets launched during backward are
 //      counted.
+// --max-ctas runs phases 2-3 once per value, each with a DP communicator whose NCCL CTAs are capped
+// (CommOptions::nccl_max_ctas; 0 = NCCL's choice): fewer CTAs leave more SMs to the backward GEMMs
+// that the reduction overlaps with. The first value's run is "ddp", every run is in "ddp_variants".
 // Tokens per step per GPU = micro_batch · seq · grad_accum. FLOPs per token = 6·N_matmul + 12·L·h·s
 // (model::flops_per_token, non-causal attention count).
 #include <mpi.h>
@@ -53,6 +57,7 @@ struct Args {
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
   double peak_tflops = 989.0;
+  std::vector<int> max_ctas{0};
   std::string out;
 };
 
@@ -76,6 +81,16 @@ Args parse(int argc, char** argv) {
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
     else if (k == "--no-overlap") a.no_overlap = true;
     else if (k == "--peak-tflops") a.peak_tflops = std::stod(next());
+    else if (k == "--max-ctas") {
+      a.max_ctas.clear();
+      const std::string v = next();
+      for (size_t p = 0; p <= v.size();) {
+        size_t q = v.find(',', p);
+        if (q == std::string::npos) q = v.size();
+        a.max_ctas.push_back(std::stoi(v.substr(p, q - p)));
+        p = q + 1;
+      }
+    }
     else if (k == "--out") a.out = next();
     else throw std::runtime_error("unknown argument " + k);
   }
@@ -221,8 +236,8 @@ int main(int argc, char** argv) {
                           {"peak_allocated_gib", single_peak_gib}}}};
 
     // 2. and 3. DDP over all ranks.
-    if (!a.single && mpi->size() > 1) {
-      auto dp = bench::nccl_over(*mpi, dev, "dp", std::chrono::seconds(600));
+    for (size_t variant = 0; variant < a.max_ctas.size() && !a.single && mpi->size() > 1; ++variant) {
+      auto dp = bench::nccl_over(*mpi, dev, "dp", std::chrono::seconds(600), a.max_ctas[variant]);
       Trainer t(cfg, *self, *dp, dev, a, s);
       al.reset_peak_stats();
       const double sec = time_steps(t, a, *mpi);
@@ -251,7 +266,8 @@ int main(int argc, char** argv) {
       t.model.set_grad_ready_callback(t.ddp.grad_ready_hook());
       const double exposed = br["overlap"]["finish_grad_sync_after_backward_ms"].get<double>();
       const double whole = br["no_overlap"]["finish_grad_sync_after_backward_ms"].get<double>();
-      r["ddp"] = {{"gpus", mpi->size()},
+      json d = {{"gpus", mpi->size()},
+                  {"nccl_max_ctas", a.max_ctas[variant]},
                   {"ms_per_step", sec * 1e3},
                   {"tokens_per_s", tps_gpu * mpi->size()},
                   {"tokens_per_s_per_gpu", tps_gpu},
@@ -263,6 +279,13 @@ int main(int argc, char** argv) {
                                                         : 12 * t.ddp.buffer().param_numel()) / (1 << 30)},
                   {"breakdown", br},
                   {"reduction_hidden_fraction", whole > 0 ? std::max(0.0, 1.0 - exposed / whole) : 0.0}};
+      if (variant == 0) r["ddp"] = d;
+      r["ddp_variants"].push_back(d);
+      if (root)
+        std::printf("ddp max_ctas %d: %.1f ms/step, scaling %.4f, fwd+bwd overlap %.1f / no overlap %.1f ms, exposed %.2f ms\n",
+                    a.max_ctas[variant], sec * 1e3, tps_gpu / single_tps,
+                    br["overlap"]["forward_backward_ms"].get<double>(),
+                    br["no_overlap"]["forward_backward_ms"].get<double>(), exposed);
     }
     if (root) {
       std::printf("%s\n", r.dump(2).c_str());
