@@ -93,6 +93,51 @@ __device__ __forceinline__ void store_f32_stream(T* p, const float (&in)[N]) {
 template <class T>
 inline constexpr int kVec16 = int(16 / sizeof(T));
 
+/// One 16-byte vector of T, kept packed in registers (4 registers whatever T is) until it is used.
+template <class T>
+using Vec16 = Vec<T, kVec16<T>>;
+
+template <class T>
+__device__ __forceinline__ Vec16<T> load_vec16(const T* p) {
+  return *reinterpret_cast<const Vec16<T>*>(p);
+}
+/// Read once: evict-first, so it does not push out what is reused.
+template <class T>
+__device__ __forceinline__ Vec16<T> load_vec16_stream(const T* p) {
+  int4 r = __ldcs(reinterpret_cast<const int4*>(p));
+  return *reinterpret_cast<Vec16<T>*>(&r);
+}
+/// The f32 values of a packed vector. The conversion is an asm statement the compiler will not merge
+/// with an earlier one, so a kernel that reads a packed row twice (reduce, then write) converts it
+/// twice instead of keeping a second, f32 copy of the row alive: half the registers per byte in flight.
+template <class T>
+__device__ __forceinline__ void unpack_f32(const Vec16<T>& p, float (&out)[kVec16<T>]) {
+  constexpr int V = kVec16<T>;
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = p.v[i];  // already f32: nothing to save
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(p.v);
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) {
+      uint32_t lo, hi;
+      asm volatile("shl.b32 %0, %1, 16;" : "=r"(lo) : "r"(u[i]));
+      asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(hi) : "r"(u[i]));
+      out[2 * i] = __uint_as_float(lo);
+      out[2 * i + 1] = __uint_as_float(hi);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) asm volatile("cvt.f32.f16 %0, %1;" : "=f"(out[i]) : "h"(p.v[i].bits));
+  }
+}
+
+template <class T>
+__device__ __forceinline__ Vec16<T> zero_vec16() {
+  int4 r = make_int4(0, 0, 0, 0);
+  return *reinterpret_cast<Vec16<T>*>(&r);
+}
+
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 __device__ __forceinline__ float warp_sum(float v) {
