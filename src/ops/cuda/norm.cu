@@ -1,11 +1,15 @@
 // LayerNorm / RMSNorm kernels.
 //
-// Fast path: one block per row, the row held in registers (NV 16-byte vectors per thread), so x is
-// read once and y written once. Backward runs a persistent grid whose blocks walk rows; each thread
-// keeps the weight/bias gradient of its own columns in registers and writes one partial row per
-// block, which a second kernel sums in a fixed order (deterministic, no atomics).
+// Fast path: the row held in registers as packed 16-byte vectors, so x is read once and y written
+// once. A row gets a group of `tpr` threads (a multiple of 32) holding NV vectors each; short rows
+// share a block. Few threads with several vectors each keep many bytes in flight per SM while the
+// row's reduction needs few warps (none of the block barriers when a warp holds the whole row).
+// Backward runs a persistent grid whose row groups walk rows, loading the next row before reducing the
+// current one; each thread keeps the weight/bias gradient of its own columns in registers and writes
+// one partial row per row group, which a second kernel sums in a fixed order (deterministic, no atomics).
 // Rows whose length is not a multiple of 16 bytes, or whose pointers are not 16-byte aligned, take a
-// generic kernel that re-reads the row (correct for any size, slower).
+// generic kernel that re-reads the row (correct for any size, slower). NormTuning (norm_cuda.hpp)
+// holds the launch-shape choices.
 #include "ops/cuda/memops_common.cuh"
 #include "ops/cuda/norm_cuda.hpp"
 
@@ -14,79 +18,141 @@
 namespace megacore::ops::cuda {
 namespace {
 
-template <class T, int V, int NV, bool LAYER>
-__global__ void __launch_bounds__(512) norm_fwd_vec(NormForwardArgs a) {
+// Sum of (a, b) over the thread's row group of `wpr` warps, returned to all of its threads. Every
+// thread of the block must call it (it has barriers when a row spans several warps).
+__device__ __forceinline__ float2 group_sum2(float a, float b, int wpr, float2* red) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (wpr == 1) return make_float2(a, b);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = make_float2(a, b);
+  __syncthreads();
+  float2 t = lane < wpr ? red[warp / wpr * wpr + lane] : make_float2(0.f, 0.f);
+  t.x = warp_sum(t.x);
+  t.y = warp_sum(t.y);
+  __syncthreads();
+  return t;
+}
+
+// Thread t of a row group owns vectors k * tpr + t (k < NV) of the row: each k is one coalesced sweep.
+template <class T, int NV>
+__device__ __forceinline__ void load_row_stream(Vec16<T> (&r)[NV], const T* p, int t, int tpr, int h, bool live) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int c = (k * tpr + t) * kVec16<T>;
+    r[k] = live && c < h ? load_vec16_stream(p + c) : zero_vec16<T>();
+  }
+}
+
+template <class T, int NV>
+__device__ __forceinline__ void load_row(Vec16<T> (&r)[NV], const T* p, int t, int tpr, int h) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int c = (k * tpr + t) * kVec16<T>;
+    r[k] = c < h ? load_vec16(p + c) : zero_vec16<T>();
+  }
+}
+
+// One row per group of `tpr` threads, blockDim.x / tpr rows per block.
+template <class T, int NV, bool LAYER>
+__global__ void __launch_bounds__(512) norm_fwd_rows(NormForwardArgs a, int tpr) {
+  constexpr int V = kVec16<T>;
+  // Weight (and bias) are loaded before the reduction so their latency hides behind it, when the
+  // registers allow.
+  constexpr bool kEarlyW = NV <= 4;
   __shared__ float2 red[32];
-  const int64_t row = blockIdx.x;
+  const int grp = threadIdx.x / tpr, t = threadIdx.x - grp * tpr, wpr = tpr >> 5;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / tpr) + grp;
+  const bool live = row < a.rows;  // a dead group still joins the barriers
   const int h = int(a.h);
-  const T* x = static_cast<const T*>(a.x) + row * h;
-  const T* res = a.residual ? static_cast<const T*>(a.residual) + row * h : nullptr;
-  T* res_out = a.residual ? static_cast<T*>(a.residual_out) + row * h : nullptr;
+  const int64_t base = live ? row * h : 0;
+  const T* x = static_cast<const T*>(a.x) + base;
+  const T* res = a.residual ? static_cast<const T*>(a.residual) + base : nullptr;
+  T* res_out = a.residual ? static_cast<T*>(a.residual_out) + base : nullptr;
   // LayerNorm takes mean and variance from one reduction of (x - k) and (x - k)^2, with k the row's
   // first input: a shift near the data keeps E[d^2] - E[d]^2 from cancelling, and one reduction
   // (one pair of barriers) instead of two matters for a kernel that only waits on memory.
-  const float k0 = LAYER ? to_f32(x[0]) : 0.f;
-  float v[NV][V];
+  const float k0 = LAYER && live ? to_f32(x[0]) : 0.f;
+  Vec16<T> v[NV];
+  load_row_stream<T, NV>(v, x, t, tpr, h, live);
+  if (res) {
+    Vec16<T> r[NV];
+    load_row_stream<T, NV>(r, res, t, tpr, h, live);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int c = (k * tpr + t) * V;
+      if (live && c < h) {
+        float xf[V], rf[V];
+        unpack_f32<T>(v[k], xf);
+        unpack_f32<T>(r[k], rf);
+#pragma unroll
+        for (int i = 0; i < V; ++i) v[k].v[i] = from_f32<T>(xf[i] + rf[i]);
+        // normalise the rounded sum: it is what backward will see
+        *reinterpret_cast<Vec16<T>*>(res_out + c) = v[k];
+      }
+    }
+  }
+  const T* w = static_cast<const T*>(a.w);
+  const T* b = static_cast<const T*>(a.b);
+  Vec16<T> wv[kEarlyW ? NV : 1], bv[kEarlyW ? NV : 1];
+  if constexpr (kEarlyW) {
+    load_row<T, NV>(wv, w, t, tpr, h);
+    if (LAYER && b) load_row<T, NV>(bv, b, t, tpr, h);
+  }
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int c = (k * blockDim.x + threadIdx.x) * V;
-    if (c < h) {
-      load_f32_stream<T, V>(x + c, v[k]);
-      if (res) {
-        float r[V];
-        load_f32_stream<T, V>(res + c, r);
-        Vec<T, V> hv;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          hv.v[i] = from_f32<T>(v[k][i] + r[i]);
-          v[k][i] = to_f32(hv.v[i]);  // normalise the rounded sum: it is what backward will see
-        }
-        *reinterpret_cast<Vec<T, V>*>(res_out + c) = hv;
-      }
+    if ((k * tpr + t) * V < h) {
+      float xf[V];
+      unpack_f32<T>(v[k], xf);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float d = v[k][i] - k0;
+        const float d = xf[i] - k0;
         s1 += d;
         s2 += d * d;
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) v[k][i] = 0.f;
     }
   }
   float mean = 0.f, var;
+  const float2 tot = group_sum2(LAYER ? s1 : 0.f, s2, wpr, red);
   if constexpr (LAYER) {
-    const float2 t = block_sum2(s1, s2, red);
-    const float m1 = t.x / float(h);
+    const float m1 = tot.x / float(h);
     mean = k0 + m1;
-    var = fmaxf(t.y / float(h) - m1 * m1, 0.f);
+    var = fmaxf(tot.y / float(h) - m1 * m1, 0.f);
   } else {
-    var = block_sum(s2, reinterpret_cast<float*>(red)) / float(h);
+    var = tot.y / float(h);
   }
   const float rstd = rsqrtf(var + a.eps);
-  const T* w = static_cast<const T*>(a.w);
-  const T* b = static_cast<const T*>(a.b);
-  T* y = static_cast<T*>(a.y) + row * h;
+  if (!live) return;
+  T* y = static_cast<T*>(a.y) + base;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int c = (k * blockDim.x + threadIdx.x) * V;
+    const int c = (k * tpr + t) * V;
     if (c < h) {
-      float wv[V], o[V];
-      load_f32<T, V>(w + c, wv);
+      float wf[V], o[V], xf[V];
+      unpack_f32<T>(v[k], xf);
+      if constexpr (kEarlyW) {
+        unpack_f32<T>(wv[k], wf);
+      } else {
+        load_f32<T, V>(w + c, wf);
+      }
       if (LAYER && b) {
-        float bv[V];
-        load_f32<T, V>(b + c, bv);
+        float bf[V];
+        if constexpr (kEarlyW) {
+          unpack_f32<T>(bv[k], bf);
+        } else {
+          load_f32<T, V>(b + c, bf);
+        }
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = (v[k][i] - mean) * rstd * wv[i] + bv[i];
+        for (int i = 0; i < V; ++i) o[i] = (xf[i] - mean) * rstd * wf[i] + bf[i];
       } else {
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = (v[k][i] - mean) * rstd * wv[i];
+        for (int i = 0; i < V; ++i) o[i] = (xf[i] - mean) * rstd * wf[i];
       }
       store_f32_stream<T, V>(y + c, o);
     }
   }
-  if (threadIdx.x == 0) {
+  if (t == 0) {
     a.rstd[row] = rstd;
     if (LAYER) a.mean[row] = mean;
   }
@@ -138,76 +204,117 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
   }
 }
 
-template <class T, int V, int NV, bool LAYER>
-__global__ void __launch_bounds__(512) norm_bwd_vec(NormBackwardArgs a, float* part_w, float* part_b) {
+// Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
+// number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
+// next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
+template <class T, int NV, bool LAYER, bool PREFETCH>
+__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
+  constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
   const int h = int(a.h);
-  const T* w = static_cast<const T*>(a.w);
-  float dw[NV][V], db[NV][V];
+  const int grp = threadIdx.x / tpr, t = threadIdx.x - grp * tpr, wpr = tpr >> 5;
+  const int64_t group = int64_t(blockIdx.x) * (blockDim.x / tpr) + grp;
+  const int64_t groups = int64_t(gridDim.x) * (blockDim.x / tpr);
+  const int64_t iters = (a.rows + groups - 1) / groups;
+  const T* xb = static_cast<const T*>(a.x);
+  const T* dyb = static_cast<const T*>(a.dy);
+  const T* dresb = static_cast<const T*>(a.dresidual);
+  Vec16<T> wv[NV];
+  load_row<T, NV>(wv, static_cast<const T*>(a.w), t, tpr, h);
+  float dw[NV][V], db[LAYER ? NV : 1][V];
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
-    for (int i = 0; i < V; ++i) dw[k][i] = db[k][i] = 0.f;
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const T* x = static_cast<const T*>(a.x) + row * h;
-    const T* dy = static_cast<const T*>(a.dy) + row * h;
-    const float mean = LAYER ? a.mean[row] : 0.f;
-    const float rstd = a.rstd[row];
-    float xh[NV][V], g[NV][V], dyv[NV][V];
+    for (int i = 0; i < V; ++i) {
+      dw[k][i] = 0.f;
+      if constexpr (LAYER) db[k][i] = 0.f;
+    }
+  Vec16<T> xv[NV], dyv[NV];
+  float mean = 0.f, rstd = 0.f;
+  auto fetch = [&](int64_t row, Vec16<T>(&xr)[NV], Vec16<T>(&dr)[NV], float& m, float& r) {
+    const bool live = row < a.rows;
+    const int64_t base = live ? row * h : 0;
+    load_row_stream<T, NV>(xr, xb + base, t, tpr, h, live);
+    load_row_stream<T, NV>(dr, dyb + base, t, tpr, h, live);
+    m = LAYER && live ? a.mean[row] : 0.f;
+    r = live ? a.rstd[row] : 0.f;
+  };
+  if constexpr (PREFETCH) fetch(group, xv, dyv, mean, rstd);
+  int64_t row = group;
+  for (int64_t it = 0; it < iters; ++it, row += groups) {
+    const bool live = row < a.rows;
+    Vec16<T> xn[PREFETCH ? NV : 1], dyn[PREFETCH ? NV : 1];
+    float mean_n = 0.f, rstd_n = 0.f;
+    if constexpr (PREFETCH) {
+      if (it + 1 < iters) fetch(row + groups, xn, dyn, mean_n, rstd_n);
+    } else {
+      fetch(row, xv, dyv, mean, rstd);
+    }
+    Vec16<T> dr[NV];
+    if (dresb) load_row_stream<T, NV>(dr, dresb + (live ? row * h : 0), t, tpr, h, live);
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-      const int c = (k * blockDim.x + threadIdx.x) * V;
-      if (c < h) {
-        float xv[V], wv[V];
-        load_f32_stream<T, V>(x + c, xv);
-        load_f32_stream<T, V>(dy + c, dyv[k]);
-        load_f32<T, V>(w + c, wv);
+      if ((k * tpr + t) * V < h) {
+        float xf[V], df[V], wf[V];
+        unpack_f32<T>(xv[k], xf);
+        unpack_f32<T>(dyv[k], df);
+        unpack_f32<T>(wv[k], wf);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          xh[k][i] = (xv[i] - mean) * rstd;
-          g[k][i] = dyv[k][i] * wv[i];
-          s1 += g[k][i];
-          s2 += g[k][i] * xh[k][i];
+          const float xh = (xf[i] - mean) * rstd, g = df[i] * wf[i];
+          s1 += g;
+          s2 += g * xh;
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) xh[k][i] = g[k][i] = dyv[k][i] = 0.f;
       }
     }
-    const float2 s = block_sum2(s1, s2, red);
+    const float2 s = group_sum2(LAYER ? s1 : 0.f, s2, wpr, red);
     const float m1 = LAYER ? s.x / float(h) : 0.f, m2 = s.y / float(h);
-    T* dx = static_cast<T*>(a.dx) + row * h;
-    const T* dres = a.dresidual ? static_cast<const T*>(a.dresidual) + row * h : nullptr;
+    if (live) {
+      T* dx = static_cast<T*>(a.dx) + row * h;
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int c = (k * blockDim.x + threadIdx.x) * V;
-      if (c < h) {
-        float o[V];
+      for (int k = 0; k < NV; ++k) {
+        const int c = (k * tpr + t) * V;
+        if (c < h) {
+          float o[V], xf[V], df[V], wf[V], rf[V];
+          unpack_f32<T>(xv[k], xf);
+          unpack_f32<T>(dyv[k], df);
+          unpack_f32<T>(wv[k], wf);
+          if (dresb) unpack_f32<T>(dr[k], rf);
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          o[i] = rstd * (g[k][i] - m1 - xh[k][i] * m2);
-          dw[k][i] += dyv[k][i] * xh[k][i];
-          db[k][i] += dyv[k][i];
+          for (int i = 0; i < V; ++i) {
+            const float xh = (xf[i] - mean) * rstd, d = df[i];
+            o[i] = rstd * (d * wf[i] - m1 - xh * m2);
+            if (dresb) o[i] += rf[i];
+            dw[k][i] += d * xh;
+            if constexpr (LAYER) db[k][i] += d;
+          }
+          store_f32_stream<T, V>(dx + c, o);
         }
-        if (dres) {
-          float r[V];
-          load_f32_stream<T, V>(dres + c, r);
-#pragma unroll
-          for (int i = 0; i < V; ++i) o[i] += r[i];
-        }
-        store_f32_stream<T, V>(dx + c, o);
       }
+    }
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        xv[k] = xn[k];
+        dyv[k] = dyn[k];
+      }
+      mean = mean_n;
+      rstd = rstd_n;
     }
   }
+  // One partial row per group (16-byte aligned: h is a multiple of 4 and the scratch is aligned).
+  float* pw = part_w + group * h;
+  float* pb = part_b ? part_b + group * h : nullptr;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int c = (k * blockDim.x + threadIdx.x) * V;
+    const int c = (k * tpr + t) * V;
     if (c < h) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        part_w[int64_t(blockIdx.x) * h + c + i] = dw[k][i];
-        if (part_b) part_b[int64_t(blockIdx.x) * h + c + i] = db[k][i];
+      for (int i = 0; i < V; i += 4) {
+        *reinterpret_cast<float4*>(pw + c + i) = make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3]);
+        if constexpr (LAYER)
+          if (pb) *reinterpret_cast<float4*>(pb + c + i) = make_float4(db[k][i], db[k][i + 1], db[k][i + 2], db[k][i + 3]);
       }
     }
   }
@@ -270,81 +377,120 @@ __global__ void column_sum_finalize(const float* part, int nparts, int64_t h, W*
   }
 }
 
+// How a row is split: vec = false means the generic kernel with `threads` threads per block.
 struct Plan {
   bool vec = false;
-  int nv = 1, threads = 256;
+  int nv = 1;        // 16-byte vectors per thread
+  int tpr = 32;      // threads per row (a multiple of 32)
+  int threads = 256; // per block
 };
 
-// Vector path: the row in registers, at most 512 threads and `max_elems` elements per thread (the
-// register budget: forward keeps one row copy, backward three plus the gradient accumulators).
-template <class T>
-Plan plan_for(int64_t h, int max_elems, std::initializer_list<const void*> ptrs) {
-  constexpr int V = kVec16<T>;
-  bool ok = h % V == 0 && h <= (int64_t(1) << 30);
-  for (const void* q : ptrs) ok = ok && (q == nullptr || aligned16(q));
-  if (ok) {
-    const int64_t nvec = h / V;
-    for (int nv : {1, 2, 4}) {
-      if (nv * V > max_elems) break;
-      int64_t t = ((nvec + nv - 1) / nv + 31) / 32 * 32;
-      if (t <= 512) return Plan{true, nv, int(t)};
-    }
-  }
+Plan generic_plan(int64_t h) {
   Plan p;
   p.vec = false;
-  p.nv = 0;
   p.threads = h >= 512 ? 512 : int((h + 31) / 32 * 32);
   if (p.threads < 32) p.threads = 32;
   return p;
 }
 
-template <class T, int NV, bool LAYER>
-void launch_fwd_vec(const NormForwardArgs& a, int threads, cudaStream_t s) {
-  norm_fwd_vec<T, kVec16<T>, NV, LAYER><<<unsigned(a.rows), threads, 0, s>>>(a);
+// Row in registers: at most 512 threads per row, `want` vectors per thread, raised (up to `max_nv`)
+// when the row needs more threads, lowered when fewer vectors cover the same threads.
+template <class T>
+Plan plan_for(int64_t h, int want, int max_nv, int min_block, std::initializer_list<const void*> ptrs) {
+  constexpr int V = kVec16<T>;
+  bool ok = h % V == 0 && h <= (int64_t(1) << 30);
+  for (const void* q : ptrs) ok = ok && (q == nullptr || aligned16(q));
+  if (ok) {
+    const int64_t nvec = h / V;
+    int nv = 1;
+    while (nv < want && nv < max_nv) nv *= 2;
+    auto tpr_for = [&](int n) { return ((nvec + n - 1) / n + 31) / 32 * 32; };
+    while (tpr_for(nv) > 512 && nv < max_nv) nv *= 2;
+    if (tpr_for(nv) <= 512) {
+      const int tpr = int(tpr_for(nv));
+      while (nv > 1 && int64_t(nv / 2) * tpr >= nvec) nv /= 2;
+      int rows = min_block > tpr ? min_block / tpr : 1;
+      if (rows * tpr > 512) rows = 512 / tpr;
+      return Plan{true, nv, tpr, rows * tpr};
+    }
+  }
+  return generic_plan(h);
 }
+
+// Largest vectors per thread each kernel is built for (more spill registers, sm_90 ptxas): forward
+// keeps one packed row copy; backward keeps x and dy, two gradient accumulators and, prefetching, a
+// second x and dy.
+constexpr int kFwdMaxNv = 8;
+constexpr int kBwdMaxNv = 4;
+constexpr int kBwdPrefetchMaxNv = 2;
 
 template <class T, bool LAYER>
 void forward_t(const NormForwardArgs& a, cudaStream_t s) {
-  Plan p = plan_for<T>(a.h, 32, {a.x, a.residual, a.w, a.b, a.y, a.residual_out});
+  const NormTuning& tu = a.tuning;
+  const Plan p = plan_for<T>(a.h, tu.fwd_vecs, kFwdMaxNv, tu.min_block,
+                             {a.x, a.residual, a.w, a.b, a.y, a.residual_out});
   if (!p.vec) {
     norm_fwd_generic<T, LAYER><<<unsigned(a.rows), p.threads, 0, s>>>(a);
-  } else if (p.nv == 1) {
-    launch_fwd_vec<T, 1, LAYER>(a, p.threads, s);
-  } else if (p.nv == 2) {
-    launch_fwd_vec<T, 2, LAYER>(a, p.threads, s);
-  } else {
-    launch_fwd_vec<T, 4, LAYER>(a, p.threads, s);
+    MC_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int64_t rows_per_block = p.threads / p.tpr;
+  const unsigned grid = unsigned((a.rows + rows_per_block - 1) / rows_per_block);
+  switch (p.nv) {
+    case 1: norm_fwd_rows<T, 1, LAYER><<<grid, p.threads, 0, s>>>(a, p.tpr); break;
+    case 2: norm_fwd_rows<T, 2, LAYER><<<grid, p.threads, 0, s>>>(a, p.tpr); break;
+    case 4: norm_fwd_rows<T, 4, LAYER><<<grid, p.threads, 0, s>>>(a, p.tpr); break;
+    default: norm_fwd_rows<T, 8, LAYER><<<grid, p.threads, 0, s>>>(a, p.tpr); break;
   }
   MC_CUDA_CHECK_LAUNCH();
 }
 
-// The backward kernel to run and its persistent grid (blocks resident at once, at most one per row).
+template <class T, int NV, bool LAYER>
+const void* bwd_rows_fn(bool prefetch) {
+  return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true>)
+                  : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false>);
+}
+
+// The backward kernel to run, its plan and its persistent grid (row groups resident at once, capped by
+// NormTuning::bwd_threads_per_sm, at most one per row). *parts: partial gradient rows it writes.
 template <class T, bool LAYER>
-void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid) {
-  Plan p = plan_for<T>(a.h, 16, {a.x, a.dy, a.dresidual, a.w, a.dx});
-  const void* f;
-  if (!p.vec) f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
-  else if (p.nv == 1) f = reinterpret_cast<const void*>(&norm_bwd_vec<T, kVec16<T>, 1, LAYER>);
-  else if constexpr (kVec16<T> * 4 <= 16) {  // only f32 rows are split 4 ways (see plan_for)
-    if (p.nv == 2) f = reinterpret_cast<const void*>(&norm_bwd_vec<T, kVec16<T>, 2, LAYER>);
-    else f = reinterpret_cast<const void*>(&norm_bwd_vec<T, kVec16<T>, 4, LAYER>);
-  } else {
-    f = reinterpret_cast<const void*>(&norm_bwd_vec<T, kVec16<T>, 2, LAYER>);
+void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid, int* parts) {
+  const NormTuning& tu = a.tuning;
+  const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
+  // Rows too long for a prefetching thread's registers run without prefetch.
+  bool prefetch = tu.bwd_prefetch;
+  Plan p = plan_for<T>(a.h, tu.bwd_vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
+  if (!p.vec && prefetch) {
+    prefetch = false;
+    p = plan_for<T>(a.h, tu.bwd_vecs, kBwdMaxNv, tu.min_block, ptrs);
+  }
+  // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
+  if (!LAYER && a.db) p = generic_plan(a.h);
+  const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
+  if (p.vec) {
+    if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch);
+    else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch);
+    else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false>);
   }
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, 0));
+  if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
+    per_sm = tu.bwd_threads_per_sm / p.threads;
+  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   int64_t g = int64_t(sm_count(device)) * (per_sm < 1 ? 1 : per_sm);
-  if (g > a.rows) g = a.rows;
+  const int64_t need = (a.rows + rows_per_block - 1) / rows_per_block;
+  if (g > need) g = need;
   if (g < 1) g = 1;
   *fn = f;
   *plan = p;
   *grid = int(g);
+  *parts = int(g * rows_per_block);
 }
 
 template <class T>
-void backward_kernel_any(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid) {
-  if (a.layer) backward_kernel<T, true>(a, device, fn, plan, grid);
-  else backward_kernel<T, false>(a, device, fn, plan, grid);
+void backward_kernel_any(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid, int* parts) {
+  if (a.layer) backward_kernel<T, true>(a, device, fn, plan, grid, parts);
+  else backward_kernel<T, false>(a, device, fn, plan, grid, parts);
 }
 
 template <class W>
@@ -371,9 +517,9 @@ size_t norm_backward_workspace_bytes(const NormBackwardArgs& a, DType dt, int de
   cuda_impl::DeviceGuard guard(device);
   const void* fn = nullptr;
   Plan p;
-  int grid = 0;
-  dispatch_float(dt, [&](auto tag) { backward_kernel_any<decltype(tag)>(a, device, &fn, &p, &grid); });
-  return size_t(grid) * size_t(a.h) * sizeof(float) * (a.db ? 2 : 1);
+  int grid = 0, parts = 0;
+  dispatch_float(dt, [&](auto tag) { backward_kernel_any<decltype(tag)>(a, device, &fn, &p, &grid, &parts); });
+  return size_t(parts) * size_t(a.h) * sizeof(float) * (a.db ? 2 : 1);
 }
 
 void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int device, void* stream) {
@@ -391,16 +537,19 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
     using T = decltype(tag);
     const void* fn = nullptr;
     Plan p;
-    int grid = 0;
-    backward_kernel_any<T>(a, device, &fn, &p, &grid);
+    int grid = 0, parts = 0;
+    backward_kernel_any<T>(a, device, &fn, &p, &grid, &parts);
     float* part_w = static_cast<float*>(workspace);
-    float* part_b = a.db ? part_w + int64_t(grid) * a.h : nullptr;
+    float* part_b = a.db ? part_w + int64_t(parts) * a.h : nullptr;
     NormBackwardArgs args = a;
-    void* params[] = {&args, &part_w, &part_b};
-    MC_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(grid)), dim3(unsigned(p.threads)), params, 0, s));
-    dispatch_float(a.dw_dtype, [&](auto wtag) { finalize_t<decltype(wtag)>(part_w, grid, a.h, a.dw, a.accumulate, s); });
+    int tpr = p.tpr;
+    void* generic_params[] = {&args, &part_w, &part_b};
+    void* rows_params[] = {&args, &tpr, &part_w, &part_b};
+    MC_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(grid)), dim3(unsigned(p.threads)),
+                                   p.vec ? rows_params : generic_params, 0, s));
+    dispatch_float(a.dw_dtype, [&](auto wtag) { finalize_t<decltype(wtag)>(part_w, parts, a.h, a.dw, a.accumulate, s); });
     if (a.db)
-      dispatch_float(a.db_dtype, [&](auto btag) { finalize_t<decltype(btag)>(part_b, grid, a.h, a.db, a.accumulate, s); });
+      dispatch_float(a.db_dtype, [&](auto btag) { finalize_t<decltype(btag)>(part_b, parts, a.h, a.db, a.accumulate, s); });
   });
 }
 

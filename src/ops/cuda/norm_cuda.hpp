@@ -9,6 +9,21 @@
 
 namespace megacore::ops::cuda {
 
+/// Launch shape of the row-in-registers norm kernels. Internal, not user API: the library always runs
+/// the defaults; benchmarks/kernels/bench_norm.cpp sweeps alternatives on a card so that the defaults
+/// can be chosen from one benchmark run. A thread holds `vecs` 16-byte vectors of its row, so a row of
+/// h elements gets about h / (vecs * 16 / sizeof(T)) threads (a multiple of 32, at most 512); rows too
+/// short for `min_block` threads share a block. Values the kernels cannot honour for a shape are
+/// rounded to ones they can (more vectors per thread when a row would need over 512 threads).
+struct NormTuning {
+  int fwd_vecs = 4;               ///< forward: 1, 2, 4 or 8
+  int bwd_vecs = 2;               ///< backward: 1 or 2, 4 without prefetch (it also keeps dw/db sums)
+  int min_block = 128;            ///< threads per block at least, for short rows
+  bool bwd_prefetch = true;       ///< backward issues the next row's loads before reducing this one
+  int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only); the
+                                  ///< per-row-group partial gradients are (resident threads x vecs) floats
+};
+
 struct NormForwardArgs {
   bool layer = false;         // LayerNorm (else RMSNorm)
   const void* x = nullptr;
@@ -21,6 +36,7 @@ struct NormForwardArgs {
   float* rstd = nullptr;
   int64_t rows = 0, h = 0;
   float eps = 0;
+  NormTuning tuning{};
 };
 void norm_forward(DType dt, const NormForwardArgs& a, int device, void* stream);
 
@@ -39,6 +55,7 @@ struct NormBackwardArgs {
   DType db_dtype = DType::F32;
   bool accumulate = false;
   int64_t rows = 0, h = 0;
+  NormTuning tuning{};
 };
 /// Bytes of f32 scratch norm_backward needs (per-block partial weight/bias gradients).
 size_t norm_backward_workspace_bytes(const NormBackwardArgs& a, DType dt, int device);
