@@ -1,7 +1,8 @@
 // Cross-entropy kernels. One block per row in a persistent grid: pass 1 streams the row once with an
 // online (max, sum-exp) in the log2 domain; pass 2 (fused / backward) streams it again and writes the
-// gradient, possibly over the logits. The grid is sized so that the rows in flight fit in about half
-// of L2, so pass 2 mostly re-reads from L2 rather than from device memory.
+// gradient, possibly over the logits. The grid is sized so that the rows in flight fit in part of L2
+// (half by default), so pass 2 mostly re-reads from L2 rather than from device memory, and pass 2
+// reads evict-first. CeTuning (cross_entropy_cuda.hpp) holds the launch-shape choices.
 #include <cfloat>
 
 #include "ops/cuda/cross_entropy_cuda.hpp"
@@ -12,7 +13,7 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kThreads = 512;
+constexpr int kMaxThreads = 512;
 
 struct MaxSum {
   float m, s;  // max (log2 units) and sum of 2^(x - m)
@@ -29,8 +30,30 @@ __device__ __forceinline__ int64_t label_at(const CeArgs& a, int64_t row) {
                       : int64_t(static_cast<const int32_t*>(a.labels)[row]);
 }
 
-template <class T, int V, int kUnroll>
-__global__ void __launch_bounds__(kThreads) ce_kernel(CeArgs a) {
+// V consecutive elements as one access: a packed 16-byte vector on the vector path, else one scalar.
+template <class T, int V>
+using Pack = Vec<T, V>;
+
+template <class T, int V, bool STREAM>
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  if constexpr (V == kVec16<T>) return STREAM ? load_vec16_stream(p) : load_vec16(p);
+  else return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <class T, int V>
+__device__ __forceinline__ void unpack(const Pack<T, V>& r, float (&out)[V]) {
+  if constexpr (V == kVec16<T>) {
+    unpack_f32<T>(r, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = to_f32(r.v[k]);
+  }
+}
+
+// kUnroll loads per thread are issued before any is used: enough bytes in flight per SM. STREAM2: the
+// gradient pass reads the logits for the last time, evict-first, leaving L2 to rows still in pass 1.
+template <class T, int V, int kUnroll, bool STREAM2>
+__global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
   __shared__ MaxSum red_ms[32];
   __shared__ float red[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -47,14 +70,17 @@ __global__ void __launch_bounds__(kThreads) ce_kernel(CeArgs a) {
     if (a.mode != CeMode::Backward) {
       MaxSum ms{-INFINITY, 0.f};
       float sz = 0.f;
-      // kUnroll vectors per thread are loaded before any is used: enough bytes in flight per SM.
       const int64_t stride = int64_t(blockDim.x) * V;
       for (int64_t c0 = int64_t(threadIdx.x) * V; c0 < v; c0 += stride * kUnroll) {
+        Pack<T, V> r[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + u * stride < v) r[u] = load_pack<T, V, false>(z + c0 + u * stride);
         float x[kUnroll][V];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (c0 + u * stride < v) {
-            load_f32<T, V>(z + c0 + u * stride, x[u]);
+            unpack<T, V>(r[u], x[u]);
           } else {
 #pragma unroll
             for (int k = 0; k < V; ++k) x[u][k] = -INFINITY;
@@ -135,14 +161,16 @@ __global__ void __launch_bounds__(kThreads) ce_kernel(CeArgs a) {
     const float off = smooth / float(a.vocab_total);
     const int64_t stride = int64_t(blockDim.x) * V;
     for (int64_t c0 = int64_t(threadIdx.x) * V; c0 < v; c0 += stride * kUnroll) {
-      float x[kUnroll][V];
+      Pack<T, V> r[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (c0 + u * stride < v) load_f32<T, V>(z + c0 + u * stride, x[u]);
+        if (c0 + u * stride < v) r[u] = load_pack<T, V, STREAM2>(z + c0 + u * stride);
+      float x[kUnroll][V];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + u * stride;
         if (c < v) {
+          unpack<T, V>(r[u], x[u]);
 #pragma unroll
           for (int k = 0; k < V; ++k) {
             float g = exp2f(fmaf(x[u][k], kLog2e, -lse2)) - off;
@@ -179,6 +207,14 @@ __global__ void loss_from_stats_kernel(const float* gmax, const float* sum_exp, 
   }
 }
 
+template <class T, int V, bool STREAM2>
+void launch_vec(int unroll, dim3 g, dim3 b, cudaStream_t s, const CeArgs& a) {
+  if (unroll >= 8) ce_kernel<T, V, 8, STREAM2><<<g, b, 0, s>>>(a);
+  else if (unroll >= 4) ce_kernel<T, V, 4, STREAM2><<<g, b, 0, s>>>(a);
+  else if (unroll >= 2) ce_kernel<T, V, 2, STREAM2><<<g, b, 0, s>>>(a);
+  else ce_kernel<T, V, 1, STREAM2><<<g, b, 0, s>>>(a);
+}
+
 }  // namespace
 
 void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
@@ -191,20 +227,24 @@ void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
     using T = decltype(tag);
     constexpr int V = kVec16<T>;
     const bool vec = a.v % V == 0 && aligned16(a.logits) && (a.dlogits == nullptr || aligned16(a.dlogits));
-    // Rows in flight: enough to fill every SM, few enough that their logits stay in half of L2.
+    const CeTuning& tu = a.tuning;
+    const int threads = tu.threads < 32 ? 32 : tu.threads > kMaxThreads ? kMaxThreads : tu.threads / 32 * 32;
+    // Rows in flight: enough to fill every SM, few enough that their logits stay in part of L2.
     const int64_t row_bytes = a.v * int64_t(sizeof(T));
     const int sms = sm_count(device);
-    int64_t grid = int64_t(sms) * 4;
-    const int64_t fit = row_bytes > 0 ? (int64_t(l2) / 2) / row_bytes : grid;
+    int64_t grid = int64_t(sms) * (tu.blocks_per_sm < 1 ? 1 : tu.blocks_per_sm);
+    const int64_t fit = row_bytes > 0 ? int64_t(double(l2) * double(tu.l2_fraction)) / row_bytes : grid;
     if (a.mode == CeMode::Fused && fit < grid) grid = fit < sms ? sms : fit;
     if (grid > a.n) grid = a.n;
-    // Long rows (Llama-3's 128k vocabulary) leave one block per SM, which needs several loads in flight
-    // per thread (H200: 128k bf16 1.82 ms unrolled vs 2.70 ms not); shorter rows run more blocks per
-    // SM, where the unrolled version's registers cost more than they gain (32k: 0.41 vs 0.51 ms).
-    const bool unroll = row_bytes > (128 << 10);
-    if (vec && unroll) ce_kernel<T, V, 4><<<unsigned(grid), kThreads, 0, s>>>(a);
-    else if (vec) ce_kernel<T, V, 1><<<unsigned(grid), kThreads, 0, s>>>(a);
-    else ce_kernel<T, 1, 1><<<unsigned(grid), kThreads, 0, s>>>(a);
+    // unroll 0: by row length. Long rows (Llama-3's 128k vocabulary) leave one block per SM, which
+    // needs several loads in flight per thread (H200: 128k bf16 1.82 ms unrolled vs 2.70 ms not).
+    // Shorter rows run about three 512-thread blocks per SM (L2 limit): 4 loads (64 registers) leave
+    // room for two, 2 loads (40 registers) keep three. Unmeasured guess; the benchmark's variants check it.
+    const int unroll = tu.unroll > 0 ? tu.unroll : row_bytes > (128 << 10) ? 4 : 2;
+    const dim3 g = dim3(unsigned(grid)), b = dim3(unsigned(threads));
+    if (!vec) ce_kernel<T, 1, 1, false><<<g, b, 0, s>>>(a);
+    else if (tu.stream_pass2) launch_vec<T, V, true>(unroll, g, b, s, a);
+    else launch_vec<T, V, false>(unroll, g, b, s, a);
     MC_CUDA_CHECK_LAUNCH();
   });
 }

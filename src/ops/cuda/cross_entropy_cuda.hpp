@@ -9,6 +9,18 @@ namespace megacore::ops::cuda {
 
 enum class CeMode : int { Fused = 0, Forward = 1, Backward = 2, Stats = 3 };
 
+/// Launch shape of the cross-entropy kernel. Internal, not user API: the library always runs the
+/// defaults; benchmarks/kernels/bench_cross_entropy.cpp sweeps alternatives on a card so the defaults
+/// can be chosen from one benchmark run.
+struct CeTuning {
+  int threads = 512;          ///< per block (one row at a time): 128..512, a multiple of 32
+  int unroll = 0;             ///< 16-byte loads in flight per thread: 1, 2, 4 or 8; 0: 4 for rows over
+                              ///< 128 KiB, else 2
+  int blocks_per_sm = 4;      ///< persistent grid, before the L2 limit below
+  float l2_fraction = 0.5f;   ///< Fused: rows in flight hold at most this share of L2, so pass 2 hits it
+  bool stream_pass2 = true;   ///< pass 2 reads are the logits' last use: evict-first
+};
+
 struct CeArgs {
   CeMode mode = CeMode::Fused;
   const void* logits = nullptr;  // [n, v_local]
@@ -29,6 +41,7 @@ struct CeArgs {
   float grad_scale = 1.f;
   float label_smoothing = 0.f;
   int64_t ignore_index = -100;
+  CeTuning tuning{};
 };
 void cross_entropy(DType dt, const CeArgs& a, int device, void* stream);
 
