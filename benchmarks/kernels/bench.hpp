@@ -16,6 +16,7 @@ struct Context {
   double gemm_bf16_tflops = 0;      ///< measured ceiling: cuBLASLt bf16 GEMM 8192^3
   double copy_tbps = 0;             ///< measured ceiling: device-to-device copy (read + write bytes)
   bool quick = false;               ///< fewer shapes/repeats (smoke runs)
+  bool variants = true;             ///< also time the launch-shape variants (rows with a "variant" field)
   nlohmann::json results = nlohmann::json::array();
   /// Records one row: op, shape description, our time, bytes or flops counted, peer name and time.
   void record(nlohmann::json row) { results.push_back(std::move(row)); }

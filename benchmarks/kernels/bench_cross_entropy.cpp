@@ -1,8 +1,34 @@
-// Fused softmax cross-entropy forward + backward (gradient written over the logits), bf16.
+// Fused softmax cross-entropy forward + backward (gradient written over the logits), bf16. After the
+// library's default (through the public op), each launch-shape variant of ops::cuda::CeTuning is timed
+// through the kernel's internal interface, so one run on a card shows which shape to make the default.
 #include "kernels/bench_memops_util.hpp"
 #include "megacore/ops/cross_entropy.hpp"
+#include "ops/cuda/cross_entropy_cuda.hpp"
 
 using namespace megacore;
+
+namespace {
+
+using CeTuning = ops::cuda::CeTuning;
+
+// Six alternatives to the default (512 threads, unroll 2 for rows up to 128 KiB and 4 above, 4 blocks
+// per SM, rows in flight within half of L2, evict-first pass-2 reads).
+std::vector<mcbench::Variant<CeTuning>> ce_variants() {
+  return {{"u1", CeTuning{.unroll = 1}},
+          {"u4", CeTuning{.unroll = 4}},
+          {"u8", CeTuning{.unroll = 8}},
+          {"t256_u4", CeTuning{.threads = 256, .unroll = 4, .blocks_per_sm = 8}},
+          {"l2_75", CeTuning{.l2_fraction = 0.75f}},
+          {"no_stream", CeTuning{.stream_pass2 = false}}};  // pass 2 as before: normal loads
+}
+
+std::string describe(const ops::cuda::CeTuning& t) {
+  return "threads=" + std::to_string(t.threads) + " unroll=" + std::to_string(t.unroll) +
+         " blocks_per_sm=" + std::to_string(t.blocks_per_sm) + " l2_fraction=" + std::to_string(t.l2_fraction) +
+         " stream_pass2=" + std::to_string(int(t.stream_pass2));
+}
+
+}  // namespace
 
 MC_BENCHMARK("cross_entropy", 50) {
   const Device d = Device::cuda(0);
@@ -16,9 +42,31 @@ MC_BENCHMARK("cross_entropy", 50) {
     Tensor labels = Tensor::from_vector(lv, {n}).to(d);
     Tensor loss = Tensor::empty({n}, DType::F32, d), lse = Tensor::empty({n}, DType::F32, d);
     Tensor dz = Tensor::empty({n, v}, DType::BF16, d);
+    const double bytes = 2.0 * double(n) * double(v) * 2;
+    const int smp = mcbench::bench_samples(ctx);
     // Out of place, so every timed run sees the same logits; in place moves the same bytes.
     const double ms = mcbench::time_ms([&] { ops::cross_entropy_fused(z, labels, loss, lse, dz, 1.f / float(n)); }, 3,
-                                       mcbench::bench_samples(ctx));
-    mcbench::record_bw(ctx, "cross_entropy_fwd_bwd", shape, "bf16", ms, 2.0 * double(n) * double(v) * 2);
+                                       smp);
+    mcbench::record_bw(ctx, "cross_entropy_fwd_bwd", shape, "bf16", ms, bytes, ctx.variants ? "default" : "",
+                       ctx.variants ? describe(ops::cuda::CeTuning{}) : "");
+    if (!ctx.variants) continue;
+    for (const auto& var : ce_variants()) {
+      // The call the public op makes, with the variant's tuning (default stream, device 0).
+      ops::cuda::CeArgs a;
+      a.mode = ops::cuda::CeMode::Fused;
+      a.logits = z.data_ptr();
+      a.dlogits = dz.data_ptr();
+      a.labels = labels.data_ptr();
+      a.labels_i64 = labels.dtype() == DType::I64;
+      a.loss = loss.data<float>();
+      a.lse_out = lse.data<float>();
+      a.n = n;
+      a.v = v;
+      a.vocab_total = v;
+      a.grad_scale = 1.f / float(n);
+      a.tuning = var.t;
+      const double vms = mcbench::time_ms([&] { ops::cuda::cross_entropy(DType::BF16, a, 0, nullptr); }, 3, smp);
+      mcbench::record_bw(ctx, "cross_entropy_fwd_bwd", shape, "bf16", vms, bytes, var.name, describe(var.t));
+    }
   }
 }

@@ -1,8 +1,40 @@
-// RMSNorm / LayerNorm forward and backward, bf16, tokens x hidden.
+// RMSNorm / LayerNorm forward and backward, bf16, tokens x hidden. After the library's default
+// (through the public ops), each launch-shape variant of ops::cuda::NormTuning is timed through the
+// kernels' internal interface, so one run on a card shows which shape to make the default there.
 #include "kernels/bench_memops_util.hpp"
 #include "megacore/ops/norm.hpp"
+#include "ops/cuda/norm_cuda.hpp"
 
 using namespace megacore;
+
+namespace {
+
+using NormTuning = ops::cuda::NormTuning;
+
+// Five alternatives to the default (fwd 4 vectors/thread, bwd 2 with prefetch, 128-thread minimum
+// block, at most 1024 backward threads per SM).
+std::vector<mcbench::Variant<NormTuning>> norm_variants() {
+  return {
+      // many threads per row, one vector each (the shape of the kernels before NormTuning)
+      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1}},
+      // no backward prefetch
+      {"f2_b2", NormTuning{.fwd_vecs = 2, .bwd_vecs = 2, .bwd_prefetch = false}},
+      // few threads per row, many vectors each
+      {"f8_b4", NormTuning{.fwd_vecs = 8, .bwd_vecs = 4, .bwd_prefetch = false}},
+      // 256-thread blocks at least, backward grid by occupancy alone
+      {"f4_b2pf_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
+      // fewer resident backward threads (and a smaller partial-gradient scratch)
+      {"f2_b1pf_512", NormTuning{.fwd_vecs = 2, .bwd_vecs = 1, .bwd_threads_per_sm = 512}},
+  };
+}
+
+std::string describe(const ops::cuda::NormTuning& t) {
+  return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
+         " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
+         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm);
+}
+
+}  // namespace
 
 MC_BENCHMARK("norm", 20) {
   std::vector<std::pair<int64_t, int64_t>> shapes{{16384, 4096}, {16384, 8192}, {32768, 2048}};
@@ -17,13 +49,56 @@ MC_BENCHMARK("norm", 20) {
     Tensor dw = Tensor::empty({h}, DType::F32, d), db = Tensor::empty({h}, DType::F32, d);
     const double act = double(n) * double(h) * 2;  // one bf16 activation tensor
     const int smp = mcbench::bench_samples(ctx);
+    const std::string def = ctx.variants ? "default" : "";
+    const std::string def_t = ctx.variants ? describe(ops::cuda::NormTuning{}) : "";
     double ms = mcbench::time_ms([&] { ops::rmsnorm_forward(x, w, y, rstd, 1e-5f); }, 3, smp);
-    mcbench::record_bw(ctx, "rmsnorm_fwd", shape, "bf16", ms, 2 * act);
+    mcbench::record_bw(ctx, "rmsnorm_fwd", shape, "bf16", ms, 2 * act, def, def_t);
     ms = mcbench::time_ms([&] { ops::rmsnorm_backward(dy, x, w, rstd, dx, dw); }, 3, smp);
-    mcbench::record_bw(ctx, "rmsnorm_bwd", shape, "bf16", ms, 3 * act);
+    mcbench::record_bw(ctx, "rmsnorm_bwd", shape, "bf16", ms, 3 * act, def, def_t);
     ms = mcbench::time_ms([&] { ops::layernorm_forward(x, w, b, y, mean, rstd, 1e-5f); }, 3, smp);
-    mcbench::record_bw(ctx, "layernorm_fwd", shape, "bf16", ms, 2 * act);
+    mcbench::record_bw(ctx, "layernorm_fwd", shape, "bf16", ms, 2 * act, def, def_t);
     ms = mcbench::time_ms([&] { ops::layernorm_backward(dy, x, w, mean, rstd, dx, dw, db); }, 3, smp);
-    mcbench::record_bw(ctx, "layernorm_bwd", shape, "bf16", ms, 3 * act);
+    mcbench::record_bw(ctx, "layernorm_bwd", shape, "bf16", ms, 3 * act, def, def_t);
+    if (!ctx.variants) continue;
+
+    // The same calls the public ops make, with the variant's tuning (default stream, device 0).
+    for (const auto& v : norm_variants()) {
+      for (bool layer : {false, true}) {
+        ops::cuda::NormForwardArgs f;
+        f.layer = layer;
+        f.x = x.data_ptr();
+        f.w = w.data_ptr();
+        f.b = layer ? b.data_ptr() : nullptr;
+        f.y = y.data_ptr();
+        f.mean = layer ? mean.data<float>() : nullptr;
+        f.rstd = rstd.data<float>();
+        f.rows = n;
+        f.h = h;
+        f.eps = 1e-5f;
+        f.tuning = v.t;
+        ops::cuda::NormBackwardArgs g;
+        g.layer = layer;
+        g.dy = dy.data_ptr();
+        g.x = x.data_ptr();
+        g.w = w.data_ptr();
+        g.mean = f.mean;
+        g.rstd = f.rstd;
+        g.dx = dx.data_ptr();
+        g.dw = dw.data_ptr();
+        g.dw_dtype = DType::F32;
+        g.db = layer ? db.data_ptr() : nullptr;
+        g.db_dtype = DType::F32;
+        g.rows = n;
+        g.h = h;
+        g.tuning = v.t;
+        const size_t ws_bytes = ops::cuda::norm_backward_workspace_bytes(g, DType::BF16, 0);
+        Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, d);
+        const std::string name = layer ? "layernorm" : "rmsnorm";
+        ms = mcbench::time_ms([&] { ops::cuda::norm_forward(DType::BF16, f, 0, nullptr); }, 3, smp);
+        mcbench::record_bw(ctx, name + "_fwd", shape, "bf16", ms, 2 * act, v.name, describe(v.t));
+        ms = mcbench::time_ms([&] { ops::cuda::norm_backward(DType::BF16, g, ws.data_ptr(), 0, nullptr); }, 3, smp);
+        mcbench::record_bw(ctx, name + "_bwd", shape, "bf16", ms, 3 * act, v.name, describe(v.t));
+      }
+    }
   }
 }

@@ -1,8 +1,10 @@
 // megacore_bench_kernels: measures the card's own ceilings (device-to-device copy, bf16 GEMM through
 // cuBLASLt), then every registered benchmark, and writes one JSON file with the card's name.
 //
-//   megacore_bench_kernels [--quick] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]
+//   megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]
 //
+// Ops with launch-shape variants (norms, cross-entropy) record the library's default first, then each
+// variant as a row with the same op and shape and a "variant" field; --no-variants skips them.
 // --peers folds in the torch eager / torch.compile timings that torch_peers.py measured on the same
 // card in the same job; rows are matched on (op, shape).
 #include <cublasLt.h>
@@ -155,7 +157,7 @@ std::string fmt_num(double v, int prec) {
 int main(int argc, char** argv) {
   using namespace mcbench;
   std::string out_path, filter, peers_path;
-  bool quick = false;
+  bool quick = false, variants = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -166,11 +168,12 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--quick") quick = true;
+    else if (a == "--no-variants") variants = false;
     else if (a == "--filter") filter = next();
     else if (a == "--out") out_path = next();
     else if (a == "--peers") peers_path = next();
     else if (a == "--help" || a == "-h") {
-      std::puts("megacore_bench_kernels [--quick] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]");
+      std::puts("megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]");
       return 0;
     } else {
       std::fprintf(stderr, "unknown argument %s (try --help)\n", a.c_str());
@@ -183,6 +186,7 @@ int main(int argc, char** argv) {
     Context ctx;
     ctx.card = prop.name;
     ctx.quick = quick;
+    ctx.variants = variants;
     std::printf("card: %s (%d SMs, L2 %d MiB)\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
     ctx.copy_tbps = measure_copy_tbps(quick);
     std::printf("ceiling: device-to-device copy %.3f TB/s (read + write)\n", ctx.copy_tbps);
@@ -217,6 +221,7 @@ int main(int argc, char** argv) {
       }
     }
     for (auto& r : ctx.results) {
+      if (r.contains("variant") && r["variant"] != "default") continue;  // peers sit with the default
       auto it = peers.find(r.value("op", "") + "|" + r.value("shape", ""));
       if (it == peers.end()) continue;
       for (const char* k : {"eager_ms", "compile_ms"})
@@ -250,7 +255,9 @@ int main(int argc, char** argv) {
         if (k.size() > 3 && k.compare(k.size() - 3, 3, "_ms") == 0 && k != "fwd_ms" && k != "fwdbwd_ms" && it->is_number())
           peers_txt += k.substr(0, k.size() - 3) + "=" + fmt_num(it->get<double>(), 4) + " ";
       }
-      std::printf("%-24s %-34s %9.4f %12s %8s  %s\n", r.value("op", "").c_str(), r.value("shape", "").c_str(),
+      std::string shape = r.value("shape", "");
+      if (r.contains("variant") && r["variant"] != "default") shape += " [" + r.value("variant", "") + "]";
+      std::printf("%-24s %-34s %9.4f %12s %8s  %s\n", r.value("op", "").c_str(), shape.c_str(),
                   r.value("ms", 0.0), rate.c_str(), frac.c_str(), peers_txt.c_str());
     }
 
