@@ -11,6 +11,9 @@
 #   ddp          DDP and ZeRO-1 scaling vs torch DDP
 #   pipeline     pipeline bubble, VP 1 and 2
 #   ckpt         checkpoint save/load vs torch.save on 1 GPU and on every GPU
+#   ddp2         more DDP/ZeRO variants: high-priority communication stream, 32 CTAs, ZeRO with bf16 reduction
+#   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
+#                launch-shape variants included)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json/.
 #   device run: PHASE=tests,collectives bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4)
 set -uo pipefail
@@ -25,6 +28,7 @@ B=$PWD/.gpu-build; t0=$(date +%s)
 cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DMEGACORE_BUILD_BENCHMARKS=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DMEGACORE_CUDNN=${CUDNN:-OFF} > $OUT/configure.log 2>&1
 targets=${TARGETS:-"_C megacore_tests megacore_mpi_tests megacore_bench_model megacore_bench_training megacore_bench_pipeline megacore_bench_collectives"}
+has kernels && targets="$targets megacore_bench_kernels"
 cmake --build $B -j$(nproc) --target $targets > $OUT/build.log 2>&1 || { grep -B2 -A8 error $OUT/build.log | head -60; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT/build.log) compiled)"; nvidia-smi -L | head -4
 export PYTHONPATH=$B/python
@@ -150,4 +154,26 @@ if has ckpt; then
     --repeats ${CKPT_REPEATS:-2} --out $OUT/json/checkpoint_${ngpu}gpu.json
   grep -A6 best_GBps $OUT/bench_ckpt_n.log | head -7; grep -iE "error|Traceback" -A3 $OUT/bench_ckpt_*.log | head -10
 fi
+if has ddp2; then
+  step bench_ddp_prio 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --comm-priority -5 \
+    --max-ctas 0,32 --out $OUT/json/ddp_${ngpu}gpu_prio.json
+  grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_prio.log | head -4
+  step bench_zero_bf16 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --zero --bf16-reduce \
+    --out $OUT/json/ddp_${ngpu}gpu_zero_bf16_reduce.json
+  grep -iE "^ddp max_ctas|error" $OUT/bench_zero_bf16.log | head -4
+  step bench_zero_prio 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --zero --comm-priority -5 \
+    --max-ctas 0,32 --out $OUT/json/ddp_${ngpu}gpu_zero_prio.json
+  grep -iE "^ddp max_ctas|error" $OUT/bench_zero_prio.log | head -4
+fi
+
+if has kernels; then
+  step gpu_single 120 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
+  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40
+  step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
+  tail -2 $OUT/torch_peers.log
+  step bench_kernels 240 $B/benchmarks/megacore_bench_kernels --peers $OUT/json/torch_peers.json --out $OUT/json/kernels.json
+  grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy" $OUT/bench_kernels.log | head -70
+fi
 cd $OUT && tar czf logs.tgz logs runs 2>/dev/null; rm -rf *.log logs runs
+# Many small files do not all come back: the JSON results travel as one archive too.
+tar czf json.tgz json && rm -rf json

@@ -56,6 +56,7 @@ struct Args {
   int64_t micro_batch = 4, seq = 2048, grad_accum = 1, iters = 10, warmup = 3, breakdown_iters = 3;
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
+  int comm_priority = 0;  // DDPConfig::comm_stream_priority
   double peak_tflops = 989.0;
   std::vector<int> max_ctas{0};
   std::string out;
@@ -80,6 +81,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--single") a.single = true;
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
     else if (k == "--no-overlap") a.no_overlap = true;
+    else if (k == "--comm-priority") a.comm_priority = std::stoi(next());
     else if (k == "--peak-tflops") a.peak_tflops = std::stod(next());
     else if (k == "--max-ctas") {
       a.max_ctas.clear();
@@ -116,6 +118,7 @@ struct Trainer {
     c.reduce_dtype = a.bf16_reduce ? DType::BF16 : DType::F32;
     c.overlap_grad_reduce = !a.no_overlap;
     c.compute_stream = s;
+    c.comm_stream_priority = a.comm_priority;
     return c;
   }
 
@@ -225,6 +228,7 @@ int main(int argc, char** argv) {
               {"optimizer", a.zero ? "DistributedOptimizer (ZeRO-1 AdamW)" : "AdamW (replicated)"},
               {"grad_reduce_dtype", a.bf16_reduce ? "bf16" : "f32"},
               {"overlap_grad_reduce", !a.no_overlap},
+              {"comm_stream_priority", a.comm_priority},
               {"micro_batch", a.micro_batch},
               {"seq", a.seq},
               {"grad_accum", a.grad_accum},

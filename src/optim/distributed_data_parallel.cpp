@@ -50,7 +50,7 @@ void DistributedDataParallel::init() {
                who, b.index, b.numel, n, n);
   const Device d = buffer_->device();
   if (d.is_cuda()) {
-    comm_stream_ = Stream::create(d, /*non_blocking=*/true);
+    comm_stream_ = Stream::create(d, /*non_blocking=*/true, cfg_.comm_stream_priority);
     if (cfg_.compute_stream.device() != d) cfg_.compute_stream = Stream::default_stream(d);
   } else {
     MC_CHECK(cfg_.compute_stream.device().is_cpu(), "{}: compute_stream is on {} but the parameters are on the CPU", who,

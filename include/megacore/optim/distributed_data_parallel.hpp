@@ -53,6 +53,10 @@ struct DDPConfig {
   int64_t param_align = 64;
   /// The stream the model computes on (CUDA); the communication stream waits for it before each launch.
   Stream compute_stream;
+  /// CUDA priority of DDP's communication stream (0 = normal; negative = higher, down to the device's
+  /// greatest, see cudaDeviceGetStreamPriorityRange): a higher one lets the reduction kernels take SMs
+  /// as soon as backward kernels free them.
+  int comm_stream_priority = 0;
   /// Parameter objects aliasing a registered one (e.g. &model.output_layer().weight() when embeddings
   /// are tied), re-pointed along with it.
   std::vector<layers::Parameter*> shared_copies;
