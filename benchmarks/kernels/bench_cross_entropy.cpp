@@ -11,14 +11,17 @@ namespace {
 
 using CeTuning = ops::cuda::CeTuning;
 
-// Six alternatives to the default (512 threads, unroll 2 for rows up to 128 KiB and 4 above, 4 blocks
-// per SM, rows in flight within half of L2, evict-first pass-2 reads).
-std::vector<mcbench::Variant<CeTuning>> ce_variants() {
-  return {{"u1", CeTuning{.unroll = 1}},
-          {"u4", CeTuning{.unroll = 4}},
-          {"u8", CeTuning{.unroll = 8}},
-          {"t256_u4", CeTuning{.threads = 256, .unroll = 4, .blocks_per_sm = 8}},
-          {"l2_75", CeTuning{.l2_fraction = 0.75f}},
+// Alternatives to the default (512 threads, 4 blocks per SM; rows up to 128 KiB: unroll 2 and 0.75 of L2
+// in flight, longer rows: unroll 8 and 0.5 of L2; evict-first pass-2 reads), each spelled out.
+std::vector<mcbench::Variant<ops::cuda::CeTuning>> ce_variants() {
+  using ops::cuda::CeTuning;
+  // The first default was u2_l2_50 for rows up to 128 KiB and u4_l2_50 above.
+  return {{"u2_l2_50", CeTuning{.unroll = 2, .l2_fraction = 0.5f}},
+          {"u2_l2_75", CeTuning{.unroll = 2, .l2_fraction = 0.75f}},
+          {"u4_l2_50", CeTuning{.unroll = 4, .l2_fraction = 0.5f}},
+          {"u8_l2_50", CeTuning{.unroll = 8, .l2_fraction = 0.5f}},
+          {"u4_l2_75", CeTuning{.unroll = 4, .l2_fraction = 0.75f}},
+          {"t256_u4", CeTuning{.threads = 256, .unroll = 4, .blocks_per_sm = 8, .l2_fraction = 0.5f}},
           {"no_stream", CeTuning{.stream_pass2 = false}}};  // pass 2 as before: normal loads
 }
 

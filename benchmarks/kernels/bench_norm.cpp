@@ -11,20 +11,21 @@ namespace {
 
 using NormTuning = ops::cuda::NormTuning;
 
-// Five alternatives to the default (fwd 4 vectors/thread, bwd 2 with prefetch, 128-thread minimum
-// block, at most 1024 backward threads per SM).
+// Alternatives to the default (fwd 8 vectors/thread; bwd without prefetch, 4 vectors for RMSNorm and 2
+// for LayerNorm; 128-thread minimum block; at most 1024 backward threads per SM), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
       // many threads per row, one vector each (the shape of the kernels before NormTuning)
-      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1}},
-      // no backward prefetch
+      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true}},
+      // the first NormTuning default: fwd 4, bwd 2 with prefetch
+      {"f4_b2pf", NormTuning{.fwd_vecs = 4, .bwd_vecs = 2, .bwd_prefetch = true}},
       {"f2_b2", NormTuning{.fwd_vecs = 2, .bwd_vecs = 2, .bwd_prefetch = false}},
-      // few threads per row, many vectors each
+      // few threads per row, many vectors each (LayerNorm backward spills at 4)
       {"f8_b4", NormTuning{.fwd_vecs = 8, .bwd_vecs = 4, .bwd_prefetch = false}},
       // 256-thread blocks at least, backward grid by occupancy alone
-      {"f4_b2pf_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
+      {"f8_b2_occ", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}},
       // fewer resident backward threads (and a smaller partial-gradient scratch)
-      {"f2_b1pf_512", NormTuning{.fwd_vecs = 2, .bwd_vecs = 1, .bwd_threads_per_sm = 512}},
+      {"f8_b2_512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .bwd_threads_per_sm = 512}},
   };
 }
 

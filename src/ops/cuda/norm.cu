@@ -459,10 +459,11 @@ void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Pla
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
   bool prefetch = tu.bwd_prefetch;
-  Plan p = plan_for<T>(a.h, tu.bwd_vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
+  const int vecs = tu.bwd_vecs > 0 ? tu.bwd_vecs : (LAYER ? 2 : 4);
+  Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
   if (!p.vec && prefetch) {
     prefetch = false;
-    p = plan_for<T>(a.h, tu.bwd_vecs, kBwdMaxNv, tu.min_block, ptrs);
+    p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
   }
   // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
   if (!LAYER && a.db) p = generic_plan(a.h);

@@ -16,10 +16,15 @@ namespace megacore::ops::cuda {
 /// short for `min_block` threads share a block. Values the kernels cannot honour for a shape are
 /// rounded to ones they can (more vectors per thread when a row would need over 512 threads).
 struct NormTuning {
-  int fwd_vecs = 4;               ///< forward: 1, 2, 4 or 8
-  int bwd_vecs = 2;               ///< backward: 1 or 2, 4 without prefetch (it also keeps dw/db sums)
+  // Defaults from the launch-shape sweep of megacore_bench_kernels on an H100 (2026-11-26,
+  // benchmarks/results/kernels_NVIDIA_H100_variants.json): 8 vectors per forward thread was best or
+  // within 1 % everywhere; backward without prefetch, 4 vectors for RMSNorm and 2 for LayerNorm (its
+  // 4-vector kernel spills).
+  int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
+  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch (it also keeps dw/db sums);
+                                  ///< 0: 4 for RMSNorm, 2 for LayerNorm
   int min_block = 128;            ///< threads per block at least, for short rows
-  bool bwd_prefetch = true;       ///< backward issues the next row's loads before reducing this one
+  bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
   int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only); the
                                   ///< per-row-group partial gradients are (resident threads x vecs) floats
 };
