@@ -53,6 +53,15 @@ void bind_pipeline(pyb::module_& root) {
       .def_static("from_counts", &pl::PipelineLayout::from_counts, pyb::arg("num_layers"),
                   pyb::arg("pipeline_parallel"), pyb::arg("virtual_stages"), pyb::arg("counts"),
                   "Explicit per-virtual-stage counts in model order (index chunk · PP + pp_rank).")
+      .def_static(
+          "balanced",
+          [](int64_t num_layers, int pp, int vp, double embedding_cost, double head_cost) {
+            return pl::PipelineLayout::balanced(num_layers, pp, vp, pl::StageCosts{embedding_cost, head_cost});
+          },
+          pyb::arg("num_layers"), pyb::arg("pipeline_parallel"), pyb::arg("virtual_stages") = 1,
+          pyb::arg("embedding_cost") = 0.0, pyb::arg("head_cost") = 0.0,
+          "Counts that minimise the largest stage cost, the first stage's embedding and the last stage's head "
+          "(output layer + loss) costing the given number of layers.")
       .def_property_readonly("pipeline_parallel", &pl::PipelineLayout::pipeline_parallel)
       .def_property_readonly("virtual_stages", &pl::PipelineLayout::virtual_stages)
       .def_property_readonly("num_layers", &pl::PipelineLayout::num_layers)
@@ -61,6 +70,12 @@ void bind_pipeline(pyb::module_& root) {
       .def("num_layers_on_rank", &pl::PipelineLayout::num_layers_on_rank, pyb::arg("pp_rank"))
       .def("has_embedding", &pl::PipelineLayout::has_embedding, pyb::arg("pp_rank"), pyb::arg("chunk") = 0)
       .def("has_head", &pl::PipelineLayout::has_head, pyb::arg("pp_rank"), pyb::arg("chunk") = 0);
+
+  m.def("stage_costs_from_profile", [](const pl::PipelineLayout& layout, const std::vector<double>& busy) {
+    const pl::StageCosts c = pl::stage_costs_from_profile(layout, busy);
+    return pyb::make_tuple(c.embedding, c.head);
+  }, pyb::arg("layout"), pyb::arg("busy_per_rank"),
+     "(embedding_cost, head_cost) in layers from one step's compute time per pipeline rank under `layout`.");
 
   m.def("rank_schedule", [](int pp, int vp, int64_t m, int rank) {
     pyb::list out;

@@ -69,6 +69,8 @@ def _add_plan(sub):
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     p.add_argument("--vp", type=int, default=1, help="virtual pipeline stages per rank (interleaving)")
+    p.add_argument("--head-cost", type=float, default=0.0,
+                   help="extra work of the last pipeline stage (output layer + loss), in layers: balance the split")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (needs TP > 1)")
@@ -79,14 +81,16 @@ def _add_plan(sub):
 
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
-         sequence_parallel=False, zero=False, gpu_memory_gib=80.0):
+         sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
+         pipeline_head_cost=0.0):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
     Memory per GPU (the busiest pipeline stage), in bytes: bf16 weights (2/param), f32 main grads (4/param),
     AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
-    micro-batches the first stage of 1F1B holds in flight.
+    micro-batches the first stage of 1F1B holds in flight. Layers per stage: `pipeline_layout` (explicit counts
+    per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
     """
     from . import model as m
     from . import parallel as par
@@ -104,13 +108,23 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, virtual_pipeline=vp),
                             world_size)
     m.validate(cfg, tp)
-    if cfg.num_layers % (pp * vp) != 0:
-        from .errors import ConfigError
-        raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by PP×VP = {pp * vp}; choose PP and VP whose "
-                          f"product divides {cfg.num_layers}")
+    from . import pipeline as pl
+
+    if pipeline_layout:
+        lay = pl.PipelineLayout.from_counts(cfg.num_layers, pp, vp, list(pipeline_layout))
+    elif pipeline_embedding_cost or pipeline_head_cost:
+        lay = pl.PipelineLayout.balanced(cfg.num_layers, pp, vp, float(pipeline_embedding_cost),
+                                         float(pipeline_head_cost))
+    else:
+        if cfg.num_layers % (pp * vp) != 0:
+            from .errors import ConfigError
+            raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by PP×VP = {pp * vp}; choose PP and VP "
+                              f"whose product divides {cfg.num_layers}, or give a pipeline layout or head cost")
+        lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)
     counts = m.parameter_count(cfg, tp)
-    layers_per_stage = cfg.num_layers // pp
-    stage_params = [layers_per_stage * counts["per_layer"] / tp for _ in range(pp)]
+    rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
+    layers_per_stage = rank_layers[0]  # activations: the first stage holds the most micro-batches
+    stage_params = [n * counts["per_layer"] / tp for n in rank_layers]
     stage_params[0] += (counts["embedding"] + counts["position_embedding"]) / tp
     stage_params[-1] += (counts["output_layer"] + counts["final_norm"]) / tp
     if cfg.tie_word_embeddings and pp > 1:
@@ -129,6 +143,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     }
     total = sum(mem.values())
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
+            "stage_layers": list(lay.counts), "rank_layers": rank_layers,
             "memory_bytes": mem, "total_bytes": total, "fits": total <= gpu_memory_gib * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True)}
 
@@ -143,13 +158,15 @@ def _run_plan(args) -> int:
         r = plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), rec.world_size,
                  p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                  p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
-                 rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib)
+                 rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
+                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost)
     else:
         if args.world_size is None:
             from .errors import ConfigError
             raise ConfigError("--world-size is required without --recipe")
         r = plan(args.model, args.world_size, args.tp, args.pp, args.cp, args.ep, args.vp, args.seq_length,
-                 args.micro_batch_size, args.sequence_parallel, args.zero, args.gpu_memory_gib)
+                 args.micro_batch_size, args.sequence_parallel, args.zero, args.gpu_memory_gib,
+                 pipeline_head_cost=args.head_cost)
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "
@@ -157,7 +174,9 @@ def _run_plan(args) -> int:
     print(f"layout: world {args.world_size} = TP {sz['tp']} × CP {sz['cp']} × DP {sz['dp']} × PP {sz['pp']}"
           f" (EP {sz['ep']}, VP {sz['vpp']}), order {L.order}")
     for i, p in enumerate(r["stage_params"]):
-        print(f"  stage {i}: {p / 1e6:.1f} M parameters per GPU")
+        print(f"  stage {i}: {r['rank_layers'][i]} layers, {p / 1e6:.1f} M parameters per GPU")
+    if sz["pp"] > 1:
+        print(f"pipeline layout (layers per virtual stage, model order): {r['stage_layers']}")
     mem = r["memory_bytes"]
     print("memory per GPU (busiest stage, estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
           + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")

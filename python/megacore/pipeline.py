@@ -4,6 +4,7 @@ chunk), schedules as data (``rank_schedule``, ``theoretical_bubble_fraction``), 
 over this rank's chunks with the 1F1B or interleaved 1F1B schedule::
 
     layout = pipeline.PipelineLayout.uniform(cfg.num_layers, pp, vp)
+    # or balanced for the head's extra work (in layers): PipelineLayout.balanced(L, pp, vp, head_cost=1.5)
     chunks = [pipeline.make_stage(cfg, grid.tp, layout.layer_indices(r, c), layout.has_embedding(r, c),
                                   layout.has_head(r, c)) for c in range(vp)]
     engine = pipeline.PipelineEngine(grid.pp, layout, chunks, dp=grid.dp)
@@ -18,8 +19,9 @@ make_stage = _p.make_stage
 rank_schedule = _p.rank_schedule
 theoretical_bubble_fraction = _p.theoretical_bubble_fraction
 num_microbatches = _p.num_microbatches
+stage_costs_from_profile = _p.stage_costs_from_profile
 
 __all__ = [
     "PipelineLayout", "PipelineEngine", "make_stage", "rank_schedule", "theoretical_bubble_fraction",
-    "num_microbatches",
+    "num_microbatches", "stage_costs_from_profile",
 ]

@@ -95,11 +95,13 @@ PipelineLayout PipelineLayout::balanced(int64_t num_layers, int pipeline_paralle
   std::vector<int64_t> counts(stages);
   int64_t total = 0;
   for (size_t s = 0; s < stages; ++s) total += counts[s] = capacity(bound, s);
-  while (total > num_layers) {  // take the surplus off the costliest stages
+  // Take the surplus off the costliest stages; among equals the earliest, which under 1F1B holds the most
+  // micro-batches' activations.
+  while (total > num_layers) {
     size_t pick = stages;
     for (size_t s = 0; s < stages; ++s) {
       if (counts[s] == 0) continue;
-      if (pick == stages || double(counts[s]) + extra[s] >= double(counts[pick]) + extra[pick]) pick = s;
+      if (pick == stages || double(counts[s]) + extra[s] > double(counts[pick]) + extra[pick]) pick = s;
     }
     --counts[pick];
     --total;

@@ -120,6 +120,8 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
               "parallel.context_parallel_size {} is not supported by the trainer yet; set it to 1", c.parallel.context);
   t.sequence_parallel = get<bool>(p, "parallel", "sequence_parallel");
   c.pipeline_layout = get<std::vector<int64_t>>(p, "parallel", "pipeline_layout");
+  if (p.contains("pipeline_embedding_cost")) c.pipeline_embedding_cost = get<double>(p, "parallel", "pipeline_embedding_cost");
+  if (p.contains("pipeline_head_cost")) c.pipeline_head_cost = get<double>(p, "parallel", "pipeline_head_cost");
   c.use_distributed_optimizer = get<bool>(p, "parallel", "use_distributed_optimizer");
   c.overlap_grad_reduce = get<bool>(p, "parallel", "overlap_grad_reduce");
   c.bucket_size = get<int64_t>(p, "parallel", "bucket_size");
@@ -268,9 +270,16 @@ void Trainer::Impl::build() {
   parallel::ParallelConfig pc = cfg.parallel;
   grid = std::make_unique<parallel::ProcessGrid>(world, pc);
   const int tp = pc.tensor, pp = pc.pipeline, vp = pc.virtual_pipeline;
+  const bool balance = cfg.pipeline_embedding_cost != 0 || cfg.pipeline_head_cost != 0;
+  MC_CHECK_AS(ConfigError, cfg.pipeline_layout.empty() || !balance,
+              "parallel.pipeline_layout is given together with pipeline_embedding_cost/pipeline_head_cost; give "
+              "explicit counts or the costs to balance for, not both");
   layout = std::make_unique<pipeline::PipelineLayout>(
-      cfg.pipeline_layout.empty() ? pipeline::PipelineLayout::uniform(m.num_layers, pp, vp)
-                                  : pipeline::PipelineLayout::from_counts(m.num_layers, pp, vp, cfg.pipeline_layout));
+      !cfg.pipeline_layout.empty()
+          ? pipeline::PipelineLayout::from_counts(m.num_layers, pp, vp, cfg.pipeline_layout)
+          : balance ? pipeline::PipelineLayout::balanced(m.num_layers, pp, vp,
+                                                         {cfg.pipeline_embedding_cost, cfg.pipeline_head_cost})
+                    : pipeline::PipelineLayout::uniform(m.num_layers, pp, vp));
   num_micro = pipeline::num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp());
   pipeline::validate(pipeline::make_schedule_config(pp, vp, num_micro));
   mdl::validate(m, tp);
@@ -360,6 +369,12 @@ void Trainer::Impl::build() {
                 std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.micro_batch_size,
                 (long long)cfg.seq_length, (long long)num_micro, zero ? "ZeRO-1" : cfg.optimizer.c_str(),
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "");
+    if (pc.pipeline > 1) {
+      std::string counts;
+      for (int64_t c : layout->counts()) counts += (counts.empty() ? "" : ", ") + std::to_string(c);
+      std::printf("megacore: pipeline layout [%s] (layers per virtual stage, model order)%s\n", counts.c_str(),
+                  balance ? " balanced for the embedding/head costs" : "");
+    }
     std::fflush(stdout);
   }
   if (root && !cfg.log_dir.empty()) {

@@ -29,6 +29,22 @@ def test_plan_numbers():
     assert not cli.plan("llama3_8b", world_size=1, gpu_memory_gib=80)["fits"]
 
 
+def test_plan_balances_stages_for_the_head(capsys):
+    even = cli.plan("llama32_1b", world_size=4, pp=4)
+    assert even["stage_layers"] == [4, 4, 4, 4]
+    # The head as two layers: the last stage gets one layer fewer, the surplus comes off the earliest stage.
+    bal = cli.plan("llama32_1b", world_size=4, pp=4, pipeline_head_cost=2.0)
+    assert bal["stage_layers"] == [4, 4, 5, 3] and bal["rank_layers"] == [4, 4, 5, 3]
+    n = bal["parameters"]
+    assert bal["stage_params"][2] == 5 * n["per_layer"]
+    # 16 layers over PP 3 is not even, but can be balanced
+    assert cli.main(["plan", "--model", "llama32_1b", "--world-size", "3", "--pp", "3", "--head-cost", "1.5",
+                     "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline layout (layers per virtual stage, model order): [6, 6, 4]" in out
+    assert cli.plan("llama32_1b", world_size=4, pp=2, vp=2, pipeline_layout=[4, 4, 4, 4])["rank_layers"] == [8, 8]
+
+
 def test_plan_refuses_bad_layouts_with_the_fix(capsys):
     assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "6", "--tp", "4"]) == 1
     assert "world_size 6 is not divisible by TP(4)" in capsys.readouterr().err

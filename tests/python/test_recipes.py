@@ -5,7 +5,7 @@ import json
 import pytest
 
 import megacore as mc
-from megacore import recipes
+from megacore import cli, recipes
 from megacore.errors import ConfigError
 from megacore.recipes import Recipe
 
@@ -84,6 +84,9 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"model.num_layers": 5}, "5 layers cannot be split evenly over PP×VP = 2×1"),
     ({"parallel.pipeline_layout": [1, 2]}, "sums to 3 layers but the model has 4"),
     ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
+    ({"parallel.pipeline_head_cost": -1.0}, "pipeline_head_cost: must be a finite number of layers >= 0"),
+    ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost: must be a finite number"),
+    ({"parallel.pipeline_layout": [2, 2], "parallel.pipeline_head_cost": 1.0}, "not both"),
     ({"parallel.vp": 2, "data.global_batch_size": 12, "data.micro_batch_size": 4},
      "number of micro-batches \\(3\\) to be a multiple of PP = 2"),
     ({"parallel.tp": 1, "parallel.sp": True}, "sequence_parallel: needs tensor_model_parallel_size > 1"),
@@ -101,6 +104,17 @@ def test_bad_recipes_fail_before_launch_naming_field_and_fix(changes, needle):
         r.set(k, v)
     with pytest.raises(ConfigError, match=needle):
         r.validate()
+
+
+def test_head_cost_balances_a_split_that_is_not_even():
+    r = recipes.tiny.pretrain_recipe()
+    r.set("model.num_layers", 5)
+    with pytest.raises(ConfigError, match="pipeline_head_cost"):  # the message names the balancing option
+        r.validate()
+    r.set("parallel.pipeline_head_cost", 1.0)
+    r.validate()
+    assert cli.plan(r.model.to_transformer_config("f32", False, "selective"), r.world_size, 2, 2,
+                    pipeline_head_cost=1.0)["stage_layers"] == [3, 2]
 
 
 def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path):

@@ -216,3 +216,17 @@ def test_tp_comm_overlap_gives_identical_training(tmp_path):
         assert ("| tp_comm_overlap" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
         runs.append(_metrics(r.logging.log_dir)[0])
     assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]
+
+
+@needs_mpi
+def test_balanced_pipeline_layout_reaches_the_trainer(tmp_path):
+    """parallel.pipeline_head_cost splits 5 layers over PP 2 as [3, 2] (balanced for a head worth one layer): the
+    trainer says so and trains exactly as with that layout given explicitly."""
+    runs = []
+    for name, sets in (("bal", {"parallel__pipeline_head_cost": 1.0}), ("expl", {"parallel__pipeline_layout": [3, 2]})):
+        r = _tiny(tmp_path, name, 4, parallel__tp=2, parallel__pp=2, model__num_layers=5, optim__lr_warmup_iters=1, **sets)
+        out = _train(r, tmp_path, name)
+        assert "pipeline layout [3, 2]" in out
+        assert ("balanced for the embedding/head costs" in out) == (name == "bal")
+        runs.append(_metrics(r.logging.log_dir)[0])
+    assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]

@@ -45,8 +45,8 @@ class PipelineLayout {
                                     std::vector<int64_t> counts);
 
   /// The counts that minimise the largest stage cost (layers + the stage's extra from `costs`); among
-  /// those, layers are taken off the costliest stages first (ties: the later stage), so a stage never
-  /// holds more than the one after it needs to. ConfigError for negative or non-finite costs.
+  /// those, layers are taken off the costliest stages first (ties: the earlier stage, which under 1F1B
+  /// holds the most micro-batches' activations). ConfigError for negative or non-finite costs.
   /// Example: 15 layers, PP 4, head ≈ 0.9 layer → {4, 4, 4, 3}.
   static PipelineLayout balanced(int64_t num_layers, int pipeline_parallel, int virtual_stages, StageCosts costs);
 

@@ -43,6 +43,9 @@ struct TrainConfig {
   model::TransformerConfig model;
   parallel::ParallelConfig parallel;  ///< tensor, pipeline, context, virtual_pipeline
   std::vector<int64_t> pipeline_layout;  ///< explicit layers per virtual stage; empty = even
+  /// With pipeline_layout empty and either cost > 0: PipelineLayout::balanced for these extras (in layers).
+  double pipeline_embedding_cost = 0;
+  double pipeline_head_cost = 0;
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = true;
   int64_t bucket_size = 0;

@@ -116,6 +116,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     #: Explicit layers per (virtual) pipeline stage in model order, e.g. [5, 6, 6, 5]; empty = even split.
     pipeline_layout: list = field(default_factory=list)
+    #: Extra work of the first stage (embedding) and of the last stage (final norm, output layer, loss), in
+    #: transformer layers. When either is > 0 (and pipeline_layout is empty) the layers are split to even
+    #: out the stages (PipelineLayout.balanced), like Megatron's account-for-embedding/loss options; the
+    #: pipeline benchmark measures them (`megacore_bench_pipeline --layout balanced`).
+    pipeline_embedding_cost: float = 0.0
+    pipeline_head_cost: float = 0.0
     #: ZeRO-1: shard optimizer state over DP.
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True

@@ -79,7 +79,17 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
     mcfg = r.model
     if mcfg.num_layers < 1:
         err("model.num_layers", f"must be positive, got {mcfg.num_layers}")
+    elif (p.pipeline_embedding_cost or p.pipeline_head_cost) and not p.pipeline_layout:
+        costs = {"parallel.pipeline_embedding_cost": p.pipeline_embedding_cost,
+                 "parallel.pipeline_head_cost": p.pipeline_head_cost}
+        bad = [k for k, v in costs.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf")]
+        for k in bad:
+            err(k, f"must be a finite number of layers >= 0, got {costs[k]!r}")
     elif p.pipeline_layout:
+        if p.pipeline_embedding_cost or p.pipeline_head_cost:
+            err("parallel.pipeline_layout", "is given together with pipeline_embedding_cost/pipeline_head_cost; "
+                "give explicit counts or the costs to balance for, not both")
         lay = p.pipeline_layout
         if len(lay) != pp * vp:
             err("parallel.pipeline_layout", f"has {len(lay)} entries but PP×VP = {pp * vp} stages; give one layer "
@@ -91,7 +101,8 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
                 "layer must be placed exactly once (fix the counts or model.num_layers)")
     elif mcfg.num_layers % (pp * vp):
         err("model.num_layers", f"{mcfg.num_layers} layers cannot be split evenly over PP×VP = {pp}×{vp} stages; "
-            f"choose PP and VP whose product divides {mcfg.num_layers}, or give parallel.pipeline_layout")
+            f"choose PP and VP whose product divides {mcfg.num_layers}, give parallel.pipeline_layout, or set "
+            "parallel.pipeline_head_cost (layers) to have the split balanced")
     if vp > 1 and pp < 2:
         err("parallel.virtual_pipeline_model_parallel_size", "interleaving needs pipeline_model_parallel_size >= 2")
     if d.seq_length > mcfg.max_position_embeddings:

@@ -380,6 +380,8 @@ TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]
   REQUIRE(PipelineLayout::balanced(16, 4, 1, {0.0, 0.0}).counts() == std::vector<int64_t>{4, 4, 4, 4});
   REQUIRE(PipelineLayout::balanced(22, 4, 1, {1.0, 1.0}).counts() == std::vector<int64_t>{5, 6, 6, 5});
   REQUIRE(PipelineLayout::balanced(4, 2, 1, {0.0, 10.0}).counts() == std::vector<int64_t>{4, 0});
+  // Several optimal splits: layers come off the earliest costliest stage (it holds the most activations).
+  REQUIRE(PipelineLayout::balanced(16, 4, 1, {0.0, 2.0}).counts() == std::vector<int64_t>{4, 4, 5, 3});
   CHECK_THAT(config_error_of([] { PipelineLayout::balanced(8, 2, 1, {-1.0, 0.0}); }),
              Catch::Contains("embedding cost is -1"));
   CHECK_THAT(config_error_of([] { PipelineLayout::balanced(8, 2, 1, {0.0, std::nan("")}); }),
