@@ -571,7 +571,7 @@ class NcclWork final : public Work {
   void wait_on(const Stream& s) override {
     if (!error_.empty()) throw CommError(error_);
     if (st_->aborting.load())
-      fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+      fail_aborted();
     cudaStream_t target = nullptr;
     if (!s.device().is_cpu()) {
       MC_CHECK(s.device() == Device::cuda(st_->device), "{}: wait_on got a stream on {}, but the operation runs on "
@@ -588,7 +588,7 @@ class NcclWork final : public Work {
   bool poll() {
     if (done_) return true;
     if (st_->aborting.load())
-      fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+      fail_aborted();
     cudaError_t e = cudaEventQuery(op_->event);
     if (e == cudaSuccess) {
       done_ = true;
@@ -602,11 +602,15 @@ class NcclWork final : public Work {
     ncclResult_t st = st_->async_error();
     if (st != ncclSuccess && st != ncclInProgress) {
       if (st_->aborting.load())
-        fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
+        fail_aborted();
       fail(fmt::format("{} failed after {:.1f} s: {}", op_->context, seconds_since(op_->start),
                        nccl_error(st, nullptr)));
     }
     return false;
+  }
+
+  [[noreturn]] void fail_aborted() {
+    fail(fmt::format("{} failed: the communicator was aborted ({})", op_->context, st_->reason()));
   }
 
   [[noreturn]] void fail(std::string msg) {
