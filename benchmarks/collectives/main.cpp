@@ -2,7 +2,7 @@
 // broadcast over 8 B … 1 GiB, the time, algorithm bandwidth and bus bandwidth of megacore's
 // Communicator next to raw NCCL calls on the same GPUs, in the same run.
 //   mpirun -np <GPUs> megacore_bench_collectives [--min-bytes 8] [--max-bytes 1G] [--iters 20]
-//                                               [--warmup 5] [--trials 7] [--ops all_reduce,...] [--out file.json]
+//                                               [--warmup 5] [--trials 8] [--ops all_reduce,...] [--out file.json]
 // Every (op, size) is timed in `trials` rounds that alternate which side goes first (raw NCCL, then
 // megacore; then megacore, then raw …), each round `warmup` untimed and `iters` timed calls; a side's
 // time is the median of its rounds. One sample per side (the first version) let a cold first call, a
@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   return 0;
 #else
   int64_t min_bytes = 8, max_bytes = int64_t(1) << 30;
-  int iters = 20, warmup = 5, trials = 7;
+  int iters = 20, warmup = 5, trials = 8;  // even: each side goes first equally often
   bool blocking = true;  // megacore's default: blocking NCCL calls (--non-blocking: every call non-blocking and polled)
   std::string out_path, ops_arg = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast";
   for (int i = 1; i < argc; ++i) {

@@ -89,7 +89,11 @@ Args parse(int argc, char** argv) {
       for (size_t p = 0; p <= v.size();) {
         size_t q = v.find(',', p);
         if (q == std::string::npos) q = v.size();
-        a.max_ctas.push_back(std::stoi(v.substr(p, q - p)));
+        const std::string item = v.substr(p, q - p);
+        if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos)
+          throw std::runtime_error("--max-ctas takes a comma-separated list of CTA counts (0 = NCCL's choice), got '" +
+                                   v + "'");
+        a.max_ctas.push_back(std::stoi(item));
         p = q + 1;
       }
     }

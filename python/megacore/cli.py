@@ -85,11 +85,11 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
          pipeline_head_cost=0.0):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
-    Memory per GPU (the busiest pipeline stage), in bytes: bf16 weights (2/param), f32 main grads (4/param),
+    Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), f32 main grads (4/param),
     AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
-    micro-batches the first stage of 1F1B holds in flight. Layers per stage: `pipeline_layout` (explicit counts
+    micro-batches rank r of 1F1B holds in flight (PP − r). Layers per stage: `pipeline_layout` (explicit counts
     per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
     """
     from . import model as m
@@ -123,34 +123,38 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
         lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)
     counts = m.parameter_count(cfg, tp)
     rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
-    layers_per_stage = rank_layers[0]  # activations: the first stage holds the most micro-batches
     stage_params = [n * counts["per_layer"] / tp for n in rank_layers]
     stage_params[0] += (counts["embedding"] + counts["position_embedding"]) / tp
     stage_params[-1] += (counts["output_layer"] + counts["final_norm"]) / tp
     if cfg.tie_word_embeddings and pp > 1:
         stage_params[-1] += counts["embedding"] / tp  # the last stage keeps its own copy of the tied table
-    busiest = max(stage_params)
     dp_cp = layout.sizes["dp"] * layout.sizes["cp"]
     s, b = seq_length // cp, micro_batch_size
     rc = cfg.recompute_granularity if str(cfg.recompute_granularity).lower().endswith("full") else "selective"
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
-    in_flight = pp  # 1F1B: the first stage holds PP micro-batches
-    mem = {
-        "weights": 2 * busiest,
-        "main_grads": 4 * busiest,
-        "optimizer": 12 * busiest / (dp_cp if zero else 1),
-        "activations": act_layer * layers_per_stage * in_flight,
-    }
+
+    def rank_memory(r):
+        # 1F1B: pipeline rank r holds up to PP − r micro-batches' activations of its layers.
+        return {
+            "weights": 2 * stage_params[r],
+            "main_grads": 4 * stage_params[r],
+            "optimizer": 12 * stage_params[r] / (dp_cp if zero else 1),
+            "activations": act_layer * rank_layers[r] * (pp - r),
+        }
+
+    busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
+    mem = rank_memory(busiest_rank)
     total = sum(mem.values())
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
-            "stage_layers": list(lay.counts), "rank_layers": rank_layers,
+            "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
             "memory_bytes": mem, "total_bytes": total, "fits": total <= gpu_memory_gib * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True)}
 
 
 def _run_plan(args) -> int:
     if args.recipe:
-        rec = load_recipe(args.recipe, None, args.set)
+        sets = list(args.set) + ([f"parallel.pipeline_head_cost={args.head_cost}"] if args.head_cost else [])
+        rec = load_recipe(args.recipe, None, sets)
         rec.validate(check_paths=False)
         p = rec.parallel
         args.model = rec.name
@@ -178,7 +182,7 @@ def _run_plan(args) -> int:
     if sz["pp"] > 1:
         print(f"pipeline layout (layers per virtual stage, model order): {r['stage_layers']}")
     mem = r["memory_bytes"]
-    print("memory per GPU (busiest stage, estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
+    print(f"memory per GPU (pipeline rank {r['busiest_rank']}, the largest; estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
           + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")
     if not r["fits"]:
         print(f"warning: the estimate exceeds {args.gpu_memory_gib:g} GiB per GPU; raise TP or PP, enable "

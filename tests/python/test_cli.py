@@ -1,5 +1,6 @@
 """`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front."""
 
+import pytest
 import megacore as mc
 from megacore import cli
 
@@ -21,7 +22,8 @@ def test_plan_numbers():
     n = r["parameters"]
     # two stages of 16 layers, TP-sharded; embedding on the first stage, output layer on the last
     assert r["stage_params"][0] == (16 * n["per_layer"] + n["embedding"]) / 2
-    assert r["memory_bytes"]["optimizer"] == 12 * max(r["stage_params"])
+    assert r["busiest_rank"] == 0  # the first stage holds PP micro-batches' activations
+    assert r["memory_bytes"]["optimizer"] == 12 * r["stage_params"][0]
     zero = cli.plan("llama3_8b", world_size=8, tp=2, pp=2, zero=True)
     assert zero["memory_bytes"]["optimizer"] == r["memory_bytes"]["optimizer"] / 2  # DP = 2
     sp = cli.plan("llama3_8b", world_size=8, tp=2, pp=2, sequence_parallel=True)
@@ -43,6 +45,12 @@ def test_plan_balances_stages_for_the_head(capsys):
     out = capsys.readouterr().out
     assert "pipeline layout (layers per virtual stage, model order): [6, 6, 4]" in out
     assert cli.plan("llama32_1b", world_size=4, pp=2, vp=2, pipeline_layout=[4, 4, 4, 4])["rank_layers"] == [8, 8]
+    # Memory is that of the rank that needs the most: with 2/6/6/2 layers rank 1 holds 6 layers × 3 micro-batches.
+    unit = even["memory_bytes"]["activations"] / (4 * 4)  # even split: rank 0, 4 layers × 4 micro-batches
+    skew = cli.plan("llama32_1b", world_size=4, pp=4, pipeline_layout=[2, 6, 6, 2])
+    assert skew["busiest_rank"] == 1
+    assert skew["memory_bytes"]["activations"] == pytest.approx(unit * 6 * 3)
+    assert skew["memory_bytes"]["weights"] == 2 * skew["stage_params"][1]
 
 
 def test_plan_refuses_bad_layouts_with_the_fix(capsys):

@@ -47,6 +47,7 @@ class PipelineLayout {
   /// The counts that minimise the largest stage cost (layers + the stage's extra from `costs`); among
   /// those, layers are taken off the costliest stages first (ties: the earlier stage, which under 1F1B
   /// holds the most micro-batches' activations). ConfigError for negative or non-finite costs.
+  /// With VP > 1 it evens out the virtual stages (what each schedule slot costs), not per-rank totals.
   /// Example: 15 layers, PP 4, head ≈ 0.9 layer → {4, 4, 4, 3}.
   static PipelineLayout balanced(int64_t num_layers, int pipeline_parallel, int virtual_stages, StageCosts costs);
 

@@ -1,8 +1,8 @@
 // Cross-entropy kernels. One block per row in a persistent grid: pass 1 streams the row once with an
 // online (max, sum-exp) in the log2 domain; pass 2 (fused / backward) streams it again and writes the
 // gradient, possibly over the logits. The grid is sized so that the rows in flight fit in part of L2
-// (half by default), so pass 2 mostly re-reads from L2 rather than from device memory, and pass 2
-// reads evict-first. CeTuning (cross_entropy_cuda.hpp) holds the launch-shape choices.
+// (CeTuning::l2_fraction: by default 0.75 for rows up to 128 KiB, 0.5 above), so pass 2 mostly re-reads
+// from L2 rather than from device memory, and pass 2 reads evict-first. CeTuning (cross_entropy_cuda.hpp) holds the launch-shape choices.
 #include <cfloat>
 
 #include "ops/cuda/cross_entropy_cuda.hpp"
@@ -96,12 +96,14 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
           ms.s *= exp2f(ms.m - vm);
           ms.m = vm;
         }
+        // While every logit so far is -inf (masked padding) the terms are 0; exp2(-inf + inf) would be NaN.
+        const bool finite_max = ms.m != -INFINITY;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (c0 + u * stride < v) {
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-              ms.s += exp2f(fmaf(x[u][k], kLog2e, -ms.m));
+              if (finite_max) ms.s += exp2f(fmaf(x[u][k], kLog2e, -ms.m));
               sz += x[u][k];
             }
           }
@@ -126,8 +128,10 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
         ms = combine(ms, other);
       }
       if (need_sz) sz = warp_sum(sz);
-      __syncthreads();  // red_ms / red are reused by the next row
-      const float zt = (tl >= 0 && tl < v) ? to_f32(z[tl]) : 0.f;
+      // The target logit is read before the barrier: in place (dlogits == logits), pass 2 of other threads
+      // overwrites it once they are past the barrier.
+      const float zt = (threadIdx.x == 0 && tl >= 0 && tl < v) ? to_f32(z[tl]) : 0.f;
+      __syncthreads();  // red_ms / red are reused by the next row; see zt
       if (a.mode == CeMode::Stats) {
         if (threadIdx.x == 0) {
           a.row_max[row] = ms.m * kLn2;

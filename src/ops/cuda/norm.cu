@@ -72,7 +72,12 @@ __global__ void __launch_bounds__(512) norm_fwd_rows(NormForwardArgs a, int tpr)
   // LayerNorm takes mean and variance from one reduction of (x - k) and (x - k)^2, with k the row's
   // first input: a shift near the data keeps E[d^2] - E[d]^2 from cancelling, and one reduction
   // (one pair of barriers) instead of two matters for a kernel that only waits on memory.
-  const float k0 = LAYER && live ? to_f32(x[0]) : 0.f;
+  // With a residual the row is the rounded sum x + residual, so the shift is its first element too.
+  float k0 = 0.f;
+  if (LAYER && live) {
+    k0 = to_f32(x[0]);
+    if (res) k0 = to_f32(from_f32<T>(k0 + to_f32(res[0])));
+  }
   Vec16<T> v[NV];
   load_row_stream<T, NV>(v, x, t, tpr, h, live);
   if (res) {

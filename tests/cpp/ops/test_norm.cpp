@@ -84,6 +84,17 @@ TEST_CASE("norm arguments are validated", "[ops][norm]") {
   REQUIRE_THROWS_AS(ops::rmsnorm_forward(x, w, y, rstd, -1.f), ValueError);
   Tensor dx = Tensor::empty({4, 8}), dw = Tensor::empty({8}), dy = Tensor::zeros({4, 9});
   REQUIRE_THROWS_WITH(ops::rmsnorm_backward(dy, x, w, rstd, dx, dw), Catch::Contains("dy has shape [4, 9]"));
+  // The fused residual sum needs its own buffer (the kernels read x/residual while it is written).
+  Tensor res = Tensor::zeros({4, 8}), rout = Tensor::empty({4, 8});
+  REQUIRE_NOTHROW(ops::rmsnorm_forward_residual(x, res, w, y, rout, rstd, 1e-5f));
+  REQUIRE_THROWS_WITH(ops::rmsnorm_forward_residual(x, res, w, y, x, rstd, 1e-5f),
+                      Catch::Contains("residual_out must not share memory with x or residual"));
+  Tensor big = Tensor::zeros({8, 8});
+  Tensor lower = big.slice(0, 2, 6), upper = big.slice(0, 0, 4);  // rows 2-5 and 0-3: overlapping views
+  REQUIRE_THROWS_WITH(ops::layernorm_forward_residual(x, lower, w, b, y, upper, mean, rstd, 1e-5f),
+                      Catch::Contains("must not share memory"));
+  Tensor top = big.slice(0, 0, 4);
+  REQUIRE_NOTHROW(ops::layernorm_forward_residual(x, big.slice(0, 4, 8), w, b, y, top, mean, rstd, 1e-5f));
 }
 
 TEST_CASE("norm CUDA kernels match the CPU reference", "[ops][norm][gpu]") {
