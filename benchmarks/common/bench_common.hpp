@@ -3,7 +3,6 @@
 #pragma once
 
 #include <chrono>
-#include <cstring>
 #include <memory>
 #include <string>
 
@@ -30,20 +29,11 @@ inline megacore::model::TransformerConfig llama_1b() {
 inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::Communicator& mpi,
                                                                megacore::Device dev, const std::string& name,
                                                                std::chrono::seconds timeout, int max_ctas = 0) {
-  using namespace megacore;
-  Tensor id = Tensor::zeros({128}, DType::U8);
-  if (mpi.rank() == 0) {
-    comm::NcclUniqueId u = comm::nccl_unique_id();
-    std::memcpy(id.data_ptr(), u.data(), u.size());
-  }
-  if (mpi.size() > 1) mpi.broadcast(id, 0)->wait();
-  comm::NcclUniqueId u;
-  std::memcpy(u.data(), id.data_ptr(), u.size());
-  comm::CommOptions o;
+  megacore::comm::CommOptions o;
   o.name = name;
   o.timeout = timeout;
   o.nccl_max_ctas = max_ctas;
-  return comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, dev, o);
+  return megacore::comm::make_nccl_communicator_over(mpi, dev, o);
 }
 
 }  // namespace bench

@@ -210,4 +210,19 @@ std::unique_ptr<Communicator> init_from_env(const CommOptions& options) {
   return init_from_env(cuda_available() ? Device::cuda() : Device::cpu(), options);
 }
 
+std::unique_ptr<Communicator> make_nccl_communicator_over(Communicator& bootstrap, Device device,
+                                                          const CommOptions& options) {
+  NcclUniqueId u{};
+  if (bootstrap.rank() == 0) u = nccl_unique_id();
+  if (bootstrap.size() > 1) {
+    Tensor id = Tensor::zeros({int64_t(u.size())}, DType::U8);
+    std::memcpy(id.data_ptr(), u.data(), u.size());
+    if (!bootstrap.device().is_cpu()) id = id.to(bootstrap.device());
+    bootstrap.broadcast(id, 0)->wait();
+    const Tensor host = id.to(Device::cpu());
+    std::memcpy(u.data(), host.data_ptr(), u.size());
+  }
+  return make_nccl_communicator(bootstrap.rank(), bootstrap.size(), u, device, options);
+}
+
 }  // namespace megacore::comm

@@ -34,4 +34,10 @@ NcclUniqueId nccl_unique_id();
 std::unique_ptr<Communicator> make_nccl_communicator(int rank, int size, const NcclUniqueId& id, Device device,
                                                      const CommOptions& options = {});
 
+/// An NCCL communicator over the ranks of `bootstrap` (same rank numbers) on CUDA device `device`: the
+/// unique id is made on bootstrap's rank 0 and broadcast through it (any backend; typically the MPI world).
+/// Collective over `bootstrap`.
+std::unique_ptr<Communicator> make_nccl_communicator_over(Communicator& bootstrap, Device device,
+                                                          const CommOptions& options = {});
+
 }  // namespace megacore::comm

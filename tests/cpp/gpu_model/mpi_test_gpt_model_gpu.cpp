@@ -10,7 +10,6 @@
 // the tolerances of a 16-bit forward and backward, stated before the numbers were seen; the measured
 // values are printed for the record.
 #include <cmath>
-#include <cstring>
 
 #include "layers/layers_test_util.hpp"
 #include "megacore/comm/bootstrap.hpp"
@@ -54,18 +53,10 @@ Device my_device() {
 // A sub-communicator of NCCL ranks: the NCCL world (id over MPI), then split into groups of `tp`
 // consecutive ranks (the TP groups of the default tp-first order).
 std::unique_ptr<comm::Communicator> nccl_tp(comm::Communicator& mpi, int tp) {
-  Tensor id = Tensor::zeros({128}, DType::U8);
-  if (mpi.rank() == 0) {
-    comm::NcclUniqueId u = comm::nccl_unique_id();
-    std::memcpy(id.data_ptr(), u.data(), u.size());
-  }
-  mpi.broadcast(id, 0)->wait();
-  comm::NcclUniqueId u;
-  std::memcpy(u.data(), id.data_ptr(), u.size());
   comm::CommOptions o;
   o.timeout = std::chrono::seconds(120);
   o.name = "world";
-  auto world = comm::make_nccl_communicator(mpi.rank(), mpi.size(), u, my_device(), o);
+  auto world = comm::make_nccl_communicator_over(mpi, my_device(), o);
   if (tp == mpi.size()) return world;
   o.name = "tp";
   return world->split(mpi.rank() / tp, mpi.rank() % tp, o);
