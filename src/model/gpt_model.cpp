@@ -197,6 +197,7 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
 
   Tensor x;
   if (opts_.pre_process) {
+    if (pre_forward_) pre_forward_(embedding_group_);
     // The layers work sequence-first ([s, b, h]) as Megatron-Core does.
     Tensor ids = tokens.transpose(0, 1).contiguous(st);
     x = embedding_->forward(ctx, ids);

@@ -141,8 +141,14 @@ Tensor TransformerBlock::forward(const ly::ForwardContext& ctx, const Tensor& x,
            "TransformerBlock.forward: input is {} on {}; the block runs in {} on {}; convert it with .to()",
            dtype_name(x.dtype()), x.device().str(), dtype_name(cfg_.params_dtype), opts_.device.str());
   Tensor y = x;
-  for (auto& layer : layers_) y = layer->forward(ctx, y, position_ids);
-  if (final_norm_) y = final_norm_->forward(ctx, y);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (pre_forward_) pre_forward_(layer_groups_[i]);
+    y = layers_[i]->forward(ctx, y, position_ids);
+  }
+  if (final_norm_) {
+    if (pre_forward_) pre_forward_(final_group_);  // with the head's weight (the extras)
+    y = final_norm_->forward(ctx, y);
+  }
   out_shape_ = y.shape();
   has_forward_ = ctx.training;
   return y;

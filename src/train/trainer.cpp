@@ -123,6 +123,10 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   if (p.contains("pipeline_embedding_cost")) c.pipeline_embedding_cost = get<double>(p, "parallel", "pipeline_embedding_cost");
   if (p.contains("pipeline_head_cost")) c.pipeline_head_cost = get<double>(p, "parallel", "pipeline_head_cost");
   c.use_distributed_optimizer = get<bool>(p, "parallel", "use_distributed_optimizer");
+  if (p.contains("overlap_param_gather")) c.overlap_param_gather = get<bool>(p, "parallel", "overlap_param_gather");
+  MC_CHECK_AS(ConfigError, !c.overlap_param_gather || c.use_distributed_optimizer,
+              "parallel.overlap_param_gather needs parallel.use_distributed_optimizer (ZeRO-1): only then are the "
+              "parameters all-gathered after the step; enable ZeRO or turn the overlap off");
   c.overlap_grad_reduce = get<bool>(p, "parallel", "overlap_grad_reduce");
   c.bucket_size = get<int64_t>(p, "parallel", "bucket_size");
   c.grad_reduce_in_bf16 = get<bool>(p, "parallel", "grad_reduce_in_bf16");
@@ -363,12 +367,13 @@ void Trainer::Impl::build() {
 
   if (root) {
     std::printf("megacore: world %d = TP %d x PP %d (VP %d) x CP %d x DP %d on %s | %lld layers, %s | micro-batch %lld x "
-                "%lld, %lld micro-batches per step | %s%s%s\n",
+                "%lld, %lld micro-batches per step | %s%s%s%s\n",
                 world.size(), pc.tensor, pc.pipeline, pc.virtual_pipeline, pc.context, dp(),
                 is_cuda() ? cuda_device_name(device.index).c_str() : "CPU", (long long)m.num_layers,
                 std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.micro_batch_size,
                 (long long)cfg.seq_length, (long long)num_micro, zero ? "ZeRO-1" : cfg.optimizer.c_str(),
-                m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "");
+                m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
+                cfg.overlap_param_gather ? " | overlap_param_gather" : "");
     if (pc.pipeline > 1) {
       std::string counts;
       for (int64_t c : layout->counts()) counts += (counts.empty() ? "" : ", ") + std::to_string(c);
@@ -411,7 +416,10 @@ void Trainer::Impl::build_optimizer() {
   ac.weight_decay = float(cfg.weight_decay);
   if (cfg.use_distributed_optimizer) {
     MC_CHECK_AS(ConfigError, cfg.optimizer == "adamw", "parallel.use_distributed_optimizer needs optim.optimizer adamw");
-    zero = std::make_unique<optim::DistributedOptimizer>(*ddp, ac, false);
+    zero = std::make_unique<optim::DistributedOptimizer>(*ddp, ac, cfg.overlap_param_gather);
+    if (cfg.overlap_param_gather)
+      for (auto& ch : chunks)
+        ch->set_pre_forward_callback([this](const std::vector<ly::Parameter*>& ps) { zero->wait_param_gather(ps); });
   } else if (cfg.optimizer == "adamw") {
     opt = std::make_unique<optim::AdamW>(params, ac);
   } else {
@@ -581,6 +589,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
 
 std::string Trainer::Impl::save() {
   MC_CHECK_AS(ConfigError, ckpt != nullptr, "Trainer.save: checkpoint.save_dir is empty; set it to save checkpoints");
+  if (zero) zero->finish_param_gather();  // the weights are written as the last step left them
   checkpoint::CheckpointState st;
   st.step = step;
   st.tensors = model_tensors();
@@ -693,6 +702,7 @@ TrainResult Trainer::fit() {
       }
     }
   }
+  if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
   if (I.ckpt) I.ckpt->wait();
   r.final_step = I.step;
   r.last_checkpoint = I.last_checkpoint;

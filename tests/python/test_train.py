@@ -230,3 +230,18 @@ def test_balanced_pipeline_layout_reaches_the_trainer(tmp_path):
         assert ("balanced for the embedding/head costs" in out) == (name == "bal")
         runs.append(_metrics(r.logging.log_dir)[0])
     assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]
+
+
+@needs_mpi
+def test_overlap_param_gather_trains_identically(tmp_path):
+    """parallel.overlap_param_gather (ZeRO-1's all-gathers left running after the step, each layer waiting for its
+    own in the next forward) reaches the trainer and changes no number: PP2 × DP2, the same losses and gradient
+    norms bit for bit. (That each forward waits for its gathers is checked in mpi_test_ddp.cpp.)"""
+    runs = []
+    for ov in (False, True):
+        r = _tiny(tmp_path, f"pg{int(ov)}", 4, parallel__tp=1, parallel__pp=2, parallel__zero=True,
+                  parallel__overlap_param_gather=ov, optim__lr_warmup_iters=1)
+        out = _train(r, tmp_path, f"pg{int(ov)}")
+        assert ("| overlap_param_gather" in out) == ov
+        runs.append(_metrics(r.logging.log_dir)[0])
+    assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]

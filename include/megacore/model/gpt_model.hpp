@@ -141,6 +141,13 @@ class GPTModel {
     grad_ready_ = cb;
     block_->set_grad_ready_callback(std::move(cb));
   }
+  /// Installs (or removes) the pre-forward callback: forward calls it with each parameter group (the
+  /// embedding's, each layer's, the final norm's with the output layer) right before first reading them,
+  /// so a ZeRO-1 optimizer with overlap_param_gather can wait for exactly those all-gathers.
+  void set_pre_forward_callback(GradReadyCallback cb) {
+    pre_forward_ = cb;
+    block_->set_pre_forward_callback(std::move(cb));
+  }
 
   /// True for the tied-embedding copy a last stage without the embedding holds ("embedding.weight"
   /// with post_process && !pre_process && tie_word_embeddings): a checkpoint skips it.
@@ -199,6 +206,7 @@ class GPTModel {
   std::vector<layers::Parameter*> params_;
   std::vector<layers::Parameter*> embedding_group_;  // grad-ready group (the others are the block's)
   GradReadyCallback grad_ready_;
+  GradReadyCallback pre_forward_;
   // Saved by forward (moved by stash_activations).
   Tensor logits_;     // [s, b, V/TP]
   Tensor positions_;  // i64 [s_local, b] ids into position_, learned positions only

@@ -92,6 +92,10 @@ class TransformerBlock {
 
   /// Installs (or removes, with an empty function) the grad-ready callback; see the header comment.
   void set_grad_ready_callback(GradReadyCallback cb) { grad_ready_ = std::move(cb); }
+  /// Called in forward with each group of parameters (a layer's; the final norm's with the head extras)
+  /// right before they are first read: where a ZeRO-1 optimizer waits for their all-gather
+  /// (DistributedOptimizer::wait_param_gather). Empty: nothing is called.
+  void set_pre_forward_callback(GradReadyCallback cb) { pre_forward_ = std::move(cb); }
   /// Parameters owned elsewhere reported with the final norm's group (after its own parameters).
   void set_final_norm_group_extra(std::vector<layers::Parameter*> extra);
 
@@ -125,6 +129,7 @@ class TransformerBlock {
   std::vector<layers::Parameter*> final_group_;  // final norm's parameters + the extra ones
   size_t final_norm_params_ = 0;
   GradReadyCallback grad_ready_;
+  GradReadyCallback pre_forward_;
   // Saved by forward (moved by stash_activations).
   Shape out_shape_;
   bool has_forward_ = false;

@@ -47,6 +47,9 @@ struct TrainConfig {
   double pipeline_embedding_cost = 0;
   double pipeline_head_cost = 0;
   bool use_distributed_optimizer = false;
+  /// ZeRO-1 only: start the parameter all-gathers after the step and wait for each layer's just before
+  /// the next forward reads it (DistributedOptimizer overlap_param_gather + the model's pre-forward hook).
+  bool overlap_param_gather = false;
   bool overlap_grad_reduce = true;
   int64_t bucket_size = 0;
   bool grad_reduce_in_bf16 = false;

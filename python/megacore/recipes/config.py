@@ -125,6 +125,7 @@ class ParallelConfig:
     #: ZeRO-1: shard optimizer state over DP.
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    #: ZeRO-1: the parameter all-gathers after a step overlap the next forward (each layer waits for its own).
     overlap_param_gather: bool = False
     #: Gradient buffer bucket size in elements; 0 = Megatron-Core's max(40M, 1M × DP).
     bucket_size: int = 0

@@ -103,6 +103,9 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
         err("model.num_layers", f"{mcfg.num_layers} layers cannot be split evenly over PP×VP = {pp}×{vp} stages; "
             f"choose PP and VP whose product divides {mcfg.num_layers}, give parallel.pipeline_layout, or set "
             "parallel.pipeline_head_cost (layers) to have the split balanced")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        err("parallel.overlap_param_gather", "needs parallel.use_distributed_optimizer (ZeRO-1): only then are the "
+            "parameters all-gathered after the step; set zero=true or overlap_param_gather=false")
     if vp > 1 and pp < 2:
         err("parallel.virtual_pipeline_model_parallel_size", "interleaving needs pipeline_model_parallel_size >= 2")
     if d.seq_length > mcfg.max_position_embeddings:

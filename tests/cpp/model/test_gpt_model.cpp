@@ -70,6 +70,46 @@ TEST_CASE("GPTModel names every parameter once and matches parameter_count", "[m
   CHECK(m.parameter("layers.0.self_attention.linear_proj.bias").data.numel() == g.hidden_size);
 }
 
+TEST_CASE("GPTModel's pre-forward callback sees every parameter once, in forward order, before its use", "[model]") {
+  SoloCommunicator tp;
+  for (bool tied : {false, true}) {
+    mdl::TransformerConfig cfg = mdl::presets::tiny_gpt2();  // with position embeddings and biases
+    cfg.tie_word_embeddings = tied;
+    mdl::GPTModel m(cfg, tp);
+    const Batch batch = make_batch(cfg.vocab_size);
+    // Each group's weights are poisoned until the callback "gathers" them: a forward that read a weight
+    // before its group was announced would give a non-finite loss.
+    std::vector<Tensor> saved;
+    for (ly::Parameter* p : m.parameters()) {
+      saved.push_back(p->data.clone());
+      p->data.fill_(std::nan(""));
+    }
+    std::vector<std::string> order;
+    std::vector<ly::Parameter*> seen;
+    m.set_pre_forward_callback([&](const std::vector<ly::Parameter*>& group) {
+      order.push_back(group.front()->name);
+      for (ly::Parameter* p : group) {
+        seen.push_back(p);
+        const auto params = m.parameters();
+        const size_t i = size_t(std::find(params.begin(), params.end(), p) - params.begin());
+        REQUIRE(i < saved.size());
+        p->data.copy_(saved[i]);
+      }
+    });
+    const double loss = loss_of(m, batch, true);
+    CHECK(std::isfinite(loss));
+    std::vector<ly::Parameter*> all = m.parameters();
+    std::sort(all.begin(), all.end());
+    std::vector<ly::Parameter*> got = seen;
+    std::sort(got.begin(), got.end());
+    CHECK(got == all);  // every parameter, once
+    CHECK(order == std::vector<std::string>{"embedding.weight", "layers.0.input_layernorm.weight",
+                                            "layers.1.input_layernorm.weight", "final_layernorm.weight"});
+    m.set_pre_forward_callback({});
+    CHECK(loss_of(m, batch, false) == Approx(loss));  // removed: forward runs without it
+  }
+}
+
 TEST_CASE("GPTModel loss decreases over a few SGD steps on a fixed batch", "[model]") {
   SoloCommunicator tp;
   for (mdl::TransformerConfig cfg : {mdl::presets::tiny_llama(), mdl::presets::tiny_gpt2()}) {

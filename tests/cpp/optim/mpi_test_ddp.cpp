@@ -190,6 +190,10 @@ void make_run(Run& run, comm::Communicator& world, const Layout& l) {
   run.model->set_grad_ready_callback(run.ddp->grad_ready_hook());
   if (l.zero) run.dopt = std::make_unique<op::DistributedOptimizer>(*run.ddp, adam(), l.overlap_param_gather);
   else run.adamw = std::make_unique<op::AdamW>(run.model->parameters(), adam());
+  // The model waits for each group's all-gather right before its forward reads it (as the trainer wires it).
+  if (l.zero && l.overlap_param_gather)
+    run.model->set_pre_forward_callback(
+        [d = run.dopt.get()](const std::vector<ly::Parameter*>& ps) { d->wait_param_gather(ps); });
 }
 
 void train(Run& run, const Layout& l, int from, int to) {
@@ -204,16 +208,14 @@ void train(Run& run, const Layout& l, int from, int to) {
     run.ddp->zero_grad();
     const Batch b = global_batch(step, run.model->config().vocab_size);
     for (int m = 0; m < kMicro; ++m) {
-      if (run.dopt && l.overlap_param_gather && m == 0) {
-        // Wait bucket by bucket in forward order (the last bucket holds the first layers).
-        const auto& buckets = run.ddp->buffer().buckets();
-        for (auto it = buckets.rbegin(); it != buckets.rend(); ++it)
-          for (size_t i : it->params) run.dopt->wait_param_gather({run.ddp->buffer().parameters()[i]});
-        REQUIRE(!run.dopt->param_gather_pending());
-      }
+      // After a step the all-gathers are left running; the first forward's pre-forward callbacks wait
+      // for every one of them, group by group.
+      const bool overlapped = run.dopt && l.overlap_param_gather && m == 0;
+      if (overlapped) REQUIRE(run.dopt->param_gather_pending() == (step > from));
       run.ddp->set_is_last_microbatch(m == kMicro - 1);
       const Batch mb = slice(b, dp_rank * per_rank + m * mbs, mbs);
       run.model->forward(ctx, mb.tokens, mb.labels);
+      if (overlapped) REQUIRE(!run.dopt->param_gather_pending());
       run.model->backward(ctx);
     }
     run.ddp->finish_grad_sync();
