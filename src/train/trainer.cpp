@@ -136,6 +136,9 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   c.seq_length = get<int64_t>(d, "data", "seq_length");
   c.micro_batch_size = get<int64_t>(d, "data", "micro_batch_size");
   c.global_batch_size = get<int64_t>(d, "data", "global_batch_size");
+  if (d.contains("prefetch")) c.prefetch = get<int>(d, "data", "prefetch");
+  MC_CHECK_AS(ConfigError, c.prefetch >= 1, "data.prefetch is {}; it counts micro-batches prepared ahead, >= 1",
+              c.prefetch);
 
   const json& o = section(j, "optim");
   c.optimizer = get<std::string>(o, "optim", "optimizer");
@@ -359,6 +362,7 @@ void Trainer::Impl::build() {
   lc.dp_size = dp();
   lc.consumed_samples = consumed_samples;
   lc.device = device;
+  lc.prefetch = cfg.prefetch;
   loader = std::make_unique<data::DataLoader>(train_src, lc);
   MC_CHECK_AS(ConfigError, loader->num_steps() >= cfg.max_steps,
               "the training data provides {} steps of {} samples but trainer.max_steps is {}; build the dataset with "
@@ -564,7 +568,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
   lc.dp_rank = grid->dp_rank();
   lc.dp_size = dp();
   lc.device = device;
-  lc.prefetch = 2;
+  lc.prefetch = std::min(cfg.prefetch, 2);  // validation is short: a smaller pinned pool
   data::DataLoader vl(valid_src, lc);
   const int64_t steps = std::min(max_batches, vl.num_steps());
   MC_CHECK_AS(ConfigError, steps > 0, "the validation split holds less than one global batch ({} samples); give it "

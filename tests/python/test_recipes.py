@@ -84,6 +84,7 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"model.num_layers": 5}, "5 layers cannot be split evenly over PP×VP = 2×1"),
     ({"parallel.pipeline_layout": [1, 2]}, "sums to 3 layers but the model has 4"),
     ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
+    ({"data.prefetch": 0}, "data.prefetch: must be an integer >= 1"),
     ({"parallel.overlap_param_gather": True}, "overlap_param_gather: needs parallel.use_distributed_optimizer"),
     ({"parallel.pipeline_head_cost": -1.0}, "pipeline_head_cost: must be a finite number of layers >= 0"),
     ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost: must be a finite number"),

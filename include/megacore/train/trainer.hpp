@@ -55,6 +55,7 @@ struct TrainConfig {
   bool grad_reduce_in_bf16 = false;
 
   int64_t seq_length = 128;
+  int prefetch = 4;  ///< data.prefetch: micro-batches the training loader prepares ahead
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 1;
 

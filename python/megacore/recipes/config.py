@@ -151,6 +151,7 @@ class DataConfig:
     cache_dir: str = ""
     #: Documents of the embedded corpus.
     embedded_documents: int = 4000
+    #: Micro-batches the data loader prepares ahead of the step (>= 1).
     prefetch: int = 4
     #: SFT: a JSONL file (``input``/``output`` or chat ``messages``); when set, paths is ignored.
     sft_path: str = ""

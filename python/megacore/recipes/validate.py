@@ -103,6 +103,8 @@ def validate_recipe(r, check_paths: bool = True) -> list[str]:
         err("model.num_layers", f"{mcfg.num_layers} layers cannot be split evenly over PP×VP = {pp}×{vp} stages; "
             f"choose PP and VP whose product divides {mcfg.num_layers}, give parallel.pipeline_layout, or set "
             "parallel.pipeline_head_cost (layers) to have the split balanced")
+    if isinstance(d.prefetch, bool) or not isinstance(d.prefetch, int) or d.prefetch < 1:
+        err("data.prefetch", f"must be an integer >= 1 (micro-batches prepared ahead), got {d.prefetch!r}")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         err("parallel.overlap_param_gather", "needs parallel.use_distributed_optimizer (ZeRO-1): only then are the "
             "parameters all-gathered after the step; set zero=true or overlap_param_gather=false")
