@@ -12,6 +12,7 @@
 #   pipeline     pipeline bubble, VP 1 and 2
 #   ckpt         checkpoint save/load vs torch.save on 1 GPU and on every GPU
 #   ddp2         more DDP/ZeRO variants: high-priority communication stream, 32 CTAs, ZeRO with bf16 reduction
+#   ddp3         ZeRO with the param all-gather overlapped with forward; 4-micro-batch gradient accumulation
 #   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
 #                launch-shape variants included)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
@@ -154,6 +155,20 @@ if has ckpt; then
     --repeats ${CKPT_REPEATS:-2} --out $OUT/json/checkpoint_${ngpu}gpu.json
   grep -A6 best_GBps $OUT/bench_ckpt_n.log | head -7; grep -iE "error|Traceback" -A3 $OUT/bench_ckpt_*.log | head -10
 fi
+if has ddp3; then
+  # ZeRO-1 with the parameter all-gather overlapped with the next forward, and both with 4 micro-batches
+  # of gradient accumulation (the reduction once per step, as in runs with large global batches).
+  for v in "--zero --overlap-param-gather" "--grad-accum 4" "--zero --overlap-param-gather --grad-accum 4"; do
+    tag=$(echo "$v" | sed 's/--zero/zero/; s/ --overlap-param-gather/_pg/; s/ *--grad-accum 4/_ga4/; s/^_//; s/ //g')
+    step bench_ddp_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
+      --out $OUT/json/ddp_${ngpu}gpu_$tag.json
+    grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_$tag.log | head -3
+  done
+  step peer_ddp_ga4 150 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
+    --grad-accum 4 --out $OUT/json/ddp_torch_peer_${ngpu}gpu_ga4.json
+  grep -iE "scaling|error" $OUT/peer_ddp_ga4.log | head -3
+fi
+
 if has ddp2; then
   step bench_ddp_prio 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --comm-priority -5 \
     --max-ctas 0,32 --out $OUT/json/ddp_${ngpu}gpu_prio.json

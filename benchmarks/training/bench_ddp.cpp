@@ -3,6 +3,7 @@
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --out zero.json    # ZeRO-1
 //   mpirun -np 1 build/benchmarks/megacore_bench_training --out one.json            # one GPU only
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 0,8,16          # DP comm CTA limits
+//   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --overlap-param-gather --grad-accum 4
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -56,6 +57,7 @@ struct Args {
   int64_t micro_batch = 4, seq = 2048, grad_accum = 1, iters = 10, warmup = 3, breakdown_iters = 3;
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
+  bool overlap_param_gather = false;  // ZeRO: all-gathers left running after the step, waited per layer in forward
   int comm_priority = 0;  // DDPConfig::comm_stream_priority
   double peak_tflops = 989.0;
   std::vector<int> max_ctas{0};
@@ -78,6 +80,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--breakdown-iters") a.breakdown_iters = std::stoll(next());
     else if (k == "--bucket-size") a.bucket_size = std::stoll(next());
     else if (k == "--zero") a.zero = true;
+    else if (k == "--overlap-param-gather") a.overlap_param_gather = true;
     else if (k == "--single") a.single = true;
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
     else if (k == "--no-overlap") a.no_overlap = true;
@@ -100,6 +103,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--out") a.out = next();
     else throw std::runtime_error("unknown argument " + k);
   }
+  if (a.overlap_param_gather && !a.zero) throw std::runtime_error("--overlap-param-gather needs --zero");
   if (a.micro_batch < 1 || a.seq < 1 || a.grad_accum < 1 || a.iters < 1 || a.warmup < 0)
     throw std::runtime_error("--micro-batch, --seq, --grad-accum, --iters must be >= 1 (--warmup >= 0)");
   return a;
@@ -131,7 +135,10 @@ struct Trainer {
       : model(cfg, tp, mdl::GPTModelOptions{.device = dev}), ddp(model.parameters(), dp, ddp_config(a, s)) {
     ctx.stream = s;
     if (a.zero) {
-      dopt = std::make_unique<op::DistributedOptimizer>(ddp, op::AdamWConfig{});
+      dopt = std::make_unique<op::DistributedOptimizer>(ddp, op::AdamWConfig{}, a.overlap_param_gather);
+      if (a.overlap_param_gather)
+        model.set_pre_forward_callback(
+            [d = dopt.get()](const std::vector<ly::Parameter*>& ps) { d->wait_param_gather(ps); });
       groups.reduce = {&dp};
     } else {
       adamw = std::make_unique<op::AdamW>(model.parameters(), op::AdamWConfig{});
@@ -230,6 +237,7 @@ int main(int argc, char** argv) {
               {"model", "llama-1.1b (h2048 L16 a32 g8 ffn8192 v32000, untied)"},
               {"dtype", "bf16 params, f32 grads and AdamW state"},
               {"optimizer", a.zero ? "DistributedOptimizer (ZeRO-1 AdamW)" : "AdamW (replicated)"},
+              {"overlap_param_gather", a.zero && a.overlap_param_gather},
               {"grad_reduce_dtype", a.bf16_reduce ? "bf16" : "f32"},
               {"overlap_grad_reduce", !a.no_overlap},
               {"comm_stream_priority", a.comm_priority},
