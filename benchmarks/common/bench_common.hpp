@@ -3,8 +3,11 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -35,5 +38,65 @@ inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::C
   o.nccl_max_ctas = max_ctas;
   return megacore::comm::make_nccl_communicator_over(mpi, dev, o);
 }
+
+/// The benchmarks' command line: `while (r.next())` walks the arguments; key() is the current one and
+/// text()/integer()/number()/list() consume its value (runtime_error naming the flag when it is missing
+/// or malformed); unknown() rejects the key.
+class ArgReader {
+ public:
+  ArgReader(int argc, char** argv) : argc_(argc), argv_(argv) {}
+  bool next() {
+    if (++i_ >= argc_) return false;
+    key_ = argv_[i_];
+    return true;
+  }
+  const std::string& key() const { return key_; }
+  std::string text() {
+    if (i_ + 1 >= argc_) throw std::runtime_error("missing value after " + key_);
+    return argv_[++i_];
+  }
+  int64_t integer() { return parse<int64_t>(text(), [](const std::string& v, size_t* n) { return std::stoll(v, n); }); }
+  double number() { return parse<double>(text(), [](const std::string& v, size_t* n) { return std::stod(v, n); }); }
+  /// A comma-separated list of integers, e.g. "4,8,16".
+  std::vector<int64_t> list() { return int_list(key_, text()); }
+  /// `v` as a comma-separated list of integers; runtime_error naming `flag` when an item is not one.
+  static std::vector<int64_t> int_list(const std::string& flag, const std::string& v) {
+    std::vector<int64_t> out;
+    for (size_t p = 0; p <= v.size();) {
+      size_t q = v.find(',', p);
+      if (q == std::string::npos) q = v.size();
+      const std::string item = v.substr(p, q - p);
+      size_t n = 0;
+      try {
+        out.push_back(std::stoll(item, &n));
+      } catch (const std::exception&) {
+        n = std::string::npos;
+      }
+      if (n != item.size()) throw std::runtime_error(flag + " takes comma-separated integers, got '" + v + "'");
+      p = q + 1;
+    }
+    return out;
+  }
+  [[noreturn]] void unknown() const {
+    throw std::runtime_error("unknown argument " + key_ + " (the benchmark's header comment lists its flags)");
+  }
+
+ private:
+  template <class T, class F>
+  T parse(const std::string& v, F f) const {
+    try {
+      size_t n = 0;
+      const T x = f(v, &n);
+      if (n == v.size()) return x;
+    } catch (const std::exception&) {
+    }
+    throw std::runtime_error(key_ + " needs a number, got '" + v + "'");
+  }
+
+  int argc_;
+  char** argv_;
+  int i_ = 0;
+  std::string key_;
+};
 
 }  // namespace bench

@@ -48,22 +48,19 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value after " + k);
-      return argv[++i];
-    };
-    if (k == "--micro-batch") a.micro_batch = std::stoll(next());
-    else if (k == "--seq") a.seq = std::stoll(next());
-    else if (k == "--iters") a.iters = std::stoll(next());
-    else if (k == "--warmup") a.warmup = std::stoll(next());
+  bench::ArgReader r(argc, argv);
+  while (r.next()) {
+    const std::string& k = r.key();
+    if (k == "--micro-batch") a.micro_batch = r.integer();
+    else if (k == "--seq") a.seq = r.integer();
+    else if (k == "--iters") a.iters = r.integer();
+    else if (k == "--warmup") a.warmup = r.integer();
     else if (k == "--sequence-parallel") a.sp = true;
     else if (k == "--tp-comm-overlap") a.overlap = true;
-    else if (k == "--recompute") a.recompute = next();
-    else if (k == "--peak-tflops") a.peak_tflops = std::stod(next());
-    else if (k == "--out") a.out = next();
-    else throw std::runtime_error("unknown argument " + k);
+    else if (k == "--recompute") a.recompute = r.text();
+    else if (k == "--peak-tflops") a.peak_tflops = r.number();
+    else if (k == "--out") a.out = r.text();
+    else r.unknown();
   }
   return a;
 }

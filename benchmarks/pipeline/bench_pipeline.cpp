@@ -24,7 +24,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -55,33 +54,23 @@ struct Args {
   std::string out, layout = "uniform";
 };
 
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoll(item));
-  return out;
-}
-
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value after " + k);
-      return argv[++i];
-    };
-    if (k == "--vp") a.vp = std::stoi(next());
-    else if (k == "--microbatches") a.microbatches = parse_list(next());
-    else if (k == "--micro-batch") a.micro_batch = std::stoll(next());
-    else if (k == "--seq") a.seq = std::stoll(next());
-    else if (k == "--layers") a.layers = std::stoll(next());
-    else if (k == "--hidden") a.hidden = std::stoll(next());
-    else if (k == "--iters") a.iters = std::stoi(next());
-    else if (k == "--warmup") a.warmup = std::stoi(next());
+  bench::ArgReader r(argc, argv);
+  while (r.next()) {
+    const std::string& k = r.key();
+    if (k == "--vp") a.vp = int(r.integer());
+    else if (k == "--microbatches") a.microbatches = r.list();
+    else if (k == "--micro-batch") a.micro_batch = r.integer();
+    else if (k == "--seq") a.seq = r.integer();
+    else if (k == "--layers") a.layers = r.integer();
+    else if (k == "--hidden") a.hidden = r.integer();
+    else if (k == "--iters") a.iters = int(r.integer());
+    else if (k == "--warmup") a.warmup = int(r.integer());
     else if (k == "--cpu") a.cpu = true;
-    else if (k == "--layout") a.layout = next();
-    else if (k == "--out") a.out = next();
-    else throw std::runtime_error("unknown argument " + k + " (see the header of bench_pipeline.cpp)");
+    else if (k == "--layout") a.layout = r.text();
+    else if (k == "--out") a.out = r.text();
+    else r.unknown();
   }
   return a;
 }
@@ -198,7 +187,7 @@ int main(int argc, char** argv) {
         std::printf("balanced layout: head %.2f layers, embedding %.2f layers -> %s\n", costs.head,
                     costs.embedding, json(lay.counts()).dump().c_str());
     } else {
-      built = build(pl::PipelineLayout::from_counts(cfg.num_layers, pp, a.vp, parse_list(a.layout)));
+      built = build(pl::PipelineLayout::from_counts(cfg.num_layers, pp, a.vp, bench::ArgReader::int_list("--layout", a.layout)));
     }
     layout_info["counts"] = built->layout.counts();
     pl::PipelineEngine& engine = *built->engine;

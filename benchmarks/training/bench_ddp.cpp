@@ -66,42 +66,31 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value after " + k);
-      return argv[++i];
-    };
-    if (k == "--micro-batch") a.micro_batch = std::stoll(next());
-    else if (k == "--seq") a.seq = std::stoll(next());
-    else if (k == "--grad-accum") a.grad_accum = std::stoll(next());
-    else if (k == "--iters") a.iters = std::stoll(next());
-    else if (k == "--warmup") a.warmup = std::stoll(next());
-    else if (k == "--breakdown-iters") a.breakdown_iters = std::stoll(next());
-    else if (k == "--bucket-size") a.bucket_size = std::stoll(next());
+  bench::ArgReader r(argc, argv);
+  while (r.next()) {
+    const std::string& k = r.key();
+    if (k == "--micro-batch") a.micro_batch = r.integer();
+    else if (k == "--seq") a.seq = r.integer();
+    else if (k == "--grad-accum") a.grad_accum = r.integer();
+    else if (k == "--iters") a.iters = r.integer();
+    else if (k == "--warmup") a.warmup = r.integer();
+    else if (k == "--breakdown-iters") a.breakdown_iters = r.integer();
+    else if (k == "--bucket-size") a.bucket_size = r.integer();
     else if (k == "--zero") a.zero = true;
     else if (k == "--overlap-param-gather") a.overlap_param_gather = true;
     else if (k == "--single") a.single = true;
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
     else if (k == "--no-overlap") a.no_overlap = true;
-    else if (k == "--comm-priority") a.comm_priority = std::stoi(next());
-    else if (k == "--peak-tflops") a.peak_tflops = std::stod(next());
+    else if (k == "--comm-priority") a.comm_priority = int(r.integer());
+    else if (k == "--peak-tflops") a.peak_tflops = r.number();
     else if (k == "--max-ctas") {
       a.max_ctas.clear();
-      const std::string v = next();
-      for (size_t p = 0; p <= v.size();) {
-        size_t q = v.find(',', p);
-        if (q == std::string::npos) q = v.size();
-        const std::string item = v.substr(p, q - p);
-        if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos)
-          throw std::runtime_error("--max-ctas takes a comma-separated list of CTA counts (0 = NCCL's choice), got '" +
-                                   v + "'");
-        a.max_ctas.push_back(std::stoi(item));
-        p = q + 1;
+      for (int64_t c : r.list()) {
+        if (c < 0) throw std::runtime_error("--max-ctas takes CTA counts >= 0 (0 = NCCL's choice)");
+        a.max_ctas.push_back(int(c));
       }
-    }
-    else if (k == "--out") a.out = next();
-    else throw std::runtime_error("unknown argument " + k);
+    } else if (k == "--out") a.out = r.text();
+    else r.unknown();
   }
   if (a.overlap_param_gather && !a.zero) throw std::runtime_error("--overlap-param-gather needs --zero");
   if (a.micro_batch < 1 || a.seq < 1 || a.grad_accum < 1 || a.iters < 1 || a.warmup < 0)
