@@ -167,7 +167,6 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
   Device dev = Device::cuda(e.local_rank % ndev);
   if (e.world_size == 1) return make_nccl_communicator(0, 1, nccl_unique_id(), dev, options);
 
-  NcclUniqueId id{};
   if (launched_by_mpirun() && mpi_available()) {
     CommOptions bo;
     bo.timeout = options.timeout;
@@ -176,14 +175,7 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
     MC_CHECK_AS(ConfigError, w->size() == e.world_size && w->rank() == e.rank,
                 "MPI sees rank {} of {} but the {} says rank {} of {}; do not mix launchers' variables", w->rank(),
                 w->size(), launcher_name(e.launcher), e.rank, e.world_size);
-    Tensor t = Tensor::zeros({int64_t(id.size())}, DType::U8);
-    if (e.rank == 0) {
-      id = nccl_unique_id();
-      std::memcpy(t.data_ptr(), id.data(), id.size());
-    }
-    w->broadcast(t, 0)->wait();
-    std::memcpy(id.data(), t.data_ptr(), id.size());
-    return make_nccl_communicator(e.rank, e.world_size, id, dev, options);
+    return make_nccl_communicator_over(*w, dev, options);  // the id made on rank 0, broadcast over MPI
   }
 
   MC_CHECK_AS(ConfigError, !e.master_addr.empty() && e.master_port > 0,
@@ -191,6 +183,7 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
               "free port) to exchange the NCCL id; export them, or start the ranks with mpirun",
               e.world_size, launcher_name(e.launcher));
   TcpStore store(e.master_addr, store_port(e), e.rank == 0, options.timeout);
+  NcclUniqueId id{};
   const std::string key = "megacore/nccl_unique_id/" + options.name;
   if (e.rank == 0) {
     id = nccl_unique_id();

@@ -2,7 +2,6 @@
 //   mpirun -np 2 build/tests/megacore_mpi_tests "[gpu]"
 // MPI only carries the NCCL unique id. Each rank uses device local_rank % device count.
 // Without a GPU every case returns early with a warning (on every rank alike).
-#include <cstring>
 #include <thread>
 
 #include "comm/comm_suite.hpp"
@@ -28,15 +27,7 @@ Device my_device() {
 // The NCCL world, its unique id broadcast over the MPI world.
 std::unique_ptr<Communicator> nccl_world(const CommOptions& o) {
   auto mpi = make_mpi_world();
-  Tensor id = Tensor::zeros({128}, DType::U8);
-  if (mpi->rank() == 0) {
-    NcclUniqueId u = nccl_unique_id();
-    std::memcpy(id.data_ptr(), u.data(), u.size());
-  }
-  mpi->broadcast(id, 0)->wait();
-  NcclUniqueId u;
-  std::memcpy(u.data(), id.data_ptr(), u.size());
-  return make_nccl_communicator(mpi->rank(), mpi->size(), u, my_device(), o);
+  return make_nccl_communicator_over(*mpi, my_device(), o);
 }
 
 }  // namespace
