@@ -300,6 +300,17 @@ void drain_deferred() {
   // ts goes out of scope here, on the calling thread.
 }
 
+// The failure reasons of an enqueued operation, the same whether a waiting thread or the watchdog finds them.
+std::string op_timeout_reason(const std::string& context, double elapsed, std::chrono::milliseconds timeout,
+                              bool by_watchdog) {
+  return fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s{}): not every rank of the group joined it (a rank "
+                     "skipped it, posted a different operation, or died); the communicator is aborted",
+                     context, elapsed, timeout.count() / 1000.0, by_watchdog ? ", found by the watchdog" : "");
+}
+std::string op_cuda_error_reason(const std::string& context, cudaError_t e) {
+  return fmt::format("{} failed: CUDA error {} ({})", context, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
 // One enqueued operation: its completion event, when it was enqueued, and the external-memory tensors it
 // uses (kept alive until it has finished, so a stream-ordered wait can drop its Work at once; memory of
 // megacore's allocator is instead marked as used on the operation's stream, see protect_buffers).
@@ -442,16 +453,12 @@ class Watchdog {
         } else if (e != cudaErrorNotReady) {
           (void)cudaGetLastError();
           if (st && !st->aborting.load())
-            abort_later(st, fmt::format("{} failed: CUDA error {} ({})", op.context, cudaGetErrorName(e),
-                                        cudaGetErrorString(e)));
+            abort_later(st, op_cuda_error_reason(op.context, e));
           drop = true;  // the event will never tell more
         } else if (st && !st->aborting.load()) {
           const double elapsed = seconds_since(op.start);
           if (elapsed * 1000.0 > double(st->timeout.count())) {
-            abort_later(st, fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s, found by the watchdog): not "
-                                        "every rank of the group joined it (a rank skipped it, posted a different "
-                                        "operation, or died); the communicator is aborted",
-                                        op.context, elapsed, st->timeout.count() / 1000.0));
+            abort_later(st, op_timeout_reason(op.context, elapsed, st->timeout, /*by_watchdog=*/true));
           } else if (std::find(error_checked.begin(), error_checked.end(), st.get()) == error_checked.end()) {
             error_checked.push_back(st.get());
             const ncclResult_t r = st->async_error(/*wait=*/false);
@@ -558,9 +565,7 @@ class NcclWork final : public Work {
     while (!poll()) {
       double elapsed = seconds_since(op_->start);
       if (elapsed * 1000.0 > double(st_->timeout.count())) {
-        fail(fmt::format("{} timed out after {:.1f} s (timeout {:.1f} s): not every rank of the group joined it (a "
-                         "rank skipped it, posted a different operation, or died); the communicator is aborted",
-                         op_->context, elapsed, st_->timeout.count() / 1000.0));
+        fail(op_timeout_reason(op_->context, elapsed, st_->timeout, /*by_watchdog=*/false));
       }
       backoff.pause();
     }
@@ -597,7 +602,7 @@ class NcclWork final : public Work {
     }
     if (e != cudaErrorNotReady) {
       (void)cudaGetLastError();
-      fail(fmt::format("{} failed: CUDA error {} ({})", op_->context, cudaGetErrorName(e), cudaGetErrorString(e)));
+      fail(op_cuda_error_reason(op_->context, e));
     }
     ncclResult_t st = st_->async_error();
     if (st != ncclSuccess && st != ncclInProgress) {
