@@ -301,8 +301,8 @@ std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, co
       MC_CHECK(names.insert(t.name).second, "save_checkpoint: tensor '{}' is described twice on rank {}", t.name,
                world.rank());
       if (!t.write || t.pieces.empty()) continue;  // nothing of it on this rank (e.g. a ZeRO shard elsewhere)
-      const bool own_data = !t.pieces.empty() && std::all_of(t.pieces.begin(), t.pieces.end(),
-                                                             [](const ShardPiece& p) { return p.data.defined(); });
+      const bool own_data =
+          std::all_of(t.pieces.begin(), t.pieces.end(), [](const ShardPiece& p) { return p.data.defined(); });
       if (!own_data) {
         MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
         MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
@@ -573,10 +573,10 @@ struct CheckpointReader::Files {
 
 int64_t CheckpointReader::bytes_read() const { return files_->bytes_read.load(); }
 
-void CheckpointReader::load_all(const std::vector<ShardedTensor*>& targets) {
+void CheckpointReader::load_all(std::vector<ShardedTensor>& targets) {
   std::vector<ShardedTensor*> todo;
-  for (ShardedTensor* t : targets)
-    if (!(options_.allow_missing && !has_tensor(t->name))) todo.push_back(t);
+  for (ShardedTensor& t : targets)
+    if (!(options_.allow_missing && !has_tensor(t.name))) todo.push_back(&t);
   int n = options_.threads > 0 ? options_.threads : int(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
   n = int(std::min<size_t>(size_t(n), todo.size()));
   if (n <= 1) {
@@ -783,9 +783,7 @@ CheckpointReader load_checkpoint(comm::Communicator* world, const std::string& d
   std::exception_ptr err;
   try {
     reader.emplace(dir, options);
-    std::vector<ShardedTensor*> ptrs;
-    for (ShardedTensor& t : targets) ptrs.push_back(&t);
-    reader->load_all(ptrs);
+    reader->load_all(targets);
   } catch (...) {
     err = std::current_exception();
   }
@@ -804,9 +802,7 @@ void load_optimizer_state(CheckpointReader& reader, optim::Optimizer& opt, const
   std::vector<optim::NamedTensor> st = opt.state();
   for (auto& nt : st) nt.tensor = nt.tensor.clone();
   std::vector<ShardedTensor> desc = shard_optimizer_state(st, params);
-  std::vector<ShardedTensor*> ptrs;
-  for (ShardedTensor& t : desc) ptrs.push_back(&t);
-  reader.load_all(ptrs);
+  reader.load_all(desc);
   int64_t step = 0;
   try {
     step = json::parse(reader.json("optimizer")).at("step").get<int64_t>();

@@ -638,9 +638,7 @@ void Trainer::Impl::load_training_state(checkpoint::CheckpointReader& reader) {
   if (zero) {
     // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
     std::vector<checkpoint::ShardedTensor> st = checkpoint::shard_zero_state(*zero, targets, checkpoint::shard_layout(*grid));
-    std::vector<checkpoint::ShardedTensor*> ptrs;
-    for (auto& t : st) ptrs.push_back(&t);
-    reader.load_all(ptrs);
+    reader.load_all(st);
     const json oj = json::parse(reader.json("optimizer"));
     zero->finish_load(oj.at("step").get<int64_t>());
   } else {

@@ -172,7 +172,7 @@ class CheckpointReader {
   void load(ShardedTensor& target);
   /// load() of every target, on LoadOptions::threads threads; the first failure is rethrown after all
   /// threads have stopped. Targets missing from the checkpoint are skipped when allow_missing.
-  void load_all(const std::vector<ShardedTensor*>& targets);
+  void load_all(std::vector<ShardedTensor>& targets);
   /// The whole global tensor, on the host.
   Tensor load_full(const std::string& name);
   /// Bytes copied out of shard files so far (excluding checksum reads).
