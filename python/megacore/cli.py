@@ -94,6 +94,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     """
     from . import model as m
     from . import parallel as par
+    from . import pipeline as pl
     from .errors import ValueError as McValueError
 
     presets = {"tiny_llama": m.tiny_llama, "tiny_gpt2": m.tiny_gpt2, "llama32_1b": m.llama32_1b,
@@ -108,19 +109,13 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, virtual_pipeline=vp),
                             world_size)
     m.validate(cfg, tp)
-    from . import pipeline as pl
-
     if pipeline_layout:
         lay = pl.PipelineLayout.from_counts(cfg.num_layers, pp, vp, list(pipeline_layout))
     elif pipeline_embedding_cost or pipeline_head_cost:
         lay = pl.PipelineLayout.balanced(cfg.num_layers, pp, vp, float(pipeline_embedding_cost),
                                          float(pipeline_head_cost))
     else:
-        if cfg.num_layers % (pp * vp) != 0:
-            from .errors import ConfigError
-            raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by PP×VP = {pp * vp}; choose PP and VP "
-                              f"whose product divides {cfg.num_layers}, or give a pipeline layout or head cost")
-        lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)
+        lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)  # ConfigError naming the fix when uneven
     counts = m.parameter_count(cfg, tp)
     rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
     stage_params = [n * counts["per_layer"] / tp for n in rank_layers]
