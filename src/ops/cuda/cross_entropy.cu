@@ -2,7 +2,8 @@
 // online (max, sum-exp) in the log2 domain; pass 2 (fused / backward) streams it again and writes the
 // gradient, possibly over the logits. The grid is sized so that the rows in flight fit in part of L2
 // (CeTuning::l2_fraction: by default 0.75 for rows up to 128 KiB, 0.5 above), so pass 2 mostly re-reads
-// from L2 rather than from device memory, and pass 2 reads evict-first. CeTuning (cross_entropy_cuda.hpp) holds the launch-shape choices.
+// from L2 rather than from device memory, and pass 2 reads evict-first. CeTuning (cross_entropy_cuda.hpp)
+// holds the launch-shape choices.
 #include <cfloat>
 
 #include "ops/cuda/cross_entropy_cuda.hpp"
