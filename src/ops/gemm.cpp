@@ -1,6 +1,11 @@
 #include "megacore/ops/gemm.hpp"
 
+#include <array>
+#include <atomic>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "megacore/build_config.hpp"
@@ -235,6 +240,7 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   p.bias = opts.bias.defined() ? opts.bias.data_ptr() : nullptr;
   p.bias_dtype = opts.bias.defined() ? opts.bias.dtype() : out.dtype();
   p.allow_tf32 = opts.allow_tf32;
+  p.sm_margin = gemm_sm_margin(dev.index);
   if (batch > 1 && (p.stride_a == 0 || p.stride_b == 0)) {
     // A shared operand next to a batched one. When a is the batched one, not transposed and packed,
     // the batch folds into M: one large product instead of many.
@@ -262,6 +268,60 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
 #else
   raise<CudaError>("{}: tensors are on {} but megacore was built without CUDA", kOp, dev.str());
 #endif
+}
+
+namespace {
+// Held margins per CUDA device (a multiset: the largest is in force).
+struct MarginRegistry {
+  std::mutex mu;
+  std::map<int, std::multiset<int>> held;
+  std::array<std::atomic<int>, 64> in_force{};  // read on every GEMM launch without the lock
+};
+MarginRegistry& margins() {
+  static MarginRegistry* r = new MarginRegistry();
+  return *r;
+}
+void publish(MarginRegistry& r, int device) {
+  auto& h = r.held[device];
+  r.in_force[size_t(device)].store(h.empty() ? 0 : *h.rbegin(), std::memory_order_relaxed);
+}
+}  // namespace
+
+GemmSmMarginRequest::GemmSmMarginRequest(int device, int margin) {
+  MC_CHECK(device >= 0 && device < 64, "GemmSmMarginRequest: device index {} is out of range [0, 64)", device);
+  MC_CHECK(margin >= 0, "GemmSmMarginRequest: the SM margin must be >= 0, got {}", margin);
+  auto& r = margins();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.held[device].insert(margin);
+  publish(r, device);
+  device_ = device;
+  margin_ = margin;
+}
+
+GemmSmMarginRequest& GemmSmMarginRequest::operator=(GemmSmMarginRequest&& o) noexcept {
+  if (this != &o) {
+    release();
+    device_ = o.device_;
+    margin_ = o.margin_;
+    o.device_ = -1;
+  }
+  return *this;
+}
+
+void GemmSmMarginRequest::release() {
+  if (device_ < 0) return;
+  auto& r = margins();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto& h = r.held[device_];
+  auto it = h.find(margin_);
+  if (it != h.end()) h.erase(it);
+  publish(r, device_);
+  device_ = -1;
+}
+
+int gemm_sm_margin(int device) {
+  if (device < 0 || device >= 64) return 0;
+  return margins().in_force[size_t(device)].load(std::memory_order_relaxed);
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b, const GemmOptions& opts, const Stream& s, bool out_f32) {

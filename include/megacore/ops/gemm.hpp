@@ -56,6 +56,39 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
 Tensor matmul(const Tensor& a, const Tensor& b, const GemmOptions& opts = {}, const Stream& s = {},
               bool out_f32 = false);
 
+/// SMs the GEMMs on a CUDA device leave to work running beside them.
+///
+/// cuBLASLt's Hopper kernels are often persistent: one CTA per SM, each looping over output tiles.
+/// When a collective (DDP's overlapped gradient reduction, ZeRO's parameter all-gather) holds some SMs,
+/// the CTAs that find no free SM only start when others have finished their whole share, and the
+/// product can take up to twice as long. With a margin, products are planned and launched for
+/// (SM count - margin) SMs (cuBLASLt's SM-count target), so they fit beside the collective.
+///
+/// A request holds a margin for a device while it lives; the margin in force is the largest held
+/// (0: none, the default). It applies to GEMMs *enqueued* while it is held: hold it from before the
+/// collective is enqueued until after the last product that may run beside it is enqueued. CPU devices
+/// ignore it.
+class GemmSmMarginRequest {
+ public:
+  GemmSmMarginRequest() = default;
+  /// margin >= 0 SMs on CUDA device `device` (ValueError otherwise).
+  GemmSmMarginRequest(int device, int margin);
+  ~GemmSmMarginRequest() { release(); }
+  GemmSmMarginRequest(GemmSmMarginRequest&& o) noexcept : device_(o.device_), margin_(o.margin_) { o.device_ = -1; }
+  GemmSmMarginRequest& operator=(GemmSmMarginRequest&& o) noexcept;
+  GemmSmMarginRequest(const GemmSmMarginRequest&) = delete;
+  GemmSmMarginRequest& operator=(const GemmSmMarginRequest&) = delete;
+  void release();
+  bool active() const { return device_ >= 0; }
+
+ private:
+  int device_ = -1;
+  int margin_ = 0;
+};
+
+/// The margin in force on CUDA device `device` (the largest held request; 0 when none).
+int gemm_sm_margin(int device);
+
 /// Several independent products with the same options (e.g. one per expert or per micro-batch);
 /// equal shapes reuse one cached plan.
 void gemm_batched(std::span<const Tensor> a, std::span<const Tensor> b, std::span<Tensor> out,

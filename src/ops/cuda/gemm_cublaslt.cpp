@@ -6,7 +6,9 @@
 // op(a)) is therefore cuBLASLt's BGRADB, and BiasGradB its BGRADA.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -135,7 +137,19 @@ struct DescGuard {
   }
 };
 
-void make_desc(DescGuard& g, const GemmProblem& p, bool with_epilogue) {
+// The SMs a product may use: the device's count less the margin (0 = no target: all of them).
+int sm_target(int device, int margin) {
+  if (margin <= 0) return 0;
+  static std::array<std::atomic<int>, 64> counts{};
+  int n = counts[size_t(device)].load(std::memory_order_relaxed);
+  if (n == 0) {
+    MC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    counts[size_t(device)].store(n, std::memory_order_relaxed);
+  }
+  return std::max(1, n - margin);
+}
+
+void make_desc(DescGuard& g, const GemmProblem& p, bool with_epilogue, int sm_count) {
   const cublasComputeType_t compute =
       p.ab_dtype == DType::F32 && p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   MC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&g.d, compute, CUDA_R_32F));
@@ -143,6 +157,10 @@ void make_desc(DescGuard& g, const GemmProblem& p, bool with_epilogue) {
   cublasOperation_t tb = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (sm_count > 0) {
+    int32_t t = sm_count;
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &t, sizeof(t)));
+  }
   cublasLtEpilogue_t epi = with_epilogue ? lt_epilogue(p.epilogue) : CUBLASLT_EPILOGUE_DEFAULT;
   MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
   if (epi != CUBLASLT_EPILOGUE_DEFAULT && epi != CUBLASLT_EPILOGUE_GELU) {
@@ -178,7 +196,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
   PlanKey key{device, int64_t(p.ab_dtype), int64_t(p.out_dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch,
               p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c, p.epilogue, int64_t(p.bias_dtype),
               p.allow_tf32, alignment_of(p.a), alignment_of(p.b), alignment_of(p.c),
-              p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, 0};
+              p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, sm_target(device, p.sm_margin)};
   Plan plan;
   {
     auto& cache = plan_cache();
@@ -209,7 +227,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
 
       auto find_algo = [&](bool with_epilogue) {
         DescGuard d;
-        make_desc(d, p, with_epilogue);
+        make_desc(d, p, with_epilogue, int(key[23]));
         cublasLtMatmulHeuristicResult_t res{};
         int found = 0;
         cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, 1, &res, &found);
@@ -238,7 +256,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
 
   const bool fused = plan.has_algo;
   DescGuard d;
-  make_desc(d, p, fused);
+  make_desc(d, p, fused, int(key[23]));
   Allocator& alloc = Allocator::get(Device::cuda(device));
   Stream s = Stream::from_native(Device::cuda(device), stream);
   void* ws = alloc.allocate(kWorkspaceBytes, s);

@@ -26,6 +26,7 @@ struct GemmProblem {
   void* bias = nullptr;
   DType bias_dtype = DType::F32;
   bool allow_tf32 = false;
+  int sm_margin = 0;  // SMs left free (ops::gemm_sm_margin); 0 = all SMs
 };
 
 /// Runs the product on `stream` of `device` (workspace from megacore's caching allocator).

@@ -234,3 +234,47 @@ TEST_CASE("gemm gpu: the same shape twice gives identical results on another str
   s.synchronize();
   CHECK(first.to_double_vector() == second.to_double_vector());
 }
+
+TEST_CASE("gemm: SM-margin requests, the largest held is in force", "[ops][gemm]") {
+  const int dev = 7;  // a registry entry only: no device is touched
+  REQUIRE(gemm_sm_margin(dev) == 0);
+  {
+    GemmSmMarginRequest a(dev, 16);
+    CHECK(gemm_sm_margin(dev) == 16);
+    {
+      GemmSmMarginRequest b(dev, 24), c(dev, 8);
+      CHECK(gemm_sm_margin(dev) == 24);
+      b.release();
+      CHECK(!b.active());
+      CHECK(gemm_sm_margin(dev) == 16);
+      GemmSmMarginRequest d = std::move(c);  // moved-from c no longer holds anything
+      CHECK(!c.active());
+      CHECK(d.active());
+      a.release();
+      CHECK(gemm_sm_margin(dev) == 8);
+    }
+    CHECK(gemm_sm_margin(dev) == 0);
+    GemmSmMarginRequest e(dev, 4);
+    e = GemmSmMarginRequest(dev, 12);  // assignment releases the old request
+    CHECK(gemm_sm_margin(dev) == 12);
+  }
+  CHECK(gemm_sm_margin(dev) == 0);
+  CHECK(gemm_sm_margin(dev + 1) == 0);
+  CHECK_THROWS_WITH(GemmSmMarginRequest(dev, -1), Catch::Contains("must be >= 0"));
+  CHECK_THROWS_WITH(GemmSmMarginRequest(64, 8), Catch::Contains("out of range"));
+}
+
+TEST_CASE("gemm gpu: products planned for fewer SMs (an SM margin) give the same results", "[ops][gemm][gpu]") {
+  MC_REQUIRE_GPU();
+  for (int margin : {16, 100}) {
+    GemmSmMarginRequest hold(mctest::gpu().index, margin);
+    REQUIRE(gemm_sm_margin(mctest::gpu().index) == margin);
+    for (const Case& c : transposes_and_dtypes()) run_case(c, mctest::gpu());
+    Case big;  // many output tiles: the persistent kernel loops over more tiles per CTA
+    big.m = 1024, big.n = 1536, big.k = 512, big.tb = true, big.dt = big.out = DType::BF16;
+    run_case(big, mctest::gpu());
+    Case acc;
+    acc.ta = true, acc.m = 384, acc.n = 640, acc.k = 256, acc.dt = DType::BF16, acc.out = DType::F32, acc.beta = 1.f;
+    run_case(acc, mctest::gpu());
+  }
+}
