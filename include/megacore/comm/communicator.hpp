@@ -44,6 +44,10 @@ struct CommOptions {
   /// NCCL only: CTA limits (0 = NCCL's default).
   int nccl_min_ctas = 0;
   int nccl_max_ctas = 0;
+  /// NCCL only: ncclConfig_t.CTAPolicy. 0 = NCCL's default; 1 = efficiency (as few CTAs as give
+  /// decent speed: for collectives that overlap compute); 2 = zero-CTA where NCCL can (copy engines;
+  /// needs registered symmetric buffers, otherwise NCCL falls back to its kernels).
+  int nccl_cta_policy = 0;
 };
 
 /// Handle of an asynchronous operation.

@@ -103,6 +103,13 @@ ncclConfig_t make_config(const CommOptions& o, const std::string& name) {
   cfg.commName = name.c_str();
   if (o.nccl_min_ctas > 0) cfg.minCTAs = o.nccl_min_ctas;
   if (o.nccl_max_ctas > 0) cfg.maxCTAs = o.nccl_max_ctas;
+#if defined(NCCL_CTA_POLICY_ZERO)
+  if (o.nccl_cta_policy == 1) cfg.CTAPolicy = NCCL_CTA_POLICY_EFFICIENCY;
+  if (o.nccl_cta_policy == 2) cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+#else
+  MC_CHECK(o.nccl_cta_policy == 0, "CommOptions.nccl_cta_policy {} needs NCCL >= 2.28 (built against {}.{}); use 0",
+           o.nccl_cta_policy, NCCL_MAJOR, NCCL_MINOR);
+#endif
   return cfg;
 }
 
@@ -111,6 +118,8 @@ void check_options(const CommOptions& o) {
   MC_CHECK(o.nccl_min_ctas >= 0 && o.nccl_max_ctas >= 0, "CommOptions.nccl_min_ctas/nccl_max_ctas must be >= 0");
   MC_CHECK(o.nccl_min_ctas == 0 || o.nccl_max_ctas == 0 || o.nccl_min_ctas <= o.nccl_max_ctas,
            "CommOptions.nccl_min_ctas ({}) exceeds nccl_max_ctas ({})", o.nccl_min_ctas, o.nccl_max_ctas);
+  MC_CHECK(o.nccl_cta_policy >= 0 && o.nccl_cta_policy <= 2,
+           "CommOptions.nccl_cta_policy must be 0 (default), 1 (efficiency) or 2 (zero), got {}", o.nccl_cta_policy);
 }
 
 // Switches the calling thread's device without throwing (for the watchdog, which must survive a device in
