@@ -39,6 +39,8 @@ DistributedDataParallel::~DistributedDataParallel() {
 
 void DistributedDataParallel::init() {
   const char* who = "DistributedDataParallel";
+  MC_CHECK(cfg_.gemm_sm_margin >= 0, "{}: gemm_sm_margin must be >= 0 (SMs left to the reduction), got {}", who,
+           cfg_.gemm_sm_margin);
   MC_CHECK(cfg_.reduce_dtype == DType::F32 || cfg_.reduce_dtype == DType::BF16,
            "{}: reduce_dtype {} is not supported; use f32 or bf16", who, dtype_name(cfg_.reduce_dtype));
   const int n = dp_.size();
@@ -85,6 +87,8 @@ void DistributedDataParallel::launch(int b, bool from_notify) {
   const int n = dp_.size();
   if (n == 1) return;
   const bool cuda = buffer_->device().is_cuda();
+  if (cuda && from_notify && cfg_.gemm_sm_margin > 0 && !gemm_margin_.active())
+    gemm_margin_ = ops::GemmSmMarginRequest(buffer_->device().index, cfg_.gemm_sm_margin);
   if (cuda) comm_stream_.wait(cfg_.compute_stream);
   Tensor src = buffer_->bucket_grads(b);
   comm::ReduceOp op = cfg_.average ? comm::ReduceOp::Avg : comm::ReduceOp::Sum;
@@ -129,6 +133,7 @@ std::function<void(const std::vector<Parameter*>&)> DistributedDataParallel::gra
 
 void DistributedDataParallel::finish_grad_sync() {
   const auto t0 = std::chrono::steady_clock::now();
+  gemm_margin_.release();  // backward is enqueued: no product is left to run beside the reduction
   const size_t nb = buffer_->buckets().size();
   for (size_t b = 0; b < nb; ++b)
     if (!launched_[b]) launch(int(b), false);

@@ -84,6 +84,8 @@ void DistributedOptimizer::start_param_gather() {
   if (dp.size() == 1) return;
   const bool cuda = buf.device().is_cuda();
   if (cuda) ddp_.comm_stream().wait(ddp_.config().compute_stream);
+  if (cuda && overlap_param_gather_ && ddp_.config().gemm_sm_margin > 0 && !gemm_margin_.active())
+    gemm_margin_ = ops::GemmSmMarginRequest(buf.device().index, ddp_.config().gemm_sm_margin);
   for (const Bucket& b : buf.buckets()) {
     Tensor full = buf.bucket_params(b.index);
     Tensor mine = full.narrow(0, ddp_.shard_begin(b.index), ddp_.shard_size(b.index));
@@ -93,13 +95,15 @@ void DistributedOptimizer::start_param_gather() {
 
 void DistributedOptimizer::wait_param_gather(const std::vector<Parameter*>& params) {
   const ParamAndGradBuffer& buf = ddp_.buffer();
+  const Stream& cs = ddp_.config().compute_stream;
   for (const Parameter* p : params) {
     comm::WorkPtr& w = gather_[size_t(buf.location(p).bucket)];
     if (w) {
-      w->wait();
+      w->wait_on(cs);
       w = nullptr;
     }
   }
+  if (gemm_margin_.active() && !param_gather_pending()) gemm_margin_.release();
 }
 
 void DistributedOptimizer::finish_param_gather() {
@@ -108,6 +112,7 @@ void DistributedOptimizer::finish_param_gather() {
       w->wait();
       w = nullptr;
     }
+  gemm_margin_.release();
 }
 
 bool DistributedOptimizer::param_gather_pending() const {

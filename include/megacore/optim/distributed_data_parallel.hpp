@@ -33,6 +33,7 @@
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/stream.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/ops/gemm.hpp"
 #include "megacore/optim/param_and_grad_buffer.hpp"
 
 namespace megacore::optim {
@@ -57,6 +58,12 @@ struct DDPConfig {
   /// greatest, see cudaDeviceGetStreamPriorityRange): a higher one lets the reduction kernels take SMs
   /// as soon as backward kernels free them.
   int comm_stream_priority = 0;
+  /// CUDA: SMs the GEMMs leave free while a reduction may run beside them (ops::GemmSmMarginRequest),
+  /// from the first bucket started during backward until finish_grad_sync — and, with
+  /// DistributedOptimizer's overlap_param_gather, while the parameter all-gathers overlap the next
+  /// forward. Set it to about the CTAs NCCL uses (CommOptions::nccl_max_ctas caps them): cuBLASLt's
+  /// persistent kernels then fit beside the collective instead of waiting for its SMs. 0 = off.
+  int gemm_sm_margin = 0;
   /// Parameter objects aliasing a registered one (e.g. &model.output_layer().weight() when embeddings
   /// are tied), re-pointed along with it.
   std::vector<layers::Parameter*> shared_copies;
@@ -132,6 +139,7 @@ class DistributedDataParallel {
   std::vector<Tensor> staging_;        // per bucket: bf16 copy of the bucket (BF16 reduction)
   std::vector<Tensor> shard_out_;      // per bucket: reduce-scatter output
   std::vector<BucketLaunch> launches_;
+  ops::GemmSmMarginRequest gemm_margin_;  // held while overlapped reductions may run (gemm_sm_margin)
   double last_wait_s_ = 0;
   bool step_open_ = false;
 };

@@ -55,7 +55,10 @@ class DistributedOptimizer {
   /// grad_norm, then, when finite and above max_norm (> 0), scales this rank's owned gradients by clip_coef.
   GradNormResult clip_grad_norm(double max_norm, const GradNormGroups& groups);
 
-  /// Waits for the param all-gathers of the buckets holding these parameters (no-op when none pending).
+  /// Orders the compute stream (DDPConfig::compute_stream) after the param all-gathers of the buckets
+  /// holding these parameters, without blocking the host (no-op when none pending): the host keeps
+  /// enqueuing the forward while the gathers run. A gather that fails or times out is reported by the
+  /// NCCL watchdog, which aborts the communicator, and by the next operation on it (CommError).
   void wait_param_gather(const std::vector<layers::Parameter*>& params);
   /// Waits for every pending param all-gather.
   void finish_param_gather();
@@ -123,6 +126,7 @@ class DistributedOptimizer {
   std::vector<Segment> segments_;
   std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;  // per bucket, shard length
   std::vector<comm::WorkPtr> gather_;                   // per bucket
+  ops::GemmSmMarginRequest gemm_margin_;  // held while overlapped gathers run (DDPConfig::gemm_sm_margin)
   int64_t step_ = 0;
 };
 
