@@ -13,6 +13,9 @@
 #   ckpt         checkpoint save/load vs torch.save on 1 GPU and on every GPU
 #   ddp2         more DDP/ZeRO variants: high-priority communication stream, 32 CTAs, ZeRO with bf16 reduction
 #   ddp3         ZeRO with the param all-gather overlapped with forward; 4-micro-batch gradient accumulation
+#   ddp4         GEMMs planned for fewer SMs beside the overlapped collective (--gemm-sm-margin) and NCCL's
+#                CTA policies, for DDP and for ZeRO with the param all-gather overlapped; the ZeRO
+#                overlap-param-gather parity test on GPUs
 #   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
 #                launch-shape variants included)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
@@ -167,6 +170,20 @@ if has ddp3; then
   step peer_ddp_ga4 150 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
     --grad-accum 4 --out $OUT/json/ddp_torch_peer_${ngpu}gpu_ga4.json
   grep -iE "scaling|error" $OUT/peer_ddp_ga4.log | head -3
+fi
+
+if has ddp4; then
+  has tests || { step gpu_gemm 60 $B/tests/megacore_tests "[gemm]"; tail -1 $OUT/gpu_gemm.log
+                 step pytest_pg 200 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k overlap_param_gather
+                 grep -E "passed|failed|Error|assert" $OUT/pytest_pg.log | tail -6; }
+  for v in "--max-ctas 0,16 --gemm-sm-margin 0,16,32" "--cta-policy 1 --gemm-sm-margin 0,16" \
+           "--zero --overlap-param-gather --max-ctas 0,16 --gemm-sm-margin 0,16,32" \
+           "--zero --overlap-param-gather --cta-policy 1 --gemm-sm-margin 0,16"; do
+    tag=$(echo "$v" | sed 's/--zero --overlap-param-gather/zero_pg/; s/--max-ctas 0,16 //; s/--cta-policy 1 /eff_/; s/--gemm-sm-margin //; s/[ ,]/_/g')
+    step bench_ddp4_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
+      --out $OUT/json/ddp_${ngpu}gpu_smmargin_$tag.json
+    grep -iE "^ddp max_ctas|error" $OUT/bench_ddp4_$tag.log | head -8
+  done
 fi
 
 if has ddp2; then

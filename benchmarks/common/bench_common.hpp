@@ -28,14 +28,16 @@ inline megacore::model::TransformerConfig llama_1b() {
 }
 
 /// An NCCL communicator over all ranks of `mpi` on `dev` (collective over `mpi`); max_ctas > 0 caps
-/// NCCL's CTAs (CommOptions::nccl_max_ctas).
+/// NCCL's CTAs (CommOptions::nccl_max_ctas), cta_policy is CommOptions::nccl_cta_policy.
 inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::Communicator& mpi,
                                                                megacore::Device dev, const std::string& name,
-                                                               std::chrono::seconds timeout, int max_ctas = 0) {
+                                                               std::chrono::seconds timeout, int max_ctas = 0,
+                                                               int cta_policy = 0) {
   megacore::comm::CommOptions o;
   o.name = name;
   o.timeout = timeout;
   o.nccl_max_ctas = max_ctas;
+  o.nccl_cta_policy = cta_policy;
   return megacore::comm::make_nccl_communicator_over(mpi, dev, o);
 }
 

@@ -4,6 +4,7 @@
 //   mpirun -np 1 build/benchmarks/megacore_bench_training --out one.json            # one GPU only
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 0,8,16          # DP comm CTA limits
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --overlap-param-gather --grad-accum 4
+//   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 16 --gemm-sm-margin 0,16 --cta-policy 0,1
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -21,7 +22,10 @@
 //      counted.
 // --max-ctas runs phases 2-3 once per value, each with a DP communicator whose NCCL CTAs are capped
 // (CommOptions::nccl_max_ctas; 0 = NCCL's choice): fewer CTAs leave more SMs to the backward GEMMs
-// that the reduction overlaps with. The first value's run is "ddp", every run is in "ddp_variants".
+// that the reduction overlaps with. --cta-policy (CommOptions::nccl_cta_policy: 0 default, 1 efficiency,
+// 2 zero) and --gemm-sm-margin (DDPConfig::gemm_sm_margin: SMs the GEMMs leave to the overlapped
+// collective) take lists too; phases 2-3 run once per combination of the three lists. The first
+// combination's run is "ddp", every run is in "ddp_variants".
 // Tokens per step per GPU = micro_batch · seq · grad_accum. FLOPs per token = 6·N_matmul + 12·L·h·s
 // (model::flops_per_token, non-causal attention count).
 #include <mpi.h>
@@ -60,7 +64,7 @@ struct Args {
   bool overlap_param_gather = false;  // ZeRO: all-gathers left running after the step, waited per layer in forward
   int comm_priority = 0;  // DDPConfig::comm_stream_priority
   double peak_tflops = 989.0;
-  std::vector<int> max_ctas{0};
+  std::vector<int> max_ctas{0}, cta_policy{0}, gemm_sm_margin{0};
   std::string out;
 };
 
@@ -89,6 +93,18 @@ Args parse(int argc, char** argv) {
         if (c < 0) throw std::runtime_error("--max-ctas takes CTA counts >= 0 (0 = NCCL's choice)");
         a.max_ctas.push_back(int(c));
       }
+    } else if (k == "--cta-policy") {
+      a.cta_policy.clear();
+      for (int64_t c : r.list()) {
+        if (c < 0 || c > 2) throw std::runtime_error("--cta-policy takes 0 (default), 1 (efficiency) or 2 (zero)");
+        a.cta_policy.push_back(int(c));
+      }
+    } else if (k == "--gemm-sm-margin") {
+      a.gemm_sm_margin.clear();
+      for (int64_t c : r.list()) {
+        if (c < 0) throw std::runtime_error("--gemm-sm-margin takes SM counts >= 0 (0 = off)");
+        a.gemm_sm_margin.push_back(int(c));
+      }
     } else if (k == "--out") a.out = r.text();
     else r.unknown();
   }
@@ -108,8 +124,9 @@ struct Trainer {
   Tensor tokens, labels;
   double loss = 0;
 
-  static op::DDPConfig ddp_config(const Args& a, const Stream& s) {
+  static op::DDPConfig ddp_config(const Args& a, const Stream& s, int sm_margin) {
     op::DDPConfig c;
+    c.gemm_sm_margin = sm_margin;
     c.bucket_size = a.bucket_size;
     c.use_distributed_optimizer = a.zero;
     c.reduce_dtype = a.bf16_reduce ? DType::BF16 : DType::F32;
@@ -120,8 +137,8 @@ struct Trainer {
   }
 
   Trainer(const mdl::TransformerConfig& cfg, comm::Communicator& tp, comm::Communicator& dp, Device dev,
-          const Args& a, const Stream& s)
-      : model(cfg, tp, mdl::GPTModelOptions{.device = dev}), ddp(model.parameters(), dp, ddp_config(a, s)) {
+          const Args& a, const Stream& s, int sm_margin = 0)
+      : model(cfg, tp, mdl::GPTModelOptions{.device = dev}), ddp(model.parameters(), dp, ddp_config(a, s, sm_margin)) {
     ctx.stream = s;
     if (a.zero) {
       dopt = std::make_unique<op::DistributedOptimizer>(ddp, op::AdamWConfig{}, a.overlap_param_gather);
@@ -241,9 +258,17 @@ int main(int argc, char** argv) {
                           {"peak_allocated_gib", single_peak_gib}}}};
 
     // 2. and 3. DDP over all ranks.
-    for (size_t variant = 0; variant < a.max_ctas.size() && !a.single && mpi->size() > 1; ++variant) {
-      auto dp = bench::nccl_over(*mpi, dev, "dp", std::chrono::seconds(600), a.max_ctas[variant]);
-      Trainer t(cfg, *self, *dp, dev, a, s);
+    struct Variant {
+      int max_ctas, cta_policy, sm_margin;
+    };
+    std::vector<Variant> variants;
+    for (int c : a.max_ctas)
+      for (int p : a.cta_policy)
+        for (int m : a.gemm_sm_margin) variants.push_back({c, p, m});
+    for (size_t variant = 0; variant < variants.size() && !a.single && mpi->size() > 1; ++variant) {
+      const Variant& v = variants[variant];
+      auto dp = bench::nccl_over(*mpi, dev, "dp", std::chrono::seconds(600), v.max_ctas, v.cta_policy);
+      Trainer t(cfg, *self, *dp, dev, a, s, v.sm_margin);
       al.reset_peak_stats();
       const double sec = time_steps(t, a, *mpi);
       const double tps_gpu = tokens_per_step / sec;
@@ -272,7 +297,9 @@ int main(int argc, char** argv) {
       const double exposed = br["overlap"]["finish_grad_sync_after_backward_ms"].get<double>();
       const double whole = br["no_overlap"]["finish_grad_sync_after_backward_ms"].get<double>();
       json d = {{"gpus", mpi->size()},
-                  {"nccl_max_ctas", a.max_ctas[variant]},
+                  {"nccl_max_ctas", v.max_ctas},
+                  {"nccl_cta_policy", v.cta_policy},
+                  {"gemm_sm_margin", v.sm_margin},
                   {"ms_per_step", sec * 1e3},
                   {"tokens_per_s", tps_gpu * mpi->size()},
                   {"tokens_per_s_per_gpu", tps_gpu},
@@ -287,8 +314,9 @@ int main(int argc, char** argv) {
       if (variant == 0) r["ddp"] = d;
       r["ddp_variants"].push_back(d);
       if (root)
-        std::printf("ddp max_ctas %d: %.1f ms/step, scaling %.4f, fwd+bwd overlap %.1f / no overlap %.1f ms, exposed %.2f ms\n",
-                    a.max_ctas[variant], sec * 1e3, tps_gpu / single_tps,
+        std::printf("ddp max_ctas %d cta_policy %d sm_margin %d: %.1f ms/step, scaling %.4f, fwd+bwd overlap %.1f / "
+                    "no overlap %.1f ms, exposed %.2f ms\n",
+                    v.max_ctas, v.cta_policy, v.sm_margin, sec * 1e3, tps_gpu / single_tps,
                     br["overlap"]["forward_backward_ms"].get<double>(),
                     br["no_overlap"]["forward_backward_ms"].get<double>(), exposed);
     }
