@@ -1,24 +1,34 @@
-// RoPE kernel. A thread owns VP rotary pairs of one token and walks every head of that token, so
-// each sin/cos is computed once per (token, frequency) rather than once per head. Rotate-half pairs
-// are read as two 16-byte vectors (x[i..], x[i + rot/2 ..]); interleaved pairs as one vector.
+// RoPE kernel. A thread owns VP rotary pairs of one token and walks a chunk of that token's heads
+// (RopeTuning::head_chunk), so each sin/cos is computed once per (token, frequency, head chunk) rather
+// than once per head; chunks give the grid several waves of short-lived threads instead of one wave of
+// long ones. The loads of U heads are issued before any of them is used: the compiler cannot hoist them
+// itself, since y may alias x (in-place RoPE; every element is read and written by one thread only).
+// Rotate-half pairs are read as two vectors (x[i..], x[i + rot/2 ..]); interleaved pairs as one vector
+// (VP > 1) or as two elements (VP = 1, any head_dim).
 #include "ops/cuda/memops_common.cuh"
 #include "ops/cuda/rope_cuda.hpp"
 
 namespace megacore::ops::cuda {
 namespace {
 
-template <class T, int VP, bool IL>
-__global__ void rope_kernel(RopeArgs a, int groups) {
+template <class T, int VP, bool IL, int U>
+__global__ void rope_kernel(RopeArgs a, int groups, int64_t head_chunk) {
   const int tpb = blockDim.x / groups;
   const int tg = threadIdx.x / groups, gi = threadIdx.x % groups;
   const int64_t token = int64_t(blockIdx.x) * tpb + tg;
   if (tg >= tpb || token >= a.tokens) return;
+  const int64_t h_begin = int64_t(blockIdx.y) * head_chunk;
+  const int64_t h_end = h_begin + head_chunk < a.heads ? h_begin + head_chunk : a.heads;
   const int64_t pos = a.positions_i64 ? static_cast<const int64_t*>(a.positions)[token]
                                       : int64_t(static_cast<const int32_t*>(a.positions)[token]);
   const int64_t half = a.rotary_dim / 2, d = a.head_dim;
   const T* x = static_cast<const T*>(a.x) + token * a.heads * d;
   T* y = static_cast<T*>(a.y) + token * a.heads * d;
   const float fpos = float(pos);
+  // Interleaved pairs in one vector, or the two halves of VP pairs in two vectors.
+  constexpr bool kOneVec = IL && VP > 1;
+  using Half = Vec<T, VP>;
+  using Both = Vec<T, 2 * VP>;
   for (int64_t i0 = int64_t(gi) * VP; i0 < half; i0 += int64_t(groups) * VP) {
     float c[VP], s[VP];
 #pragma unroll
@@ -27,55 +37,82 @@ __global__ void rope_kernel(RopeArgs a, int groups) {
       sincosf(ang, &s[p], &c[p]);
       if (a.backward) s[p] = -s[p];
     }
-#pragma unroll 4
-    for (int64_t h = 0; h < a.heads; ++h) {
-      const T* xh = x + h * d;
-      T* yh = y + h * d;
-      if constexpr (!IL) {
-        float x1[VP], x2[VP], y1[VP], y2[VP];
-        load_f32<T, VP>(xh + i0, x1);
-        load_f32<T, VP>(xh + half + i0, x2);
+    // Offsets of the first and second element of pair group i0 within a head.
+    const int64_t oa = IL ? 2 * i0 : i0, ob = IL ? 2 * i0 + 1 : half + i0;
+    for (int64_t h = h_begin; h < h_end; h += U) {
+      if constexpr (kOneVec) {
+        Both v[U];
 #pragma unroll
-        for (int p = 0; p < VP; ++p) {
-          y1[p] = x1[p] * c[p] - x2[p] * s[p];
-          y2[p] = x2[p] * c[p] + x1[p] * s[p];
+        for (int u = 0; u < U; ++u)
+          if (h + u < h_end) v[u] = *reinterpret_cast<const Both*>(x + (h + u) * d + oa);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (h + u < h_end) {
+            Both o;
+#pragma unroll
+            for (int p = 0; p < VP; ++p) {
+              const float x0 = to_f32(v[u].v[2 * p]), x1 = to_f32(v[u].v[2 * p + 1]);
+              o.v[2 * p] = from_f32<T>(x0 * c[p] - x1 * s[p]);
+              o.v[2 * p + 1] = from_f32<T>(x1 * c[p] + x0 * s[p]);
+            }
+            *reinterpret_cast<Both*>(y + (h + u) * d + oa) = o;
+          }
         }
-        store_f32<T, VP>(yh + i0, y1);
-        store_f32<T, VP>(yh + half + i0, y2);
-      } else if constexpr (VP == 1) {  // element accesses: an odd head_dim leaves pairs unaligned
-        const float x0 = to_f32(xh[2 * i0]), x1 = to_f32(xh[2 * i0 + 1]);
-        yh[2 * i0] = from_f32<T>(x0 * c[0] - x1 * s[0]);
-        yh[2 * i0 + 1] = from_f32<T>(x1 * c[0] + x0 * s[0]);
       } else {
-        float xv[2 * VP], yv[2 * VP];
-        load_f32<T, 2 * VP>(xh + 2 * i0, xv);
+        Half va[U], vb[U];
 #pragma unroll
-        for (int p = 0; p < VP; ++p) {
-          yv[2 * p] = xv[2 * p] * c[p] - xv[2 * p + 1] * s[p];
-          yv[2 * p + 1] = xv[2 * p + 1] * c[p] + xv[2 * p] * s[p];
+        for (int u = 0; u < U; ++u) {
+          if (h + u < h_end) {
+            va[u] = *reinterpret_cast<const Half*>(x + (h + u) * d + oa);
+            vb[u] = *reinterpret_cast<const Half*>(x + (h + u) * d + ob);
+          }
         }
-        store_f32<T, 2 * VP>(yh + 2 * i0, yv);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (h + u < h_end) {
+            Half oa_v, ob_v;
+#pragma unroll
+            for (int p = 0; p < VP; ++p) {
+              const float x1 = to_f32(va[u].v[p]), x2 = to_f32(vb[u].v[p]);
+              oa_v.v[p] = from_f32<T>(x1 * c[p] - x2 * s[p]);
+              ob_v.v[p] = from_f32<T>(x2 * c[p] + x1 * s[p]);
+            }
+            *reinterpret_cast<Half*>(y + (h + u) * d + oa) = oa_v;
+            *reinterpret_cast<Half*>(y + (h + u) * d + ob) = ob_v;
+          }
+        }
       }
     }
   }
   if (a.rotary_dim < d && a.x != a.y) {
-    for (int64_t h = 0; h < a.heads; ++h)
+    for (int64_t h = h_begin; h < h_end; ++h)
       for (int64_t j = a.rotary_dim + gi; j < d; j += groups) y[h * d + j] = x[h * d + j];
   }
 }
 
-template <class T, int VP, bool IL>
+template <class T, int VP, bool IL, int U>
 void launch(const RopeArgs& a, cudaStream_t s) {
+  const RopeTuning& tu = a.tuning;
   const int64_t half = a.rotary_dim / 2;
   int64_t groups = (half + VP - 1) / VP;
   if (groups > 256) groups = 256;
   if (groups < 1) groups = 1;
-  // 128-thread blocks: at 16k tokens this still gives each SM several blocks to overlap.
-  const int tpb = int(128 / groups) < 1 ? 1 : int(128 / groups);
+  int block = tu.threads < 32 ? 32 : tu.threads > 1024 ? 1024 : tu.threads;
+  const int tpb = int(block / groups) < 1 ? 1 : int(block / groups);
   const int threads = tpb * int(groups);
   const int64_t blocks = (a.tokens + tpb - 1) / tpb;
-  rope_kernel<T, VP, IL><<<unsigned(blocks), threads, 0, s>>>(a, int(groups));
+  int64_t chunk = tu.head_chunk > 0 && tu.head_chunk < a.heads ? tu.head_chunk : a.heads;
+  if ((a.heads + chunk - 1) / chunk > 65535) chunk = (a.heads + 65534) / 65535;
+  const dim3 grid(unsigned(blocks), unsigned((a.heads + chunk - 1) / chunk));
+  rope_kernel<T, VP, IL, U><<<grid, threads, 0, s>>>(a, int(groups), chunk);
   MC_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int VP, bool IL>
+void launch_u(const RopeArgs& a, cudaStream_t s) {
+  if (a.tuning.unroll >= 4) launch<T, VP, IL, 4>(a, s);
+  else if (a.tuning.unroll >= 2) launch<T, VP, IL, 2>(a, s);
+  else launch<T, VP, IL, 1>(a, s);
 }
 
 }  // namespace
@@ -89,11 +126,11 @@ void rope(DType dt, const RopeArgs& a, int device, void* stream) {
     constexpr int V = kVec16<T>;
     const bool aligned = aligned16(a.x) && aligned16(a.y) && a.head_dim % V == 0;
     if (!a.interleaved) {
-      if (aligned && (a.rotary_dim / 2) % V == 0) launch<T, V, false>(a, s);
-      else launch<T, 1, false>(a, s);
+      if (aligned && (a.rotary_dim / 2) % V == 0) launch_u<T, V, false>(a, s);
+      else launch_u<T, 1, false>(a, s);
     } else {
-      if (aligned && a.rotary_dim % V == 0) launch<T, V / 2, true>(a, s);
-      else launch<T, 1, true>(a, s);
+      if (aligned && a.rotary_dim % V == 0) launch_u<T, V / 2, true>(a, s);
+      else launch_u<T, 1, true>(a, s);
     }
   });
 }

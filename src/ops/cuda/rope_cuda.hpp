@@ -7,6 +7,17 @@
 
 namespace megacore::ops::cuda {
 
+/// Launch shape of the RoPE kernel. Internal, not user API: the library runs the defaults;
+/// benchmarks/kernels/bench_rope_act.cpp times alternatives so that the defaults can be chosen from one
+/// benchmark run. Values the kernel cannot honour are rounded to ones it can.
+struct RopeTuning {
+  int threads = 128;    ///< per block (a block holds whole tokens: at least the threads of one token)
+  int head_chunk = 8;   ///< heads a thread walks with one sin/cos evaluation; 0: all heads of the token
+                        ///< (the first kernel's shape: one wave of long-lived threads)
+  int unroll = 2;       ///< heads whose loads are issued before any is used: 1, 2 or 4 (4: 117 registers
+                        ///< for bf16 on sm_90, a third of the threads per SM)
+};
+
 struct RopeArgs {
   const void* x = nullptr;
   void* y = nullptr;
@@ -16,6 +27,7 @@ struct RopeArgs {
   int64_t tokens = 0, heads = 0, head_dim = 0, rotary_dim = 0;
   bool interleaved = false;
   bool backward = false;  // rotate by the negative angle
+  RopeTuning tuning{};
 };
 void rope(DType dt, const RopeArgs& a, int device, void* stream);
 
