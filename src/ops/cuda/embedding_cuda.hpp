@@ -8,12 +8,21 @@
 
 namespace megacore::ops::cuda {
 
+/// Launch shape of the embedding backward's segment sums. Internal, not user API: the library runs the
+/// defaults; benchmarks/kernels/bench_optimizer.cpp times alternatives so that the defaults can be chosen
+/// from one benchmark run. The result does not depend on it (same order of additions).
+struct EmbeddingTuning {
+  bool vector = true;  ///< 16-byte accesses (false: the first, element-wise kernel, one block per run)
+  int threads = 128;   ///< per block; a block covers threads x unroll x (16 / sizeof(dout)) columns
+  int unroll = 2;      ///< 16-byte vectors per thread and gradient row: 1, 2 or 4
+};
+
 /// vocab_start < 0: full table (out-of-range ids give NaN rows); else a shard (zero rows).
 void embedding_forward(DType dt, const void* weight, const void* ids, bool ids_i64, void* out, int64_t n, int64_t v,
                        int64_t h, int64_t vocab_start, int device, void* stream);
 size_t embedding_backward_workspace_bytes(int64_t n, int64_t v, int device);
 void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, bool ids_i64, void* dweight, int64_t n,
                         int64_t v, int64_t h, int64_t vocab_start, bool accumulate, void* workspace,
-                        size_t workspace_bytes, int device, void* stream);
+                        size_t workspace_bytes, int device, void* stream, const EmbeddingTuning& tuning = {});
 
 }  // namespace megacore::ops::cuda
