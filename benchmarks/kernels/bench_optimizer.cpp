@@ -5,6 +5,9 @@
 #include "megacore/ops/dropout.hpp"
 #include "megacore/ops/embedding.hpp"
 #include "megacore/ops/optimizer.hpp"
+#include "ops/cuda/dropout_cuda.hpp"
+#include "ops/cuda/embedding_cuda.hpp"
+#include "ops/dropout_math.hpp"
 
 using namespace megacore;
 
@@ -40,6 +43,48 @@ MC_BENCHMARK("optimizer", 60) {
   mcbench::record_bw(ctx, "cast_f32_bf16", shape, "f32->bf16", ms, double(total) * 6);
 }
 
+namespace {
+
+using EmbeddingTuning = ops::cuda::EmbeddingTuning;
+using DropoutTuning = ops::cuda::DropoutTuning;
+
+// Alternatives to the default segment sums (16-byte accesses, 128 threads, 2 vectors per thread).
+std::vector<mcbench::Variant<EmbeddingTuning>> embedding_variants() {
+  return {
+      {"scalar", EmbeddingTuning{.vector = false}},  // the first kernel: element accesses
+      {"t128_u1", EmbeddingTuning{.threads = 128, .unroll = 1}},
+      {"t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4}},
+      {"t256_u2", EmbeddingTuning{.threads = 256, .unroll = 2}},
+      {"t64_u4", EmbeddingTuning{.threads = 64, .unroll = 4}},
+      {"t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1}},
+  };
+}
+std::string describe(const EmbeddingTuning& t) {
+  return "vector=" + std::to_string(int(t.vector)) + " threads=" + std::to_string(t.threads) +
+         " unroll=" + std::to_string(t.unroll);
+}
+
+// Alternatives to the default dropout (8 elements per step, 2 steps of loads in flight, 256 threads,
+// one resident wave of blocks).
+std::vector<mcbench::Variant<DropoutTuning>> dropout_variants() {
+  return {
+      // the first kernel's shape: 4 elements (8-byte bf16 accesses), 16 blocks of 256 per SM
+      {"e4_u1_g16", DropoutTuning{.elems = 4, .unroll = 1, .threads = 256, .blocks_per_sm = 16}},
+      {"e4_u2", DropoutTuning{.elems = 4, .unroll = 2}},
+      {"e8_u1", DropoutTuning{.elems = 8, .unroll = 1}},
+      {"e8_u4", DropoutTuning{.elems = 8, .unroll = 4}},
+      {"e8_u2_t512", DropoutTuning{.elems = 8, .unroll = 2, .threads = 512}},
+      {"e8_u2_t128", DropoutTuning{.elems = 8, .unroll = 2, .threads = 128}},
+      {"e8_u2_g16", DropoutTuning{.elems = 8, .unroll = 2, .threads = 256, .blocks_per_sm = 16}},
+  };
+}
+std::string describe(const DropoutTuning& t) {
+  return "elems=" + std::to_string(t.elems) + " unroll=" + std::to_string(t.unroll) +
+         " threads=" + std::to_string(t.threads) + " blocks_per_sm=" + std::to_string(t.blocks_per_sm);
+}
+
+}  // namespace
+
 MC_BENCHMARK("embedding_dropout", 70) {
   const Device d = Device::cuda(0);
   const int64_t n = 16384, vocab = 128256, h = 4096;
@@ -53,15 +98,49 @@ MC_BENCHMARK("embedding_dropout", 70) {
     double ms = mcbench::time_ms([&] { ops::embedding_forward(w, gid, out); }, 3, smp);
     mcbench::record_bw(ctx, "embedding_fwd", shape, "bf16", ms, 2.0 * double(n) * double(h) * 2);
     Tensor dw = Tensor::empty({vocab, h}, DType::F32, d);
+    const std::string def = ctx.variants ? "default" : "";
     ms = mcbench::time_ms([&] { ops::embedding_backward(out, gid, dw, true); }, 2, ctx.quick ? 3 : 10);
     // gradient rows read, touched f32 rows read and written
-    mcbench::record_bw(ctx, "embedding_bwd", shape, "bf16->f32", ms, double(n) * double(h) * (2 + 8));
+    const double ebytes = double(n) * double(h) * (2 + 8);
+    mcbench::record_bw(ctx, "embedding_bwd", shape, "bf16->f32", ms, ebytes, def,
+                       ctx.variants ? describe(EmbeddingTuning{}) : "");
+    if (ctx.variants) {
+      // The call embedding_backward makes (sort included), with the variant's tuning.
+      const size_t ws_bytes = ops::cuda::embedding_backward_workspace_bytes(n, vocab, 0);
+      Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, d);
+      for (const auto& v : embedding_variants()) {
+        ms = mcbench::time_ms(
+            [&] {
+              ops::cuda::embedding_backward(DType::BF16, DType::F32, out.data_ptr(), gid.data_ptr(), false,
+                                            dw.data_ptr(), n, vocab, h, -1, true, ws.data_ptr(), ws_bytes, 0, nullptr,
+                                            v.t);
+            },
+            2, ctx.quick ? 3 : 10);
+        mcbench::record_bw(ctx, "embedding_bwd", shape, "bf16->f32", ms, ebytes, v.name, describe(v.t));
+      }
+    }
   }
   {
     const int64_t f = 8192;
     Tensor x = mcbench::dev_randn({n, f}, DType::BF16, 21), y = Tensor::empty({n, f}, DType::BF16, d);
     const std::string shape = std::to_string(n) + "x" + std::to_string(f);
+    const double dbytes = 2.0 * double(n) * double(f) * 2;
     double ms = mcbench::time_ms([&] { ops::dropout_forward(x, y, 0.1f, 1234, 0); }, 3, smp);
-    mcbench::record_bw(ctx, "dropout_fwd", shape, "bf16", ms, 2.0 * double(n) * double(f) * 2);
+    mcbench::record_bw(ctx, "dropout_fwd", shape, "bf16", ms, dbytes, ctx.variants ? "default" : "",
+                       ctx.variants ? describe(DropoutTuning{}) : "");
+    if (ctx.variants) {
+      // The call dropout_forward makes (p = 0.1), with the variant's tuning.
+      const uint32_t thr = ops::dropmath::threshold(0.1f);
+      const float scale = 1.f / (1.f - 0.1f);
+      for (const auto& v : dropout_variants()) {
+        ms = mcbench::time_ms(
+            [&] {
+              ops::cuda::dropout(DType::BF16, x.data_ptr(), y.data_ptr(), nullptr, n * f, thr, scale, 1234, 0, 0,
+                                 nullptr, v.t);
+            },
+            3, smp);
+        mcbench::record_bw(ctx, "dropout_fwd", shape, "bf16", ms, dbytes, v.name, describe(v.t));
+      }
+    }
   }
 }

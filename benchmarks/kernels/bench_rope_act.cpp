@@ -2,8 +2,37 @@
 #include "kernels/bench_memops_util.hpp"
 #include "megacore/ops/activation.hpp"
 #include "megacore/ops/rope.hpp"
+#include "ops/cuda/rope_cuda.hpp"
 
 using namespace megacore;
+
+namespace {
+
+using RopeTuning = ops::cuda::RopeTuning;
+
+// Alternatives to the default (128-thread blocks, 8 heads per thread, loads of 2 heads issued together).
+std::vector<mcbench::Variant<RopeTuning>> rope_variants() {
+  return {
+      // the first kernel's shape: a thread walks all heads of its token, one head's loads at a time
+      {"all_heads_u1", RopeTuning{.threads = 128, .head_chunk = 0, .unroll = 1}},
+      {"all_heads_u2", RopeTuning{.threads = 128, .head_chunk = 0, .unroll = 2}},
+      {"all_heads_u4", RopeTuning{.threads = 128, .head_chunk = 0, .unroll = 4}},
+      {"c8_u1", RopeTuning{.threads = 128, .head_chunk = 8, .unroll = 1}},
+      {"c8_u4", RopeTuning{.threads = 128, .head_chunk = 8, .unroll = 4}},
+      {"c4_u2", RopeTuning{.threads = 128, .head_chunk = 4, .unroll = 2}},
+      {"c4_u4", RopeTuning{.threads = 128, .head_chunk = 4, .unroll = 4}},
+      {"c16_u2", RopeTuning{.threads = 128, .head_chunk = 16, .unroll = 2}},
+      {"c8_u2_t256", RopeTuning{.threads = 256, .head_chunk = 8, .unroll = 2}},
+      {"c8_u2_t64", RopeTuning{.threads = 64, .head_chunk = 8, .unroll = 2}},
+  };
+}
+
+std::string describe(const RopeTuning& t) {
+  return "threads=" + std::to_string(t.threads) + " head_chunk=" + std::to_string(t.head_chunk) +
+         " unroll=" + std::to_string(t.unroll);
+}
+
+}  // namespace
 
 MC_BENCHMARK("rope", 30) {
   const Device d = Device::cuda(0);
@@ -20,10 +49,29 @@ MC_BENCHMARK("rope", 30) {
   Tensor inv = ops::rope_inv_freq(cfg, d);
   const double bytes = 2.0 * double(t * heads * hd) * 2;
   const int smp = mcbench::bench_samples(ctx);
+  const std::string def = ctx.variants ? "default" : "";
+  const std::string def_t = ctx.variants ? describe(RopeTuning{}) : "";
   double ms = mcbench::time_ms([&] { ops::rope_forward(x, pos, inv, y, false); }, 3, smp);
-  mcbench::record_bw(ctx, "rope_fwd", shape, "bf16", ms, bytes);
+  mcbench::record_bw(ctx, "rope_fwd", shape, "bf16", ms, bytes, def, def_t);
   ms = mcbench::time_ms([&] { ops::rope_backward(x, pos, inv, y, false); }, 3, smp);
-  mcbench::record_bw(ctx, "rope_bwd", shape, "bf16", ms, bytes);
+  mcbench::record_bw(ctx, "rope_bwd", shape, "bf16", ms, bytes, def, def_t);
+  if (!ctx.variants) return;
+  // The call rope_forward makes, with the variant's tuning (default stream, device 0).
+  for (const auto& v : rope_variants()) {
+    ops::cuda::RopeArgs a;
+    a.x = x.data_ptr();
+    a.y = y.data_ptr();
+    a.positions = pos.data_ptr();
+    a.positions_i64 = false;
+    a.inv_freq = inv.data<float>();
+    a.tokens = t;
+    a.heads = heads;
+    a.head_dim = hd;
+    a.rotary_dim = hd;
+    a.tuning = v.t;
+    ms = mcbench::time_ms([&] { ops::cuda::rope(DType::BF16, a, 0, nullptr); }, 3, smp);
+    mcbench::record_bw(ctx, "rope_fwd", shape, "bf16", ms, bytes, v.name, describe(v.t));
+  }
 }
 
 MC_BENCHMARK("activation", 40) {
