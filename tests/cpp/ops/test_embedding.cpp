@@ -1,6 +1,10 @@
 #include "megacore/ops/embedding.hpp"
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/embedding_cuda.hpp"
+#endif
 
 using namespace megacore;
 using namespace mctest;
@@ -65,3 +69,41 @@ TEST_CASE("embedding CUDA kernels match the CPU reference and are deterministic"
     }
   }
 }
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("embedding backward launch shapes all match the CPU reference", "[ops][embedding][gpu]") {
+  MC_REQUIRE_GPU();
+  const ops::cuda::EmbeddingTuning shapes[] = {{},
+                                               {.vector = false},
+                                               {.threads = 32, .unroll = 1},
+                                               {.threads = 64, .unroll = 4},
+                                               {.threads = 256, .unroll = 2}};
+  struct Case { int64_t n, v, h; };
+  for (Case c : {Case{1000, 50, 64}, Case{999, 37, 1000}, Case{300, 2000, 2056}, Case{100, 20, 37}}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (bool acc : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        Tensor ids = random_ids(c.n, 0, c.v, seed, DType::I32);
+        Tensor g = randn({c.n, c.h}, dt, seed + 2), dw_init = randn({c.v, c.h}, DType::F32, seed + 3);
+        Tensor dw = dw_init.clone();
+        ops::embedding_backward(g, ids, dw, acc);
+        Device d = gpu();
+        Stream s = Stream::create(d);
+        Tensor gg = g.to(d), gids = ids.to(d);
+        const size_t ws_bytes = ops::cuda::embedding_backward_workspace_bytes(c.n, c.v, d.index);
+        Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, d);
+        for (const auto& t : shapes) {
+          INFO("n " << c.n << " v " << c.v << " h " << c.h << " " << dtype_name(dt) << " accumulate " << acc
+                    << " seed " << seed << " vector " << t.vector << " threads " << t.threads << " unroll "
+                    << t.unroll);
+          Tensor gdw = acc ? dw_init.to(d) : poisoned({c.v, c.h}, DType::F32, d);
+          ops::cuda::embedding_backward(dt, DType::F32, gg.data_ptr(), gids.data_ptr(), false, gdw.data_ptr(), c.n, c.v,
+                                        c.h, -1, acc, ws.data_ptr(), ws_bytes, d.index, s.native(), t);
+          s.synchronize();
+          CHECK(rel_err_t(gdw, dw) < 1e-6);
+        }
+      }
+    }
+  }
+}
+#endif

@@ -1,6 +1,10 @@
 #include "megacore/ops/norm.hpp"
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/norm_cuda.hpp"
+#endif
 
 using namespace megacore;
 using namespace mctest;
@@ -181,3 +185,67 @@ TEST_CASE("norm weight gradients are bit-identical from run to run", "[ops][norm
   ops::rmsnorm_backward(dy, x, w, rstd, dx, dw2);
   REQUIRE(dw1.to_double_vector() == dw2.to_double_vector());
 }
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
+  MC_REQUIRE_GPU();
+  using NT = ops::cuda::NormTuning;
+  const NT shapes[] = {NT{},
+                       NT{.bwd_vecs = 0, .min_block = 512},
+                       NT{.bwd_vecs = 2, .min_block = 512},
+                       NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0},
+                       NT{.bwd_vecs = 0, .min_block = 512, .bwd_merge = false},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true}};
+  struct Case { int64_t rows, h; };
+  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (bool layer : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        const Shape sh{c.rows, c.h};
+        Tensor x = randn(sh, dt, seed, 0.3, 1.0), w = randn({c.h}, dt, seed + 2, 1.0, 0.2);
+        Tensor b = randn({c.h}, dt, seed + 3, 0.0, 0.5), dy = randn(sh, dt, seed + 4);
+        Tensor dw_init = randn({c.h}, DType::F32, seed + 6), db_init = randn({c.h}, DType::F32, seed + 7);
+        Tensor y = Tensor::empty(sh, dt), mean = Tensor::empty({c.rows}), rstd = Tensor::empty({c.rows});
+        Tensor dx = Tensor::empty(sh, dt), dw = dw_init.clone(), db = db_init.clone();
+        if (layer) {
+          ops::layernorm_forward(x, w, b, y, mean, rstd, 1e-5f);
+          ops::layernorm_backward(dy, x, w, mean, rstd, dx, dw, db, {}, true);
+        } else {
+          ops::rmsnorm_forward(x, w, y, rstd, 1e-5f);
+          ops::rmsnorm_backward(dy, x, w, rstd, dx, dw, {}, true);
+        }
+        Device g = gpu();
+        Stream s = Stream::create(g);
+        Tensor gx = x.to(g), gw = w.to(g), gdy = dy.to(g), gmean = mean.to(g), grstd = rstd.to(g);
+        for (const auto& t : shapes) {
+          INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
+                       << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block << " merge " << t.bwd_merge
+                       << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm);
+          Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
+          ops::cuda::NormBackwardArgs a;
+          a.layer = layer;
+          a.dy = gdy.data_ptr();
+          a.x = gx.data_ptr();
+          a.w = gw.data_ptr();
+          a.mean = layer ? gmean.data<float>() : nullptr;
+          a.rstd = grstd.data<float>();
+          a.dx = gdx.data_ptr();
+          a.dw = gdw.data_ptr();
+          a.db = layer ? gdb.data_ptr() : nullptr;
+          a.accumulate = true;
+          a.rows = c.rows;
+          a.h = c.h;
+          a.tuning = t;
+          const size_t ws_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
+          Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, g);
+          ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+          s.synchronize();
+          CHECK(rel_err_t(gdx, dx) < tol_for(dt));
+          CHECK(rel_err_t(gdw, dw) < 1e-4);
+          if (layer) CHECK(rel_err_t(gdb, db) < 1e-4);
+        }
+      }
+    }
+  }
+}
+#endif

@@ -3,6 +3,10 @@
 #include <numbers>
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/rope_cuda.hpp"
+#endif
 
 using namespace megacore;
 using namespace mctest;
@@ -111,3 +115,57 @@ TEST_CASE("rope CUDA kernel matches the CPU reference", "[ops][rope][gpu]") {
     }
   }
 }
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("rope kernel launch shapes all match the CPU reference", "[ops][rope][gpu]") {
+  MC_REQUIRE_GPU();
+  const ops::cuda::RopeTuning shapes[] = {{},
+                                          {.threads = 128, .head_chunk = 0, .unroll = 1},
+                                          {.threads = 128, .head_chunk = 0, .unroll = 4},
+                                          {.threads = 64, .head_chunk = 3, .unroll = 2},
+                                          {.threads = 256, .head_chunk = 4, .unroll = 4},
+                                          {.threads = 32, .head_chunk = 1, .unroll = 1}};
+  struct Case { int64_t tokens, heads, d, rot; };
+  for (Case c : {Case{37, 11, 128, 128}, Case{33, 5, 64, 32}, Case{17, 7, 10, 6}}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (bool il : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        ops::RopeConfig cfg;
+        cfg.rotary_dim = c.rot;
+        const Shape sh{c.tokens, c.heads, c.d};
+        Tensor x = randn(sh, dt, seed);
+        std::vector<int32_t> pv(static_cast<size_t>(c.tokens));
+        for (int64_t t = 0; t < c.tokens; ++t) pv[size_t(t)] = int32_t(t * 131);
+        Tensor pos = Tensor::from_vector(pv, {c.tokens});
+        Tensor inv = ops::rope_inv_freq(cfg);
+        Tensor y = Tensor::empty(sh, dt);
+        ops::rope_forward(x, pos, inv, y, il);
+        Device g = gpu();
+        Stream s = Stream::create(g);
+        Tensor gx = x.to(g), gpos = pos.to(g), ginv = inv.to(g);
+        for (const auto& t : shapes) {
+          INFO("tokens " << c.tokens << " heads " << c.heads << " d " << c.d << " rot " << c.rot << " "
+                         << dtype_name(dt) << " interleaved " << il << " seed " << seed << " threads " << t.threads
+                         << " head_chunk " << t.head_chunk << " unroll " << t.unroll);
+          Tensor gy = poisoned(sh, dt, g);
+          ops::cuda::RopeArgs a;
+          a.x = gx.data_ptr();
+          a.y = gy.data_ptr();
+          a.positions = gpos.data_ptr();
+          a.positions_i64 = false;
+          a.inv_freq = ginv.data<float>();
+          a.tokens = c.tokens;
+          a.heads = c.heads;
+          a.head_dim = c.d;
+          a.rotary_dim = c.rot;
+          a.interleaved = il;
+          a.tuning = t;
+          ops::cuda::rope(dt, a, g.index, s.native());
+          s.synchronize();
+          CHECK(rel_err_t(gy, y) < tol_for(dt));
+        }
+      }
+    }
+  }
+}
+#endif
