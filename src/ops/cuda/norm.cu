@@ -6,8 +6,9 @@
 // row's reduction needs few warps (none of the block barriers when a warp holds the whole row).
 // Backward runs a persistent grid whose row groups walk rows (NormTuning::bwd_prefetch, off by default:
 // loading the next row before reducing the current one); each thread keeps the weight/bias gradient of
-// its own columns in registers and writes one partial row per row group, which a second kernel sums in
-// a fixed order (deterministic, no atomics).
+// its own columns in registers; the row groups of a block add theirs in shared memory (NormTuning::
+// bwd_merge) and the block writes one partial row, which a second kernel sums in a fixed order
+// (deterministic, no atomics).
 // Rows whose length is not a multiple of 16 bytes, or whose pointers are not 16-byte aligned, take a
 // generic kernel that re-reads the row (correct for any size, slower). NormTuning (norm_cuda.hpp)
 // holds the launch-shape choices.
