@@ -26,21 +26,15 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f8_b2_occ", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}},
       // fewer resident backward threads (and a smaller partial-gradient scratch)
       {"f8_b2_512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .bwd_threads_per_sm = 512}},
-      // 512-thread backward blocks of several row groups that merge their dw/db partial rows in shared
-      // memory (bwd_merge): a quarter (RMSNorm, 4 vectors) or half (LayerNorm, 2) of the partial rows
+      // 512-thread backward blocks of several row groups
       {"f8_bd_m512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 512}},
-      {"f8_bd_m256", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 256}},
-      // the same blocks without the merge: separates the merge from the block size
-      {"f8_bd_m512_nomerge", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 512, .bwd_merge = false}},
-      // LayerNorm's vector count for RMSNorm too, with merged 512-thread blocks
-      {"f8_b2_m512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .min_block = 512}},
   };
 }
 
 std::string describe(const ops::cuda::NormTuning& t) {
   return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
          " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
-         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) + " bwd_merge=" + std::to_string(int(t.bwd_merge));
+         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm);
 }
 
 }  // namespace

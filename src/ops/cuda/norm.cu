@@ -6,9 +6,8 @@
 // row's reduction needs few warps (none of the block barriers when a warp holds the whole row).
 // Backward runs a persistent grid whose row groups walk rows (NormTuning::bwd_prefetch, off by default:
 // loading the next row before reducing the current one); each thread keeps the weight/bias gradient of
-// its own columns in registers; the row groups of a block add theirs in shared memory (NormTuning::
-// bwd_merge) and the block writes one partial row, which a second kernel sums in a fixed order
-// (deterministic, no atomics).
+// its own columns in registers and writes one partial row per row group, which a second kernel sums in
+// a fixed order (deterministic, no atomics).
 // Rows whose length is not a multiple of 16 bytes, or whose pointers are not 16-byte aligned, take a
 // generic kernel that re-reads the row (correct for any size, slower). NormTuning (norm_cuda.hpp)
 // holds the launch-shape choices.
@@ -215,8 +214,7 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
 template <class T, int NV, bool LAYER, bool PREFETCH>
-__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b,
-                                                     int merge) {
+__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
   constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
   const int h = int(a.h);
@@ -311,41 +309,6 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
       rstd = rstd_n;
     }
   }
-  if (merge) {
-    // The block's row groups add their sums in shared memory, in group order, and the block writes one
-    // partial row (dynamic shared memory: h floats). Fewer partial rows to write and to sum.
-    extern __shared__ float4 merge_buf4[];
-    float* buf = reinterpret_cast<float*>(merge_buf4);
-    const int groups_in_block = blockDim.x / tpr;
-    float* pw = part_w + int64_t(blockIdx.x) * h;
-    float* pb = part_b ? part_b + int64_t(blockIdx.x) * h : nullptr;
-#pragma unroll 1
-    for (int which = 0; which < (LAYER && pb ? 2 : 1); ++which) {
-      for (int r = 0; r < groups_in_block; ++r) {
-        if (grp == r) {
-#pragma unroll
-          for (int k = 0; k < NV; ++k) {
-            const int c = (k * tpr + t) * V;
-            if (c < h) {
-#pragma unroll
-              for (int i = 0; i < V; ++i) {
-                float val = dw[k][i];
-                if constexpr (LAYER)
-                  if (which == 1) val = db[k][i];
-                buf[c + i] = r == 0 ? val : buf[c + i] + val;
-              }
-            }
-          }
-        }
-        __syncthreads();
-      }
-      float* dst = which == 0 ? pw : pb;
-      for (int c = threadIdx.x * 4; c < h; c += blockDim.x * 4)
-        *reinterpret_cast<float4*>(dst + c) = *reinterpret_cast<const float4*>(buf + c);
-      __syncthreads();
-    }
-    return;
-  }
   // One partial row per group (16-byte aligned: h is a multiple of 4 and the scratch is aligned).
   float* pw = part_w + group * h;
   float* pb = part_b ? part_b + group * h : nullptr;
@@ -420,51 +383,12 @@ __global__ void column_sum_finalize(const float* part, int nparts, int64_t h, W*
   }
 }
 
-// The same sum with 16-byte loads and 64 lanes of parts per 32 columns, so that many loads are in flight
-// (the partial rows are several MB). h % 4 == 0, part 16-byte aligned. Lane y sums parts y, y + 64, ...;
-// the 64 lane sums are then added in lane order: a fixed order, so the result is deterministic.
-constexpr int kFinLanes = 64;
-template <class W>
-__global__ void __launch_bounds__(512) column_sum_finalize_vec(const float* part, int nparts, int64_t h, W* out,
-                                                               bool accumulate) {
-  __shared__ float4 tile[kFinLanes][8];
-  const int64_t c = (int64_t(blockIdx.x) * 8 + threadIdx.x) * 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (c < h) {
-#pragma unroll 4
-    for (int p = threadIdx.y; p < nparts; p += kFinLanes) {
-      const float4 q = __ldcs(reinterpret_cast<const float4*>(part + int64_t(p) * h + c));
-      acc.x += q.x;
-      acc.y += q.y;
-      acc.z += q.z;
-      acc.w += q.w;
-    }
-  }
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  // 32 columns: thread (x, y < 4) adds column 4x + y over the lanes.
-  if (threadIdx.y < 4) {
-    const int64_t col = c + threadIdx.y;
-    if (col < h) {
-      float sum = 0.f;
-      for (int l = 0; l < kFinLanes; ++l) {
-        const float4 q = tile[l][threadIdx.x];
-        sum += threadIdx.y == 0 ? q.x : threadIdx.y == 1 ? q.y : threadIdx.y == 2 ? q.z : q.w;
-      }
-      if (accumulate) sum += to_f32(out[col]);
-      out[col] = from_f32<W>(sum);
-    }
-  }
-}
-
 // How a row is split: vec = false means the generic kernel with `threads` threads per block.
 struct Plan {
   bool vec = false;
   int nv = 1;        // 16-byte vectors per thread
   int tpr = 32;      // threads per row (a multiple of 32)
   int threads = 256; // per block
-  bool merge = false; // backward: the block's row groups merge their partial gradients (one row per block)
-  size_t smem = 0;    // backward: dynamic shared memory bytes (the merge buffer)
 };
 
 Plan generic_plan(int64_t h) {
@@ -555,14 +479,11 @@ void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Pla
     else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch);
     else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false>);
   }
-  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
-  // Merging needs the row's f32 sums in shared memory (at most the 48 KiB a block gets without opt-in).
-  p.merge = p.vec && tu.bwd_merge && rows_per_block > 1 && a.h * int64_t(sizeof(float)) <= 48 * 1024;
-  p.smem = p.merge ? size_t(a.h) * sizeof(float) : 0;
   int per_sm = 0;
-  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, p.smem));
+  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, 0));
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
     per_sm = tu.bwd_threads_per_sm / p.threads;
+  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   int64_t g = int64_t(sm_count(device)) * (per_sm < 1 ? 1 : per_sm);
   const int64_t need = (a.rows + rows_per_block - 1) / rows_per_block;
   if (g > need) g = need;
@@ -570,7 +491,7 @@ void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Pla
   *fn = f;
   *plan = p;
   *grid = int(g);
-  *parts = int(p.merge ? g : g * rows_per_block);
+  *parts = int(g * rows_per_block);
 }
 
 template <class T>
@@ -580,15 +501,9 @@ void backward_kernel_any(const NormBackwardArgs& a, int device, const void** fn,
 }
 
 template <class W>
-void finalize_t(const float* part, int nparts, int64_t h, void* out, bool accumulate, bool vec, cudaStream_t s) {
-  if (vec) {
-    dim3 block(8, kFinLanes);
-    column_sum_finalize_vec<W><<<unsigned((h + 31) / 32), block, 0, s>>>(part, nparts, h, static_cast<W*>(out),
-                                                                         accumulate);
-  } else {
-    dim3 block(32, 16);
-    column_sum_finalize<W><<<unsigned((h + 31) / 32), block, 0, s>>>(part, nparts, h, static_cast<W*>(out), accumulate);
-  }
+void finalize_t(const float* part, int nparts, int64_t h, void* out, bool accumulate, cudaStream_t s) {
+  dim3 block(32, 16);
+  column_sum_finalize<W><<<unsigned((h + 31) / 32), block, 0, s>>>(part, nparts, h, static_cast<W*>(out), accumulate);
   MC_CUDA_CHECK_LAUNCH();
 }
 
@@ -635,19 +550,13 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
     float* part_b = a.db ? part_w + int64_t(parts) * a.h : nullptr;
     NormBackwardArgs args = a;
     int tpr = p.tpr;
-    int merge = p.merge ? 1 : 0;
     void* generic_params[] = {&args, &part_w, &part_b};
-    void* rows_params[] = {&args, &tpr, &part_w, &part_b, &merge};
+    void* rows_params[] = {&args, &tpr, &part_w, &part_b};
     MC_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(grid)), dim3(unsigned(p.threads)),
-                                   p.vec ? rows_params : generic_params, p.smem, s));
-    // Partial rows are 16-byte aligned when h is a multiple of 4 (and the scratch is aligned).
-    const bool vec_fin = a.h % 4 == 0 && aligned16(workspace);
-    dispatch_float(a.dw_dtype,
-                   [&](auto wtag) { finalize_t<decltype(wtag)>(part_w, parts, a.h, a.dw, a.accumulate, vec_fin, s); });
+                                   p.vec ? rows_params : generic_params, 0, s));
+    dispatch_float(a.dw_dtype, [&](auto wtag) { finalize_t<decltype(wtag)>(part_w, parts, a.h, a.dw, a.accumulate, s); });
     if (a.db)
-      dispatch_float(a.db_dtype, [&](auto btag) {
-        finalize_t<decltype(btag)>(part_b, parts, a.h, a.db, a.accumulate, vec_fin, s);
-      });
+      dispatch_float(a.db_dtype, [&](auto btag) { finalize_t<decltype(btag)>(part_b, parts, a.h, a.db, a.accumulate, s); });
   });
 }
 

@@ -27,10 +27,6 @@ struct NormTuning {
   bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
   int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only); the
                                   ///< per-row-group partial gradients are (resident threads x vecs) floats
-  bool bwd_merge = true;          ///< backward blocks of several row groups (short rows, or min_block above
-                                  ///< the threads of a row) add their groups' weight/bias gradients in
-                                  ///< shared memory and write one partial row per block, not per group
-                                  ///< (no effect on the default shapes at h >= 2048, one group per block)
 };
 
 struct NormForwardArgs {
