@@ -66,7 +66,7 @@ TEST_CASE("dropout kernel launch shapes all draw the CPU's mask", "[ops][dropout
       Tensor x = randn({n}, dt, seed), y = Tensor::empty({n}, dt), m = Tensor::empty({n}, DType::U8);
       ops::dropout_forward(x, y, 0.25f, seed, 7, {}, &m);
       Device d = gpu();
-      Stream s = Stream::create(d);
+      Stream s = Stream::create(d, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
       Tensor gx = x.to(d);
       for (const auto& t : shapes) {
         INFO(dtype_name(dt) << " n " << n << " seed " << seed << " elems " << t.elems << " unroll " << t.unroll

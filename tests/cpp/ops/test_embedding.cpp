@@ -88,7 +88,7 @@ TEST_CASE("embedding backward launch shapes all match the CPU reference", "[ops]
         Tensor dw = dw_init.clone();
         ops::embedding_backward(g, ids, dw, acc);
         Device d = gpu();
-        Stream s = Stream::create(d);
+        Stream s = Stream::create(d, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
         Tensor gg = g.to(d), gids = ids.to(d);
         const size_t ws_bytes = ops::cuda::embedding_backward_workspace_bytes(c.n, c.v, d.index);
         Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, d);
