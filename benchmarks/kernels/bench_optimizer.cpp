@@ -48,13 +48,13 @@ namespace {
 using EmbeddingTuning = ops::cuda::EmbeddingTuning;
 using DropoutTuning = ops::cuda::DropoutTuning;
 
-// Alternatives to the default segment sums (16-byte accesses, 128 threads, 2 vectors per thread).
+// Alternatives to the default segment sums (16-byte accesses, 256 threads, 2 vectors per thread).
 std::vector<mcbench::Variant<EmbeddingTuning>> embedding_variants() {
   return {
       {"scalar", EmbeddingTuning{.vector = false}},  // the first kernel: element accesses
       {"t128_u1", EmbeddingTuning{.threads = 128, .unroll = 1}},
       {"t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4}},
-      {"t256_u2", EmbeddingTuning{.threads = 256, .unroll = 2}},
+      {"t128_u2", EmbeddingTuning{.threads = 128, .unroll = 2}},
       {"t64_u4", EmbeddingTuning{.threads = 64, .unroll = 4}},
       {"t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1}},
   };
@@ -65,17 +65,18 @@ std::string describe(const EmbeddingTuning& t) {
 }
 
 // Alternatives to the default dropout (8 elements per step, 2 steps of loads in flight, 256 threads,
-// one resident wave of blocks).
+// 16 blocks per SM); blocks_per_sm 0 is one resident wave of blocks.
 std::vector<mcbench::Variant<DropoutTuning>> dropout_variants() {
   return {
       // the first kernel's shape: 4 elements (8-byte bf16 accesses), 16 blocks of 256 per SM
       {"e4_u1_g16", DropoutTuning{.elems = 4, .unroll = 1, .threads = 256, .blocks_per_sm = 16}},
-      {"e4_u2", DropoutTuning{.elems = 4, .unroll = 2}},
-      {"e8_u1", DropoutTuning{.elems = 8, .unroll = 1}},
-      {"e8_u4", DropoutTuning{.elems = 8, .unroll = 4}},
-      {"e8_u2_t512", DropoutTuning{.elems = 8, .unroll = 2, .threads = 512}},
-      {"e8_u2_t128", DropoutTuning{.elems = 8, .unroll = 2, .threads = 128}},
-      {"e8_u2_g16", DropoutTuning{.elems = 8, .unroll = 2, .threads = 256, .blocks_per_sm = 16}},
+      {"e4_u2", DropoutTuning{.elems = 4, .unroll = 2, .blocks_per_sm = 0}},
+      {"e8_u1", DropoutTuning{.elems = 8, .unroll = 1, .blocks_per_sm = 0}},
+      {"e8_u4", DropoutTuning{.elems = 8, .unroll = 4, .blocks_per_sm = 0}},
+      {"e8_u2_t512", DropoutTuning{.elems = 8, .unroll = 2, .threads = 512, .blocks_per_sm = 0}},
+      {"e8_u2_t128", DropoutTuning{.elems = 8, .unroll = 2, .threads = 128, .blocks_per_sm = 0}},
+      {"e8_u2_wave", DropoutTuning{.elems = 8, .unroll = 2, .threads = 256, .blocks_per_sm = 0}},
+      {"e8_u4_g8", DropoutTuning{.elems = 8, .unroll = 4, .threads = 256, .blocks_per_sm = 8}},
   };
 }
 std::string describe(const DropoutTuning& t) {

@@ -10,7 +10,7 @@ namespace {
 
 using RopeTuning = ops::cuda::RopeTuning;
 
-// Alternatives to the default (128-thread blocks, 8 heads per thread, loads of 2 heads issued together).
+// Alternatives to the default (128-thread blocks, 4 heads per thread, loads of 4 heads issued together).
 std::vector<mcbench::Variant<RopeTuning>> rope_variants() {
   return {
       // the first kernel's shape: a thread walks all heads of its token, one head's loads at a time
@@ -20,7 +20,8 @@ std::vector<mcbench::Variant<RopeTuning>> rope_variants() {
       {"c8_u1", RopeTuning{.threads = 128, .head_chunk = 8, .unroll = 1}},
       {"c8_u4", RopeTuning{.threads = 128, .head_chunk = 8, .unroll = 4}},
       {"c4_u2", RopeTuning{.threads = 128, .head_chunk = 4, .unroll = 2}},
-      {"c4_u4", RopeTuning{.threads = 128, .head_chunk = 4, .unroll = 4}},
+      {"c8_u2", RopeTuning{.threads = 128, .head_chunk = 8, .unroll = 2}},
+      {"c2_u2", RopeTuning{.threads = 128, .head_chunk = 2, .unroll = 2}},
       {"c16_u2", RopeTuning{.threads = 128, .head_chunk = 16, .unroll = 2}},
       {"c8_u2_t256", RopeTuning{.threads = 256, .head_chunk = 8, .unroll = 2}},
       {"c8_u2_t64", RopeTuning{.threads = 64, .head_chunk = 8, .unroll = 2}},

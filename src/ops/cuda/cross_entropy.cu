@@ -238,8 +238,9 @@ void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
     const int64_t row_bytes = a.v * int64_t(sizeof(T));
     const int sms = sm_count(device);
     int64_t grid = int64_t(sms) * (tu.blocks_per_sm < 1 ? 1 : tu.blocks_per_sm);
-    // Defaults from the H100 sweep (2026-11-26): 32k-vocabulary rows 0.75 of L2 + unroll 2 (81 % of copy
-    // vs 70 % at 0.5), 128k rows 0.5 + unroll 8 (78 % vs 76 % with 4; 0.75 drops to 61 %).
+    // Defaults from the H100 sweeps (2026-11-26): 32k-vocabulary rows 0.75 of L2 + unroll 4 (84-86 % of
+    // copy in two runs, vs 81-82 % with unroll 2 and 70 % at 0.5 of L2), 128k rows 0.5 + unroll 8 (77-78 %
+    // vs 74-76 % with 4; 0.75 drops to 58-61 %).
     const bool long_rows = row_bytes > (128 << 10);
     const float l2_share = tu.l2_fraction > 0.f ? tu.l2_fraction : long_rows ? 0.5f : 0.75f;
     const int64_t fit = row_bytes > 0 ? int64_t(double(l2) * double(l2_share)) / row_bytes : grid;
@@ -248,8 +249,8 @@ void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
     // unroll 0: by row length. Long rows (Llama-3's 128k vocabulary) leave one block per SM, which
     // needs several loads in flight per thread (H200: 128k bf16 1.82 ms unrolled vs 2.70 ms not).
     // Shorter rows run about three 512-thread blocks per SM (L2 limit): 4 loads (64 registers) leave
-    // room for two, 2 loads (40 registers) keep three.
-    const int unroll = tu.unroll > 0 ? tu.unroll : long_rows ? 8 : 2;
+    // room for two, 2 loads (40 registers) keep three; two blocks with 4 loads each measured faster.
+    const int unroll = tu.unroll > 0 ? tu.unroll : long_rows ? 8 : 4;
     const dim3 g = dim3(unsigned(grid)), b = dim3(unsigned(threads));
     if (!vec) ce_kernel<T, 1, 1, false><<<g, b, 0, s>>>(a);
     else if (tu.stream_pass2) launch_vec<T, V, true>(unroll, g, b, s, a);

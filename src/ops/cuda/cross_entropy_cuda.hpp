@@ -15,7 +15,7 @@ enum class CeMode : int { Fused = 0, Forward = 1, Backward = 2, Stats = 3 };
 struct CeTuning {
   int threads = 512;          ///< per block (one row at a time): 128..512, a multiple of 32
   int unroll = 0;             ///< 16-byte loads in flight per thread: 1, 2, 4 or 8; 0: 8 for rows over
-                              ///< 128 KiB, else 2
+                              ///< 128 KiB, else 4
   int blocks_per_sm = 4;      ///< persistent grid, before the L2 limit below
   float l2_fraction = 0.f;    ///< Fused: rows in flight hold at most this share of L2, so pass 2 hits it;
                               ///< 0: 0.75 for rows up to 128 KiB, else 0.5

@@ -1,8 +1,8 @@
 // Dropout kernel. Element i keeps or drops by word i mod 4 of Philox call i / 4, whatever the launch
 // shape. The vector kernel gives a thread E consecutive elements per step (E / 4 Philox calls) and
 // issues the loads of U steps before using any, so that the loads stay in flight while the Philox
-// rounds (integer multiplies, the other half of this kernel's cost) run. A grid of one resident wave
-// walks the tensor. Misaligned pointers take the scalar kernel (groups of four, element accesses).
+// rounds (integer multiplies, the other half of this kernel's cost) run. A grid of SMs x blocks_per_sm
+// blocks (or one resident wave) walks the tensor. Misaligned pointers take the scalar kernel (groups of four, element accesses).
 #include "ops/cuda/dropout_cuda.hpp"
 #include "ops/cuda/memops_common.cuh"
 #include "ops/dropout_math.hpp"
