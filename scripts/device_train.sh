@@ -16,6 +16,8 @@
 #   ddp4         GEMMs planned for fewer SMs beside the overlapped collective (--gemm-sm-margin) and NCCL's
 #                CTA policies, for DDP and for ZeRO with the param all-gather overlapped; the ZeRO
 #                overlap-param-gather parity test on GPUs
+#   ddp5         ZeRO with the param all-gather overlapped (f32 and bf16 reduction), ZeRO without, DDP with bf16
+#                reduction over 4 micro-batches (torch DDP reduces bf16 grads), at 1 and 4 micro-batches
 #   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
 #                launch-shape variants included)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
@@ -183,6 +185,18 @@ if has ddp4; then
     step bench_ddp4_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
       --out $OUT/json/ddp_${ngpu}gpu_smmargin_$tag.json
     grep -iE "^ddp max_ctas|error" $OUT/bench_ddp4_$tag.log | head -8
+  done
+fi
+
+if has ddp5; then
+  has ddp4 || has tests || { step pytest_pg 200 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k overlap_param_gather
+                             grep -E "passed|failed|Error|assert" $OUT/pytest_pg.log | tail -6; }
+  for v in "--zero" "--zero --overlap-param-gather" "--zero --overlap-param-gather --bf16-reduce" \
+           "--zero --overlap-param-gather --grad-accum 4" "--bf16-reduce --grad-accum 4" "--grad-accum 4"; do
+    tag=$(echo "$v" | sed 's/--zero/zero/; s/ *--overlap-param-gather/_pg/; s/ *--bf16-reduce/_bf16/; s/ *--grad-accum 4/_ga4/; s/^_//; s/ //g')
+    step bench_ddp5_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
+      --out $OUT/json/ddp_${ngpu}gpu_$tag.json
+    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT/bench_ddp5_$tag.log | head -3)"
   done
 fi
 

@@ -86,7 +86,12 @@ void DistributedOptimizer::start_param_gather() {
   if (cuda) ddp_.comm_stream().wait(ddp_.config().compute_stream);
   if (cuda && overlap_param_gather_ && ddp_.config().gemm_sm_margin > 0 && !gemm_margin_.active())
     gemm_margin_ = ops::GemmSmMarginRequest(buf.device().index, ddp_.config().gemm_sm_margin);
-  for (const Bucket& b : buf.buckets()) {
+  // Buckets are laid out in backward order, so the first layers' parameters sit in the last bucket.
+  // The gathers run one after another on the communication stream: start them in forward order, so the
+  // forward's first layers wait only for their own gather, not for all of them.
+  const auto& buckets = buf.buckets();
+  for (auto it = buckets.rbegin(); it != buckets.rend(); ++it) {
+    const Bucket& b = *it;
     Tensor full = buf.bucket_params(b.index);
     Tensor mine = full.narrow(0, ddp_.shard_begin(b.index), ddp_.shard_size(b.index));
     gather_[size_t(b.index)] = dp.all_gather(mine, full, ddp_.comm_stream());
