@@ -18,6 +18,8 @@
 #                overlap-param-gather parity test on GPUs
 #   ddp5         ZeRO with the param all-gather overlapped (f32 and bf16 reduction), ZeRO without, DDP with bf16
 #                reduction over 4 micro-batches (torch DDP reduces bf16 grads), at 1 and 4 micro-batches
+#   ddp6         the final DP comparison in one call: DDP, ZeRO + overlapped param gather (f32 and bf16
+#                reduction), and torch DDP at 1 and 4 micro-batches
 #   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
 #                launch-shape variants included)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
@@ -197,6 +199,20 @@ if has ddp5; then
     step bench_ddp5_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
       --out $OUT/json/ddp_${ngpu}gpu_$tag.json
     echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT/bench_ddp5_$tag.log | head -3)"
+  done
+fi
+
+if has ddp6; then
+  for v in "" "--zero --overlap-param-gather" "--zero --overlap-param-gather --bf16-reduce"; do
+    tag=$(echo "$v" | sed 's/--zero/zero/; s/ *--overlap-param-gather/_pg/; s/ *--bf16-reduce/_bf16/; s/ //g'); tag=${tag:-ddp}
+    step bench_ddp6_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
+      --out $OUT/json/ddp6_${ngpu}gpu_$tag.json
+    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT/bench_ddp6_$tag.log | head -3)"
+  done
+  for ga in 1 4; do
+    step peer_ddp6_ga$ga 150 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
+      --grad-accum $ga --out $OUT/json/ddp6_torch_peer_${ngpu}gpu_ga$ga.json
+    echo "torch ga$ga: $(grep -iE "scaling|error" $OUT/peer_ddp6_ga$ga.log | head -3)"
   done
 fi
 
