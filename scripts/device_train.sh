@@ -7,6 +7,7 @@
 #                DLPack with torch, the trainer on 1 and 4 GPUs, a killed rank ends the job)
 #   collectives  megacore_bench_collectives (C++, vs raw NCCL) and bench_collectives.py (vs torch.distributed)
 #   recipes      the llama32_1b recipe for 12 steps in DP4, TP2×DP2, PP2×DP2, TP2×PP2, checkpoint at the end
+#   recipes_zero the llama32_1b recipe in DP4, plain and with ZeRO-1 + overlap_param_gather (same settings)
 #   model        GPT model fwd+bwd: 1 GPU vs HF, then TP 2/4 ± SP ± tp_comm_overlap
 #   ddp          DDP and ZeRO-1 scaling vs torch DDP
 #   pipeline     pipeline bubble, VP 1 and 2
@@ -93,10 +94,12 @@ if has quick; then
   grep -E "^PP|bubble|rror" $OUT/bench_pipe_vp1.log | head -8
 fi
 
-if has recipes; then
+if has recipes || has recipes_zero; then
   lays=("dp4:parallel.tp=1 parallel.pp=1" "tp2dp2:parallel.tp=2 parallel.pp=1" "pp2dp2:parallel.tp=1 parallel.pp=2"
         "tp2pp2:parallel.tp=2 parallel.pp=2")
   [ $ngpu -eq 2 ] && lays=("dp2:parallel.tp=1 parallel.pp=1" "tp2:parallel.tp=2 parallel.pp=1" "pp2:parallel.tp=1 parallel.pp=2")
+  has recipes_zero && lays=("dp${ngpu}:parallel.tp=1 parallel.pp=1"
+                            "dp${ngpu}_zero_pg:parallel.tp=1 parallel.pp=1 parallel.zero=true parallel.overlap_param_gather=true")
   for lay in "${lays[@]}"; do
     name=${lay%%:*}; sets=""; for s in ${lay#*:}; do sets="$sets --set $s"; done
     step recipe_$name 200 $PY -m megacore.cli train --recipe llama32_1b --nproc-per-node $ngpu $sets \
