@@ -2,7 +2,8 @@
 // shape. The vector kernel gives a thread E consecutive elements per step (E / 4 Philox calls) and
 // issues the loads of U steps before using any, so that the loads stay in flight while the Philox
 // rounds (integer multiplies, the other half of this kernel's cost) run. A grid of SMs x blocks_per_sm
-// blocks (or one resident wave) walks the tensor. Misaligned pointers take the scalar kernel (groups of four, element accesses).
+// blocks (or one resident wave) walks the tensor. Misaligned pointers take the scalar kernel (groups of
+// four, element accesses).
 #include "ops/cuda/dropout_cuda.hpp"
 #include "ops/cuda/memops_common.cuh"
 #include "ops/dropout_math.hpp"
@@ -92,34 +93,19 @@ __global__ void dropout_vec(const T* x, T* y, uint8_t* mask, int64_t n, uint32_t
     }
   }
   // The last n mod E elements (fewer than two Philox groups).
-  dropout_groups(x, y, mask, n, thr, scale, seed, offset, chunks * (E / 4) + blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
-                 (n + 3) / 4, int64_t(gridDim.x) * blockDim.x);
-}
-
-template <class K>
-unsigned grid_for(K kernel, int64_t items, int threads, int blocks_per_sm, int device) {
-  int per_sm = blocks_per_sm;
-  if (per_sm <= 0) MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  int64_t g = int64_t(sm_count(device)) * (per_sm < 1 ? 1 : per_sm);
-  const int64_t need = (items + threads - 1) / threads;
-  if (g > need) g = need;
-  return unsigned(g < 1 ? 1 : g);
+  const int64_t first = chunks * (E / 4) + blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  dropout_groups(x, y, mask, n, thr, scale, seed, offset, first, (n + 3) / 4, int64_t(gridDim.x) * blockDim.x);
 }
 
 template <class T, int E, int U>
 void launch_vec(const T* x, T* y, uint8_t* mask, int64_t n, uint32_t thr, float scale, uint64_t seed, uint64_t offset,
                 int threads, int blocks_per_sm, int device, cudaStream_t s) {
   const int64_t steps = (n / E + U - 1) / U;
-  const unsigned blocks = grid_for(dropout_vec<T, E, U>, steps < 1 ? 1 : steps, threads, blocks_per_sm, device);
+  int per_sm = blocks_per_sm;
+  if (per_sm <= 0)
+    MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dropout_vec<T, E, U>, threads, 0));
+  const unsigned blocks = elementwise_blocks(steps < 1 ? 1 : steps, threads, device, per_sm);
   dropout_vec<T, E, U><<<blocks, threads, 0, s>>>(x, y, mask, n, thr, scale, seed, offset);
-}
-
-template <class T, int E>
-void launch_vec_u(int unroll, const T* x, T* y, uint8_t* mask, int64_t n, uint32_t thr, float scale, uint64_t seed,
-                  uint64_t offset, int threads, int blocks_per_sm, int device, cudaStream_t s) {
-  if (unroll >= 4) launch_vec<T, E, 4>(x, y, mask, n, thr, scale, seed, offset, threads, blocks_per_sm, device, s);
-  else if (unroll >= 2) launch_vec<T, E, 2>(x, y, mask, n, thr, scale, seed, offset, threads, blocks_per_sm, device, s);
-  else launch_vec<T, E, 1>(x, y, mask, n, thr, scale, seed, offset, threads, blocks_per_sm, device, s);
 }
 
 }  // namespace
@@ -139,10 +125,13 @@ void dropout(DType dt, const void* x, void* y, uint8_t* mask, int64_t n, uint32_
       return reinterpret_cast<uintptr_t>(x) % a == 0 && reinterpret_cast<uintptr_t>(y) % a == 0 &&
              (mask == nullptr || reinterpret_cast<uintptr_t>(mask) % uintptr_t(e) == 0);
     };
-    if (tu.elems >= 8 && aligned(8, kAccess<T, 8>)) {
-      launch_vec_u<T, 8>(tu.unroll, xp, yp, mask, n, thr, scale, seed, offset, threads, tu.blocks_per_sm, device, s);
-    } else if (aligned(4, kAccess<T, 4>)) {
-      launch_vec_u<T, 4>(tu.unroll, xp, yp, mask, n, thr, scale, seed, offset, threads, tu.blocks_per_sm, device, s);
+    const bool e8 = tu.elems >= 8 && aligned(8, kAccess<T, 8>);
+    if (e8 || aligned(4, kAccess<T, 4>)) {
+      dispatch_unroll(tu.unroll, [&](auto u) {
+        constexpr int U = decltype(u)::value;
+        if (e8) launch_vec<T, 8, U>(xp, yp, mask, n, thr, scale, seed, offset, threads, tu.blocks_per_sm, device, s);
+        else launch_vec<T, 4, U>(xp, yp, mask, n, thr, scale, seed, offset, threads, tu.blocks_per_sm, device, s);
+      });
     } else {
       const unsigned blocks = elementwise_blocks((n + 3) / 4, threads, device);
       dropout_scalar<T><<<blocks, threads, 0, s>>>(xp, yp, mask, n, thr, scale, seed, offset);

@@ -236,9 +236,7 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
                                                              static_cast<W*>(dweight), n, v, h, accumulate);
         MC_CUDA_CHECK_LAUNCH();
       };
-      if (tu.unroll >= 4) go(std::integral_constant<int, 4>{});
-      else if (tu.unroll >= 2) go(std::integral_constant<int, 2>{});
-      else go(std::integral_constant<int, 1>{});
+      dispatch_unroll(tu.unroll, go);
     });
   });
 }

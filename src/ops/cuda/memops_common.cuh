@@ -197,12 +197,22 @@ inline int sm_count(int device) {
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-/// Blocks for a grid-stride elementwise launch over n items of `threads` threads each.
-inline unsigned elementwise_blocks(int64_t n, int threads, int device) {
+/// Blocks for a grid-stride elementwise launch over n items of `threads` threads each: enough for every
+/// item, at most blocks_per_sm per SM.
+inline unsigned elementwise_blocks(int64_t n, int threads, int device, int blocks_per_sm = 16) {
   int64_t want = (n + threads - 1) / threads;
-  int64_t cap = int64_t(sm_count(device)) * 16;
+  int64_t cap = int64_t(sm_count(device)) * (blocks_per_sm < 1 ? 1 : blocks_per_sm);
   if (want > cap) want = cap;
   return unsigned(want < 1 ? 1 : want);
+}
+
+/// Calls f(std::integral_constant<int, U>{}) for U = 4, 2 or 1, the largest not above `unroll` (1 below 2):
+/// a launch-time loads-in-flight choice turned into a kernel template argument.
+template <class F>
+void dispatch_unroll(int unroll, F&& f) {
+  if (unroll >= 4) f(std::integral_constant<int, 4>{});
+  else if (unroll >= 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
 }
 
 /// Calls f(T{}) for a floating DType.

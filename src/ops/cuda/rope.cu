@@ -90,7 +90,7 @@ __global__ void rope_kernel(RopeArgs a, int groups, int64_t head_chunk) {
   }
 }
 
-template <class T, int VP, bool IL, int U>
+template <class T, int VP, bool IL>
 void launch(const RopeArgs& a, cudaStream_t s) {
   const RopeTuning& tu = a.tuning;
   const int64_t half = a.rotary_dim / 2;
@@ -104,15 +104,10 @@ void launch(const RopeArgs& a, cudaStream_t s) {
   int64_t chunk = tu.head_chunk > 0 && tu.head_chunk < a.heads ? tu.head_chunk : a.heads;
   if ((a.heads + chunk - 1) / chunk > 65535) chunk = (a.heads + 65534) / 65535;
   const dim3 grid(unsigned(blocks), unsigned((a.heads + chunk - 1) / chunk));
-  rope_kernel<T, VP, IL, U><<<grid, threads, 0, s>>>(a, int(groups), chunk);
+  dispatch_unroll(tu.unroll, [&](auto u) {
+    rope_kernel<T, VP, IL, decltype(u)::value><<<grid, threads, 0, s>>>(a, int(groups), chunk);
+  });
   MC_CUDA_CHECK_LAUNCH();
-}
-
-template <class T, int VP, bool IL>
-void launch_u(const RopeArgs& a, cudaStream_t s) {
-  if (a.tuning.unroll >= 4) launch<T, VP, IL, 4>(a, s);
-  else if (a.tuning.unroll >= 2) launch<T, VP, IL, 2>(a, s);
-  else launch<T, VP, IL, 1>(a, s);
 }
 
 }  // namespace
@@ -126,11 +121,11 @@ void rope(DType dt, const RopeArgs& a, int device, void* stream) {
     constexpr int V = kVec16<T>;
     const bool aligned = aligned16(a.x) && aligned16(a.y) && a.head_dim % V == 0;
     if (!a.interleaved) {
-      if (aligned && (a.rotary_dim / 2) % V == 0) launch_u<T, V, false>(a, s);
-      else launch_u<T, 1, false>(a, s);
+      if (aligned && (a.rotary_dim / 2) % V == 0) launch<T, V, false>(a, s);
+      else launch<T, 1, false>(a, s);
     } else {
-      if (aligned && a.rotary_dim % V == 0) launch_u<T, V / 2, true>(a, s);
-      else launch_u<T, 1, true>(a, s);
+      if (aligned && a.rotary_dim % V == 0) launch<T, V / 2, true>(a, s);
+      else launch<T, 1, true>(a, s);
     }
   });
 }
