@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -140,12 +139,8 @@ struct DescGuard {
 // The SMs a product may use: the device's count less the margin (0 = no target: all of them).
 int sm_target(int device, int margin) {
   if (margin <= 0) return 0;
-  static std::array<std::atomic<int>, 64> counts{};
-  int n = counts[size_t(device)].load(std::memory_order_relaxed);
-  if (n == 0) {
-    MC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    counts[size_t(device)].store(n, std::memory_order_relaxed);
-  }
+  int n = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   return std::max(1, n - margin);
 }
 
