@@ -58,17 +58,17 @@ MC_BENCHMARK("rope", 30) {
   mcbench::record_bw(ctx, "rope_bwd", shape, "bf16", ms, bytes, def, def_t);
   if (!ctx.variants) return;
   // The call rope_forward makes, with the variant's tuning (default stream, device 0).
+  ops::cuda::RopeArgs a;
+  a.x = x.data_ptr();
+  a.y = y.data_ptr();
+  a.positions = pos.data_ptr();
+  a.positions_i64 = false;
+  a.inv_freq = inv.data<float>();
+  a.tokens = t;
+  a.heads = heads;
+  a.head_dim = hd;
+  a.rotary_dim = hd;
   for (const auto& v : rope_variants()) {
-    ops::cuda::RopeArgs a;
-    a.x = x.data_ptr();
-    a.y = y.data_ptr();
-    a.positions = pos.data_ptr();
-    a.positions_i64 = false;
-    a.inv_freq = inv.data<float>();
-    a.tokens = t;
-    a.heads = heads;
-    a.head_dim = hd;
-    a.rotary_dim = hd;
     a.tuning = v.t;
     ms = mcbench::time_ms([&] { ops::cuda::rope(DType::BF16, a, 0, nullptr); }, 3, smp);
     mcbench::record_bw(ctx, "rope_fwd", shape, "bf16", ms, bytes, v.name, describe(v.t));

@@ -31,6 +31,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -71,6 +72,15 @@ struct Args {
 Args parse(int argc, char** argv) {
   Args a;
   bench::ArgReader r(argc, argv);
+  // The current flag's comma-separated list, each value in [lo, hi] (runtime_error naming the flag otherwise).
+  auto ints = [&r](int64_t lo, int64_t hi, const char* what) {
+    std::vector<int> v;
+    for (int64_t c : r.list()) {
+      if (c < lo || c > hi) throw std::runtime_error(r.key() + " takes " + what);
+      v.push_back(int(c));
+    }
+    return v;
+  };
   while (r.next()) {
     const std::string& k = r.key();
     if (k == "--micro-batch") a.micro_batch = r.integer();
@@ -87,25 +97,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--no-overlap") a.no_overlap = true;
     else if (k == "--comm-priority") a.comm_priority = int(r.integer());
     else if (k == "--peak-tflops") a.peak_tflops = r.number();
-    else if (k == "--max-ctas") {
-      a.max_ctas.clear();
-      for (int64_t c : r.list()) {
-        if (c < 0) throw std::runtime_error("--max-ctas takes CTA counts >= 0 (0 = NCCL's choice)");
-        a.max_ctas.push_back(int(c));
-      }
-    } else if (k == "--cta-policy") {
-      a.cta_policy.clear();
-      for (int64_t c : r.list()) {
-        if (c < 0 || c > 2) throw std::runtime_error("--cta-policy takes 0 (default), 1 (efficiency) or 2 (zero)");
-        a.cta_policy.push_back(int(c));
-      }
-    } else if (k == "--gemm-sm-margin") {
-      a.gemm_sm_margin.clear();
-      for (int64_t c : r.list()) {
-        if (c < 0) throw std::runtime_error("--gemm-sm-margin takes SM counts >= 0 (0 = off)");
-        a.gemm_sm_margin.push_back(int(c));
-      }
-    } else if (k == "--out") a.out = r.text();
+    else if (k == "--max-ctas") a.max_ctas = ints(0, INT32_MAX, "CTA counts >= 0 (0 = NCCL's choice)");
+    else if (k == "--cta-policy") a.cta_policy = ints(0, 2, "0 (default), 1 (efficiency) or 2 (zero)");
+    else if (k == "--gemm-sm-margin") a.gemm_sm_margin = ints(0, INT32_MAX, "SM counts >= 0 (0 = off)");
+    else if (k == "--out") a.out = r.text();
     else r.unknown();
   }
   if (a.overlap_param_gather && !a.zero) throw std::runtime_error("--overlap-param-gather needs --zero");
