@@ -12,6 +12,27 @@ import megacore as mc
 from megacore import recipes
 
 
+def _gpu_recipe(world, run_dir, steps):
+    """The tiny recipe in bf16 on `world` GPUs, head_dim 64 (the GPU attention kernels take 64 or 128)."""
+    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=world, dir=str(run_dir))
+    r.model.kv_channels = 64
+    r.trainer.precision = "bf16"
+    r.trainer.max_steps = steps
+    r.trainer.generate_tokens = 0
+    r.trainer.val_check_interval = 0
+    return r
+
+
+def _train_on_gpus(r, world, cfg):
+    """Runs the recipe on `world` GPUs; returns (stdout, the metrics rows that carry a loss)."""
+    r.to_json(str(cfg))
+    p = subprocess.run([sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(world), "-m",
+                        "megacore.train", "--config", str(cfg)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    return p.stdout, [x for x in rows if "loss" in x]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["tp1pp1", "tp2pp2"])
 def test_tiny_recipe_learns_on_gpus(tmp_path, layout):
@@ -19,21 +40,11 @@ def test_tiny_recipe_learns_on_gpus(tmp_path, layout):
     world = 1 if layout == "tp1pp1" else 4
     if n < world:
         pytest.skip(f"needs {world} GPUs")
-    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=world, dir=str(tmp_path / "run"))
+    r = _gpu_recipe(world, tmp_path / "run", 30)
     if layout == "tp1pp1":
         r.parallel.tensor_model_parallel_size = r.parallel.pipeline_model_parallel_size = 1
-    r.model.kv_channels = 64  # the GPU attention kernels take head_dim 64 or 128
-    r.trainer.precision = "bf16"
-    r.trainer.max_steps = 30
-    r.trainer.generate_tokens = 0
-    r.trainer.val_check_interval = 0
-    cfg = tmp_path / "r.json"
-    r.to_json(str(cfg))
-    p = subprocess.run([sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(world), "-m",
-                        "megacore.train", "--config", str(cfg)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(x) for x in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
-    losses = [x["loss"] for x in rows if "loss" in x]
+    _, rows = _train_on_gpus(r, world, tmp_path / "r.json")
+    losses = [x["loss"] for x in rows]
     print(layout, [round(x, 3) for x in losses])
     # Same bar as the CPU f32 run of this recipe (which reaches about 2.4 by step 30): below 3.5.
     assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < 3.5, losses
@@ -51,23 +62,13 @@ def test_overlap_param_gather_on_gpus_changes_no_number(tmp_path):
     world = 4 if n >= 4 else 2
     runs = []
     for ov in (False, True):
-        r = recipes.tiny.pretrain_recipe(num_gpus_per_node=world, dir=str(tmp_path / f"pg{int(ov)}"))
+        r = _gpu_recipe(world, tmp_path / f"pg{int(ov)}", 12)
         r.parallel.tensor_model_parallel_size = r.parallel.pipeline_model_parallel_size = 1
         r.parallel.use_distributed_optimizer = True
         r.parallel.overlap_param_gather = ov
-        r.model.kv_channels = 64
-        r.trainer.precision = "bf16"
-        r.trainer.max_steps = 12
-        r.trainer.generate_tokens = 0
-        r.trainer.val_check_interval = 0
-        cfg = tmp_path / f"pg{int(ov)}.json"
-        r.to_json(str(cfg))
-        p = subprocess.run([sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(world), "-m",
-                            "megacore.train", "--config", str(cfg)], capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        assert ("| overlap_param_gather" in p.stdout) == ov, p.stdout[-2000:]
-        rows = [json.loads(x) for x in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
-        runs.append([(x["loss"], x["grad_norm"]) for x in rows if "loss" in x])
+        out, rows = _train_on_gpus(r, world, tmp_path / f"pg{int(ov)}.json")
+        assert ("| overlap_param_gather" in out) == ov, out[-2000:]
+        runs.append([(x["loss"], x["grad_norm"]) for x in rows])
     print(runs[1])
     assert len(runs[0]) == 12 and runs[0][0][0] > 5.0
     assert runs[0] == runs[1]

@@ -66,7 +66,8 @@ TEST_CASE("dropout kernel launch shapes all draw the CPU's mask", "[ops][dropout
       Tensor x = randn({n}, dt, seed), y = Tensor::empty({n}, dt), m = Tensor::empty({n}, DType::U8);
       ops::dropout_forward(x, y, 0.25f, seed, 7, {}, &m);
       Device d = gpu();
-      Stream s = Stream::create(d, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
+      // A blocking stream: ordered after the default-stream poison fills and copies.
+      Stream s = Stream::create(d, /*non_blocking=*/false);
       Tensor gx = x.to(d);
       for (const auto& t : shapes) {
         INFO(dtype_name(dt) << " n " << n << " seed " << seed << " elems " << t.elems << " unroll " << t.unroll
@@ -82,8 +83,8 @@ TEST_CASE("dropout kernel launch shapes all draw the CPU's mask", "[ops][dropout
       if (n > 1) {
         Tensor gy = poisoned({n}, dt, d), gm = poisoned({n}, DType::U8, d);
         ops::cuda::dropout(dt, static_cast<const char*>(gx.data_ptr()) + dtype_size(dt),
-                           static_cast<char*>(gy.data_ptr()) + dtype_size(dt), gm.data<uint8_t>() + 1, n - 1, ops::dropmath::threshold(0.25f), 1.f / (1.f - 0.25f), seed, 7,
-                           d.index, s.native(), {});
+                           static_cast<char*>(gy.data_ptr()) + dtype_size(dt), gm.data<uint8_t>() + 1, n - 1,
+                           ops::dropmath::threshold(0.25f), 1.f / (1.f - 0.25f), seed, 7, d.index, s.native(), {});
         s.synchronize();
         const std::vector<double> xv = x.to_double_vector();
         Tensor x1 = Tensor::from_vector(std::vector<float>(xv.begin() + 1, xv.end()), {n - 1}).to(dt);

@@ -124,7 +124,8 @@ TEST_CASE("norm CUDA kernels match the CPU reference", "[ops][norm][gpu]") {
           Tensor dx = Tensor::empty(sh, dt), dw = dw_init.clone(), db = db_init.clone();
           // GPU
           Device g = gpu();
-          Stream s = Stream::create(g, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
+          // A blocking stream: ordered after the default-stream poison fills and copies.
+          Stream s = Stream::create(g, /*non_blocking=*/false);
           Tensor gx = x.to(g), gres = res.to(g), gw = w.to(g), gb = b.to(g), gdy = dy.to(g), gdres = dres.to(g);
           Tensor gy = poisoned(sh, dt, g), gro = poisoned(sh, dt, g), gmean = poisoned({c.rows}, DType::F32, g),
                  grstd = poisoned({c.rows}, DType::F32, g), gdx = poisoned(sh, dt, g), gdw = dw_init.to(g),
@@ -214,7 +215,8 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           ops::rmsnorm_backward(dy, x, w, rstd, dx, dw, {}, true);
         }
         Device g = gpu();
-        Stream s = Stream::create(g, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
+        // A blocking stream: ordered after the default-stream poison fills and copies.
+        Stream s = Stream::create(g, /*non_blocking=*/false);
         Tensor gx = x.to(g), gw = w.to(g), gdy = dy.to(g), gmean = mean.to(g), grstd = rstd.to(g);
         for (const auto& t : shapes) {
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed

@@ -141,7 +141,8 @@ TEST_CASE("rope kernel launch shapes all match the CPU reference", "[ops][rope][
         Tensor y = Tensor::empty(sh, dt);
         ops::rope_forward(x, pos, inv, y, il);
         Device g = gpu();
-        Stream s = Stream::create(g, /*non_blocking=*/false);  // ordered after the default-stream poison fills and copies
+        // A blocking stream: ordered after the default-stream poison fills and copies.
+        Stream s = Stream::create(g, /*non_blocking=*/false);
         Tensor gx = x.to(g), gpos = pos.to(g), ginv = inv.to(g);
         for (const auto& t : shapes) {
           INFO("tokens " << c.tokens << " heads " << c.heads << " d " << c.d << " rot " << c.rot << " "
