@@ -21,8 +21,8 @@
 #                reduction over 4 micro-batches (torch DDP reduces bf16 grads), at 1 and 4 micro-batches
 #   ddp6         the final DP comparison in one call: DDP, ZeRO + overlapped param gather (f32 and bf16
 #                reduction), and torch DDP at 1 and 4 micro-batches
-#   kernels      single-GPU [gpu] tests, torch peers, then megacore_bench_kernels (norm / cross-entropy
-#                launch-shape variants included)
+#   kernels      single-GPU [gpu] tests, torch peers (fused ops and SDPA), then megacore_bench_kernels
+#                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substring)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
 #   device run: PHASE=tests,collectives bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4)
 set -uo pipefail
@@ -236,8 +236,13 @@ if has kernels; then
                  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
   step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
   tail -2 $OUT/torch_peers.log
-  step bench_kernels 240 $B/benchmarks/megacore_bench_kernels --peers $OUT/json/torch_peers.json --out $OUT/json/kernels.json
-  grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy" $OUT/bench_kernels.log | head -70
+  step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
+  tail -2 $OUT/torch_attn_peers.log
+  # KFILTER: one substring of the benchmark names to run (all when empty).
+  export MC_TORCH_ATTN_PEERS=$OUT/json/attention_torch_sdpa.json
+  step bench_kernels 300 $B/benchmarks/megacore_bench_kernels \
+    --peers $OUT/json/torch_peers.json --out $OUT/json/kernels.json ${KFILTER:+--filter $KFILTER}
+  grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy|gemm|attention|embedding" $OUT/bench_kernels.log | head -120
 fi
 cd $OUT && tar czf logs.tgz logs runs 2>/dev/null; rm -rf *.log logs runs
 # Many small files do not all come back: the JSON results travel as one archive too.

@@ -1,5 +1,7 @@
-// GEMM through megacore (cuBLASLt, cached heuristic plan) against plain cuBLAS (cublasGemmEx, default
-// algorithm selection) on the same data, at the shapes of a Llama-style layer (8k tokens).
+// GEMM through megacore (cuBLASLt, cached plan, timed choice among the heuristic's candidates: see
+// ops::GemmAutotune) against plain cuBLAS (cublasGemmEx, default algorithm selection) on the same data,
+// at the shapes of a Llama-style layer (8k tokens). With variants on, the heuristic's first choice
+// (autotuning off) is timed too.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -10,6 +12,7 @@
 
 #include "kernels/bench.hpp"
 #include "megacore/megacore.hpp"
+#include "ops/cuda/gemm_cuda.hpp"
 
 using namespace megacore;
 
@@ -48,6 +51,7 @@ MC_BENCHMARK("gemm", 10) {
   cublasHandle_t handle;
   cublas_ok(cublasCreate(&handle), "cublasCreate");
   const int samples = ctx.quick ? 10 : 30;
+  int64_t retuned_before = ops::cuda::gemm_autotuned_plan_count();
   std::printf("  %-14s %-22s %9s %9s %9s %9s %7s %7s\n", "shape", "m x n x k", "ms", "TFLOP/s", "cublas ms",
               "TFLOP/s", "ratio", "%ceil");
   for (const auto& s : shapes) {
@@ -79,8 +83,22 @@ MC_BENCHMARK("gemm", 10) {
     const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
     const double tf = flops / (ms * 1e-3) / 1e12, ptf = flops / (pms * 1e-3) / 1e12;
     const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
-    std::printf("  %-14s %-22s %9.4f %9.1f %9.4f %9.1f %6.1f%% %6.1f%%\n", s.name, shape.c_str(), ms, tf, pms, ptf,
-                100.0 * pms / ms, 100.0 * tf / ctx.gemm_bf16_tflops);
+    const bool retuned = ops::cuda::gemm_autotuned_plan_count() > retuned_before;
+    retuned_before = ops::cuda::gemm_autotuned_plan_count();
+    double ms_first = 0;  // the heuristic's first choice (autotuning off), a variant row
+    if (ctx.variants) {
+      const ops::GemmAutotune saved = ops::gemm_autotune();
+      ops::GemmAutotune off = saved;
+      off.enabled = false;
+      ops::set_gemm_autotune(off);
+      ms_first = std::min(mcbench::time_ms(ours, 5, samples), mcbench::time_ms(ours, 2, samples));
+      ops::set_gemm_autotune(saved);
+    }
+    std::printf("  %-14s %-22s %9.4f %9.1f %9.4f %9.1f %6.1f%% %6.1f%%%s\n", s.name, shape.c_str(), ms, tf, pms, ptf,
+                100.0 * pms / ms, 100.0 * tf / ctx.gemm_bf16_tflops, retuned ? "  (timed choice)" : "");
+    if (ms_first > 0)
+      std::printf("  %-14s %-22s %9.4f %9.1f %9s %9s %6.1f%%   [variant] heuristic first choice\n", s.name,
+                  shape.c_str(), ms_first, flops / (ms_first * 1e-3) / 1e12, "", "", 100.0 * pms / ms_first);
     ctx.record({{"op", std::string("gemm_") + s.name},
                 {"shape", shape},
                 {"dtype", s.f32_accumulate ? "bf16->f32 acc" : "bf16"},
@@ -94,7 +112,19 @@ MC_BENCHMARK("gemm", 10) {
                 {"peer_ms_rounds", {t_peer, t_peer2}},
                 {"peer_tflops", ptf},
                 {"vs_peer", pms / ms},
+                {"autotune", ops::gemm_autotune().enabled},
+                {"timed_choice_differs", retuned},
                 {"card", ctx.card}});
+    if (ms_first > 0)
+      ctx.record({{"op", std::string("gemm_") + s.name},
+                  {"variant", "heuristic first choice (autotune off)"},
+                  {"shape", shape},
+                  {"ms", ms_first},
+                  {"tflops", flops / (ms_first * 1e-3) / 1e12},
+                  {"peer", "cublasGemmEx"},
+                  {"peer_ms", pms},
+                  {"vs_peer", pms / ms_first},
+                  {"card", ctx.card}});
   }
   cublasDestroy(handle);
 }

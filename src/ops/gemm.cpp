@@ -3,9 +3,11 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "megacore/build_config.hpp"
@@ -241,6 +243,11 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   p.bias_dtype = opts.bias.defined() ? opts.bias.dtype() : out.dtype();
   p.allow_tf32 = opts.allow_tf32;
   p.sm_margin = gemm_sm_margin(dev.index);
+  {
+    const GemmAutotune tune = gemm_autotune();
+    const double gflop = 2.0 * double(m) * double(n) * double(ka) * double(batch) * 1e-9;
+    p.autotune_candidates = tune.enabled && opts.beta == 0.f && gflop >= tune.min_gflop ? tune.candidates : 0;
+  }
   if (batch > 1 && (p.stride_a == 0 || p.stride_b == 0)) {
     // A shared operand next to a batched one. When a is the batched one, not transposed and packed,
     // the batch folds into M: one large product instead of many.
@@ -322,6 +329,37 @@ void GemmSmMarginRequest::release() {
 int gemm_sm_margin(int device) {
   if (device < 0 || device >= 64) return 0;
   return margins().in_force[size_t(device)].load(std::memory_order_relaxed);
+}
+
+namespace {
+struct AutotuneState {
+  std::mutex mu;
+  GemmAutotune policy;
+  AutotuneState() {
+    const char* v = std::getenv("MEGACORE_GEMM_AUTOTUNE");
+    if (v && (std::string(v) == "0" || std::string(v) == "false" || std::string(v) == "off")) policy.enabled = false;
+  }
+};
+AutotuneState& autotune_state() {
+  static AutotuneState* s = new AutotuneState();
+  return *s;
+}
+}  // namespace
+
+void set_gemm_autotune(const GemmAutotune& policy) {
+  MC_CHECK(policy.candidates >= 2 && policy.candidates <= 32,
+           "set_gemm_autotune: candidates must be in [2, 32], got {} (to turn autotuning off set enabled = false)",
+           policy.candidates);
+  MC_CHECK(policy.min_gflop >= 0.0, "set_gemm_autotune: min_gflop must be >= 0, got {}", policy.min_gflop);
+  auto& st = autotune_state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.policy = policy;
+}
+
+GemmAutotune gemm_autotune() {
+  auto& st = autotune_state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  return st.policy;
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b, const GemmOptions& opts, const Stream& s, bool out_f32) {

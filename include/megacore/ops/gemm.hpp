@@ -89,6 +89,26 @@ class GemmSmMarginRequest {
 /// The margin in force on CUDA device `device` (the largest held request; 0 when none).
 int gemm_sm_margin(int device);
 
+/// Timed choice among cuBLASLt's candidate kernels (CUDA only).
+///
+/// cuBLASLt's heuristic ranks its kernels by a model; its first choice is sometimes a few percent
+/// slower than another candidate (on H100, the 8192x14336x4096 data-gradient product of a Llama FFN).
+/// With autotuning on, the first call of a shape times the heuristic's candidates on the call's own
+/// operands and keeps the fastest in the plan cache. Only candidates without split-K or a separate
+/// reduction are timed, so every candidate sums each output in the same order as the first choice.
+/// Calls that cannot be repeated harmlessly keep the first heuristic choice: beta != 0 (the output is
+/// read) and streams being captured into a CUDA graph. The timing synchronises the calling stream
+/// once per shape (tens of milliseconds for the largest products).
+struct GemmAutotune {
+  bool enabled = true;      ///< default on; MEGACORE_GEMM_AUTOTUNE=0 in the environment turns it off
+  double min_gflop = 20.0;  ///< smaller products (2*m*n*k*batch/1e9) keep the heuristic's first choice
+  int candidates = 8;       ///< heuristic candidates asked for (2..32)
+};
+/// Sets the policy for products planned from now on (plans already cached keep their choice).
+/// ValueError for candidates outside [2, 32] or a negative min_gflop.
+void set_gemm_autotune(const GemmAutotune& policy);
+GemmAutotune gemm_autotune();
+
 /// Several independent products with the same options (e.g. one per expert or per micro-batch);
 /// equal shapes reuse one cached plan.
 void gemm_batched(std::span<const Tensor> a, std::span<const Tensor> b, std::span<Tensor> out,

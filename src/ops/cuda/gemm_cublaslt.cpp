@@ -10,6 +10,7 @@
 #include <array>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "core/cuda/cuda_check.hpp"
 #include "megacore/core/allocator.hpp"
@@ -87,7 +88,7 @@ Handles& handles() {
   return *h;
 }
 
-using PlanKey = std::array<int64_t, 24>;
+using PlanKey = std::array<int64_t, 25>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 1469598103934665603ull;
@@ -104,12 +105,14 @@ struct Plan {
   Layouts layouts;
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;  // false: cuBLASLt has no kernel for this epilogue (bias grad done separately)
+  bool retuned = false;   // the timed choice is not the heuristic's first
 };
 
 class PlanCache {
  public:
   std::mutex mu;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+  int64_t retuned = 0;
 };
 PlanCache& plan_cache() {
   static PlanCache* c = new PlanCache();
@@ -175,12 +178,80 @@ bool is_bias_grad(int e) {
   return GemmEpilogue(e) == GemmEpilogue::BiasGradA || GemmEpilogue(e) == GemmEpilogue::BiasGradB;
 }
 
+bool stream_capturing(void* stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  MC_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+// Candidates that sum each output element in one pass, in k order, like the first choice: no split-K
+// and no separate reduction.
+bool single_pass(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t splits = 1, scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+  size_t got = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits), &got) !=
+      CUBLAS_STATUS_SUCCESS)
+    return false;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme),
+                                           &got) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  return splits <= 1 && scheme == CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+// Times `algos` on the call's own operands (beta = 0: every run overwrites the same output) and
+// returns the index of the fastest; the first is kept unless another is at least 1% faster.
+size_t fastest_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const Layouts& l, const GemmProblem& p,
+                    const std::vector<cublasLtMatmulAlgo_t>& algos, int device, void* stream) {
+  auto cs = static_cast<cudaStream_t>(stream);
+  Allocator& alloc = Allocator::get(Device::cuda(device));
+  Stream s = Stream::from_native(Device::cuda(device), stream);
+  void* ws = alloc.allocate(kWorkspaceBytes, s);
+  cudaEvent_t e0, e1;
+  MC_CUDA_CHECK(cudaEventCreate(&e0));
+  MC_CUDA_CHECK(cudaEventCreate(&e1));
+  auto run = [&](const cublasLtMatmulAlgo_t& a) {
+    return cublasLtMatmul(handle, desc, &p.alpha, p.b, l.a, p.a, l.b, &p.beta, p.c, l.c, p.c, l.c, &a, ws,
+                          kWorkspaceBytes, cs);
+  };
+  constexpr int kReps = 3;
+  std::vector<float> best(algos.size(), 1e30f);
+  for (int round = 0; round < 2; ++round)  // two interleaved rounds: clock drift shows as spread
+    for (size_t i = 0; i < algos.size(); ++i) {
+      if (best[i] < 0.f) continue;  // failed to launch
+      if (run(algos[i]) != CUBLAS_STATUS_SUCCESS) {
+        best[i] = -1.f;
+        continue;
+      }
+      MC_CUDA_CHECK(cudaEventRecord(e0, cs));
+      for (int r = 0; r < kReps; ++r) (void)run(algos[i]);
+      MC_CUDA_CHECK(cudaEventRecord(e1, cs));
+      MC_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.f;
+      MC_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      best[i] = std::min(best[i], ms);
+    }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  alloc.deallocate(ws);
+  MC_CUDA_CHECK(cudaGetLastError());
+  size_t pick = 0;
+  for (size_t i = 1; i < algos.size(); ++i)
+    if (best[i] > 0.f && (best[pick] < 0.f || best[i] < best[pick] * 0.99f)) pick = i;
+  return pick;
+}
+
 }  // namespace
 
 int64_t gemm_plan_cache_size() {
   auto& cache = plan_cache();
   std::lock_guard<std::mutex> lock(cache.mu);
   return int64_t(cache.plans.size());
+}
+
+int64_t gemm_autotuned_plan_count() {
+  auto& cache = plan_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  return cache.retuned;
 }
 
 void gemm(const GemmProblem& p, int device, void* stream) {
@@ -191,7 +262,10 @@ void gemm(const GemmProblem& p, int device, void* stream) {
   PlanKey key{device, int64_t(p.ab_dtype), int64_t(p.out_dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch,
               p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c, p.epilogue, int64_t(p.bias_dtype),
               p.allow_tf32, alignment_of(p.a), alignment_of(p.b), alignment_of(p.c),
-              p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, sm_target(device, p.sm_margin)};
+              p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, sm_target(device, p.sm_margin),
+              0};
+  // Timed plans only where repeating the product is harmless (see ops::GemmAutotune).
+  if (p.autotune_candidates > 1 && p.beta == 0.f && !stream_capturing(stream)) key[24] = p.autotune_candidates;
   Plan plan;
   {
     auto& cache = plan_cache();
@@ -223,14 +297,26 @@ void gemm(const GemmProblem& p, int device, void* stream) {
       auto find_algo = [&](bool with_epilogue) {
         DescGuard d;
         make_desc(d, p, with_epilogue, int(key[23]));
-        cublasLtMatmulHeuristicResult_t res{};
+        const int want = std::max<int>(1, int(key[24]));
+        std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
         int found = 0;
-        cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, 1, &res, &found);
-        if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-          plan.algo = res.algo;
-          return true;
+        cublasStatus_t st =
+            cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, want, res.data(), &found);
+        if (st != CUBLAS_STATUS_SUCCESS || found <= 0) return false;
+        plan.algo = res[0].algo;
+        if (found > 1) {
+          std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
+          for (int i = 1; i < found; ++i)
+            if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo) &&
+                single_pass(res[0].algo))
+              algos.push_back(res[size_t(i)].algo);
+          if (algos.size() > 1) {
+            const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);
+            plan.algo = algos[pick];
+            plan.retuned = pick != 0;
+          }
         }
-        return false;
+        return true;
       };
       plan.has_algo = find_algo(true);
       if (!plan.has_algo && is_bias_grad(p.epilogue)) {
@@ -246,6 +332,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
       }
       cublasLtMatmulPreferenceDestroy(pref);
       cache.plans.emplace(key, plan);
+      if (plan.retuned) ++cache.retuned;
     }
   }
 

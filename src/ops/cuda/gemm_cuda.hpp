@@ -27,6 +27,7 @@ struct GemmProblem {
   DType bias_dtype = DType::F32;
   bool allow_tf32 = false;
   int sm_margin = 0;  // SMs left free (ops::gemm_sm_margin); 0 = all SMs
+  int autotune_candidates = 0;  // > 1: time this many heuristic candidates when the plan is made (beta = 0)
 };
 
 /// Runs the product on `stream` of `device` (workspace from megacore's caching allocator).
@@ -34,5 +35,8 @@ void gemm(const GemmProblem& p, int device, void* stream);
 
 /// Number of cached cuBLASLt plans (for tests of the cache).
 int64_t gemm_plan_cache_size();
+
+/// Number of cached plans whose timed choice is not the heuristic's first (for tests and benchmarks).
+int64_t gemm_autotuned_plan_count();
 
 }  // namespace megacore::ops::cuda

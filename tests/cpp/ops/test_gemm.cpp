@@ -3,7 +3,11 @@
 #include <vector>
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
 #include "megacore/ops/gemm.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/gemm_cuda.hpp"
+#endif
 
 using namespace megacore;
 using namespace megacore::ops;
@@ -276,5 +280,92 @@ TEST_CASE("gemm gpu: products planned for fewer SMs (an SM margin) give the same
     Case acc;
     acc.ta = true, acc.m = 384, acc.n = 640, acc.k = 256, acc.dt = DType::BF16, acc.out = DType::F32, acc.beta = 1.f;
     run_case(acc, mctest::gpu());
+  }
+}
+
+namespace {
+// Sets an autotuning policy for one test and restores the previous one.
+struct AutotuneScope {
+  GemmAutotune saved = gemm_autotune();
+  explicit AutotuneScope(const GemmAutotune& p) { set_gemm_autotune(p); }
+  ~AutotuneScope() { set_gemm_autotune(saved); }
+};
+}  // namespace
+
+TEST_CASE("gemm: the autotuning policy is checked", "[ops][gemm]") {
+  const GemmAutotune saved = gemm_autotune();
+  GemmAutotune bad;
+  bad.candidates = 1;
+  CHECK_THROWS_WITH(set_gemm_autotune(bad), Catch::Contains("candidates must be in [2, 32]"));
+  bad.candidates = 33;
+  CHECK_THROWS_WITH(set_gemm_autotune(bad), Catch::Contains("candidates must be in [2, 32]"));
+  bad.candidates = 4, bad.min_gflop = -1.0;
+  CHECK_THROWS_WITH(set_gemm_autotune(bad), Catch::Contains("min_gflop must be >= 0"));
+  GemmAutotune good;
+  good.enabled = false, good.min_gflop = 3.5, good.candidates = 5;
+  {
+    AutotuneScope scope(good);
+    CHECK(!gemm_autotune().enabled);
+    CHECK(gemm_autotune().min_gflop == 3.5);
+    CHECK(gemm_autotune().candidates == 5);
+  }
+  CHECK(gemm_autotune().enabled == saved.enabled);
+  CHECK(gemm_autotune().candidates == saved.candidates);
+  // The CPU path ignores the policy: same numbers with it on for every size.
+  GemmAutotune all;
+  all.min_gflop = 0.0;
+  AutotuneScope scope(all);
+  for (const Case& c : transposes_and_dtypes()) run_case(c, Device::cpu());
+}
+
+TEST_CASE("gemm gpu: autotuned plans (every size timed) against the f64 reference", "[ops][gemm][gpu]") {
+  MC_REQUIRE_GPU();
+  GemmAutotune all;
+  all.min_gflop = 0.0, all.candidates = 16;
+  AutotuneScope scope(all);
+  for (const Case& c : transposes_and_dtypes()) run_case(c, mctest::gpu());
+  for (GemmEpilogue e : {GemmEpilogue::Bias, GemmEpilogue::BiasGelu, GemmEpilogue::BiasGradA, GemmEpilogue::BiasGradB}) {
+    Case c;
+    c.m = 136, c.n = 72, c.k = 200, c.dt = c.out = DType::BF16, c.epi = e, c.tb = true;
+    run_case(c, mctest::gpu());
+  }
+  Case acc;  // beta = 1 is never timed (the output is read): the heuristic's choice
+  acc.ta = true, acc.m = 384, acc.n = 640, acc.k = 256, acc.dt = DType::BF16, acc.out = DType::F32, acc.beta = 1.f;
+  run_case(acc, mctest::gpu());
+  for (int t = 0; t < 4; ++t) {
+    Case big;
+    big.m = 1032, big.n = 1544, big.k = 776, big.ta = t & 1, big.tb = t & 2, big.dt = big.out = DType::BF16;
+    run_case(big, mctest::gpu());
+  }
+}
+
+TEST_CASE("gemm gpu: an autotuned plan gives the heuristic plan's bits", "[ops][gemm][gpu]") {
+  MC_REQUIRE_GPU();
+  // Only single-pass candidates are timed, so any choice sums in the same order: the bits must not
+  // change, whichever kernel wins (ranks that time differently still agree).
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  struct S { int64_t m, n, k; bool ta, tb; };
+  for (const S& s : {S{2048, 3584, 1024, false, false}, S{2048, 1536, 3584, false, true}, S{1024, 3584, 2048, true, false}}) {
+    Tensor a = mctest::randn(s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k}, DType::BF16, seed, 0, 1, mctest::gpu());
+    Tensor b = mctest::randn(s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n}, DType::BF16, seed + 1, 0, 1, mctest::gpu());
+    GemmOptions o;
+    o.trans_a = s.ta, o.trans_b = s.tb;
+    GemmAutotune off;
+    off.enabled = false;
+    Tensor want;
+    {
+      AutotuneScope scope(off);
+      want = matmul(a, b, o);
+    }
+    GemmAutotune on;
+    on.min_gflop = 0.0, on.candidates = 32;
+    AutotuneScope scope(on);
+    Tensor got = matmul(a, b, o);
+    INFO("m=" << s.m << " n=" << s.n << " k=" << s.k << " ta=" << s.ta << " tb=" << s.tb);
+#if MEGACORE_WITH_CUDA
+    INFO("plans re-chosen so far: " << ops::cuda::gemm_autotuned_plan_count());
+#endif
+    CHECK(got.to_double_vector() == want.to_double_vector());
   }
 }
