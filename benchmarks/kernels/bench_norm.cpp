@@ -28,13 +28,24 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f8_b2_512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .bwd_threads_per_sm = 512}},
       // 512-thread backward blocks of several row groups
       {"f8_bd_m512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 512}},
+      // Session 3: partial weight/bias gradients. "fin": one 16-byte-load finalize launch for dw and db;
+      // "mg": a block's row groups merge their partial rows in shared memory (one row per block).
+      {"f8_bd_fin", NormTuning{.bwd_finalize = 1}},
+      {"f8_bd_m256_mg_fin", NormTuning{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_bd_m512_mg_fin", NormTuning{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_bd_m512_mg_fin_occ",
+       NormTuning{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_b2_m512_mg_fin", NormTuning{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
+      // forward with 4 vectors (weight and bias loaded before the reduction) and the merged backward
+      {"f4_bd_m512_mg_fin", NormTuning{.fwd_vecs = 4, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
   };
 }
 
 std::string describe(const ops::cuda::NormTuning& t) {
   return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
          " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
-         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm);
+         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) + " bwd_merge=" + std::to_string(int(t.bwd_merge)) +
+         " bwd_finalize=" + std::to_string(t.bwd_finalize);
 }
 
 }  // namespace

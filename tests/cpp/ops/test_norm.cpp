@@ -195,9 +195,23 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_vecs = 0, .min_block = 512},
                        NT{.bwd_vecs = 2, .min_block = 512},
                        NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true}};
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true},
+                       // merged partial rows and the 16-byte finalize (every bench_norm variant's backward)
+                       NT{.bwd_finalize = 1},
+                       NT{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_merge = true},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_merge = true,
+                          .bwd_finalize = 1}};
   struct Case { int64_t rows, h; };
-  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}}) {
+  // 256 and 512: several row groups per block (merged when asked); 1029 rows: the last pass of the
+  // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
+  // take the scalar finalize even when bwd_finalize = 1. 1000 and 2056: rows in registers whose last
+  // vectors leave some threads of the group without columns. 8192: bf16 merge buffer at its largest.
+  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{19, 1002}, Case{41, 2056},
+                 Case{7, 8192}, Case{1029, 512}}) {
     for (DType dt : {DType::F32, DType::BF16}) {
       for (bool layer : {false, true}) {
         const uint64_t seed = fresh_seed();
@@ -221,7 +235,8 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
         for (const auto& t : shapes) {
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
-                       << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm);
+                       << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm
+                       << " merge " << t.bwd_merge << " finalize " << t.bwd_finalize);
           Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
           ops::cuda::NormBackwardArgs a;
           a.layer = layer;
@@ -244,6 +259,14 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           CHECK(rel_err_t(gdx, dx) < tol_for(dt));
           CHECK(rel_err_t(gdw, dw) < 1e-4);
           if (layer) CHECK(rel_err_t(gdb, db) < 1e-4);
+          // A second run gives bit-identical weight/bias gradients (fixed summation order).
+          Tensor gdw2 = dw_init.to(g), gdb2 = db_init.to(g);
+          a.dw = gdw2.data_ptr();
+          a.db = layer ? gdb2.data_ptr() : nullptr;
+          ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+          s.synchronize();
+          CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
+          if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
         }
       }
     }
