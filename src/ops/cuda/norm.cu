@@ -36,6 +36,13 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, int wpr, float2* 
   return t;
 }
 
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
 // Thread t of a row group owns vectors k * tpr + t (k < NV) of the row: each k is one coalesced sweep.
 template <class T, int NV>
 __device__ __forceinline__ void load_row_stream(Vec16<T> (&r)[NV], const T* p, int t, int tpr, int h, bool live) {
@@ -217,7 +224,12 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
 // With `merge` (NormTuning::bwd_merge) the block's row groups add their weight/bias partials in the
 // dynamic shared memory (h floats) in group order once the rows are done, and the block writes one
 // partial row (row blockIdx.x of the scratch); else each row group writes its own.
-template <class T, int NV, bool LAYER, bool PREFETCH>
+// With SMEM_ACC (NormTuning::bwd_smem_acc) the weight/bias gradient sums live in dynamic shared memory
+// instead of registers (NV * V floats each fewer per thread): every row group has its own region of
+// float4 slots, slot (k * V / 4 + i4) * tpr + t belonging to thread t alone (consecutive threads,
+// consecutive slots: no bank conflicts, no barriers while rows run). At the end the block adds its groups'
+// regions in group order and writes one partial row (row blockIdx.x); `merge` is then ignored.
+template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC>
 __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b,
                                                      int merge) {
   constexpr int V = kVec16<T>;
@@ -232,14 +244,28 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
   const T* dresb = static_cast<const T*>(a.dresidual);
   Vec16<T> wv[NV];
   load_row<T, NV>(wv, static_cast<const T*>(a.w), t, tpr, h);
-  float dw[NV][V], db[LAYER ? NV : 1][V];
+  constexpr int R = SMEM_ACC ? 1 : NV;  // register accumulators (unused with SMEM_ACC)
+  float dw[R][V], db[LAYER ? R : 1][V];
 #pragma unroll
-  for (int k = 0; k < NV; ++k)
+  for (int k = 0; k < R; ++k)
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       dw[k][i] = 0.f;
       if constexpr (LAYER) db[k][i] = 0.f;
     }
+  // SMEM_ACC: regions of nslots float4 each, dw of groups 0..G-1 then (bias gradient asked) db of each.
+  extern __shared__ float4 acc_smem[];
+  const int ngroups = blockDim.x / tpr, nslots = NV * (V / 4) * tpr;
+  const bool acc_b = LAYER && part_b != nullptr;
+  float4* acc_w = acc_smem + grp * nslots + t;
+  float4* acc_bias = acc_smem + (ngroups + grp) * nslots + t;
+  if constexpr (SMEM_ACC) {
+#pragma unroll
+    for (int j = 0; j < NV * (V / 4); ++j) {
+      acc_w[j * tpr] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (acc_b) acc_bias[j * tpr] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   Vec16<T> xv[NV], dyv[NV];
   float mean = 0.f, rstd = 0.f;
   auto fetch = [&](int64_t row, Vec16<T>(&xr)[NV], Vec16<T>(&dr)[NV], float& m, float& r) {
@@ -297,8 +323,33 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
             const float xh = (xf[i] - mean) * rstd, d = df[i];
             o[i] = rstd * (d * wf[i] - m1 - xh * m2);
             if (dresb) o[i] += rf[i];
-            dw[k][i] += d * xh;
-            if constexpr (LAYER) db[k][i] += d;
+            if constexpr (SMEM_ACC) {
+              xf[i] = d * xh;  // this element's dw term, added to the slot below
+            } else {
+              dw[k][i] += d * xh;
+              if constexpr (LAYER) db[k][i] += d;
+            }
+          }
+          if constexpr (SMEM_ACC) {
+#pragma unroll
+            for (int i4 = 0; i4 < V / 4; ++i4) {
+              float4* q = acc_w + (k * (V / 4) + i4) * tpr;
+              float4 u = *q;
+              u.x += xf[4 * i4];
+              u.y += xf[4 * i4 + 1];
+              u.z += xf[4 * i4 + 2];
+              u.w += xf[4 * i4 + 3];
+              *q = u;
+              if (acc_b) {
+                q = acc_bias + (k * (V / 4) + i4) * tpr;
+                u = *q;
+                u.x += df[4 * i4];
+                u.y += df[4 * i4 + 1];
+                u.z += df[4 * i4 + 2];
+                u.w += df[4 * i4 + 3];
+                *q = u;
+              }
+            }
           }
           store_f32_stream<T, V>(dx + c, o);
         }
@@ -314,17 +365,35 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
       rstd = rstd_n;
     }
   }
+  if constexpr (SMEM_ACC) {
+    __syncthreads();
+    for (int pass = 0; pass < (acc_b ? 2 : 1); ++pass) {
+      const float4* reg = acc_smem + (pass == 0 ? 0 : ngroups * nslots);
+      float* out = (pass == 0 ? part_w : part_b) + int64_t(blockIdx.x) * h;
+      for (int sl = threadIdx.x; sl < nslots; sl += blockDim.x) {
+        // slot -> the thread and vector it belongs to -> its 4 columns
+        const int k = sl / ((V / 4) * tpr), rem = sl - k * (V / 4) * tpr;
+        const int i4 = rem / tpr, tt = rem - i4 * tpr;
+        const int c = (k * tpr + tt) * V + 4 * i4;
+        if ((k * tpr + tt) * V < h) {
+          float4 v = reg[sl];
+          for (int g = 1; g < ngroups; ++g) add4(v, reg[g * nslots + sl]);  // group order
+          *reinterpret_cast<float4*>(out + c) = v;
+        }
+      }
+    }
+    return;
+  }
   if (merge) {  // the same for the whole block
     extern __shared__ float4 merge_smem[];
     float* sm = reinterpret_cast<float*>(merge_smem);
-    const int ngroups = blockDim.x / tpr;
     const int passes = LAYER && part_b ? 2 : 1;
     for (int pass = 0; pass < passes; ++pass) {
       // Group 0 stores, then groups 1, 2, ... add in turn: a fixed order, so bit-identical sums.
       for (int g = 0; g < ngroups; ++g) {
         if (grp == g) {
 #pragma unroll
-          for (int k = 0; k < NV; ++k) {
+          for (int k = 0; k < R; ++k) {  // R == NV here
             const int c = (k * tpr + t) * V;
             if (c < h) {
 #pragma unroll
@@ -359,7 +428,7 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
   float* pw = part_w + group * h;
   float* pb = part_b ? part_b + group * h : nullptr;
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
+  for (int k = 0; k < R; ++k) {  // R == NV here
     const int c = (k * tpr + t) * V;
     if (c < h) {
 #pragma unroll
@@ -434,13 +503,6 @@ __device__ __forceinline__ void finalize_store4(W* out, int64_t c, float4 t, boo
   const float v[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) out[c + j] = from_f32<W>(accumulate ? v[j] + to_f32(out[c + j]) : v[j]);
-}
-
-__device__ __forceinline__ void add4(float4& a, const float4& b) {
-  a.x += b.x;
-  a.y += b.y;
-  a.z += b.z;
-  a.w += b.w;
 }
 
 // NormTuning::bwd_finalize = 1: blockIdx.y 0 sums part_w into dw, 1 sums part_b into db (one launch).
@@ -548,9 +610,12 @@ void forward_t(const NormForwardArgs& a, cudaStream_t s) {
 }
 
 template <class T, int NV, bool LAYER>
-const void* bwd_rows_fn(bool prefetch) {
-  return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true>)
-                  : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false>);
+const void* bwd_rows_fn(bool prefetch, bool smem_acc) {
+  if (smem_acc)
+    return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true, true>)
+                    : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false, true>);
+  return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true, false>)
+                  : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false, false>);
 }
 
 // The backward kernel to run, its plan and its persistent grid (row groups resident at once, capped by
@@ -581,16 +646,35 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   }
   // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
   if (!LAYER && a.db) p = generic_plan(a.h);
-  const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
-  if (p.vec) {
-    if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch);
-    else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch);
-    else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false>);
-  }
   const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   BwdLaunch L;
-  L.merge = tu.bwd_merge && p.vec && rows_per_block > 1 && a.h <= kMergeMaxFloats ? 1 : 0;
-  L.smem = L.merge ? size_t(a.h) * sizeof(float) : 0;
+  // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
+  // they do not fit in a block's shared memory the register sums run instead.
+  bool smem_acc = false;
+  if (tu.bwd_smem_acc && p.vec) {
+    const size_t bytes = size_t(p.threads) * p.nv * kVec16<T> * sizeof(float) * (LAYER && a.db ? 2 : 1);
+    int optin = 0;
+    MC_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    // the kernel's static shared memory (the reduction's 256 bytes) comes out of the same budget
+    if (bytes + 1024 <= size_t(optin)) {
+      smem_acc = true;
+      L.smem = bytes;
+    }
+  }
+  const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
+  if (p.vec) {
+    if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch, smem_acc);
+    else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch, smem_acc);
+    else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
+                      : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
+  }
+  if (smem_acc) {
+    if (L.smem > 48 * 1024)
+      MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
+  } else {
+    L.merge = tu.bwd_merge && p.vec && rows_per_block > 1 && a.h <= kMergeMaxFloats ? 1 : 0;
+    L.smem = L.merge ? size_t(a.h) * sizeof(float) : 0;
+  }
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
@@ -602,7 +686,7 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   L.fn = f;
   L.plan = p;
   L.grid = int(g);
-  L.parts = int(L.merge ? g : g * rows_per_block);
+  L.parts = int(L.merge || smem_acc ? g : g * rows_per_block);
   return L;
 }
 

@@ -204,6 +204,16 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
                        NT{.bwd_vecs = 1, .min_block = 512, .bwd_merge = true},
                        NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_merge = true,
+                          .bwd_finalize = 1},
+                       // dw/db sums in shared memory (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
+                       NT{.bwd_smem_acc = true},
+                       NT{.bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = true},
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = true,
                           .bwd_finalize = 1}};
   struct Case { int64_t rows, h; };
   // 256 and 512: several row groups per block (merged when asked); 1029 rows: the last pass of the
@@ -236,7 +246,8 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
                        << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm
-                       << " merge " << t.bwd_merge << " finalize " << t.bwd_finalize);
+                       << " merge " << t.bwd_merge << " smem_acc " << t.bwd_smem_acc << " finalize "
+                       << t.bwd_finalize);
           Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
           ops::cuda::NormBackwardArgs a;
           a.layer = layer;
@@ -267,6 +278,18 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           s.synchronize();
           CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
           if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
+          if (layer) {
+            // LayerNorm without a bias gradient: the same dw (its own workspace size), db untouched.
+            Tensor gdw3 = dw_init.to(g), gdb3 = db_init.to(g);
+            a.dw = gdw3.data_ptr();
+            a.db = nullptr;
+            const size_t ws3_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
+            Tensor ws3 = Tensor::empty({int64_t(ws3_bytes / 4 + 1)}, DType::F32, g);
+            ops::cuda::norm_backward(dt, a, ws3.data_ptr(), g.index, s.native());
+            s.synchronize();
+            CHECK(rel_err_t(gdw3, dw) < 1e-4);
+            CHECK(gdb3.to_double_vector() == db_init.to_double_vector());
+          }
         }
       }
     }
