@@ -296,3 +296,54 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
   }
 }
 #endif
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("norm forward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
+  MC_REQUIRE_GPU();
+  using NT = ops::cuda::NormTuning;
+  // every fwd_vecs of bench_norm's variants, with short rows sharing small and large blocks
+  const NT shapes[] = {NT{}, NT{.fwd_vecs = 4}, NT{.fwd_vecs = 2}, NT{.fwd_vecs = 1},
+                       NT{.fwd_vecs = 8, .min_block = 512}, NT{.fwd_vecs = 4, .min_block = 512}};
+  struct Case { int64_t rows, h; };
+  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{41, 2056}, Case{9, 8192}}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (bool layer : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        const Shape sh{c.rows, c.h};
+        Tensor x = randn(sh, dt, seed, 0.3, 1.0), w = randn({c.h}, dt, seed + 2, 1.0, 0.2);
+        Tensor b = randn({c.h}, dt, seed + 3, 0.0, 0.5);
+        Tensor y = Tensor::empty(sh, dt), mean = Tensor::empty({c.rows}), rstd = Tensor::empty({c.rows});
+        if (layer) ops::layernorm_forward(x, w, b, y, mean, rstd, 1e-5f);
+        else ops::rmsnorm_forward(x, w, y, rstd, 1e-5f);
+        Device g = gpu();
+        // A blocking stream: ordered after the default-stream poison fills and copies.
+        Stream s = Stream::create(g, /*non_blocking=*/false);
+        Tensor gx = x.to(g), gw = w.to(g), gb = b.to(g);
+        for (const auto& t : shapes) {
+          INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
+                       << " fwd_vecs " << t.fwd_vecs << " min_block " << t.min_block);
+          Tensor gy = poisoned(sh, dt, g), gmean = poisoned({c.rows}, DType::F32, g),
+                 grstd = poisoned({c.rows}, DType::F32, g);
+          ops::cuda::NormForwardArgs a;
+          a.layer = layer;
+          a.x = gx.data_ptr();
+          a.w = gw.data_ptr();
+          a.b = layer ? gb.data_ptr() : nullptr;
+          a.y = gy.data_ptr();
+          a.mean = layer ? gmean.data<float>() : nullptr;
+          a.rstd = grstd.data<float>();
+          a.rows = c.rows;
+          a.h = c.h;
+          a.eps = 1e-5f;
+          a.tuning = t;
+          ops::cuda::norm_forward(dt, a, g.index, s.native());
+          s.synchronize();
+          CHECK(rel_err_t(gy, y) < tol_for(dt));
+          CHECK(rel_err_t(grstd, rstd) < 1e-5);
+          if (layer) CHECK(rel_err_t(gmean, mean) < 1e-5);
+        }
+      }
+    }
+  }
+}
+#endif
