@@ -12,7 +12,8 @@ namespace {
 using NormTuning = ops::cuda::NormTuning;
 
 // Alternatives to the default (fwd 8 vectors/thread; bwd without prefetch, 4 vectors for RMSNorm and 2
-// for LayerNorm; 128-thread minimum block; at most 1024 backward threads per SM), each spelled out.
+// for LayerNorm; 128-thread minimum block; at most 1024 backward threads per SM; dw/db sums in registers,
+// one partial row per row group, scalar finalize), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
       // many threads per row, one vector each (the shape of the kernels before NormTuning)
@@ -28,13 +29,36 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f8_b2_512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .bwd_threads_per_sm = 512}},
       // 512-thread backward blocks of several row groups
       {"f8_bd_m512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 512}},
+      // Session 3: partial weight/bias gradients. "fin": one 16-byte-load finalize launch for dw and db;
+      // "mg": a block's row groups merge their partial rows in shared memory (one row per block).
+      {"f8_bd_fin", NormTuning{.bwd_finalize = 1}},
+      {"f8_bd_m256_mg_fin", NormTuning{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_bd_m512_mg_fin", NormTuning{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_bd_m512_mg_fin_occ",
+       NormTuning{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1}},
+      {"f8_b2_m512_mg_fin", NormTuning{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
+      // forward with 4 vectors (weight and bias loaded before the reduction) and the merged backward
+      {"f4_bd_m512_mg_fin", NormTuning{.fwd_vecs = 4, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
+      // "sacc": dw/db sums in shared memory (fewer registers: more resident threads, LayerNorm's
+      // 4-vector kernel without spills, room for prefetch); one partial row per block
+      {"f8_bd_sacc_fin", NormTuning{.bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b4_sacc_fin", NormTuning{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b2_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b2pf_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b1_sacc_fin", NormTuning{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b1pf_sacc_fin", NormTuning{.bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f8_b2_m256_sacc_fin_occ", NormTuning{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0,
+                                             .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4, .bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1}},
   };
 }
 
 std::string describe(const ops::cuda::NormTuning& t) {
   return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
          " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
-         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm);
+         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) + " bwd_merge=" + std::to_string(int(t.bwd_merge)) +
+         " bwd_smem_acc=" + std::to_string(int(t.bwd_smem_acc)) +
+         " bwd_finalize=" + std::to_string(t.bwd_finalize);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "ops/cuda/norm_cuda.hpp"
 
 #include <initializer_list>
+#include <type_traits>
 
 namespace megacore::ops::cuda {
 namespace {
@@ -33,6 +34,13 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, int wpr, float2* 
   t.y = warp_sum(t.y);
   __syncthreads();
   return t;
+}
+
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
 }
 
 // Thread t of a row group owns vectors k * tpr + t (k < NV) of the row: each k is one coalesced sweep.
@@ -213,8 +221,17 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
-template <class T, int NV, bool LAYER, bool PREFETCH>
-__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
+// With `merge` (NormTuning::bwd_merge) the block's row groups add their weight/bias partials in the
+// dynamic shared memory (h floats) in group order once the rows are done, and the block writes one
+// partial row (row blockIdx.x of the scratch); else each row group writes its own.
+// With SMEM_ACC (NormTuning::bwd_smem_acc) the weight/bias gradient sums live in dynamic shared memory
+// instead of registers (NV * V floats each fewer per thread): every row group has its own region of
+// float4 slots, slot (k * V / 4 + i4) * tpr + t belonging to thread t alone (consecutive threads,
+// consecutive slots: no bank conflicts, no barriers while rows run). At the end the block adds its groups'
+// regions in group order and writes one partial row (row blockIdx.x); `merge` is then ignored.
+template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC>
+__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b,
+                                                     int merge) {
   constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
   const int h = int(a.h);
@@ -227,14 +244,28 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
   const T* dresb = static_cast<const T*>(a.dresidual);
   Vec16<T> wv[NV];
   load_row<T, NV>(wv, static_cast<const T*>(a.w), t, tpr, h);
-  float dw[NV][V], db[LAYER ? NV : 1][V];
+  constexpr int R = SMEM_ACC ? 1 : NV;  // register accumulators (unused with SMEM_ACC)
+  float dw[R][V], db[LAYER ? R : 1][V];
 #pragma unroll
-  for (int k = 0; k < NV; ++k)
+  for (int k = 0; k < R; ++k)
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       dw[k][i] = 0.f;
       if constexpr (LAYER) db[k][i] = 0.f;
     }
+  // SMEM_ACC: regions of nslots float4 each, dw of groups 0..G-1 then (bias gradient asked) db of each.
+  extern __shared__ float4 acc_smem[];
+  const int ngroups = blockDim.x / tpr, nslots = NV * (V / 4) * tpr;
+  const bool acc_b = LAYER && part_b != nullptr;
+  float4* acc_w = acc_smem + grp * nslots + t;
+  float4* acc_bias = acc_smem + (ngroups + grp) * nslots + t;
+  if constexpr (SMEM_ACC) {
+#pragma unroll
+    for (int j = 0; j < NV * (V / 4); ++j) {
+      acc_w[j * tpr] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (acc_b) acc_bias[j * tpr] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   Vec16<T> xv[NV], dyv[NV];
   float mean = 0.f, rstd = 0.f;
   auto fetch = [&](int64_t row, Vec16<T>(&xr)[NV], Vec16<T>(&dr)[NV], float& m, float& r) {
@@ -292,8 +323,33 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
             const float xh = (xf[i] - mean) * rstd, d = df[i];
             o[i] = rstd * (d * wf[i] - m1 - xh * m2);
             if (dresb) o[i] += rf[i];
-            dw[k][i] += d * xh;
-            if constexpr (LAYER) db[k][i] += d;
+            if constexpr (SMEM_ACC) {
+              xf[i] = d * xh;  // this element's dw term, added to the slot below
+            } else {
+              dw[k][i] += d * xh;
+              if constexpr (LAYER) db[k][i] += d;
+            }
+          }
+          if constexpr (SMEM_ACC) {
+#pragma unroll
+            for (int i4 = 0; i4 < V / 4; ++i4) {
+              float4* q = acc_w + (k * (V / 4) + i4) * tpr;
+              float4 u = *q;
+              u.x += xf[4 * i4];
+              u.y += xf[4 * i4 + 1];
+              u.z += xf[4 * i4 + 2];
+              u.w += xf[4 * i4 + 3];
+              *q = u;
+              if (acc_b) {
+                q = acc_bias + (k * (V / 4) + i4) * tpr;
+                u = *q;
+                u.x += df[4 * i4];
+                u.y += df[4 * i4 + 1];
+                u.z += df[4 * i4 + 2];
+                u.w += df[4 * i4 + 3];
+                *q = u;
+              }
+            }
           }
           store_f32_stream<T, V>(dx + c, o);
         }
@@ -309,11 +365,70 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
       rstd = rstd_n;
     }
   }
+  if constexpr (SMEM_ACC) {
+    __syncthreads();
+    for (int pass = 0; pass < (acc_b ? 2 : 1); ++pass) {
+      const float4* reg = acc_smem + (pass == 0 ? 0 : ngroups * nslots);
+      float* out = (pass == 0 ? part_w : part_b) + int64_t(blockIdx.x) * h;
+      for (int sl = threadIdx.x; sl < nslots; sl += blockDim.x) {
+        // slot -> the thread and vector it belongs to -> its 4 columns
+        const int k = sl / ((V / 4) * tpr), rem = sl - k * (V / 4) * tpr;
+        const int i4 = rem / tpr, tt = rem - i4 * tpr;
+        const int c = (k * tpr + tt) * V + 4 * i4;
+        if ((k * tpr + tt) * V < h) {
+          float4 v = reg[sl];
+          for (int g = 1; g < ngroups; ++g) add4(v, reg[g * nslots + sl]);  // group order
+          *reinterpret_cast<float4*>(out + c) = v;
+        }
+      }
+    }
+    return;
+  }
+  if (merge) {  // the same for the whole block
+    extern __shared__ float4 merge_smem[];
+    float* sm = reinterpret_cast<float*>(merge_smem);
+    const int passes = LAYER && part_b ? 2 : 1;
+    for (int pass = 0; pass < passes; ++pass) {
+      // Group 0 stores, then groups 1, 2, ... add in turn: a fixed order, so bit-identical sums.
+      for (int g = 0; g < ngroups; ++g) {
+        if (grp == g) {
+#pragma unroll
+          for (int k = 0; k < R; ++k) {  // R == NV here
+            const int c = (k * tpr + t) * V;
+            if (c < h) {
+#pragma unroll
+              for (int i = 0; i < V; i += 4) {
+                float4 v;
+                if constexpr (LAYER) {
+                  v = pass == 0 ? make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3])
+                                : make_float4(db[k][i], db[k][i + 1], db[k][i + 2], db[k][i + 3]);
+                } else {
+                  v = make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3]);
+                }
+                float4* q = reinterpret_cast<float4*>(sm + c + i);
+                if (g > 0) {
+                  const float4 o = *q;
+                  v = make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
+                }
+                *q = v;
+              }
+            }
+          }
+        }
+        __syncthreads();
+      }
+      float* out = (pass == 0 ? part_w : part_b) + int64_t(blockIdx.x) * h;
+      for (int j = threadIdx.x * 4; j < h; j += blockDim.x * 4)
+        *reinterpret_cast<float4*>(out + j) = *reinterpret_cast<const float4*>(sm + j);
+      __syncthreads();  // before the next pass overwrites sm
+    }
+    return;
+  }
   // One partial row per group (16-byte aligned: h is a multiple of 4 and the scratch is aligned).
   float* pw = part_w + group * h;
   float* pb = part_b ? part_b + group * h : nullptr;
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
+  for (int k = 0; k < R; ++k) {  // R == NV here
     const int c = (k * tpr + t) * V;
     if (c < h) {
 #pragma unroll
@@ -380,6 +495,49 @@ __global__ void column_sum_finalize(const float* part, int nparts, int64_t h, W*
     for (int y = 0; y < 16; ++y) t += tile[y][threadIdx.x];
     if (accumulate) t += to_f32(out[c]);
     out[c] = from_f32<W>(t);
+  }
+}
+
+template <class W>
+__device__ __forceinline__ void finalize_store4(W* out, int64_t c, float4 t, bool accumulate) {
+  const float v[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[c + j] = from_f32<W>(accumulate ? v[j] + to_f32(out[c + j]) : v[j]);
+}
+
+// NormTuning::bwd_finalize = 1: blockIdx.y 0 sums part_w into dw, 1 sums part_b into db (one launch).
+// An 8 x 32 block covers 32 columns: thread (x, y) sums columns 4x..4x+3 over parts y, y + 32, ... in
+// that order (8 16-byte loads issued before their adds), then row y = 0 adds the 32 slices in order.
+// h is a multiple of 4 and the part rows are 16-byte aligned.
+template <class W, class B>
+__global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w, const float* part_b, int nparts,
+                                                            int64_t h, W* dw, B* db, bool accumulate) {
+  __shared__ float4 tile[32][8];
+  const bool bias = blockIdx.y == 1;
+  const float* part = bias ? part_b : part_w;
+  const int64_t c = (int64_t(blockIdx.x) * 8 + threadIdx.x) * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (c < h) {
+    const float* q = part + c;
+    int p = threadIdx.y;
+    constexpr int U = 8;
+    for (; p + (U - 1) * 32 < nparts; p += U * 32) {
+      float4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = __ldcs(reinterpret_cast<const float4*>(q + int64_t(p + u * 32) * h));
+#pragma unroll
+      for (int u = 0; u < U; ++u) add4(acc, v[u]);
+    }
+    for (; p < nparts; p += 32) add4(acc, __ldcs(reinterpret_cast<const float4*>(q + int64_t(p) * h)));
+  }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < h) {
+    float4 t = tile[0][threadIdx.x];
+#pragma unroll
+    for (int y = 1; y < 32; ++y) add4(t, tile[y][threadIdx.x]);
+    if (bias) finalize_store4(db, c, t, accumulate);
+    else finalize_store4(dw, c, t, accumulate);
   }
 }
 
@@ -452,15 +610,30 @@ void forward_t(const NormForwardArgs& a, cudaStream_t s) {
 }
 
 template <class T, int NV, bool LAYER>
-const void* bwd_rows_fn(bool prefetch) {
-  return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true>)
-                  : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false>);
+const void* bwd_rows_fn(bool prefetch, bool smem_acc) {
+  if (smem_acc)
+    return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true, true>)
+                    : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false, true>);
+  return prefetch ? reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, true, false>)
+                  : reinterpret_cast<const void*>(&norm_bwd_rows<T, NV, LAYER, false, false>);
 }
 
 // The backward kernel to run, its plan and its persistent grid (row groups resident at once, capped by
-// NormTuning::bwd_threads_per_sm, at most one per row). *parts: partial gradient rows it writes.
+// NormTuning::bwd_threads_per_sm, at most one per row).
+struct BwdLaunch {
+  const void* fn = nullptr;
+  Plan plan;
+  int grid = 0;
+  int parts = 0;      // partial gradient rows the kernel writes
+  int merge = 0;      // row groups merged per block (norm_bwd_rows' merge flag)
+  size_t smem = 0;    // dynamic shared memory (the merge buffer)
+};
+
+// Largest merge buffer (h floats): within the default 48 KiB of shared memory per block.
+constexpr int64_t kMergeMaxFloats = 8192;
+
 template <class T, bool LAYER>
-void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid, int* parts) {
+BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   const NormTuning& tu = a.tuning;
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
@@ -473,31 +646,53 @@ void backward_kernel(const NormBackwardArgs& a, int device, const void** fn, Pla
   }
   // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
   if (!LAYER && a.db) p = generic_plan(a.h);
+  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
+  BwdLaunch L;
+  // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
+  // they do not fit in a block's shared memory the register sums run instead.
+  bool smem_acc = false;
+  if (tu.bwd_smem_acc && p.vec) {
+    const size_t bytes = size_t(p.threads) * p.nv * kVec16<T> * sizeof(float) * (LAYER && a.db ? 2 : 1);
+    int optin = 0;
+    MC_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    // the kernel's static shared memory (the reduction's 256 bytes) comes out of the same budget
+    if (bytes + 1024 <= size_t(optin)) {
+      smem_acc = true;
+      L.smem = bytes;
+    }
+  }
   const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
   if (p.vec) {
-    if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch);
-    else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch);
-    else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false>);
+    if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch, smem_acc);
+    else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch, smem_acc);
+    else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
+                      : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
+  }
+  if (smem_acc) {
+    if (L.smem > 48 * 1024)
+      MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
+  } else {
+    L.merge = tu.bwd_merge && p.vec && rows_per_block > 1 && a.h <= kMergeMaxFloats ? 1 : 0;
+    L.smem = L.merge ? size_t(a.h) * sizeof(float) : 0;
   }
   int per_sm = 0;
-  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, 0));
+  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
     per_sm = tu.bwd_threads_per_sm / p.threads;
-  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   int64_t g = int64_t(sm_count(device)) * (per_sm < 1 ? 1 : per_sm);
   const int64_t need = (a.rows + rows_per_block - 1) / rows_per_block;
   if (g > need) g = need;
   if (g < 1) g = 1;
-  *fn = f;
-  *plan = p;
-  *grid = int(g);
-  *parts = int(g * rows_per_block);
+  L.fn = f;
+  L.plan = p;
+  L.grid = int(g);
+  L.parts = int(L.merge || smem_acc ? g : g * rows_per_block);
+  return L;
 }
 
 template <class T>
-void backward_kernel_any(const NormBackwardArgs& a, int device, const void** fn, Plan* plan, int* grid, int* parts) {
-  if (a.layer) backward_kernel<T, true>(a, device, fn, plan, grid, parts);
-  else backward_kernel<T, false>(a, device, fn, plan, grid, parts);
+BwdLaunch backward_kernel_any(const NormBackwardArgs& a, int device) {
+  return a.layer ? backward_kernel<T, true>(a, device) : backward_kernel<T, false>(a, device);
 }
 
 template <class W>
@@ -522,10 +717,8 @@ void norm_forward(DType dt, const NormForwardArgs& a, int device, void* stream) 
 size_t norm_backward_workspace_bytes(const NormBackwardArgs& a, DType dt, int device) {
   if (a.rows == 0) return 0;
   cuda_impl::DeviceGuard guard(device);
-  const void* fn = nullptr;
-  Plan p;
-  int grid = 0, parts = 0;
-  dispatch_float(dt, [&](auto tag) { backward_kernel_any<decltype(tag)>(a, device, &fn, &p, &grid, &parts); });
+  int parts = 0;
+  dispatch_float(dt, [&](auto tag) { parts = backward_kernel_any<decltype(tag)>(a, device).parts; });
   return size_t(parts) * size_t(a.h) * sizeof(float) * (a.db ? 2 : 1);
 }
 
@@ -542,18 +735,33 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
   }
   dispatch_float(dt, [&](auto tag) {
     using T = decltype(tag);
-    const void* fn = nullptr;
-    Plan p;
-    int grid = 0, parts = 0;
-    backward_kernel_any<T>(a, device, &fn, &p, &grid, &parts);
+    const BwdLaunch L = backward_kernel_any<T>(a, device);
+    const int parts = L.parts;
     float* part_w = static_cast<float*>(workspace);
     float* part_b = a.db ? part_w + int64_t(parts) * a.h : nullptr;
     NormBackwardArgs args = a;
-    int tpr = p.tpr;
+    int tpr = L.plan.tpr, merge = L.merge;
     void* generic_params[] = {&args, &part_w, &part_b};
-    void* rows_params[] = {&args, &tpr, &part_w, &part_b};
-    MC_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(grid)), dim3(unsigned(p.threads)),
-                                   p.vec ? rows_params : generic_params, 0, s));
+    void* rows_params[] = {&args, &tpr, &part_w, &part_b, &merge};
+    MC_CUDA_CHECK(cudaLaunchKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
+                                   L.plan.vec ? rows_params : generic_params, L.smem, s));
+    // The 16-byte finalize needs rows of whole float4s (and so 16-byte aligned part rows).
+    if (a.tuning.bwd_finalize == 1 && a.h % 4 == 0 && aligned16(workspace)) {
+      dispatch_float(a.dw_dtype, [&](auto wtag) {
+        using W = decltype(wtag);
+        // Without a bias gradient the second type is unused; give it dw's to halve the instantiations.
+        auto launch = [&](auto* db) {
+          using B = std::remove_pointer_t<decltype(db)>;
+          dim3 grid(unsigned((a.h + 31) / 32), a.db ? 2u : 1u), block(8, 32);
+          column_sum_finalize4<W, B><<<grid, block, 0, s>>>(part_w, part_b, parts, a.h, static_cast<W*>(a.dw), db,
+                                                            a.accumulate);
+          MC_CUDA_CHECK_LAUNCH();
+        };
+        if (!a.db) launch(static_cast<W*>(nullptr));
+        else dispatch_float(a.db_dtype, [&](auto btag) { launch(static_cast<decltype(btag)*>(a.db)); });
+      });
+      return;
+    }
     dispatch_float(a.dw_dtype, [&](auto wtag) { finalize_t<decltype(wtag)>(part_w, parts, a.h, a.dw, a.accumulate, s); });
     if (a.db)
       dispatch_float(a.db_dtype, [&](auto btag) { finalize_t<decltype(btag)>(part_b, parts, a.h, a.db, a.accumulate, s); });

@@ -27,6 +27,18 @@ struct NormTuning {
   bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
   int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only); the
                                   ///< per-row-group partial gradients are (resident threads x vecs) floats
+  // Partial weight/bias gradients (norm session 3). The defaults keep the first layout: one partial row
+  // per row group, summed by a 32-column x 16-slice scalar kernel, one launch per gradient.
+  bool bwd_merge = false;         ///< the row groups of a backward block add their partial rows in shared
+                                  ///< memory once at the end (fixed group order): one partial row per
+                                  ///< block instead of per row group (with several groups per block)
+  bool bwd_smem_acc = false;      ///< backward keeps the dw/db sums in shared memory, not registers (frees
+                                  ///< vecs x 8 (x2 for LayerNorm) registers a thread); implies one partial
+                                  ///< row per block; falls back to registers where the block's sums do
+                                  ///< not fit in shared memory
+  int bwd_finalize = 0;           ///< 0: scalar column-sum kernel per gradient; 1: one launch for dw and
+                                  ///< db, 16-byte loads of 32 columns x 32 part slices per block, four
+                                  ///< loads in flight per thread (rows of a multiple of 4 floats; else 0)
 };
 
 struct NormForwardArgs {

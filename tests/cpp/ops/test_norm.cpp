@@ -195,9 +195,33 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_vecs = 0, .min_block = 512},
                        NT{.bwd_vecs = 2, .min_block = 512},
                        NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true}};
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true},
+                       // merged partial rows and the 16-byte finalize (every bench_norm variant's backward)
+                       NT{.bwd_finalize = 1},
+                       NT{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_merge = true},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_merge = true,
+                          .bwd_finalize = 1},
+                       // dw/db sums in shared memory (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
+                       NT{.bwd_smem_acc = true},
+                       NT{.bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = true},
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = true,
+                          .bwd_finalize = 1}};
   struct Case { int64_t rows, h; };
-  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}}) {
+  // 256 and 512: several row groups per block (merged when asked); 1029 rows: the last pass of the
+  // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
+  // take the scalar finalize even when bwd_finalize = 1. 1000 and 2056: rows in registers whose last
+  // vectors leave some threads of the group without columns. 8192: bf16 merge buffer at its largest.
+  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{19, 1002}, Case{41, 2056},
+                 Case{7, 8192}, Case{1029, 512}}) {
     for (DType dt : {DType::F32, DType::BF16}) {
       for (bool layer : {false, true}) {
         const uint64_t seed = fresh_seed();
@@ -221,7 +245,9 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
         for (const auto& t : shapes) {
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
-                       << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm);
+                       << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm
+                       << " merge " << t.bwd_merge << " smem_acc " << t.bwd_smem_acc << " finalize "
+                       << t.bwd_finalize);
           Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
           ops::cuda::NormBackwardArgs a;
           a.layer = layer;
@@ -244,6 +270,77 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           CHECK(rel_err_t(gdx, dx) < tol_for(dt));
           CHECK(rel_err_t(gdw, dw) < 1e-4);
           if (layer) CHECK(rel_err_t(gdb, db) < 1e-4);
+          // A second run gives bit-identical weight/bias gradients (fixed summation order).
+          Tensor gdw2 = dw_init.to(g), gdb2 = db_init.to(g);
+          a.dw = gdw2.data_ptr();
+          a.db = layer ? gdb2.data_ptr() : nullptr;
+          ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+          s.synchronize();
+          CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
+          if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
+          if (layer) {
+            // LayerNorm without a bias gradient: the same dw (its own workspace size), db untouched.
+            Tensor gdw3 = dw_init.to(g), gdb3 = db_init.to(g);
+            a.dw = gdw3.data_ptr();
+            a.db = nullptr;
+            const size_t ws3_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
+            Tensor ws3 = Tensor::empty({int64_t(ws3_bytes / 4 + 1)}, DType::F32, g);
+            ops::cuda::norm_backward(dt, a, ws3.data_ptr(), g.index, s.native());
+            s.synchronize();
+            CHECK(rel_err_t(gdw3, dw) < 1e-4);
+            CHECK(gdb3.to_double_vector() == db_init.to_double_vector());
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("norm forward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
+  MC_REQUIRE_GPU();
+  using NT = ops::cuda::NormTuning;
+  // every fwd_vecs of bench_norm's variants, with short rows sharing small and large blocks
+  const NT shapes[] = {NT{}, NT{.fwd_vecs = 4}, NT{.fwd_vecs = 2}, NT{.fwd_vecs = 1},
+                       NT{.fwd_vecs = 8, .min_block = 512}, NT{.fwd_vecs = 4, .min_block = 512}};
+  struct Case { int64_t rows, h; };
+  for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{41, 2056}, Case{9, 8192}}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (bool layer : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        const Shape sh{c.rows, c.h};
+        Tensor x = randn(sh, dt, seed, 0.3, 1.0), w = randn({c.h}, dt, seed + 2, 1.0, 0.2);
+        Tensor b = randn({c.h}, dt, seed + 3, 0.0, 0.5);
+        Tensor y = Tensor::empty(sh, dt), mean = Tensor::empty({c.rows}), rstd = Tensor::empty({c.rows});
+        if (layer) ops::layernorm_forward(x, w, b, y, mean, rstd, 1e-5f);
+        else ops::rmsnorm_forward(x, w, y, rstd, 1e-5f);
+        Device g = gpu();
+        // A blocking stream: ordered after the default-stream poison fills and copies.
+        Stream s = Stream::create(g, /*non_blocking=*/false);
+        Tensor gx = x.to(g), gw = w.to(g), gb = b.to(g);
+        for (const auto& t : shapes) {
+          INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
+                       << " fwd_vecs " << t.fwd_vecs << " min_block " << t.min_block);
+          Tensor gy = poisoned(sh, dt, g), gmean = poisoned({c.rows}, DType::F32, g),
+                 grstd = poisoned({c.rows}, DType::F32, g);
+          ops::cuda::NormForwardArgs a;
+          a.layer = layer;
+          a.x = gx.data_ptr();
+          a.w = gw.data_ptr();
+          a.b = layer ? gb.data_ptr() : nullptr;
+          a.y = gy.data_ptr();
+          a.mean = layer ? gmean.data<float>() : nullptr;
+          a.rstd = grstd.data<float>();
+          a.rows = c.rows;
+          a.h = c.h;
+          a.eps = 1e-5f;
+          a.tuning = t;
+          ops::cuda::norm_forward(dt, a, g.index, s.native());
+          s.synchronize();
+          CHECK(rel_err_t(gy, y) < tol_for(dt));
+          CHECK(rel_err_t(grstd, rstd) < 1e-5);
+          if (layer) CHECK(rel_err_t(gmean, mean) < 1e-5);
         }
       }
     }
