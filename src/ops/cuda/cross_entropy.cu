@@ -368,29 +368,33 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
   // Every CTA's partial is visible to the cluster after this barrier.
   cluster_arrive();
   cluster_wait();
-  if (threadIdx.x == 0) {
+  if (warp == 0) {
+    // Lane r fetches rank r's partial (the remote loads overlap); lane 0 combines them in rank order.
+    RowPart q{-INFINITY, 0.f, 0.f, 0.f};
+    if (unsigned(lane) < nc) q = *cluster.map_shared_rank(&part, unsigned(lane));
     MaxSum t{-INFINITY, 0.f};
     float tsz = 0.f, tzt = 0.f;
     for (unsigned r = 0; r < nc; ++r) {
-      const RowPart* p = cluster.map_shared_rank(&part, r);
-      const RowPart q = *p;
-      t = combine(t, MaxSum{q.m, q.s});
-      tsz += q.sz;
-      tzt += q.zt;
+      const float m = __shfl_sync(0xffffffffu, q.m, int(r)), sm = __shfl_sync(0xffffffffu, q.s, int(r));
+      t = combine(t, MaxSum{m, sm});
+      tsz += __shfl_sync(0xffffffffu, q.sz, int(r));
+      tzt += __shfl_sync(0xffffffffu, q.zt, int(r));
     }
-    const float lse = (t.m + log2f(t.s)) * kLn2;
-    const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
-    if (rank == 0) {
-      float loss = 0.f;
-      if (!ignored) {
-        loss = (label < 0 || label >= a.vocab_total) ? NAN
-                                                     : lse - (1.f - smooth) * tzt - smooth / float(a.vocab_total) * tsz;
-        loss *= mask;
+    if (lane == 0) {
+      const float lse = (t.m + log2f(t.s)) * kLn2;
+      const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
+      if (rank == 0) {
+        float loss = 0.f;
+        if (!ignored) {
+          loss = (label < 0 || label >= a.vocab_total) ? NAN
+                                                       : lse - (1.f - smooth) * tzt - smooth / float(a.vocab_total) * tsz;
+          loss *= mask;
+        }
+        a.loss[row] = loss;
+        if (a.lse_out) a.lse_out[row] = lse;
       }
-      a.loss[row] = loss;
-      if (a.lse_out) a.lse_out[row] = lse;
+      row_stat = make_float2(lse * kLog2e, ignored ? 0.f : a.grad_scale * mask);
     }
-    row_stat = make_float2(lse * kLog2e, ignored ? 0.f : a.grad_scale * mask);
   }
   // This CTA is done reading the others' shared memory; it waits for them (below) before it exits.
   cluster_arrive();
