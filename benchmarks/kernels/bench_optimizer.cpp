@@ -62,6 +62,8 @@ std::vector<mcbench::Variant<EmbeddingTuning>> embedding_variants() {
       {"csort_t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4, .sort = 1}},
       {"csort_t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1, .sort = 1}},
       {"csort_t512_u1", EmbeddingTuning{.threads = 512, .unroll = 1, .sort = 1}},
+      // the radix sort with the counting sort's segment kernel (its one-round-trip lookups alone)
+      {"radix_ordered_t256_u2", EmbeddingTuning{.sort = 2}},
   };
 }
 std::string describe(const EmbeddingTuning& t) {

@@ -228,10 +228,18 @@ __global__ void segment_sum_ordered(const T* dout, const int32_t* keys, const in
   __shared__ int32_t s_ord[kMax];
   __shared__ int32_t warp_cnt[32];
   const int64_t i = blockIdx.x;
+  // The four lookups have independent addresses: one round trip before the rows' loads (a run of one token,
+  // the common case, needs nothing more).
   const int32_t k = keys[i];
-  if (k >= v || (i > 0 && keys[i - 1] == k)) return;
+  const int32_t k_prev = i > 0 ? keys[i - 1] : -1;
+  const int32_t k_next = i + 1 < n ? keys[i + 1] : -1;
+  const int32_t tok0 = tokens[i];
+  if (k >= v || k_prev == k) return;
   int64_t end = i + 1;
-  while (end < n && keys[end] == k) ++end;
+  if (k_next == k) {
+    end = i + 2;
+    while (end < n && keys[end] == k) ++end;
+  }
   const int64_t len = end - i;
   const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x * U + threadIdx.x) * V;
   const int64_t cstep = int64_t(blockDim.x) * V;
@@ -262,34 +270,40 @@ __global__ void segment_sum_ordered(const T* dout, const int32_t* keys, const in
         for (int e = 0; e < V; ++e) acc[u][e] += t[u][e];
   };
   if (len == 1) {
-    add_row(tokens[i]);
-  } else if (len <= blockDim.x) {
-    if (threadIdx.x < len) s_tok[threadIdx.x] = tokens[i + threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x < len) {
-      const int32_t me = s_tok[threadIdx.x];
-      int r = 0;
-      for (int j = 0; j < int(len); ++j) r += s_tok[j] < me;
-      s_ord[r] = me;
-    }
-    __syncthreads();
-    for (int j = 0; j < int(len); ++j) add_row(s_ord[j]);
+    add_row(tok0);
   } else {
+    // One list when the run fits the block (each token's rank is the number of smaller ones), else one
+    // list per tile of keys_tok, in token order.
+    const bool walk = len > blockDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (int64_t base = 0; base < n; base += blockDim.x) {
-      const int64_t t = base + threadIdx.x;
-      const bool hit = t < n && keys_tok[t] == k;
-      const unsigned bal = __ballot_sync(0xffffffffu, hit);
-      if (lane == 0) warp_cnt[warp] = __popc(bal);
-      __syncthreads();
-      int before = 0, total = 0;
-      for (int w = 0; w < nwarps; ++w) {
-        if (w < warp) before += warp_cnt[w];
-        total += warp_cnt[w];
+    for (int64_t base = 0;; base += blockDim.x) {
+      int cnt = int(len);
+      if (!walk) {
+        if (threadIdx.x < len) s_tok[threadIdx.x] = tokens[i + threadIdx.x];
+        __syncthreads();
+        if (threadIdx.x < len) {
+          const int32_t me = s_tok[threadIdx.x];
+          int r = 0;
+          for (int j = 0; j < int(len); ++j) r += s_tok[j] < me;
+          s_ord[r] = me;
+        }
+      } else {
+        const int64_t t = base + threadIdx.x;
+        const bool hit = t < n && keys_tok[t] == k;
+        const unsigned bal = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_cnt[warp] = __popc(bal);
+        __syncthreads();
+        int before = 0;
+        cnt = 0;
+        for (int w = 0; w < nwarps; ++w) {
+          if (w < warp) before += warp_cnt[w];
+          cnt += warp_cnt[w];
+        }
+        if (hit) s_ord[before + __popc(bal & ((1u << lane) - 1u))] = int32_t(t);
       }
-      if (hit) s_ord[before + __popc(bal & ((1u << lane) - 1u))] = int32_t(t);
       __syncthreads();
-      for (int j = 0; j < total; ++j) add_row(s_ord[j]);
+      for (int j = 0; j < cnt; ++j) add_row(s_ord[j]);
+      if (!walk || base + blockDim.x >= n) break;
       __syncthreads();  // s_ord and warp_cnt are rewritten by the next tile
     }
   }
@@ -411,7 +425,9 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
                        reinterpret_cast<uintptr_t>(dweight) % (uintptr_t(A) * sizeof(W)) == 0;
       // The counting sort: vector path only (the element kernel adds the run in sorted order).
       const bool counting = vec && tu.sort == 1 && counting_sort(ids, ids_i64, n, v, vocab_start, ws, l, device, s);
+      const bool ordered = vec && (counting || tu.sort == 2);
       if (!counting) {
+        // keys_in keeps the keys by token (segment_sum_ordered's walk reads them; the sort does not alter it).
         make_keys<<<elementwise_blocks(n, 256, device), 256, 0, s>>>(ids, ids_i64, keys_in, vals_in, n, v,
                                                                      vocab_start);
         MC_CUDA_CHECK_LAUNCH();
@@ -435,7 +451,7 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
         if (need < threads) threads = int(need);
         const int64_t per_block = int64_t(threads) * U * V;
         const dim3 grid(unsigned(n), unsigned((h + per_block - 1) / per_block));
-        if (counting)
+        if (ordered)
           segment_sum_ordered<T, W, V, U><<<grid, threads, 0, s>>>(static_cast<const T*>(dout), keys_out, vals_out,
                                                                    keys_in, static_cast<W*>(dweight), n, v, h,
                                                                    accumulate);

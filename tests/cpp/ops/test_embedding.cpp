@@ -81,6 +81,7 @@ TEST_CASE("embedding backward launch shapes all match the CPU reference", "[ops]
                                                {.sort = 1},
                                                {.threads = 32, .unroll = 1, .sort = 1},
                                                {.threads = 128, .unroll = 4, .sort = 1},
+                                               {.threads = 64, .unroll = 2, .sort = 2},
                                                {.vector = false, .sort = 1}};  // element kernel: radix sort
   // {4099, 3, 264}: runs of about 1366 tokens, longer than any block (the counting sort's in-order walk);
   // {999, 37, 1000}: runs of about 27 (ranked in shared memory, or walked with 32 threads).
