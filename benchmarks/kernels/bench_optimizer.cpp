@@ -57,11 +57,18 @@ std::vector<mcbench::Variant<EmbeddingTuning>> embedding_variants() {
       {"t128_u2", EmbeddingTuning{.threads = 128, .unroll = 2}},
       {"t64_u4", EmbeddingTuning{.threads = 64, .unroll = 4}},
       {"t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1}},
+      // one cooperative counting-sort kernel instead of make_keys + CUB's radix sort
+      {"csort_t256_u2", EmbeddingTuning{.sort = 1}},
+      {"csort_t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4, .sort = 1}},
+      {"csort_t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1, .sort = 1}},
+      {"csort_t512_u1", EmbeddingTuning{.threads = 512, .unroll = 1, .sort = 1}},
+      // the radix sort with the counting sort's segment kernel (its one-round-trip lookups alone)
+      {"radix_ordered_t256_u2", EmbeddingTuning{.sort = 2}},
   };
 }
 std::string describe(const EmbeddingTuning& t) {
   return "vector=" + std::to_string(int(t.vector)) + " threads=" + std::to_string(t.threads) +
-         " unroll=" + std::to_string(t.unroll);
+         " unroll=" + std::to_string(t.unroll) + " sort=" + std::to_string(t.sort);
 }
 
 // Alternatives to the default dropout (8 elements per step, 2 steps of loads in flight, 256 threads,

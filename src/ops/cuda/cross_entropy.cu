@@ -6,6 +6,8 @@
 // holds the launch-shape choices.
 #include <cfloat>
 
+#include <cooperative_groups.h>
+
 #include "ops/cuda/cross_entropy_cuda.hpp"
 #include "ops/cuda/memops_common.cuh"
 
@@ -212,6 +214,216 @@ __global__ void loss_from_stats_kernel(const float* gmax, const float* sum_exp, 
   }
 }
 
+
+// ---- Row on chip (CeTuning::cluster >= 1, Fused mode, vector path) ---------------------------------
+// One cluster of C CTAs per row; CTA r holds columns [r * slice, (r + 1) * slice) in shared memory, loaded
+// by bulk asynchronous copies (TMA, cp.async.bulk) in kChunks pieces, so each logit is read from device
+// memory exactly once and the gradient is computed from shared memory. The CTAs exchange their (max,
+// sum-exp, sum, target) partials through distributed shared memory; every CTA combines them in rank
+// order, so all of a row's CTAs use bit-identical statistics.
+constexpr int kChunks = 4;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// bytes: a multiple of 16; src and dst 16-byte aligned.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+struct RowPart {
+  float m, s, sz, zt;  // max (log2 units), sum 2^(x - m), sum of logits, target logit (0 if not here)
+};
+
+template <class T>
+__global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int64_t slice) {
+  constexpr int V = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[kChunks];
+  __shared__ MaxSum red_ms[32];
+  __shared__ float red[32];
+  __shared__ RowPart part;     // this CTA's partial, read by the cluster
+  __shared__ float2 row_stat;  // lse2, scale
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned nc = cluster.num_blocks(), rank = cluster.block_rank();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t row = blockIdx.x / nc;
+  const int64_t v = a.v;
+  const int64_t c_begin = int64_t(rank) * slice;
+  const int64_t c_end = c_begin + slice < v ? c_begin + slice : v;
+  const int64_t len = c_end > c_begin ? c_end - c_begin : 0;  // multiple of V
+  const T* z = static_cast<const T*>(a.logits) + row * v;
+  T* buf = reinterpret_cast<T*>(smem_raw);
+  // Chunk k: vectors [k * cv, min((k + 1) * cv, nvec)).
+  const int64_t nvec = len / V;
+  const int64_t cv = (nvec + kChunks - 1) / kChunks;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) mbar_init(&bars[k], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t v0 = k * cv, v1 = (k + 1) * cv < nvec ? (k + 1) * cv : nvec;
+      const uint32_t bytes = v1 > v0 ? uint32_t((v1 - v0) * 16) : 0u;
+      mbar_expect_tx(&bars[k], bytes);
+      if (bytes) bulk_g2s(buf + v0 * V, z + c_begin + v0 * V, bytes, &bars[k]);
+    }
+  }
+  const int64_t label = label_at(a, row);
+  const bool ignored = label == a.ignore_index;
+  const int64_t tl = label - a.vocab_start;
+  const float smooth = a.label_smoothing;
+  // Pass 1 over shared memory, chunk by chunk as the copies land: per-thread max, then sum-exp.
+  MaxSum ms{-INFINITY, 0.f};
+  float sz = 0.f;
+  for (int k = 0; k < kChunks; ++k) {
+    mbar_wait(&bars[k], 0);
+    const int64_t v0 = k * cv, v1 = (k + 1) * cv < nvec ? (k + 1) * cv : nvec;
+    float cm = -INFINITY;
+    for (int64_t i = v0 + threadIdx.x; i < v1; i += blockDim.x) {
+      float x[V];
+      unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
+#pragma unroll
+      for (int e = 0; e < V; ++e) cm = fmaxf(cm, x[e]);
+    }
+    cm *= kLog2e;
+    if (cm > ms.m) {
+      ms.s *= exp2f(ms.m - cm);
+      ms.m = cm;
+    }
+    if (ms.m != -INFINITY) {  // all -inf so far: the terms are 0 (exp2(-inf + inf) would be NaN)
+      for (int64_t i = v0 + threadIdx.x; i < v1; i += blockDim.x) {
+        float x[V];
+        unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          ms.s += exp2f(fmaf(x[e], kLog2e, -ms.m));
+          sz += x[e];
+        }
+      }
+    } else {
+      for (int64_t i = v0 + threadIdx.x; i < v1; i += blockDim.x) {
+        float x[V];
+        unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
+#pragma unroll
+        for (int e = 0; e < V; ++e) sz += x[e];
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
+    ms = combine(ms, other);
+  }
+  sz = warp_sum(sz);
+  if (lane == 0) {
+    red_ms[warp] = ms;
+    red[warp] = sz;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    ms = lane < nwarps ? red_ms[lane] : MaxSum{-INFINITY, 0.f};
+    sz = lane < nwarps ? red[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
+      ms = combine(ms, other);
+    }
+    sz = warp_sum(sz);
+    if (lane == 0) {
+      const float zt = (tl >= c_begin && tl < c_end) ? to_f32(buf[tl - c_begin]) : 0.f;
+      part = RowPart{ms.m, ms.s, sz, zt};
+    }
+  }
+  // Every CTA's partial is visible to the cluster after this barrier.
+  cluster_arrive();
+  cluster_wait();
+  if (warp == 0) {
+    // Lane r fetches rank r's partial (the remote loads overlap); lane 0 combines them in rank order.
+    RowPart q{-INFINITY, 0.f, 0.f, 0.f};
+    if (unsigned(lane) < nc) q = *cluster.map_shared_rank(&part, unsigned(lane));
+    MaxSum t{-INFINITY, 0.f};
+    float tsz = 0.f, tzt = 0.f;
+    for (unsigned r = 0; r < nc; ++r) {
+      const float m = __shfl_sync(0xffffffffu, q.m, int(r)), sm = __shfl_sync(0xffffffffu, q.s, int(r));
+      t = combine(t, MaxSum{m, sm});
+      tsz += __shfl_sync(0xffffffffu, q.sz, int(r));
+      tzt += __shfl_sync(0xffffffffu, q.zt, int(r));
+    }
+    if (lane == 0) {
+      const float lse = (t.m + log2f(t.s)) * kLn2;
+      const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
+      if (rank == 0) {
+        float loss = 0.f;
+        if (!ignored) {
+          loss = (label < 0 || label >= a.vocab_total) ? NAN
+                                                       : lse - (1.f - smooth) * tzt - smooth / float(a.vocab_total) * tsz;
+          loss *= mask;
+        }
+        a.loss[row] = loss;
+        if (a.lse_out) a.lse_out[row] = lse;
+      }
+      row_stat = make_float2(lse * kLog2e, ignored ? 0.f : a.grad_scale * mask);
+    }
+  }
+  // This CTA is done reading the others' shared memory; it waits for them (below) before it exits.
+  cluster_arrive();
+  __syncthreads();
+  const float lse2 = row_stat.x, scale = row_stat.y;
+  const float off = smooth / float(a.vocab_total);
+  T* dz = static_cast<T*>(a.dlogits) + row * v + c_begin;
+  constexpr int kU = 4;
+  for (int64_t i0 = threadIdx.x; i0 < nvec; i0 += int64_t(blockDim.x) * kU) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      if (i < nvec) {
+        float x[V];
+        unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
+        const int64_t c = c_begin + i * V;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float g = exp2f(fmaf(x[e], kLog2e, -lse2)) - off;
+          if (c + e == tl) g -= 1.f - smooth;
+          x[e] = scale * g;
+        }
+        store_f32_stream<T, V>(dz + i * V, x);
+      }
+    }
+  }
+  cluster_wait();
+}
+
 template <class T, int V, bool STREAM2>
 void launch_vec(int unroll, dim3 g, dim3 b, cudaStream_t s, const CeArgs& a) {
   if (unroll >= 8) ce_kernel<T, V, 8, STREAM2><<<g, b, 0, s>>>(a);
@@ -220,7 +432,51 @@ void launch_vec(int unroll, dim3 g, dim3 b, cudaStream_t s, const CeArgs& a) {
   else ce_kernel<T, V, 1, STREAM2><<<g, b, 0, s>>>(a);
 }
 
+
+// Columns per CTA of the row-on-chip kernel (a multiple of the vector width), or 0 when that kernel does
+// not apply: not Fused, not the vector path, a cluster size outside 1..8, or a slice too large for
+// shared memory.
+template <class T>
+int64_t row_smem_slice(const CeArgs& a, int device) {
+  constexpr int V = kVec16<T>;
+  const int c = a.tuning.cluster;
+  if (a.mode != CeMode::Fused || c < 1 || c > 8 || a.v % V != 0 || !aligned16(a.logits) || !aligned16(a.dlogits))
+    return 0;
+  const int64_t per = (a.v + c - 1) / c;
+  const int64_t slice = (per + V - 1) / V * V;
+  int optin = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // Static shared memory of the kernel: barriers, reductions and the partials, well under 1 KiB.
+  if (slice * int64_t(sizeof(T)) + 1024 > int64_t(optin)) return 0;
+  return slice;
+}
+
+template <class T>
+void launch_row_smem(const CeArgs& a, int64_t slice, int threads, cudaStream_t s) {
+  const size_t smem = size_t(slice) * sizeof(T);
+  MC_CUDA_CHECK(cudaFuncSetAttribute(ce_row_smem_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(a.n * a.tuning.cluster));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(a.tuning.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  MC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ce_row_smem_kernel<T>, a, slice));
+}
+
 }  // namespace
+
+bool ce_row_on_chip(DType dt, const CeArgs& a, int device) {
+  bool ok = false;
+  dispatch_float(dt, [&](auto tag) { ok = row_smem_slice<decltype(tag)>(a, device) > 0; });
+  return ok;
+}
 
 void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
   if (a.n == 0) return;
@@ -234,6 +490,11 @@ void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
     const bool vec = a.v % V == 0 && aligned16(a.logits) && (a.dlogits == nullptr || aligned16(a.dlogits));
     const CeTuning& tu = a.tuning;
     const int threads = tu.threads < 32 ? 32 : tu.threads > kMaxThreads ? kMaxThreads : tu.threads / 32 * 32;
+    if (const int64_t slice = row_smem_slice<T>(a, device); slice > 0) {
+      launch_row_smem<T>(a, slice, threads, s);
+      MC_CUDA_CHECK_LAUNCH();
+      return;
+    }
     // Rows in flight: enough to fill every SM, few enough that their logits stay in part of L2.
     const int64_t row_bytes = a.v * int64_t(sizeof(T));
     const int sms = sm_count(device);

@@ -20,6 +20,11 @@ struct CeTuning {
   float l2_fraction = 0.f;    ///< Fused: rows in flight hold at most this share of L2, so pass 2 hits it;
                               ///< 0: 0.75 for rows up to 128 KiB, else 0.5
   bool stream_pass2 = true;   ///< pass 2 reads are the logits' last use: evict-first
+  int cluster = 0;            ///< Fused only: >= 1 keeps each row in the shared memory of a cluster of this
+                              ///< many CTAs (1..8; bulk-copied once from device memory, gradient written
+                              ///< from shared memory; threads as above, unroll / blocks_per_sm / l2_fraction
+                              ///< unused); 0, or a row slice that does not fit, or not the 16-byte path:
+                              ///< the two-pass kernel
 };
 
 struct CeArgs {
@@ -45,6 +50,8 @@ struct CeArgs {
   CeTuning tuning{};
 };
 void cross_entropy(DType dt, const CeArgs& a, int device, void* stream);
+/// Whether cross_entropy runs a's row-on-chip kernel (a.tuning.cluster >= 1 and the row slice fits).
+bool ce_row_on_chip(DType dt, const CeArgs& a, int device);
 
 /// sum_exp[i] *= exp(local_max[i] - global_max[i]).
 void ce_rescale(const float* local_max, const float* global_max, float* sum_exp, int64_t n, int device, void* stream);

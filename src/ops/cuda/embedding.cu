@@ -3,6 +3,7 @@
 // run's gradient rows in token order and own the output row: no atomics, so the result does not depend
 // on scheduling. The sums use 16-byte accesses (EmbeddingTuning); rows that are not a multiple of 16
 // bytes, or misaligned pointers, take an element-wise kernel.
+#include <cooperative_groups.h>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "ops/cuda/embedding_cuda.hpp"
@@ -130,6 +131,189 @@ __global__ void segment_sum_vec(const T* dout, const int32_t* keys, const int32_
   }
 }
 
+
+// ---- Counting sort (EmbeddingTuning::sort = 1) -----------------------------------------------------
+// One cooperative launch groups the tokens by id: zero the v + 1 counters, histogram (integer atomics:
+// the counts do not depend on order), exclusive scan of the counters across the grid, scatter. Runs are
+// contiguous in keys_out as after the radix sort, but the scatter's atomics leave the tokens of a run in
+// an order that varies from run to run; segment_sum_ordered puts them back in token order before it
+// adds, so the sums are bit-identical to the radix-sort path's.
+constexpr int kSortThreads = 512;
+constexpr int kMaxSortBlocks = 1024;
+
+__device__ __forceinline__ int32_t block_exclusive_scan(int32_t x, int32_t* warp_tot, int32_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int32_t incl = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  int32_t before = 0;
+  total = 0;
+  for (int w = 0; w < nwarps; ++w) {
+    if (w < warp) before += warp_tot[w];
+    total += warp_tot[w];
+  }
+  __syncthreads();  // warp_tot is reused by the next call
+  return before + incl - x;
+}
+
+__global__ void __launch_bounds__(kSortThreads) counting_sort_kernel(const void* ids, bool i64, int64_t n, int64_t v,
+                                                                     int64_t vocab_start, int32_t* keys_tok,
+                                                                     int32_t* count, int32_t* block_tot,
+                                                                     int32_t* keys_out, int32_t* vals_out) {
+  namespace cg = cooperative_groups;
+  cg::grid_group grid = cg::this_grid();
+  __shared__ int32_t warp_tot[32];
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, nthreads = int64_t(gridDim.x) * blockDim.x;
+  const int64_t buckets = v + 1;  // bucket v: ids outside the table (sorted last, skipped)
+  for (int64_t i = tid; i < buckets; i += nthreads) count[i] = 0;
+  grid.sync();
+  for (int64_t i = tid; i < n; i += nthreads) {
+    const int64_t id = id_at(ids, i64, i) - (vocab_start < 0 ? 0 : vocab_start);
+    const int32_t k = (id >= 0 && id < v) ? int32_t(id) : int32_t(v);
+    keys_tok[i] = k;
+    atomicAdd(&count[k], 1);
+  }
+  grid.sync();
+  // Block b scans buckets [b * per, (b + 1) * per).
+  const int64_t per = (buckets + gridDim.x - 1) / gridDim.x;
+  const int64_t b0 = int64_t(blockIdx.x) * per, b1 = b0 + per < buckets ? b0 + per : buckets;
+  int32_t mine = 0;
+  for (int64_t base = b0; base < b1; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    int32_t total;
+    block_exclusive_scan(i < b1 ? count[i] : 0, warp_tot, total);
+    mine += total;
+  }
+  if (threadIdx.x == 0) block_tot[blockIdx.x] = mine;
+  grid.sync();
+  int32_t offset = 0;
+  {
+    int32_t part = 0;
+    for (int64_t b = threadIdx.x; b < blockIdx.x; b += blockDim.x) part += block_tot[b];
+    int32_t total;
+    block_exclusive_scan(part, warp_tot, total);
+    offset = total;
+  }
+  for (int64_t base = b0; base < b1; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int32_t c = i < b1 ? count[i] : 0;
+    int32_t total;
+    const int32_t ex = block_exclusive_scan(c, warp_tot, total);
+    if (i < b1) count[i] = offset + ex;  // the bucket's start
+    offset += total;
+  }
+  grid.sync();
+  for (int64_t i = tid; i < n; i += nthreads) {
+    const int32_t k = keys_tok[i];
+    const int32_t pos = atomicAdd(&count[k], 1);
+    keys_out[pos] = k;
+    vals_out[pos] = int32_t(i);
+  }
+}
+
+// segment_sum_vec for runs whose tokens are in no particular order: the block first lists the run's tokens
+// in increasing order (runs up to blockDim.x tokens: each token's rank is the number of smaller ones;
+// longer runs: a walk over keys_tok in token order), then adds the rows in that order.
+template <class T, class W, int V, int U>
+__global__ void segment_sum_ordered(const T* dout, const int32_t* keys, const int32_t* tokens,
+                                    const int32_t* keys_tok, W* dw, int64_t n, int64_t v, int64_t h,
+                                    bool accumulate) {
+  constexpr int kMax = 1024;
+  __shared__ int32_t s_tok[kMax];
+  __shared__ int32_t s_ord[kMax];
+  __shared__ int32_t warp_cnt[32];
+  const int64_t i = blockIdx.x;
+  // The four lookups have independent addresses: one round trip before the rows' loads (a run of one token,
+  // the common case, needs nothing more).
+  const int32_t k = keys[i];
+  const int32_t k_prev = i > 0 ? keys[i - 1] : -1;
+  const int32_t k_next = i + 1 < n ? keys[i + 1] : -1;
+  const int32_t tok0 = tokens[i];
+  if (k >= v || k_prev == k) return;
+  int64_t end = i + 1;
+  if (k_next == k) {
+    end = i + 2;
+    while (end < n && keys[end] == k) ++end;
+  }
+  const int64_t len = end - i;
+  const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x * U + threadIdx.x) * V;
+  const int64_t cstep = int64_t(blockDim.x) * V;
+  W* out = dw + int64_t(k) * h;
+  float acc[U][V];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t c = c0 + u * cstep;
+    if (accumulate && c < h) {
+      load_f32_split<W, V>(out + c, acc[u]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[u][e] = 0.f;
+    }
+  }
+  auto add_row = [&](int32_t tok) {
+    const T* g = dout + int64_t(tok) * h;
+    float t[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * cstep;
+      if (c < h) load_f32_stream<T, V>(g + c, t[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (c0 + u * cstep < h)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] += t[u][e];
+  };
+  if (len == 1) {
+    add_row(tok0);
+  } else {
+    // One list when the run fits the block (each token's rank is the number of smaller ones), else one
+    // list per tile of keys_tok, in token order.
+    const bool walk = len > blockDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int64_t base = 0;; base += blockDim.x) {
+      int cnt = int(len);
+      if (!walk) {
+        if (threadIdx.x < len) s_tok[threadIdx.x] = tokens[i + threadIdx.x];
+        __syncthreads();
+        if (threadIdx.x < len) {
+          const int32_t me = s_tok[threadIdx.x];
+          int r = 0;
+          for (int j = 0; j < int(len); ++j) r += s_tok[j] < me;
+          s_ord[r] = me;
+        }
+      } else {
+        const int64_t t = base + threadIdx.x;
+        const bool hit = t < n && keys_tok[t] == k;
+        const unsigned bal = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_cnt[warp] = __popc(bal);
+        __syncthreads();
+        int before = 0;
+        cnt = 0;
+        for (int w = 0; w < nwarps; ++w) {
+          if (w < warp) before += warp_cnt[w];
+          cnt += warp_cnt[w];
+        }
+        if (hit) s_ord[before + __popc(bal & ((1u << lane) - 1u))] = int32_t(t);
+      }
+      __syncthreads();
+      for (int j = 0; j < cnt; ++j) add_row(s_ord[j]);
+      if (!walk || base + blockDim.x >= n) break;
+      __syncthreads();  // s_ord and warp_cnt are rewritten by the next tile
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t c = c0 + u * cstep;
+    if (c < h) store_f32_split<W, V>(out + c, acc[u]);
+  }
+}
+
 int key_bits(int64_t v) {
   int b = 1;
   while ((int64_t(1) << b) <= v) ++b;
@@ -154,8 +338,36 @@ Layout layout(int64_t n, int64_t v) {
   l.vals_out = 3 * a;
   l.temp = 4 * a;
   l.temp_bytes = temp_bytes;
-  l.total = 4 * a + up(temp_bytes);
+  // The counting sort uses the temp region for its v + 1 counters and per-block totals.
+  const size_t counting = up(size_t(v + 1) * 4) + size_t(kMaxSortBlocks) * 4;
+  l.total = 4 * a + up(temp_bytes > counting ? temp_bytes : counting);
   return l;
+}
+
+
+// Launches the counting sort (keys by token into keys_in, runs into keys_out / vals_out); false when the
+// device cannot run it as one cooperative grid (the caller then takes the radix sort).
+bool counting_sort(const void* ids, bool ids_i64, int64_t n, int64_t v, int64_t vocab_start, char* ws,
+                   const Layout& l, int device, cudaStream_t s) {
+  if (n > INT32_MAX || v + 1 > INT32_MAX) return false;
+  int coop = 0, per_sm = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+  if (!coop) return false;
+  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, counting_sort_kernel, kSortThreads, 0));
+  if (per_sm < 1) return false;
+  int64_t blocks = int64_t(sm_count(device)) * (per_sm < 2 ? per_sm : 2);
+  if (blocks > kMaxSortBlocks) blocks = kMaxSortBlocks;
+  auto* keys_tok = reinterpret_cast<int32_t*>(ws + l.keys_in);
+  auto* keys_out = reinterpret_cast<int32_t*>(ws + l.keys_out);
+  auto* vals_out = reinterpret_cast<int32_t*>(ws + l.vals_out);
+  auto* count = reinterpret_cast<int32_t*>(ws + l.temp);
+  auto* block_tot = count + (size_t(v + 1) + 63) / 64 * 64;
+  void* args[] = {const_cast<void**>(&ids), &ids_i64, &n, &v, &vocab_start, &keys_tok, &count, &block_tot,
+                  &keys_out, &vals_out};
+  MC_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(counting_sort_kernel), dim3(unsigned(blocks)),
+                                            dim3(kSortThreads), args, 0, s));
+  MC_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 }  // namespace
@@ -201,11 +413,6 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
   auto* keys_out = reinterpret_cast<int32_t*>(ws + l.keys_out);
   auto* vals_in = reinterpret_cast<int32_t*>(ws + l.vals_in);
   auto* vals_out = reinterpret_cast<int32_t*>(ws + l.vals_out);
-  make_keys<<<elementwise_blocks(n, 256, device), 256, 0, s>>>(ids, ids_i64, keys_in, vals_in, n, v, vocab_start);
-  MC_CUDA_CHECK_LAUNCH();
-  size_t temp_bytes = l.temp_bytes;
-  MC_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys_in, keys_out, vals_in, vals_out, int(n),
-                                                0, key_bits(v), s));
   // After zeroing, the rows need not be read: a sum that starts from 0 gives the same bits.
   const EmbeddingTuning& tu = tuning;
   dispatch_float(dt, [&](auto tag) {
@@ -216,6 +423,18 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
       constexpr int A = V < kVec16<W> ? V : kVec16<W>;
       const bool vec = tu.vector && h % V == 0 && aligned16(dout) &&
                        reinterpret_cast<uintptr_t>(dweight) % (uintptr_t(A) * sizeof(W)) == 0;
+      // The counting sort: vector path only (the element kernel adds the run in sorted order).
+      const bool counting = vec && tu.sort == 1 && counting_sort(ids, ids_i64, n, v, vocab_start, ws, l, device, s);
+      const bool ordered = vec && (counting || tu.sort == 2);
+      if (!counting) {
+        // keys_in keeps the keys by token (segment_sum_ordered's walk reads them; the sort does not alter it).
+        make_keys<<<elementwise_blocks(n, 256, device), 256, 0, s>>>(ids, ids_i64, keys_in, vals_in, n, v,
+                                                                     vocab_start);
+        MC_CUDA_CHECK_LAUNCH();
+        size_t temp_bytes = l.temp_bytes;
+        MC_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,
+                                                      int(n), 0, key_bits(v), s));
+      }
       if (!vec) {
         const int threads = h >= 256 ? 256 : int((h + 31) / 32 * 32);
         segment_sum<T, W><<<unsigned(n), threads, 0, s>>>(static_cast<const T*>(dout), keys_out, vals_out,
@@ -232,8 +451,13 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
         if (need < threads) threads = int(need);
         const int64_t per_block = int64_t(threads) * U * V;
         const dim3 grid(unsigned(n), unsigned((h + per_block - 1) / per_block));
-        segment_sum_vec<T, W, V, U><<<grid, threads, 0, s>>>(static_cast<const T*>(dout), keys_out, vals_out,
-                                                             static_cast<W*>(dweight), n, v, h, accumulate);
+        if (ordered)
+          segment_sum_ordered<T, W, V, U><<<grid, threads, 0, s>>>(static_cast<const T*>(dout), keys_out, vals_out,
+                                                                   keys_in, static_cast<W*>(dweight), n, v, h,
+                                                                   accumulate);
+        else
+          segment_sum_vec<T, W, V, U><<<grid, threads, 0, s>>>(static_cast<const T*>(dout), keys_out, vals_out,
+                                                               static_cast<W*>(dweight), n, v, h, accumulate);
         MC_CUDA_CHECK_LAUNCH();
       };
       dispatch_unroll(tu.unroll, go);

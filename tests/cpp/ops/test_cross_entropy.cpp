@@ -1,6 +1,10 @@
 #include "megacore/ops/cross_entropy.hpp"
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/cross_entropy_cuda.hpp"
+#endif
 
 using namespace megacore;
 using namespace mctest;
@@ -182,3 +186,97 @@ TEST_CASE("cross-entropy on the GPU marks out-of-range labels with NaN", "[ops][
   CHECK(std::isfinite(l[0]));
   CHECK(std::isnan(l[1]));
 }
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("cross-entropy launch shapes all match the CPU reference", "[ops][cross_entropy][gpu]") {
+  MC_REQUIRE_GPU();
+  using ops::cuda::CeTuning;
+  // The default, the two-pass kernel's first shape and every row-on-chip cluster size; a shape whose
+  // row slice does not fit (or a vocabulary that is not a multiple of 16 bytes) runs the two-pass kernel.
+  const CeTuning shapes[] = {{},
+                             {.unroll = 1, .l2_fraction = 0.5f},
+                             {.cluster = 1},
+                             {.threads = 64, .cluster = 1},
+                             {.cluster = 2},
+                             {.threads = 256, .cluster = 4},
+                             {.threads = 128, .cluster = 8}};
+  // 16: with 4 or 8 CTAs some hold no columns; 296: the last CTA's slice is shorter; 32003: odd.
+  struct Case { int64_t n, v; };
+  for (Case c : {Case{7, 16}, Case{37, 296}, Case{5, 32003}, Case{9, 50304}, Case{3, 128256}}) {
+    for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+      for (float eps : {0.f, 0.1f}) {
+        const uint64_t seed = fresh_seed();
+        ops::CrossEntropyOptions o;
+        o.label_smoothing = eps;
+        Tensor z = randn({c.n, c.v}, dt, seed, 0, 2);
+        Tensor labels = random_labels(c.n, c.v, seed + 1, dt == DType::F32 ? DType::I64 : DType::I32, 3);
+        Tensor mask = randu({c.n}, DType::F32, seed + 2, 0, 1);
+        Tensor loss = Tensor::empty({c.n}), lse = Tensor::empty({c.n}), dz = Tensor::empty({c.n, c.v}, dt);
+        ops::cross_entropy_fused(z, labels, loss, lse, dz, 0.5f, mask, o);
+        Device g = gpu();
+        // A blocking stream: ordered after the default-stream poison fills and copies.
+        Stream s = Stream::create(g, /*non_blocking=*/false);
+        Tensor gz = z.to(g), gl = labels.to(g), gm = mask.to(g);
+        for (const CeTuning& t : shapes) {
+          for (bool in_place : {false, true}) {
+            INFO("n " << c.n << " v " << c.v << " " << dtype_name(dt) << " smoothing " << eps << " seed " << seed
+                      << " threads " << t.threads << " unroll " << t.unroll << " cluster " << t.cluster
+                      << " in place " << in_place);
+            Tensor gloss = poisoned({c.n}, DType::F32, g), glse = poisoned({c.n}, DType::F32, g);
+            Tensor gdz = in_place ? z.to(g) : poisoned({c.n, c.v}, dt, g);
+            ops::cuda::CeArgs a;
+            a.mode = ops::cuda::CeMode::Fused;
+            a.logits = in_place ? gdz.data_ptr() : gz.data_ptr();
+            a.dlogits = gdz.data_ptr();
+            a.labels = gl.data_ptr();
+            a.labels_i64 = gl.dtype() == DType::I64;
+            a.loss_mask = gm.data<float>();
+            a.loss = gloss.data<float>();
+            a.lse_out = glse.data<float>();
+            a.n = c.n;
+            a.v = c.v;
+            a.vocab_total = c.v;
+            a.grad_scale = 0.5f;
+            a.label_smoothing = eps;
+            a.ignore_index = o.ignore_index;
+            a.tuning = t;
+            ops::cuda::cross_entropy(dt, a, g.index, s.native());
+            s.synchronize();
+            CHECK(rel_err_t(gloss, loss) < 1e-5);
+            CHECK(rel_err_t(glse, lse) < 1e-6);
+            CHECK(rel_err_t(gdz, dz) < tol_for(dt));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cross-entropy row-on-chip kernel takes the shapes it should", "[ops][cross_entropy][gpu]") {
+  MC_REQUIRE_GPU();
+  const int dev = gpu().index;
+  alignas(16) static char buf[32];  // only the pointers' alignment is looked at
+  ops::cuda::CeArgs a;
+  a.logits = buf;
+  a.dlogits = buf;
+  a.v = 128256;
+  a.tuning.cluster = 2;
+  CHECK(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));   // 125.3 KiB per CTA
+  CHECK_FALSE(ops::cuda::ce_row_on_chip(DType::F32, a, dev));  // 250.5 KiB per CTA
+  a.tuning.cluster = 4;
+  CHECK(ops::cuda::ce_row_on_chip(DType::F32, a, dev));
+  a.tuning.cluster = 0;
+  CHECK_FALSE(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));
+  a.tuning.cluster = 1;
+  a.v = 32000;
+  CHECK(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));
+  a.v = 32003;
+  CHECK_FALSE(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));
+  a.v = 32000;
+  a.dlogits = buf + 2;
+  CHECK_FALSE(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));
+  a.dlogits = buf;
+  a.mode = ops::cuda::CeMode::Forward;
+  CHECK_FALSE(ops::cuda::ce_row_on_chip(DType::BF16, a, dev));
+}
+#endif

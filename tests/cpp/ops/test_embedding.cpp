@@ -77,9 +77,17 @@ TEST_CASE("embedding backward launch shapes all match the CPU reference", "[ops]
                                                {.vector = false},
                                                {.threads = 32, .unroll = 1},
                                                {.threads = 64, .unroll = 4},
-                                               {.threads = 128, .unroll = 2}};
+                                               {.threads = 128, .unroll = 2},
+                                               {.sort = 1},
+                                               {.threads = 32, .unroll = 1, .sort = 1},
+                                               {.threads = 128, .unroll = 4, .sort = 1},
+                                               {.threads = 64, .unroll = 2, .sort = 2},
+                                               {.vector = false, .sort = 1}};  // element kernel: radix sort
+  // {4099, 3, 264}: runs of about 1366 tokens, longer than any block (the counting sort's in-order walk);
+  // {999, 37, 1000}: runs of about 27 (ranked in shared memory, or walked with 32 threads).
   struct Case { int64_t n, v, h; };
-  for (Case c : {Case{1000, 50, 64}, Case{999, 37, 1000}, Case{300, 2000, 2056}, Case{100, 20, 37}}) {
+  for (Case c : {Case{1000, 50, 64}, Case{999, 37, 1000}, Case{300, 2000, 2056}, Case{100, 20, 37},
+                 Case{4099, 3, 264}, Case{1, 5, 8}}) {
     for (DType dt : {DType::F32, DType::BF16}) {
       for (bool acc : {false, true}) {
         const uint64_t seed = fresh_seed();
@@ -96,12 +104,18 @@ TEST_CASE("embedding backward launch shapes all match the CPU reference", "[ops]
         for (const auto& t : shapes) {
           INFO("n " << c.n << " v " << c.v << " h " << c.h << " " << dtype_name(dt) << " accumulate " << acc
                     << " seed " << seed << " vector " << t.vector << " threads " << t.threads << " unroll "
-                    << t.unroll);
+                    << t.unroll << " sort " << t.sort);
           Tensor gdw = acc ? dw_init.to(d) : poisoned({c.v, c.h}, DType::F32, d);
           ops::cuda::embedding_backward(dt, DType::F32, gg.data_ptr(), gids.data_ptr(), false, gdw.data_ptr(), c.n, c.v,
                                         c.h, -1, acc, ws.data_ptr(), ws_bytes, d.index, s.native(), t);
           s.synchronize();
           CHECK(rel_err_t(gdw, dw) < 1e-6);
+          // Every shape adds a row's gradients in token order: the same bits as the default, every run.
+          Tensor gdw_def = acc ? dw_init.to(d) : poisoned({c.v, c.h}, DType::F32, d);
+          ops::cuda::embedding_backward(dt, DType::F32, gg.data_ptr(), gids.data_ptr(), false, gdw_def.data_ptr(), c.n,
+                                        c.v, c.h, -1, acc, ws.data_ptr(), ws_bytes, d.index, s.native(), {});
+          s.synchronize();
+          CHECK(gdw.to_double_vector() == gdw_def.to_double_vector());
         }
       }
     }
