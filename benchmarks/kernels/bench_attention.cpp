@@ -1,7 +1,8 @@
 // Attention forward and forward+backward (causal, d = 128, bf16) through cuDNN SDPA and megacore's own
 // flash kernels (one row per forward kernel: [sm80] mma.sync, [sm90] / [sm90-n64] wgmma); torch SDPA's
-// figures come from torch_attention_peer.py run in the same job on the same card (pass its JSON in MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward
-// 4 B H S^2 D (two products), backward 2.5x forward, halved for the causal mask.
+// figures come from torch_attention_peer.py run in the same job on the same card (pass its JSON in
+// MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward 4 B H S^2 D (two products),
+// backward 2.5x forward, halved for the causal mask.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
 #include <cstdio>
 #include <cstdlib>
