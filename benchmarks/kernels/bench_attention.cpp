@@ -1,7 +1,8 @@
 // Attention forward and forward+backward (causal, d = 128, bf16) through cuDNN SDPA and megacore's own
-// flash kernel; torch SDPA's figures come from torch_attention_peer.py run in the same job on the same
-// card (pass its JSON in MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward
-// 4 B H S^2 D (two products), backward 2.5x forward, halved for the causal mask.
+// flash kernels (one row per forward kernel: [sm80] mma.sync, [sm90] / [sm90-n64] wgmma); torch SDPA's
+// figures come from torch_attention_peer.py run in the same job on the same card (pass its JSON in
+// MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward 4 B H S^2 D (two products),
+// backward 2.5x forward, halved for the causal mask.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
 #include <cstdio>
 #include <cstdlib>
@@ -50,7 +51,25 @@ MC_BENCHMARK("attention", 30) {
   auto peers = load_peers(&peer_card);
   const int64_t D = 128;
   const int samples = ctx.quick ? 5 : 15;
-  std::printf("  %-26s %-7s %9s %9s %11s %9s  %s\n", "shape", "backend", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
+  // The flash backend runs once per forward kernel: [sm80] mma.sync, and on sm_90 [sm90] wgmma with
+  // 128-key tiles (the default) and [sm90-n64] with 64-key tiles; the backward is the same kernel in
+  // every row, so fwd+bwd differences are the forward's.
+  struct Run {
+    ops::AttentionBackend backend;
+    ops::FlashImpl impl;
+    int block_n;
+    const char* variant;
+  };
+  std::vector<Run> runs;
+  if (ops::attention_cudnn_available()) runs.push_back({ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, ""});
+  runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, "sm80"});
+  if (ops::attention_flash_sm90_available(Device::cuda(0))) {
+    runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, "sm90"});
+    runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, "sm90-n64"});
+  } else {
+    std::printf("  note: the sm90 flash forward is not available on this device/build; no [sm90] rows\n");
+  }
+  std::printf("  %-26s %-16s %9s %9s %11s %9s  %s\n", "shape", "backend", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
               "torch SDPA fwd / fwd+bwd TFLOP/s");
   for (const auto& c : cfgs) {
     Tensor q = dev_rand({c.b, c.s, c.h, D}, 1), k = dev_rand({c.b, c.s, c.hk, D}, 2), v = dev_rand({c.b, c.s, c.hk, D}, 3);
@@ -64,10 +83,12 @@ MC_BENCHMARK("attention", 30) {
     const std::string shape = "b" + std::to_string(c.b) + "_s" + std::to_string(c.s) + "_h" + std::to_string(c.h) +
                               "_kv" + std::to_string(c.hk) + "_d128_causal";
     nlohmann::json peer = peers.count(shape) ? peers[shape] : nlohmann::json();
-    for (ops::AttentionBackend be : {ops::AttentionBackend::Cudnn, ops::AttentionBackend::Flash}) {
-      if (be == ops::AttentionBackend::Cudnn && !ops::attention_cudnn_available()) continue;
+    for (const Run& run : runs) {
+      const ops::AttentionBackend be = run.backend;
+      const std::string label = std::string(ops::attention_backend_name(be)) +
+                                (run.variant[0] ? std::string("[") + run.variant + "]" : std::string());
       ops::AttentionOptions o;
-      o.causal = true, o.backend = be;
+      o.causal = true, o.backend = be, o.flash_impl = run.impl, o.flash_sm90_block_n = run.block_n;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);
@@ -78,12 +99,16 @@ MC_BENCHMARK("attention", 30) {
         fwd_ms = mcbench::time_ms(fwd, 3, samples);
         fb_ms = mcbench::time_ms(fb, 3, samples);
       } catch (const std::exception& e) {
-        std::printf("  %-26s %-7s failed: %s\n", shape.c_str(), ops::attention_backend_name(be), e.what());
-        ctx.record({{"op", std::string("attention_") + ops::attention_backend_name(be)}, {"shape", shape}, {"error", e.what()}});
+        std::printf("  %-26s %-16s failed: %s\n", shape.c_str(), label.c_str(), e.what());
+        ctx.record({{"op", std::string("attention_") + ops::attention_backend_name(be)},
+                    {"variant", run.variant},
+                    {"shape", shape},
+                    {"error", e.what()}});
         continue;
       }
       const double ftf = fwd_flops / (fwd_ms * 1e-3) / 1e12, btf = fb_flops / (fb_ms * 1e-3) / 1e12;
       nlohmann::json row{{"op", std::string("attention_") + ops::attention_backend_name(be)},
+                         {"variant", run.variant},
                          {"shape", shape},
                          {"dtype", "bf16"},
                          {"ms", fb_ms},
@@ -116,7 +141,7 @@ MC_BENCHMARK("attention", 30) {
           row["vs_torch_default_fwdbwd"] = p["fwdbwd_ms"].get<double>() / fb_ms;
         }
       }
-      std::printf("  %-26s %-7s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), ops::attention_backend_name(be), fwd_ms,
+      std::printf("  %-26s %-16s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), label.c_str(), fwd_ms,
                   ftf, fb_ms, btf, peer_txt.c_str());
       ctx.record(row);
     }

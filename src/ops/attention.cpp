@@ -265,6 +265,8 @@ cuda::AttnProblem problem_of(const Geometry& g, const Tensor& q, const Tensor& k
   p.deterministic = o.deterministic;
   p.scale = o.softmax_scale != 0.f ? o.softmax_scale : float(1.0 / std::sqrt(double(g.dim)));
   p.q = view_of(q, g.packed), p.k = view_of(k, g.packed), p.v = view_of(v, g.packed);
+  p.fwd_impl = o.flash_impl == FlashImpl::Sm80 ? 1 : o.flash_impl == FlashImpl::Sm90 ? 2 : 0;
+  p.sm90_block_n = o.flash_sm90_block_n;
   if (g.packed) {
     p.lse_batch_stride = 0, p.lse_head_stride = g.total_q;
   } else {
@@ -283,7 +285,11 @@ AttentionBackend resolve_cuda(const cuda::AttnProblem& p, AttentionBackend want,
   const char* op = backward ? "attention_backward" : "attention_forward";
   if (want == AttentionBackend::Reference)
     raise("{}: the Reference backend runs on CPU tensors only; move the tensors with .to(Device::cpu())", op);
-  const std::string flash_why = cuda::flash_unsupported_reason(p);
+  std::string flash_why = cuda::flash_unsupported_reason(p);
+  if (flash_why.empty() && !backward && p.fwd_impl == 2) {
+    const std::string why = cuda::flash_sm90_unsupported_reason(p, device);
+    if (!why.empty()) flash_why = "the sm90 forward (asked for with FlashImpl::Sm90) cannot run: " + why;
+  }
   if (want == AttentionBackend::Flash) {
     MC_CHECK(flash_why.empty(), "{}: megacore's flash kernel cannot run this call: {}", op, flash_why);
     return AttentionBackend::Flash;
@@ -321,6 +327,18 @@ const char* attention_backend_name(AttentionBackend b) {
     case AttentionBackend::Reference: return "reference";
   }
   return "?";
+}
+
+bool attention_flash_sm90_available(const Device& d) {
+#if MEGACORE_WITH_CUDA
+  if (!d.is_cuda() || !cuda::flash_sm90_built()) return false;
+  cuda::AttnProblem p;  // a shape the kernel supports: only the build and the device are in question
+  p.dtype = DType::BF16, p.head_dim = 128, p.heads = p.kv_heads = 1;
+  return cuda::flash_sm90_unsupported_reason(p, d.index).empty();
+#else
+  (void)d;
+  return false;
+#endif
 }
 
 bool attention_cudnn_available() {

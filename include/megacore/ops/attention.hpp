@@ -13,8 +13,9 @@
 // backward needs and what context parallelism merges partial results with.
 //
 // Backends: the CPU reference (plain loops in f64; f32/bf16/f16 tensors); on CUDA, cuDNN's fused
-// SDPA (cudnn-frontend graphs cached by shape) or megacore's own flash-attention kernel (mma.sync
-// tensor-core tiles with an online softmax, bf16/f16). Auto picks cuDNN where it is built in and
+// SDPA (cudnn-frontend graphs cached by shape) or megacore's own flash-attention kernels (online
+// softmax on tensor-core tiles, bf16/f16: mma.sync on any sm_80+, and a wgmma forward on sm_90 that
+// opts.flash_impl can pin either way). Auto picks cuDNN where it is built in and
 // supports the call, else the flash kernel, and logs the choice once per configuration; asking for
 // a backend explicitly never falls back (ValueError/CudaError instead). Both GPU backends compute
 // the same function; they differ only in rounding.
@@ -34,6 +35,13 @@ enum class AttentionBackend {
   Reference,  ///< the CPU f64 reference (CPU tensors only)
 };
 
+/// Which of megacore's flash forward kernels runs when the Flash backend does (backward has one kernel).
+enum class FlashImpl {
+  Auto,  ///< the Hopper wgmma kernel where it can run (sm_90 device, library built for 90a), else Sm80
+  Sm80,  ///< the mma.sync kernel (any sm_80 or newer device)
+  Sm90,  ///< the wgmma kernel (sm_90a); asking for it where it cannot run is a ValueError
+};
+
 struct AttentionOptions {
   bool causal = false;
   /// Multiplies q . k; 0 means 1 / sqrt(D).
@@ -48,6 +56,10 @@ struct AttentionOptions {
   /// Packed mode: the longest sequence (bounds the launch grid without reading cu_seqlens on the host).
   int64_t max_seqlen_q = 0;
   int64_t max_seqlen_kv = 0;
+  /// Flash forward kernel (see FlashImpl); Auto unless a test or benchmark pins one.
+  FlashImpl flash_impl = FlashImpl::Auto;
+  /// Tuning of the sm90 forward: keys per K/V tile, 0 (the default, 128), 64 or 128.
+  int flash_sm90_block_n = 0;
 };
 
 /// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).
@@ -64,6 +76,10 @@ AttentionBackend attention_resolve_backend(const Tensor& q, const Tensor& k, con
 
 /// "auto", "cudnn", "flash", "reference".
 const char* attention_backend_name(AttentionBackend b);
+
+/// True when megacore's sm90 (wgmma) flash forward can run on device d: a CUDA device of compute
+/// capability 9.0 and a library built for sm_90a.
+bool attention_flash_sm90_available(const Device& d);
 
 /// True when this build contains the cuDNN SDPA path (cuDNN and cudnn-frontend found at build time).
 bool attention_cudnn_available();

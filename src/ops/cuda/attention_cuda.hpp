@@ -1,5 +1,6 @@
-// Private interface between src/ops/attention.cpp and its CUDA backends: megacore's flash kernel
-// (flash_attention.cu) and cuDNN SDPA (attention_cudnn.cpp).
+// Private interface between src/ops/attention.cpp and its CUDA backends: megacore's flash kernels
+// (flash_attention.cu: mma.sync, any sm_80+; flash_attention_sm90.cu: the Hopper wgmma forward) and
+// cuDNN SDPA (attention_cudnn.cpp).
 #pragma once
 
 #include <cstdint>
@@ -29,11 +30,23 @@ struct AttnProblem {
   AttnTensor q, k, v, o, dout, dq, dk, dv;
   float* lse = nullptr;  ///< [B, H, Sq] (dense) or [H, Tq] (packed)
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
+  /// Flash forward kernel: 0 = Auto (sm90 where flash_sm90_unsupported_reason is "", else sm80),
+  /// 1 = the mma.sync kernel, 2 = the wgmma kernel (the caller has checked that it can run).
+  int fwd_impl = 0;
+  /// sm90 forward: keys per K/V tile, 0 (default, 128), 64 or 128.
+  int sm90_block_n = 0;
 };
 
 /// Why the flash kernel cannot run this problem ("" when it can).
 std::string flash_unsupported_reason(const AttnProblem& p);
 void flash_forward(const AttnProblem& p, int device, void* stream);
+/// True when this build holds the sm_90a wgmma forward (CMAKE_CUDA_ARCHITECTURES names 90a).
+bool flash_sm90_built();
+/// Why the sm_90a forward cannot run this problem on this device ("" when it can). Checks
+/// flash_unsupported_reason's conditions too.
+std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device);
+/// The wgmma forward; only after flash_sm90_unsupported_reason returned "".
+void flash_forward_sm90(const AttnProblem& p, int device, void* stream);
 /// Needs p.o and p.lse from the forward; dsum is f32 scratch with lse's layout and size.
 void flash_backward(const AttnProblem& p, float* dsum, int device, void* stream);
 

@@ -1,4 +1,6 @@
 // megacore's own flash-attention kernels (FlashAttention-2 style) on mma.sync tensor-core tiles.
+// (On sm_90 the forward goes to the wgmma kernel in flash_attention_sm90.cu unless the sm80 kernel is
+// asked for; the backward is this file's on every architecture.)
 //
 // Forward: a block owns 64 query rows of one (batch, head); each of its 4 warps owns 16 rows and
 // streams 64-key tiles of K and V (double-buffered cp.async into XOR-swizzled shared memory),
@@ -670,6 +672,11 @@ std::string flash_unsupported_reason(const AttnProblem& p) {
 }
 
 void flash_forward(const AttnProblem& p, int device, void* stream) {
+  // The Hopper wgmma kernel (flash_attention_sm90.cu) where asked for, or by default where it can run.
+  if (p.fwd_impl == 2 || (p.fwd_impl == 0 && flash_sm90_unsupported_reason(p, device).empty())) {
+    flash_forward_sm90(p, device, stream);
+    return;
+  }
   cuda_impl::DeviceGuard guard(device);
   if (p.batch == 0 || p.seqlen_q == 0) return;
   auto s = static_cast<cudaStream_t>(stream);

@@ -157,6 +157,8 @@ struct GpuCase {
   AttentionBackend backend = AttentionBackend::Flash;
   std::vector<int32_t> cu_q, cu_kv;  // packed mode when non-empty
   bool fused_qkv = false;            // q, k, v as strided views of one [B, S, Hq + 2 Hkv, D] buffer
+  FlashImpl impl = FlashImpl::Auto;  // set by run_gpu_case for the Flash backend
+  int sm90_block_n = 0;
 };
 
 std::vector<int32_t> prefix(const std::vector<int32_t>& lens) {
@@ -165,13 +167,18 @@ std::vector<int32_t> prefix(const std::vector<int32_t>& lens) {
   return cu;
 }
 
+const char* impl_name(FlashImpl i) {
+  return i == FlashImpl::Sm80 ? "sm80" : i == FlashImpl::Sm90 ? "sm90" : "auto";
+}
+
 // Runs forward and backward on the device and compares everything with the f64 reference.
-void run_gpu_case(const GpuCase& c) {
+void run_gpu_case_once(const GpuCase& c) {
   const uint64_t seed = fresh_seed();
   const bool packed = !c.cu_q.empty();
-  INFO("seed " << seed << " backend " << attention_backend_name(c.backend) << " dt " << dtype_name(c.dt) << " D "
-                << c.dim << " causal " << c.causal << " sq " << c.sq << " skv " << c.skv << " H " << c.heads << "/"
-                << c.kv_heads << " packed " << packed << " fused " << c.fused_qkv);
+  INFO("seed " << seed << " backend " << attention_backend_name(c.backend) << " flash fwd " << impl_name(c.impl)
+                << " block_n " << c.sm90_block_n << " dt " << dtype_name(c.dt) << " D " << c.dim << " causal "
+                << c.causal << " sq " << c.sq << " skv " << c.skv << " H " << c.heads << "/" << c.kv_heads
+                << " packed " << packed << " fused " << c.fused_qkv);
   const Device g = mctest::gpu();
   const int64_t tq = packed ? c.cu_q.back() : c.batch * c.sq, tk = packed ? c.cu_kv.back() : c.batch * c.skv;
   const int64_t B = packed ? int64_t(c.cu_q.size()) - 1 : c.batch;
@@ -202,6 +209,8 @@ void run_gpu_case(const GpuCase& c) {
   AttentionOptions o;
   o.causal = c.causal;
   o.backend = c.backend;
+  o.flash_impl = c.impl;
+  o.flash_sm90_block_n = c.sm90_block_n;
   if (packed) {
     o.cu_seqlens_q = Tensor::from_vector(c.cu_q, {int64_t(c.cu_q.size())}).to(g);
     o.cu_seqlens_kv = Tensor::from_vector(c.cu_kv, {int64_t(c.cu_kv.size())}).to(g);
@@ -250,6 +259,24 @@ void run_gpu_case(const GpuCase& c) {
   CHECK(e_dv < 1e-2);
 }
 
+// The Flash backend runs every case through each forward kernel: the mma.sync one, and on sm_90 the
+// wgmma one with each of its tile widths (the backward is the same kernel every time).
+void run_gpu_case(GpuCase c) {
+  if (c.backend != AttentionBackend::Flash) return run_gpu_case_once(c);
+  c.impl = FlashImpl::Sm80, c.sm90_block_n = 0;
+  run_gpu_case_once(c);
+  if (!attention_flash_sm90_available(mctest::gpu())) {
+    static bool said = false;
+    if (!said) WARN("the sm90 flash forward is not available here (device not sm_90 or build without 90a); skipped");
+    said = true;
+    return;
+  }
+  for (int bn : {128, 64}) {
+    c.impl = FlashImpl::Sm90, c.sm90_block_n = bn;
+    run_gpu_case_once(c);
+  }
+}
+
 std::vector<AttentionBackend> gpu_backends() {
   std::vector<AttentionBackend> b{AttentionBackend::Flash};
   if (attention_cudnn_available()) b.push_back(AttentionBackend::Cudnn);
@@ -290,6 +317,21 @@ TEST_CASE("attention gpu: unequal lengths, MQA, tiny and single-tile sequences",
     tiny.backend = be, tiny.batch = 3, tiny.sq = 1, tiny.skv = 3, tiny.heads = 2, tiny.kv_heads = 2;
     run_gpu_case(tiny);
   }
+}
+
+TEST_CASE("attention gpu: flash forward kernels over many key tiles (GQA, partial last tiles)",
+          "[ops][attention][gpu]") {
+  MC_REQUIRE_GPU();
+  for (int64_t dim : {64, 128})
+    for (bool causal : {false, true}) {
+      GpuCase c;  // 5 query blocks of the sm90 kernel, 9 key tiles of 64, the last ones partial
+      c.backend = AttentionBackend::Flash, c.dim = dim, c.causal = causal, c.batch = 1, c.heads = 6, c.kv_heads = 2;
+      c.sq = 515, c.skv = 515;
+      run_gpu_case(c);
+      GpuCase u = c;  // Sq < Skv: causal rows past the key tiles of their own block
+      u.sq = 300, u.skv = 701, u.dt = DType::F16;
+      run_gpu_case(u);
+    }
 }
 
 TEST_CASE("attention gpu: packed variable-length sequences", "[ops][attention][gpu]") {
@@ -360,6 +402,14 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
   Tensor pq = Tensor::zeros({16, 2, 64}, DType::BF16, g), po = Tensor::zeros({16, 2, 64}, DType::BF16, g),
          pl = Tensor::zeros({2, 16}, DType::F32, g);
   CHECK_THROWS_WITH(attention_forward(pq, pq, pq, po, pl, pk), Catch::Contains("max_seqlen"));
+  AttentionOptions s90;
+  s90.backend = AttentionBackend::Flash, s90.flash_impl = FlashImpl::Sm90;
+  if (!attention_flash_sm90_available(g)) {
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90 forward"));
+  } else {
+    s90.flash_sm90_block_n = 96;
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_block_n 96"));
+  }
   if (!attention_cudnn_available()) {
     AttentionOptions cd;
     cd.backend = AttentionBackend::Cudnn;

@@ -1,0 +1,553 @@
+// megacore's Hopper flash-attention forward: wgmma (warpgroup MMA, sm_90a) with an online softmax.
+//
+// Structure (a first FlashAttention-3-style version; the backward stays on flash_attention.cu):
+//   - A CTA owns kM = 128 query rows of one (batch, head): two warpgroups of 128 threads, 64 rows each.
+//   - K and V are streamed in tiles of kN keys (128 by default, 64 as a tuning variant), double-buffered
+//     by cp.async (all 256 threads issue the copies of tile n + 1 while tile n is multiplied). cp.async
+//     rather than TMA keeps arbitrary row strides (fused-QKV views), packed varlen sequences and
+//     zero-filled partial tiles exactly as in the mma.sync kernel; TMA + mbarriers + a producer
+//     warpgroup with setmaxnreg is the next step (see docs/kernels.md).
+//   - S = Q K^T: wgmma m64n{kN}k16 with both operands in shared memory (K-major), D/16 k-steps.
+//   - The softmax runs on the S accumulators in registers (exp2, running max/sum per row); P is
+//     converted to bf16/f16 in registers and is the register A operand of O += P V (wgmma m64n{D}k16,
+//     V from shared memory read N-major through the descriptor: the "transpose" is free).
+//
+// Shared-memory layout (the one thing wgmma's descriptors must agree with):
+//   A tile of R rows x D columns (Q: R = kM, K and V: R = kN) is stored as D/64 column blocks, each
+//   [R][64] elements = R rows of 128 bytes; 16-byte chunk c of row r sits at chunk c ^ (r % 8). That
+//   is the 128-byte swizzle (descriptor mode 1: byte-address bits [4,7) XOR bits [7,10)) provided each
+//   block starts 1024-byte aligned, which the kernel guarantees (base aligned by hand, all tile sizes
+//   multiples of 1024 bytes). It is also exactly what a TMA box of 64 columns with SWIZZLE_128B writes.
+//   An 8-row x 128-byte group is one swizzle atom (1024 bytes); atoms follow each other by rows.
+//
+// Descriptors (64 bits: start address >> 4 in [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46),
+// base offset 0 in [49,52), swizzle mode 1 = 128B in [62,64)):
+//   - K-major operands (Q as A, K as B of S = Q K^T; the contiguous dimension is D = the MMA's K):
+//     the canonical SW128 K-major layout is ((8,m),(8 elem,2)) : ((128 B, SBO), (1, 16 B)): rows 128 B
+//     apart inside an atom, SBO = 1024 B from one 8-row atom to the next, LBO unused (encoded 1). A
+//     k-step of 16 elements is 32 bytes: k-step ks starts at block ks / 4 plus (ks % 4) * 32 bytes; the
+//     hardware applies the XOR to the final address, so an offset inside the 128-byte row is legal
+//     (start stays within the atom's first row; base offset field 0 because atoms are 1024-aligned).
+//     Warpgroup wg's 64 rows of Q start 64 * 128 bytes further in the block.
+//   - N-major operand (V as B of O = P V: K = keys, N = D, V stored [key][d] so N is contiguous,
+//     imm-trans-b = 1): the canonical SW128 MN-major layout is ((8 elem,8,m),(8,k)) :
+//     ((1, 16 B, LBO), (128 B, SBO)): 64 N-elements per 128-byte row, LBO = distance between 64-wide
+//     column blocks (kN * 128 bytes here), SBO = distance between 8-key atoms (1024 bytes). The
+//     k-step kk (16 keys) starts 16 rows = 2048 bytes further.
+//
+// Register fragments (PTX ISA, wgmma .m64nNk16; warp w = warp index % 4 of the warpgroup, g = lane / 4,
+// t = lane % 4):
+//   - accumulator D (S or O), N/2 f32 per thread: d[4 i + e] holds row 16 w + g + 8 (e / 2), column
+//     8 i + 2 t + (e % 2). Per 8-column slice this is the m16n8 C fragment of mma.sync.
+//   - register A (P), four 32-bit registers of two 16-bit values per k-step of 16 keys: a0 = (row g,
+//     cols 2t, 2t+1), a1 = (row g + 8, same cols), a2 = (row g, cols 8 + 2t, +1), a3 = (row g + 8, cols
+//     8 + 2t, +1), rows again offset by 16 w. So P's k-step kk packs S accumulators
+//     {d[8kk], d[8kk+1]}, {d[8kk+2], d[8kk+3]}, {d[8kk+4], d[8kk+5]}, {d[8kk+6], d[8kk+7]}.
+//
+// Ordering: cp.async writes go through the generic proxy and wgmma reads through the async proxy, so
+// each thread waits for its copies, issues fence.proxy.async.shared::cta, then the CTA barrier; a
+// wgmma.fence precedes every batch of wgmmas whose accumulator or A registers were touched by other
+// instructions (the O rescale, the P pack); wgmma.wait_group 0 retires a batch before its registers
+// are read, and an empty asm with "+f" on each accumulator keeps the compiler from moving those reads
+// above the wait.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/cuda/cuda_check.hpp"
+#include "ops/cuda/attention_cuda.hpp"
+
+// Device code exists only for sm_90a (wgmma and its fences are arch-specific features). The library
+// defines MEGACORE_FLASH_SM90 when CMAKE_CUDA_ARCHITECTURES names 90a; without it the host side says
+// so (flash_sm90_unsupported_reason) and the sm80 kernel runs.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MC_FLASH_SM90_DEVICE 1
+#else
+#define MC_FLASH_SM90_DEVICE 0
+#endif
+
+namespace megacore::ops::cuda {
+namespace {
+
+constexpr int kWarpgroups = 2;
+constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kM = 64 * kWarpgroups;  // query rows per CTA
+
+#if MC_FLASH_SM90_DEVICE
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---- primitives ----------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+struct Cvt;
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Shared-memory matrix descriptor, 128-byte swizzle (see the header comment).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+         (uint64_t((sbo_bytes >> 4) & 0x3FFFu) << 32) | (uint64_t(1) << 62);
+}
+
+// wgmma.mma_async m64nNk16, f32 accumulators d[N / 2]. ss: A and B from shared memory, both K-major;
+// rs: A from registers, B from shared memory N-major. acc = 0 overwrites d (scale-d false), 1 adds.
+template <class T, int N>
+struct Wgmma {
+  static __device__ __forceinline__ void ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc);
+  static __device__ __forceinline__ void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int acc);
+};
+
+template <>
+__device__ __forceinline__ void Wgmma<__nv_bfloat16, 64>::ss(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__nv_bfloat16, 64>::rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__half, 64>::ss(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__half, 64>::rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__nv_bfloat16, 128>::ss(float (&d)[64], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__nv_bfloat16, 128>::rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__half, 128>::ss(float (&d)[64], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void Wgmma<__half, 128>::rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+
+// Element offset of (row r, column c) in an R-row tile stored as D/64 swizzled column blocks.
+template <int R>
+__device__ __forceinline__ int tile_off(int r, int c) {
+  return (c >> 6) * (R * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// R x D tile from global rows (row_stride elements apart) into the swizzled layout; rows at or beyond
+// valid_rows are zero-filled. Consecutive threads take consecutive 16-byte chunks of a row.
+template <class T, int R, int D>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows, int tid) {
+  constexpr int kChunks = D / 8;
+  static_assert((R * kChunks) % kThreads == 0, "tile must split evenly over the block");
+#pragma unroll
+  for (int i = 0; i < R * kChunks / kThreads; ++i) {
+    const int c = i * kThreads + tid;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < valid_rows;
+    const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
+    cp_async16(smem_u32(s + tile_off<R>(r, ch * 8)), src, ok);
+  }
+}
+
+struct SeqInfo {
+  int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
+};
+__device__ __forceinline__ SeqInfo seq_info(const AttnProblem& p, int b) {
+  if (p.cu_q) {
+    const int q0 = p.cu_q[b], k0 = p.cu_kv[b];
+    return {q0, p.cu_q[b + 1] - q0, k0, p.cu_kv[b + 1] - k0};
+  }
+  return {0, p.seqlen_q, 0, p.seqlen_kv};
+}
+template <class T>
+__device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int h) {
+  return static_cast<T*>(t.ptr) + int64_t(b) * t.batch_stride + int64_t(row0) * t.row_stride +
+         int64_t(h) * t.head_stride;
+}
+#endif  // MC_FLASH_SM90_DEVICE
+
+template <class T, int D, int kN>
+struct Sm90Cfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(kN == 64 || kN == 128, "64 or 128 keys per tile");
+  // Q, then two stages of K, then two stages of V; + 1024 bytes to align the base by hand.
+  static constexpr int smem_bytes = (kM * D + 4 * kN * D) * int(sizeof(T)) + 1024;
+};
+
+// ---- forward -------------------------------------------------------------------------------------
+template <class T, int D, int kN>
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnProblem p) {
+#if MC_FLASH_SM90_DEVICE
+  using Op = Cvt<T>;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  T* sQ = reinterpret_cast<T*>(smem_raw + (((raw + 1023u) & ~1023u) - raw));
+  T* sK = sQ + kM * D;      // two stages
+  T* sV = sK + 2 * kN * D;  // two stages
+  const uint32_t aQ = smem_u32(sQ), aK = smem_u32(sK), aV = smem_u32(sV);
+  constexpr uint32_t kTileBytes = uint32_t(kN * D * sizeof(T));  // one K or V stage
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, h = blockIdx.y;
+  // Causal rows further down see more keys: launch those blocks first so the tail is short.
+  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = m_block * kM;
+  if (m0 >= si.nq) return;  // uniform over the CTA
+  const int hk = h / (p.heads / p.kv_heads);
+  const T* q = head_ptr<const T>(p.q, b, si.q0, h);
+  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
+  const int n_blocks = (n_end + kN - 1) / kN;
+
+  load_tile<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
+  if (n_blocks > 0) {
+    load_tile<T, kN, D>(sK, k, p.k.row_stride, si.nk, tid);
+    load_tile<T, kN, D>(sV, v, p.v.row_stride, si.nk, tid);
+  }
+  cp_async_commit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const float sl2 = p.scale * kLog2e;
+  const int wrow0 = m0 + wg * 64 + warp * 16;  // first row of this warp
+  const int row_base = wrow0 + g;
+  // Warpgroup wg's 64 rows of Q: 8 swizzle atoms from row 64 wg of each column block.
+  const uint32_t aQw = aQ + uint32_t(wg) * 64u * 128u;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // tile nb is in shared memory; every warp is done with tile nb - 1's stage
+    if (nb + 1 < n_blocks) {
+      const int n1 = (nb + 1) * kN, st = (nb + 1) & 1;
+      load_tile<T, kN, D>(sK + st * kN * D, k + int64_t(n1) * p.k.row_stride, p.k.row_stride, si.nk - n1, tid);
+      load_tile<T, kN, D>(sV + st * kN * D, v + int64_t(n1) * p.v.row_stride, p.v.row_stride, si.nk - n1, tid);
+    }
+    cp_async_commit();
+    const uint32_t cK = aK + uint32_t(nb & 1) * kTileBytes, cV = aV + uint32_t(nb & 1) * kTileBytes;
+
+    // S = Q K^T (64 x kN per warpgroup).
+    float s[kN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    reg_fence(s);
+
+    const int n0 = nb * kN;
+    const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > wrow0);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * sl2;
+        if (need_mask) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
+          if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
+        }
+        s[4 * j + e] = x;
+      }
+    }
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    float base[2], corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      // The four threads of a quad hold the same two rows.
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+      base[i] = mx[i] == -INFINITY ? 0.f : mx[i];  // a row with nothing seen yet: avoid inf - inf
+      corr[i] = fast_exp2(m_run[i] - base[i]);
+      m_run[i] = mx[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      s[4 * j] = fast_exp2(s[4 * j] - base[0]);
+      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - base[0]);
+      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - base[1]);
+      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - base[1]);
+      rs[0] += s[4 * j] + s[4 * j + 1];
+      rs[1] += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l_run[0] = l_run[0] * corr[0] + rs[0];
+    l_run[1] = l_run[1] * corr[1] + rs[1];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[4 * i] *= corr[0];
+      o[4 * i + 1] *= corr[0];
+      o[4 * i + 2] *= corr[1];
+      o[4 * i + 3] *= corr[1];
+    }
+    // P as the register A operand, one k-step per 16 keys (layout in the header comment).
+    uint32_t pa[kN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      pa[kk][0] = Op::pack(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = Op::pack(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = Op::pack(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = Op::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    // O += P V: V's k-step kk (keys 16 kk ..) starts 16 rows = 2048 bytes in; N = D spans the D / 64
+    // column blocks kN * 128 bytes apart (LBO); 8-key atoms 1024 bytes apart (SBO).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      const uint64_t db = smem_desc(cV + uint32_t(kk) * 2048u, uint32_t(kN) * 128u, 1024u);
+      Wgmma<T, D>::rs(o, pa[kk], db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait_all();  // the next iteration's loads overwrite this stage after the barrier
+    reg_fence(o);
+  }
+
+  cp_async_wait_all();  // nothing may be in flight at exit (only happens when there were no keys)
+  T* out = head_ptr<T>(p.o, b, si.q0, h);
+  float* lse = p.lse + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + si.q0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
+    const int row = row_base + i * 8;
+    if (row < si.nq) {
+      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+      T* orow = out + int64_t(row) * p.o.row_stride;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) =
+            Op::pack(o[4 * dn + 2 * i] * inv, o[4 * dn + 2 * i + 1] * inv);
+      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for another architecture: the host never launches this (flash_sm90_unsupported_reason)
+#endif
+}
+
+// ---- launchers -----------------------------------------------------------------------------------
+template <class T, int D, int kN>
+void forward_sm90_impl(const AttnProblem& p, cudaStream_t s) {
+  constexpr int smem = Sm90Cfg<T, D, kN>::smem_bytes;
+  auto kernel = flash_fwd_sm90_kernel<T, D, kN>;
+  MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((p.seqlen_q + kM - 1) / kM), unsigned(p.heads), unsigned(p.batch));
+  kernel<<<grid, kThreads, smem, s>>>(p);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int D>
+void forward_sm90_tiles(const AttnProblem& p, cudaStream_t s) {
+  if (p.sm90_block_n == 64) forward_sm90_impl<T, D, 64>(p, s);
+  else forward_sm90_impl<T, D, 128>(p, s);
+}
+
+}  // namespace
+
+bool flash_sm90_built() {
+#ifdef MEGACORE_FLASH_SM90
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device) {
+  if (!flash_sm90_built())
+    return "this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES must name 90a for the wgmma kernel)";
+  std::string why = flash_unsupported_reason(p);
+  if (!why.empty()) return why;
+  if (p.sm90_block_n != 0 && p.sm90_block_n != 64 && p.sm90_block_n != 128)
+    return fmt::format("sm90_block_n {} (supported: 0 for the default, 64, 128)", p.sm90_block_n);
+  int major = 0, minor = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0)
+    return fmt::format("device {} is sm_{}{}; the wgmma kernel runs on sm_90 (H100/H200) only", device, major, minor);
+  return "";
+}
+
+void flash_forward_sm90(const AttnProblem& p, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::BF16) {
+    if (p.head_dim == 64) forward_sm90_tiles<__nv_bfloat16, 64>(p, s);
+    else forward_sm90_tiles<__nv_bfloat16, 128>(p, s);
+  } else {
+    if (p.head_dim == 64) forward_sm90_tiles<__half, 64>(p, s);
+    else forward_sm90_tiles<__half, 128>(p, s);
+  }
+}
+
+}  // namespace megacore::ops::cuda
