@@ -232,7 +232,7 @@ if has ddp2; then
 fi
 
 if has kernels; then
-  has tests || { step gpu_single 120 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
+  has tests || { step gpu_single 180 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
                  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
   step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
   tail -2 $OUT/torch_peers.log
