@@ -1,7 +1,9 @@
 // Attention forward and forward+backward (causal, d = 128, bf16) through cuDNN SDPA and megacore's own
-// flash kernel; torch SDPA's figures come from torch_attention_peer.py run in the same job on the same
-// card (pass its JSON in MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward
-// 4 B H S^2 D (two products), backward 2.5x forward, halved for the causal mask.
+// flash kernel (rows flash_det: deterministic two-kernel backward; flash_atomic: the default
+// single-kernel backward with atomic dQ; flash_atomic_w*: its launch shapes); torch SDPA's figures
+// come from torch_attention_peer.py run in the same job on the same card (pass its JSON in
+// MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward 4 B H S^2 D (two products),
+// backward 2.5x forward, halved for the causal mask.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +13,7 @@
 
 #include "kernels/bench.hpp"
 #include "megacore/megacore.hpp"
+#include "ops/attention_tuned.hpp"
 
 using namespace megacore;
 
@@ -50,7 +53,22 @@ MC_BENCHMARK("attention", 30) {
   auto peers = load_peers(&peer_card);
   const int64_t D = 128;
   const int samples = ctx.quick ? 5 : 15;
-  std::printf("  %-26s %-7s %9s %9s %11s %9s  %s\n", "shape", "backend", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
+  // Backward paths: cuDNN; the flash kernel's deterministic two-kernel backward; its default single
+  // kernel with atomic dQ; with variants, each launch shape of the atomic-dQ kernel (FlashBwdTuning).
+  struct Path {
+    const char* label;
+    ops::AttentionBackend backend;
+    bool deterministic;
+    const char* bwd;
+    int warps;  // 0: through the public op
+  };
+  const std::vector<Path> paths{
+      {"cudnn", ops::AttentionBackend::Cudnn, false, "cudnn", 0},
+      {"flash_det", ops::AttentionBackend::Flash, true, "deterministic (dK/dV + dQ kernels)", 0},
+      {"flash_atomic", ops::AttentionBackend::Flash, false, "atomic dQ (default)", 0},
+      {"flash_atomic_w8k128", ops::AttentionBackend::Flash, false, "atomic dQ, 8 warps, 128 keys/block", 8},
+      {"flash_atomic_w4k64", ops::AttentionBackend::Flash, false, "atomic dQ, 4 warps, 64 keys/block", 4}};
+  std::printf("  %-26s %-20s %9s %9s %11s %9s  %s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
               "torch SDPA fwd / fwd+bwd TFLOP/s");
   for (const auto& c : cfgs) {
     Tensor q = dev_rand({c.b, c.s, c.h, D}, 1), k = dev_rand({c.b, c.s, c.hk, D}, 2), v = dev_rand({c.b, c.s, c.hk, D}, 3);
@@ -64,26 +82,35 @@ MC_BENCHMARK("attention", 30) {
     const std::string shape = "b" + std::to_string(c.b) + "_s" + std::to_string(c.s) + "_h" + std::to_string(c.h) +
                               "_kv" + std::to_string(c.hk) + "_d128_causal";
     nlohmann::json peer = peers.count(shape) ? peers[shape] : nlohmann::json();
-    for (ops::AttentionBackend be : {ops::AttentionBackend::Cudnn, ops::AttentionBackend::Flash}) {
+    for (const Path& path : paths) {
+      const ops::AttentionBackend be = path.backend;
       if (be == ops::AttentionBackend::Cudnn && !ops::attention_cudnn_available()) continue;
+      if (path.warps && !ctx.variants) continue;
       ops::AttentionOptions o;
-      o.causal = true, o.backend = be;
+      o.causal = true, o.backend = be, o.deterministic = path.deterministic;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);
-        ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+        if (path.warps)
+          ops::detail::attention_backward_flash_tuned(q, k, v, out, lse, dout, dq, dk, dv, o,
+                                                      ops::cuda::FlashBwdTuning{.warps = path.warps});
+        else
+          ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
       };
+      const std::string op = std::string("attention_") + path.label;
       double fwd_ms = 0, fb_ms = 0;
       try {
         fwd_ms = mcbench::time_ms(fwd, 3, samples);
         fb_ms = mcbench::time_ms(fb, 3, samples);
       } catch (const std::exception& e) {
-        std::printf("  %-26s %-7s failed: %s\n", shape.c_str(), ops::attention_backend_name(be), e.what());
-        ctx.record({{"op", std::string("attention_") + ops::attention_backend_name(be)}, {"shape", shape}, {"error", e.what()}});
+        std::printf("  %-26s %-20s failed: %s\n", shape.c_str(), path.label, e.what());
+        ctx.record({{"op", op}, {"shape", shape}, {"error", e.what()}});
         continue;
       }
       const double ftf = fwd_flops / (fwd_ms * 1e-3) / 1e12, btf = fb_flops / (fb_ms * 1e-3) / 1e12;
-      nlohmann::json row{{"op", std::string("attention_") + ops::attention_backend_name(be)},
+      nlohmann::json row{{"op", op},
+                         {"backend", ops::attention_backend_name(be)},
+                         {"bwd", path.bwd},
                          {"shape", shape},
                          {"dtype", "bf16"},
                          {"ms", fb_ms},
@@ -116,8 +143,9 @@ MC_BENCHMARK("attention", 30) {
           row["vs_torch_default_fwdbwd"] = p["fwdbwd_ms"].get<double>() / fb_ms;
         }
       }
-      std::printf("  %-26s %-7s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), ops::attention_backend_name(be), fwd_ms,
-                  ftf, fb_ms, btf, peer_txt.c_str());
+      if (path.warps) row["variant"] = path.label;
+      std::printf("  %-26s %-20s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), path.label, fwd_ms, ftf, fb_ms,
+                  btf, peer_txt.c_str());
       ctx.record(row);
     }
   }
