@@ -1,6 +1,8 @@
 // Attention forward and forward+backward (causal, d = 128, bf16) through cuDNN SDPA and megacore's own
-// flash kernels (one row per forward kernel: [sm80] mma.sync, [sm90] / [sm90-n64] wgmma); torch SDPA's
-// figures come from torch_attention_peer.py run in the same job on the same card (pass its JSON in
+// flash kernels (rows flash[fwd/bwd]: the forward kernel, sm80 mma.sync or sm90 wgmma, and the
+// backward, det = the deterministic two-kernel backward, atomic = the default single kernel with
+// atomic dQ; variants: the other launch shapes); torch SDPA's figures come from
+// torch_attention_peer.py run in the same job on the same card (pass its JSON in
 // MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward 4 B H S^2 D (two products),
 // backward 2.5x forward, halved for the causal mask.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
@@ -12,6 +14,7 @@
 
 #include "kernels/bench.hpp"
 #include "megacore/megacore.hpp"
+#include "ops/attention_tuned.hpp"
 
 using namespace megacore;
 
@@ -51,25 +54,34 @@ MC_BENCHMARK("attention", 30) {
   auto peers = load_peers(&peer_card);
   const int64_t D = 128;
   const int samples = ctx.quick ? 5 : 15;
-  // The flash backend runs once per forward kernel: [sm80] mma.sync, and on sm_90 [sm90] wgmma with
-  // 128-key tiles (the default) and [sm90-n64] with 64-key tiles; the backward is the same kernel in
-  // every row, so fwd+bwd differences are the forward's.
-  struct Run {
+  // Paths: cuDNN; the flash kernels as forward kernel x backward: sm80 (mma.sync) and, on sm_90, sm90
+  // (wgmma, 128-key tiles: the default there); det (two kernels, no atomics) and atomic (one kernel,
+  // atomic dQ: the default). Variants: sm90 with 64-key tiles, each launch shape of the atomic kernel.
+  struct Path {
+    const char* label;
     ops::AttentionBackend backend;
     ops::FlashImpl impl;
     int block_n;
-    const char* variant;
+    bool deterministic;
+    int warps;     // 0: through the public op
+    bool variant;  // only with variants on
   };
-  std::vector<Run> runs;
-  if (ops::attention_cudnn_available()) runs.push_back({ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, ""});
-  runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, "sm80"});
-  if (ops::attention_flash_sm90_available(Device::cuda(0))) {
-    runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, "sm90"});
-    runs.push_back({ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, "sm90-n64"});
-  } else {
-    std::printf("  note: the sm90 flash forward is not available on this device/build; no [sm90] rows\n");
+  const bool sm90 = ops::attention_flash_sm90_available(Device::cuda(0));
+  if (!sm90) std::printf("  note: the sm90 flash forward is not available on this device/build; no sm90 rows\n");
+  std::vector<Path> paths;
+  if (ops::attention_cudnn_available())
+    paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, false, 0, false});
+  paths.push_back({"flash[sm80/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, true, 0, false});
+  paths.push_back({"flash[sm80/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, false, 0, false});
+  if (sm90) {
+    paths.push_back({"flash[sm90/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, true, 0, false});
+    paths.push_back({"flash[sm90/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, false, 0, false});
+    paths.push_back({"flash[sm90-n64/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, false, 0, true});
   }
-  std::printf("  %-26s %-16s %9s %9s %11s %9s  %s\n", "shape", "backend", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
+  const ops::FlashImpl best = sm90 ? ops::FlashImpl::Sm90 : ops::FlashImpl::Sm80;
+  paths.push_back({"flash[atomic_w8k128]", ops::AttentionBackend::Flash, best, 0, false, 8, true});
+  paths.push_back({"flash[atomic_w4k64]", ops::AttentionBackend::Flash, best, 0, false, 4, true});
+  std::printf("  %-26s %-22s %9s %9s %11s %9s  %s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
               "torch SDPA fwd / fwd+bwd TFLOP/s");
   for (const auto& c : cfgs) {
     Tensor q = dev_rand({c.b, c.s, c.h, D}, 1), k = dev_rand({c.b, c.s, c.hk, D}, 2), v = dev_rand({c.b, c.s, c.hk, D}, 3);
@@ -83,32 +95,36 @@ MC_BENCHMARK("attention", 30) {
     const std::string shape = "b" + std::to_string(c.b) + "_s" + std::to_string(c.s) + "_h" + std::to_string(c.h) +
                               "_kv" + std::to_string(c.hk) + "_d128_causal";
     nlohmann::json peer = peers.count(shape) ? peers[shape] : nlohmann::json();
-    for (const Run& run : runs) {
-      const ops::AttentionBackend be = run.backend;
-      const std::string label = std::string(ops::attention_backend_name(be)) +
-                                (run.variant[0] ? std::string("[") + run.variant + "]" : std::string());
+    for (const Path& path : paths) {
+      const ops::AttentionBackend be = path.backend;
+      if (path.variant && !ctx.variants) continue;
       ops::AttentionOptions o;
-      o.causal = true, o.backend = be, o.flash_impl = run.impl, o.flash_sm90_block_n = run.block_n;
+      o.causal = true, o.backend = be, o.deterministic = path.deterministic;
+      o.flash_impl = path.impl, o.flash_sm90_block_n = path.block_n;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);
-        ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+        if (path.warps)
+          ops::detail::attention_backward_flash_tuned(q, k, v, out, lse, dout, dq, dk, dv, o,
+                                                      ops::cuda::FlashBwdTuning{.warps = path.warps});
+        else
+          ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
       };
+      const std::string op = std::string("attention_") + ops::attention_backend_name(be);
       double fwd_ms = 0, fb_ms = 0;
       try {
         fwd_ms = mcbench::time_ms(fwd, 3, samples);
         fb_ms = mcbench::time_ms(fb, 3, samples);
       } catch (const std::exception& e) {
-        std::printf("  %-26s %-16s failed: %s\n", shape.c_str(), label.c_str(), e.what());
-        ctx.record({{"op", std::string("attention_") + ops::attention_backend_name(be)},
-                    {"variant", run.variant},
-                    {"shape", shape},
-                    {"error", e.what()}});
+        std::printf("  %-26s %-22s failed: %s\n", shape.c_str(), path.label, e.what());
+        ctx.record({{"op", op}, {"path", path.label}, {"shape", shape}, {"error", e.what()}});
         continue;
       }
       const double ftf = fwd_flops / (fwd_ms * 1e-3) / 1e12, btf = fb_flops / (fb_ms * 1e-3) / 1e12;
-      nlohmann::json row{{"op", std::string("attention_") + ops::attention_backend_name(be)},
-                         {"variant", run.variant},
+      nlohmann::json row{{"op", op},
+                         {"path", path.label},
+                         {"fwd_kernel", path.impl == ops::FlashImpl::Sm90 ? "sm90" : path.impl == ops::FlashImpl::Sm80 ? "sm80" : "auto"},
+                         {"bwd", path.backend == ops::AttentionBackend::Cudnn ? "cudnn" : path.deterministic ? "deterministic" : "atomic dQ"},
                          {"shape", shape},
                          {"dtype", "bf16"},
                          {"ms", fb_ms},
@@ -141,8 +157,9 @@ MC_BENCHMARK("attention", 30) {
           row["vs_torch_default_fwdbwd"] = p["fwdbwd_ms"].get<double>() / fb_ms;
         }
       }
-      std::printf("  %-26s %-16s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), label.c_str(), fwd_ms,
-                  ftf, fb_ms, btf, peer_txt.c_str());
+      if (path.variant) row["variant"] = path.label;
+      std::printf("  %-26s %-22s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), path.label, fwd_ms, ftf, fb_ms,
+                  btf, peer_txt.c_str());
       ctx.record(row);
     }
   }

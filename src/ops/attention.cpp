@@ -12,6 +12,7 @@
 
 #include "megacore/build_config.hpp"
 #include "megacore/ops/ops_common.hpp"
+#include "ops/attention_tuned.hpp"
 #include "ops/cuda/attention_cuda.hpp"
 
 namespace megacore::ops {
@@ -404,10 +405,16 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 #endif
 }
 
-void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionOptions& opts,
-                        const Stream& s) {
+namespace {
+
+// attention_backward; `tuning` (non-null: the flash kernel's atomic-dQ path with that launch shape,
+// whatever opts.backend and opts.deterministic say) is for tests and benchmarks.
+void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                   const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionOptions& opts_in,
+                   const Stream& s, const cuda::FlashBwdTuning* tuning) {
   const char* op = "attention_backward";
+  AttentionOptions opts = opts_in;
+  if (tuning) opts.backend = AttentionBackend::Flash, opts.deterministic = false;
   const Geometry g = check_inputs(q, k, v, opts, op);
   check_tensor(out, q.dtype(), q.device(), q.shape(), op, "out");
   check_tensor(dout, q.dtype(), q.device(), q.shape(), op, "dout");
@@ -448,11 +455,38 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   if (b == AttentionBackend::Cudnn) cuda::cudnn_backward(p, q.device().index, stream);
   else {
     Tensor dsum = Tensor::empty(g.lse_shape, DType::F32, q.device(), s);
-    cuda::flash_backward(p, dsum.data<float>(), q.device().index, stream);
+    // Non-deterministic path: dQ is summed over key blocks with f32 atomics into [lse's shape, D]
+    // (dense [B, H, Sq, D], packed [H, Tq, D]); flash_backward zeroes it on the stream.
+    Tensor dq_acc;
+    if (!p.deterministic) {
+      Shape acc_shape = g.lse_shape;
+      acc_shape.push_back(g.dim);
+      dq_acc = Tensor::empty(acc_shape, DType::F32, q.device(), s);
+    }
+    cuda::flash_backward(p, dsum.data<float>(), dq_acc.defined() ? dq_acc.data<float>() : nullptr,
+                         q.device().index, stream, tuning ? *tuning : cuda::FlashBwdTuning{});
   }
 #else
+  (void)tuning;
   raise<CudaError>("{}: tensors are on {} but megacore was built without CUDA", op, q.device().str());
 #endif
 }
+
+}  // namespace
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionOptions& opts,
+                        const Stream& s) {
+  backward_impl(q, k, v, out, lse, dout, dq, dk, dv, opts, s, nullptr);
+}
+
+namespace detail {
+void attention_backward_flash_tuned(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                    const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                                    const AttentionOptions& opts, const cuda::FlashBwdTuning& tuning,
+                                    const Stream& s) {
+  backward_impl(q, k, v, out, lse, dout, dq, dk, dv, opts, s, &tuning);
+}
+}  // namespace detail
 
 }  // namespace megacore::ops

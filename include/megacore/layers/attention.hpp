@@ -27,7 +27,8 @@
 //                        separately materialised output in a layer that does not share it; with a fused
 //                        attention kernel the s×s scores that selective recompute exists to avoid are never
 //                        stored in either mode. The recomputation is deterministic, so both modes give
-//                        bit-identical gradients.
+//                        bit-identical gradients (on GPUs with deterministic = true: the flash kernel's
+//                        default backward adds dq with atomics, so dq's rounding varies run to run).
 //   recompute Full is the TransformerLayer's business (it reruns the whole layer); here it acts as None.
 #pragma once
 
@@ -59,7 +60,7 @@ struct SelfAttentionOptions {
   bool rotary_interleaved = false;
   /// Core attention backend (Auto: the CPU reference for host tensors, cuDNN or the flash kernel on GPUs).
   ops::AttentionBackend backend = ops::AttentionBackend::Auto;
-  /// Ask the GPU backends for run-to-run identical gradients.
+  /// Ask the GPU backends for run-to-run identical gradients (see ops::AttentionOptions::deterministic).
   bool deterministic = false;
 };
 

@@ -47,8 +47,11 @@ struct AttentionOptions {
   /// Multiplies q . k; 0 means 1 / sqrt(D).
   float softmax_scale = 0.f;
   AttentionBackend backend = AttentionBackend::Auto;
-  /// Backward gives bit-identical gradients from run to run (megacore's kernel always does; cuDNN is
-  /// asked for its deterministic algorithm).
+  /// Backward gives bit-identical gradients from run to run. megacore's flash kernel: true runs
+  /// separate dK/dV and dQ kernels with no atomics (7 matrix products per tile pair); false (the
+  /// default) runs one FlashAttention-2-style kernel (5 products) that sums dQ over key blocks with
+  /// f32 atomics, so dq's rounding can differ between runs (dk and dv are still bit-identical).
+  /// cuDNN is asked for its deterministic algorithm.
   bool deterministic = false;
   /// Packed mode: i32 [B + 1] prefix sums, on the tensors' device (see the header comment).
   Tensor cu_seqlens_q;

@@ -37,6 +37,13 @@ struct AttnProblem {
   int sm90_block_n = 0;
 };
 
+/// Launch shape of the flash backward's atomic-dQ kernel (p.deterministic false): a block of `warps`
+/// warps owns 16 * warps keys (8: 128 keys, 4: 64 keys; queries per step 32 at D = 128, 64 at D = 64).
+/// attention_backward uses {}; the benchmark and the [gpu] tests run each.
+struct FlashBwdTuning {
+  int warps = 8;
+};
+
 /// Why the flash kernel cannot run this problem ("" when it can).
 std::string flash_unsupported_reason(const AttnProblem& p);
 void flash_forward(const AttnProblem& p, int device, void* stream);
@@ -47,8 +54,13 @@ bool flash_sm90_built();
 std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device);
 /// The wgmma forward; only after flash_sm90_unsupported_reason returned "".
 void flash_forward_sm90(const AttnProblem& p, int device, void* stream);
-/// Needs p.o and p.lse from the forward; dsum is f32 scratch with lse's layout and size.
-void flash_backward(const AttnProblem& p, float* dsum, int device, void* stream);
+/// Needs p.o and p.lse from the forward; dsum is f32 scratch with lse's layout and size. With
+/// p.deterministic: separate dK/dV and dQ kernels, no atomics, bit-identical results (dq_acc unused,
+/// may be null). Without: one kernel for dK/dV/dQ adding dQ into dq_acc with f32 atomics (f32 scratch
+/// of lse's size times head_dim, zeroed here on the stream), then a pass that scales and casts it into
+/// p.dq; faster, but dq's rounding varies from run to run.
+void flash_backward(const AttnProblem& p, float* dsum, float* dq_acc, int device, void* stream,
+                    const FlashBwdTuning& tuning = {});
 
 /// True when the build has the cuDNN SDPA path.
 bool cudnn_sdpa_built();

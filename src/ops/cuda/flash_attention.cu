@@ -14,7 +14,9 @@
 //          registers for dV += P^T dO and dK += dS^T Q.
 //   dQ:    a block owns 64 query rows and walks the key tiles: dQ += dS K.
 // That recomputes S and dP once more than FlashAttention-2's single kernel (7 instead of 5 matrix
-// products per tile pair) in exchange for determinism without a reduction buffer.
+// products per tile pair) in exchange for determinism without a reduction buffer. It runs when
+// AttnProblem::deterministic is set; otherwise flash_bwd_fused_kernel (FlashAttention-2's single
+// kernel: dK/dV as above plus dQ += dS K added into an f32 buffer with atomics) runs, see there.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -609,6 +611,295 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(const AttnProble
   }
 }
 
+// ---- backward, atomic dQ: one kernel for dK, dV and dQ (FlashAttention-2's 5 products) ------------
+// A block of W warps owns 16 W keys of one kv head (each warp 16 keys, as in the dK/dV kernel) and
+// walks kM-row query tiles of every query head of its GQA group (double-buffered by cp.async; causal:
+// from the first tile that sees one of its keys). Per tile: S^T = K Q^T and dP^T = V dO^T in
+// registers, P^T and dS^T = P^T (dP^T - D) as A operands for dV += P^T dO and dK += dS^T Q; dS^T also
+// goes to shared memory, and after a barrier the warps split the kM x D tile dQ += dS K between
+// them (A = dS by transposed ldmatrix) and add it into an f32 [rows, D] scratch (lse's layout times
+// D) with red.global.add. The order of those additions varies, so dQ is not bit-reproducible;
+// flash_bwd_dq_convert_kernel then scales and casts it into dq.
+template <int D, int W>
+struct FusedCfg {
+  static constexpr int kThreadsF = 32 * W;
+  static constexpr int kN = 16 * W;              // keys per block
+  static constexpr int kM = D == 128 ? 32 : 64;  // queries per step (bounds the S^T/dP^T registers)
+  static constexpr int kRowGroups = kM / 16;     // the dQ tile: 16-row groups x column groups
+  static constexpr int kColGroups = W / kRowGroups;
+  static constexpr int kDqCols = D / kColGroups;  // dQ columns per warp
+  static constexpr bool kEarlyDsStore = W == 8;   // see the kernel
+  static_assert(W % kRowGroups == 0 && kDqCols % 16 == 0, "dQ tile must split evenly over the warps");
+  static constexpr int smem_bytes(int elem) { return (2 * kN * D + 4 * kM * D + kN * kM) * elem + 4 * kM * 4; }
+};
+
+// Swizzle of a [rows][WIDTH] 16-bit tile: WIDTH >= 64 as swz; WIDTH 32 (two rows per 128 bytes) XORs
+// the chunk with (row / 2) % 4, so an ldmatrix phase (8 consecutive rows, one chunk) and a warp's
+// fragment store (8 rows x 4 words) both touch 8 distinct 16-byte bank groups.
+template <int WIDTH>
+__device__ __forceinline__ int swz_w(int row, int col) {
+  if constexpr (WIDTH >= 64) {
+    return swz<WIDTH>(row, col);
+  } else {
+    static_assert(WIDTH == 32, "dS^T tile width is 32 or 64");
+    return row * 32 + ((((col >> 3) ^ ((row >> 1) & 3))) << 3) + (col & 7);
+  }
+}
+
+// As load_tile, for a block of NT threads.
+template <class T, int ROWS, int D, int NT>
+__device__ __forceinline__ void load_tile_nt(T* s, const T* g, int64_t row_stride, int valid_rows, int tid) {
+  constexpr int kChunks = D / 8;
+  static_assert((ROWS * kChunks) % NT == 0, "tile must split evenly over the block");
+#pragma unroll
+  for (int i = 0; i < ROWS * kChunks / NT; ++i) {
+    const int c = i * NT + tid;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < valid_rows;
+    const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
+    cp_async16(smem_u32(s + swz<D>(r, ch * 8)), src, ok);
+  }
+}
+
+// dst[0..1] += (a, b) in global memory, no return value (8-byte aligned).
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+template <class T, int D, int W>
+__global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProblem p, const float* dsum,
+                                                                 float* dq_acc) {
+  using Op = Mma<T>;
+  using Cfg = FusedCfg<D, W>;
+  constexpr int kN = Cfg::kN, kM = Cfg::kM, NT = Cfg::kThreadsF, kDqCols = Cfg::kDqCols;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + kN * D;
+  T* sQ = sV + kN * D;        // two buffers
+  T* sdO = sQ + 2 * kM * D;   // two buffers
+  T* sdS = sdO + 2 * kM * D;  // dS^T [key][query]
+  float* sL = reinterpret_cast<float*>(sdS + kN * kM);  // two buffers: lse * log2(e)
+  float* sD = sL + 2 * kM;                               // two buffers: rowsum(dO * O)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqInfo si = seq_info(p, b);
+  const int n0 = blockIdx.x * kN;
+  if (n0 >= si.nk) return;
+  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+  load_tile_nt<T, kN, D, NT>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
+  load_tile_nt<T, kN, D, NT>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
+
+  const int group = p.heads / p.kv_heads;
+  const int m_begin = p.causal ? n0 / kM : 0;  // earlier query tiles see none of these keys
+  const int m_blocks = (si.nq + kM - 1) / kM;
+  const int per_head = max(m_blocks - m_begin, 0);
+  const int total = group * per_head;
+
+  auto issue = [&](int it, int buf) {
+    const int hq = hk * group + it / per_head;
+    const int m0 = (m_begin + it % per_head) * kM;
+    const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
+    const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
+    load_tile_nt<T, kM, D, NT>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0,
+                               tid);
+    load_tile_nt<T, kM, D, NT>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride,
+                               si.nq - m0, tid);
+    if (tid < kM) {
+      const int row = m0 + tid;
+      const int64_t off = lse_offset(p, b, hq, si.q0);
+      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
+      sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
+      sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
+    }
+  };
+  if (total > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  const float sl2 = p.scale * kLog2e;
+  const int key_base = n0 + warp * 16 + g;
+  // Warps whose keys reach past the sequence mask them (P = 0): their K rows are zero-filled, but P
+  // itself would not be, and dQ sums over every key of the block.
+  const bool tail_keys = n0 + kN > si.nk;
+  // This warp's part of each dQ tile: 16 query rows (row group) x kDqCols columns.
+  const int dq_row = (warp % Cfg::kRowGroups) * 16, dq_col = (warp / Cfg::kRowGroups) * kDqCols;
+
+  for (int it = 0; it < total; ++it) {
+    cp_async_wait_all();
+    __syncthreads();  // this tile's loads are visible; every warp is done with the previous tile
+    if (it + 1 < total) issue(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    const int buf = it & 1;
+    const int hq = hk * group + it / per_head;
+    const int m0 = (m_begin + it % per_head) * kM;
+    const T* cQ = sQ + buf * kM * D;
+    const T* cdO = sdO + buf * kM * D;
+    const float* cL = sL + buf * kM;
+    const float* cD = sD + buf * kM;
+
+    float st[kM / 8][4], dpt[kM / 8][4];
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ak[4], av[4];
+      load_a<D>(ak, sK, warp * 16, ks * 16, lane);
+      load_a<D>(av, sV, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kM / 16; ++np) {
+        uint32_t bq[4], bo[4];
+        load_b_nk<D>(bq, cQ, np * 16, ks * 16, lane);
+        load_b_nk<D>(bo, cdO, np * 16, ks * 16, lane);
+        Op::run(st[2 * np], ak, bq[0], bq[1]);
+        Op::run(st[2 * np + 1], ak, bq[2], bq[3]);
+        Op::run(dpt[2 * np], av, bo[0], bo[1]);
+        Op::run(dpt[2 * np + 1], av, bo[2], bo[3]);
+      }
+    }
+    const bool need_mask = tail_keys || (p.causal && m0 < n0 + warp * 16 + 15);
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = j * 8 + 2 * t + (e & 1);
+        float pv = fast_exp2(st[j][e] * sl2 - cL[qc]);
+        if (need_mask) {
+          const int key = key_base + (e >> 1) * 8;
+          if (key >= si.nk || (p.causal && m0 + qc < key)) pv = 0.f;
+        }
+        st[j][e] = pv;
+        dpt[j][e] = pv * (dpt[j][e] - cD[qc]);  // dS^T
+      }
+    }
+    // dS^T to shared memory for dQ (key rows g and g + 8 of the warp, query columns 8 j + 2 t), here
+    // or from the packed A operands in the loop below (Cfg::kEarlyDsStore: which of the two ptxas
+    // fits in 255 registers without spilling differs between the launch shapes).
+    if constexpr (Cfg::kEarlyDsStore) {
+#pragma unroll
+      for (int j = 0; j < kM / 8; ++j) {
+        const int r0 = warp * 16 + g, c0 = j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0, c0)) = Op::pack(dpt[j][0], dpt[j][1]);
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0 + 8, c0)) = Op::pack(dpt[j][2], dpt[j][3]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+      const uint32_t ap[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]), Op::pack(st[2 * kk][2], st[2 * kk][3]),
+                              Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const uint32_t as[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                              Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      if constexpr (!Cfg::kEarlyDsStore) {
+        // as[0]/as[2]: key row g, query columns 16 kk + 2 t and + 8; as[1]/as[3]: key row g + 8.
+        const int r0 = warp * 16 + g, c0 = kk * 16 + 2 * t;
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0, c0)) = as[0];
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0 + 8, c0)) = as[1];
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0, c0 + 8)) = as[2];
+        *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0 + 8, c0 + 8)) = as[3];
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bo[4], bq[4];
+        load_b_kn<D>(bo, cdO, kk * 16, dp * 16, lane);
+        load_b_kn<D>(bq, cQ, kk * 16, dp * 16, lane);
+        Op::run(dv[2 * dp], ap, bo[0], bo[1]);
+        Op::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
+        Op::run(dk[2 * dp], as, bq[0], bq[1]);
+        Op::run(dk[2 * dp + 1], as, bq[2], bq[3]);
+      }
+    }
+    __syncthreads();  // dS^T of every warp is in shared memory
+
+    // dQ[q][d] += sum over the block's keys of dS^T[key][q] K[key][d]: A = dS (transposed ldmatrix of
+    // dS^T, stored [k][m]), B = K (stored [k][n]).
+    float acc[kDqCols / 8][4];
+#pragma unroll
+    for (int i = 0; i < kDqCols / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      uint32_t a[4];
+      ldsm_x4_t(a, smem_u32(sdS + swz_w<kM>(kk * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                             dq_row + (((lane >> 3) & 1) << 3))));
+#pragma unroll
+      for (int dn = 0; dn < kDqCols / 16; ++dn) {
+        uint32_t bk[4];
+        load_b_kn<D>(bk, sK, kk * 16, dq_col + dn * 16, lane);
+        Op::run(acc[2 * dn], a, bk[0], bk[1]);
+        Op::run(acc[2 * dn + 1], a, bk[2], bk[3]);
+      }
+    }
+    float* dqh = dq_acc + (lse_offset(p, b, hq, si.q0) + m0) * D;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = dq_row + g + i * 8;
+      if (m0 + r >= si.nq) continue;
+      float* dst = dqh + int64_t(r) * D + dq_col + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < kDqCols / 8; ++nt) red_add2(dst + nt * 8, acc[nt][2 * i], acc[nt][2 * i + 1]);
+    }
+  }
+
+  cp_async_wait_all();
+  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
+  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = key_base + i * 8;
+    if (row >= si.nk) continue;
+    T* krow = dkp + int64_t(row) * p.dk.row_stride;
+    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
+          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
+    }
+  }
+}
+
+// dq = scale * dq_acc, cast to T: a warp per row, D / 32 elements per lane.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dq_convert_kernel(const AttnProblem p, const float* dq_acc) {
+  using Op = Mma<T>;
+  constexpr int kM = 64, kVec = D / 32;
+  static_assert(kVec == 2 || kVec == 4, "D is 64 or 128");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.z, h = blockIdx.y;
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = blockIdx.x * kM;
+  if (m0 >= si.nq) return;
+  const float* src = dq_acc + lse_offset(p, b, h, si.q0) * D;
+  T* dst = head_ptr<T>(p.dq, b, si.q0, h);
+  for (int r = warp; r < kM; r += kThreads / 32) {
+    const int row = m0 + r;
+    if (row >= si.nq) break;
+    const float* s = src + int64_t(row) * D + lane * kVec;
+    T* o = dst + int64_t(row) * p.dq.row_stride + lane * kVec;
+    if constexpr (kVec == 4) {
+      const float4 x = *reinterpret_cast<const float4*>(s);
+      *reinterpret_cast<uint2*>(o) = make_uint2(Op::pack(x.x * p.scale, x.y * p.scale), Op::pack(x.z * p.scale, x.w * p.scale));
+    } else {
+      const float2 x = *reinterpret_cast<const float2*>(s);
+      *reinterpret_cast<uint32_t*>(o) = Op::pack(x.x * p.scale, x.y * p.scale);
+    }
+  }
+}
+
 // ---- launchers -----------------------------------------------------------------------------------
 template <class K>
 void set_smem(K kernel, int bytes) {
@@ -644,6 +935,38 @@ void backward_impl(const AttnProblem& p, float* dsum, cudaStream_t s) {
   set_smem(dq_kernel, dq_smem);
   dq_kernel<<<grid_q, kThreads, dq_smem, s>>>(p, dsum);
   MC_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int D, int W>
+void backward_atomic_impl(const AttnProblem& p, float* dsum, float* dq_acc, cudaStream_t s) {
+  const dim3 grid_q(unsigned((p.seqlen_q + 63) / 64), unsigned(p.heads), unsigned(p.batch));
+  // dq_acc has lse's rows, D floats each.
+  const int64_t rows = p.cu_q ? int64_t(p.heads) * p.total_q : int64_t(p.batch) * p.heads * p.seqlen_q;
+  MC_CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, size_t(rows) * D * sizeof(float), s));
+  if (grid_q.x > 0) {
+    flash_bwd_dot_kernel<T, D><<<grid_q, kThreads, 0, s>>>(p, dsum);
+    MC_CUDA_CHECK_LAUNCH();
+  }
+  using Cfg = FusedCfg<D, W>;
+  constexpr int smem = Cfg::smem_bytes(int(sizeof(T)));
+  auto kernel = flash_bwd_fused_kernel<T, D, W>;
+  set_smem(kernel, smem);
+  const dim3 grid_kv(unsigned((p.seqlen_kv + Cfg::kN - 1) / Cfg::kN), unsigned(p.kv_heads), unsigned(p.batch));
+  if (grid_kv.x > 0) {
+    kernel<<<grid_kv, Cfg::kThreadsF, smem, s>>>(p, dsum, dq_acc);
+    MC_CUDA_CHECK_LAUNCH();
+  }
+  if (grid_q.x > 0) {
+    flash_bwd_dq_convert_kernel<T, D><<<grid_q, kThreads, 0, s>>>(p, dq_acc);
+    MC_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template <class T, int D>
+void backward_atomic_dispatch(const AttnProblem& p, float* dsum, float* dq_acc, const FlashBwdTuning& tu,
+                              cudaStream_t s) {
+  if (tu.warps == 8) backward_atomic_impl<T, D, 8>(p, dsum, dq_acc, s);
+  else backward_atomic_impl<T, D, 4>(p, dsum, dq_acc, s);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -689,11 +1012,25 @@ void flash_forward(const AttnProblem& p, int device, void* stream) {
   }
 }
 
-void flash_backward(const AttnProblem& p, float* dsum, int device, void* stream) {
+void flash_backward(const AttnProblem& p, float* dsum, float* dq_acc, int device, void* stream,
+                    const FlashBwdTuning& tuning) {
+  MC_CHECK(tuning.warps == 4 || tuning.warps == 8, "flash backward: FlashBwdTuning::warps is 4 or 8, got {}",
+           tuning.warps);
+  MC_CHECK(p.deterministic || dq_acc, "flash backward: the atomic-dQ path needs the f32 dQ scratch buffer");
   cuda_impl::DeviceGuard guard(device);
   if (p.batch == 0) return;
   if (p.seqlen_q == 0 && p.seqlen_kv == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
+  if (!p.deterministic) {
+    if (p.dtype == DType::BF16) {
+      if (p.head_dim == 64) backward_atomic_dispatch<__nv_bfloat16, 64>(p, dsum, dq_acc, tuning, s);
+      else backward_atomic_dispatch<__nv_bfloat16, 128>(p, dsum, dq_acc, tuning, s);
+    } else {
+      if (p.head_dim == 64) backward_atomic_dispatch<__half, 64>(p, dsum, dq_acc, tuning, s);
+      else backward_atomic_dispatch<__half, 128>(p, dsum, dq_acc, tuning, s);
+    }
+    return;
+  }
   if (p.dtype == DType::BF16) {
     if (p.head_dim == 64) backward_impl<__nv_bfloat16, 64>(p, dsum, s);
     else backward_impl<__nv_bfloat16, 128>(p, dsum, s);

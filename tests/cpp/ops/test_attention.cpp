@@ -5,7 +5,11 @@
 #include <vector>
 
 #include "ops/ops_test_util.hpp"
+#include "megacore/build_config.hpp"
 #include "megacore/ops/attention.hpp"
+#if MEGACORE_WITH_CUDA
+#include "ops/attention_tuned.hpp"
+#endif
 
 using namespace megacore;
 using namespace megacore::ops;
@@ -220,20 +224,6 @@ void run_gpu_case_once(const GpuCase& c) {
     }
   }
   attention_forward(q, k, v, out, lse, o);
-  Tensor dq = mctest::poisoned(qs, c.dt, g), dk = mctest::poisoned(ks, c.dt, g), dv = mctest::poisoned(ks, c.dt, g);
-  if (c.backend == AttentionBackend::Cudnn) {
-    try {
-      attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
-    } catch (const ValueError& e) {
-      // cuDNN supports fewer backward shapes than forward ones (s_q = s_kv = 1, for one); Auto
-      // then runs the backward through the flash kernel and logs it.
-      WARN("cuDNN SDPA backward skipped: " << e.what());
-      CHECK(std::string(e.what()).find("cuDNN SDPA cannot run") != std::string::npos);
-      return;
-    }
-  } else {
-    attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
-  }
 
   ref::AttentionDims d;
   d.batch = B, d.seqlen_q = c.sq, d.seqlen_kv = c.skv, d.heads = c.heads, d.kv_heads = c.kv_heads, d.head_dim = c.dim;
@@ -248,15 +238,60 @@ void run_gpu_case_once(const GpuCase& c) {
                               dkd.data(), dvd.data());
   const double e_out = mctest::rel_err(out.to_double_vector(), od);
   const double e_lse = mctest::rel_err(lse.to_double_vector(), ld);
-  const double e_dq = mctest::rel_err(dq.to_double_vector(), dqd);
-  const double e_dk = mctest::rel_err(dk.to_double_vector(), dkd);
-  const double e_dv = mctest::rel_err(dv.to_double_vector(), dvd);
-  INFO("rel err out " << e_out << " lse " << e_lse << " dq " << e_dq << " dk " << e_dk << " dv " << e_dv);
+  INFO("rel err out " << e_out << " lse " << e_lse);
   CHECK(e_out < 1e-2);
   CHECK(e_lse < 1e-3);
-  CHECK(e_dq < 1e-2);
-  CHECK(e_dk < 1e-2);
-  CHECK(e_dv < 1e-2);
+
+  // One backward into poisoned gradients, compared with the reference.
+  auto check_backward = [&](const char* path, auto&& run) {
+    INFO("backward path " << path);
+    Tensor dq = mctest::poisoned(qs, c.dt, g), dk = mctest::poisoned(ks, c.dt, g), dv = mctest::poisoned(ks, c.dt, g);
+    if (!run(dq, dk, dv)) return;
+    const double e_dq = mctest::rel_err(dq.to_double_vector(), dqd);
+    const double e_dk = mctest::rel_err(dk.to_double_vector(), dkd);
+    const double e_dv = mctest::rel_err(dv.to_double_vector(), dvd);
+    INFO("rel err dq " << e_dq << " dk " << e_dk << " dv " << e_dv);
+    CHECK(e_dq < 1e-2);
+    CHECK(e_dk < 1e-2);
+    CHECK(e_dv < 1e-2);
+  };
+  if (c.backend == AttentionBackend::Cudnn) {
+    check_backward("cudnn", [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+      try {
+        attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+      } catch (const ValueError& e) {
+        // cuDNN supports fewer backward shapes than forward ones (s_q = s_kv = 1, for one); Auto
+        // then runs the backward through the flash kernel and logs it.
+        WARN("cuDNN SDPA backward skipped: " << e.what());
+        CHECK(std::string(e.what()).find("cuDNN SDPA cannot run") != std::string::npos);
+        return false;
+      }
+      return true;
+    });
+    return;
+  }
+  // Flash (and Auto): the default (atomic dQ) and the deterministic two-kernel backward, then every
+  // launch shape of the atomic-dQ kernel.
+  for (bool det : {false, true}) {
+    AttentionOptions od_opts = o;
+    od_opts.deterministic = det;
+    check_backward(det ? "deterministic" : "default (atomic dQ)", [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+      attention_backward(q, k, v, out, lse, dout, dq, dk, dv, od_opts);
+      return true;
+    });
+  }
+#if MEGACORE_WITH_CUDA
+  if (c.backend == AttentionBackend::Flash) {
+    for (int warps : {4, 8}) {
+      INFO("FlashBwdTuning warps " << warps);
+      check_backward("atomic dQ, explicit launch shape", [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+        ops::detail::attention_backward_flash_tuned(q, k, v, out, lse, dout, dq, dk, dv, o,
+                                                    ops::cuda::FlashBwdTuning{.warps = warps});
+        return true;
+      });
+    }
+  }
+#endif
 }
 
 // The Flash backend runs every case through each forward kernel: the mma.sync one, and on sm_90 the
@@ -359,7 +394,8 @@ TEST_CASE("attention gpu: q, k, v as strided views of a fused QKV projection", "
   }
 }
 
-TEST_CASE("attention gpu: flash backward is bit-identical from run to run", "[ops][attention][gpu]") {
+TEST_CASE("attention gpu: flash backward is bit-identical from run to run (deterministic; dk/dv also with atomic dQ)",
+          "[ops][attention][gpu]") {
   MC_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   const Device g = mctest::gpu();
@@ -379,6 +415,22 @@ TEST_CASE("attention gpu: flash backward is bit-identical from run to run", "[op
     std::vector<std::vector<double>> now{dq.to_double_vector(), dk.to_double_vector(), dv.to_double_vector()};
     if (rep == 0) first = now;
     else CHECK(now == first);
+  }
+  // The default (atomic dQ) path: dk and dv are still summed in a fixed order, so bit-identical too;
+  // dq is not promised to be (the atomics' order varies), only close to the deterministic one.
+  o.deterministic = false;
+  std::vector<std::vector<double>> atomic_first;
+  for (int rep = 0; rep < 2; ++rep) {
+    Tensor dq = mctest::poisoned(q.shape(), DType::BF16, g), dk = mctest::poisoned(k.shape(), DType::BF16, g),
+           dv = mctest::poisoned(k.shape(), DType::BF16, g);
+    attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+    std::vector<std::vector<double>> now{dq.to_double_vector(), dk.to_double_vector(), dv.to_double_vector()};
+    CHECK(mctest::rel_err(now[0], first[0]) < 1e-2);
+    if (rep == 0) atomic_first = now;
+    else {
+      CHECK(now[1] == atomic_first[1]);
+      CHECK(now[2] == atomic_first[2]);
+    }
   }
 }
 
