@@ -48,17 +48,17 @@ namespace {
 using EmbeddingTuning = ops::cuda::EmbeddingTuning;
 using DropoutTuning = ops::cuda::DropoutTuning;
 
-// Alternatives to the default segment sums (16-byte accesses, 256 threads, 2 vectors per thread).
+// Alternatives to the default (counting sort, ordered segment sums, 16-byte accesses, 256 threads,
+// 2 vectors per thread).
 std::vector<mcbench::Variant<EmbeddingTuning>> embedding_variants() {
   return {
-      {"scalar", EmbeddingTuning{.vector = false}},  // the first kernel: element accesses
-      {"t128_u1", EmbeddingTuning{.threads = 128, .unroll = 1}},
-      {"t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4}},
-      {"t128_u2", EmbeddingTuning{.threads = 128, .unroll = 2}},
-      {"t64_u4", EmbeddingTuning{.threads = 64, .unroll = 4}},
-      {"t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1}},
-      // one cooperative counting-sort kernel instead of make_keys + CUB's radix sort
-      {"csort_t256_u2", EmbeddingTuning{.sort = 1}},
+      {"scalar", EmbeddingTuning{.vector = false}},  // the first kernel: element accesses (radix sort)
+      // make_keys + CUB's radix sort (the default until 2026-11-26), by launch shape
+      {"radix_t256_u2", EmbeddingTuning{.sort = 0}},
+      {"radix_t128_u1", EmbeddingTuning{.threads = 128, .unroll = 1, .sort = 0}},
+      {"radix_t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4, .sort = 0}},
+      {"radix_t64_u4", EmbeddingTuning{.threads = 64, .unroll = 4, .sort = 0}},
+      // the cooperative counting sort at other launch shapes
       {"csort_t128_u4", EmbeddingTuning{.threads = 128, .unroll = 4, .sort = 1}},
       {"csort_t256_u1", EmbeddingTuning{.threads = 256, .unroll = 1, .sort = 1}},
       {"csort_t512_u1", EmbeddingTuning{.threads = 512, .unroll = 1, .sort = 1}},

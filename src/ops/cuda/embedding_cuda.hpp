@@ -17,11 +17,12 @@ struct EmbeddingTuning {
                        ///< (H100, 16384 x 4096 bf16 -> f32: 256 threads 75.1 % of copy, 128 73.6 %,
                        ///< the element kernel 66.5 %; the radix sort is part of the time)
   int unroll = 2;      ///< 16-byte vectors per thread and gradient row: 1, 2 or 4
-  int sort = 0;        ///< vector path only (same bits whatever it is): 0 CUB's stable radix sort (make_keys +
+  int sort = 1;        ///< vector path only (same bits whatever it is): 0 CUB's stable radix sort (make_keys +
                        ///< about five kernels) and segment_sum_vec; 1 one cooperative counting-sort kernel
                        ///< (histogram, scan, scatter) and segment_sum_ordered, which puts each run back in
                        ///< token order and looks up key, neighbours and token in one round trip; 2 the radix
-                       ///< sort with segment_sum_ordered (the lookups' share of 1's gain)
+                       ///< sort with segment_sum_ordered (the lookups' share of 1's gain). H100, 16384 x
+                       ///< 4096 bf16 -> f32, vocab 128256, sort included: 1 86.9 %, 2 76.5 %, 0 76.2 % of copy
 };
 
 /// vocab_start < 0: full table (out-of-range ids give NaN rows); else a shard (zero rows).
