@@ -234,8 +234,10 @@ fi
 if has kernels; then
   has tests || { step gpu_single 180 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
                  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
-  step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
-  tail -2 $OUT/torch_peers.log
+  if [ "${TORCH_PEERS:-1}" = 1 ]; then  # TORCH_PEERS=0: no torch fused-op peers (e.g. an attention-only run)
+    step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
+    tail -2 $OUT/torch_peers.log
+  fi
   step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
   tail -2 $OUT/torch_attn_peers.log
   # KFILTER: one substring of the benchmark names to run (all when empty).
