@@ -116,6 +116,7 @@ void ce_forward_impl(const Tensor& logits, const Tensor& labels, Tensor& loss, T
     a.grad_scale = grad_scale;
     a.label_smoothing = o.label_smoothing;
     a.ignore_index = o.ignore_index;
+    a.tuning = cuda::ce_default_tuning(logits.dtype(), a.mode, v);
     cuda::cross_entropy(logits.dtype(), a, d.index, stream);
 #else
     (void)stream;
