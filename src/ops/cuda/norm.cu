@@ -6,8 +6,9 @@
 // row's reduction needs few warps (none of the block barriers when a warp holds the whole row).
 // Backward runs a persistent grid whose row groups walk rows (NormTuning::bwd_prefetch, off by default:
 // loading the next row before reducing the current one); each thread keeps the weight/bias gradient of
-// its own columns in registers and writes one partial row per row group, which a second kernel sums in
-// a fixed order (deterministic, no atomics).
+// its own columns in its own shared-memory slots (NormTuning::bwd_smem_acc, the default; else in
+// registers, one partial row per row group) and the block writes one partial row, which a second kernel
+// sums in a fixed order (deterministic, no atomics).
 // Rows whose length is not a multiple of 16 bytes, or whose pointers are not 16-byte aligned, take a
 // generic kernel that re-reads the row (correct for any size, slower). NormTuning (norm_cuda.hpp)
 // holds the launch-shape choices.
@@ -221,17 +222,14 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
-// With `merge` (NormTuning::bwd_merge) the block's row groups add their weight/bias partials in the
-// dynamic shared memory (h floats) in group order once the rows are done, and the block writes one
-// partial row (row blockIdx.x of the scratch); else each row group writes its own.
+// Without SMEM_ACC each row group keeps its sums in registers and writes its own partial row.
 // With SMEM_ACC (NormTuning::bwd_smem_acc) the weight/bias gradient sums live in dynamic shared memory
 // instead of registers (NV * V floats each fewer per thread): every row group has its own region of
 // float4 slots, slot (k * V / 4 + i4) * tpr + t belonging to thread t alone (consecutive threads,
 // consecutive slots: no bank conflicts, no barriers while rows run). At the end the block adds its groups'
-// regions in group order and writes one partial row (row blockIdx.x); `merge` is then ignored.
+// regions in group order and writes one partial row (row blockIdx.x).
 template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC>
-__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b,
-                                                     int merge) {
+__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
   constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
   const int h = int(a.h);
@@ -381,46 +379,6 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
           *reinterpret_cast<float4*>(out + c) = v;
         }
       }
-    }
-    return;
-  }
-  if (merge) {  // the same for the whole block
-    extern __shared__ float4 merge_smem[];
-    float* sm = reinterpret_cast<float*>(merge_smem);
-    const int passes = LAYER && part_b ? 2 : 1;
-    for (int pass = 0; pass < passes; ++pass) {
-      // Group 0 stores, then groups 1, 2, ... add in turn: a fixed order, so bit-identical sums.
-      for (int g = 0; g < ngroups; ++g) {
-        if (grp == g) {
-#pragma unroll
-          for (int k = 0; k < R; ++k) {  // R == NV here
-            const int c = (k * tpr + t) * V;
-            if (c < h) {
-#pragma unroll
-              for (int i = 0; i < V; i += 4) {
-                float4 v;
-                if constexpr (LAYER) {
-                  v = pass == 0 ? make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3])
-                                : make_float4(db[k][i], db[k][i + 1], db[k][i + 2], db[k][i + 3]);
-                } else {
-                  v = make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3]);
-                }
-                float4* q = reinterpret_cast<float4*>(sm + c + i);
-                if (g > 0) {
-                  const float4 o = *q;
-                  v = make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
-                }
-                *q = v;
-              }
-            }
-          }
-        }
-        __syncthreads();
-      }
-      float* out = (pass == 0 ? part_w : part_b) + int64_t(blockIdx.x) * h;
-      for (int j = threadIdx.x * 4; j < h; j += blockDim.x * 4)
-        *reinterpret_cast<float4*>(out + j) = *reinterpret_cast<const float4*>(sm + j);
-      __syncthreads();  // before the next pass overwrites sm
     }
     return;
   }
@@ -625,28 +583,28 @@ struct BwdLaunch {
   Plan plan;
   int grid = 0;
   int parts = 0;      // partial gradient rows the kernel writes
-  int merge = 0;      // row groups merged per block (norm_bwd_rows' merge flag)
-  size_t smem = 0;    // dynamic shared memory (the merge buffer)
+  size_t smem = 0;    // dynamic shared memory (the shared-memory gradient sums)
 };
-
-// Largest merge buffer (h floats): within the default 48 KiB of shared memory per block.
-constexpr int64_t kMergeMaxFloats = 8192;
 
 template <class T, bool LAYER>
 BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   const NormTuning& tu = a.tuning;
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
-  bool prefetch = tu.bwd_prefetch;
-  const int vecs = tu.bwd_vecs > 0 ? tu.bwd_vecs : (LAYER ? 2 : 4);
-  Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
-  if (!p.vec && prefetch) {
-    prefetch = false;
-    p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
-  }
-  // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
-  if (!LAYER && a.db) p = generic_plan(a.h);
-  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
+  // vecs 0: 4 vectors, except LayerNorm's register sums take 2 (its 4-vector register kernel spills).
+  auto make_plan = [&](int vecs, bool& prefetch) {
+    prefetch = tu.bwd_prefetch;
+    Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
+    if (!p.vec && prefetch) {
+      prefetch = false;
+      p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
+    }
+    // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
+    if (!LAYER && a.db) p = generic_plan(a.h);
+    return p;
+  };
+  bool prefetch = false;
+  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : 4, prefetch);
   BwdLaunch L;
   // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
   // they do not fit in a block's shared memory the register sums run instead.
@@ -661,6 +619,8 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
       L.smem = bytes;
     }
   }
+  if (!smem_acc && LAYER && tu.bwd_vecs <= 0) p = make_plan(2, prefetch);
+  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
   if (p.vec) {
     if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch, smem_acc);
@@ -668,13 +628,8 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
     else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
                       : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
   }
-  if (smem_acc) {
-    if (L.smem > 48 * 1024)
-      MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
-  } else {
-    L.merge = tu.bwd_merge && p.vec && rows_per_block > 1 && a.h <= kMergeMaxFloats ? 1 : 0;
-    L.smem = L.merge ? size_t(a.h) * sizeof(float) : 0;
-  }
+  if (smem_acc && L.smem > 48 * 1024)
+    MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
@@ -686,7 +641,7 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   L.fn = f;
   L.plan = p;
   L.grid = int(g);
-  L.parts = int(L.merge || smem_acc ? g : g * rows_per_block);
+  L.parts = int(smem_acc ? g : g * rows_per_block);
   return L;
 }
 
@@ -740,9 +695,9 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
     float* part_w = static_cast<float*>(workspace);
     float* part_b = a.db ? part_w + int64_t(parts) * a.h : nullptr;
     NormBackwardArgs args = a;
-    int tpr = L.plan.tpr, merge = L.merge;
+    int tpr = L.plan.tpr;
     void* generic_params[] = {&args, &part_w, &part_b};
-    void* rows_params[] = {&args, &tpr, &part_w, &part_b, &merge};
+    void* rows_params[] = {&args, &tpr, &part_w, &part_b};
     MC_CUDA_CHECK(cudaLaunchKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
                                    L.plan.vec ? rows_params : generic_params, L.smem, s));
     // The 16-byte finalize needs rows of whole float4s (and so 16-byte aligned part rows).

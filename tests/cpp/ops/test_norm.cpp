@@ -191,35 +191,36 @@ TEST_CASE("norm weight gradients are bit-identical from run to run", "[ops][norm
 TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
   MC_REQUIRE_GPU();
   using NT = ops::cuda::NormTuning;
+  // Every bench_norm backward variant (NT{} is the default: 4 vectors, shared-memory sums, 16-byte
+  // finalize), the register sums (LayerNorm's default fallback: 2 vectors) and both finalizes.
   const NT shapes[] = {NT{},
-                       NT{.bwd_vecs = 0, .min_block = 512},
-                       NT{.bwd_vecs = 2, .min_block = 512},
-                       NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true},
-                       // merged partial rows and the 16-byte finalize (every bench_norm variant's backward)
-                       NT{.bwd_finalize = 1},
-                       NT{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_merge = true},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_merge = true,
-                          .bwd_finalize = 1},
-                       // dw/db sums in shared memory (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
-                       NT{.bwd_smem_acc = true},
-                       NT{.bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = true},
-                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = true,
-                          .bwd_finalize = 1}};
+                       NT{.bwd_finalize = 0},
+                       NT{.bwd_smem_acc = false, .bwd_finalize = 0},
+                       NT{.bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 4, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 0, .min_block = 512, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = false},
+                       NT{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = false,
+                          .bwd_finalize = 0},
+                       // shared-memory sums (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
+                       NT{.bwd_vecs = 2},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true},
+                       NT{.bwd_vecs = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_finalize = 0},
+                       // fewer, larger partial rows
+                       NT{.min_block = 256},
+                       NT{.min_block = 512},
+                       NT{.min_block = 256, .bwd_threads_per_sm = 0},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0},
+                       NT{.bwd_threads_per_sm = 768},
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}};
   struct Case { int64_t rows, h; };
-  // 256 and 512: several row groups per block (merged when asked); 1029 rows: the last pass of the
+  // 256 and 512: several row groups per block; 1029 rows: the last pass of the
   // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
   // take the scalar finalize even when bwd_finalize = 1. 1000 and 2056: rows in registers whose last
-  // vectors leave some threads of the group without columns. 8192: bf16 merge buffer at its largest.
+  // vectors leave some threads of the group without columns. 8192: the largest shared-memory sums.
   for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{19, 1002}, Case{41, 2056},
                  Case{7, 8192}, Case{1029, 512}}) {
     for (DType dt : {DType::F32, DType::BF16}) {
@@ -246,7 +247,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
                        << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm
-                       << " merge " << t.bwd_merge << " smem_acc " << t.bwd_smem_acc << " finalize "
+                       << " smem_acc " << t.bwd_smem_acc << " finalize "
                        << t.bwd_finalize);
           Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
           ops::cuda::NormBackwardArgs a;
