@@ -215,7 +215,17 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.min_block = 256, .bwd_threads_per_sm = 0},
                        NT{.min_block = 512, .bwd_threads_per_sm = 0},
                        NT{.bwd_threads_per_sm = 768},
-                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}};
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0},
+                       // finalize fused into the backward kernel (grid barrier, cooperative launch);
+                       // with prefetch or the register sums it falls back to finalize 1
+                       NT{.bwd_finalize = 2},
+                       NT{.bwd_vecs = 2, .bwd_finalize = 2},
+                       NT{.bwd_vecs = 1, .bwd_finalize = 2},
+                       NT{.min_block = 256, .bwd_finalize = 2},
+                       NT{.min_block = 512, .bwd_finalize = 2},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_finalize = 2},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_finalize = 2},
+                       NT{.bwd_smem_acc = false, .bwd_finalize = 2}};
   struct Case { int64_t rows, h; };
   // 256 and 512: several row groups per block; 1029 rows: the last pass of the
   // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
@@ -279,6 +289,33 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           s.synchronize();
           CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
           if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
+          {
+            // bf16 weight/bias gradients (every finalize converts and accumulates in the gradient's
+            // dtype), outputs poisoned where not accumulated
+            Tensor gdw4 = dw_init.to(DType::BF16).to(g), gdb4 = db_init.to(DType::BF16).to(g);
+            Tensor gdw5 = poisoned({c.h}, DType::BF16, g);
+            a.dw = gdw4.data_ptr();
+            a.dw_dtype = DType::BF16;
+            a.db = layer ? gdb4.data_ptr() : nullptr;
+            a.db_dtype = DType::BF16;
+            ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+            a.dw = gdw5.data_ptr();
+            a.db = nullptr;
+            a.accumulate = false;
+            const size_t ws5_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
+            Tensor ws5 = Tensor::empty({int64_t(ws5_bytes / 4 + 1)}, DType::F32, g);
+            ops::cuda::norm_backward(dt, a, ws5.data_ptr(), g.index, s.native());
+            s.synchronize();
+            CHECK(rel_err_t(gdw4, dw) < 1e-2);
+            if (layer) CHECK(rel_err_t(gdb4, db) < 1e-2);
+            // without accumulation: dw - dw_init of the reference
+            std::vector<double> want = dw.to_double_vector(), init = dw_init.to_double_vector();
+            for (size_t i = 0; i < want.size(); ++i) want[i] -= init[i];
+            CHECK(rel_err(gdw5.to_double_vector(), want) < 1e-2);
+            a.dw_dtype = DType::F32;
+            a.db_dtype = DType::F32;
+            a.accumulate = true;
+          }
           if (layer) {
             // LayerNorm without a bias gradient: the same dw (its own workspace size), db untouched.
             Tensor gdw3 = dw_init.to(g), gdb3 = db_init.to(g);
