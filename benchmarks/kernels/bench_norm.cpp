@@ -27,6 +27,8 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       // register sums with the 16-byte finalize
       {"f8_breg_fin", NormTuning{.bwd_smem_acc = false}},
       {"f8_b2_reg_fin", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false}},
+      // register sums, 2 vectors, scalar finalize (session 3's f2_b2 backward: RMSNorm 85.4 % at h 2048)
+      {"f8_b2_reg_scal", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false, .bwd_finalize = 0}},
       // shared-memory sums with the scalar finalize
       {"f8_b4_sacc_scal", NormTuning{.bwd_finalize = 0}},
       // shared-memory sums, other vector counts

@@ -202,6 +202,8 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_vecs = 0, .min_block = 512, .bwd_smem_acc = false},
                        NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = false},
                        NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = false, .bwd_finalize = 0},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = false, .bwd_finalize = 0},
                        NT{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = false,
                           .bwd_finalize = 0},
                        // shared-memory sums (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
