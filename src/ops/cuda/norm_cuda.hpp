@@ -20,8 +20,10 @@ struct NormTuning {
   // bf16, % of a copy at 16384x4096 / 16384x8192 / 32768x2048): 8 vectors per forward thread was best or
   // within 1 % everywhere. Backward: dw/db sums in shared memory with the 16-byte finalize and 4 vectors
   // per thread, RMSNorm 82.4 / 85.2 / 82.9 and LayerNorm 79.4 / 85.1 / 82.1 (bench row f8_b4_sacc_fin),
-  // against 79 / 86 / 81 (RMSNorm) and 74.6 / 76.1 / ~76 (LayerNorm) for the register sums with the
-  // scalar finalize (the previous default, bench row f8_breg_scal). Where the shared-memory sums do not
+  // against 79 / 86 / 81 (RMSNorm, before the bwd_merge flag) and 74.6 / 76.1 / 76.5 (LayerNorm, the
+  // same 2-vector register kernel as row f2_b2 of that sweep) for the register sums with the scalar
+  // finalize (the previous default, bench row f8_breg_scal). RMSNorm at h 2048 measured 85.6 with 2
+  // vectors (f8_b2_sacc_fin) against 82.9 with 4. Where the shared-memory sums do not
   // fit the register sums run, with 4 vectors for RMSNorm and 2 for LayerNorm (its 4-vector register
   // kernel spills).
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
