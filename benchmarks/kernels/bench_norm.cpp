@@ -11,52 +11,51 @@ namespace {
 
 using NormTuning = ops::cuda::NormTuning;
 
-// Alternatives to the default (fwd 8 vectors/thread; bwd without prefetch, 4 vectors for RMSNorm and 2
-// for LayerNorm; 128-thread minimum block; at most 1024 backward threads per SM; dw/db sums in registers,
-// one partial row per row group, scalar finalize), each spelled out.
+// Alternatives to the default (fwd 8 vectors/thread; bwd without prefetch, 4 vectors, dw/db sums in
+// shared memory, one partial row per block, 16-byte finalize; 128-thread minimum block; at most 1024
+// backward threads per SM), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
       // many threads per row, one vector each (the shape of the kernels before NormTuning)
-      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true}},
+      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = false,
+                             .bwd_finalize = 0}},
       // the first NormTuning default: fwd 4, bwd 2 with prefetch
-      {"f4_b2pf", NormTuning{.fwd_vecs = 4, .bwd_vecs = 2, .bwd_prefetch = true}},
-      {"f2_b2", NormTuning{.fwd_vecs = 2, .bwd_vecs = 2, .bwd_prefetch = false}},
-      // few threads per row, many vectors each (LayerNorm backward spills at 4)
-      {"f8_b4", NormTuning{.fwd_vecs = 8, .bwd_vecs = 4, .bwd_prefetch = false}},
-      // 256-thread blocks at least, backward grid by occupancy alone
-      {"f8_b2_occ", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}},
-      // fewer resident backward threads (and a smaller partial-gradient scratch)
-      {"f8_b2_512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 2, .bwd_threads_per_sm = 512}},
-      // 512-thread backward blocks of several row groups
-      {"f8_bd_m512", NormTuning{.fwd_vecs = 8, .bwd_vecs = 0, .min_block = 512}},
-      // Session 3: partial weight/bias gradients. "fin": one 16-byte-load finalize launch for dw and db;
-      // "mg": a block's row groups merge their partial rows in shared memory (one row per block).
-      {"f8_bd_fin", NormTuning{.bwd_finalize = 1}},
-      {"f8_bd_m256_mg_fin", NormTuning{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1}},
-      {"f8_bd_m512_mg_fin", NormTuning{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
-      {"f8_bd_m512_mg_fin_occ",
-       NormTuning{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1}},
-      {"f8_b2_m512_mg_fin", NormTuning{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
-      // forward with 4 vectors (weight and bias loaded before the reduction) and the merged backward
-      {"f4_bd_m512_mg_fin", NormTuning{.fwd_vecs = 4, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1}},
-      // "sacc": dw/db sums in shared memory (fewer registers: more resident threads, LayerNorm's
-      // 4-vector kernel without spills, room for prefetch); one partial row per block
-      {"f8_bd_sacc_fin", NormTuning{.bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b4_sacc_fin", NormTuning{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b2_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b2pf_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b1_sacc_fin", NormTuning{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b1pf_sacc_fin", NormTuning{.bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f8_b2_m256_sacc_fin_occ", NormTuning{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0,
-                                             .bwd_smem_acc = true, .bwd_finalize = 1}},
-      {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4, .bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1}},
+      {"f4_b2pf", NormTuning{.fwd_vecs = 4, .bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = false,
+                             .bwd_finalize = 0}},
+      // the previous default (session 3): register sums (4 vectors RMSNorm, 2 LayerNorm), scalar finalize
+      {"f8_breg_scal", NormTuning{.bwd_smem_acc = false, .bwd_finalize = 0}},
+      // register sums with the 16-byte finalize
+      {"f8_breg_fin", NormTuning{.bwd_smem_acc = false}},
+      {"f8_b2_reg_fin", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false}},
+      // register sums, 2 vectors, scalar finalize (session 3's f2_b2 backward: RMSNorm 85.4 % at h 2048)
+      {"f8_b2_reg_scal", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false, .bwd_finalize = 0}},
+      // shared-memory sums with the scalar finalize
+      {"f8_b4_sacc_scal", NormTuning{.bwd_finalize = 0}},
+      // shared-memory sums, other vector counts
+      {"f8_b2_sacc_fin", NormTuning{.bwd_vecs = 2}},
+      {"f8_b2pf_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_prefetch = true}},
+      {"f8_b1_sacc_fin", NormTuning{.bwd_vecs = 1}},
+      // fewer, larger partial rows: blocks of several row groups (one partial row per block; fewer
+      // resident threads where the sums fill the shared memory: LayerNorm h 4096 at 512 threads)
+      {"f8_b4_m256_sacc_fin", NormTuning{.min_block = 256}},
+      {"f8_b4_m512_sacc_fin", NormTuning{.min_block = 512}},
+      {"f8_b4_m256_sacc_fin_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
+      {"f8_b4_m512_sacc_fin_occ", NormTuning{.min_block = 512, .bwd_threads_per_sm = 0}},
+      {"f8_b4_sacc_fin_768", NormTuning{.bwd_threads_per_sm = 768}},
+      {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
+      // the finalize fused into the backward kernel: after a grid barrier (cooperative launch) every
+      // block sums the partial rows of a few 4-column tiles, one launch in all
+      {"f8_b4_sacc_fused", NormTuning{.bwd_finalize = 2}},
+      {"f8_b4_m256_sacc_fused", NormTuning{.min_block = 256, .bwd_finalize = 2}},
+      {"f8_b4_m512_sacc_fused", NormTuning{.min_block = 512, .bwd_finalize = 2}},
+      {"f8_b2_sacc_fused", NormTuning{.bwd_vecs = 2, .bwd_finalize = 2}},
   };
 }
 
 std::string describe(const ops::cuda::NormTuning& t) {
   return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
          " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
-         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) + " bwd_merge=" + std::to_string(int(t.bwd_merge)) +
+         " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) +
          " bwd_smem_acc=" + std::to_string(int(t.bwd_smem_acc)) +
          " bwd_finalize=" + std::to_string(t.bwd_finalize);
 }

@@ -6,13 +6,16 @@
 // row's reduction needs few warps (none of the block barriers when a warp holds the whole row).
 // Backward runs a persistent grid whose row groups walk rows (NormTuning::bwd_prefetch, off by default:
 // loading the next row before reducing the current one); each thread keeps the weight/bias gradient of
-// its own columns in registers and writes one partial row per row group, which a second kernel sums in
-// a fixed order (deterministic, no atomics).
+// its own columns in its own shared-memory slots (NormTuning::bwd_smem_acc, the default; else in
+// registers, one partial row per row group) and the block writes one partial row, which a second kernel
+// sums in a fixed order (deterministic, no atomics).
 // Rows whose length is not a multiple of 16 bytes, or whose pointers are not 16-byte aligned, take a
 // generic kernel that re-reads the row (correct for any size, slower). NormTuning (norm_cuda.hpp)
 // holds the launch-shape choices.
 #include "ops/cuda/memops_common.cuh"
 #include "ops/cuda/norm_cuda.hpp"
+
+#include <cooperative_groups.h>
 
 #include <initializer_list>
 #include <type_traits>
@@ -218,20 +221,82 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
   }
 }
 
+// out[c + j] (+)= v[j] for j < 4, out of dtype dt (F32, BF16 or F16; the dw/db dtypes are launch-time).
+__device__ __forceinline__ void store4_any(void* out, DType dt, int64_t c, float4 t, bool accumulate) {
+  const float v[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (dt == DType::F32) {
+      float* o = static_cast<float*>(out) + c + j;
+      *o = accumulate ? v[j] + *o : v[j];
+    } else if (dt == DType::BF16) {
+      bfloat16* o = static_cast<bfloat16*>(out) + c + j;
+      *o = from_f32<bfloat16>(accumulate ? v[j] + to_f32(*o) : v[j]);
+    } else {
+      float16* o = static_cast<float16*>(out) + c + j;
+      *o = from_f32<float16>(accumulate ? v[j] + to_f32(*o) : v[j]);
+    }
+  }
+}
+
+// NormTuning::bwd_finalize = 2, run by every block of the backward grid after its partial row is
+// written and a grid barrier: tile k is columns 4k..4k+3 of dw (k < h / 4) or of db (the rest); block b
+// takes tiles b, b + grid, ... Thread t sums parts t, t + blockDim, ... of its tile's 4 columns (four
+// 16-byte L2 loads in flight), then a fixed butterfly within the warp and the warps in order: the same
+// order on every run of the same launch shape (bit-identical reruns). `scratch` holds blockDim / 32
+// float4s. h is a multiple of 4 and the part rows are 16-byte aligned.
+__device__ __forceinline__ void fused_finalize(const NormBackwardArgs& a, const float* part_w, const float* part_b,
+                                               float4* scratch) {
+  const int64_t h = a.h, ncol4 = h / 4;
+  const int64_t tiles = ncol4 * (part_b ? 2 : 1);
+  const int nparts = int(gridDim.x), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const bool bias = tile >= ncol4;
+    const int64_t c = (bias ? tile - ncol4 : tile) * 4;
+    const float* q = (bias ? part_b : part_w) + c;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int p = threadIdx.x;
+    const int stride = int(blockDim.x);
+    for (; p + 3 * stride < nparts; p += 4 * stride) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(q + int64_t(p + u * stride) * h));
+#pragma unroll
+      for (int u = 0; u < 4; ++u) add4(acc, v[u]);
+    }
+    for (; p < nparts; p += stride) add4(acc, __ldcg(reinterpret_cast<const float4*>(q + int64_t(p) * h)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+      acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+      acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
+      acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
+    }
+    if (lane == 0) scratch[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float4 t = scratch[0];
+      for (int w = 1; w < int(blockDim.x >> 5); ++w) add4(t, scratch[w]);
+      if (bias) store4_any(a.db, a.db_dtype, c, t, a.accumulate);
+      else store4_any(a.dw, a.dw_dtype, c, t, a.accumulate);
+    }
+    __syncthreads();  // before the next tile overwrites scratch
+  }
+}
+
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
-// With `merge` (NormTuning::bwd_merge) the block's row groups add their weight/bias partials in the
-// dynamic shared memory (h floats) in group order once the rows are done, and the block writes one
-// partial row (row blockIdx.x of the scratch); else each row group writes its own.
+// Without SMEM_ACC each row group keeps its sums in registers and writes its own partial row.
 // With SMEM_ACC (NormTuning::bwd_smem_acc) the weight/bias gradient sums live in dynamic shared memory
 // instead of registers (NV * V floats each fewer per thread): every row group has its own region of
 // float4 slots, slot (k * V / 4 + i4) * tpr + t belonging to thread t alone (consecutive threads,
 // consecutive slots: no bank conflicts, no barriers while rows run). At the end the block adds its groups'
-// regions in group order and writes one partial row (row blockIdx.x); `merge` is then ignored.
-template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC>
-__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b,
-                                                     int merge) {
+// regions in group order and writes one partial row (row blockIdx.x).
+// With FUSED (NormTuning::bwd_finalize = 2, SMEM_ACC only, a cooperative launch) the kernel also sums
+// the partial rows itself after a grid barrier (fused_finalize below): no second launch and its tail.
+template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC, bool FUSED = false>
+__global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
   constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
   const int h = int(a.h);
@@ -382,45 +447,11 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
         }
       }
     }
-    return;
-  }
-  if (merge) {  // the same for the whole block
-    extern __shared__ float4 merge_smem[];
-    float* sm = reinterpret_cast<float*>(merge_smem);
-    const int passes = LAYER && part_b ? 2 : 1;
-    for (int pass = 0; pass < passes; ++pass) {
-      // Group 0 stores, then groups 1, 2, ... add in turn: a fixed order, so bit-identical sums.
-      for (int g = 0; g < ngroups; ++g) {
-        if (grp == g) {
-#pragma unroll
-          for (int k = 0; k < R; ++k) {  // R == NV here
-            const int c = (k * tpr + t) * V;
-            if (c < h) {
-#pragma unroll
-              for (int i = 0; i < V; i += 4) {
-                float4 v;
-                if constexpr (LAYER) {
-                  v = pass == 0 ? make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3])
-                                : make_float4(db[k][i], db[k][i + 1], db[k][i + 2], db[k][i + 3]);
-                } else {
-                  v = make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3]);
-                }
-                float4* q = reinterpret_cast<float4*>(sm + c + i);
-                if (g > 0) {
-                  const float4 o = *q;
-                  v = make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
-                }
-                *q = v;
-              }
-            }
-          }
-        }
-        __syncthreads();
-      }
-      float* out = (pass == 0 ? part_w : part_b) + int64_t(blockIdx.x) * h;
-      for (int j = threadIdx.x * 4; j < h; j += blockDim.x * 4)
-        *reinterpret_cast<float4*>(out + j) = *reinterpret_cast<const float4*>(sm + j);
-      __syncthreads();  // before the next pass overwrites sm
+    if constexpr (FUSED) {
+      __threadfence();
+      cooperative_groups::this_grid().sync();
+      // the shared-memory sums are done with (every block's threads passed the barrier): reuse them
+      fused_finalize(a, part_w, acc_b ? part_b : nullptr, acc_smem);
     }
     return;
   }
@@ -625,28 +656,29 @@ struct BwdLaunch {
   Plan plan;
   int grid = 0;
   int parts = 0;      // partial gradient rows the kernel writes
-  int merge = 0;      // row groups merged per block (norm_bwd_rows' merge flag)
-  size_t smem = 0;    // dynamic shared memory (the merge buffer)
+  size_t smem = 0;    // dynamic shared memory (the shared-memory gradient sums)
+  bool fused = false; // the kernel sums the partial rows itself (cooperative launch, no finalize)
 };
-
-// Largest merge buffer (h floats): within the default 48 KiB of shared memory per block.
-constexpr int64_t kMergeMaxFloats = 8192;
 
 template <class T, bool LAYER>
 BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   const NormTuning& tu = a.tuning;
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
-  bool prefetch = tu.bwd_prefetch;
-  const int vecs = tu.bwd_vecs > 0 ? tu.bwd_vecs : (LAYER ? 2 : 4);
-  Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
-  if (!p.vec && prefetch) {
-    prefetch = false;
-    p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
-  }
-  // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
-  if (!LAYER && a.db) p = generic_plan(a.h);
-  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
+  // vecs 0: 4 vectors, except LayerNorm's register sums take 2 (its 4-vector register kernel spills).
+  auto make_plan = [&](int vecs, bool& prefetch) {
+    prefetch = tu.bwd_prefetch;
+    Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
+    if (!p.vec && prefetch) {
+      prefetch = false;
+      p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
+    }
+    // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
+    if (!LAYER && a.db) p = generic_plan(a.h);
+    return p;
+  };
+  bool prefetch = false;
+  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : 4, prefetch);
   BwdLaunch L;
   // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
   // they do not fit in a block's shared memory the register sums run instead.
@@ -661,20 +693,28 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
       L.smem = bytes;
     }
   }
+  if (!smem_acc && LAYER && tu.bwd_vecs <= 0) p = make_plan(2, prefetch);
+  const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
-  if (p.vec) {
+  // bwd_finalize = 2: the shared-memory kernel without prefetch sums the partial rows itself after a
+  // grid barrier; it needs a cooperative launch (the persistent grid is resident by construction).
+  if (tu.bwd_finalize == 2 && smem_acc && !prefetch) {
+    int coop = 0;
+    MC_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    L.fused = coop != 0;
+  }
+  if (L.fused) {
+    if (p.nv == 1) f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 1, LAYER, false, true, true>);
+    else if (p.nv == 2) f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 2, LAYER, false, true, true>);
+    else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true, true>);
+  } else if (p.vec) {
     if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch, smem_acc);
     else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch, smem_acc);
     else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
                       : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
   }
-  if (smem_acc) {
-    if (L.smem > 48 * 1024)
-      MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
-  } else {
-    L.merge = tu.bwd_merge && p.vec && rows_per_block > 1 && a.h <= kMergeMaxFloats ? 1 : 0;
-    L.smem = L.merge ? size_t(a.h) * sizeof(float) : 0;
-  }
+  if (smem_acc && L.smem > 48 * 1024)
+    MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
@@ -686,7 +726,7 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   L.fn = f;
   L.plan = p;
   L.grid = int(g);
-  L.parts = int(L.merge || smem_acc ? g : g * rows_per_block);
+  L.parts = int(smem_acc ? g : g * rows_per_block);
   return L;
 }
 
@@ -740,13 +780,20 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
     float* part_w = static_cast<float*>(workspace);
     float* part_b = a.db ? part_w + int64_t(parts) * a.h : nullptr;
     NormBackwardArgs args = a;
-    int tpr = L.plan.tpr, merge = L.merge;
+    int tpr = L.plan.tpr;
     void* generic_params[] = {&args, &part_w, &part_b};
-    void* rows_params[] = {&args, &tpr, &part_w, &part_b, &merge};
+    void* rows_params[] = {&args, &tpr, &part_w, &part_b};
+    if (L.fused) {
+      // one launch: the kernel writes dw/db itself
+      MC_CUDA_CHECK(cudaLaunchCooperativeKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
+                                                rows_params, L.smem, s));
+      MC_CUDA_CHECK_LAUNCH();
+      return;
+    }
     MC_CUDA_CHECK(cudaLaunchKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
                                    L.plan.vec ? rows_params : generic_params, L.smem, s));
     // The 16-byte finalize needs rows of whole float4s (and so 16-byte aligned part rows).
-    if (a.tuning.bwd_finalize == 1 && a.h % 4 == 0 && aligned16(workspace)) {
+    if (a.tuning.bwd_finalize >= 1 && a.h % 4 == 0 && aligned16(workspace)) {
       dispatch_float(a.dw_dtype, [&](auto wtag) {
         using W = decltype(wtag);
         // Without a bias gradient the second type is unused; give it dw's to halve the instantiations.

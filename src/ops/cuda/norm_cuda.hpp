@@ -16,29 +16,33 @@ namespace megacore::ops::cuda {
 /// short for `min_block` threads share a block. Values the kernels cannot honour for a shape are
 /// rounded to ones they can (more vectors per thread when a row would need over 512 threads).
 struct NormTuning {
-  // Defaults from the launch-shape sweep of megacore_bench_kernels on an H100 (2026-11-26,
-  // benchmarks/results/kernels_NVIDIA_H100_variants.json): 8 vectors per forward thread was best or
-  // within 1 % everywhere; backward without prefetch, 4 vectors for RMSNorm and 2 for LayerNorm (its
-  // 4-vector kernel spills).
+  // Defaults from the launch-shape sweep of megacore_bench_kernels on an H100 (2026-11-26, norm session 4,
+  // bf16, % of a copy at 16384x4096 / 16384x8192 / 32768x2048): 8 vectors per forward thread was best or
+  // within 1 % everywhere. Backward: dw/db sums in shared memory with the 16-byte finalize and 4 vectors
+  // per thread, RMSNorm 82.4 / 85.2 / 82.9 and LayerNorm 79.4 / 85.1 / 82.1 (bench row f8_b4_sacc_fin),
+  // against 79 / 86 / 81 (RMSNorm, before the bwd_merge flag) and 74.6 / 76.1 / 76.5 (LayerNorm, the
+  // same 2-vector register kernel as row f2_b2 of that sweep) for the register sums with the scalar
+  // finalize (the previous default, bench row f8_breg_scal). RMSNorm at h 2048 measured 85.6 with 2
+  // vectors (f8_b2_sacc_fin) against 82.9 with 4. Where the shared-memory sums do not
+  // fit the register sums run, with 4 vectors for RMSNorm and 2 for LayerNorm (its 4-vector register
+  // kernel spills).
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
-  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch (it also keeps dw/db sums);
-                                  ///< 0: 4 for RMSNorm, 2 for LayerNorm
-  int min_block = 128;            ///< threads per block at least, for short rows
+  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except LayerNorm with the
+                                  ///< register sums: 2
+  int min_block = 128;            ///< threads per block at least, for short rows (with bwd_smem_acc a
+                                  ///< larger block also means fewer partial rows for the finalize)
   bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
-  int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only); the
-                                  ///< per-row-group partial gradients are (resident threads x vecs) floats
-  // Partial weight/bias gradients (norm session 3). The defaults keep the first layout: one partial row
-  // per row group, summed by a 32-column x 16-slice scalar kernel, one launch per gradient.
-  bool bwd_merge = false;         ///< the row groups of a backward block add their partial rows in shared
-                                  ///< memory once at the end (fixed group order): one partial row per
-                                  ///< block instead of per row group (with several groups per block)
-  bool bwd_smem_acc = false;      ///< backward keeps the dw/db sums in shared memory, not registers (frees
-                                  ///< vecs x 8 (x2 for LayerNorm) registers a thread); implies one partial
-                                  ///< row per block; falls back to registers where the block's sums do
-                                  ///< not fit in shared memory
-  int bwd_finalize = 0;           ///< 0: scalar column-sum kernel per gradient; 1: one launch for dw and
-                                  ///< db, 16-byte loads of 32 columns x 32 part slices per block, four
-                                  ///< loads in flight per thread (rows of a multiple of 4 floats; else 0)
+  int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only)
+  bool bwd_smem_acc = true;       ///< backward keeps the dw/db sums in shared memory, not registers (frees
+                                  ///< vecs x 8 (x2 for LayerNorm) registers a thread); one partial row per
+                                  ///< block; falls back to the register sums (one partial row per row
+                                  ///< group) where the block's sums do not fit in shared memory
+  int bwd_finalize = 1;           ///< 0: scalar column-sum kernel per gradient; 1: one launch for dw and
+                                  ///< db, 16-byte loads of 32 columns x 32 part slices per block, eight
+                                  ///< loads in flight per thread (rows of a multiple of 4 floats; else 0);
+                                  ///< 2: with the shared-memory sums and no prefetch, the backward kernel
+                                  ///< sums the partial rows itself after a grid barrier (cooperative
+                                  ///< launch, one launch in all); else as 1
 };
 
 struct NormForwardArgs {

@@ -191,35 +191,48 @@ TEST_CASE("norm weight gradients are bit-identical from run to run", "[ops][norm
 TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
   MC_REQUIRE_GPU();
   using NT = ops::cuda::NormTuning;
+  // Every bench_norm backward variant (NT{} is the default: 4 vectors, shared-memory sums, 16-byte
+  // finalize), the register sums (LayerNorm's default fallback: 2 vectors) and both finalizes.
   const NT shapes[] = {NT{},
-                       NT{.bwd_vecs = 0, .min_block = 512},
-                       NT{.bwd_vecs = 2, .min_block = 512},
-                       NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true},
-                       // merged partial rows and the 16-byte finalize (every bench_norm variant's backward)
-                       NT{.bwd_finalize = 1},
-                       NT{.min_block = 256, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_merge = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_merge = true},
-                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_merge = true,
-                          .bwd_finalize = 1},
-                       // dw/db sums in shared memory (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
-                       NT{.bwd_smem_acc = true},
-                       NT{.bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 4, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .bwd_smem_acc = true, .bwd_finalize = 1},
-                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = true},
-                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = true,
-                          .bwd_finalize = 1}};
+                       NT{.bwd_finalize = 0},
+                       NT{.bwd_smem_acc = false, .bwd_finalize = 0},
+                       NT{.bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 4, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 0, .min_block = 512, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 1, .min_block = 256, .bwd_threads_per_sm = 0, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .min_block = 512, .bwd_prefetch = true, .bwd_smem_acc = false},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = false, .bwd_finalize = 0},
+                       NT{.bwd_vecs = 2, .bwd_smem_acc = false, .bwd_finalize = 0},
+                       NT{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = false,
+                          .bwd_finalize = 0},
+                       // shared-memory sums (at h 8192 LayerNorm's 4-vector sums need 64 KiB)
+                       NT{.bwd_vecs = 2},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true},
+                       NT{.bwd_vecs = 1},
+                       NT{.bwd_vecs = 1, .min_block = 512, .bwd_prefetch = true, .bwd_finalize = 0},
+                       // fewer, larger partial rows
+                       NT{.min_block = 256},
+                       NT{.min_block = 512},
+                       NT{.min_block = 256, .bwd_threads_per_sm = 0},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0},
+                       NT{.bwd_threads_per_sm = 768},
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0},
+                       // finalize fused into the backward kernel (grid barrier, cooperative launch);
+                       // with prefetch or the register sums it falls back to finalize 1
+                       NT{.bwd_finalize = 2},
+                       NT{.bwd_vecs = 2, .bwd_finalize = 2},
+                       NT{.bwd_vecs = 1, .bwd_finalize = 2},
+                       NT{.min_block = 256, .bwd_finalize = 2},
+                       NT{.min_block = 512, .bwd_finalize = 2},
+                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_finalize = 2},
+                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_finalize = 2},
+                       NT{.bwd_smem_acc = false, .bwd_finalize = 2}};
   struct Case { int64_t rows, h; };
-  // 256 and 512: several row groups per block (merged when asked); 1029 rows: the last pass of the
+  // 256 and 512: several row groups per block; 1029 rows: the last pass of the
   // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
   // take the scalar finalize even when bwd_finalize = 1. 1000 and 2056: rows in registers whose last
-  // vectors leave some threads of the group without columns. 8192: bf16 merge buffer at its largest.
+  // vectors leave some threads of the group without columns. 8192: the largest shared-memory sums.
   for (Case c : {Case{67, 256}, Case{33, 1000}, Case{301, 4096}, Case{5, 37}, Case{19, 1002}, Case{41, 2056},
                  Case{7, 8192}, Case{1029, 512}}) {
     for (DType dt : {DType::F32, DType::BF16}) {
@@ -246,7 +259,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
                        << " prefetch " << t.bwd_prefetch << " threads_per_sm " << t.bwd_threads_per_sm
-                       << " merge " << t.bwd_merge << " smem_acc " << t.bwd_smem_acc << " finalize "
+                       << " smem_acc " << t.bwd_smem_acc << " finalize "
                        << t.bwd_finalize);
           Tensor gdx = poisoned(sh, dt, g), gdw = dw_init.to(g), gdb = db_init.to(g);
           ops::cuda::NormBackwardArgs a;
@@ -278,6 +291,33 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           s.synchronize();
           CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
           if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
+          {
+            // bf16 weight/bias gradients (every finalize converts and accumulates in the gradient's
+            // dtype), outputs poisoned where not accumulated
+            Tensor gdw4 = dw_init.to(DType::BF16).to(g), gdb4 = db_init.to(DType::BF16).to(g);
+            Tensor gdw5 = poisoned({c.h}, DType::BF16, g);
+            a.dw = gdw4.data_ptr();
+            a.dw_dtype = DType::BF16;
+            a.db = layer ? gdb4.data_ptr() : nullptr;
+            a.db_dtype = DType::BF16;
+            ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+            a.dw = gdw5.data_ptr();
+            a.db = nullptr;
+            a.accumulate = false;
+            const size_t ws5_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
+            Tensor ws5 = Tensor::empty({int64_t(ws5_bytes / 4 + 1)}, DType::F32, g);
+            ops::cuda::norm_backward(dt, a, ws5.data_ptr(), g.index, s.native());
+            s.synchronize();
+            CHECK(rel_err_t(gdw4, dw) < 1e-2);
+            if (layer) CHECK(rel_err_t(gdb4, db) < 1e-2);
+            // without accumulation: dw - dw_init of the reference
+            std::vector<double> want = dw.to_double_vector(), init = dw_init.to_double_vector();
+            for (size_t i = 0; i < want.size(); ++i) want[i] -= init[i];
+            CHECK(rel_err(gdw5.to_double_vector(), want) < 1e-2);
+            a.dw_dtype = DType::F32;
+            a.db_dtype = DType::F32;
+            a.accumulate = true;
+          }
           if (layer) {
             // LayerNorm without a bias gradient: the same dw (its own workspace size), db untouched.
             Tensor gdw3 = dw_init.to(g), gdb3 = db_init.to(g);
