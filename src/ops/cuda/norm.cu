@@ -713,7 +713,8 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
     else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
                       : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
   }
-  if (smem_acc && L.smem > 48 * 1024)
+  // the kernel's static shared memory counts against the 48 KiB default limit too
+  if (smem_acc && L.smem + 1024 > 48 * 1024)
     MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
