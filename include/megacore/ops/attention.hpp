@@ -63,6 +63,10 @@ struct AttentionOptions {
   FlashImpl flash_impl = FlashImpl::Auto;
   /// Tuning of the sm90 forward: keys per K/V tile, 0 (the default, 128), 64 or 128.
   int flash_sm90_block_n = 0;
+  /// Tuning of the sm90 forward schedule: 0 (the default) CTA-synchronous double buffering; 1 a
+  /// producer warp + mbarrier pipeline of 2 K/V stages (consumer warpgroups decoupled); 2 the same with
+  /// 3 stages.
+  int flash_sm90_variant = 0;
 };
 
 /// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).
