@@ -78,10 +78,14 @@ MC_BENCHMARK("attention", 30) {
     paths.push_back({"flash[sm90/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, true, 0, false});
     paths.push_back({"flash[sm90/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, false, 0, false});
     paths.push_back({"flash[sm90-n64/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 0, false, 0, true});
-    // Warp-specialized forward (producer warp + mbarriers, consumer warpgroups decoupled), 2 / 3 stages.
+    // Warp-specialized forward (producer warpgroup + mbarriers, consumer warpgroups decoupled), 2 / 3
+    // stages (flash_sm90_variant 1 / 2), and the same with ping-pong warpgroup scheduling (3 / 4).
     paths.push_back({"flash[sm90-ws2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 1, false, 0, false});
     paths.push_back({"flash[sm90-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 2, false, 0, false});
+    paths.push_back({"flash[sm90-pp2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 3, false, 0, false});
+    paths.push_back({"flash[sm90-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 4, false, 0, false});
     paths.push_back({"flash[sm90-n64-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 2, false, 0, true});
+    paths.push_back({"flash[sm90-n64-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 4, false, 0, true});
   }
   const ops::FlashImpl best = sm90 ? ops::FlashImpl::Sm90 : ops::FlashImpl::Sm80;
   paths.push_back({"flash[atomic_w8k128]", ops::AttentionBackend::Flash, best, 0, 0, false, 8, true});

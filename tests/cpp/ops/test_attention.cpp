@@ -309,7 +309,8 @@ void run_gpu_case(GpuCase c) {
     return;
   }
   for (int bn : {128, 64}) {
-    for (int variant : {0, 1, 2}) {  // CTA-synchronous, warp-specialized 2 and 3 stages
+    // CTA-synchronous; warp-specialized with 2 / 3 stages; the same with ping-pong warpgroup scheduling.
+    for (int variant : {0, 1, 2, 3, 4}) {
       c.impl = FlashImpl::Sm90, c.sm90_block_n = bn, c.sm90_variant = variant;
       run_gpu_case_once(c);
     }
@@ -465,8 +466,8 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
   } else {
     s90.flash_sm90_block_n = 96;
     CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_block_n 96"));
-    s90.flash_sm90_block_n = 0, s90.flash_sm90_variant = 3;
-    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_variant 3"));
+    s90.flash_sm90_block_n = 0, s90.flash_sm90_variant = 5;
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_variant 5"));
   }
   if (!attention_cudnn_available()) {
     AttentionOptions cd;
