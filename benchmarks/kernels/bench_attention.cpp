@@ -62,6 +62,7 @@ MC_BENCHMARK("attention", 30) {
     ops::AttentionBackend backend;
     ops::FlashImpl impl;
     int block_n;
+    int sm90_variant;  // AttentionOptions::flash_sm90_variant
     bool deterministic;
     int warps;     // 0: through the public op
     bool variant;  // only with variants on
@@ -70,17 +71,25 @@ MC_BENCHMARK("attention", 30) {
   if (!sm90) std::printf("  note: the sm90 flash forward is not available on this device/build; no sm90 rows\n");
   std::vector<Path> paths;
   if (ops::attention_cudnn_available())
-    paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, false, 0, false});
-  paths.push_back({"flash[sm80/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, true, 0, false});
-  paths.push_back({"flash[sm80/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, false, 0, false});
+    paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, 0, false, 0, false});
+  paths.push_back({"flash[sm80/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, 0, true, 0, false});
+  paths.push_back({"flash[sm80/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, 0, false, 0, false});
   if (sm90) {
-    paths.push_back({"flash[sm90/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, true, 0, false});
-    paths.push_back({"flash[sm90/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, false, 0, false});
-    paths.push_back({"flash[sm90-n64/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, false, 0, true});
+    paths.push_back({"flash[sm90/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, true, 0, false});
+    paths.push_back({"flash[sm90/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, false, 0, false});
+    paths.push_back({"flash[sm90-n64/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 0, false, 0, true});
+    // Warp-specialized forward (producer warpgroup + mbarriers, consumer warpgroups decoupled), 2 / 3
+    // stages (flash_sm90_variant 1 / 2), and the same with ping-pong warpgroup scheduling (3 / 4).
+    paths.push_back({"flash[sm90-ws2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 1, false, 0, false});
+    paths.push_back({"flash[sm90-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 2, false, 0, false});
+    paths.push_back({"flash[sm90-pp2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 3, false, 0, false});
+    paths.push_back({"flash[sm90-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 4, false, 0, false});
+    paths.push_back({"flash[sm90-n64-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 2, false, 0, true});
+    paths.push_back({"flash[sm90-n64-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 4, false, 0, true});
   }
   const ops::FlashImpl best = sm90 ? ops::FlashImpl::Sm90 : ops::FlashImpl::Sm80;
-  paths.push_back({"flash[atomic_w8k128]", ops::AttentionBackend::Flash, best, 0, false, 8, true});
-  paths.push_back({"flash[atomic_w4k64]", ops::AttentionBackend::Flash, best, 0, false, 4, true});
+  paths.push_back({"flash[atomic_w8k128]", ops::AttentionBackend::Flash, best, 0, 0, false, 8, true});
+  paths.push_back({"flash[atomic_w4k64]", ops::AttentionBackend::Flash, best, 0, 0, false, 4, true});
   std::printf("  %-26s %-22s %9s %9s %11s %9s  %s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
               "torch SDPA fwd / fwd+bwd TFLOP/s");
   for (const auto& c : cfgs) {
@@ -101,6 +110,7 @@ MC_BENCHMARK("attention", 30) {
       ops::AttentionOptions o;
       o.causal = true, o.backend = be, o.deterministic = path.deterministic;
       o.flash_impl = path.impl, o.flash_sm90_block_n = path.block_n;
+      o.flash_sm90_variant = path.sm90_variant;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);

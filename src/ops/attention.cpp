@@ -268,6 +268,7 @@ cuda::AttnProblem problem_of(const Geometry& g, const Tensor& q, const Tensor& k
   p.q = view_of(q, g.packed), p.k = view_of(k, g.packed), p.v = view_of(v, g.packed);
   p.fwd_impl = o.flash_impl == FlashImpl::Sm80 ? 1 : o.flash_impl == FlashImpl::Sm90 ? 2 : 0;
   p.sm90_block_n = o.flash_sm90_block_n;
+  p.sm90_variant = o.flash_sm90_variant;
   if (g.packed) {
     p.lse_batch_stride = 0, p.lse_head_stride = g.total_q;
   } else {

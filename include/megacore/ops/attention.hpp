@@ -63,6 +63,10 @@ struct AttentionOptions {
   FlashImpl flash_impl = FlashImpl::Auto;
   /// Tuning of the sm90 forward: keys per K/V tile, 0 (the default, 128), 64 or 128.
   int flash_sm90_block_n = 0;
+  /// Tuning of the sm90 forward schedule: 0 (the default) CTA-synchronous double buffering; 1 / 2 a
+  /// producer warpgroup + mbarrier pipeline of 2 / 3 K/V stages (consumer warpgroups decoupled); 3 / 4
+  /// the same with ping-pong scheduling (the consumer warpgroups take turns issuing their wgmmas).
+  int flash_sm90_variant = 0;
 };
 
 /// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).

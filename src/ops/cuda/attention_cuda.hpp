@@ -35,6 +35,10 @@ struct AttnProblem {
   int fwd_impl = 0;
   /// sm90 forward: keys per K/V tile, 0 (default, 128), 64 or 128.
   int sm90_block_n = 0;
+  /// sm90 forward schedule: 0 (default) all 256 threads load each K/V tile and meet at a CTA barrier
+  /// per tile; 1 / 2 a producer warpgroup loads 2 / 3 stages through mbarriers and the two consumer
+  /// warpgroups run decoupled (warp-specialized); 3 / 4 the same with ping-pong scheduling.
+  int sm90_variant = 0;
 };
 
 /// Launch shape of the flash backward's atomic-dQ kernel (p.deterministic false): a block of `warps`

@@ -57,6 +57,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -495,6 +496,333 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
 #endif
 }
 
+// ---- warp-specialized forward (AttnProblem::sm90_variant 1..4) ---------------------------------
+// Same math, fragments and descriptors as flash_fwd_sm90_kernel; what changes is who loads and how the
+// warps synchronise. A third warpgroup (the producer) issues every cp.async of Q and of the K/V tiles into
+// kStages stages; the two consumer warpgroups never meet at a CTA barrier after the prologue, so they
+// drift apart and one's softmax overlaps the other's wgmmas. (The producer is a whole warpgroup because
+// setmaxnreg works per warpgroup; all 128 of its threads issue copies.)
+//   full_k[st], full_v[st]: init count 128. Each producer thread issues its copies of the stage's K (then
+//     of V) and then cp.async.mbarrier.arrive.noinc: the arrival fires when all of that lane's earlier
+//     cp.async have landed, so the phase completes when the whole tile is in shared memory. Q rides on
+//     tile 0's full_k (its copies precede K's). Consumers wait with parity (nb / kStages) & 1, then
+//     fence.proxy.async (the data was written by the generic proxy, wgmma reads through the async one).
+//   empty[st]: init count 256: every consumer thread arrives after its wgmma.wait_group 0 of the PV
+//     product of the tile in that stage. The producer waits on it (parity ((n / kStages) - 1) & 1)
+//     before refilling the stage for tile n >= kStages.
+// Every tile the producer fills is consumed by both warpgroups (same n_blocks for the whole CTA), so
+// every wait has its arrivals; the producer waits for its own copies before exiting.
+#if MC_FLASH_SM90_DEVICE
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// R x D tile by the producer warpgroup (pt = 0..127), same layout and zero-fill as load_tile.
+template <class T, int R, int D>
+__device__ __forceinline__ void load_tile_producer(T* s, const T* g, int64_t row_stride, int valid_rows, int pt) {
+  constexpr int kChunks = D / 8;
+  static_assert((R * kChunks) % 128 == 0, "tile must split evenly over the warpgroup");
+#pragma unroll 4
+  for (int i = 0; i < R * kChunks / 128; ++i) {
+    const int c = i * 128 + pt;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < valid_rows;
+    const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
+    cp_async16(smem_u32(s + tile_off<R>(r, ch * 8)), src, ok);
+  }
+}
+#endif
+
+#if MC_FLASH_SM90_DEVICE
+// Online-softmax step of the warp-specialized kernel for S of tile nb (scaled, masked, exponentiated in
+// place), rescales O and the running max / sum, and packs P as the register A operand (pa).
+template <class T, int D, int kN>
+__device__ __forceinline__ void ws_softmax_step(float (&s)[kN / 2], float (&o)[D / 2], uint32_t (&pa)[kN / 16][4],
+                                                float (&m_run)[2], float (&l_run)[2], const AttnProblem& p,
+                                                const SeqInfo& si, int nb, float sl2, int wrow0, int row_base,
+                                                int t) {
+  using Op = Cvt<T>;
+  const int n0 = nb * kN;
+  const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > wrow0);
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * j + e] * sl2;
+      if (need_mask) {
+        const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
+        if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
+      }
+      s[4 * j + e] = x;
+    }
+  }
+  float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float base[2], corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+    base[i] = mx[i] == -INFINITY ? 0.f : mx[i];
+    corr[i] = fast_exp2(m_run[i] - base[i]);
+    m_run[i] = mx[i];
+  }
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    s[4 * j] = fast_exp2(s[4 * j] - base[0]);
+    s[4 * j + 1] = fast_exp2(s[4 * j + 1] - base[0]);
+    s[4 * j + 2] = fast_exp2(s[4 * j + 2] - base[1]);
+    s[4 * j + 3] = fast_exp2(s[4 * j + 3] - base[1]);
+    rs[0] += s[4 * j] + s[4 * j + 1];
+    rs[1] += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l_run[0] = l_run[0] * corr[0] + rs[0];
+  l_run[1] = l_run[1] * corr[1] + rs[1];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    o[4 * i] *= corr[0];
+    o[4 * i + 1] *= corr[0];
+    o[4 * i + 2] *= corr[1];
+    o[4 * i + 3] *= corr[1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    pa[kk][0] = Op::pack(s[8 * kk], s[8 * kk + 1]);
+    pa[kk][1] = Op::pack(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = Op::pack(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = Op::pack(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+#endif
+
+template <class T, int D, int kN, int kStages>
+struct Sm90WsCfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(kN == 64 || kN == 128, "64 or 128 keys per tile");
+  static_assert(kStages == 2 || kStages == 3, "2 or 3 stages");
+  static constexpr int kBarBytes = 3 * kStages * 8;
+  // Q, then kStages of K, then kStages of V, then the mbarriers; + 1024 to align the base by hand.
+  static constexpr int smem_bytes = (kM * D + 2 * kStages * kN * D) * int(sizeof(T)) + kBarBytes + 1024;
+};
+
+// Two consumer warpgroups + one producer warpgroup. ptxas budgets a 384-thread kernel at 168 registers;
+// setmaxnreg moves them: the producer drops to kProducerRegs, the consumers rise to kConsumerRegs
+// (128 * 56 + 256 * 224 = 64512 = 384 * 168, the registers the launch reserved).
+constexpr int kWsThreads = kThreads + 128;
+#if MC_FLASH_SM90_DEVICE
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+#endif
+
+template <class T, int D, int kN, int kStages, bool kPingPong>
+__global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const AttnProblem p) {
+#if MC_FLASH_SM90_DEVICE
+  using Op = Cvt<T>;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  T* sQ = reinterpret_cast<T*>(smem_raw + (((raw + 1023u) & ~1023u) - raw));
+  T* sK = sQ + kM * D;            // kStages stages
+  T* sV = sK + kStages * kN * D;  // kStages stages
+  const uint32_t aQ = smem_u32(sQ), aK = smem_u32(sK), aV = smem_u32(sV);
+  const uint32_t aBar = smem_u32(sV + kStages * kN * D);  // 8-byte aligned (tiles are 1024-byte multiples)
+  auto full_k = [&](int st) { return aBar + uint32_t(st) * 8u; };
+  auto full_v = [&](int st) { return aBar + uint32_t(kStages + st) * 8u; };
+  auto empty = [&](int st) { return aBar + uint32_t(2 * kStages + st) * 8u; };
+  constexpr uint32_t kTileBytes = uint32_t(kN * D * sizeof(T));  // one K or V stage
+
+  const int tid = threadIdx.x;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const SeqInfo si = seq_info(p, b);
+  const int m0 = m_block * kM;
+  if (m0 >= si.nq) return;  // uniform over the CTA
+  const int hk = h / (p.heads / p.kv_heads);
+  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
+  const int n_blocks = (n_end + kN - 1) / kN;
+
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(full_k(st), 128u);
+      mbar_init(full_v(st), 128u);
+      mbar_init(empty(st), uint32_t(kThreads));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the last CTA-wide barrier
+
+  if (tid >= kThreads) {
+    // ---- producer warpgroup ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int pt = tid - kThreads;
+    const T* q = head_ptr<const T>(p.q, b, si.q0, h);
+    const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
+    const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
+    if (n_blocks > 0)
+      load_tile_producer<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, pt);
+    for (int n = 0; n < n_blocks; ++n) {
+      const int st = n % kStages;
+      if (n >= kStages) mbar_wait(empty(st), uint32_t((n / kStages) - 1) & 1u);
+      const int n1 = n * kN;
+      load_tile_producer<T, kN, D>(sK + st * kN * D, k + int64_t(n1) * p.k.row_stride, p.k.row_stride, si.nk - n1, pt);
+      mbar_cp_async_arrive(full_k(st));
+      load_tile_producer<T, kN, D>(sV + st * kN * D, v + int64_t(n1) * p.v.row_stride, p.v.row_stride, si.nk - n1, pt);
+      mbar_cp_async_arrive(full_v(st));
+    }
+    cp_async_commit();  // the copies above belong to no group yet; wait for them before exiting
+    cp_async_wait_all();
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const float sl2 = p.scale * kLog2e;
+  const int wrow0 = m0 + wg * 64 + warp * 16;
+  const int row_base = wrow0 + g;
+  const uint32_t aQw = aQ + uint32_t(wg) * 64u * 128u;
+
+  if constexpr (kPingPong) {
+    // Tile it's S = Q K^T is issued together with tile it - 1's O += P V, as one batch; the two
+    // consumer warpgroups take turns issuing their batches (named barrier 1 + wg: "wg may issue"), so
+    // one warpgroup's softmax runs while the other's wgmmas occupy the tensor cores. Barrier balance:
+    // each warpgroup syncs its barrier n_blocks + 1 times; warpgroup 0 arrives on warpgroup 1's barrier
+    // after each of its n_blocks + 1 batches, warpgroup 1 arrives once up front and after each batch but
+    // its last, so no barrier is left with pending arrivals at exit (n_blocks == 0: no barrier at all).
+    // The first batch (S only) and the last (P V only) are peeled so that no wgmma sits under a branch.
+    float s[kN / 2];
+    uint32_t pa[kN / 16][4];
+    auto step = [&](auto with_pv, auto with_s, int it) {
+      constexpr bool kPv = decltype(with_pv)::value, kS = decltype(with_s)::value;
+      const int st = it % kStages, pst = (it + kStages - 1) % kStages;
+      if constexpr (kS) mbar_wait(full_k(st), uint32_t(it / kStages) & 1u);
+      if constexpr (kPv) mbar_wait(full_v(pst), uint32_t((it - 1) / kStages) & 1u);
+      __syncwarp();
+      fence_proxy_async();
+      named_bar_sync(1 + wg, kThreads);
+      wgmma_fence();
+      if constexpr (kPv) {
+        const uint32_t cV = aV + uint32_t(pst) * kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          const uint64_t db = smem_desc(cV + uint32_t(kk) * 2048u, uint32_t(kN) * 128u, 1024u);
+          Wgmma<T, D>::rs(o, pa[kk], db, 1);
+        }
+      }
+      if constexpr (kS) {
+        const uint32_t cK = aK + uint32_t(st) * kTileBytes;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+          const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+          Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
+        }
+      }
+      wgmma_commit();
+      if (wg == 0 || kS) named_bar_arrive(2 - wg, kThreads);  // the other warpgroup's turn (see above)
+      wgmma_wait_all();
+      if constexpr (kS) reg_fence(s);
+      if constexpr (kPv) {
+        reg_fence(o);
+        mbar_arrive(empty(pst));  // this warpgroup is done with tile it - 1's K and V
+      }
+      if constexpr (kS) ws_softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, it, sl2, wrow0, row_base, t);
+    };
+    using Yes = std::integral_constant<bool, true>;
+    using No = std::integral_constant<bool, false>;
+    if (n_blocks > 0) {
+      if (wg == 1) named_bar_arrive(1, kThreads);  // warpgroup 0 goes first
+      step(No{}, Yes{}, 0);
+      for (int it = 1; it < n_blocks; ++it) step(Yes{}, Yes{}, it);
+      step(Yes{}, No{}, n_blocks);
+    }
+  } else {
+    for (int nb = 0; nb < n_blocks; ++nb) {
+      const int st = nb % kStages;
+      const uint32_t ph = uint32_t(nb / kStages) & 1u;
+      const uint32_t cK = aK + uint32_t(st) * kTileBytes, cV = aV + uint32_t(st) * kTileBytes;
+      mbar_wait(full_k(st), ph);
+      __syncwarp();  // the wait loop may exit lane by lane; wgmma's .aligned needs the warp converged
+      fence_proxy_async();
+
+      float s[kN / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+        const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+        Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      reg_fence(s);
+
+      uint32_t pa[kN / 16][4];
+      ws_softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, nb, sl2, wrow0, row_base, t);
+      mbar_wait(full_v(st), ph);
+      __syncwarp();
+      fence_proxy_async();
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        const uint64_t db = smem_desc(cV + uint32_t(kk) * 2048u, uint32_t(kN) * 128u, 1024u);
+        Wgmma<T, D>::rs(o, pa[kk], db, 1);
+      }
+      wgmma_commit();
+      wgmma_wait_all();  // this warpgroup's reads of stage st are done
+      reg_fence(o);
+      mbar_arrive(empty(st));
+    }
+  }
+
+  T* out = head_ptr<T>(p.o, b, si.q0, h);
+  float* lse = p.lse + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + si.q0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
+    const int row = row_base + i * 8;
+    if (row < si.nq) {
+      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+      T* orow = out + int64_t(row) * p.o.row_stride;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) =
+            Op::pack(o[4 * dn + 2 * i] * inv, o[4 * dn + 2 * i + 1] * inv);
+      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 // ---- launchers -----------------------------------------------------------------------------------
 template <class T, int D, int kN>
 void forward_sm90_impl(const AttnProblem& p, cudaStream_t s) {
@@ -506,10 +834,29 @@ void forward_sm90_impl(const AttnProblem& p, cudaStream_t s) {
   MC_CUDA_CHECK_LAUNCH();
 }
 
+template <class T, int D, int kN, int kStages, bool kPingPong>
+void forward_sm90_ws_impl(const AttnProblem& p, cudaStream_t s) {
+  constexpr int smem = Sm90WsCfg<T, D, kN, kStages>::smem_bytes;
+  auto kernel = flash_fwd_sm90_ws_kernel<T, D, kN, kStages, kPingPong>;
+  MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((p.seqlen_q + kM - 1) / kM), unsigned(p.heads), unsigned(p.batch));
+  kernel<<<grid, kWsThreads, smem, s>>>(p);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int D, int kN>
+void forward_sm90_variant(const AttnProblem& p, cudaStream_t s) {
+  if (p.sm90_variant == 1) forward_sm90_ws_impl<T, D, kN, 2, false>(p, s);
+  else if (p.sm90_variant == 2) forward_sm90_ws_impl<T, D, kN, 3, false>(p, s);
+  else if (p.sm90_variant == 3) forward_sm90_ws_impl<T, D, kN, 2, true>(p, s);
+  else if (p.sm90_variant == 4) forward_sm90_ws_impl<T, D, kN, 3, true>(p, s);
+  else forward_sm90_impl<T, D, kN>(p, s);
+}
+
 template <class T, int D>
 void forward_sm90_tiles(const AttnProblem& p, cudaStream_t s) {
-  if (p.sm90_block_n == 64) forward_sm90_impl<T, D, 64>(p, s);
-  else forward_sm90_impl<T, D, 128>(p, s);
+  if (p.sm90_block_n == 64) forward_sm90_variant<T, D, 64>(p, s);
+  else forward_sm90_variant<T, D, 128>(p, s);
 }
 
 }  // namespace
@@ -529,6 +876,9 @@ std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device) {
   if (!why.empty()) return why;
   if (p.sm90_block_n != 0 && p.sm90_block_n != 64 && p.sm90_block_n != 128)
     return fmt::format("sm90_block_n {} (supported: 0 for the default, 64, 128)", p.sm90_block_n);
+  if (p.sm90_variant < 0 || p.sm90_variant > 4)
+    return fmt::format("sm90_variant {} (supported: 0 CTA-synchronous, 1 / 2 warp-specialized with 2 / 3 "
+                       "stages, 3 / 4 the same with ping-pong warpgroup scheduling)", p.sm90_variant);
   int major = 0, minor = 0;
   MC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MC_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));

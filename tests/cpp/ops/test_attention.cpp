@@ -163,6 +163,7 @@ struct GpuCase {
   bool fused_qkv = false;            // q, k, v as strided views of one [B, S, Hq + 2 Hkv, D] buffer
   FlashImpl impl = FlashImpl::Auto;  // set by run_gpu_case for the Flash backend
   int sm90_block_n = 0;
+  int sm90_variant = 0;  // AttentionOptions::flash_sm90_variant
 };
 
 std::vector<int32_t> prefix(const std::vector<int32_t>& lens) {
@@ -180,7 +181,7 @@ void run_gpu_case_once(const GpuCase& c) {
   const uint64_t seed = fresh_seed();
   const bool packed = !c.cu_q.empty();
   INFO("seed " << seed << " backend " << attention_backend_name(c.backend) << " flash fwd " << impl_name(c.impl)
-                << " block_n " << c.sm90_block_n << " dt " << dtype_name(c.dt) << " D " << c.dim << " causal "
+                << " block_n " << c.sm90_block_n << " variant " << c.sm90_variant << " dt " << dtype_name(c.dt) << " D " << c.dim << " causal "
                 << c.causal << " sq " << c.sq << " skv " << c.skv << " H " << c.heads << "/" << c.kv_heads
                 << " packed " << packed << " fused " << c.fused_qkv);
   const Device g = mctest::gpu();
@@ -215,6 +216,7 @@ void run_gpu_case_once(const GpuCase& c) {
   o.backend = c.backend;
   o.flash_impl = c.impl;
   o.flash_sm90_block_n = c.sm90_block_n;
+  o.flash_sm90_variant = c.sm90_variant;
   if (packed) {
     o.cu_seqlens_q = Tensor::from_vector(c.cu_q, {int64_t(c.cu_q.size())}).to(g);
     o.cu_seqlens_kv = Tensor::from_vector(c.cu_kv, {int64_t(c.cu_kv.size())}).to(g);
@@ -295,10 +297,10 @@ void run_gpu_case_once(const GpuCase& c) {
 }
 
 // The Flash backend runs every case through each forward kernel: the mma.sync one, and on sm_90 the
-// wgmma one with each of its tile widths (the backward is the same kernel every time).
+// wgmma one with each of its tile widths and schedules (the backward is the same kernel every time).
 void run_gpu_case(GpuCase c) {
   if (c.backend != AttentionBackend::Flash) return run_gpu_case_once(c);
-  c.impl = FlashImpl::Sm80, c.sm90_block_n = 0;
+  c.impl = FlashImpl::Sm80, c.sm90_block_n = 0, c.sm90_variant = 0;
   run_gpu_case_once(c);
   if (!attention_flash_sm90_available(mctest::gpu())) {
     static bool said = false;
@@ -307,8 +309,11 @@ void run_gpu_case(GpuCase c) {
     return;
   }
   for (int bn : {128, 64}) {
-    c.impl = FlashImpl::Sm90, c.sm90_block_n = bn;
-    run_gpu_case_once(c);
+    // CTA-synchronous; warp-specialized with 2 / 3 stages; the same with ping-pong warpgroup scheduling.
+    for (int variant : {0, 1, 2, 3, 4}) {
+      c.impl = FlashImpl::Sm90, c.sm90_block_n = bn, c.sm90_variant = variant;
+      run_gpu_case_once(c);
+    }
   }
 }
 
@@ -461,6 +466,8 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
   } else {
     s90.flash_sm90_block_n = 96;
     CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_block_n 96"));
+    s90.flash_sm90_block_n = 0, s90.flash_sm90_variant = 5;
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_variant 5"));
   }
   if (!attention_cudnn_available()) {
     AttentionOptions cd;
