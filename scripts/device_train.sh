@@ -232,7 +232,10 @@ if has ddp2; then
 fi
 
 if has kernels; then
-  has tests || { step gpu_single 180 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
+  # attention in its own step: a hang there must not cost the other results
+  has tests || { step gpu_single 150 $B/tests/megacore_tests "[gpu]~[attention]"; tail -2 $OUT/gpu_single.log
+                 step gpu_attention 200 $B/tests/megacore_tests "[attention][gpu]"; tail -2 $OUT/gpu_attention.log
+                 grep -B3 -A12 FAILED $OUT/gpu_attention.log | head -40
                  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
   if [ "${TORCH_PEERS:-1}" = 1 ]; then  # TORCH_PEERS=0: no torch fused-op peers (e.g. an attention-only run)
     step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
