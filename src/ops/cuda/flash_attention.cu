@@ -27,25 +27,16 @@
 
 #include "core/cuda/cuda_check.hpp"
 #include "ops/cuda/attention_cuda.hpp"
+#include "ops/cuda/flash_common.cuh"
 
 namespace megacore::ops::cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
+using namespace flash;
+
 constexpr int kThreads = 128;
-constexpr unsigned kFull = 0xffffffffu;
 
-// ---- primitives ----------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// ---- primitives (the shared ones are in flash_common.cuh) ------------------------------------------
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -58,11 +49,6 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <class T>
 struct Mma;
@@ -143,24 +129,6 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* s, int k0, 
   ldsm_x4_t(b, smem_u32(s + swz<D>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3))));
 }
 
-struct SeqInfo {
-  int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
-};
-__device__ __forceinline__ SeqInfo seq_info(const AttnProblem& p, int b) {
-  if (p.cu_q) {
-    const int q0 = p.cu_q[b], k0 = p.cu_kv[b];
-    return {q0, p.cu_q[b + 1] - q0, k0, p.cu_kv[b + 1] - k0};
-  }
-  return {0, p.seqlen_q, 0, p.seqlen_kv};
-}
-template <class T>
-__device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int h) {
-  return static_cast<T*>(t.ptr) + int64_t(b) * t.batch_stride + int64_t(row0) * t.row_stride +
-         int64_t(h) * t.head_stride;
-}
-__device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h, int row0) {
-  return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
-}
 
 // ---- forward -------------------------------------------------------------------------------------
 template <class T, int D>

@@ -63,6 +63,7 @@
 
 #include "core/cuda/cuda_check.hpp"
 #include "ops/cuda/attention_cuda.hpp"
+#include "ops/cuda/flash_common.cuh"
 
 // Device code exists only for sm_90a (wgmma and its fences are arch-specific features). The library
 // defines MEGACORE_FLASH_SM90 when CMAKE_CUDA_ARCHITECTURES names 90a; without it the host side says
@@ -80,20 +81,10 @@ constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kM = 64 * kWarpgroups;  // query rows per CTA
 
-#if MC_FLASH_SM90_DEVICE
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr unsigned kFull = 0xffffffffu;
+using namespace flash;  // smem_u32, cp.async, fast_exp2, SeqInfo, head_ptr, lse_offset (flash_common.cuh)
 
-// ---- primitives ----------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+#if MC_FLASH_SM90_DEVICE
+// ---- primitives (the ones shared with the mma.sync kernels are in flash_common.cuh) ----------------
 // Makes this thread's generic-proxy shared-memory writes visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -103,12 +94,6 @@ template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 template <class T>
@@ -309,21 +294,6 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
   }
 }
 
-struct SeqInfo {
-  int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
-};
-__device__ __forceinline__ SeqInfo seq_info(const AttnProblem& p, int b) {
-  if (p.cu_q) {
-    const int q0 = p.cu_q[b], k0 = p.cu_kv[b];
-    return {q0, p.cu_q[b + 1] - q0, k0, p.cu_kv[b + 1] - k0};
-  }
-  return {0, p.seqlen_q, 0, p.seqlen_kv};
-}
-template <class T>
-__device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int h) {
-  return static_cast<T*>(t.ptr) + int64_t(b) * t.batch_stride + int64_t(row0) * t.row_stride +
-         int64_t(h) * t.head_stride;
-}
 #endif  // MC_FLASH_SM90_DEVICE
 
 template <class T, int D, int kN>
@@ -475,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
 
   cp_async_wait_all();  // nothing may be in flight at exit (only happens when there were no keys)
   T* out = head_ptr<T>(p.o, b, si.q0, h);
-  float* lse = p.lse + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + si.q0;
+  float* lse = p.lse + lse_offset(p, b, h, si.q0);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
@@ -802,7 +772,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
   }
 
   T* out = head_ptr<T>(p.o, b, si.q0, h);
-  float* lse = p.lse + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + si.q0;
+  float* lse = p.lse + lse_offset(p, b, h, si.q0);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);

@@ -1,0 +1,53 @@
+// Device pieces both flash-attention kernels use (flash_attention.cu, mma.sync; flash_attention_sm90.cu,
+// wgmma): shared-memory addresses, cp.async, exp2, and where a (batch, head, row) lives in the
+// AttnProblem views. Included inside each file's own anonymous namespace.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/cuda/attention_cuda.hpp"
+
+namespace megacore::ops::cuda::flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The "memory" clobbers keep the compiler from moving ordinary shared-memory accesses across the copy
+// and its waits (the sm90 kernel hands tiles over through mbarriers, not only __syncthreads).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct SeqInfo {
+  int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
+};
+__device__ __forceinline__ SeqInfo seq_info(const AttnProblem& p, int b) {
+  if (p.cu_q) {
+    const int q0 = p.cu_q[b], k0 = p.cu_kv[b];
+    return {q0, p.cu_q[b + 1] - q0, k0, p.cu_kv[b + 1] - k0};
+  }
+  return {0, p.seqlen_q, 0, p.seqlen_kv};
+}
+template <class T>
+__device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int h) {
+  return static_cast<T*>(t.ptr) + int64_t(b) * t.batch_stride + int64_t(row0) * t.row_stride +
+         int64_t(h) * t.head_stride;
+}
+__device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h, int row0) {
+  return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
+}
+
+}  // namespace megacore::ops::cuda::flash
