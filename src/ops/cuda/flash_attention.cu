@@ -96,15 +96,15 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-// ROWS x D tile from global rows (row_stride elements apart) into swizzled shared memory; rows at or
-// beyond valid_rows are zero-filled.
-template <class T, int ROWS, int D>
+// ROWS x D tile from global rows (row_stride elements apart) into swizzled shared memory by a block of
+// NT threads; rows at or beyond valid_rows are zero-filled.
+template <class T, int ROWS, int D, int NT = kThreads>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows, int tid) {
   constexpr int kChunks = D / 8;
-  static_assert((ROWS * kChunks) % kThreads == 0, "tile must split evenly over the block");
+  static_assert((ROWS * kChunks) % NT == 0, "tile must split evenly over the block");
 #pragma unroll
-  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
-    const int c = i * kThreads + tid;
+  for (int i = 0; i < ROWS * kChunks / NT; ++i) {
+    const int c = i * NT + tid;
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = r < valid_rows;
     const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
@@ -306,6 +306,113 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dot_kernel(const AttnProbl
   }
 }
 
+// ---- backward pieces shared by the dK/dV kernel and the atomic-dQ kernel ----------------------------
+// Both walk kM-row query tiles (of every query head of the kv head's GQA group) against one block of
+// keys; each warp owns 16 keys.
+
+// Loads query tile `it` into buffer `buf`: Q and dO rows by cp.async, lse (times log2 e) and
+// rowsum(dO * O) by the first kM threads.
+template <class T, int D, int kM, int NT>
+__device__ __forceinline__ void bwd_issue_q_tile(const AttnProblem& p, const float* dsum, const SeqInfo& si, int b,
+                                                 int hk, int group, int m_begin, int per_head, int it, int buf,
+                                                 T* sQ, T* sdO, float* sL, float* sD, int tid) {
+  const int hq = hk * group + it / per_head;
+  const int m0 = (m_begin + it % per_head) * kM;
+  const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
+  const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
+  load_tile<T, kM, D, NT>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
+  load_tile<T, kM, D, NT>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0,
+                          tid);
+  if (tid < kM) {
+    const int row = m0 + tid;
+    const int64_t off = lse_offset(p, b, hq, si.q0);
+    const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+    // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
+    sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
+    sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
+  }
+}
+
+// S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys against the kM queries of the tile.
+template <class T, int D, int kM>
+__device__ __forceinline__ void bwd_st_dpt(float (&st)[kM / 8][4], float (&dpt)[kM / 8][4], const T* sK,
+                                           const T* sV, const T* cQ, const T* cdO, int warp, int lane) {
+  using Op = Mma<T>;
+#pragma unroll
+  for (int j = 0; j < kM / 8; ++j) {
+    st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+    dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t ak[4], av[4];
+    load_a<D>(ak, sK, warp * 16, ks * 16, lane);
+    load_a<D>(av, sV, warp * 16, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < kM / 16; ++np) {
+      uint32_t bq[4], bo[4];
+      load_b_nk<D>(bq, cQ, np * 16, ks * 16, lane);
+      load_b_nk<D>(bo, cdO, np * 16, ks * 16, lane);
+      Op::run(st[2 * np], ak, bq[0], bq[1]);
+      Op::run(st[2 * np + 1], ak, bq[2], bq[3]);
+      Op::run(dpt[2 * np], av, bo[0], bo[1]);
+      Op::run(dpt[2 * np + 1], av, bo[2], bo[3]);
+    }
+  }
+}
+
+// dV += P^T dO and dK += dS^T Q with P^T (st) and dS^T (dpt) packed as A operands. `with_ds(kk, as)`
+// sees the packed dS^T operand of each 16-query step before it is used (the atomic-dQ kernel may store
+// it to shared memory there).
+template <class T, int D, int kM, class WithDs>
+__device__ __forceinline__ void bwd_accumulate_dkdv(float (&dk)[D / 8][4], float (&dv)[D / 8][4],
+                                                    const float (&st)[kM / 8][4], const float (&dpt)[kM / 8][4],
+                                                    const T* cQ, const T* cdO, int lane, WithDs&& with_ds) {
+  using Op = Mma<T>;
+#pragma unroll
+  for (int kk = 0; kk < kM / 16; ++kk) {
+    const uint32_t ap[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]), Op::pack(st[2 * kk][2], st[2 * kk][3]),
+                            Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                            Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+    const uint32_t as[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                            Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                            Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+    with_ds(kk, as);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t bo[4], bq[4];
+      load_b_kn<D>(bo, cdO, kk * 16, dp * 16, lane);
+      load_b_kn<D>(bq, cQ, kk * 16, dp * 16, lane);
+      Op::run(dv[2 * dp], ap, bo[0], bo[1]);
+      Op::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
+      Op::run(dk[2 * dp], as, bq[0], bq[1]);
+      Op::run(dk[2 * dp + 1], as, bq[2], bq[3]);
+    }
+  }
+}
+
+// Writes this thread's rows of dK (times the softmax scale) and dV.
+template <class T, int D>
+__device__ __forceinline__ void bwd_store_dkdv(const AttnProblem& p, const SeqInfo& si, int b, int hk, int key_base,
+                                               int t, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
+  using Op = Mma<T>;
+  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
+  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = key_base + i * 8;
+    if (row >= si.nk) continue;
+    T* krow = dkp + int64_t(row) * p.dk.row_stride;
+    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
+          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
+    }
+  }
+}
+
 // ---- backward: dK, dV ----------------------------------------------------------------------------
 template <int D>
 struct KvCfg {
@@ -342,21 +449,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
   const int total = group * per_head;
 
   auto issue = [&](int it, int buf) {
-    const int hq = hk * group + it / per_head;
-    const int m0 = (m_begin + it % per_head) * kM;
-    const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
-    const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
-    load_tile<T, kM, D>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
-    load_tile<T, kM, D>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0,
-                        tid);
-    if (tid < kM) {
-      const int row = m0 + tid;
-      const int64_t off = lse_offset(p, b, hq, si.q0);
-      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
-      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
-      sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
-      sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
-    }
+    bwd_issue_q_tile<T, D, kM, kThreads>(p, dsum, si, b, hk, group, m_begin, per_head, it, buf, sQ, sdO, sL, sD, tid);
   };
   if (total > 0) issue(0, 0);
   cp_async_commit();
@@ -383,27 +476,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
     const float* cD = sD + buf * kM;
 
     float st[kM / 8][4], dpt[kM / 8][4];
-#pragma unroll
-    for (int j = 0; j < kM / 8; ++j) {
-      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
-      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t ak[4], av[4];
-      load_a<D>(ak, sK, warp * 16, ks * 16, lane);
-      load_a<D>(av, sV, warp * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < kM / 16; ++np) {
-        uint32_t bq[4], bo[4];
-        load_b_nk<D>(bq, cQ, np * 16, ks * 16, lane);
-        load_b_nk<D>(bo, cdO, np * 16, ks * 16, lane);
-        Op::run(st[2 * np], ak, bq[0], bq[1]);
-        Op::run(st[2 * np + 1], ak, bq[2], bq[3]);
-        Op::run(dpt[2 * np], av, bo[0], bo[1]);
-        Op::run(dpt[2 * np + 1], av, bo[2], bo[3]);
-      }
-    }
+    bwd_st_dpt<T, D, kM>(st, dpt, sK, sV, cQ, cdO, warp, lane);
     const bool need_mask = p.causal && m0 < n0 + warp * 16 + 15;
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
@@ -416,43 +489,11 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
         dpt[j][e] = pv * (dpt[j][e] - cD[qc]);  // dS^T
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) {
-      const uint32_t ap[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]), Op::pack(st[2 * kk][2], st[2 * kk][3]),
-                              Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const uint32_t as[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                              Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bo[4], bq[4];
-        load_b_kn<D>(bo, cdO, kk * 16, dp * 16, lane);
-        load_b_kn<D>(bq, cQ, kk * 16, dp * 16, lane);
-        Op::run(dv[2 * dp], ap, bo[0], bo[1]);
-        Op::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
-        Op::run(dk[2 * dp], as, bq[0], bq[1]);
-        Op::run(dk[2 * dp + 1], as, bq[2], bq[3]);
-      }
-    }
+    bwd_accumulate_dkdv<T, D, kM>(dk, dv, st, dpt, cQ, cdO, lane, [](int, const uint32_t(&)[4]) {});
   }
 
   cp_async_wait_all();
-  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
-  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = key_base + i * 8;
-    if (row >= si.nk) continue;
-    T* krow = dkp + int64_t(row) * p.dk.row_stride;
-    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
-          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
-    }
-  }
+  bwd_store_dkdv<T, D>(p, si, b, hk, key_base, t, dk, dv);
 }
 
 // ---- backward: dQ --------------------------------------------------------------------------------
@@ -614,21 +655,6 @@ __device__ __forceinline__ int swz_w(int row, int col) {
   }
 }
 
-// As load_tile, for a block of NT threads.
-template <class T, int ROWS, int D, int NT>
-__device__ __forceinline__ void load_tile_nt(T* s, const T* g, int64_t row_stride, int valid_rows, int tid) {
-  constexpr int kChunks = D / 8;
-  static_assert((ROWS * kChunks) % NT == 0, "tile must split evenly over the block");
-#pragma unroll
-  for (int i = 0; i < ROWS * kChunks / NT; ++i) {
-    const int c = i * NT + tid;
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < valid_rows;
-    const T* src = ok ? g + int64_t(r) * row_stride + ch * 8 : g;
-    cp_async16(smem_u32(s + swz<D>(r, ch * 8)), src, ok);
-  }
-}
-
 // dst[0..1] += (a, b) in global memory, no return value (8-byte aligned).
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -660,8 +686,8 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   if (n0 >= si.nk) return;
   const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
   const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
-  load_tile_nt<T, kN, D, NT>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
-  load_tile_nt<T, kN, D, NT>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
+  load_tile<T, kN, D, NT>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
+  load_tile<T, kN, D, NT>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
 
   const int group = p.heads / p.kv_heads;
   const int m_begin = p.causal ? n0 / kM : 0;  // earlier query tiles see none of these keys
@@ -670,22 +696,7 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   const int total = group * per_head;
 
   auto issue = [&](int it, int buf) {
-    const int hq = hk * group + it / per_head;
-    const int m0 = (m_begin + it % per_head) * kM;
-    const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
-    const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
-    load_tile_nt<T, kM, D, NT>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0,
-                               tid);
-    load_tile_nt<T, kM, D, NT>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride,
-                               si.nq - m0, tid);
-    if (tid < kM) {
-      const int row = m0 + tid;
-      const int64_t off = lse_offset(p, b, hq, si.q0);
-      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
-      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
-      sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
-      sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
-    }
+    bwd_issue_q_tile<T, D, kM, NT>(p, dsum, si, b, hk, group, m_begin, per_head, it, buf, sQ, sdO, sL, sD, tid);
   };
   if (total > 0) issue(0, 0);
   cp_async_commit();
@@ -718,27 +729,7 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
     const float* cD = sD + buf * kM;
 
     float st[kM / 8][4], dpt[kM / 8][4];
-#pragma unroll
-    for (int j = 0; j < kM / 8; ++j) {
-      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
-      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t ak[4], av[4];
-      load_a<D>(ak, sK, warp * 16, ks * 16, lane);
-      load_a<D>(av, sV, warp * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < kM / 16; ++np) {
-        uint32_t bq[4], bo[4];
-        load_b_nk<D>(bq, cQ, np * 16, ks * 16, lane);
-        load_b_nk<D>(bo, cdO, np * 16, ks * 16, lane);
-        Op::run(st[2 * np], ak, bq[0], bq[1]);
-        Op::run(st[2 * np + 1], ak, bq[2], bq[3]);
-        Op::run(dpt[2 * np], av, bo[0], bo[1]);
-        Op::run(dpt[2 * np + 1], av, bo[2], bo[3]);
-      }
-    }
+    bwd_st_dpt<T, D, kM>(st, dpt, sK, sV, cQ, cdO, warp, lane);
     const bool need_mask = tail_keys || (p.causal && m0 < n0 + warp * 16 + 15);
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
@@ -765,14 +756,7 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
         *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0 + 8, c0)) = Op::pack(dpt[j][2], dpt[j][3]);
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) {
-      const uint32_t ap[4] = {Op::pack(st[2 * kk][0], st[2 * kk][1]), Op::pack(st[2 * kk][2], st[2 * kk][3]),
-                              Op::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              Op::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const uint32_t as[4] = {Op::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Op::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              Op::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                              Op::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+    bwd_accumulate_dkdv<T, D, kM>(dk, dv, st, dpt, cQ, cdO, lane, [&](int kk, const uint32_t(&as)[4]) {
       if constexpr (!Cfg::kEarlyDsStore) {
         // as[0]/as[2]: key row g, query columns 16 kk + 2 t and + 8; as[1]/as[3]: key row g + 8.
         const int r0 = warp * 16 + g, c0 = kk * 16 + 2 * t;
@@ -781,17 +765,7 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
         *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0, c0 + 8)) = as[2];
         *reinterpret_cast<uint32_t*>(sdS + swz_w<kM>(r0 + 8, c0 + 8)) = as[3];
       }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bo[4], bq[4];
-        load_b_kn<D>(bo, cdO, kk * 16, dp * 16, lane);
-        load_b_kn<D>(bq, cQ, kk * 16, dp * 16, lane);
-        Op::run(dv[2 * dp], ap, bo[0], bo[1]);
-        Op::run(dv[2 * dp + 1], ap, bo[2], bo[3]);
-        Op::run(dk[2 * dp], as, bq[0], bq[1]);
-        Op::run(dk[2 * dp + 1], as, bq[2], bq[3]);
-      }
-    }
+    });
     __syncthreads();  // dS^T of every warp is in shared memory
 
     // dQ[q][d] += sum over the block's keys of dS^T[key][q] K[key][d]: A = dS (transposed ldmatrix of
@@ -824,21 +798,7 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   }
 
   cp_async_wait_all();
-  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
-  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = key_base + i * 8;
-    if (row >= si.nk) continue;
-    T* krow = dkp + int64_t(row) * p.dk.row_stride;
-    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
-          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
-    }
-  }
+  bwd_store_dkdv<T, D>(p, si, b, hk, key_base, t, dk, dv);
 }
 
 // dq = scale * dq_acc, cast to T: a warp per row, D / 32 elements per lane.
