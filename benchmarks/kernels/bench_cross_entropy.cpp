@@ -33,27 +33,13 @@ std::vector<mcbench::Variant<ops::cuda::CeTuning>> ce_variants() {
           {"smem_c4_t256", CeTuning{.threads = 256, .cluster = 4}},
           {"smem_c8_t256", CeTuning{.threads = 256, .cluster = 8}},
           // The library's shape before smem_c4_t256 became the default for 2-byte rows over 128 KiB.
-          {"two_pass", CeTuning{}},
-          // Persistent row on chip: as many clusters as fit loop over the rows, two row buffers per CTA (the
-          // next row's bulk loads overlap this row's reduction and gradient); "bs": gradient stored from
-          // shared memory by bulk copies (TMA) rather than by the threads.
-          {"persist_c1", CeTuning{.cluster = 1, .persistent = true}},
-          {"persist_c1_t256", CeTuning{.threads = 256, .cluster = 1, .persistent = true}},
-          {"persist_c2_t256", CeTuning{.threads = 256, .cluster = 2, .persistent = true}},
-          {"persist_c4", CeTuning{.cluster = 4, .persistent = true}},
-          {"persist_c4_t256", CeTuning{.threads = 256, .cluster = 4, .persistent = true}},
-          {"persist_c8_t256", CeTuning{.threads = 256, .cluster = 8, .persistent = true}},
-          {"persist_bs_c1_t256", CeTuning{.threads = 256, .cluster = 1, .persistent = true, .bulk_store = true}},
-          {"persist_bs_c2_t256", CeTuning{.threads = 256, .cluster = 2, .persistent = true, .bulk_store = true}},
-          {"persist_bs_c4_t256", CeTuning{.threads = 256, .cluster = 4, .persistent = true, .bulk_store = true}},
-          {"persist_bs_c4_t128", CeTuning{.threads = 128, .cluster = 4, .persistent = true, .bulk_store = true}}};
+          {"two_pass", CeTuning{}}};
 }
 
 std::string describe(const ops::cuda::CeTuning& t) {
   return "threads=" + std::to_string(t.threads) + " unroll=" + std::to_string(t.unroll) +
          " blocks_per_sm=" + std::to_string(t.blocks_per_sm) + " l2_fraction=" + std::to_string(t.l2_fraction) +
-         " stream_pass2=" + std::to_string(int(t.stream_pass2)) + " cluster=" + std::to_string(t.cluster) +
-         " persistent=" + std::to_string(int(t.persistent)) + " bulk_store=" + std::to_string(int(t.bulk_store));
+         " stream_pass2=" + std::to_string(int(t.stream_pass2)) + " cluster=" + std::to_string(t.cluster);
 }
 
 }  // namespace

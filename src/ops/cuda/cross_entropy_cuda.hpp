@@ -25,11 +25,6 @@ struct CeTuning {
                               ///< from shared memory; threads as above, unroll / blocks_per_sm / l2_fraction
                               ///< unused); 0, or a row slice that does not fit, or not the 16-byte path:
                               ///< the two-pass kernel
-  bool persistent = false;    ///< cluster >= 1 only: a grid of as many clusters as fit, each looping over
-                              ///< rows with two row buffers per CTA (the next row's bulk loads in flight
-                              ///< while this row's gradient is written); needs 2 slices of shared memory
-  bool bulk_store = false;    ///< persistent only: the gradient is written back into shared memory and
-                              ///< stored by bulk asynchronous copies (TMA) instead of by the threads
 };
 
 struct CeArgs {
