@@ -47,12 +47,6 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f8_b4_m512_sacc_fin_occ", NormTuning{.min_block = 512, .bwd_threads_per_sm = 0}},
       {"f8_b4_sacc_fin_768", NormTuning{.bwd_threads_per_sm = 768}},
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
-      // the finalize fused into the backward kernel: after a grid barrier (cooperative launch) every
-      // block sums the partial rows of a few 4-column tiles, one launch in all
-      {"f8_b4_sacc_fused", NormTuning{.bwd_finalize = 2}},
-      {"f8_b4_m256_sacc_fused", NormTuning{.min_block = 256, .bwd_finalize = 2}},
-      {"f8_b4_m512_sacc_fused", NormTuning{.min_block = 512, .bwd_finalize = 2}},
-      {"f8_b2_sacc_fused", NormTuning{.bwd_vecs = 2, .bwd_finalize = 2}},
   };
 }
 

@@ -15,7 +15,6 @@
 #include "ops/cuda/memops_common.cuh"
 #include "ops/cuda/norm_cuda.hpp"
 
-#include <cooperative_groups.h>
 
 #include <initializer_list>
 #include <type_traits>
@@ -239,51 +238,6 @@ __device__ __forceinline__ void store4_any(void* out, DType dt, int64_t c, float
   }
 }
 
-// NormTuning::bwd_finalize = 2, run by every block of the backward grid after its partial row is
-// written and a grid barrier: tile k is columns 4k..4k+3 of dw (k < h / 4) or of db (the rest); block b
-// takes tiles b, b + grid, ... Thread t sums parts t, t + blockDim, ... of its tile's 4 columns (four
-// 16-byte L2 loads in flight), then a fixed butterfly within the warp and the warps in order: the same
-// order on every run of the same launch shape (bit-identical reruns). `scratch` holds blockDim / 32
-// float4s. h is a multiple of 4 and the part rows are 16-byte aligned.
-__device__ __forceinline__ void fused_finalize(const NormBackwardArgs& a, const float* part_w, const float* part_b,
-                                               float4* scratch) {
-  const int64_t h = a.h, ncol4 = h / 4;
-  const int64_t tiles = ncol4 * (part_b ? 2 : 1);
-  const int nparts = int(gridDim.x), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const bool bias = tile >= ncol4;
-    const int64_t c = (bias ? tile - ncol4 : tile) * 4;
-    const float* q = (bias ? part_b : part_w) + c;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    int p = threadIdx.x;
-    const int stride = int(blockDim.x);
-    for (; p + 3 * stride < nparts; p += 4 * stride) {
-      float4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldcg(reinterpret_cast<const float4*>(q + int64_t(p + u * stride) * h));
-#pragma unroll
-      for (int u = 0; u < 4; ++u) add4(acc, v[u]);
-    }
-    for (; p < nparts; p += stride) add4(acc, __ldcg(reinterpret_cast<const float4*>(q + int64_t(p) * h)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
-      acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
-      acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
-      acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
-    }
-    if (lane == 0) scratch[warp] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float4 t = scratch[0];
-      for (int w = 1; w < int(blockDim.x >> 5); ++w) add4(t, scratch[w]);
-      if (bias) store4_any(a.db, a.db_dtype, c, t, a.accumulate);
-      else store4_any(a.dw, a.dw_dtype, c, t, a.accumulate);
-    }
-    __syncthreads();  // before the next tile overwrites scratch
-  }
-}
-
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
@@ -293,9 +247,7 @@ __device__ __forceinline__ void fused_finalize(const NormBackwardArgs& a, const 
 // float4 slots, slot (k * V / 4 + i4) * tpr + t belonging to thread t alone (consecutive threads,
 // consecutive slots: no bank conflicts, no barriers while rows run). At the end the block adds its groups'
 // regions in group order and writes one partial row (row blockIdx.x).
-// With FUSED (NormTuning::bwd_finalize = 2, SMEM_ACC only, a cooperative launch) the kernel also sums
-// the partial rows itself after a grid barrier (fused_finalize below): no second launch and its tail.
-template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC, bool FUSED = false>
+template <class T, int NV, bool LAYER, bool PREFETCH, bool SMEM_ACC>
 __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr, float* part_w, float* part_b) {
   constexpr int V = kVec16<T>;
   __shared__ float2 red[32];
@@ -446,12 +398,6 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
           *reinterpret_cast<float4*>(out + c) = v;
         }
       }
-    }
-    if constexpr (FUSED) {
-      __threadfence();
-      cooperative_groups::this_grid().sync();
-      // the shared-memory sums are done with (every block's threads passed the barrier): reuse them
-      fused_finalize(a, part_w, acc_b ? part_b : nullptr, acc_smem);
     }
     return;
   }
@@ -657,7 +603,6 @@ struct BwdLaunch {
   int grid = 0;
   int parts = 0;      // partial gradient rows the kernel writes
   size_t smem = 0;    // dynamic shared memory (the shared-memory gradient sums)
-  bool fused = false; // the kernel sums the partial rows itself (cooperative launch, no finalize)
 };
 
 template <class T, bool LAYER>
@@ -696,18 +641,7 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   if (!smem_acc && LAYER && tu.bwd_vecs <= 0) p = make_plan(2, prefetch);
   const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
-  // bwd_finalize = 2: the shared-memory kernel without prefetch sums the partial rows itself after a
-  // grid barrier; it needs a cooperative launch (the persistent grid is resident by construction).
-  if (tu.bwd_finalize == 2 && smem_acc && !prefetch) {
-    int coop = 0;
-    MC_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    L.fused = coop != 0;
-  }
-  if (L.fused) {
-    if (p.nv == 1) f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 1, LAYER, false, true, true>);
-    else if (p.nv == 2) f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 2, LAYER, false, true, true>);
-    else f = reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true, true>);
-  } else if (p.vec) {
+  if (p.vec) {
     if (p.nv == 1) f = bwd_rows_fn<T, 1, LAYER>(prefetch, smem_acc);
     else if (p.nv == 2) f = bwd_rows_fn<T, 2, LAYER>(prefetch, smem_acc);
     else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
@@ -784,13 +718,6 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
     int tpr = L.plan.tpr;
     void* generic_params[] = {&args, &part_w, &part_b};
     void* rows_params[] = {&args, &tpr, &part_w, &part_b};
-    if (L.fused) {
-      // one launch: the kernel writes dw/db itself
-      MC_CUDA_CHECK(cudaLaunchCooperativeKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
-                                                rows_params, L.smem, s));
-      MC_CUDA_CHECK_LAUNCH();
-      return;
-    }
     MC_CUDA_CHECK(cudaLaunchKernel(L.fn, dim3(unsigned(L.grid)), dim3(unsigned(L.plan.threads)),
                                    L.plan.vec ? rows_params : generic_params, L.smem, s));
     // The 16-byte finalize needs rows of whole float4s (and so 16-byte aligned part rows).

@@ -39,10 +39,7 @@ struct NormTuning {
                                   ///< group) where the block's sums do not fit in shared memory
   int bwd_finalize = 1;           ///< 0: scalar column-sum kernel per gradient; 1: one launch for dw and
                                   ///< db, 16-byte loads of 32 columns x 32 part slices per block, eight
-                                  ///< loads in flight per thread (rows of a multiple of 4 floats; else 0);
-                                  ///< 2: with the shared-memory sums and no prefetch, the backward kernel
-                                  ///< sums the partial rows itself after a grid barrier (cooperative
-                                  ///< launch, one launch in all); else as 1
+                                  ///< loads in flight per thread (rows of a multiple of 4 floats; else 0)
 };
 
 struct NormForwardArgs {

@@ -217,17 +217,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.min_block = 256, .bwd_threads_per_sm = 0},
                        NT{.min_block = 512, .bwd_threads_per_sm = 0},
                        NT{.bwd_threads_per_sm = 768},
-                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0},
-                       // finalize fused into the backward kernel (grid barrier, cooperative launch);
-                       // with prefetch or the register sums it falls back to finalize 1
-                       NT{.bwd_finalize = 2},
-                       NT{.bwd_vecs = 2, .bwd_finalize = 2},
-                       NT{.bwd_vecs = 1, .bwd_finalize = 2},
-                       NT{.min_block = 256, .bwd_finalize = 2},
-                       NT{.min_block = 512, .bwd_finalize = 2},
-                       NT{.min_block = 512, .bwd_threads_per_sm = 0, .bwd_finalize = 2},
-                       NT{.bwd_vecs = 2, .bwd_prefetch = true, .bwd_finalize = 2},
-                       NT{.bwd_smem_acc = false, .bwd_finalize = 2}};
+                       NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0}};
   struct Case { int64_t rows, h; };
   // 256 and 512: several row groups per block; 1029 rows: the last pass of the
   // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
