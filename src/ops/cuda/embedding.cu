@@ -83,6 +83,48 @@ __device__ __forceinline__ void store_f32_split(W* p, const float (&in)[V]) {
   }
 }
 
+// One thread's share of a gradient row in the segment sums: U vectors of V columns, c0, c0 + cstep,
+// ... (columns at or past h are skipped). Starts from the row's old values when accumulating (else 0),
+// adds dout rows in the order given, stores once.
+template <class T, class W, int V, int U>
+struct RowSlice {
+  float acc[U][V];
+  int64_t c0, cstep, h;
+  __device__ __forceinline__ RowSlice(const W* out, int64_t c0_, int64_t cstep_, int64_t h_, bool accumulate)
+      : c0(c0_), cstep(cstep_), h(h_) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * cstep;
+      if (accumulate && c < h) {
+        load_f32_split<W, V>(out + c, acc[u]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] = 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void add(const T* g) {
+    float t[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * cstep;
+      if (c < h) load_f32_stream<T, V>(g + c, t[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (c0 + u * cstep < h)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[u][e] += t[u][e];
+  }
+  __device__ __forceinline__ void store(W* out) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * cstep;
+      if (c < h) store_f32_split<W, V>(out + c, acc[u]);
+    }
+  }
+};
+
 // The vector form of segment_sum: block (i, y) owns columns [y * blockDim.x * U * V, ...) of the run
 // starting at sorted position i; a thread sums U vectors of V columns (16 bytes of dout each), so one
 // gradient row puts U 16-byte loads per thread in flight, and the loads of the next row need not wait
@@ -97,38 +139,10 @@ __global__ void segment_sum_vec(const T* dout, const int32_t* keys, const int32_
   int64_t end = i + 1;
   while (end < n && keys[end] == k) ++end;
   const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x * U + threadIdx.x) * V;
-  const int64_t cstep = int64_t(blockDim.x) * V;
   W* out = dw + int64_t(k) * h;
-  float acc[U][V];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = c0 + u * cstep;
-    if (accumulate && c < h) {
-      load_f32_split<W, V>(out + c, acc[u]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[u][e] = 0.f;
-    }
-  }
-  for (int64_t j = i; j < end; ++j) {
-    const T* g = dout + int64_t(tokens[j]) * h;
-    float t[U][V];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + u * cstep;
-      if (c < h) load_f32_stream<T, V>(g + c, t[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (c0 + u * cstep < h)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] += t[u][e];
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = c0 + u * cstep;
-    if (c < h) store_f32_split<W, V>(out + c, acc[u]);
-  }
+  RowSlice<T, W, V, U> row(out, c0, int64_t(blockDim.x) * V, h, accumulate);
+  for (int64_t j = i; j < end; ++j) row.add(dout + int64_t(tokens[j]) * h);
+  row.store(out);
 }
 
 
@@ -242,33 +256,9 @@ __global__ void segment_sum_ordered(const T* dout, const int32_t* keys, const in
   }
   const int64_t len = end - i;
   const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x * U + threadIdx.x) * V;
-  const int64_t cstep = int64_t(blockDim.x) * V;
   W* out = dw + int64_t(k) * h;
-  float acc[U][V];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = c0 + u * cstep;
-    if (accumulate && c < h) {
-      load_f32_split<W, V>(out + c, acc[u]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[u][e] = 0.f;
-    }
-  }
-  auto add_row = [&](int32_t tok) {
-    const T* g = dout + int64_t(tok) * h;
-    float t[U][V];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t c = c0 + u * cstep;
-      if (c < h) load_f32_stream<T, V>(g + c, t[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (c0 + u * cstep < h)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[u][e] += t[u][e];
-  };
+  RowSlice<T, W, V, U> row(out, c0, int64_t(blockDim.x) * V, h, accumulate);
+  auto add_row = [&](int32_t tok) { row.add(dout + int64_t(tok) * h); };
   if (len == 1) {
     add_row(tok0);
   } else {
@@ -307,11 +297,7 @@ __global__ void segment_sum_ordered(const T* dout, const int32_t* keys, const in
       __syncthreads();  // s_ord and warp_cnt are rewritten by the next tile
     }
   }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t c = c0 + u * cstep;
-    if (c < h) store_f32_split<W, V>(out + c, acc[u]);
-  }
+  row.store(out);
 }
 
 int key_bits(int64_t v) {
