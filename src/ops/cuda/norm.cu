@@ -220,24 +220,6 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
   }
 }
 
-// out[c + j] (+)= v[j] for j < 4, out of dtype dt (F32, BF16 or F16; the dw/db dtypes are launch-time).
-__device__ __forceinline__ void store4_any(void* out, DType dt, int64_t c, float4 t, bool accumulate) {
-  const float v[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (dt == DType::F32) {
-      float* o = static_cast<float*>(out) + c + j;
-      *o = accumulate ? v[j] + *o : v[j];
-    } else if (dt == DType::BF16) {
-      bfloat16* o = static_cast<bfloat16*>(out) + c + j;
-      *o = from_f32<bfloat16>(accumulate ? v[j] + to_f32(*o) : v[j]);
-    } else {
-      float16* o = static_cast<float16*>(out) + c + j;
-      *o = from_f32<float16>(accumulate ? v[j] + to_f32(*o) : v[j]);
-    }
-  }
-}
-
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
