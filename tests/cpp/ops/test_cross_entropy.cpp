@@ -18,6 +18,25 @@ Tensor random_labels(int64_t n, int64_t v, uint64_t seed, DType dt, int64_t igno
   return Tensor::from_vector(l, {n}).to(dt);
 }
 
+// Fresh random inputs for an n x v fused cross-entropy (labels every third row ignored, a random loss
+// mask, grad scale 0.5) and the CPU results the GPU kernels are checked against.
+struct CeCase {
+  uint64_t seed;
+  ops::CrossEntropyOptions o;
+  Tensor z, labels, mask, loss, lse, dz;
+};
+CeCase ce_case_with_cpu_result(int64_t n, int64_t v, DType dt, float smoothing) {
+  CeCase c;
+  c.seed = fresh_seed();
+  c.o.label_smoothing = smoothing;
+  c.z = randn({n, v}, dt, c.seed, 0, 2);
+  c.labels = random_labels(n, v, c.seed + 1, dt == DType::F32 ? DType::I64 : DType::I32, 3);
+  c.mask = randu({n}, DType::F32, c.seed + 2, 0, 1);
+  c.loss = Tensor::empty({n}), c.lse = Tensor::empty({n}), c.dz = Tensor::empty({n, v}, dt);
+  ops::cross_entropy_fused(c.z, c.labels, c.loss, c.lse, c.dz, 0.5f, c.mask, c.o);
+  return c;
+}
+
 // Vocabulary-parallel composition on `shards` column blocks, as the TP layer does it (the
 // all-reduces are done here by hand).
 void sharded_ce(const Tensor& logits, const Tensor& labels, int shards, const Tensor& mask,
@@ -139,15 +158,8 @@ TEST_CASE("cross-entropy CUDA kernels match the CPU reference", "[ops][cross_ent
   for (Case c : {Case{37, 1000}, Case{5, 32003}, Case{9, 50304}, Case{3, 128256}}) {
     for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
       for (float eps : {0.f, 0.1f}) {
-        const uint64_t seed = fresh_seed();
+        auto [seed, o, z, labels, mask, loss, lse, dz] = ce_case_with_cpu_result(c.n, c.v, dt, eps);
         INFO("n " << c.n << " v " << c.v << " " << dtype_name(dt) << " smoothing " << eps << " seed " << seed);
-        ops::CrossEntropyOptions o;
-        o.label_smoothing = eps;
-        Tensor z = randn({c.n, c.v}, dt, seed, 0, 2);
-        Tensor labels = random_labels(c.n, c.v, seed + 1, dt == DType::F32 ? DType::I64 : DType::I32, 3);
-        Tensor mask = randu({c.n}, DType::F32, seed + 2, 0, 1);
-        Tensor loss = Tensor::empty({c.n}), lse = Tensor::empty({c.n}), dz = Tensor::empty({c.n, c.v}, dt);
-        ops::cross_entropy_fused(z, labels, loss, lse, dz, 0.5f, mask, o);
         Device g = gpu();
         Tensor gz = z.to(g), gl = labels.to(g), gm = mask.to(g);
         Tensor gloss = poisoned({c.n}, DType::F32, g), glse = poisoned({c.n}, DType::F32, g),
@@ -207,14 +219,7 @@ TEST_CASE("cross-entropy launch shapes all match the CPU reference", "[ops][cros
                  Case{300, 32000}}) {
     for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
       for (float eps : {0.f, 0.1f}) {
-        const uint64_t seed = fresh_seed();
-        ops::CrossEntropyOptions o;
-        o.label_smoothing = eps;
-        Tensor z = randn({c.n, c.v}, dt, seed, 0, 2);
-        Tensor labels = random_labels(c.n, c.v, seed + 1, dt == DType::F32 ? DType::I64 : DType::I32, 3);
-        Tensor mask = randu({c.n}, DType::F32, seed + 2, 0, 1);
-        Tensor loss = Tensor::empty({c.n}), lse = Tensor::empty({c.n}), dz = Tensor::empty({c.n, c.v}, dt);
-        ops::cross_entropy_fused(z, labels, loss, lse, dz, 0.5f, mask, o);
+        auto [seed, o, z, labels, mask, loss, lse, dz] = ce_case_with_cpu_result(c.n, c.v, dt, eps);
         Device g = gpu();
         // A blocking stream: ordered after the default-stream poison fills and copies.
         Stream s = Stream::create(g, /*non_blocking=*/false);
@@ -223,7 +228,6 @@ TEST_CASE("cross-entropy launch shapes all match the CPU reference", "[ops][cros
           for (bool in_place : {false, true}) {
             INFO("n " << c.n << " v " << c.v << " " << dtype_name(dt) << " smoothing " << eps << " seed " << seed
                       << " threads " << t.threads << " unroll " << t.unroll << " cluster " << t.cluster
-
                       << " in place " << in_place);
             Tensor gloss = poisoned({c.n}, DType::F32, g), glse = poisoned({c.n}, DType::F32, g);
             Tensor gdz = in_place ? z.to(g) : poisoned({c.n, c.v}, dt, g);

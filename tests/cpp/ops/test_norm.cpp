@@ -245,6 +245,13 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
         // A blocking stream: ordered after the default-stream poison fills and copies.
         Stream s = Stream::create(g, /*non_blocking=*/false);
         Tensor gx = x.to(g), gw = w.to(g), gdy = dy.to(g), gmean = mean.to(g), grstd = rstd.to(g);
+        // One backward on the test's stream with a workspace sized for these arguments.
+        auto run = [&](const ops::cuda::NormBackwardArgs& args) {
+          const size_t ws_bytes = ops::cuda::norm_backward_workspace_bytes(args, dt, g.index);
+          Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, g);
+          ops::cuda::norm_backward(dt, args, ws.data_ptr(), g.index, s.native());
+          s.synchronize();
+        };
         for (const auto& t : shapes) {
           INFO("rows " << c.rows << " h " << c.h << " " << dtype_name(dt) << " layer " << layer << " seed " << seed
                        << " bwd_vecs " << t.bwd_vecs << " min_block " << t.min_block
@@ -266,10 +273,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           a.rows = c.rows;
           a.h = c.h;
           a.tuning = t;
-          const size_t ws_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
-          Tensor ws = Tensor::empty({int64_t(ws_bytes / 4 + 1)}, DType::F32, g);
-          ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
-          s.synchronize();
+          run(a);
           CHECK(rel_err_t(gdx, dx) < tol_for(dt));
           CHECK(rel_err_t(gdw, dw) < 1e-4);
           if (layer) CHECK(rel_err_t(gdb, db) < 1e-4);
@@ -277,8 +281,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
           Tensor gdw2 = dw_init.to(g), gdb2 = db_init.to(g);
           a.dw = gdw2.data_ptr();
           a.db = layer ? gdb2.data_ptr() : nullptr;
-          ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
-          s.synchronize();
+          run(a);
           CHECK(gdw2.to_double_vector() == gdw.to_double_vector());
           if (layer) CHECK(gdb2.to_double_vector() == gdb.to_double_vector());
           {
@@ -290,14 +293,11 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
             a.dw_dtype = DType::BF16;
             a.db = layer ? gdb4.data_ptr() : nullptr;
             a.db_dtype = DType::BF16;
-            ops::cuda::norm_backward(dt, a, ws.data_ptr(), g.index, s.native());
+            run(a);
             a.dw = gdw5.data_ptr();
             a.db = nullptr;
             a.accumulate = false;
-            const size_t ws5_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
-            Tensor ws5 = Tensor::empty({int64_t(ws5_bytes / 4 + 1)}, DType::F32, g);
-            ops::cuda::norm_backward(dt, a, ws5.data_ptr(), g.index, s.native());
-            s.synchronize();
+            run(a);
             CHECK(rel_err_t(gdw4, dw) < 1e-2);
             if (layer) CHECK(rel_err_t(gdb4, db) < 1e-2);
             // without accumulation: dw - dw_init of the reference
@@ -313,10 +313,7 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
             Tensor gdw3 = dw_init.to(g), gdb3 = db_init.to(g);
             a.dw = gdw3.data_ptr();
             a.db = nullptr;
-            const size_t ws3_bytes = ops::cuda::norm_backward_workspace_bytes(a, dt, g.index);
-            Tensor ws3 = Tensor::empty({int64_t(ws3_bytes / 4 + 1)}, DType::F32, g);
-            ops::cuda::norm_backward(dt, a, ws3.data_ptr(), g.index, s.native());
-            s.synchronize();
+            run(a);
             CHECK(rel_err_t(gdw3, dw) < 1e-4);
             CHECK(gdb3.to_double_vector() == db_init.to_double_vector());
           }
