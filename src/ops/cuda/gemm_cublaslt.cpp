@@ -263,14 +263,19 @@ void gemm(const GemmProblem& p, int device, void* stream) {
               p.lda, p.ldb, p.ldc, p.stride_a, p.stride_b, p.stride_c, p.epilogue, int64_t(p.bias_dtype),
               p.allow_tf32, alignment_of(p.a), alignment_of(p.b), alignment_of(p.c),
               p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, sm_target(device, p.sm_margin),
-              0};
-  // Timed plans only where repeating the product is harmless (see ops::GemmAutotune).
-  if (p.autotune_candidates > 1 && p.beta == 0.f && !stream_capturing(stream)) key[24] = p.autotune_candidates;
+              // Timed plans only where repeating the product is harmless (see ops::GemmAutotune).
+              p.autotune_candidates > 1 && p.beta == 0.f ? p.autotune_candidates : 0};
   Plan plan;
   {
     auto& cache = plan_cache();
     std::lock_guard<std::mutex> lock(cache.mu);
     auto it = cache.plans.find(key);
+    if (it == cache.plans.end() && key[24] != 0 && stream_capturing(stream)) {
+      // Only a plan still to be made asks whether the stream is being captured: a capture cannot time
+      // candidates, so it takes (and caches) the heuristic's first choice under the untimed key.
+      key[24] = 0;
+      it = cache.plans.find(key);
+    }
     if (it != cache.plans.end()) {
       plan = it->second;
     } else {
@@ -304,11 +309,11 @@ void gemm(const GemmProblem& p, int device, void* stream) {
             cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, want, res.data(), &found);
         if (st != CUBLAS_STATUS_SUCCESS || found <= 0) return false;
         plan.algo = res[0].algo;
-        if (found > 1) {
+        // Only when the first choice sums in one pass too (else no candidate keeps its bits).
+        if (found > 1 && single_pass(res[0].algo)) {
           std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
           for (int i = 1; i < found; ++i)
-            if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo) &&
-                single_pass(res[0].algo))
+            if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
               algos.push_back(res[size_t(i)].algo);
           if (algos.size() > 1) {
             const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);

@@ -27,7 +27,8 @@ struct GemmProblem {
   DType bias_dtype = DType::F32;
   bool allow_tf32 = false;
   int sm_margin = 0;  // SMs left free (ops::gemm_sm_margin); 0 = all SMs
-  int autotune_candidates = 0;  // > 1: time this many heuristic candidates when the plan is made (beta = 0)
+  int autotune_candidates = 0;  // > 1: time this many heuristic candidates when the plan is made (only
+                                // with beta = 0 on a stream that is not being captured)
 };
 
 /// Runs the product on `stream` of `device` (workspace from megacore's caching allocator).
