@@ -33,6 +33,17 @@ __device__ __forceinline__ int64_t label_at(const CeArgs& a, int64_t row) {
                       : int64_t(static_cast<const int32_t*>(a.labels)[row]);
 }
 
+// A row's loss from its log-sum-exp, target logit zt and logit sum sz: 0 for an ignored row, NaN for a
+// label outside the vocabulary, else the label-smoothed cross-entropy times the row's mask.
+__device__ __forceinline__ float row_loss(const CeArgs& a, int64_t label, bool ignored, float smooth, float lse,
+                                          float zt, float sz, float mask) {
+  if (ignored) return 0.f;
+  const float loss = (label < 0 || label >= a.vocab_total)
+                         ? NAN
+                         : lse - (1.f - smooth) * zt - smooth / float(a.vocab_total) * sz;
+  return loss * mask;
+}
+
 // V consecutive elements as one access: a packed 16-byte vector on the vector path, else one scalar.
 template <class T, int V>
 using Pack = Vec<T, V>;
@@ -147,13 +158,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
       lse = (ms.m + log2f(ms.s)) * kLn2;
       const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
       if (threadIdx.x == 0) {
-        float loss = 0.f;
-        if (!ignored) {
-          loss = (label < 0 || label >= a.vocab_total) ? NAN
-                                                       : lse - (1.f - smooth) * zt - smooth / float(a.vocab_total) * sz;
-          loss *= mask;
-        }
-        a.loss[row] = loss;
+        a.loss[row] = row_loss(a, label, ignored, smooth, lse, zt, sz, mask);
         if (a.lse_out) a.lse_out[row] = lse;
       }
       if (a.mode == CeMode::Forward) continue;
@@ -384,13 +389,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
       const float lse = (t.m + log2f(t.s)) * kLn2;
       const float mask = a.loss_mask ? a.loss_mask[row] : 1.f;
       if (rank == 0) {
-        float loss = 0.f;
-        if (!ignored) {
-          loss = (label < 0 || label >= a.vocab_total) ? NAN
-                                                       : lse - (1.f - smooth) * tzt - smooth / float(a.vocab_total) * tsz;
-          loss *= mask;
-        }
-        a.loss[row] = loss;
+        a.loss[row] = row_loss(a, label, ignored, smooth, lse, tzt, tsz, mask);
         if (a.lse_out) a.lse_out[row] = lse;
       }
       row_stat = make_float2(lse * kLog2e, ignored ? 0.f : a.grad_scale * mask);
