@@ -54,9 +54,11 @@ MC_BENCHMARK("attention", 30) {
   auto peers = load_peers(&peer_card);
   const int64_t D = 128;
   const int samples = ctx.quick ? 5 : 15;
-  // Paths: cuDNN; the flash kernels as forward kernel x backward: sm80 (mma.sync) and, on sm_90, sm90
-  // (wgmma, 128-key tiles: the default there); det (two kernels, no atomics) and atomic (one kernel,
-  // atomic dQ: the default). Variants: sm90 with 64-key tiles, each launch shape of the atomic kernel.
+  // Paths: cuDNN; the flash kernels as forward kernel / backward: forward sm80 (mma.sync) or, on sm_90,
+  // sm90 (wgmma, 128-key tiles: the default there); backward det (two mma.sync kernels, no atomics),
+  // sm80-atomic (one mma.sync kernel, atomic dQ) or sm90-atomic (one wgmma kernel, atomic dQ: the
+  // default on sm_90). Variants: sm90 forward with 64-key tiles or warp-specialized schedules, each
+  // launch shape of the mma.sync atomic kernel.
   struct Path {
     const char* label;
     ops::AttentionBackend backend;
@@ -66,31 +68,33 @@ MC_BENCHMARK("attention", 30) {
     bool deterministic;
     int warps;     // 0: through the public op
     bool variant;  // only with variants on
+    ops::FlashImpl bwd;  // AttentionOptions::flash_bwd_impl
   };
   const bool sm90 = ops::attention_flash_sm90_available(Device::cuda(0));
-  if (!sm90) std::printf("  note: the sm90 flash forward is not available on this device/build; no sm90 rows\n");
+  if (!sm90) std::printf("  note: the sm90 flash kernels are not available on this device/build; no sm90 rows\n");
+  using FI = ops::FlashImpl;
+  const auto Fl = ops::AttentionBackend::Flash;
   std::vector<Path> paths;
   if (ops::attention_cudnn_available())
-    paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, ops::FlashImpl::Auto, 0, 0, false, 0, false});
-  paths.push_back({"flash[sm80/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, 0, true, 0, false});
-  paths.push_back({"flash[sm80/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm80, 0, 0, false, 0, false});
+    paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, FI::Auto, 0, 0, false, 0, false, FI::Auto});
+  paths.push_back({"flash[sm80/det]", Fl, FI::Sm80, 0, 0, true, 0, false, FI::Auto});
+  paths.push_back({"flash[sm80/sm80-atomic]", Fl, FI::Sm80, 0, 0, false, 0, false, FI::Sm80});
   if (sm90) {
-    paths.push_back({"flash[sm90/det]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, true, 0, false});
-    paths.push_back({"flash[sm90/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 0, false, 0, false});
-    paths.push_back({"flash[sm90-n64/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 0, false, 0, true});
+    paths.push_back({"flash[sm90/det]", Fl, FI::Sm90, 128, 0, true, 0, false, FI::Auto});
+    paths.push_back({"flash[sm90/sm80-atomic]", Fl, FI::Sm90, 128, 0, false, 0, false, FI::Sm80});
+    paths.push_back({"flash[sm90/sm90-atomic]", Fl, FI::Sm90, 128, 0, false, 0, false, FI::Sm90});
+    paths.push_back({"flash[sm90-n64/sm90-atomic]", Fl, FI::Sm90, 64, 0, false, 0, true, FI::Sm90});
     // Warp-specialized forward (producer warpgroup + mbarriers, consumer warpgroups decoupled), 2 / 3
     // stages (flash_sm90_variant 1 / 2), and the same with ping-pong warpgroup scheduling (3 / 4).
-    paths.push_back({"flash[sm90-ws2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 1, false, 0, false});
-    paths.push_back({"flash[sm90-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 2, false, 0, false});
-    paths.push_back({"flash[sm90-pp2/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 3, false, 0, false});
-    paths.push_back({"flash[sm90-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 128, 4, false, 0, false});
-    paths.push_back({"flash[sm90-n64-ws3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 2, false, 0, true});
-    paths.push_back({"flash[sm90-n64-pp3/atomic]", ops::AttentionBackend::Flash, ops::FlashImpl::Sm90, 64, 4, false, 0, true});
+    paths.push_back({"flash[sm90-ws2/sm90-atomic]", Fl, FI::Sm90, 128, 1, false, 0, true, FI::Sm90});
+    paths.push_back({"flash[sm90-ws3/sm90-atomic]", Fl, FI::Sm90, 128, 2, false, 0, true, FI::Sm90});
+    paths.push_back({"flash[sm90-pp2/sm90-atomic]", Fl, FI::Sm90, 128, 3, false, 0, true, FI::Sm90});
+    paths.push_back({"flash[sm90-pp3/sm90-atomic]", Fl, FI::Sm90, 128, 4, false, 0, true, FI::Sm90});
   }
-  const ops::FlashImpl best = sm90 ? ops::FlashImpl::Sm90 : ops::FlashImpl::Sm80;
-  paths.push_back({"flash[atomic_w8k128]", ops::AttentionBackend::Flash, best, 0, 0, false, 8, true});
-  paths.push_back({"flash[atomic_w4k64]", ops::AttentionBackend::Flash, best, 0, 0, false, 4, true});
-  std::printf("  %-26s %-22s %9s %9s %11s %9s  %s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
+  const FI best = sm90 ? FI::Sm90 : FI::Sm80;
+  paths.push_back({"flash[atomic_w8k128]", Fl, best, 0, 0, false, 8, true, FI::Sm80});
+  paths.push_back({"flash[atomic_w4k64]", Fl, best, 0, 0, false, 4, true, FI::Sm80});
+  std::printf("  %-26s %-28s %9s %9s %11s %9s  %s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s",
               "torch SDPA fwd / fwd+bwd TFLOP/s");
   for (const auto& c : cfgs) {
     Tensor q = dev_rand({c.b, c.s, c.h, D}, 1), k = dev_rand({c.b, c.s, c.hk, D}, 2), v = dev_rand({c.b, c.s, c.hk, D}, 3);
@@ -111,6 +115,7 @@ MC_BENCHMARK("attention", 30) {
       o.causal = true, o.backend = be, o.deterministic = path.deterministic;
       o.flash_impl = path.impl, o.flash_sm90_block_n = path.block_n;
       o.flash_sm90_variant = path.sm90_variant;
+      o.flash_bwd_impl = path.bwd;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);
@@ -126,7 +131,7 @@ MC_BENCHMARK("attention", 30) {
         fwd_ms = mcbench::time_ms(fwd, 3, samples);
         fb_ms = mcbench::time_ms(fb, 3, samples);
       } catch (const std::exception& e) {
-        std::printf("  %-26s %-22s failed: %s\n", shape.c_str(), path.label, e.what());
+        std::printf("  %-26s %-28s failed: %s\n", shape.c_str(), path.label, e.what());
         ctx.record({{"op", op}, {"path", path.label}, {"shape", shape}, {"error", e.what()}});
         continue;
       }
@@ -134,7 +139,11 @@ MC_BENCHMARK("attention", 30) {
       nlohmann::json row{{"op", op},
                          {"path", path.label},
                          {"fwd_kernel", path.impl == ops::FlashImpl::Sm90 ? "sm90" : path.impl == ops::FlashImpl::Sm80 ? "sm80" : "auto"},
-                         {"bwd", path.backend == ops::AttentionBackend::Cudnn ? "cudnn" : path.deterministic ? "deterministic" : "atomic dQ"},
+                         {"bwd", path.backend == ops::AttentionBackend::Cudnn ? "cudnn"
+                                 : path.deterministic            ? "deterministic"
+                                 : path.bwd == FI::Sm80          ? "atomic dQ, sm80 kernel"
+                                 : path.bwd == FI::Sm90          ? "atomic dQ, sm90 kernel"
+                                                                 : "atomic dQ, auto"},
                          {"shape", shape},
                          {"dtype", "bf16"},
                          {"ms", fb_ms},
@@ -168,7 +177,7 @@ MC_BENCHMARK("attention", 30) {
         }
       }
       if (path.variant) row["variant"] = path.label;
-      std::printf("  %-26s %-22s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), path.label, fwd_ms, ftf, fb_ms,
+      std::printf("  %-26s %-28s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), path.label, fwd_ms, ftf, fb_ms,
                   btf, peer_txt.c_str());
       ctx.record(row);
     }

@@ -269,6 +269,7 @@ cuda::AttnProblem problem_of(const Geometry& g, const Tensor& q, const Tensor& k
   p.fwd_impl = o.flash_impl == FlashImpl::Sm80 ? 1 : o.flash_impl == FlashImpl::Sm90 ? 2 : 0;
   p.sm90_block_n = o.flash_sm90_block_n;
   p.sm90_variant = o.flash_sm90_variant;
+  p.bwd_impl = o.flash_bwd_impl == FlashImpl::Sm80 ? 1 : o.flash_bwd_impl == FlashImpl::Sm90 ? 2 : 0;
   if (g.packed) {
     p.lse_batch_stride = 0, p.lse_head_stride = g.total_q;
   } else {
@@ -291,6 +292,15 @@ AttentionBackend resolve_cuda(const cuda::AttnProblem& p, AttentionBackend want,
   if (flash_why.empty() && !backward && p.fwd_impl == 2) {
     const std::string why = cuda::flash_sm90_unsupported_reason(p, device);
     if (!why.empty()) flash_why = "the sm90 forward (asked for with FlashImpl::Sm90) cannot run: " + why;
+  }
+  if (flash_why.empty() && backward && p.bwd_impl == 2) {
+    if (p.deterministic) {
+      flash_why = "the sm90 backward (asked for with flash_bwd_impl = FlashImpl::Sm90) sums dQ with atomics; "
+                  "for a deterministic backward leave flash_bwd_impl at Auto (the mma.sync two-kernel path runs)";
+    } else {
+      const std::string why = cuda::flash_sm90_unsupported_reason(p, device);
+      if (!why.empty()) flash_why = "the sm90 backward (asked for with flash_bwd_impl = FlashImpl::Sm90) cannot run: " + why;
+    }
   }
   if (want == AttentionBackend::Flash) {
     MC_CHECK(flash_why.empty(), "{}: megacore's flash kernel cannot run this call: {}", op, flash_why);
@@ -415,7 +425,8 @@ void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                    const Stream& s, const cuda::FlashBwdTuning* tuning) {
   const char* op = "attention_backward";
   AttentionOptions opts = opts_in;
-  if (tuning) opts.backend = AttentionBackend::Flash, opts.deterministic = false;
+  // The launch shape is the mma.sync kernel's.
+  if (tuning) opts.backend = AttentionBackend::Flash, opts.deterministic = false, opts.flash_bwd_impl = FlashImpl::Sm80;
   const Geometry g = check_inputs(q, k, v, opts, op);
   check_tensor(out, q.dtype(), q.device(), q.shape(), op, "out");
   check_tensor(dout, q.dtype(), q.device(), q.shape(), op, "dout");

@@ -67,6 +67,10 @@ struct AttentionOptions {
   /// producer warpgroup + mbarrier pipeline of 2 / 3 K/V stages (consumer warpgroups decoupled); 3 / 4
   /// the same with ping-pong scheduling (the consumer warpgroups take turns issuing their wgmmas).
   int flash_sm90_variant = 0;
+  /// Flash backward kernel of the default (non-deterministic, atomic-dQ) path: Auto is the wgmma
+  /// kernel where it can run (as for the forward), else the mma.sync one; Sm90 where it cannot run is a
+  /// ValueError. The deterministic backward is the mma.sync two-kernel path on every device.
+  FlashImpl flash_bwd_impl = FlashImpl::Auto;
 };
 
 /// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).

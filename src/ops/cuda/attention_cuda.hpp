@@ -39,9 +39,13 @@ struct AttnProblem {
   /// per tile; 1 / 2 a producer warpgroup loads 2 / 3 stages through mbarriers and the two consumer
   /// warpgroups run decoupled (warp-specialized); 3 / 4 the same with ping-pong scheduling.
   int sm90_variant = 0;
+  /// Flash backward kernel of the atomic-dQ path (deterministic false): 0 = Auto (the wgmma kernel
+  /// where flash_sm90_unsupported_reason is "", else mma.sync), 1 = the mma.sync kernel, 2 = the wgmma
+  /// kernel (the caller has checked that it can run). The deterministic path is mma.sync always.
+  int bwd_impl = 0;
 };
 
-/// Launch shape of the flash backward's atomic-dQ kernel (p.deterministic false): a block of `warps`
+/// Launch shape of the flash backward's mma.sync atomic-dQ kernel (p.deterministic false): a block of `warps`
 /// warps owns 16 * warps keys (8: 128 keys, 4: 64 keys; queries per step 32 at D = 128, 64 at D = 64).
 /// attention_backward uses {}; the benchmark and the [gpu] tests run each.
 struct FlashBwdTuning {
@@ -58,6 +62,8 @@ bool flash_sm90_built();
 std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device);
 /// The wgmma forward; only after flash_sm90_unsupported_reason returned "".
 void flash_forward_sm90(const AttnProblem& p, int device, void* stream);
+/// The wgmma backward's main kernel alone (dK, dV, and dQ added into dq_acc); flash_backward runs it.
+void flash_backward_sm90_main(const AttnProblem& p, const float* dsum, float* dq_acc, void* stream);
 /// Needs p.o and p.lse from the forward; dsum is f32 scratch with lse's layout and size. With
 /// p.deterministic: separate dK/dV and dQ kernels, no atomics, bit-identical results (dq_acc unused,
 /// may be null). Without: one kernel for dK/dV/dQ adding dQ into dq_acc with f32 atomics (f32 scratch

@@ -655,16 +655,6 @@ __device__ __forceinline__ int swz_w(int row, int col) {
   }
 }
 
-// dst[0..1] += (a, b) in global memory, no return value (8-byte aligned).
-__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
-}
-
 template <class T, int D, int W>
 __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProblem p, const float* dsum,
                                                                  float* dq_acc) {
@@ -865,8 +855,9 @@ void backward_impl(const AttnProblem& p, float* dsum, cudaStream_t s) {
   MC_CUDA_CHECK_LAUNCH();
 }
 
+// sm90: the wgmma main kernel (flash_attention_sm90.cu) instead of flash_bwd_fused_kernel.
 template <class T, int D, int W>
-void backward_atomic_impl(const AttnProblem& p, float* dsum, float* dq_acc, cudaStream_t s) {
+void backward_atomic_impl(const AttnProblem& p, float* dsum, float* dq_acc, bool sm90, cudaStream_t s) {
   const dim3 grid_q(unsigned((p.seqlen_q + 63) / 64), unsigned(p.heads), unsigned(p.batch));
   // dq_acc has lse's rows, D floats each.
   const int64_t rows = p.cu_q ? int64_t(p.heads) * p.total_q : int64_t(p.batch) * p.heads * p.seqlen_q;
@@ -878,9 +869,11 @@ void backward_atomic_impl(const AttnProblem& p, float* dsum, float* dq_acc, cuda
   using Cfg = FusedCfg<D, W>;
   constexpr int smem = Cfg::smem_bytes(int(sizeof(T)));
   auto kernel = flash_bwd_fused_kernel<T, D, W>;
-  set_smem(kernel, smem);
   const dim3 grid_kv(unsigned((p.seqlen_kv + Cfg::kN - 1) / Cfg::kN), unsigned(p.kv_heads), unsigned(p.batch));
-  if (grid_kv.x > 0) {
+  if (sm90) {
+    flash_backward_sm90_main(p, dsum, dq_acc, s);
+  } else if (grid_kv.x > 0) {
+    set_smem(kernel, smem);
     kernel<<<grid_kv, Cfg::kThreadsF, smem, s>>>(p, dsum, dq_acc);
     MC_CUDA_CHECK_LAUNCH();
   }
@@ -891,10 +884,10 @@ void backward_atomic_impl(const AttnProblem& p, float* dsum, float* dq_acc, cuda
 }
 
 template <class T, int D>
-void backward_atomic_dispatch(const AttnProblem& p, float* dsum, float* dq_acc, const FlashBwdTuning& tu,
+void backward_atomic_dispatch(const AttnProblem& p, float* dsum, float* dq_acc, const FlashBwdTuning& tu, bool sm90,
                               cudaStream_t s) {
-  if (tu.warps == 8) backward_atomic_impl<T, D, 8>(p, dsum, dq_acc, s);
-  else backward_atomic_impl<T, D, 4>(p, dsum, dq_acc, s);
+  if (tu.warps == 8) backward_atomic_impl<T, D, 8>(p, dsum, dq_acc, sm90, s);
+  else backward_atomic_impl<T, D, 4>(p, dsum, dq_acc, sm90, s);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -950,12 +943,13 @@ void flash_backward(const AttnProblem& p, float* dsum, float* dq_acc, int device
   if (p.seqlen_q == 0 && p.seqlen_kv == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   if (!p.deterministic) {
+    const bool sm90 = p.bwd_impl == 2 || (p.bwd_impl == 0 && flash_sm90_unsupported_reason(p, device).empty());
     if (p.dtype == DType::BF16) {
-      if (p.head_dim == 64) backward_atomic_dispatch<__nv_bfloat16, 64>(p, dsum, dq_acc, tuning, s);
-      else backward_atomic_dispatch<__nv_bfloat16, 128>(p, dsum, dq_acc, tuning, s);
+      if (p.head_dim == 64) backward_atomic_dispatch<__nv_bfloat16, 64>(p, dsum, dq_acc, tuning, sm90, s);
+      else backward_atomic_dispatch<__nv_bfloat16, 128>(p, dsum, dq_acc, tuning, sm90, s);
     } else {
-      if (p.head_dim == 64) backward_atomic_dispatch<__half, 64>(p, dsum, dq_acc, tuning, s);
-      else backward_atomic_dispatch<__half, 128>(p, dsum, dq_acc, tuning, s);
+      if (p.head_dim == 64) backward_atomic_dispatch<__half, 64>(p, dsum, dq_acc, tuning, sm90, s);
+      else backward_atomic_dispatch<__half, 128>(p, dsum, dq_acc, tuning, sm90, s);
     }
     return;
   }

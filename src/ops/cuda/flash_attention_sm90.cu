@@ -125,6 +125,9 @@ template <class T, int N>
 struct Wgmma {
   static __device__ __forceinline__ void ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc);
   static __device__ __forceinline__ void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int acc);
+  // ss with both operands MN-major (imm-trans-a = imm-trans-b = 1): the backward's dQ = dS K reads dS^T
+  // stored [key][query] and K stored [key][d].
+  static __device__ __forceinline__ void ss_tt(float (&d)[N / 2], uint64_t da, uint64_t db, int acc);
 };
 
 // One specialisation per (dtype, N): the PTX names the dtype and the shape in the instruction text
@@ -161,6 +164,14 @@ struct Wgmma {
                  ", %" R2 ", %" R3 "}, %" RB ", p, 1, 1, 1;\n}\n"                                     \
                  : OPS                                                                                \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));                    \
+  }                                                                                                   \
+  template <>                                                                                         \
+  __device__ __forceinline__ void Wgmma<T, N>::ss_tt(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SACC ", 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" LIST "}, %" SA ", %" SB \
+                 ", p, 1, 1, 1, 1;\n}\n"                                                              \
+                 : OPS                                                                                \
+                 : "l"(da), "l"(db), "r"(acc));                                                       \
   }
 MC_WGMMA(__nv_bfloat16, "bf16", 64, MC_WG_D32_LIST, MC_WG_D32_OPS, "32", "33", "34", "32", "33", "34", "35", "36", "37")
 MC_WGMMA(__half, "f16", 64, MC_WG_D32_LIST, MC_WG_D32_OPS, "32", "33", "34", "32", "33", "34", "35", "36", "37")
@@ -694,6 +705,250 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
 #endif
 }
 
+// ---- backward (atomic dQ) --------------------------------------------------------------------------
+// FlashAttention-2's single backward kernel (5 matrix products per tile pair, dQ summed over key blocks
+// with f32 atomics) on wgmma. flash_attention.cu runs everything around it: zeroing the dQ scratch,
+// rowsum(dO * O), and the final scale-and-cast of dQ.
+//   - A CTA owns kBwdN = 128 keys of one kv head: two warpgroups, 64 keys each (K and V loaded once).
+//     It walks 64-row query tiles of every query head of the GQA group (causal: from the first tile
+//     that sees one of its keys), Q, dO, lse and rowsum(dO * O) double-buffered by cp.async.
+//   - Per tile, each warpgroup for its 64 keys: S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both
+//     operands K-major in shared memory, two commit groups so P^T is computed while dP^T runs);
+//     P^T = exp2(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - rowsum); both packed as register A
+//     operands of dV += P^T dO and dK += dS^T Q (m64n{D}k16, dO and Q read N-major: the fwd's P V).
+//   - dS^T also goes to shared memory ([key][query], one 64-column swizzled block), and after a CTA
+//     barrier dQ = dS K (M = 64 queries) runs with both operands MN-major (imm-trans): at D = 128 each
+//     warpgroup takes one 64-column block of D over all 128 keys; at D = 64 each takes its own 64 keys
+//     over all of D (so two warpgroups add into the same dQ rows). The accumulators are added into
+//     the f32 scratch with red.global.add.v2.
+//   Descriptors and fragments as described at the top of this file.
+constexpr int kBwdN = 128;  // keys per CTA
+constexpr int kBwdM = 64;   // queries per step
+
+template <class T, int D>
+struct Sm90BwdCfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  // K, V, two buffers of Q and of dO, dS^T; then lse and rowsum (two buffers each); + 1024 to align.
+  static constexpr int kTileBytes = (2 * kBwdN * D + 4 * kBwdM * D + kBwdN * kBwdM) * int(sizeof(T));
+  static constexpr int smem_bytes = kTileBytes + 4 * kBwdM * 4 + 1024;
+};
+
+#if MC_FLASH_SM90_DEVICE
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence_u(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3])::"memory");
+}
+#endif
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_bwd_sm90_kernel(const AttnProblem p, const float* dsum, float* dq_acc) {
+#if MC_FLASH_SM90_DEVICE
+  using Op = Cvt<T>;
+  constexpr int kN = kBwdN, kMq = kBwdM;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  T* sK = reinterpret_cast<T*>(smem_raw + (((raw + 1023u) & ~1023u) - raw));
+  T* sV = sK + kN * D;
+  T* sQ = sV + kN * D;          // two buffers
+  T* sdO = sQ + 2 * kMq * D;    // two buffers
+  T* sdS = sdO + 2 * kMq * D;   // dS^T [key][query]
+  float* sL = reinterpret_cast<float*>(sdS + kN * kMq);  // two buffers: lse * log2 e
+  float* sR = sL + 2 * kMq;                              // two buffers: rowsum(dO * O)
+  const uint32_t aK = smem_u32(sK), aV = smem_u32(sV), aQ = smem_u32(sQ), adO = smem_u32(sdO), aS = smem_u32(sdS);
+  constexpr uint32_t kQBytes = uint32_t(kMq * D * sizeof(T));
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqInfo si = seq_info(p, b);
+  const int n0 = int(blockIdx.x) * kN;
+  if (n0 >= si.nk) return;  // uniform over the CTA
+  load_tile<T, kN, D>(sK, head_ptr<const T>(p.k, b, si.k0 + n0, hk), p.k.row_stride, si.nk - n0, tid);
+  load_tile<T, kN, D>(sV, head_ptr<const T>(p.v, b, si.k0 + n0, hk), p.v.row_stride, si.nk - n0, tid);
+
+  const int group = p.heads / p.kv_heads;
+  const int m_begin = p.causal ? n0 / kMq : 0;  // earlier query tiles see none of these keys
+  const int m_blocks = (si.nq + kMq - 1) / kMq;
+  const int per_head = max(m_blocks - m_begin, 0);
+  const int total = group * per_head;
+  auto issue = [&](int it, int buf) {
+    const int hq = hk * group + it / per_head;
+    const int m0 = (m_begin + it % per_head) * kMq;
+    load_tile<T, kMq, D>(sQ + buf * kMq * D, head_ptr<const T>(p.q, b, si.q0 + m0, hq), p.q.row_stride, si.nq - m0,
+                         tid);
+    load_tile<T, kMq, D>(sdO + buf * kMq * D, head_ptr<const T>(p.dout, b, si.q0 + m0, hq), p.dout.row_stride,
+                         si.nq - m0, tid);
+    if (tid < kMq) {
+      const int row = m0 + tid;
+      const int64_t off = lse_offset(p, b, hq, si.q0);
+      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
+      sL[buf * kMq + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
+      sR[buf * kMq + tid] = row < si.nq ? dsum[off + row] : 0.f;
+    }
+  };
+  if (total > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const float sl2 = p.scale * kLog2e;
+  const int key_w = n0 + wg * 64 + warp * 16;  // first key of this warp
+  const int key_base = key_w + g;
+  // This warpgroup's 64 keys: 8 swizzle atoms from row 64 wg of each column block.
+  const uint32_t aKw = aK + uint32_t(wg) * 64u * 128u, aVw = aV + uint32_t(wg) * 64u * 128u;
+  const bool tail_keys = key_w + 16 > si.nk;
+
+  for (int it = 0; it < total; ++it) {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // tile it is in shared memory; every warp is done with tile it - 1 (and with dS^T)
+    if (it + 1 < total) issue(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    const int buf = it & 1;
+    const int hq = hk * group + it / per_head;
+    const int m0 = (m_begin + it % per_head) * kMq;
+    const uint32_t cQ = aQ + uint32_t(buf) * kQBytes, cdO = adO + uint32_t(buf) * kQBytes;
+    const float* cL = sL + buf * kMq;
+    const float* cR = sR + buf * kMq;
+
+    // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries per warpgroup), two commit groups.
+    float s[kMq / 2], dp[kMq / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t da = smem_desc(aKw + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      const uint64_t db = smem_desc(cQ + uint32_t(ks >> 2) * (kMq * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      Wgmma<T, kMq>::ss(s, da, db, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t da = smem_desc(aVw + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      const uint64_t db = smem_desc(cdO + uint32_t(ks >> 2) * (kMq * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+      Wgmma<T, kMq>::ss(dp, da, db, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    reg_fence(s);
+
+    // P^T: accumulator d[4 j + e] is key row key_base + 8 (e / 2), query column 8 j + 2 t + (e % 2).
+    const bool need_mask = tail_keys || (p.causal && m0 < key_w + 15);
+#pragma unroll
+    for (int j = 0; j < kMq / 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(s[4 * j + e] * sl2 - ((e & 1) ? l.y : l.x));
+        if (need_mask) {
+          const int key = key_base + (e >> 1) * 8, qr = m0 + 8 * j + 2 * t + (e & 1);
+          if (key >= si.nk || (p.causal && qr < key)) pv = 0.f;
+        }
+        s[4 * j + e] = pv;
+      }
+    }
+    wgmma_wait<0>();
+    reg_fence(dp);
+    uint32_t pa[kMq / 16][4], da[kMq / 16][4];
+#pragma unroll
+    for (int j = 0; j < kMq / 8; ++j) {
+      const float2 r = *reinterpret_cast<const float2*>(cR + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? r.y : r.x));
+    }
+#pragma unroll
+    for (int kk = 0; kk < kMq / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pa[kk][r] = Op::pack(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        da[kk][r] = Op::pack(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+      }
+    }
+    // dV += P^T dO and dK += dS^T Q: dO and Q read N-major (16 queries = 2048 bytes per k-step, the D / 64
+    // column blocks kMq * 128 bytes apart).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kMq / 16; ++kk)
+      Wgmma<T, D>::rs(dv, pa[kk], smem_desc(cdO + uint32_t(kk) * 2048u, uint32_t(kMq) * 128u, 1024u), 1);
+#pragma unroll
+    for (int kk = 0; kk < kMq / 16; ++kk)
+      Wgmma<T, D>::rs(dk, da[kk], smem_desc(cQ + uint32_t(kk) * 2048u, uint32_t(kMq) * 128u, 1024u), 1);
+    wgmma_commit();
+    // dS^T to shared memory while those run: da[kk][0] / [2] are key row r, query columns 16 kk + 2 t
+    // and + 8; [1] / [3] the same for key row r + 8.
+    {
+      const int r = wg * 64 + warp * 16 + g;
+#pragma unroll
+      for (int kk = 0; kk < kMq / 16; ++kk) {
+        const int c = 16 * kk + 2 * t;
+        *reinterpret_cast<uint32_t*>(sdS + tile_off<kN>(r, c)) = da[kk][0];
+        *reinterpret_cast<uint32_t*>(sdS + tile_off<kN>(r + 8, c)) = da[kk][1];
+        *reinterpret_cast<uint32_t*>(sdS + tile_off<kN>(r, c + 8)) = da[kk][2];
+        *reinterpret_cast<uint32_t*>(sdS + tile_off<kN>(r + 8, c + 8)) = da[kk][3];
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();  // dS^T of both warpgroups is in shared memory
+
+    // dQ = dS K, M = the 64 queries: A = dS^T read M-major (16 keys = 2048 bytes per k-step), B = K read
+    // N-major. D = 128: this warpgroup's 64-column block of D, all 128 keys; D = 64: all of D, its 64 keys.
+    constexpr int kDqSteps = D == 128 ? kN / 16 : 4;
+    const uint32_t key_off = D == 128 ? 0u : uint32_t(wg) * 64u * 128u;
+    const uint32_t col_off = D == 128 ? uint32_t(wg) * (kN * 128u) : 0u;
+    float dq[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqSteps; ++kk) {
+      const uint64_t a = smem_desc(aS + key_off + uint32_t(kk) * 2048u, kN * 128u, 1024u);
+      const uint64_t bk = smem_desc(aK + col_off + key_off + uint32_t(kk) * 2048u, kN * 128u, 1024u);
+      Wgmma<T, 64>::ss_tt(dq, a, bk, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+    reg_fence(dk);
+    reg_fence(dv);
+    reg_fence_u(pa);  // A operands of the dV / dK wgmmas: live until those retired
+    reg_fence_u(da);
+    float* dqh = dq_acc + (lse_offset(p, b, hq, si.q0) + m0) * D + (D == 128 ? wg * 64 : 0);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = warp * 16 + g + 8 * i;
+      if (m0 + r >= si.nq) continue;
+      float* dst = dqh + int64_t(r) * D + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) red_add2(dst + nt * 8, dq[4 * nt + 2 * i], dq[4 * nt + 2 * i + 1]);
+    }
+  }
+
+  cp_async_wait_all();
+  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
+  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = key_base + i * 8;
+    if (row >= si.nk) continue;
+    T* krow = dkp + int64_t(row) * p.dk.row_stride;
+    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
+          Op::pack(dk[4 * dn + 2 * i] * p.scale, dk[4 * dn + 2 * i + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[4 * dn + 2 * i], dv[4 * dn + 2 * i + 1]);
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 // ---- launchers -----------------------------------------------------------------------------------
 template <class T, int D, int kN>
 void forward_sm90_impl(const AttnProblem& p, cudaStream_t s) {
@@ -728,6 +983,16 @@ template <class T, int D>
 void forward_sm90_tiles(const AttnProblem& p, cudaStream_t s) {
   if (p.sm90_block_n == 64) forward_sm90_variant<T, D, 64>(p, s);
   else forward_sm90_variant<T, D, 128>(p, s);
+}
+
+template <class T, int D>
+void backward_sm90_impl(const AttnProblem& p, const float* dsum, float* dq_acc, cudaStream_t s) {
+  constexpr int smem = Sm90BwdCfg<T, D>::smem_bytes;
+  auto kernel = flash_bwd_sm90_kernel<T, D>;
+  MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned((p.seqlen_kv + kBwdN - 1) / kBwdN), unsigned(p.kv_heads), unsigned(p.batch));
+  kernel<<<grid, kThreads, smem, s>>>(p, dsum, dq_acc);
+  MC_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -768,6 +1033,18 @@ void flash_forward_sm90(const AttnProblem& p, int device, void* stream) {
   } else {
     if (p.head_dim == 64) forward_sm90_tiles<__half, 64>(p, s);
     else forward_sm90_tiles<__half, 128>(p, s);
+  }
+}
+
+void flash_backward_sm90_main(const AttnProblem& p, const float* dsum, float* dq_acc, void* stream) {
+  if (p.batch == 0 || p.seqlen_kv == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::BF16) {
+    if (p.head_dim == 64) backward_sm90_impl<__nv_bfloat16, 64>(p, dsum, dq_acc, s);
+    else backward_sm90_impl<__nv_bfloat16, 128>(p, dsum, dq_acc, s);
+  } else {
+    if (p.head_dim == 64) backward_sm90_impl<__half, 64>(p, dsum, dq_acc, s);
+    else backward_sm90_impl<__half, 128>(p, dsum, dq_acc, s);
   }
 }
 

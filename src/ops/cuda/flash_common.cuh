@@ -31,6 +31,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// dst[0..1] += (a, b) in global memory, no return value (8-byte aligned).
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 struct SeqInfo {
   int q0, nq, k0, nk;  // first row and length of this sequence in q and in k
 };

@@ -282,6 +282,20 @@ void run_gpu_case_once(const GpuCase& c) {
       return true;
     });
   }
+  // The atomic-dQ path through each backward kernel by name (Auto above is the wgmma one on sm_90).
+  if (c.backend == AttentionBackend::Flash) {
+    std::vector<FlashImpl> bwd{FlashImpl::Sm80};
+    if (attention_flash_sm90_available(g)) bwd.push_back(FlashImpl::Sm90);
+    for (FlashImpl bi : bwd) {
+      AttentionOptions ob = o;
+      ob.flash_bwd_impl = bi;
+      check_backward(bi == FlashImpl::Sm90 ? "atomic dQ, sm90 (wgmma) kernel" : "atomic dQ, sm80 (mma.sync) kernel",
+                     [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+                       attention_backward(q, k, v, out, lse, dout, dq, dk, dv, ob);
+                       return true;
+                     });
+    }
+  }
 #if MEGACORE_WITH_CUDA
   if (c.backend == AttentionBackend::Flash) {
     for (int warps : {4, 8}) {
@@ -468,6 +482,23 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
     CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_block_n 96"));
     s90.flash_sm90_block_n = 0, s90.flash_sm90_variant = 5;
     CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_variant 5"));
+  }
+  // The sm90 backward asked for: where it cannot run, or with a deterministic backward (it sums dQ
+  // with atomics), the call is refused before anything is written.
+  {
+    AttentionOptions b90;
+    b90.backend = AttentionBackend::Flash, b90.flash_bwd_impl = FlashImpl::Sm90;
+    Tensor dq = Tensor::full({1, 16, 2, 64}, 7.0, DType::BF16, g);
+    Tensor dk = Tensor::full({1, 16, 2, 64}, 7.0, DType::BF16, g), dv = Tensor::full({1, 16, 2, 64}, 7.0, DType::BF16, g);
+    if (!attention_flash_sm90_available(g)) {
+      CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
+                        Catch::Contains("sm90 backward"));
+    }
+    b90.deterministic = true;
+    CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
+                      Catch::Contains("deterministic"));
+    for (const Tensor* t : {&dq, &dk, &dv})
+      for (double x : t->to_double_vector()) REQUIRE(x == 7.0);
   }
   if (!attention_cudnn_available()) {
     AttentionOptions cd;
