@@ -22,7 +22,8 @@
 #   ddp6         the final DP comparison in one call: DDP, ZeRO + overlapped param gather (f32 and bf16
 #                reduction), and torch DDP at 1 and 4 micro-batches
 #   kernels      single-GPU [gpu] tests, torch peers (fused ops and SDPA), then megacore_bench_kernels
-#                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substring)
+#                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substrings,
+#                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
 #   device run: PHASE=tests,collectives bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4)
 set -uo pipefail
@@ -239,12 +240,12 @@ if has kernels; then
                  grep -B3 -A12 FAILED $OUT/gpu_attention.log | head -40
                  grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
   if [ "${TORCH_PEERS:-1}" = 1 ]; then  # TORCH_PEERS=0: no torch fused-op peers (e.g. an attention-only run)
-    step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json
+    step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json ${TPEERS_ONLY:+--only $TPEERS_ONLY}
     tail -2 $OUT/torch_peers.log
   fi
   step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
   tail -2 $OUT/torch_attn_peers.log
-  # KFILTER: one substring of the benchmark names to run (all when empty).
+  # KFILTER: comma-separated substrings of the benchmark names to run (all when empty).
   export MC_TORCH_ATTN_PEERS=$OUT/json/attention_torch_sdpa.json
   step bench_kernels 300 $B/benchmarks/megacore_bench_kernels \
     --peers $OUT/json/torch_peers.json --out $OUT/json/kernels.json ${KFILTER:+--filter $KFILTER}

@@ -1,7 +1,7 @@
 // megacore_bench_kernels: measures the card's own ceilings (device-to-device copy, bf16 GEMM through
 // cuBLASLt), then every registered benchmark, and writes one JSON file with the card's name.
 //
-//   megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]
+//   megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR[,SUBSTR...]] [--out PATH] [--peers torch_peers.json]
 //
 // Ops with launch-shape variants (norms, cross-entropy) record the library's default first, then each
 // variant as a row with the same op and shape and a "variant" field; --no-variants skips them.
@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
     else if (a == "--out") out_path = next();
     else if (a == "--peers") peers_path = next();
     else if (a == "--help" || a == "-h") {
-      std::puts("megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR] [--out PATH] [--peers torch_peers.json]");
+      std::puts("megacore_bench_kernels [--quick] [--no-variants] [--filter SUBSTR[,SUBSTR...]] [--out PATH] [--peers torch_peers.json]");
       return 0;
     } else {
       std::fprintf(stderr, "unknown argument %s (try --help)\n", a.c_str());
@@ -196,7 +196,16 @@ int main(int argc, char** argv) {
     auto& reg = registry();
     std::stable_sort(reg.begin(), reg.end(), [](const Entry& a, const Entry& b) { return a.order < b.order; });
     for (auto& e : reg) {
-      if (!filter.empty() && e.name.find(filter) == std::string::npos) continue;
+      if (!filter.empty()) {  // comma-separated substrings of the benchmark names; any one selects
+        bool hit = false;
+        for (size_t a = 0; a <= filter.size();) {
+          const size_t b = std::min(filter.find(',', a), filter.size());
+          const std::string part = filter.substr(a, b - a);
+          if (!part.empty() && e.name.find(part) != std::string::npos) hit = true;
+          a = b + 1;
+        }
+        if (!hit) continue;
+      }
       std::printf("running %s ...\n", e.name.c_str());
       std::fflush(stdout);
       try {

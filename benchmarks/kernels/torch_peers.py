@@ -93,13 +93,18 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated op-name prefixes to measure (all when empty)")
     args = ap.parse_args()
     dev = "cuda"
     bf = torch.bfloat16
     samples = 5 if args.quick else 20
     rows = []
 
+    only = [p for p in args.only.split(",") if p]
+
     def add(op, shape, eager_fn, compile_fn=None):
+        if only and not any(op.startswith(p) for p in only):
+            return
         t0 = time.time()
         row = {"op": op, "shape": shape}
         try:
