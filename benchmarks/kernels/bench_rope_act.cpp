@@ -2,6 +2,7 @@
 #include "kernels/bench_memops_util.hpp"
 #include "megacore/ops/activation.hpp"
 #include "megacore/ops/rope.hpp"
+#include "ops/cuda/activation_cuda.hpp"
 #include "ops/cuda/rope_cuda.hpp"
 
 using namespace megacore;
@@ -26,6 +27,27 @@ std::vector<mcbench::Variant<RopeTuning>> rope_variants() {
       {"c8_u2_t256", RopeTuning{.threads = 256, .head_chunk = 8, .unroll = 2}},
       {"c8_u2_t64", RopeTuning{.threads = 64, .head_chunk = 8, .unroll = 2}},
   };
+}
+
+using ActTuning = ops::cuda::ActTuning;
+
+// Alternatives to the default elementwise activation launch (1 vector per thread, 256 threads, one round
+// of as many blocks as the tensor needs).
+std::vector<mcbench::Variant<ActTuning>> act_variants() {
+  return {
+      {"u1_g16", ActTuning{.unroll = 1, .blocks_per_sm = 16}},  // the first shape: grid-stride rounds
+      {"u2_g16", ActTuning{.unroll = 2, .blocks_per_sm = 16}},
+      {"u4_g16", ActTuning{.unroll = 4, .blocks_per_sm = 16}},
+      {"u4_g8", ActTuning{.unroll = 4, .blocks_per_sm = 8}},
+      {"u2_flat", ActTuning{.unroll = 2, .blocks_per_sm = 0}},
+      {"u4_flat", ActTuning{.unroll = 4, .blocks_per_sm = 0}},
+      {"u1_t128_flat", ActTuning{.unroll = 1, .threads = 128, .blocks_per_sm = 0}},
+      {"u2_t512_g4", ActTuning{.unroll = 2, .threads = 512, .blocks_per_sm = 4}},
+  };
+}
+std::string describe(const ActTuning& t) {
+  return "unroll=" + std::to_string(t.unroll) + " threads=" + std::to_string(t.threads) +
+         " blocks_per_sm=" + std::to_string(t.blocks_per_sm);
 }
 
 std::string describe(const RopeTuning& t) {
@@ -97,5 +119,18 @@ MC_BENCHMARK("activation", 40) {
     mcbench::record_bw(ctx, "gelu_tanh_fwd", shape, "bf16", ms, 2 * unit);
     ms = mcbench::time_ms([&] { ops::gelu_backward(dy, x, y, true); }, 3, smp);
     mcbench::record_bw(ctx, "gelu_tanh_bwd", shape, "bf16", ms, 3 * unit);
+    if (ctx.variants) {
+      const int64_t el = n * f;
+      for (const auto& v : act_variants()) {
+        ms = mcbench::time_ms([&] {
+          ops::cuda::activation(DType::BF16, ops::actmath::Act::GeluTanh, x.data_ptr(), nullptr, y.data_ptr(), el, 0, nullptr, v.t);
+        }, 3, smp);
+        mcbench::record_bw(ctx, "gelu_tanh_fwd", shape, "bf16", ms, 2 * unit, v.name, describe(v.t));
+        ms = mcbench::time_ms([&] {
+          ops::cuda::activation(DType::BF16, ops::actmath::Act::GeluTanh, x.data_ptr(), dy.data_ptr(), y.data_ptr(), el, 0, nullptr, v.t);
+        }, 3, smp);
+        mcbench::record_bw(ctx, "gelu_tanh_bwd", shape, "bf16", ms, 3 * unit, v.name, describe(v.t));
+      }
+    }
   }
 }

@@ -2,6 +2,10 @@
 
 #include "ops/ops_test_util.hpp"
 
+#if MEGACORE_WITH_CUDA
+#include "ops/cuda/activation_cuda.hpp"
+#endif
+
 using namespace megacore;
 using namespace mctest;
 
@@ -100,3 +104,37 @@ TEST_CASE("activation CUDA kernels match the CPU reference", "[ops][activation][
     }
   }
 }
+
+#if MEGACORE_WITH_CUDA
+TEST_CASE("activation gpu: every launch shape gives the default's bits", "[ops][activation][gpu]") {
+  MC_REQUIRE_GPU();
+  const Device g = gpu();
+  const ops::cuda::ActTuning shapes[] = {{.unroll = 2}, {.unroll = 4}, {.unroll = 4, .blocks_per_sm = 1},
+                                         {.unroll = 1, .blocks_per_sm = 0}, {.unroll = 2, .blocks_per_sm = 0},
+                                         {.unroll = 4, .threads = 128, .blocks_per_sm = 0},
+                                         {.unroll = 2, .threads = 512, .blocks_per_sm = 4}};
+  for (DType dt : {DType::BF16, DType::F32}) {
+    for (int64_t n : {int64_t(8), int64_t(1001), int64_t(1) << 20, (int64_t(1) << 20) + 13}) {
+      const uint64_t seed = fresh_seed();
+      INFO(dtype_name(dt) << " n " << n << " seed " << seed);
+      Tensor x = randn({n}, dt, seed, 0, 2.5, g), dy = randn({n}, dt, seed + 1, 0, 1, g);
+      Tensor y0 = poisoned({n}, dt, g), dx0 = poisoned({n}, dt, g);
+      const auto act = ops::actmath::Act::GeluTanh;
+      ops::cuda::activation(dt, act, x.data_ptr(), nullptr, y0.data_ptr(), n, g.index, nullptr);
+      ops::cuda::activation(dt, act, x.data_ptr(), dy.data_ptr(), dx0.data_ptr(), n, g.index, nullptr);
+      const std::vector<double> ry = y0.to_double_vector(), rdx = dx0.to_double_vector();
+      for (const auto& tu : shapes) {
+        INFO("unroll " << tu.unroll << " threads " << tu.threads << " blocks_per_sm " << tu.blocks_per_sm);
+        Tensor y = poisoned({n}, dt, g), dx = poisoned({n}, dt, g);
+        ops::cuda::activation(dt, act, x.data_ptr(), nullptr, y.data_ptr(), n, g.index, nullptr, tu);
+        ops::cuda::activation(dt, act, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), n, g.index, nullptr, tu);
+        CHECK(y.to_double_vector() == ry);
+        CHECK(dx.to_double_vector() == rdx);
+      }
+    }
+  }
+  CHECK_THROWS_WITH(ops::cuda::activation(DType::BF16, ops::actmath::Act::Silu, nullptr, nullptr, nullptr, 0, g.index,
+                                          nullptr, ops::cuda::ActTuning{.threads = 100}),
+                    Catch::Contains("multiple of 32"));
+}
+#endif
