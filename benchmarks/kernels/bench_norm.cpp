@@ -20,39 +20,32 @@ using NormTuning = ops::cuda::NormTuning;
 // backward threads per SM), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
-      // many threads per row, one vector each (the shape of the kernels before NormTuning)
-      {"f1_b1pf", NormTuning{.fwd_vecs = 1, .bwd_vecs = 1, .bwd_prefetch = true, .bwd_smem_acc = false,
-                             .bwd_finalize = 0}},
-      // the first NormTuning default: fwd 4, bwd 2 with prefetch
-      {"f4_b2pf", NormTuning{.fwd_vecs = 4, .bwd_vecs = 2, .bwd_prefetch = true, .bwd_smem_acc = false,
-                             .bwd_finalize = 0}},
       // the previous default (session 3): register sums (4 vectors RMSNorm, 2 LayerNorm), scalar finalize
       {"f8_breg_scal", NormTuning{.bwd_smem_acc = false, .bwd_finalize = 0}},
       // register sums with the 16-byte finalize
       {"f8_breg_fin", NormTuning{.bwd_smem_acc = false}},
       {"f8_b2_reg_fin", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false}},
-      // register sums, 2 vectors, scalar finalize (session 3's f2_b2 backward: RMSNorm 85.4 % at h 2048)
-      {"f8_b2_reg_scal", NormTuning{.bwd_vecs = 2, .bwd_smem_acc = false, .bwd_finalize = 0}},
       // shared-memory sums with the scalar finalize
       {"f8_b4_sacc_scal", NormTuning{.bwd_finalize = 0}},
       // shared-memory sums, other vector counts
       {"f8_b2_sacc_fin", NormTuning{.bwd_vecs = 2}},
       {"f8_b2pf_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_prefetch = true}},
-      {"f8_b1_sacc_fin", NormTuning{.bwd_vecs = 1}},
       // fewer, larger partial rows: blocks of several row groups (one partial row per block; fewer
       // resident threads where the sums fill the shared memory: LayerNorm h 4096 at 512 threads)
       {"f8_b4_m256_sacc_fin", NormTuning{.min_block = 256}},
       {"f8_b4_m512_sacc_fin", NormTuning{.min_block = 512}},
       {"f8_b4_m256_sacc_fin_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
-      {"f8_b4_m512_sacc_fin_occ", NormTuning{.min_block = 512, .bwd_threads_per_sm = 0}},
       {"f8_b4_sacc_fin_768", NormTuning{.bwd_threads_per_sm = 768}},
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
+      // the default before session 5: 4 backward vectors and 128-thread blocks for both norms
+      {"f8_b4_sacc_fin_m128", NormTuning{.bwd_vecs = 4, .bwd_min_block = 128}},
   };
 }
 
 std::string describe(const ops::cuda::NormTuning& t) {
   return "fwd_vecs=" + std::to_string(t.fwd_vecs) + " bwd_vecs=" + std::to_string(t.bwd_vecs) +
          " bwd_prefetch=" + std::to_string(int(t.bwd_prefetch)) + " min_block=" + std::to_string(t.min_block) +
+         " bwd_min_block=" + std::to_string(t.bwd_min_block) +
          " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) +
          " bwd_smem_acc=" + std::to_string(int(t.bwd_smem_acc)) +
          " bwd_finalize=" + std::to_string(t.bwd_finalize);

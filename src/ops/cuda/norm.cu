@@ -16,6 +16,7 @@
 #include "ops/cuda/norm_cuda.hpp"
 
 
+#include <algorithm>
 #include <initializer_list>
 #include <type_traits>
 
@@ -592,20 +593,24 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   const NormTuning& tu = a.tuning;
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
-  // vecs 0: 4 vectors, except LayerNorm's register sums take 2 (its 4-vector register kernel spills).
+  // vecs 0: 4 vectors (2 for RMSNorm rows of up to 2048), except LayerNorm's register sums take 2 (its
+  // 4-vector register kernel spills).
+  // bwd_min_block 0: LayerNorm at least 256 threads a block, RMSNorm min_block.
+  const int min_block = tu.bwd_min_block > 0 ? tu.bwd_min_block : LAYER ? std::max(tu.min_block, 256) : tu.min_block;
   auto make_plan = [&](int vecs, bool& prefetch) {
     prefetch = tu.bwd_prefetch;
-    Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, tu.min_block, ptrs);
+    Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, min_block, ptrs);
     if (!p.vec && prefetch) {
       prefetch = false;
-      p = plan_for<T>(a.h, vecs, kBwdMaxNv, tu.min_block, ptrs);
+      p = plan_for<T>(a.h, vecs, kBwdMaxNv, min_block, ptrs);
     }
     // RMSNorm has no bias; should a bias gradient be asked for anyway, the generic kernel computes it.
     if (!LAYER && a.db) p = generic_plan(a.h);
     return p;
   };
   bool prefetch = false;
-  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : 4, prefetch);
+  // bwd_vecs 0: 4, except 2 for RMSNorm rows of up to 2048 elements.
+  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : (!LAYER && a.h <= 2048) ? 2 : 4, prefetch);
   BwdLaunch L;
   // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
   // they do not fit in a block's shared memory the register sums run instead.

@@ -25,12 +25,18 @@ struct NormTuning {
   // finalize (the previous default, bench row f8_breg_scal). RMSNorm at h 2048 measured 85.6 with 2
   // vectors (f8_b2_sacc_fin) against 82.9 with 4. Where the shared-memory sums do not
   // fit the register sums run, with 4 vectors for RMSNorm and 2 for LayerNorm (its 4-vector register
-  // kernel spills).
+  // kernel spills). Session 5 (same card, three runs): RMSNorm at h 2048 85.7 / 85.6 / 87.2 with 2
+  // vectors against 82.5 / 84.0 / 82.8 with 4, so 2 became its default there; LayerNorm's backward with
+  // 256-thread blocks (two row groups at h 4096) 79.0 / 81.3 / 81.4 against 76.3 / 79.3 / 80.1 at h 4096
+  // and level elsewhere, so bwd_min_block 0 gives LayerNorm 256 (its forward keeps 128: 87 % against
+  // 81 % with 256).
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
-  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except LayerNorm with the
-                                  ///< register sums: 2
+  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except 2 for RMSNorm rows
+                                  ///< of up to 2048 elements and for LayerNorm with the register sums
   int min_block = 128;            ///< threads per block at least, for short rows (with bwd_smem_acc a
                                   ///< larger block also means fewer partial rows for the finalize)
+  int bwd_min_block = 0;          ///< the backward's min_block; 0: max(min_block, 256) for LayerNorm,
+                                  ///< min_block for RMSNorm
   bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
   int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only)
   bool bwd_smem_acc = true;       ///< backward keeps the dw/db sums in shared memory, not registers (frees
