@@ -33,9 +33,12 @@ struct Registrar {
   Registrar(const char* name, int order, std::function<void(Context&)> fn) { registry().push_back({name, order, std::move(fn)}); }
 };
 
-/// Median time in milliseconds of fn() (device work on the current stream), timed with CUDA events
-/// after warm-up; fn is called `iters` times per sample.
-double time_ms(const std::function<void()>& fn, int warmup = 5, int samples = 20, int iters = 1);
+/// Median time in milliseconds of one fn() call (device work on the current stream), timed with CUDA
+/// events after warm-up; each sample is a burst of `iters` back-to-back calls divided by `iters`, so
+/// the host work of one call overlaps the device work of the one before, as in a training step where
+/// the host runs ahead. iters 0: as many calls (1 to 10) as make a sample of about 2 ms, from one call
+/// timed alone (torch_peers.py's bench does the same for the peers).
+double time_ms(const std::function<void()>& fn, int warmup = 5, int samples = 20, int iters = 0);
 
 }  // namespace mcbench
 

@@ -38,12 +38,27 @@ void lt_ok(cublasStatus_t s, const char* what) {
 }
 }  // namespace
 
+namespace {
+// Calls per sample so that a sample lasts about 2 ms (1 to 10): one call, timed alone, decides.
+int burst_for(const std::function<void()>& fn, cudaEvent_t a, cudaEvent_t b) {
+  cuda_ok(cudaEventRecord(a, nullptr), "record");
+  fn();
+  cuda_ok(cudaEventRecord(b, nullptr), "record");
+  cuda_ok(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cuda_ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  const int n = ms > 0.f ? int(2.0f / ms) : 10;
+  return n < 1 ? 1 : n > 10 ? 10 : n;
+}
+}  // namespace
+
 double time_ms(const std::function<void()>& fn, int warmup, int samples, int iters) {
   for (int i = 0; i < warmup; ++i) fn();
   cuda_ok(cudaGetLastError(), "warm-up");
   cudaEvent_t a, b;
   cuda_ok(cudaEventCreate(&a), "event");
   cuda_ok(cudaEventCreate(&b), "event");
+  if (iters <= 0) iters = burst_for(fn, a, b);
   std::vector<double> t;
   for (int s = 0; s < samples; ++s) {
     cuda_ok(cudaEventRecord(a, nullptr), "record");
