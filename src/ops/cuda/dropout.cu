@@ -102,8 +102,7 @@ void launch_vec(const T* x, T* y, uint8_t* mask, int64_t n, uint32_t thr, float 
                 int threads, int blocks_per_sm, int device, cudaStream_t s) {
   const int64_t steps = (n / E + U - 1) / U;
   int per_sm = blocks_per_sm;
-  if (per_sm <= 0)
-    MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dropout_vec<T, E, U>, threads, 0));
+  if (per_sm <= 0) per_sm = resident_blocks(reinterpret_cast<const void*>(&dropout_vec<T, E, U>), threads, 0, device);
   const unsigned blocks = elementwise_blocks(steps < 1 ? 1 : steps, threads, device, per_sm);
   dropout_vec<T, E, U><<<blocks, threads, 0, s>>>(x, y, mask, n, thr, scale, seed, offset);
 }

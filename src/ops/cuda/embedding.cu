@@ -336,10 +336,10 @@ Layout layout(int64_t n, int64_t v) {
 bool counting_sort(const void* ids, bool ids_i64, int64_t n, int64_t v, int64_t vocab_start, char* ws,
                    const Layout& l, int device, cudaStream_t s) {
   if (n > INT32_MAX || v + 1 > INT32_MAX) return false;
-  int coop = 0, per_sm = 0;
+  int coop = 0;
   MC_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
   if (!coop) return false;
-  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, counting_sort_kernel, kSortThreads, 0));
+  const int per_sm = resident_blocks(reinterpret_cast<const void*>(&counting_sort_kernel), kSortThreads, 0, device);
   if (per_sm < 1) return false;
   int64_t blocks = int64_t(sm_count(device)) * (per_sm < 2 ? per_sm : 2);
   if (blocks > kMaxSortBlocks) blocks = kMaxSortBlocks;

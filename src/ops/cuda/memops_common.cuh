@@ -7,7 +7,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include "core/cuda/cuda_check.hpp"
 #include "megacore/core/dtype.hpp"
@@ -196,6 +199,39 @@ inline int sm_count(int device) {
 }
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+/// Resident blocks per SM of kernel `fn` at this launch shape on `device` (cudaOccupancy..., remembered:
+/// the query costs microseconds of host time on every call otherwise). With dynamic shared memory above
+/// the default 48 KiB it also raises the kernel's limit first (once per kernel, device and size).
+inline int resident_blocks(const void* fn, int threads, size_t smem, int device) {
+  struct Key {
+    const void* fn;
+    int threads, device;
+    size_t smem;
+    bool operator==(const Key& o) const {
+      return fn == o.fn && threads == o.threads && device == o.device && smem == o.smem;
+    }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.fn) ^ (size_t(k.threads) << 1) ^ (size_t(k.device) << 20) ^ (k.smem << 24);
+    }
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, int, Hash> cache;
+  const Key key{fn, threads, device, smem};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  if (smem + 1024 > 48 * 1024)  // the kernels' few static bytes count against the default limit too
+    MC_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int per_sm = 0;
+  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem));
+  std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(key, per_sm);
+  return per_sm;
+}
 
 /// Blocks for a grid-stride elementwise launch over n items of `threads` threads each: enough for every
 /// item, at most blocks_per_sm per SM.

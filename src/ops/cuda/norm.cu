@@ -634,11 +634,7 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
     else f = smem_acc ? reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, true>)
                       : reinterpret_cast<const void*>(&norm_bwd_rows<T, 4, LAYER, false, false>);
   }
-  // the kernel's static shared memory counts against the 48 KiB default limit too
-  if (smem_acc && L.smem + 1024 > 48 * 1024)
-    MC_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L.smem)));
-  int per_sm = 0;
-  MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, p.threads, L.smem));
+  int per_sm = resident_blocks(f, p.threads, L.smem, device);
   if (p.vec && tu.bwd_threads_per_sm > 0 && per_sm * p.threads > tu.bwd_threads_per_sm)
     per_sm = tu.bwd_threads_per_sm / p.threads;
   int64_t g = int64_t(sm_count(device)) * (per_sm < 1 ? 1 : per_sm);
