@@ -202,7 +202,8 @@ inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 /// Resident blocks per SM of kernel `fn` at this launch shape on `device` (cudaOccupancy..., remembered:
 /// the query costs microseconds of host time on every call otherwise). With dynamic shared memory above
-/// the default 48 KiB it also raises the kernel's limit first (once per kernel, device and size).
+/// the default 48 KiB it also makes sure the kernel's limit is at least `smem` (the limit only ever rises,
+/// so a launch with a size seen before never finds it lowered by a later, smaller one).
 inline int resident_blocks(const void* fn, int threads, size_t smem, int device) {
   struct Key {
     const void* fn;
@@ -219,16 +220,19 @@ inline int resident_blocks(const void* fn, int threads, size_t smem, int device)
   };
   static std::mutex mu;
   static std::unordered_map<Key, int, Hash> cache;
+  static std::unordered_map<Key, size_t, Hash> smem_limit;  // per (fn, device): the largest limit set
   const Key key{fn, threads, device, smem};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  if (smem + 1024 > 48 * 1024) {  // the kernels' few static bytes count against the default limit too
+    size_t& lim = smem_limit[Key{fn, 0, device, 0}];
+    if (smem > lim) {
+      MC_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      lim = smem;
+    }
   }
-  if (smem + 1024 > 48 * 1024)  // the kernels' few static bytes count against the default limit too
-    MC_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   MC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem));
-  std::lock_guard<std::mutex> lock(mu);
   cache.emplace(key, per_sm);
   return per_sm;
 }
