@@ -69,6 +69,7 @@ MC_BENCHMARK("attention", 30) {
     int warps;     // 0: through the public op
     bool variant;  // only with variants on
     ops::FlashImpl bwd;  // AttentionOptions::flash_bwd_impl
+    int bwd_variant = 0;  // AttentionOptions::flash_sm90_bwd_variant
   };
   const bool sm90 = ops::attention_flash_sm90_available(Device::cuda(0));
   if (!sm90) std::printf("  note: the sm90 flash kernels are not available on this device/build; no sm90 rows\n");
@@ -83,6 +84,8 @@ MC_BENCHMARK("attention", 30) {
     paths.push_back({"flash[sm90/det]", Fl, FI::Sm90, 128, 0, true, 0, false, FI::Auto});
     paths.push_back({"flash[sm90/sm80-atomic]", Fl, FI::Sm90, 128, 0, false, 0, false, FI::Sm80});
     paths.push_back({"flash[sm90/sm90-atomic]", Fl, FI::Sm90, 128, 0, false, 0, false, FI::Sm90});
+    // the sm90 backward with dQ added by every thread (red.global.add) instead of one bulk reduce per tile
+    paths.push_back({"flash[sm90/sm90-atomic-red]", Fl, FI::Sm90, 128, 0, false, 0, false, FI::Sm90, 1});
     paths.push_back({"flash[sm90-n64/sm90-atomic]", Fl, FI::Sm90, 64, 0, false, 0, true, FI::Sm90});
     // Warp-specialized forward (producer warpgroup + mbarriers, consumer warpgroups decoupled), 2 / 3
     // stages (flash_sm90_variant 1 / 2), and the same with ping-pong warpgroup scheduling (3 / 4).
@@ -116,6 +119,7 @@ MC_BENCHMARK("attention", 30) {
       o.flash_impl = path.impl, o.flash_sm90_block_n = path.block_n;
       o.flash_sm90_variant = path.sm90_variant;
       o.flash_bwd_impl = path.bwd;
+      o.flash_sm90_bwd_variant = path.bwd_variant;
       auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
       auto fb = [&] {
         ops::attention_forward(q, k, v, out, lse, o);
@@ -142,7 +146,7 @@ MC_BENCHMARK("attention", 30) {
                          {"bwd", path.backend == ops::AttentionBackend::Cudnn ? "cudnn"
                                  : path.deterministic            ? "deterministic"
                                  : path.bwd == FI::Sm80          ? "atomic dQ, sm80 kernel"
-                                 : path.bwd == FI::Sm90          ? "atomic dQ, sm90 kernel"
+                                 : path.bwd == FI::Sm90          ? (path.bwd_variant == 1 ? "atomic dQ, sm90 kernel, per-thread red.add" : "atomic dQ, sm90 kernel")
                                                                  : "atomic dQ, auto"},
                          {"shape", shape},
                          {"dtype", "bf16"},

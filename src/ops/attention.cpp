@@ -270,6 +270,7 @@ cuda::AttnProblem problem_of(const Geometry& g, const Tensor& q, const Tensor& k
   p.sm90_block_n = o.flash_sm90_block_n;
   p.sm90_variant = o.flash_sm90_variant;
   p.bwd_impl = o.flash_bwd_impl == FlashImpl::Sm80 ? 1 : o.flash_bwd_impl == FlashImpl::Sm90 ? 2 : 0;
+  p.sm90_bwd_variant = o.flash_sm90_bwd_variant;
   if (g.packed) {
     p.lse_batch_stride = 0, p.lse_head_stride = g.total_q;
   } else {

@@ -71,6 +71,10 @@ struct AttentionOptions {
   /// kernel where it can run (as for the forward), else the mma.sync one; Sm90 where it cannot run is a
   /// ValueError. The deterministic backward is the mma.sync two-kernel path on every device.
   FlashImpl flash_bwd_impl = FlashImpl::Auto;
+  /// Tuning of the sm90 backward (head_dim 128): 0 (the default) the dQ tile goes through shared memory
+  /// and one bulk reduce-add (cp.reduce.async.bulk) per tile; 1 every thread adds its dQ rows into the f32
+  /// accumulator with red.global.add (head_dim 64 always does).
+  int flash_sm90_bwd_variant = 0;
 };
 
 /// out = softmax(scale q k^T + mask) v and lse (f32). out and lse must be allocated (see layouts).

@@ -43,6 +43,10 @@ struct AttnProblem {
   /// where flash_sm90_unsupported_reason is "", else mma.sync), 1 = the mma.sync kernel, 2 = the wgmma
   /// kernel (the caller has checked that it can run). The deterministic path is mma.sync always.
   int bwd_impl = 0;
+  /// sm90 backward: 0 (default) the dQ tile through shared memory and one bulk reduce-add
+  /// (cp.reduce.async.bulk) per tile at D = 128 (D = 64 runs 1); 1 dQ added with red.global.add from
+  /// every thread.
+  int sm90_bwd_variant = 0;
 };
 
 /// Launch shape of the flash backward's mma.sync atomic-dQ kernel (p.deterministic false): a block of `warps`

@@ -284,11 +284,13 @@ void run_gpu_case_once(const GpuCase& c) {
   }
   // The atomic-dQ path through each backward kernel by name (Auto above is the wgmma one on sm_90).
   if (c.backend == AttentionBackend::Flash) {
-    std::vector<FlashImpl> bwd{FlashImpl::Sm80};
-    if (attention_flash_sm90_available(g)) bwd.push_back(FlashImpl::Sm90);
-    for (FlashImpl bi : bwd) {
+    std::vector<std::pair<FlashImpl, int>> bwd{{FlashImpl::Sm80, 0}};
+    if (attention_flash_sm90_available(g)) bwd.insert(bwd.end(), {{FlashImpl::Sm90, 0}, {FlashImpl::Sm90, 1}});
+    for (auto [bi, variant] : bwd) {
       AttentionOptions ob = o;
       ob.flash_bwd_impl = bi;
+      ob.flash_sm90_bwd_variant = variant;
+      INFO("sm90 backward variant " << variant);
       check_backward(bi == FlashImpl::Sm90 ? "atomic dQ, sm90 (wgmma) kernel" : "atomic dQ, sm80 (mma.sync) kernel",
                      [&](Tensor& dq, Tensor& dk, Tensor& dv) {
                        attention_backward(q, k, v, out, lse, dout, dq, dk, dv, ob);
@@ -493,6 +495,12 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
     if (!attention_flash_sm90_available(g)) {
       CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
                         Catch::Contains("sm90 backward"));
+    }
+    if (attention_flash_sm90_available(g)) {
+      b90.flash_sm90_bwd_variant = 2;
+      CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
+                        Catch::Contains("sm90_bwd_variant 2"));
+      b90.flash_sm90_bwd_variant = 0;
     }
     b90.deterministic = true;
     CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
