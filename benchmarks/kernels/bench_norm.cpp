@@ -39,6 +39,8 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
       // the default before session 5: 4 backward vectors and 128-thread blocks for both norms
       {"f8_b4_sacc_fin_m128", NormTuning{.bwd_vecs = 4, .bwd_min_block = 128}},
+      // the finalize launched after the backward completes (no programmatic dependent launch)
+      {"no_pdl", NormTuning{.bwd_pdl = false}},
   };
 }
 
@@ -48,7 +50,7 @@ std::string describe(const ops::cuda::NormTuning& t) {
          " bwd_min_block=" + std::to_string(t.bwd_min_block) +
          " bwd_threads_per_sm=" + std::to_string(t.bwd_threads_per_sm) +
          " bwd_smem_acc=" + std::to_string(int(t.bwd_smem_acc)) +
-         " bwd_finalize=" + std::to_string(t.bwd_finalize);
+         " bwd_finalize=" + std::to_string(t.bwd_finalize) + " bwd_pdl=" + std::to_string(int(t.bwd_pdl));
 }
 
 }  // namespace

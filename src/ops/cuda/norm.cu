@@ -18,6 +18,9 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <type_traits>
 
 namespace megacore::ops::cuda {
@@ -221,6 +224,20 @@ __global__ void norm_fwd_generic(NormForwardArgs a) {
   }
 }
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere and when the launch did not ask for it): the
+// backward lets the finalize launch while its last rows run, and the finalize waits for the backward's
+// completion (and its memory) before reading the partial rows.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
 // number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
@@ -365,6 +382,7 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
       rstd = rstd_n;
     }
   }
+  pdl_launch_dependents();  // the finalize may start launching (it waits for this grid's partial rows)
   if constexpr (SMEM_ACC) {
     __syncthreads();
     for (int pass = 0; pass < (acc_b ? 2 : 1); ++pass) {
@@ -473,6 +491,7 @@ template <class W, class B>
 __global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w, const float* part_b, int nparts,
                                                             int64_t h, W* dw, B* db, bool accumulate) {
   __shared__ float4 tile[32][8];
+  pdl_wait();
   const bool bias = blockIdx.y == 1;
   const float* part = bias ? part_b : part_w;
   const int64_t c = (int64_t(blockIdx.x) * 8 + threadIdx.x) * 4;
@@ -653,6 +672,22 @@ BwdLaunch backward_kernel_any(const NormBackwardArgs& a, int device) {
   return a.layer ? backward_kernel<T, true>(a, device) : backward_kernel<T, false>(a, device);
 }
 
+// Whether `fn` (the finalize) was compiled for sm_90 or newer, so that it holds its griddepcontrol.wait:
+// only then may it be launched as a programmatic dependent of the backward (remembered per kernel).
+inline bool pdl_ok(const void* fn, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = known.find({fn, device}); it != known.end()) return it->second;
+  int major = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaFuncAttributes fa{};
+  MC_CUDA_CHECK(cudaFuncGetAttributes(&fa, fn));
+  const bool ok = major >= 9 && fa.ptxVersion >= 90;
+  known.emplace(std::pair{fn, device}, ok);
+  return ok;
+}
+
 template <class W>
 void finalize_t(const float* part, int nparts, int64_t h, void* out, bool accumulate, cudaStream_t s) {
   dim3 block(32, 16);
@@ -710,10 +745,19 @@ void norm_backward(DType dt, const NormBackwardArgs& a, void* workspace, int dev
         // Without a bias gradient the second type is unused; give it dw's to halve the instantiations.
         auto launch = [&](auto* db) {
           using B = std::remove_pointer_t<decltype(db)>;
-          dim3 grid(unsigned((a.h + 31) / 32), a.db ? 2u : 1u), block(8, 32);
-          column_sum_finalize4<W, B><<<grid, block, 0, s>>>(part_w, part_b, parts, a.h, static_cast<W*>(a.dw), db,
-                                                            a.accumulate);
-          MC_CUDA_CHECK_LAUNCH();
+          auto kernel = column_sum_finalize4<W, B>;
+          cudaLaunchConfig_t cfg{};
+          cfg.gridDim = dim3(unsigned((a.h + 31) / 32), a.db ? 2u : 1u);
+          cfg.blockDim = dim3(8, 32);
+          cfg.stream = s;
+          cudaLaunchAttribute attr{};
+          attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr.val.programmaticStreamSerializationAllowed = 1;
+          if (a.tuning.bwd_pdl && pdl_ok(reinterpret_cast<const void*>(kernel), device)) cfg.attrs = &attr, cfg.numAttrs = 1;
+          W* dw = static_cast<W*>(a.dw);
+          MC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<const float*>(part_w),
+                                           static_cast<const float*>(part_b), parts, int64_t(a.h), dw, db,
+                                           bool(a.accumulate)));
         };
         if (!a.db) launch(static_cast<W*>(nullptr));
         else dispatch_float(a.db_dtype, [&](auto btag) { launch(static_cast<decltype(btag)*>(a.db)); });

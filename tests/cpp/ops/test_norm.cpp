@@ -219,7 +219,8 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_threads_per_sm = 768},
                        NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0},
                        NT{.bwd_vecs = 4, .bwd_min_block = 128},
-                       NT{.bwd_min_block = 512}};
+                       NT{.bwd_min_block = 512},
+                       NT{.bwd_pdl = false}};
   struct Case { int64_t rows, h; };
   // 256 and 512: several row groups per block; 1029 rows: the last pass of the
   // persistent grid has dead row groups. 37 and 1002: generic kernel, and rows that are not whole float4s
