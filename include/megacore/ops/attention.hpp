@@ -14,8 +14,8 @@
 //
 // Backends: the CPU reference (plain loops in f64; f32/bf16/f16 tensors); on CUDA, cuDNN's fused
 // SDPA (cudnn-frontend graphs cached by shape) or megacore's own flash-attention kernels (online
-// softmax on tensor-core tiles, bf16/f16: mma.sync on any sm_80+, and a wgmma forward on sm_90 that
-// opts.flash_impl can pin either way). Auto picks cuDNN where it is built in and
+// softmax on tensor-core tiles, bf16/f16: mma.sync on any sm_80+, and wgmma forward and backward
+// kernels on sm_90 that opts.flash_impl / opts.flash_bwd_impl can pin either way). Auto picks cuDNN where it is built in and
 // supports the call, else the flash kernel, and logs the choice once per configuration; asking for
 // a backend explicitly never falls back (ValueError/CudaError instead). Both GPU backends compute
 // the same function; they differ only in rounding.
@@ -35,7 +35,8 @@ enum class AttentionBackend {
   Reference,  ///< the CPU f64 reference (CPU tensors only)
 };
 
-/// Which of megacore's flash forward kernels runs when the Flash backend does (backward has one kernel).
+/// Which of megacore's flash kernels runs when the Flash backend does: AttentionOptions::flash_impl for
+/// the forward, flash_bwd_impl for the (non-deterministic) backward.
 enum class FlashImpl {
   Auto,  ///< the Hopper wgmma kernel where it can run (sm_90 device, library built for 90a), else Sm80
   Sm80,  ///< the mma.sync kernel (any sm_80 or newer device)
@@ -92,7 +93,7 @@ AttentionBackend attention_resolve_backend(const Tensor& q, const Tensor& k, con
 /// "auto", "cudnn", "flash", "reference".
 const char* attention_backend_name(AttentionBackend b);
 
-/// True when megacore's sm90 (wgmma) flash forward can run on device d: a CUDA device of compute
+/// True when megacore's sm90 (wgmma) flash kernels can run on device d: a CUDA device of compute
 /// capability 9.0 and a library built for sm_90a.
 bool attention_flash_sm90_available(const Device& d);
 

@@ -1,5 +1,6 @@
 // Private interface between src/ops/attention.cpp and its CUDA backends: megacore's flash kernels
-// (flash_attention.cu: mma.sync, any sm_80+; flash_attention_sm90.cu: the Hopper wgmma forward) and
+// (flash_attention.cu: mma.sync, any sm_80+; flash_attention_sm90.cu: the Hopper wgmma forward and
+// atomic-dQ backward) and
 // cuDNN SDPA (attention_cudnn.cpp).
 #pragma once
 
@@ -59,10 +60,10 @@ struct FlashBwdTuning {
 /// Why the flash kernel cannot run this problem ("" when it can).
 std::string flash_unsupported_reason(const AttnProblem& p);
 void flash_forward(const AttnProblem& p, int device, void* stream);
-/// True when this build holds the sm_90a wgmma forward (CMAKE_CUDA_ARCHITECTURES names 90a).
+/// True when this build holds the sm_90a wgmma kernels (CMAKE_CUDA_ARCHITECTURES names 90a).
 bool flash_sm90_built();
-/// Why the sm_90a forward cannot run this problem on this device ("" when it can). Checks
-/// flash_unsupported_reason's conditions too.
+/// Why the sm_90a kernels cannot run this problem on this device ("" when it can). Checks
+/// flash_unsupported_reason's conditions and the sm90 tuning fields too.
 std::string flash_sm90_unsupported_reason(const AttnProblem& p, int device);
 /// The wgmma forward; only after flash_sm90_unsupported_reason returned "".
 void flash_forward_sm90(const AttnProblem& p, int device, void* stream);

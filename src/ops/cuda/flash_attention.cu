@@ -1,6 +1,7 @@
 // megacore's own flash-attention kernels (FlashAttention-2 style) on mma.sync tensor-core tiles.
-// (On sm_90 the forward goes to the wgmma kernel in flash_attention_sm90.cu unless the sm80 kernel is
-// asked for; the backward is this file's on every architecture.)
+// (On sm_90 the forward and the atomic-dQ backward's main kernel go to the wgmma kernels in
+// flash_attention_sm90.cu unless the sm80 kernels are asked for; the deterministic backward and the
+// passes around the atomic one are this file's on every architecture.)
 //
 // Forward: a block owns 64 query rows of one (batch, head); each of its 4 warps owns 16 rows and
 // streams 64-key tiles of K and V (double-buffered cp.async into XOR-swizzled shared memory),

@@ -1,6 +1,9 @@
-// megacore's Hopper flash-attention forward: wgmma (warpgroup MMA, sm_90a) with an online softmax.
+// megacore's Hopper flash-attention kernels: wgmma (warpgroup MMA, sm_90a). The forward (online softmax)
+// is described here; the atomic-dQ backward has its own comment further down (flash_bwd_sm90_kernel).
+// flash_attention.cu keeps the mma.sync kernels, the deterministic backward and the passes around the
+// backward (rowsum(dO * O), zeroing and casting the f32 dQ accumulator).
 //
-// Structure (a first FlashAttention-3-style version; the backward stays on flash_attention.cu):
+// Forward structure (a first FlashAttention-3-style version):
 //   - A CTA owns kM = 128 query rows of one (batch, head): two warpgroups of 128 threads, 64 rows each.
 //   - K and V are streamed in tiles of kN keys (128 by default, 64 as a tuning variant), double-buffered
 //     by cp.async (all 256 threads issue the copies of tile n + 1 while tile n is multiplied). cp.async
