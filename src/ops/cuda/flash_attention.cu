@@ -396,22 +396,8 @@ __device__ __forceinline__ void bwd_accumulate_dkdv(float (&dk)[D / 8][4], float
 template <class T, int D>
 __device__ __forceinline__ void bwd_store_dkdv(const AttnProblem& p, const SeqInfo& si, int b, int hk, int key_base,
                                                int t, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
-  using Op = Mma<T>;
-  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
-  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = key_base + i * 8;
-    if (row >= si.nk) continue;
-    T* krow = dkp + int64_t(row) * p.dk.row_stride;
-    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
-          Op::pack(dk[dn][2 * i] * p.scale, dk[dn][2 * i + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[dn][2 * i], dv[dn][2 * i + 1]);
-    }
-  }
+  store_dkdv_rows<T, D, Mma<T>>(p, si, b, hk, key_base, t, [&](int dn, int e) { return dk[dn][e]; },
+                                [&](int dn, int e) { return dv[dn][e]; });
 }
 
 // ---- backward: dK, dV ----------------------------------------------------------------------------

@@ -209,6 +209,21 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
   }
 }
 
+
+// d (= at the first k-step, then +=) A B^T over the D / 16 k-steps, both operands K-major tiles of D
+// columns stored as D / 64 swizzled 64-column blocks (see the header comment): A's 64 rows start at
+// shared address a in a tile of a_rows rows (its column blocks a_rows * 128 bytes apart), B's N rows at b
+// in a tile of b_rows rows. One k-step of 16 elements is 32 bytes inside a block's 128-byte rows.
+template <class T, int N, int D>
+__device__ __forceinline__ void wgmma_kmajor(float (&d)[N / 2], uint32_t a, uint32_t a_rows, uint32_t b,
+                                             uint32_t b_rows) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint64_t da = smem_desc(a + uint32_t(ks >> 2) * (a_rows * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+    const uint64_t db = smem_desc(b + uint32_t(ks >> 2) * (b_rows * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
+    Wgmma<T, N>::ss(d, da, db, ks > 0 ? 1 : 0);
+  }
+}
 #endif  // MC_FLASH_SM90_DEVICE
 
 template <class T, int D, int kN>
@@ -278,12 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
     // S = Q K^T (64 x kN per warpgroup).
     float s[kN / 2];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
-    }
+    wgmma_kmajor<T, kN, D>(s, aQw, kM, cK, kN);
     wgmma_commit();
     wgmma_wait_all();
     reg_fence(s);
@@ -622,12 +632,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
       }
       if constexpr (kS) {
         const uint32_t cK = aK + uint32_t(st) * kTileBytes;
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-          const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-          Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
-        }
+        wgmma_kmajor<T, kN, D>(s, aQw, kM, cK, kN);
       }
       wgmma_commit();
       if (wg == 0 || kS) named_bar_arrive(2 - wg, kThreads);  // the other warpgroup's turn (see above)
@@ -658,12 +663,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
 
       float s[kN / 2];
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint64_t da = smem_desc(aQw + uint32_t(ks >> 2) * (kM * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-        const uint64_t db = smem_desc(cK + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-        Wgmma<T, kN>::ss(s, da, db, ks > 0 ? 1 : 0);
-      }
+      wgmma_kmajor<T, kN, D>(s, aQw, kM, cK, kN);
       wgmma_commit();
       wgmma_wait_all();
       reg_fence(s);
@@ -850,19 +850,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries per warpgroup), two commit groups.
     float s[kMq / 2], dp[kMq / 2];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t da = smem_desc(aKw + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      const uint64_t db = smem_desc(cQ + uint32_t(ks >> 2) * (kMq * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      Wgmma<T, kMq>::ss(s, da, db, ks > 0 ? 1 : 0);
-    }
+    wgmma_kmajor<T, kMq, D>(s, aKw, kN, cQ, kMq);
     wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t da = smem_desc(aVw + uint32_t(ks >> 2) * (kN * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      const uint64_t db = smem_desc(cdO + uint32_t(ks >> 2) * (kMq * 128u) + uint32_t(ks & 3) * 32u, 16u, 1024u);
-      Wgmma<T, kMq>::ss(dp, da, db, ks > 0 ? 1 : 0);
-    }
+    wgmma_kmajor<T, kMq, D>(dp, aVw, kN, cdO, kMq);
     wgmma_commit();
     wgmma_wait<1>();
     reg_fence(s);
@@ -981,21 +971,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   cp_async_wait_all();
-  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
-  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = key_base + i * 8;
-    if (row >= si.nk) continue;
-    T* krow = dkp + int64_t(row) * p.dk.row_stride;
-    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) =
-          Op::pack(dk[4 * dn + 2 * i] * p.scale, dk[4 * dn + 2 * i + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Op::pack(dv[4 * dn + 2 * i], dv[4 * dn + 2 * i + 1]);
-    }
-  }
+  // The m64n{D} accumulator's element 4 dn + e is the m16n8 fragment's element e of column block dn.
+  store_dkdv_rows<T, D, Op>(p, si, b, hk, key_base, t, [&](int dn, int e) { return dk[4 * dn + e]; },
+                            [&](int dn, int e) { return dv[4 * dn + e]; });
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif

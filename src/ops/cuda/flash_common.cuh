@@ -60,4 +60,27 @@ __device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h
   return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
 }
 
+// Writes this thread's two key rows (key_base and key_base + 8) of dK (times the softmax scale) and dV
+// from accumulators in the m16n8 C-fragment layout both kernels' dK/dV use: dk(dn, e) / dv(dn, e) is
+// element e of column block dn (column 8 dn + 2 t + e % 2, row key_base + 8 (e / 2)). Pack is a type
+// with static uint32_t pack(float lo, float hi) giving two T values.
+template <class T, int D, class Pack, class DK, class DV>
+__device__ __forceinline__ void store_dkdv_rows(const AttnProblem& p, const SeqInfo& si, int b, int hk, int key_base,
+                                                int t, DK&& dk, DV&& dv) {
+  T* dkp = head_ptr<T>(p.dk, b, si.k0, hk);
+  T* dvp = head_ptr<T>(p.dv, b, si.k0, hk);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = key_base + i * 8;
+    if (row >= si.nk) continue;
+    T* krow = dkp + int64_t(row) * p.dk.row_stride;
+    T* vrow = dvp + int64_t(row) * p.dv.row_stride;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(krow + dn * 8 + 2 * t) = Pack::pack(dk(dn, 2 * i) * p.scale, dk(dn, 2 * i + 1) * p.scale);
+      *reinterpret_cast<uint32_t*>(vrow + dn * 8 + 2 * t) = Pack::pack(dv(dn, 2 * i), dv(dn, 2 * i + 1));
+    }
+  }
+}
+
 }  // namespace megacore::ops::cuda::flash
