@@ -324,14 +324,7 @@ __device__ __forceinline__ void bwd_issue_q_tile(const AttnProblem& p, const flo
   load_tile<T, kM, D, NT>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
   load_tile<T, kM, D, NT>(sdO + buf * kM * D, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0,
                           tid);
-  if (tid < kM) {
-    const int row = m0 + tid;
-    const int64_t off = lse_offset(p, b, hq, si.q0);
-    const float l = row < si.nq ? p.lse[off + row] : INFINITY;
-    // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
-    sL[buf * kM + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
-    sD[buf * kM + tid] = row < si.nq ? dsum[off + row] : 0.f;
-  }
+  stage_row_stats<kM>(p, dsum, si, b, hq, m0, tid, sL + buf * kM, sD + buf * kM);
 }
 
 // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys against the kM queries of the tile.

@@ -805,14 +805,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          tid);
     load_tile<T, kMq, D>(sdO + buf * kMq * D, head_ptr<const T>(p.dout, b, si.q0 + m0, hq), p.dout.row_stride,
                          si.nq - m0, tid);
-    if (tid < kMq) {
-      const int row = m0 + tid;
-      const int64_t off = lse_offset(p, b, hq, si.q0);
-      const float l = row < si.nq ? p.lse[off + row] : INFINITY;
-      // +inf makes P = 0 for rows past the sequence (and for rows that saw no key).
-      sL[buf * kMq + tid] = l == -INFINITY ? INFINITY : l * kLog2e;
-      sR[buf * kMq + tid] = row < si.nq ? dsum[off + row] : 0.f;
-    }
+    stage_row_stats<kMq>(p, dsum, si, b, hq, m0, tid, sL + buf * kMq, sR + buf * kMq);
   };
   if (total > 0) issue(0, 0);
   cp_async_commit();

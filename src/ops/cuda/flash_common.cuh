@@ -3,6 +3,7 @@
 // AttnProblem views. Included inside each file's own anonymous namespace.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "ops/cuda/attention_cuda.hpp"
@@ -58,6 +59,21 @@ __device__ __forceinline__ T* head_ptr(const AttnTensor& t, int b, int row0, int
 }
 __device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h, int row0) {
   return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
+}
+
+// The backward's per-row statistics of query tile m0 (rows m0 .. m0 + kM - 1 of head hq) into buffer slots
+// sL[tid] (lse * log2 e) and sD[tid] (rowsum(dO * O)), by the first kM threads. Rows past the sequence, and
+// rows that saw no key (lse -inf), get lse +inf: P = 0 for them.
+template <int kM>
+__device__ __forceinline__ void stage_row_stats(const AttnProblem& p, const float* dsum, const SeqInfo& si, int b,
+                                                int hq, int m0, int tid, float* sL, float* sD) {
+  if (tid < kM) {
+    const int row = m0 + tid;
+    const int64_t off = lse_offset(p, b, hq, si.q0);
+    const float l = row < si.nq ? p.lse[off + row] : INFINITY;
+    sL[tid] = l == -INFINITY ? INFINITY : l * kLog2e;
+    sD[tid] = row < si.nq ? dsum[off + row] : 0.f;
+  }
 }
 
 // Writes this thread's two key rows (key_base and key_base + 8) of dK (times the softmax scale) and dV
