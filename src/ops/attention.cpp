@@ -154,6 +154,14 @@ Geometry check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const A
            "{}: q has {} heads and k has {}; the query heads must be a multiple of the key/value heads (GQA)", op,
            g.heads, g.kv_heads);
   MC_CHECK(g.dim > 0, "{}: head_dim must be positive", op);
+  // The sm90 tuning fields are checked whatever kernel runs: Auto must not quietly take another kernel
+  // because one of them is out of range.
+  MC_CHECK(o.flash_sm90_block_n == 0 || o.flash_sm90_block_n == 64 || o.flash_sm90_block_n == 128,
+           "{}: flash_sm90_block_n is {}; use 0 (the default), 64 or 128", op, o.flash_sm90_block_n);
+  MC_CHECK(o.flash_sm90_variant >= 0 && o.flash_sm90_variant <= 4,
+           "{}: flash_sm90_variant is {}; use 0 (the default) to 4", op, o.flash_sm90_variant);
+  MC_CHECK(o.flash_sm90_bwd_variant == 0 || o.flash_sm90_bwd_variant == 1,
+           "{}: flash_sm90_bwd_variant is {}; use 0 (the default) or 1", op, o.flash_sm90_bwd_variant);
   if (g.packed) {
     MC_CHECK(o.cu_seqlens_q.defined() && o.cu_seqlens_kv.defined(),
              "{}: packed mode needs both cu_seqlens_q and cu_seqlens_kv (pass the same tensor twice for self-attention)",

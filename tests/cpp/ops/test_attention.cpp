@@ -151,6 +151,20 @@ TEST_CASE("attention: bad arguments give clear errors", "[ops][attention]") {
   CHECK_THROWS_WITH(attention_forward(pq, pkv, pkv, po, pl, pk), Catch::Contains("i32"));
 }
 
+TEST_CASE("attention: out-of-range flash tuning fields are errors on every device and backend", "[ops][attention]") {
+  // Checked before any backend is chosen, so that Auto never quietly runs another kernel instead.
+  Tensor q = Tensor::zeros({1, 4, 2, 8}), out = Tensor::zeros({1, 4, 2, 8}), lse = Tensor::zeros({1, 2, 4});
+  Tensor dq = Tensor::zeros({1, 4, 2, 8}), dk = Tensor::zeros({1, 4, 2, 8}), dv = Tensor::zeros({1, 4, 2, 8});
+  AttentionOptions o;
+  o.flash_sm90_block_n = 96;
+  CHECK_THROWS_WITH(attention_forward(q, q, q, out, lse, o), Catch::Contains("flash_sm90_block_n is 96"));
+  o.flash_sm90_block_n = 0, o.flash_sm90_variant = 7;
+  CHECK_THROWS_WITH(attention_forward(q, q, q, out, lse, o), Catch::Contains("flash_sm90_variant is 7"));
+  o.flash_sm90_variant = 0, o.flash_sm90_bwd_variant = -1;
+  CHECK_THROWS_WITH(attention_backward(q, q, q, out, lse, out, dq, dk, dv, o),
+                    Catch::Contains("flash_sm90_bwd_variant is -1"));
+}
+
 // ---- GPU ------------------------------------------------------------------------------------------
 namespace {
 
@@ -481,9 +495,9 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
     CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90 forward"));
   } else {
     s90.flash_sm90_block_n = 96;
-    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_block_n 96"));
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("flash_sm90_block_n is 96"));
     s90.flash_sm90_block_n = 0, s90.flash_sm90_variant = 5;
-    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("sm90_variant 5"));
+    CHECK_THROWS_WITH(attention_forward(q64, q64, q64, o64, lse, s90), Catch::Contains("flash_sm90_variant is 5"));
   }
   // The sm90 backward asked for: where it cannot run, or with a deterministic backward (it sums dQ
   // with atomics), the call is refused before anything is written.
@@ -499,7 +513,7 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
     if (attention_flash_sm90_available(g)) {
       b90.flash_sm90_bwd_variant = 2;
       CHECK_THROWS_WITH(attention_backward(q64, q64, q64, o64, lse, o64, dq, dk, dv, b90),
-                        Catch::Contains("sm90_bwd_variant 2"));
+                        Catch::Contains("flash_sm90_bwd_variant is 2"));
       b90.flash_sm90_bwd_variant = 0;
     }
     b90.deterministic = true;
