@@ -315,10 +315,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dot_kernel(const AttnProbl
 // rowsum(dO * O) by the first kM threads.
 template <class T, int D, int kM, int NT>
 __device__ __forceinline__ void bwd_issue_q_tile(const AttnProblem& p, const float* dsum, const SeqInfo& si, int b,
-                                                 int hk, int group, int m_begin, int per_head, int it, int buf,
-                                                 T* sQ, T* sdO, float* sL, float* sD, int tid) {
-  const int hq = hk * group + it / per_head;
-  const int m0 = (m_begin + it % per_head) * kM;
+                                                 const QueryWalk& w, int it, int buf, T* sQ, T* sdO, float* sL,
+                                                 float* sD, int tid) {
+  const int hq = w.head(it);
+  const int m0 = w.row0(it);
   const T* q = head_ptr<const T>(p.q, b, si.q0, hq);
   const T* dO = head_ptr<const T>(p.dout, b, si.q0, hq);
   load_tile<T, kM, D, NT>(sQ + buf * kM * D, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
@@ -422,14 +422,11 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
   load_tile<T, kN, D>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
   load_tile<T, kN, D>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
 
-  const int group = p.heads / p.kv_heads;
-  const int m_begin = p.causal ? n0 / kM : 0;  // earlier query tiles see none of these keys
-  const int m_blocks = (si.nq + kM - 1) / kM;
-  const int per_head = max(m_blocks - m_begin, 0);
-  const int total = group * per_head;
+  const QueryWalk walk = query_walk(p, si, hk, n0, kM);
+  const int total = walk.total;
 
   auto issue = [&](int it, int buf) {
-    bwd_issue_q_tile<T, D, kM, kThreads>(p, dsum, si, b, hk, group, m_begin, per_head, it, buf, sQ, sdO, sL, sD, tid);
+    bwd_issue_q_tile<T, D, kM, kThreads>(p, dsum, si, b, walk, it, buf, sQ, sdO, sL, sD, tid);
   };
   if (total > 0) issue(0, 0);
   cp_async_commit();
@@ -449,7 +446,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
     if (it + 1 < total) issue(it + 1, (it + 1) & 1);
     cp_async_commit();
     const int buf = it & 1;
-    const int m0 = (m_begin + it % per_head) * kM;
+    const int m0 = walk.row0(it);
     const T* cQ = sQ + buf * kM * D;
     const T* cdO = sdO + buf * kM * D;
     const float* cL = sL + buf * kM;
@@ -659,14 +656,11 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   load_tile<T, kN, D, NT>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
   load_tile<T, kN, D, NT>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
 
-  const int group = p.heads / p.kv_heads;
-  const int m_begin = p.causal ? n0 / kM : 0;  // earlier query tiles see none of these keys
-  const int m_blocks = (si.nq + kM - 1) / kM;
-  const int per_head = max(m_blocks - m_begin, 0);
-  const int total = group * per_head;
+  const QueryWalk walk = query_walk(p, si, hk, n0, kM);
+  const int total = walk.total;
 
   auto issue = [&](int it, int buf) {
-    bwd_issue_q_tile<T, D, kM, NT>(p, dsum, si, b, hk, group, m_begin, per_head, it, buf, sQ, sdO, sL, sD, tid);
+    bwd_issue_q_tile<T, D, kM, NT>(p, dsum, si, b, walk, it, buf, sQ, sdO, sL, sD, tid);
   };
   if (total > 0) issue(0, 0);
   cp_async_commit();
@@ -691,8 +685,8 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
     if (it + 1 < total) issue(it + 1, (it + 1) & 1);
     cp_async_commit();
     const int buf = it & 1;
-    const int hq = hk * group + it / per_head;
-    const int m0 = (m_begin + it % per_head) * kM;
+    const int hq = walk.head(it);
+    const int m0 = walk.row0(it);
     const T* cQ = sQ + buf * kM * D;
     const T* cdO = sdO + buf * kM * D;
     const float* cL = sL + buf * kM;

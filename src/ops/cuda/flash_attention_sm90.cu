@@ -793,14 +793,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_tile<T, kN, D>(sK, head_ptr<const T>(p.k, b, si.k0 + n0, hk), p.k.row_stride, si.nk - n0, tid);
   load_tile<T, kN, D>(sV, head_ptr<const T>(p.v, b, si.k0 + n0, hk), p.v.row_stride, si.nk - n0, tid);
 
-  const int group = p.heads / p.kv_heads;
-  const int m_begin = p.causal ? n0 / kMq : 0;  // earlier query tiles see none of these keys
-  const int m_blocks = (si.nq + kMq - 1) / kMq;
-  const int per_head = max(m_blocks - m_begin, 0);
-  const int total = group * per_head;
+  const QueryWalk walk = query_walk(p, si, hk, n0, kMq);
+  const int total = walk.total;
   auto issue = [&](int it, int buf) {
-    const int hq = hk * group + it / per_head;
-    const int m0 = (m_begin + it % per_head) * kMq;
+    const int hq = walk.head(it);
+    const int m0 = walk.row0(it);
     load_tile<T, kMq, D>(sQ + buf * kMq * D, head_ptr<const T>(p.q, b, si.q0 + m0, hq), p.q.row_stride, si.nq - m0,
                          tid);
     load_tile<T, kMq, D>(sdO + buf * kMq * D, head_ptr<const T>(p.dout, b, si.q0 + m0, hq), p.dout.row_stride,
@@ -834,8 +831,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it + 1 < total) issue(it + 1, (it + 1) & 1);
     cp_async_commit();
     const int buf = it & 1;
-    const int hq = hk * group + it / per_head;
-    const int m0 = (m_begin + it % per_head) * kMq;
+    const int hq = walk.head(it);
+    const int m0 = walk.row0(it);
     const uint32_t cQ = aQ + uint32_t(buf) * kQBytes, cdO = adO + uint32_t(buf) * kQBytes;
     const float* cL = sL + buf * kMq;
     const float* cR = sR + buf * kMq;

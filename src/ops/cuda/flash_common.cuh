@@ -61,6 +61,26 @@ __device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h
   return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
 }
 
+// The query tiles a backward block with keys n0.. of kv head hk walks: every query head of its GQA group
+// (p.heads / p.kv_heads of them), each from tile m_begin (causal: earlier tiles see none of these keys)
+// to the last, kM rows a tile; step `it` is query head head(it), rows row0(it) ...
+struct QueryWalk {
+  int hk, group, kM, m_begin, per_head, total;
+  __device__ __forceinline__ int head(int it) const { return hk * group + it / per_head; }
+  __device__ __forceinline__ int row0(int it) const { return (m_begin + it % per_head) * kM; }
+};
+__device__ __forceinline__ QueryWalk query_walk(const AttnProblem& p, const SeqInfo& si, int hk, int n0, int kM) {
+  QueryWalk w;
+  w.hk = hk;
+  w.group = p.heads / p.kv_heads;
+  w.kM = kM;
+  w.m_begin = p.causal ? n0 / kM : 0;
+  const int m_blocks = (si.nq + kM - 1) / kM;
+  w.per_head = m_blocks - w.m_begin > 0 ? m_blocks - w.m_begin : 0;
+  w.total = w.group * w.per_head;
+  return w;
+}
+
 // The backward's per-row statistics of query tile m0 (rows m0 .. m0 + kM - 1 of head hq) into buffer slots
 // sL[tid] (lse * log2 e) and sD[tid] (rowsum(dO * O)), by the first kM threads. Rows past the sequence, and
 // rows that saw no key (lse -inf), get lse +inf: P = 0 for them.
