@@ -28,6 +28,16 @@ __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   return {m, a.s * exp2f(a.m - m) + b.s * exp2f(b.m - m)};
 }
 
+// combine over the 32 lanes of a warp; every lane gets the result.
+__device__ __forceinline__ MaxSum warp_combine(MaxSum ms) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
+    ms = combine(ms, other);
+  }
+  return ms;
+}
+
 __device__ __forceinline__ int64_t label_at(const CeArgs& a, int64_t row) {
   return a.labels_i64 ? static_cast<const int64_t*>(a.labels)[row]
                       : int64_t(static_cast<const int32_t*>(a.labels)[row]);
@@ -123,11 +133,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
           }
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-        ms = combine(ms, other);
-      }
+      ms = warp_combine(ms);
       if (need_sz) sz = warp_sum(sz);
       if (lane == 0) {
         red_ms[warp] = ms;
@@ -136,11 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
       __syncthreads();
       ms = lane < nwarps ? red_ms[lane] : MaxSum{-INFINITY, 0.f};
       sz = lane < nwarps ? red[lane] : 0.f;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-        ms = combine(ms, other);
-      }
+      ms = warp_combine(ms);
       if (need_sz) sz = warp_sum(sz);
       // The target logit is read before the barrier: in place (dlogits == logits), pass 2 of other threads
       // overwrites it once they are past the barrier.
@@ -345,11 +347,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-    ms = combine(ms, other);
-  }
+  ms = warp_combine(ms);
   sz = warp_sum(sz);
   if (lane == 0) {
     red_ms[warp] = ms;
@@ -359,11 +357,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
   if (warp == 0) {
     ms = lane < nwarps ? red_ms[lane] : MaxSum{-INFINITY, 0.f};
     sz = lane < nwarps ? red[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-      ms = combine(ms, other);
-    }
+    ms = warp_combine(ms);
     sz = warp_sum(sz);
     if (lane == 0) {
       const float zt = (tl >= c_begin && tl < c_end) ? to_f32(buf[tl - c_begin]) : 0.f;
