@@ -327,7 +327,8 @@ __device__ __forceinline__ void bwd_issue_q_tile(const AttnProblem& p, const flo
   stage_row_stats<kM>(p, dsum, si, b, hq, m0, tid, sL + buf * kM, sD + buf * kM);
 }
 
-// S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys against the kM queries of the tile.
+// S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys against the kM queries of the tile. (The dQ
+// kernel calls it with the roles exchanged: S = Q K^T and dP = dO V^T for 16 query rows.)
 template <class T, int D, int kM>
 __device__ __forceinline__ void bwd_st_dpt(float (&st)[kM / 8][4], float (&dpt)[kM / 8][4], const T* sK,
                                            const T* sV, const T* cQ, const T* cdO, int warp, int lane) {
@@ -532,28 +533,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(const AttnProble
     const T* cK = sK + (nb & 1) * kN * D;
     const T* cV = sV + (nb & 1) * kN * D;
 
+    // S = Q K^T and dP = dO V^T for this warp's 16 query rows: the dK/dV kernels' two products with the
+    // roles of (K, V) and (Q, dO) exchanged.
     float s[kN / 8][4], dp[kN / 8][4];
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-    }
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t aq[4], ao[4];
-      load_a<D>(aq, sQ, warp * 16, ks * 16, lane);
-      load_a<D>(ao, sdO, warp * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < kN / 16; ++np) {
-        uint32_t bk[4], bv[4];
-        load_b_nk<D>(bk, cK, np * 16, ks * 16, lane);
-        load_b_nk<D>(bv, cV, np * 16, ks * 16, lane);
-        Op::run(s[2 * np], aq, bk[0], bk[1]);
-        Op::run(s[2 * np + 1], aq, bk[2], bk[3]);
-        Op::run(dp[2 * np], ao, bv[0], bv[1]);
-        Op::run(dp[2 * np + 1], ao, bv[2], bv[3]);
-      }
-    }
+    bwd_st_dpt<T, D, kN>(s, dp, sQ, sdO, cK, cV, warp, lane);
     const int n0 = nb * kN;
     const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > m0 + warp * 16);
 #pragma unroll
