@@ -142,17 +142,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const AttnProblem p
   T* sV = sK + 2 * kN * D;  // two buffers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y;
-  // Causal rows further down see more keys: launch those blocks first so the tail is short.
-  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = query_block_row0(p, kM);
   const SeqInfo si = seq_info(p, b);
-  const int m0 = m_block * kM;
   if (m0 >= si.nq) return;
   const int hk = h / (p.heads / p.kv_heads);
   const T* q = head_ptr<const T>(p.q, b, si.q0, h);
   const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
   const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
-  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
-  const int n_blocks = (n_end + kN - 1) / kN;
+  const int n_blocks = key_blocks_for(p, si, m0, kM, kN);
 
   load_tile<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
   if (n_blocks > 0) {
@@ -486,17 +483,15 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(const AttnProble
   T* sV = sK + 2 * kN * D;  // two buffers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y;
-  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = query_block_row0(p, kM);
   const SeqInfo si = seq_info(p, b);
-  const int m0 = m_block * kM;
   if (m0 >= si.nq) return;
   const int hk = h / (p.heads / p.kv_heads);
   const T* q = head_ptr<const T>(p.q, b, si.q0, h);
   const T* dO = head_ptr<const T>(p.dout, b, si.q0, h);
   const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
   const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
-  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
-  const int n_blocks = (n_end + kN - 1) / kN;
+  const int n_blocks = key_blocks_for(p, si, m0, kM, kN);
 
   load_tile<T, kM, D>(sQ, q + int64_t(m0) * p.q.row_stride, p.q.row_stride, si.nq - m0, tid);
   load_tile<T, kM, D>(sdO, dO + int64_t(m0) * p.dout.row_stride, p.dout.row_stride, si.nq - m0, tid);

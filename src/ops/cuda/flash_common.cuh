@@ -61,6 +61,18 @@ __device__ __forceinline__ int64_t lse_offset(const AttnProblem& p, int b, int h
   return int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + row0;
 }
 
+// First query row of the kM-row block this CTA owns (blockIdx.x along the queries). Causal rows further
+// down see more keys, so causal grids launch those blocks first and the tail is short.
+__device__ __forceinline__ int query_block_row0(const AttnProblem& p, int kM) {
+  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  return m_block * kM;
+}
+// kN-key tiles the query rows m0 .. m0 + kM - 1 see (causal: keys up to the block's last row).
+__device__ __forceinline__ int key_blocks_for(const AttnProblem& p, const SeqInfo& si, int m0, int kM, int kN) {
+  const int n_end = p.causal ? min(si.nk, m0 + kM) : si.nk;
+  return (n_end + kN - 1) / kN;
+}
+
 // The query tiles a backward block with keys n0.. of kv head hk walks: every query head of its GQA group
 // (p.heads / p.kv_heads of them), each from tile m_begin (causal: earlier tiles see none of these keys)
 // to the last, kM rows a tile; step `it` is query head head(it), rows row0(it) ...
