@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "ops/cuda/attention_cuda.hpp"
+#include "ops/cuda/fast_math.cuh"
 
 namespace megacore::ops::cuda::flash {
 
@@ -25,12 +26,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // dst[0..1] += (a, b) in global memory, no return value (8-byte aligned).
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
