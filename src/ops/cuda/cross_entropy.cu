@@ -9,6 +9,7 @@
 #include <cooperative_groups.h>
 
 #include "ops/cuda/cross_entropy_cuda.hpp"
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/memops_common.cuh"
 
 namespace megacore::ops::cuda {
@@ -25,7 +26,7 @@ struct MaxSum {
 __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, 0.f};
-  return {m, a.s * exp2f(a.m - m) + b.s * exp2f(b.m - m)};
+  return {m, a.s * fast_exp2(a.m - m) + b.s * fast_exp2(b.m - m)};
 }
 
 // combine over the 32 lanes of a warp; every lane gets the result.
@@ -74,6 +75,21 @@ __device__ __forceinline__ void unpack(const Pack<T, V>& r, float (&out)[V]) {
   }
 }
 
+// The gradient of V consecutive logits x (in place): scale * (softmax - smoothing / vocab), less
+// scale * (1 - smoothing) at the target column (d = target - first column, when in [0, V)). One FFMA,
+// one MUFU and one FFMA an element; the target test is one compare a vector (soff = -scale * off).
+template <int V>
+__device__ __forceinline__ void grad_pack(float (&x)[V], float log2e, float lse2, float scale, float soff, int64_t d,
+                                          float hit) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) x[k] = fmaf(scale, fast_exp2(fmaf(x[k], log2e, -lse2)), soff);
+  if (static_cast<uint64_t>(d) < static_cast<uint64_t>(V)) {
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (k == d) x[k] -= hit;
+  }
+}
+
 // kUnroll loads per thread are issued before any is used: enough bytes in flight per SM. STREAM2: the
 // gradient pass reads the logits for the last time, evict-first, leaving L2 to rows still in pass 1.
 template <class T, int V, int kUnroll, bool STREAM2>
@@ -117,7 +133,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
           for (int k = 0; k < V; ++k) vm = fmaxf(vm, x[u][k]);
         vm *= kLog2e;
         if (vm > ms.m) {
-          ms.s *= exp2f(ms.m - vm);
+          ms.s *= fast_exp2(ms.m - vm);
           ms.m = vm;
         }
         // While every logit so far is -inf (masked padding) the terms are 0; exp2(-inf + inf) would be NaN.
@@ -127,7 +143,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
           if (c0 + u * stride < v) {
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-              if (finite_max) ms.s += exp2f(fmaf(x[u][k], kLog2e, -ms.m));
+              if (finite_max) ms.s += fast_exp2(fmaf(x[u][k], kLog2e, -ms.m));
               sz += x[u][k];
             }
           }
@@ -174,6 +190,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
     const float lse2 = lse * kLog2e;
     const float off = smooth / float(a.vocab_total);
     const int64_t stride = int64_t(blockDim.x) * V;
+    const float soff = -scale * off, hit = scale * (1.f - smooth);
     for (int64_t c0 = int64_t(threadIdx.x) * V; c0 < v; c0 += stride * kUnroll) {
       Pack<T, V> r[kUnroll];
 #pragma unroll
@@ -185,12 +202,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_kernel(CeArgs a) {
         const int64_t c = c0 + u * stride;
         if (c < v) {
           unpack<T, V>(r[u], x[u]);
-#pragma unroll
-          for (int k = 0; k < V; ++k) {
-            float g = exp2f(fmaf(x[u][k], kLog2e, -lse2)) - off;
-            if (c + k == tl) g -= 1.f - smooth;
-            x[u][k] = scale * g;
-          }
+          grad_pack<V>(x[u], kLog2e, lse2, scale, soff, tl - c, hit);
           store_f32_stream<T, V>(dz + c, x[u]);
         }
       }
@@ -325,7 +337,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
     }
     cm *= kLog2e;
     if (cm > ms.m) {
-      ms.s *= exp2f(ms.m - cm);
+      ms.s *= fast_exp2(ms.m - cm);
       ms.m = cm;
     }
     if (ms.m != -INFINITY) {  // all -inf so far: the terms are 0 (exp2(-inf + inf) would be NaN)
@@ -334,7 +346,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
         unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          ms.s += exp2f(fmaf(x[e], kLog2e, -ms.m));
+          ms.s += fast_exp2(fmaf(x[e], kLog2e, -ms.m));
           sz += x[e];
         }
       }
@@ -393,7 +405,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
   cluster_arrive();
   __syncthreads();
   const float lse2 = row_stat.x, scale = row_stat.y;
-  const float off = smooth / float(a.vocab_total);
+  const float soff = -scale * (smooth / float(a.vocab_total)), hit = scale * (1.f - smooth);
   T* dz = static_cast<T*>(a.dlogits) + row * v + c_begin;
   constexpr int kU = 4;
   for (int64_t i0 = threadIdx.x; i0 < nvec; i0 += int64_t(blockDim.x) * kU) {
@@ -403,13 +415,7 @@ __global__ void __launch_bounds__(kMaxThreads) ce_row_smem_kernel(CeArgs a, int6
       if (i < nvec) {
         float x[V];
         unpack_f32<T>(*reinterpret_cast<const Vec16<T>*>(buf + i * V), x);
-        const int64_t c = c_begin + i * V;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float g = exp2f(fmaf(x[e], kLog2e, -lse2)) - off;
-          if (c + e == tl) g -= 1.f - smooth;
-          x[e] = scale * g;
-        }
+        grad_pack<V>(x, kLog2e, lse2, scale, soff, tl - (c_begin + i * V), hit);
         store_f32_stream<T, V>(dz + i * V, x);
       }
     }
