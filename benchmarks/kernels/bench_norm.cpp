@@ -39,6 +39,10 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
       // the default before session 5: 4 backward vectors and 128-thread blocks for both norms
       {"f8_b4_sacc_fin_m128", NormTuning{.bwd_vecs = 4, .bwd_min_block = 128}},
+      // four row groups of 128 threads a backward block (two at h 8192): a quarter / half of the partial
+      // rows, the groups' barriers their own (session 6)
+      {"bm512", NormTuning{.bwd_min_block = 512}},
+      {"bm512_b2", NormTuning{.bwd_vecs = 2, .bwd_min_block = 512}},
       // the finalize launched after the backward completes (no programmatic dependent launch)
       {"no_pdl", NormTuning{.bwd_pdl = false}},
   };

@@ -26,19 +26,26 @@
 namespace megacore::ops::cuda {
 namespace {
 
+// Barrier over the row group `grp` alone (its tpr = 32 * wpr threads): named barrier 1 + grp, so the
+// groups of a block do not wait for each other (barrier 0 stays __syncthreads'). A block has at most 15
+// groups of two or more warps (plan_for: at most 512 threads, so at most 8).
+__device__ __forceinline__ void group_barrier(int grp, int wpr) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + grp), "r"(32 * wpr) : "memory");
+}
+
 // Sum of (a, b) over the thread's row group of `wpr` warps, returned to all of its threads. Every
-// thread of the block must call it (it has barriers when a row spans several warps).
+// thread of the group must call it (it has the group's barriers when a row spans several warps).
 __device__ __forceinline__ float2 group_sum2(float a, float b, int wpr, float2* red) {
   a = warp_sum(a);
   b = warp_sum(b);
   if (wpr == 1) return make_float2(a, b);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / wpr;
   if (lane == 0) red[warp] = make_float2(a, b);
-  __syncthreads();
-  float2 t = lane < wpr ? red[warp / wpr * wpr + lane] : make_float2(0.f, 0.f);
+  group_barrier(grp, wpr);
+  float2 t = lane < wpr ? red[grp * wpr + lane] : make_float2(0.f, 0.f);
   t.x = warp_sum(t.x);
   t.y = warp_sum(t.y);
-  __syncthreads();
+  group_barrier(grp, wpr);  // red is the group's again before its next sum
   return t;
 }
 
@@ -239,7 +246,8 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 // Persistent backward: row group g of the grid takes rows g, g + groups, ... Every group runs the same
-// number of iterations (dead rows included) so that the barriers of a block line up. With PREFETCH the
+// number of iterations (dead rows included); a group's barriers are its own (group_barrier), so the
+// groups of a block do not wait for each other. With PREFETCH the
 // next row's x and dy are loaded before this row's reduction, so loads stay in flight across it.
 // Without SMEM_ACC each row group keeps its sums in registers and writes its own partial row.
 // With SMEM_ACC (NormTuning::bwd_smem_acc) the weight/bias gradient sums live in dynamic shared memory
@@ -485,7 +493,7 @@ __device__ __forceinline__ void finalize_store4(W* out, int64_t c, float4 t, boo
 
 // NormTuning::bwd_finalize = 1: blockIdx.y 0 sums part_w into dw, 1 sums part_b into db (one launch).
 // An 8 x 32 block covers 32 columns: thread (x, y) sums columns 4x..4x+3 over parts y, y + 32, ... in
-// that order (8 16-byte loads issued before their adds), then row y = 0 adds the 32 slices in order.
+// that order (16 16-byte loads issued before their adds), then row y = 0 adds the 32 slices in order.
 // h is a multiple of 4 and the part rows are 16-byte aligned.
 template <class W, class B>
 __global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w, const float* part_b, int nparts,
@@ -498,16 +506,17 @@ __global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w,
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (c < h) {
     const float* q = part + c;
-    int p = threadIdx.y;
-    constexpr int U = 8;
-    for (; p + (U - 1) * 32 < nparts; p += U * 32) {
+    // All U loads of a round are issued before their adds; up to 32 * U parts take one round.
+    constexpr int U = 16;
+    for (int p = threadIdx.y; p < nparts; p += U * 32) {
       float4 v[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = __ldcs(reinterpret_cast<const float4*>(q + int64_t(p + u * 32) * h));
+      for (int u = 0; u < U; ++u)
+        v[u] = p + u * 32 < nparts ? __ldcs(reinterpret_cast<const float4*>(q + int64_t(p + u * 32) * h))
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int u = 0; u < U; ++u) add4(acc, v[u]);
     }
-    for (; p < nparts; p += 32) add4(acc, __ldcs(reinterpret_cast<const float4*>(q + int64_t(p) * h)));
   }
   tile[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
