@@ -23,7 +23,8 @@
 #                reduction), and torch DDP at 1 and 4 micro-batches
 #   kernels      single-GPU [gpu] tests, torch peers (fused ops and SDPA), then megacore_bench_kernels
 #                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substrings,
-#                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only)
+#                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only; TORCH_PEERS=0 / ATTN_PEERS=0
+#                skip the fused-op / SDPA peers; KTESTS=0 skips the tests)
 # Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
 #   device run: PHASE=tests,collectives bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4)
 set -uo pipefail
@@ -243,8 +244,10 @@ if has kernels; then
     step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json ${TPEERS_ONLY:+--only $TPEERS_ONLY}
     tail -2 $OUT/torch_peers.log
   fi
-  step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
-  tail -2 $OUT/torch_attn_peers.log
+  if [ "${ATTN_PEERS:-1}" = 1 ]; then  # ATTN_PEERS=0: no torch SDPA peer (a run without attention)
+    step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
+    tail -2 $OUT/torch_attn_peers.log
+  fi
   # KFILTER: comma-separated substrings of the benchmark names to run (all when empty).
   export MC_TORCH_ATTN_PEERS=$OUT/json/attention_torch_sdpa.json
   step bench_kernels 300 $B/benchmarks/megacore_bench_kernels \
