@@ -471,15 +471,12 @@ void launch_row_smem(const CeArgs& a, int64_t slice, int threads, cudaStream_t s
 
 }  // namespace
 
-CeTuning ce_default_tuning(DType dt, CeMode mode, int64_t v) {
-  // H100 (2026-11-27), 8192x128256 bf16 fused: cluster 4 x 256 threads 80.3 % of copy, 4 x 512 80.0 %,
-  // the two-pass kernel 77.4 %; at 8192x32000 the two-pass kernel stays best (84.7 % vs <= 81.4 %).
-  CeTuning t;
-  if (mode == CeMode::Fused && dtype_size(dt) == 2 && v * 2 > (int64_t(128) << 10)) {
-    t.threads = 256;
-    t.cluster = 4;
-  }
-  return t;
+CeTuning ce_default_tuning(DType, CeMode, int64_t) {
+  // H100 (session 6, after the one-MUFU exp2 and the FFMA gradient), bf16 fused: the two-pass kernel
+  // 93.8 % of copy at 8192x32000 and 89.9 % at 8192x128256 (unroll 8, rows in flight in half of L2),
+  // against 88.4 % (cluster 1) and 86.2-88.7 % (clusters of 4 or 8) for the row-on-chip kernel. Before
+  // those changes the row-on-chip kernel led at 128k (80.3 % vs 77.4 %) and was the default there.
+  return CeTuning{};
 }
 
 bool ce_row_on_chip(DType dt, const CeArgs& a, int device) {

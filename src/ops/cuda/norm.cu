@@ -493,7 +493,7 @@ __device__ __forceinline__ void finalize_store4(W* out, int64_t c, float4 t, boo
 
 // NormTuning::bwd_finalize = 1: blockIdx.y 0 sums part_w into dw, 1 sums part_b into db (one launch).
 // An 8 x 32 block covers 32 columns: thread (x, y) sums columns 4x..4x+3 over parts y, y + 32, ... in
-// that order (16 16-byte loads issued before their adds), then row y = 0 adds the 32 slices in order.
+// that order (8 16-byte loads issued before their adds), then row y = 0 adds the 32 slices in order.
 // h is a multiple of 4 and the part rows are 16-byte aligned.
 template <class W, class B>
 __global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w, const float* part_b, int nparts,
@@ -506,16 +506,30 @@ __global__ void __launch_bounds__(256) column_sum_finalize4(const float* part_w,
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (c < h) {
     const float* q = part + c;
-    // All U loads of a round are issued before their adds; up to 32 * U parts take one round.
-    constexpr int U = 16;
-    for (int p = threadIdx.y; p < nparts; p += U * 32) {
+    // Full rounds of U parts, then one round for the rest: past the last part a load re-reads the last
+    // part row and adds zero, so all U loads of a round go out before its first add (the loop this
+    // replaced issued the rest one load at a time).
+    constexpr int U = 8;
+    int p = threadIdx.y;
+    for (; p + (U - 1) * 32 < nparts; p += U * 32) {
       float4 v[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        v[u] = p + u * 32 < nparts ? __ldcs(reinterpret_cast<const float4*>(q + int64_t(p + u * 32) * h))
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int u = 0; u < U; ++u) v[u] = __ldcs(reinterpret_cast<const float4*>(q + int64_t(p + u * 32) * h));
 #pragma unroll
       for (int u = 0; u < U; ++u) add4(acc, v[u]);
+    }
+    if (p < nparts) {
+      float4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int pu = p + u * 32 < nparts ? p + u * 32 : nparts - 1;
+        v[u] = __ldcs(reinterpret_cast<const float4*>(q + int64_t(pu) * h));
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool in = p + u * 32 < nparts;  // a select, not a branch
+        add4(acc, make_float4(in ? v[u].x : 0.f, in ? v[u].y : 0.f, in ? v[u].z : 0.f, in ? v[u].w : 0.f));
+      }
     }
   }
   tile[threadIdx.y][threadIdx.x] = acc;

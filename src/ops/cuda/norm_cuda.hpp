@@ -44,7 +44,7 @@ struct NormTuning {
                                   ///< block; falls back to the register sums (one partial row per row
                                   ///< group) where the block's sums do not fit in shared memory
   int bwd_finalize = 1;           ///< 0: scalar column-sum kernel per gradient; 1: one launch for dw and
-                                  ///< db, 16-byte loads of 32 columns x 32 part slices per block, sixteen
+                                  ///< db, 16-byte loads of 32 columns x 32 part slices per block, eight
                                   ///< loads in flight per thread (rows of a multiple of 4 floats; else 0)
   bool bwd_pdl = true;            ///< bwd_finalize 1 on sm_90: the finalize is launched as a programmatic
                                   ///< dependent of the backward (its launch overlaps the backward's last
