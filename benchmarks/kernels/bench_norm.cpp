@@ -15,9 +15,9 @@ namespace {
 
 using NormTuning = ops::cuda::NormTuning;
 
-// Alternatives to the default (fwd 8 vectors/thread; bwd without prefetch, 4 vectors, dw/db sums in
-// shared memory, one partial row per block, 16-byte finalize; 128-thread minimum block; at most 1024
-// backward threads per SM), each spelled out.
+// Alternatives to the default (fwd 8 vectors/thread, 128-thread minimum block; bwd without prefetch, 4
+// vectors, dw/db sums in shared memory, 512-thread blocks with one partial row each, 16-byte finalize; at
+// most 1024 backward threads per SM), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
       // the previous default (session 3): register sums (4 vectors RMSNorm, 2 LayerNorm), scalar finalize
@@ -30,8 +30,8 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       // shared-memory sums, other vector counts
       {"f8_b2_sacc_fin", NormTuning{.bwd_vecs = 2}},
       {"f8_b2pf_sacc_fin", NormTuning{.bwd_vecs = 2, .bwd_prefetch = true}},
-      // fewer, larger partial rows: blocks of several row groups (one partial row per block; fewer
-      // resident threads where the sums fill the shared memory: LayerNorm h 4096 at 512 threads)
+      // larger forward blocks (min_block; the backward keeps its 512-thread default), and the
+      // backward without the 1024-thread cap or with 768
       {"f8_b4_m256_sacc_fin", NormTuning{.min_block = 256}},
       {"f8_b4_m512_sacc_fin", NormTuning{.min_block = 512}},
       {"f8_b4_m256_sacc_fin_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
@@ -39,9 +39,10 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
       // the default before session 5: 4 backward vectors and 128-thread blocks for both norms
       {"f8_b4_sacc_fin_m128", NormTuning{.bwd_vecs = 4, .bwd_min_block = 128}},
-      // four row groups of 128 threads a backward block (two at h 8192): a quarter / half of the partial
-      // rows, the groups' barriers their own (session 6)
-      {"bm512", NormTuning{.bwd_min_block = 512}},
+      // session 5's defaults: LayerNorm 256-thread backward blocks; RMSNorm 2 vectors at h <= 2048
+      // (128-thread blocks at 2048), else row f8_b4_sacc_fin_m128
+      {"bm256_b4", NormTuning{.bwd_vecs = 4, .bwd_min_block = 256}},
+      {"bm128_b2", NormTuning{.bwd_vecs = 2, .bwd_min_block = 128}},
       {"bm512_b2", NormTuning{.bwd_vecs = 2, .bwd_min_block = 512}},
       // the finalize launched after the backward completes (no programmatic dependent launch)
       {"no_pdl", NormTuning{.bwd_pdl = false}},

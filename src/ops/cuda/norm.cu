@@ -33,19 +33,24 @@ __device__ __forceinline__ void group_barrier(int grp, int wpr) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + grp), "r"(32 * wpr) : "memory");
 }
 
-// Sum of (a, b) over the thread's row group of `wpr` warps, returned to all of its threads. Every
-// thread of the group must call it (it has the group's barriers when a row spans several warps).
+// Sum of (a, b) over the thread's row group of `wpr` warps, returned to all of its threads. OWN: the
+// group's own barriers (the persistent backward: its groups drift apart); else block-wide ones (every
+// thread of the block must call it). The forward keeps the block-wide barriers (its code as before):
+// LayerNorm's forward measured 2.5-4 points lower in the H100 runs that gave it the named ones.
+template <bool OWN>
 __device__ __forceinline__ float2 group_sum2(float a, float b, int wpr, float2* red) {
   a = warp_sum(a);
   b = warp_sum(b);
   if (wpr == 1) return make_float2(a, b);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp / wpr;
   if (lane == 0) red[warp] = make_float2(a, b);
-  group_barrier(grp, wpr);
+  if constexpr (OWN) group_barrier(grp, wpr);
+  else __syncthreads();
   float2 t = lane < wpr ? red[grp * wpr + lane] : make_float2(0.f, 0.f);
   t.x = warp_sum(t.x);
   t.y = warp_sum(t.y);
-  group_barrier(grp, wpr);  // red is the group's again before its next sum
+  if constexpr (OWN) group_barrier(grp, wpr);  // red is the group's again before its next sum
+  else __syncthreads();
   return t;
 }
 
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(512) norm_fwd_rows(NormForwardArgs a, int tpr)
     }
   }
   float mean = 0.f, var;
-  const float2 tot = group_sum2(LAYER ? s1 : 0.f, s2, wpr, red);
+  const float2 tot = group_sum2<false>(LAYER ? s1 : 0.f, s2, wpr, red);
   if constexpr (LAYER) {
     const float m1 = tot.x / float(h);
     mean = k0 + m1;
@@ -330,7 +335,7 @@ __global__ void __launch_bounds__(512) norm_bwd_rows(NormBackwardArgs a, int tpr
         }
       }
     }
-    const float2 s = group_sum2(LAYER ? s1 : 0.f, s2, wpr, red);
+    const float2 s = group_sum2<true>(LAYER ? s1 : 0.f, s2, wpr, red);
     const float m1 = LAYER ? s.x / float(h) : 0.f, m2 = s.y / float(h);
     if (live) {
       T* dx = static_cast<T*>(a.dx) + row * h;
@@ -635,11 +640,12 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
   const NormTuning& tu = a.tuning;
   const std::initializer_list<const void*> ptrs{a.x, a.dy, a.dresidual, a.w, a.dx};
   // Rows too long for a prefetching thread's registers run without prefetch.
-  // vecs 0: 4 vectors (2 for RMSNorm rows of up to 2048), except LayerNorm's register sums take 2 (its
-  // 4-vector register kernel spills).
-  // bwd_min_block 0: LayerNorm at least 256 threads a block, RMSNorm min_block.
-  const int min_block = tu.bwd_min_block > 0 ? tu.bwd_min_block : LAYER ? std::max(tu.min_block, 256) : tu.min_block;
-  auto make_plan = [&](int vecs, bool& prefetch) {
+  // bwd_vecs 0: 4 vectors, except LayerNorm's register sums take 2 (its 4-vector register kernel spills).
+  // bwd_min_block 0: 512 threads a block with the shared-memory sums (row groups that do not wait for
+  // each other, one partial row per block); with the register sums (one partial row per row group)
+  // LayerNorm at least 256, RMSNorm min_block.
+  const bool own_block = tu.bwd_min_block > 0;
+  auto make_plan = [&](int vecs, int min_block, bool& prefetch) {
     prefetch = tu.bwd_prefetch;
     Plan p = plan_for<T>(a.h, vecs, prefetch ? kBwdPrefetchMaxNv : kBwdMaxNv, min_block, ptrs);
     if (!p.vec && prefetch) {
@@ -651,8 +657,8 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
     return p;
   };
   bool prefetch = false;
-  // bwd_vecs 0: 4, except 2 for RMSNorm rows of up to 2048 elements.
-  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : (!LAYER && a.h <= 2048) ? 2 : 4, prefetch);
+  Plan p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : 4, own_block ? tu.bwd_min_block : tu.bwd_smem_acc ? 512 : 0,
+                     prefetch);
   BwdLaunch L;
   // Shared-memory gradient sums: every thread's NV vectors of floats, for dw and (asked for) db; when
   // they do not fit in a block's shared memory the register sums run instead.
@@ -667,7 +673,10 @@ BwdLaunch backward_kernel(const NormBackwardArgs& a, int device) {
       L.smem = bytes;
     }
   }
-  if (!smem_acc && LAYER && tu.bwd_vecs <= 0) p = make_plan(2, prefetch);
+  if (!smem_acc) {
+    const int reg_block = own_block ? tu.bwd_min_block : LAYER ? std::max(tu.min_block, 256) : tu.min_block;
+    p = make_plan(tu.bwd_vecs > 0 ? tu.bwd_vecs : LAYER ? 2 : 4, reg_block, prefetch);
+  }
   const int64_t rows_per_block = p.vec ? p.threads / p.tpr : 1;
   const void* f = reinterpret_cast<const void*>(&norm_bwd_generic<T, LAYER>);
   if (p.vec) {

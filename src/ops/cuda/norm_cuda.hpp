@@ -29,14 +29,20 @@ struct NormTuning {
   // vectors against 82.5 / 84.0 / 82.8 with 4, so 2 became its default there; LayerNorm's backward with
   // 256-thread blocks (two row groups at h 4096) 79.0 / 81.3 / 81.4 against 76.3 / 79.3 / 80.1 at h 4096
   // and level elsewhere, so bwd_min_block 0 gives LayerNorm 256 (its forward keeps 128: 87 % against
-  // 81 % with 256).
+  // 81 % with 256). Session 6 (same card): with each row group on its own named barrier, 512-thread
+  // backward blocks with 4 vectors (a quarter of the partial rows at h 4096) were best or level at every
+  // shape in three runs: RMSNorm 86.8-87.7 / 88.0-88.5 / 87.9, LayerNorm 85.5-86.2 / 88.3-88.6 / 85.9
+  // (bench rows bm512 / bm512_b4), against RMSNorm 84.4-86.1 / 87.0-88.1 / 83.2-83.7 and LayerNorm
+  // 85.5-86.1 / 86.8-87.5 / 85.9-86.3 for the session-5 defaults; so bwd_vecs 0 is 4 and bwd_min_block
+  // 0 is 512 for both norms.
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
-  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except 2 for RMSNorm rows
-                                  ///< of up to 2048 elements and for LayerNorm with the register sums
+  int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except 2 for LayerNorm
+                                  ///< with the register sums
   int min_block = 128;            ///< threads per block at least, for short rows (with bwd_smem_acc a
                                   ///< larger block also means fewer partial rows for the finalize)
-  int bwd_min_block = 0;          ///< the backward's min_block; 0: max(min_block, 256) for LayerNorm,
-                                  ///< min_block for RMSNorm
+  int bwd_min_block = 0;          ///< the backward's min_block; 0: 512 with the shared-memory sums; with
+                                  ///< the register sums max(min_block, 256) for LayerNorm, min_block for
+                                  ///< RMSNorm
   bool bwd_prefetch = false;      ///< backward issues the next row's loads before reducing this one
   int bwd_threads_per_sm = 1024;  ///< cap on resident backward threads per SM (0: occupancy only)
   bool bwd_smem_acc = true;       ///< backward keeps the dw/db sums in shared memory, not registers (frees

@@ -191,8 +191,8 @@ TEST_CASE("norm weight gradients are bit-identical from run to run", "[ops][norm
 TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm][gpu]") {
   MC_REQUIRE_GPU();
   using NT = ops::cuda::NormTuning;
-  // Every bench_norm backward variant (NT{} is the default: 4 vectors, shared-memory sums, 16-byte
-  // finalize), the register sums (LayerNorm's default fallback: 2 vectors) and both finalizes.
+  // Every bench_norm backward variant (NT{} is the default: 4 vectors, shared-memory sums in 512-thread
+  // blocks, 16-byte finalize), the register sums (LayerNorm's default fallback: 2 vectors) and both finalizes.
   const NT shapes[] = {NT{},
                        NT{.bwd_finalize = 0},
                        NT{.bwd_smem_acc = false, .bwd_finalize = 0},
@@ -220,6 +220,10 @@ TEST_CASE("norm backward launch shapes all match the CPU reference", "[ops][norm
                        NT{.bwd_vecs = 2, .min_block = 256, .bwd_threads_per_sm = 0},
                        NT{.bwd_vecs = 4, .bwd_min_block = 128},
                        NT{.bwd_min_block = 512},
+                       // one row group a block, and several with their own barriers
+                       NT{.bwd_vecs = 2, .bwd_min_block = 128},
+                       NT{.bwd_vecs = 4, .bwd_min_block = 256},
+                       NT{.bwd_vecs = 2, .bwd_min_block = 512},
                        NT{.bwd_pdl = false}};
   struct Case { int64_t rows, h; };
   // 256 and 512: several row groups per block; 1029 rows: the last pass of the
