@@ -62,6 +62,14 @@ def layernorm(x, w, b):
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
 
 
+def layernorm_bwd(dy, x, w, mean, rstd):
+    # the explicit backward from the saved mean / rstd (dx, dw and db), as a fused kernel computes it
+    xh = (x.float() - mean[:, None]) * rstd[:, None]
+    g = dy.float() * w.float()
+    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dy.float() * xh).sum(0), dy.float().sum(0)
+
+
 def swiglu(x):
     a, b = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(a) * b
@@ -83,6 +91,22 @@ def rope(x, cos, sin):
     h = x.shape[-1] // 2
     rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def rope_bwd(dy, cos, sin):
+    # the transposed rotation: rot(x) = [-x2, x1], so rot^T(y) = [y2, -y1]
+    h = dy.shape[-1] // 2
+    ys = dy.float() * sin
+    return (dy.float() * cos + torch.cat([ys[..., h:], -ys[..., :h]], dim=-1)).to(dy.dtype)
+
+
+def gelu_tanh_bwd(dy, x):
+    return torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+
+
+def embedding_bwd(dw, ids, dy):
+    # the f32 weight gradient accumulated from the token gradients
+    return dw.index_add_(0, ids, dy.float())
 
 
 def ce_fwd_bwd(z, labels):
@@ -132,7 +156,7 @@ def main():
     C = (lambda f: f) if args.no_compile else torch.compile
 
     norm_shapes = [(16384, 4096)] if args.quick else [(16384, 4096), (16384, 8192), (32768, 2048)]
-    c_rms, c_rms_bwd, c_ln = C(rmsnorm), C(rmsnorm_bwd), C(layernorm)
+    c_rms, c_rms_bwd, c_ln, c_ln_bwd = C(rmsnorm), C(rmsnorm_bwd), C(layernorm), C(layernorm_bwd)
     for n, h in norm_shapes:
         shape = f"{n}x{h}"
         x = torch.randn(n, h, device=dev, dtype=bf)
@@ -140,9 +164,13 @@ def main():
         w = torch.randn(h, device=dev, dtype=bf) * 0.1
         b = torch.randn(h, device=dev, dtype=bf) * 0.1
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+        mean = x.float().mean(-1)
+        lrstd = torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
         add("rmsnorm_fwd", shape, lambda: rmsnorm(x, w), lambda: c_rms(x, w))
         add("rmsnorm_bwd", shape, lambda: rmsnorm_bwd(dy, x, w, rstd), lambda: c_rms_bwd(dy, x, w, rstd))
         add("layernorm_fwd", shape, lambda: layernorm(x, w, b), lambda: c_ln(x, w, b))
+        add("layernorm_bwd", shape, lambda: layernorm_bwd(dy, x, w, mean, lrstd),
+            lambda: c_ln_bwd(dy, x, w, mean, lrstd))
         del x, dy
 
     t, heads, hd = 16384, 32, 128
@@ -154,6 +182,8 @@ def main():
     sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
     c_rope = C(rope)
     add("rope_fwd", f"{t}x{heads}x{hd}", lambda: rope(x, cos, sin), lambda: c_rope(x, cos, sin))
+    c_rope_bwd = C(rope_bwd)
+    add("rope_bwd", f"{t}x{heads}x{hd}", lambda: rope_bwd(x, cos, sin), lambda: c_rope_bwd(x, cos, sin))
     del x
 
     n, f = 16384, (8192 if args.quick else 14336)
@@ -166,7 +196,10 @@ def main():
     x = torch.randn(n, f, device=dev, dtype=bf)
     c_gelu = C(gelu_tanh)
     add("gelu_tanh_fwd", f"{n}x{f}", lambda: gelu_tanh(x), lambda: c_gelu(x))
-    del x
+    dy = torch.randn_like(x)
+    c_gelu_bwd = C(gelu_tanh_bwd)
+    add("gelu_tanh_bwd", f"{n}x{f}", lambda: gelu_tanh_bwd(dy, x), lambda: c_gelu_bwd(dy, x))
+    del x, dy
 
     ce_shapes = [(8192, 32000)] if args.quick else [(8192, 32000), (8192, 128256)]
     c_ce = C(ce_fwd_bwd)
@@ -198,6 +231,11 @@ def main():
     ids = (torch.arange(n, device=dev) * 104729) % vocab
     add("embedding_fwd", f"{n}x{h}_v{vocab}", lambda: torch.nn.functional.embedding(ids, w))
     del w
+    dy = torch.randn(n, h, device=dev, dtype=bf)
+    dw = torch.zeros(vocab, h, device=dev)
+    c_emb_bwd = C(embedding_bwd)
+    add("embedding_bwd", f"{n}x{h}_v{vocab}", lambda: embedding_bwd(dw, ids, dy), lambda: c_emb_bwd(dw, ids, dy))
+    del dy, dw
     x = torch.randn(16384, 8192, device=dev, dtype=bf)
     c_drop = C(dropout)
     add("dropout_fwd", "16384x8192", lambda: dropout(x), lambda: c_drop(x))
