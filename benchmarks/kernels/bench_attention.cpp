@@ -70,14 +70,19 @@ MC_BENCHMARK("attention", 30) {
     bool variant;  // only with variants on
     ops::FlashImpl bwd;  // AttentionOptions::flash_bwd_impl
     int bwd_variant = 0;  // AttentionOptions::flash_sm90_bwd_variant
+    bool cudnn_autotune = false;  // cuDNN: every plan timed, the fastest kept (set_cudnn_attention_autotune)
   };
   const bool sm90 = ops::attention_flash_sm90_available(Device::cuda(0));
   if (!sm90) std::printf("  note: the sm90 flash kernels are not available on this device/build; no sm90 rows\n");
   using FI = ops::FlashImpl;
   const auto Fl = ops::AttentionBackend::Flash;
   std::vector<Path> paths;
-  if (ops::attention_cudnn_available())
+  if (ops::attention_cudnn_available()) {
+    // the library's default (the heuristic's first plan); variant: every plan timed on the first call of a
+    // shape and the fastest kept (set_cudnn_attention_autotune)
     paths.push_back({"cudnn", ops::AttentionBackend::Cudnn, FI::Auto, 0, 0, false, 0, false, FI::Auto});
+    paths.push_back({"cudnn[autotune]", ops::AttentionBackend::Cudnn, FI::Auto, 0, 0, false, 0, true, FI::Auto, 0, true});
+  }
   paths.push_back({"flash[sm80/det]", Fl, FI::Sm80, 0, 0, true, 0, false, FI::Auto});
   paths.push_back({"flash[sm80/sm80-atomic]", Fl, FI::Sm80, 0, 0, false, 0, false, FI::Sm80});
   if (sm90) {
@@ -131,10 +136,14 @@ MC_BENCHMARK("attention", 30) {
       };
       const std::string op = std::string("attention_") + ops::attention_backend_name(be);
       double fwd_ms = 0, fb_ms = 0;
+      const bool tuned = ops::cudnn_attention_autotune();
+      ops::set_cudnn_attention_autotune(path.cudnn_autotune || tuned);
       try {
         fwd_ms = mcbench::time_ms(fwd, 3, samples);
         fb_ms = mcbench::time_ms(fb, 3, samples);
+        ops::set_cudnn_attention_autotune(tuned);
       } catch (const std::exception& e) {
+        ops::set_cudnn_attention_autotune(tuned);
         std::printf("  %-26s %-28s failed: %s\n", shape.c_str(), path.label, e.what());
         ctx.record({{"op", op}, {"path", path.label}, {"shape", shape}, {"error", e.what()}});
         continue;
@@ -172,6 +181,8 @@ MC_BENCHMARK("attention", 30) {
                                               {"fwd_tflops", fwd_flops / (p["fwd_ms"].get<double>() * 1e-3) / 1e12},
                                               {"fwdbwd_tflops", fb_flops / (p["fwdbwd_ms"].get<double>() * 1e-3) / 1e12}};
         }
+        // megacore.ops and torch SDPA timed interleaved in one Python process (torch_attention_peer.py)
+        if (!path.variant && peer.contains("same_process")) row["same_process"] = peer["same_process"];
         if (row.contains("torch_default")) {
           const auto& p = row["torch_default"];
           char buf[64];

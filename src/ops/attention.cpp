@@ -1,5 +1,6 @@
 #include "megacore/ops/attention.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -16,6 +17,18 @@
 #include "ops/cuda/attention_cuda.hpp"
 
 namespace megacore::ops {
+
+namespace {
+std::atomic<bool> g_cudnn_autotune{false};
+std::atomic<bool> g_cudnn_enabled{true};
+std::mutex g_cudnn_reason_mu;
+std::string g_cudnn_off_reason;  // guarded by g_cudnn_reason_mu
+
+[[maybe_unused]] std::string cudnn_off_reason() {
+  std::lock_guard<std::mutex> lock(g_cudnn_reason_mu);
+  return g_cudnn_off_reason.empty() ? "it was turned off with set_cudnn_attention_enabled(false)" : g_cudnn_off_reason;
+}
+}  // namespace
 
 // ---- f64 reference ------------------------------------------------------------------------------
 namespace ref {
@@ -318,6 +331,8 @@ AttentionBackend resolve_cuda(const cuda::AttnProblem& p, AttentionBackend want,
   std::string cudnn_why;
   if (!cuda::cudnn_sdpa_built()) {
     cudnn_why = "megacore was built without cuDNN SDPA (cuDNN and cudnn-frontend headers are needed at build time)";
+  } else if (!cudnn_attention_enabled()) {
+    cudnn_why = "the cuDNN SDPA path is off: " + cudnn_off_reason();
   } else {
     cudnn_why = cuda::cudnn_unsupported_reason(p, backward, device);
   }
@@ -362,13 +377,26 @@ bool attention_flash_sm90_available(const Device& d) {
 #endif
 }
 
-bool attention_cudnn_available() {
+
+void set_cudnn_attention_autotune(bool on) { g_cudnn_autotune.store(on); }
+bool cudnn_attention_autotune() { return g_cudnn_autotune.load(); }
+
+void set_cudnn_attention_enabled(bool on, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(g_cudnn_reason_mu);
+  g_cudnn_off_reason = on ? "" : reason;
+  g_cudnn_enabled.store(on);
+}
+bool cudnn_attention_enabled() { return g_cudnn_enabled.load(); }
+
+bool attention_cudnn_built() {
 #if MEGACORE_WITH_CUDA
   return cuda::cudnn_sdpa_built();
 #else
   return false;
 #endif
 }
+
+bool attention_cudnn_available() { return attention_cudnn_built() && cudnn_attention_enabled(); }
 
 AttentionBackend attention_resolve_backend(const Tensor& q, const Tensor& k, const AttentionOptions& opts) {
   const Geometry g = check_inputs(q, k, k, opts, "attention");

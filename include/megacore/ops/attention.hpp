@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
@@ -97,8 +98,27 @@ const char* attention_backend_name(AttentionBackend b);
 /// capability 9.0 and a library built for sm_90a.
 bool attention_flash_sm90_available(const Device& d);
 
-/// True when this build contains the cuDNN SDPA path (cuDNN and cudnn-frontend found at build time).
+/// True when this build contains the cuDNN SDPA path (cuDNN and cudnn-frontend found at build time) and it
+/// is enabled (set_cudnn_attention_enabled).
 bool attention_cudnn_available();
+/// True when this build contains the cuDNN SDPA path, enabled or not.
+bool attention_cudnn_built();
+
+/// Process-wide switch for the cuDNN SDPA path (on by default where built in). Off: Auto uses megacore's
+/// flash kernel, and asking for AttentionBackend::Cudnn is a ValueError that quotes `reason`. The Python
+/// module turns it off at import (see docs/kernels.md, "cuDNN inside the Python module").
+void set_cudnn_attention_enabled(bool on, const std::string& reason = "");
+bool cudnn_attention_enabled();
+
+/// cuDNN SDPA plan choice, process-wide. Off (the default): the heuristic's first plan, untimed. On: the
+/// first call of a shape builds every engine configuration cuDNN offers and times each on that call's own
+/// tensors (cudnn-frontend's autotune: the outputs are written several times, then by the fastest plan,
+/// which later calls of the shape reuse); that call synchronises the device, so it must not happen inside
+/// CUDA-graph capture or beside communication it would stall. Graphs built under each setting are cached
+/// apart. Measured on H100 with cuDNN 9.19 (docs/kernels.md): 2 plans per causal d=128 shape, and the
+/// heuristic's first was the faster one in every case, hence off.
+void set_cudnn_attention_autotune(bool on);
+bool cudnn_attention_autotune();
 
 namespace ref {
 /// Sizes for the f64 references. Tensors are contiguous in the layouts above (dense unless cu_q is

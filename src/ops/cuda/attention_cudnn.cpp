@@ -2,6 +2,7 @@
 // compilation) takes milliseconds to seconds, so graphs are cached by everything that shapes them:
 // device, direction, dtype, sizes, strides, mask, scale and determinism.
 #include "megacore/build_config.hpp"
+#include "megacore/ops/attention.hpp"
 #include "ops/cuda/attention_cuda.hpp"
 
 #include <fmt/format.h>
@@ -31,6 +32,7 @@ struct Entry {
   std::shared_ptr<fe::graph::Graph> graph;
   int64_t workspace = 0;
   std::string error;  // non-empty: cuDNN cannot run this configuration
+  bool tune = false;  // every plan was built; the first run times them and keeps the fastest
 };
 
 // One cuDNN handle per device; a handle is bound to one stream at a time, so calls on a device are
@@ -58,11 +60,11 @@ std::string key_of(const AttnProblem& p, bool backward) {
   uint32_t scale_bits;
   std::memcpy(&scale_bits, &p.scale, 4);
   auto strides = [](const AttnTensor& t) { return fmt::format("{},{},{}", t.batch_stride, t.row_stride, t.head_stride); };
-  return fmt::format("{}|{}|{}|{},{},{},{},{},{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:x}|{}", backward ? "b" : "f",
+  return fmt::format("{}|{}|{}|{},{},{},{},{},{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{:x}|{}|{}", backward ? "b" : "f",
                      int(p.dtype), p.cu_q ? 1 : 0, p.batch, p.heads, p.kv_heads, p.head_dim, p.seqlen_q, p.seqlen_kv,
                      strides(p.q), strides(p.k), strides(p.v), strides(p.o), backward ? strides(p.dout) : "",
                      backward ? strides(p.dq) : "", backward ? strides(p.dk) : "", backward ? strides(p.dv) : "",
-                     p.causal, scale_bits, backward && p.deterministic);
+                     p.causal, scale_bits, backward && p.deterministic, cudnn_attention_autotune());
 }
 
 std::vector<int64_t> dims(int64_t b, int64_t h, int64_t s, int64_t d) { return {b, h, s, d}; }
@@ -99,16 +101,23 @@ std::shared_ptr<Entry> build(const AttnProblem& p, bool backward, cudnnHandle_t 
     dK->set_output(true).set_uid(kdK).set_dim(dims(B, Hk, Sk, D)).set_stride(strides_of(p.dk));
     dV->set_output(true).set_uid(kdV).set_dim(dims(B, Hk, Sk, D)).set_stride(strides_of(p.dv));
   }
-  auto status = g->build(handle, {fe::HeurMode_t::A});
+  const bool tune = cudnn_attention_autotune();
+  auto status = g->build(handle, {fe::HeurMode_t::A},
+                         tune ? fe::BuildPlanPolicy_t::ALL : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
   if (!status.is_good()) {
     e->error = fmt::format("cuDNN has no SDPA {} engine for this call ({})", backward ? "backward" : "forward",
                            status.get_message());
     return e;
   }
-  status = g->get_workspace_size(e->workspace);
-  if (!status.is_good()) {
-    e->error = fmt::format("cuDNN workspace query failed ({})", status.get_message());
-    return e;
+  e->tune = tune && g->get_execution_plan_count() > 1;
+  if (e->tune) {
+    e->workspace = g->get_autotune_workspace_size();  // the largest plan's, until one is chosen
+  } else {
+    status = g->get_workspace_size(e->workspace);
+    if (!status.is_good()) {
+      e->error = fmt::format("cuDNN workspace query failed ({})", status.get_message());
+      return e;
+    }
   }
   e->graph = std::move(g);
   return e;
@@ -158,6 +167,15 @@ void run(const AttnProblem& p, bool backward, int device, void* stream) {
   void* ws = e->workspace > 0 ? alloc.allocate(size_t(e->workspace), Stream::from_native(Device::cuda(device), stream))
                               : nullptr;
   check_cudnn(cudnnSetStream(st.handle, static_cast<cudaStream_t>(stream)), "cudnnSetStream");
+  if (e->tune) {
+    // Once per graph: time every plan on this call's tensors (synchronises the device) and keep the
+    // fastest. Should the timing fail, the heuristic's first plan stays selected.
+    e->tune = false;
+    if (e->graph->autotune(st.handle, pack, ws).is_good()) {
+      int64_t w = 0;
+      if (e->graph->get_workspace_size(w).is_good()) e->workspace = w;
+    }
+  }
   auto status = e->graph->execute(st.handle, pack, ws);
   if (ws) alloc.deallocate(ws);  // stream-ordered: reused only by later work on this stream
   if (!status.is_good()) raise<CudaError>("cuDNN SDPA execution failed: {}", status.get_message());

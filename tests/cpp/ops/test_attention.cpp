@@ -529,6 +529,48 @@ TEST_CASE("attention gpu: unsupported calls are errors, never wrong results", "[
   }
 }
 
+TEST_CASE("attention gpu: cuDNN with the heuristic's first plan and with timed plan choice", "[ops][attention][gpu]") {
+  MC_REQUIRE_GPU();
+  if (!attention_cudnn_available()) {
+    WARN("this build has no cuDNN SDPA path: test skipped");
+    return;
+  }
+  const bool was = cudnn_attention_autotune();
+  CHECK_FALSE(was);  // the library's default: the heuristic's plan
+  for (bool tune : {true, false}) {
+    set_cudnn_attention_autotune(tune);
+    CHECK(cudnn_attention_autotune() == tune);
+    for (bool causal : {false, true}) {
+      GpuCase c;  // a shape no other case builds, so each setting compiles (and, on, times) its own graphs
+      c.backend = AttentionBackend::Cudnn, c.dt = DType::BF16, c.dim = 128, c.causal = causal, c.sq = 161,
+      c.skv = 161;
+      run_gpu_case(c);
+    }
+  }
+  set_cudnn_attention_autotune(was);
+}
+
+TEST_CASE("attention: the cuDNN switch (available = built and enabled, the reason quoted)", "[ops][attention]") {
+  const bool built = attention_cudnn_built();
+  REQUIRE(cudnn_attention_enabled());  // the C++ default
+  CHECK(attention_cudnn_available() == built);
+  set_cudnn_attention_enabled(false, "switched off by the test");
+  CHECK_FALSE(cudnn_attention_enabled());
+  CHECK_FALSE(attention_cudnn_available());
+  if (built && cuda_available()) {
+    Tensor q = Tensor::zeros({1, 128, 4, 128}, DType::BF16, mctest::gpu());
+    Tensor o = Tensor::zeros({1, 128, 4, 128}, DType::BF16, mctest::gpu());
+    Tensor lse = Tensor::zeros({1, 4, 128}, DType::F32, mctest::gpu());
+    AttentionOptions a;
+    CHECK(attention_resolve_backend(q, q, a) == AttentionBackend::Flash);
+    a.backend = AttentionBackend::Cudnn;
+    CHECK_THROWS_WITH(attention_forward(q, q, q, o, lse, a), Catch::Contains("switched off by the test"));
+  }
+  set_cudnn_attention_enabled(true);
+  CHECK(cudnn_attention_enabled());
+  CHECK(attention_cudnn_available() == built);
+}
+
 TEST_CASE("attention gpu: Auto picks cuDNN where it is built in", "[ops][attention][gpu]") {
   MC_REQUIRE_GPU();
   const Device g = mctest::gpu();
