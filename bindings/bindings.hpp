@@ -28,5 +28,6 @@ void bind_checkpoint(pyb::module_& m);
 void bind_train(pyb::module_& m);
 void bind_optim(pyb::module_& m);
 void bind_pipeline(pyb::module_& m);
+void bind_ops(pyb::module_& m);
 
 }  // namespace megacore::py

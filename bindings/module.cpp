@@ -57,4 +57,5 @@ PYBIND11_MODULE(_C, m) {
   mp::bind_train(m);
   mp::bind_optim(m);
   mp::bind_pipeline(m);
+  mp::bind_ops(m);
 }

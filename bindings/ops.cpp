@@ -1,0 +1,143 @@
+// megacore._C.ops: the stateless ops layer for Python callers, starting with attention (the op users most
+// often want to call or compare on its own). Tensors may be megacore.Tensor, DLPack producers (torch,
+// cupy, jax) or numpy arrays; outputs are written in place, so DLPack and contiguous numpy outputs share
+// memory with the caller's array.
+#include "bindings.hpp"
+
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "megacore/ops/attention.hpp"
+
+namespace megacore::py {
+
+namespace {
+
+using namespace megacore::ops;
+
+// Why the cuDNN SDPA path starts off inside the Python module. On H100 (cuDNN 9.14 and 9.19, cudnn-frontend
+// from PyPI) the first cuDNN attention call in a Python process segfaults inside cudnn-frontend's plan
+// check (Graph::check_support), with or without torch loaded, while the same library code passes every
+// cuDNN test in the C++ test and benchmark binaries. Until that is understood, Python callers (the
+// trainer included) get megacore's flash kernel from Auto and a clear error for an explicit request.
+constexpr const char* kPythonCudnnOff =
+    "it is off inside the Python module because its first call crashed there on H100 (a known issue, see "
+    "docs/kernels.md, 'cuDNN inside the Python module'); use backend='flash' (what Auto picks), the C++ API, or "
+    "set MEGACORE_PYTHON_CUDNN_ATTENTION=1 before importing megacore to try it";
+
+Tensor tensor_arg(const pyb::handle& o, const char* what) {
+  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
+  MC_CHECK(!o.is_none(), "ops: {} is None; pass a megacore.Tensor, a DLPack tensor (torch, cupy) or a numpy array",
+           what);
+  pyb::module_ np = pyb::module_::import("numpy");
+  pyb::module_ core = pyb::module_::import("megacore._C");
+  if (pyb::isinstance(o, np.attr("ndarray"))) {
+    MC_CHECK(o.attr("flags").attr("c_contiguous").cast<bool>(),
+             "ops: {} is a non-contiguous numpy array; pass np.ascontiguousarray(...) (outputs must share memory "
+             "with the array they are written to)", what);
+    return core.attr("from_numpy")(o).cast<Tensor>();
+  }
+  MC_CHECK(pyb::hasattr(o, "__dlpack__"), "ops: {} is a {}; pass a megacore.Tensor, a DLPack tensor or a numpy array",
+           what, std::string(pyb::repr(pyb::type::of(o))));
+  return core.attr("from_dlpack")(o).cast<Tensor>();
+}
+
+AttentionBackend backend_arg(const std::string& s) {
+  if (s == "auto") return AttentionBackend::Auto;
+  if (s == "cudnn") return AttentionBackend::Cudnn;
+  if (s == "flash") return AttentionBackend::Flash;
+  if (s == "reference") return AttentionBackend::Reference;
+  raise<ValueError>("ops: unknown attention backend '{}'; use 'auto', 'cudnn', 'flash' or 'reference'", s);
+}
+
+AttentionOptions options(bool causal, float scale, const std::string& backend, bool deterministic,
+                         const pyb::object& cu_q, const pyb::object& cu_kv, int64_t max_q, int64_t max_kv) {
+  AttentionOptions o;
+  o.causal = causal;
+  o.softmax_scale = scale;
+  o.backend = backend_arg(backend);
+  o.deterministic = deterministic;
+  MC_CHECK(cu_q.is_none() == cu_kv.is_none(),
+           "ops: packed attention needs both cu_seqlens_q and cu_seqlens_kv (got only one); pass both or neither");
+  if (!cu_q.is_none()) {
+    o.cu_seqlens_q = tensor_arg(cu_q, "cu_seqlens_q");
+    o.cu_seqlens_kv = tensor_arg(cu_kv, "cu_seqlens_kv");
+    o.max_seqlen_q = max_q;
+    o.max_seqlen_kv = max_kv;
+  }
+  return o;
+}
+
+}  // namespace
+
+void bind_ops(pyb::module_& root) {
+  pyb::module_ m = root.def_submodule("ops", "Stateless ops (attention) on megacore, DLPack or numpy tensors.");
+  m.def(
+      "attention_forward",
+      [](const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& out,
+         const pyb::object& lse, bool causal, float scale, const std::string& backend, bool deterministic,
+         const pyb::object& cu_q, const pyb::object& cu_kv, int64_t max_q, int64_t max_kv, const pyb::object& stream) {
+        Tensor tq = tensor_arg(q, "q"), tk = tensor_arg(k, "k"), tv = tensor_arg(v, "v");
+        Tensor to = tensor_arg(out, "out"), tl = tensor_arg(lse, "lse");
+        const AttentionOptions o = options(causal, scale, backend, deterministic, cu_q, cu_kv, max_q, max_kv);
+        const Stream s = stream_arg(stream, tq.device());
+        pyb::gil_scoped_release nogil;
+        attention_forward(tq, tk, tv, to, tl, o, s);
+      },
+      pyb::arg("q"), pyb::arg("k"), pyb::arg("v"), pyb::arg("out"), pyb::arg("lse"), pyb::kw_only(),
+      pyb::arg("causal") = false, pyb::arg("softmax_scale") = 0.f, pyb::arg("backend") = "auto",
+      pyb::arg("deterministic") = false, pyb::arg("cu_seqlens_q") = pyb::none(), pyb::arg("cu_seqlens_kv") = pyb::none(),
+      pyb::arg("max_seqlen_q") = 0, pyb::arg("max_seqlen_kv") = 0, pyb::arg("stream") = pyb::none(),
+      "out = softmax(scale q k^T + mask) v and its log-sum-exp lse (f32), written into out and lse.\n"
+      "Dense layouts: q/out [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]; packed (cu_seqlens given):\n"
+      "q/out [Tq, H, D], k/v [Tkv, Hkv, D], lse [H, Tq]. backend: 'auto', 'cudnn', 'flash' or 'reference'.");
+  m.def(
+      "attention_backward",
+      [](const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& out,
+         const pyb::object& lse, const pyb::object& dout, const pyb::object& dq, const pyb::object& dk,
+         const pyb::object& dv, bool causal, float scale, const std::string& backend, bool deterministic,
+         const pyb::object& cu_q, const pyb::object& cu_kv, int64_t max_q, int64_t max_kv, const pyb::object& stream) {
+        Tensor tq = tensor_arg(q, "q"), tk = tensor_arg(k, "k"), tv = tensor_arg(v, "v");
+        Tensor to = tensor_arg(out, "out"), tl = tensor_arg(lse, "lse"), tdo = tensor_arg(dout, "dout");
+        Tensor tdq = tensor_arg(dq, "dq"), tdk = tensor_arg(dk, "dk"), tdv = tensor_arg(dv, "dv");
+        const AttentionOptions o = options(causal, scale, backend, deterministic, cu_q, cu_kv, max_q, max_kv);
+        const Stream s = stream_arg(stream, tq.device());
+        pyb::gil_scoped_release nogil;
+        attention_backward(tq, tk, tv, to, tl, tdo, tdq, tdk, tdv, o, s);
+      },
+      pyb::arg("q"), pyb::arg("k"), pyb::arg("v"), pyb::arg("out"), pyb::arg("lse"), pyb::arg("dout"), pyb::arg("dq"),
+      pyb::arg("dk"), pyb::arg("dv"), pyb::kw_only(), pyb::arg("causal") = false, pyb::arg("softmax_scale") = 0.f,
+      pyb::arg("backend") = "auto", pyb::arg("deterministic") = false, pyb::arg("cu_seqlens_q") = pyb::none(),
+      pyb::arg("cu_seqlens_kv") = pyb::none(), pyb::arg("max_seqlen_q") = 0, pyb::arg("max_seqlen_kv") = 0,
+      pyb::arg("stream") = pyb::none(),
+      "Gradients of sum(out * dout) for q, k, v (overwriting dq, dk, dv), from the forward's out and lse.");
+  m.def(
+      "attention_resolve_backend",
+      [](const pyb::object& q, const pyb::object& k, bool causal, const std::string& backend) {
+        AttentionOptions o;
+        o.causal = causal;
+        o.backend = backend_arg(backend);
+        return std::string(attention_backend_name(attention_resolve_backend(tensor_arg(q, "q"), tensor_arg(k, "k"), o)));
+      },
+      pyb::arg("q"), pyb::arg("k"), pyb::kw_only(), pyb::arg("causal") = false, pyb::arg("backend") = "auto",
+      "The backend a call would use: 'cudnn', 'flash' or 'reference' (raises what the call would).");
+  m.def("attention_cudnn_available", &attention_cudnn_available,
+        "True when this build contains the cuDNN SDPA path and it is enabled (off by default in Python).");
+  m.def("attention_cudnn_built", &attention_cudnn_built, "True when this build contains the cuDNN SDPA path.");
+  m.def("set_cudnn_attention_enabled", [](bool on) { set_cudnn_attention_enabled(on, kPythonCudnnOff); },
+        pyb::arg("on"),
+        "Turns the cuDNN SDPA path on or off for this process. It starts off in Python: see docs/kernels.md, "
+        "'cuDNN inside the Python module' (MEGACORE_PYTHON_CUDNN_ATTENTION=1 starts it on).");
+  m.def("cudnn_attention_enabled", &cudnn_attention_enabled);
+  // Off at import unless asked for: see kPythonCudnnOff.
+  const char* env = std::getenv("MEGACORE_PYTHON_CUDNN_ATTENTION");
+  if (attention_cudnn_built() && !(env && std::string(env) == "1")) set_cudnn_attention_enabled(false, kPythonCudnnOff);
+  m.def("set_cudnn_attention_autotune", &set_cudnn_attention_autotune, pyb::arg("on"),
+        "cuDNN SDPA plan choice: on, the first call of a shape times every plan cuDNN offers and keeps the "
+        "fastest (synchronises the device once per shape); off (the default), the heuristic's first plan.");
+  m.def("cudnn_attention_autotune", &cudnn_attention_autotune);
+}
+
+}  // namespace megacore::py

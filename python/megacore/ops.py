@@ -1,0 +1,36 @@
+"""Stateless ops from ``megacore/ops`` (C++), callable on megacore, DLPack (torch, cupy) or numpy tensors.
+
+Attention takes the layouts of ``include/megacore/ops/attention.hpp``: dense q/out ``[B, Sq, H, D]``,
+k/v ``[B, Skv, Hkv, D]``, lse f32 ``[B, H, Sq]`` (H a multiple of Hkv: GQA/MQA), or packed sequences with
+``cu_seqlens_q``/``cu_seqlens_kv``. Outputs are written in place (DLPack and contiguous numpy outputs share
+memory with the caller's array); the call runs on ``stream`` or the current megacore stream::
+
+    import torch, megacore
+    q = torch.randn(2, 4096, 16, 128, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty_like(q); lse = torch.empty(2, 16, 4096, device="cuda")
+    megacore.ops.attention_forward(q, q, q, o, lse, causal=True)          # cuDNN where built in, else flash
+    megacore.ops.attention_forward(q, q, q, o, lse, causal=True, backend="flash")
+
+Bad shapes, dtypes, head dims or backends raise ``megacore.ValueError`` naming the problem.
+
+The cuDNN SDPA path starts off inside Python (Auto runs megacore's flash kernel; ``backend="cudnn"``
+raises): its first call segfaulted in cudnn-frontend's plan check in Python processes on H100, while the C++
+binaries run it cleanly. docs/kernels.md ("cuDNN inside the Python module") has the details;
+``MEGACORE_PYTHON_CUDNN_ATTENTION=1`` before import turns it on anyway.
+"""
+
+from ._C import ops as _o
+
+attention_forward = _o.attention_forward
+attention_backward = _o.attention_backward
+attention_resolve_backend = _o.attention_resolve_backend
+attention_cudnn_available = _o.attention_cudnn_available
+attention_cudnn_built = _o.attention_cudnn_built
+set_cudnn_attention_enabled = _o.set_cudnn_attention_enabled
+cudnn_attention_enabled = _o.cudnn_attention_enabled
+set_cudnn_attention_autotune = _o.set_cudnn_attention_autotune
+cudnn_attention_autotune = _o.cudnn_attention_autotune
+
+__all__ = ["attention_forward", "attention_backward", "attention_resolve_backend", "attention_cudnn_available",
+           "attention_cudnn_built", "set_cudnn_attention_enabled", "cudnn_attention_enabled",
+           "set_cudnn_attention_autotune", "cudnn_attention_autotune"]

@@ -1,0 +1,132 @@
+"""megacore.ops from Python: attention against a numpy float64 reference (CPU), against torch SDPA and
+torch autograd (GPU, cuDNN and flash backends), and bad calls that must raise."""
+
+import numpy as np
+import pytest
+
+import megacore as mc
+
+
+def _ref_attention(q, k, v, causal, scale=None):
+    """float64 forward (out, lse) and a function giving (dq, dk, dv) for an upstream dout; [B, S, H, D]."""
+    b, sq, h, d = q.shape
+    skv, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    kk = np.repeat(k, g, axis=2)  # GQA: query head i uses kv head i // g
+    vv = np.repeat(v, g, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        s = np.where(np.triu(np.ones((sq, skv), bool), 1), -np.inf, s)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    lse = (np.log(p.sum(-1, keepdims=True)) + m)[..., 0]
+    p = p / p.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+
+    def backward(dout):
+        dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
+        dp = np.einsum("bqhd,bkhd->bhqk", dout, vv)
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+        dq = np.einsum("bhqk,bkhd->bqhd", ds, kk)
+        dk = np.einsum("bhqk,bqhd->bkhd", ds, q)
+        fold = lambda x: x.reshape(b, skv, hk, g, d).sum(3)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+    return out, lse, backward
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,skv,h,hk,d", [(13, 13, 4, 2, 16), (7, 19, 3, 1, 8), (21, 9, 2, 2, 32)])
+def test_attention_cpu_matches_float64_reference(causal, sq, skv, h, hk, d):
+    rng = np.random.default_rng()
+    b = 2
+    q = rng.standard_normal((b, sq, h, d), dtype=np.float32)
+    k = rng.standard_normal((b, skv, hk, d), dtype=np.float32)
+    v = rng.standard_normal((b, skv, hk, d), dtype=np.float32)
+    dout = rng.standard_normal((b, sq, h, d), dtype=np.float32)
+    out = np.full_like(q, np.nan)  # poisoned: every element must be written
+    lse = np.full((b, h, sq), np.nan, np.float32)
+    mc.ops.attention_forward(q, k, v, out, lse, causal=causal)
+    ro, rl, rb = _ref_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal)
+    np.testing.assert_allclose(out, ro, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, rl, rtol=1e-5, atol=1e-5)
+    dq, dk, dv = (np.full_like(x, np.nan) for x in (q, k, v))
+    mc.ops.attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal)
+    for got, want in zip((dq, dk, dv), rb(dout.astype(np.float64))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_cpu_accepts_megacore_tensors_and_scale():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 5, 2, 8), dtype=np.float32)
+    out = mc.zeros((1, 5, 2, 8))
+    lse = mc.zeros((1, 2, 5))
+    mc.ops.attention_forward(mc.tensor(q), mc.tensor(q), mc.tensor(q), out, lse, softmax_scale=0.5)
+    ro, rl, _ = _ref_attention(q.astype(np.float64), q.astype(np.float64), q.astype(np.float64), False, 0.5)
+    np.testing.assert_allclose(np.asarray(out), ro, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), rl, rtol=1e-5, atol=1e-5)
+    assert mc.ops.attention_resolve_backend(mc.tensor(q), mc.tensor(q)) == "reference"
+    assert mc.ops.cudnn_attention_autotune() is False
+    assert isinstance(mc.ops.attention_cudnn_available(), bool)
+
+
+def test_attention_bad_calls_raise_typed_errors():
+    q = np.zeros((1, 4, 2, 8), np.float32)
+    lse = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(mc.ValueError, match="unknown attention backend 'fast'"):
+        mc.ops.attention_forward(q, q, q, np.zeros_like(q), lse, backend="fast")
+    with pytest.raises(mc.ValueError, match="non-contiguous numpy array"):
+        mc.ops.attention_forward(q, q, q, np.zeros((1, 4, 2, 16), np.float32)[..., ::2], lse)
+    with pytest.raises(mc.ValueError, match="is None"):
+        mc.ops.attention_forward(q, q, q, None, lse)
+    with pytest.raises(mc.ValueError, match="both cu_seqlens_q and cu_seqlens_kv"):
+        mc.ops.attention_forward(q, q, q, np.zeros_like(q), lse, cu_seqlens_q=np.array([0, 4], np.int32))
+    with pytest.raises(mc.ValueError):  # 3 query heads over 2 kv heads: not a GQA grouping
+        mc.ops.attention_forward(np.zeros((1, 4, 3, 8), np.float32), q, q, np.zeros((1, 4, 3, 8), np.float32),
+                                 np.zeros((1, 3, 4), np.float32))
+    out = np.full_like(q, 7.0)
+    with pytest.raises(mc.ValueError):  # lse of the wrong shape: nothing is written
+        mc.ops.attention_forward(q, q, q, out, np.zeros((1, 4, 2), np.float32))
+    assert np.all(out == 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_gpu_on_torch_tensors_matches_torch(causal):
+    torch = pytest.importorskip("torch")
+    backends = ["flash"] + (["cudnn"] if mc.ops.attention_cudnn_available() else [])
+    b, s, h, hk, d = 2, 333, 8, 2, 128
+    for backend in backends:
+        g = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+        q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, s), float("nan"), device="cuda")
+        mc.ops.attention_forward(q, k, v, out, lse, causal=causal, backend=backend)
+        dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+        mc.ops.attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, backend=backend)
+        mc.synchronize("cuda:0")
+        # torch in float32 from the same bf16 inputs
+        qf, kf, vf = (x.float().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+        of = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
+        gq, gk, gv = torch.autograd.grad(of, (qf, kf, vf), dout.float().transpose(1, 2))
+        torch.testing.assert_close(out.float(), of.transpose(1, 2), rtol=2e-2, atol=2e-2)
+        for got, want in ((dq, gq), (dk, gk), (dv, gv)):
+            torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=5e-2, atol=5e-2)
+        assert torch.isfinite(lse).all()
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_starts_off_in_python_with_a_clear_error():
+    q = mc.zeros((1, 64, 2, 128), dtype="bf16", device="cuda:0")
+    out = mc.zeros((1, 64, 2, 128), dtype="bf16", device="cuda:0")
+    lse = mc.zeros((1, 2, 64), device="cuda:0")
+    assert mc.ops.attention_resolve_backend(q, q, causal=True) == "flash"  # Auto, in Python
+    assert not mc.ops.attention_cudnn_available()
+    with pytest.raises(mc.ValueError, match="cuDNN SDPA"):
+        mc.ops.attention_forward(q, q, q, out, lse, causal=True, backend="cudnn")
+    if mc.ops.attention_cudnn_built():
+        assert not mc.ops.cudnn_attention_enabled()
+        with pytest.raises(mc.ValueError, match="MEGACORE_PYTHON_CUDNN_ATTENTION=1"):
+            mc.ops.attention_forward(q, q, q, out, lse, causal=True, backend="cudnn")
