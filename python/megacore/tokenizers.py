@@ -54,15 +54,16 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, eos: str | None = None, bos: str | None = None, pad: str | None = None):
+        # A missing file is reported first: it is wrong whether or not the optional package is installed.
+        if not os.path.isfile(path):
+            raise IOError(f"tokenizer file '{path}' does not exist; pass the path of a tokenizer.json "
+                          "(or 'byte' for the built-in tokenizer)")
         try:
             from tokenizers import Tokenizer  # optional dependency
         except ImportError as e:
             raise ConfigError(
                 f"tokenizer '{path}' needs the optional 'tokenizers' package; install it with "
                 "`pip install tokenizers`, or use the built-in byte tokenizer (--tokenizer byte)") from e
-        if not os.path.isfile(path):
-            raise IOError(f"tokenizer file '{path}' does not exist; pass the path of a tokenizer.json "
-                          "(or 'byte' for the built-in tokenizer)")
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the Rust library raises its own exception type

@@ -123,3 +123,10 @@ def test_tokenizer_errors(tmp_path):
         load_tokenizer(str(tmp_path / "missing.json"))
     with pytest.raises(mc.ConfigError):
         load_tokenizer(42)
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:  # an existing file without the optional package: say which package to install
+        f = tmp_path / "tokenizer.json"
+        f.write_text("{}")
+        with pytest.raises(mc.ConfigError, match="pip install tokenizers"):
+            load_tokenizer(str(f))
