@@ -111,10 +111,17 @@ def test_attention_gpu_on_torch_tensors_matches_torch(causal):
         qf, kf, vf = (x.float().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
         of = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
         gq, gk, gv = torch.autograd.grad(of, (qf, kf, vf), dout.float().transpose(1, 2))
-        torch.testing.assert_close(out.float(), of.transpose(1, 2), rtol=2e-2, atol=2e-2)
+        # ||got - want|| / ||want|| as in the C++ GPU tests (bf16 outputs: 1e-2); lse is f32 (1e-3)
+        def rel(got, want):
+            return ((got.float() - want).norm() / want.norm()).item()
+
+        assert rel(out, of.transpose(1, 2)) < 1e-2, backend
         for got, want in ((dq, gq), (dk, gk), (dv, gv)):
-            torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=5e-2, atol=5e-2)
-        assert torch.isfinite(lse).all()
+            assert rel(got, want.transpose(1, 2)) < 1e-2, backend
+        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(h // hk, dim=2)) / d ** 0.5
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        assert rel(lse, torch.logsumexp(s, dim=-1)) < 1e-3, backend
 
 
 @pytest.mark.gpu
