@@ -18,6 +18,15 @@ Device device_arg(const pyb::object& o);
 /// Parses "f32"/"bfloat16"/numpy-style names and megacore.DType values.
 DType dtype_arg(const pyb::object& o);
 
+/// How a tensor argument may be converted: Copy allows a copy (a non-contiguous numpy array is made
+/// contiguous, anything else goes through numpy.asarray); Share is for outputs written in place, so the
+/// result must use the caller's memory (a numpy array must already be contiguous; only megacore tensors,
+/// numpy arrays and DLPack producers are taken).
+enum class TensorArg { Copy, Share };
+/// A tensor argument: a megacore.Tensor as is, a numpy array through from_numpy, any other DLPack
+/// producer (torch, cupy, jax) through from_dlpack. `what` names the argument in errors.
+Tensor tensor_arg(const pyb::handle& o, const std::string& what, TensorArg mode = TensorArg::Copy);
+
 void bind_core(pyb::module_& m);
 void bind_dlpack(pyb::module_& m);
 void bind_data(pyb::module_& m);

@@ -14,22 +14,12 @@ namespace {
 
 using namespace megacore::checkpoint;
 
-Tensor as_tensor(const pyb::handle& o, const std::string& what) {
-  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
-  MC_CHECK(!o.is_none(), "checkpoint: {} is None; pass a megacore.Tensor, a numpy array or a DLPack tensor", what);
-  pyb::module_ np = pyb::module_::import("numpy");
-  pyb::module_ core = pyb::module_::import("megacore._C");
-  if (pyb::hasattr(o, "__dlpack__") && !pyb::isinstance(o, np.attr("ndarray")))
-    return core.attr("from_dlpack")(o).cast<Tensor>();
-  return core.attr("from_numpy")(np.attr("ascontiguousarray")(o)).cast<Tensor>();
-}
-
 std::vector<ShardedTensor> sharded_arg(const pyb::object& tensors) {
   std::vector<ShardedTensor> out;
   if (pyb::isinstance<pyb::dict>(tensors)) {
     for (auto [k, v] : tensors.cast<pyb::dict>()) {
       const std::string name = k.cast<std::string>();
-      out.push_back(replicated_tensor(name, as_tensor(v, name)));
+      out.push_back(replicated_tensor(name, tensor_arg(v, "checkpoint: " + name)));
     }
     return out;
   }
@@ -39,7 +29,7 @@ std::vector<ShardedTensor> sharded_arg(const pyb::object& tensors) {
              "checkpoint: each tensor is (name, local, global_shape, global_offsets[, write]); got {} fields", t.size());
     ShardedTensor st;
     st.name = t[0].cast<std::string>();
-    st.local = as_tensor(t[1], st.name);
+    st.local = tensor_arg(t[1], "checkpoint: " + st.name);
     st.dtype = st.local.dtype();
     st.global_shape = t[2].cast<Shape>();
     Shape offs = t[3].cast<Shape>();
@@ -63,7 +53,7 @@ CheckpointState state_arg(int64_t step, const pyb::object& tensors, const std::m
   st.tensors = sharded_arg(tensors);
   st.json = json;
   if (!extra.is_none())
-    for (auto [k, v] : extra.cast<pyb::dict>()) st.extra_tensors[k.cast<std::string>()] = as_tensor(v, "extra tensor");
+    for (auto [k, v] : extra.cast<pyb::dict>()) st.extra_tensors[k.cast<std::string>()] = tensor_arg(v, "checkpoint: extra tensor");
   st.val_loss = val_loss;
   return st;
 }

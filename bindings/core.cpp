@@ -82,6 +82,24 @@ Device device_arg(const pyb::object& o) {
   raise("cannot interpret {} as a device; use 'cpu', 'cuda' or 'cuda:N'", std::string(pyb::repr(o)));
 }
 
+Tensor tensor_arg(const pyb::handle& o, const std::string& what, TensorArg mode) {
+  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
+  MC_CHECK(!o.is_none(), "{} is None; pass a megacore.Tensor, a numpy array or a DLPack tensor (torch, cupy)", what);
+  pyb::module_ np = pyb::module_::import("numpy");
+  pyb::module_ core = pyb::module_::import("megacore._C");
+  if (pyb::isinstance(o, np.attr("ndarray"))) {
+    if (mode == TensorArg::Copy) return core.attr("from_numpy")(np.attr("ascontiguousarray")(o)).cast<Tensor>();
+    MC_CHECK(o.attr("flags").attr("c_contiguous").cast<bool>(),
+             "{} is a non-contiguous numpy array; pass np.ascontiguousarray(...) (outputs must share memory with "
+             "the array they are written to)", what);
+    return core.attr("from_numpy")(o).cast<Tensor>();
+  }
+  if (pyb::hasattr(o, "__dlpack__")) return core.attr("from_dlpack")(o).cast<Tensor>();
+  MC_CHECK(mode == TensorArg::Copy, "{} is a {}; pass a megacore.Tensor, a numpy array or a DLPack tensor", what,
+           std::string(pyb::repr(pyb::type::of(o))));
+  return core.attr("from_numpy")(np.attr("ascontiguousarray")(np.attr("asarray")(o))).cast<Tensor>();
+}
+
 DType dtype_arg(const pyb::object& o) {
   std::string s = pyb::str(o);
   if (s.rfind("torch.", 0) == 0) s = s.substr(6);

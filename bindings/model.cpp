@@ -44,19 +44,6 @@ void bind_enum(pyb::module_& m, const char* name, std::initializer_list<std::pai
   pyb::implicitly_convertible<std::string, E>();
 }
 
-// A megacore.Tensor as is; a numpy array shared through from_numpy (made contiguous first); any other
-// DLPack producer (torch, jax, cupy, ...) through from_dlpack; anything else through numpy.asarray.
-Tensor tensor_arg(const pyb::object& o, const char* what) {
-  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
-  MC_CHECK(!o.is_none(), "{} is None; pass a megacore.Tensor, a numpy array or a DLPack tensor", what);
-  pyb::module_ np = pyb::module_::import("numpy");
-  pyb::module_ core = pyb::module_::import("megacore._C");
-  if (pyb::isinstance(o, np.attr("ndarray")))
-    return core.attr("from_numpy")(np.attr("ascontiguousarray")(o)).cast<Tensor>();
-  if (pyb::hasattr(o, "__dlpack__")) return core.attr("from_dlpack")(o).cast<Tensor>();
-  return core.attr("from_numpy")(np.attr("ascontiguousarray")(np.attr("asarray")(o))).cast<Tensor>();
-}
-
 ly::ForwardContext context_for(Device d, bool training = true) {
   ly::ForwardContext ctx;
   ctx.stream = current_stream(d);

@@ -27,21 +27,9 @@ constexpr const char* kPythonCudnnOff =
     "docs/kernels.md, 'cuDNN inside the Python module'); use backend='flash' (what Auto picks), the C++ API, or "
     "set MEGACORE_PYTHON_CUDNN_ATTENTION=1 before importing megacore to try it";
 
-Tensor tensor_arg(const pyb::handle& o, const char* what) {
-  if (pyb::isinstance<Tensor>(o)) return o.cast<Tensor>();
-  MC_CHECK(!o.is_none(), "ops: {} is None; pass a megacore.Tensor, a DLPack tensor (torch, cupy) or a numpy array",
-           what);
-  pyb::module_ np = pyb::module_::import("numpy");
-  pyb::module_ core = pyb::module_::import("megacore._C");
-  if (pyb::isinstance(o, np.attr("ndarray"))) {
-    MC_CHECK(o.attr("flags").attr("c_contiguous").cast<bool>(),
-             "ops: {} is a non-contiguous numpy array; pass np.ascontiguousarray(...) (outputs must share memory "
-             "with the array they are written to)", what);
-    return core.attr("from_numpy")(o).cast<Tensor>();
-  }
-  MC_CHECK(pyb::hasattr(o, "__dlpack__"), "ops: {} is a {}; pass a megacore.Tensor, a DLPack tensor or a numpy array",
-           what, std::string(pyb::repr(pyb::type::of(o))));
-  return core.attr("from_dlpack")(o).cast<Tensor>();
+// Every tensor shares the caller's memory (outputs are written in place; inputs are never copied).
+Tensor share_arg(const pyb::handle& o, const char* what) {
+  return tensor_arg(o, std::string("ops: ") + what, TensorArg::Share);
 }
 
 AttentionBackend backend_arg(const std::string& s) {
@@ -62,8 +50,8 @@ AttentionOptions options(bool causal, float scale, const std::string& backend, b
   MC_CHECK(cu_q.is_none() == cu_kv.is_none(),
            "ops: packed attention needs both cu_seqlens_q and cu_seqlens_kv (got only one); pass both or neither");
   if (!cu_q.is_none()) {
-    o.cu_seqlens_q = tensor_arg(cu_q, "cu_seqlens_q");
-    o.cu_seqlens_kv = tensor_arg(cu_kv, "cu_seqlens_kv");
+    o.cu_seqlens_q = share_arg(cu_q, "cu_seqlens_q");
+    o.cu_seqlens_kv = share_arg(cu_kv, "cu_seqlens_kv");
     o.max_seqlen_q = max_q;
     o.max_seqlen_kv = max_kv;
   }
@@ -79,8 +67,8 @@ void bind_ops(pyb::module_& root) {
       [](const pyb::object& q, const pyb::object& k, const pyb::object& v, const pyb::object& out,
          const pyb::object& lse, bool causal, float scale, const std::string& backend, bool deterministic,
          const pyb::object& cu_q, const pyb::object& cu_kv, int64_t max_q, int64_t max_kv, const pyb::object& stream) {
-        Tensor tq = tensor_arg(q, "q"), tk = tensor_arg(k, "k"), tv = tensor_arg(v, "v");
-        Tensor to = tensor_arg(out, "out"), tl = tensor_arg(lse, "lse");
+        Tensor tq = share_arg(q, "q"), tk = share_arg(k, "k"), tv = share_arg(v, "v");
+        Tensor to = share_arg(out, "out"), tl = share_arg(lse, "lse");
         const AttentionOptions o = options(causal, scale, backend, deterministic, cu_q, cu_kv, max_q, max_kv);
         const Stream s = stream_arg(stream, tq.device());
         pyb::gil_scoped_release nogil;
@@ -99,9 +87,9 @@ void bind_ops(pyb::module_& root) {
          const pyb::object& lse, const pyb::object& dout, const pyb::object& dq, const pyb::object& dk,
          const pyb::object& dv, bool causal, float scale, const std::string& backend, bool deterministic,
          const pyb::object& cu_q, const pyb::object& cu_kv, int64_t max_q, int64_t max_kv, const pyb::object& stream) {
-        Tensor tq = tensor_arg(q, "q"), tk = tensor_arg(k, "k"), tv = tensor_arg(v, "v");
-        Tensor to = tensor_arg(out, "out"), tl = tensor_arg(lse, "lse"), tdo = tensor_arg(dout, "dout");
-        Tensor tdq = tensor_arg(dq, "dq"), tdk = tensor_arg(dk, "dk"), tdv = tensor_arg(dv, "dv");
+        Tensor tq = share_arg(q, "q"), tk = share_arg(k, "k"), tv = share_arg(v, "v");
+        Tensor to = share_arg(out, "out"), tl = share_arg(lse, "lse"), tdo = share_arg(dout, "dout");
+        Tensor tdq = share_arg(dq, "dq"), tdk = share_arg(dk, "dk"), tdv = share_arg(dv, "dv");
         const AttentionOptions o = options(causal, scale, backend, deterministic, cu_q, cu_kv, max_q, max_kv);
         const Stream s = stream_arg(stream, tq.device());
         pyb::gil_scoped_release nogil;
@@ -116,10 +104,8 @@ void bind_ops(pyb::module_& root) {
   m.def(
       "attention_resolve_backend",
       [](const pyb::object& q, const pyb::object& k, bool causal, const std::string& backend) {
-        AttentionOptions o;
-        o.causal = causal;
-        o.backend = backend_arg(backend);
-        return std::string(attention_backend_name(attention_resolve_backend(tensor_arg(q, "q"), tensor_arg(k, "k"), o)));
+        const AttentionOptions o = options(causal, 0.f, backend, false, pyb::none(), pyb::none(), 0, 0);
+        return std::string(attention_backend_name(attention_resolve_backend(share_arg(q, "q"), share_arg(k, "k"), o)));
       },
       pyb::arg("q"), pyb::arg("k"), pyb::kw_only(), pyb::arg("causal") = false, pyb::arg("backend") = "auto",
       "The backend a call would use: 'cudnn', 'flash' or 'reference' (raises what the call would).");
