@@ -6,7 +6,6 @@
 
 #include <pybind11/stl.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "megacore/ops/attention.hpp"
@@ -17,15 +16,10 @@ namespace {
 
 using namespace megacore::ops;
 
-// Why the cuDNN SDPA path starts off inside the Python module. On H100 (cuDNN 9.14 and 9.19, cudnn-frontend
-// from PyPI) the first cuDNN attention call in a Python process segfaults inside cudnn-frontend's plan
-// check (Graph::check_support), with or without torch loaded, while the same library code passes every
-// cuDNN test in the C++ test and benchmark binaries. Until that is understood, Python callers (the
-// trainer included) get megacore's flash kernel from Auto and a clear error for an explicit request.
+// The reason an explicit backend="cudnn" call quotes after Python turned the path off.
 constexpr const char* kPythonCudnnOff =
-    "it is off inside the Python module because its first call crashed there on H100 (a known issue, see "
-    "docs/kernels.md, 'cuDNN inside the Python module'); use backend='flash' (what Auto picks), the C++ API, or "
-    "set MEGACORE_PYTHON_CUDNN_ATTENTION=1 before importing megacore to try it";
+    "it was turned off from Python with megacore.ops.set_cudnn_attention_enabled(False); call "
+    "set_cudnn_attention_enabled(True) to turn it back on, or use backend='flash'";
 
 // Every tensor shares the caller's memory (outputs are written in place; inputs are never copied).
 Tensor share_arg(const pyb::handle& o, const char* what) {
@@ -110,16 +104,13 @@ void bind_ops(pyb::module_& root) {
       pyb::arg("q"), pyb::arg("k"), pyb::kw_only(), pyb::arg("causal") = false, pyb::arg("backend") = "auto",
       "The backend a call would use: 'cudnn', 'flash' or 'reference' (raises what the call would).");
   m.def("attention_cudnn_available", &attention_cudnn_available,
-        "True when this build contains the cuDNN SDPA path and it is enabled (off by default in Python).");
+        "True when this build contains the cuDNN SDPA path and it is enabled (the default).");
   m.def("attention_cudnn_built", &attention_cudnn_built, "True when this build contains the cuDNN SDPA path.");
   m.def("set_cudnn_attention_enabled", [](bool on) { set_cudnn_attention_enabled(on, kPythonCudnnOff); },
         pyb::arg("on"),
-        "Turns the cuDNN SDPA path on or off for this process. It starts off in Python: see docs/kernels.md, "
-        "'cuDNN inside the Python module' (MEGACORE_PYTHON_CUDNN_ATTENTION=1 starts it on).");
+        "Turns the cuDNN SDPA path on (the default where built in) or off for this process; off, Auto runs "
+        "megacore's flash kernel and backend='cudnn' raises ValueError.");
   m.def("cudnn_attention_enabled", &cudnn_attention_enabled);
-  // Off at import unless asked for: see kPythonCudnnOff.
-  const char* env = std::getenv("MEGACORE_PYTHON_CUDNN_ATTENTION");
-  if (attention_cudnn_built() && !(env && std::string(env) == "1")) set_cudnn_attention_enabled(false, kPythonCudnnOff);
   m.def("set_cudnn_attention_autotune", &set_cudnn_attention_autotune, pyb::arg("on"),
         "cuDNN SDPA plan choice: on, the first call of a shape times every plan cuDNN offers and keeps the "
         "fastest (synchronises the device once per shape); off (the default), the heuristic's first plan.");

@@ -13,10 +13,8 @@ memory with the caller's array); the call runs on ``stream`` or the current mega
 
 Bad shapes, dtypes, head dims or backends raise ``megacore.ValueError`` naming the problem.
 
-The cuDNN SDPA path starts off inside Python (Auto runs megacore's flash kernel; ``backend="cudnn"``
-raises): its first call segfaulted in cudnn-frontend's plan check in Python processes on H100, while the C++
-binaries run it cleanly. docs/kernels.md ("cuDNN inside the Python module") has the details;
-``MEGACORE_PYTHON_CUDNN_ATTENTION=1`` before import turns it on anyway.
+Where the build contains cuDNN's SDPA, Auto uses it (``attention_cudnn_built()``);
+``set_cudnn_attention_enabled(False)`` turns it off for the process (Auto then runs megacore's flash kernel).
 """
 
 from ._C import ops as _o
