@@ -245,7 +245,7 @@ if has kernels; then
     tail -2 $OUT/torch_peers.log
   fi
   if [ "${ATTN_PEERS:-1}" = 1 ]; then  # ATTN_PEERS=0: no torch SDPA peer (a run without attention)
-    step torch_attn_peers 120 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
+    step torch_attn_peers 200 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
     tail -2 $OUT/torch_attn_peers.log
   fi
   # KFILTER: comma-separated substrings of the benchmark names to run (all when empty).
