@@ -44,7 +44,7 @@ Seq seq_of(const AttentionDims& d, int64_t b) {
 }
 
 int64_t lse_index(const AttentionDims& d, int64_t b, int64_t h, int64_t i, const Seq& s) {
-  if (d.cu_q) return h * d.cu_q[d.batch] + s.q0 + i;
+  if (d.cu_q) return h * (d.total_q > 0 ? d.total_q : d.cu_q[d.batch]) + s.q0 + i;
   return (b * d.heads + h) * d.seqlen_q + i;
 }
 
@@ -240,7 +240,7 @@ ref::AttentionDims dims_of(const Geometry& g, const AttentionOptions& o, const s
   d.batch = g.batch, d.seqlen_q = g.sq, d.seqlen_kv = g.skv, d.heads = g.heads, d.kv_heads = g.kv_heads,
   d.head_dim = g.dim, d.causal = o.causal, d.scale = o.softmax_scale;
   if (g.packed) {
-    d.cu_q = cq.data(), d.cu_kv = ck.data();
+    d.cu_q = cq.data(), d.cu_kv = ck.data(), d.total_q = g.total_q;
   }
   return d;
 }
@@ -301,9 +301,14 @@ cuda::AttnProblem problem_of(const Geometry& g, const Tensor& q, const Tensor& k
 }
 
 std::string shape_key(const cuda::AttnProblem& p, bool backward) {
-  return fmt::format("{}{} B={} H={}/{} D={} Sq={} Skv={}{}{}", backward ? "backward" : "forward",
-                     p.cu_q ? " packed" : "", p.batch, p.heads, p.kv_heads, p.head_dim, p.seqlen_q, p.seqlen_kv,
-                     p.causal ? " causal" : "", p.deterministic ? " deterministic" : "");
+  // Packed calls: the sequence count and lengths change from batch to batch, so they are left out (one
+  // log line per configuration, not per batch).
+  if (p.cu_q)
+    return fmt::format("{} packed H={}/{} D={}{}{}", backward ? "backward" : "forward", p.heads, p.kv_heads,
+                       p.head_dim, p.causal ? " causal" : "", p.deterministic ? " deterministic" : "");
+  return fmt::format("{} B={} H={}/{} D={} Sq={} Skv={}{}{}", backward ? "backward" : "forward", p.batch, p.heads,
+                     p.kv_heads, p.head_dim, p.seqlen_q, p.seqlen_kv, p.causal ? " causal" : "",
+                     p.deterministic ? " deterministic" : "");
 }
 
 AttentionBackend resolve_cuda(const cuda::AttnProblem& p, AttentionBackend want, bool backward, int device) {
@@ -448,6 +453,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   const AttentionBackend b = resolve_cuda(p, opts.backend, false, q.device().index);
   if (b == AttentionBackend::Cudnn) cuda::cudnn_forward(p, q.device().index, stream);
   else cuda::flash_forward(p, q.device().index, stream);
+  if (g.packed) cuda::ragged_fix_orphans_forward(p, q.device().index, stream);
 #else
   raise<CudaError>("{}: tensors are on {} but megacore was built without CUDA", op, q.device().str());
 #endif
@@ -515,6 +521,7 @@ void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
     cuda::flash_backward(p, dsum.data<float>(), dq_acc.defined() ? dq_acc.data<float>() : nullptr,
                          q.device().index, stream, tuning ? *tuning : cuda::FlashBwdTuning{});
   }
+  if (g.packed) cuda::ragged_fix_orphans_backward(p, q.device().index, stream);
 #else
   (void)tuning;
   raise<CudaError>("{}: tensors are on {} but megacore was built without CUDA", op, q.device().str());

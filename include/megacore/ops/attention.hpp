@@ -129,6 +129,9 @@ struct AttentionDims {
   double scale = 0;  ///< 0: 1 / sqrt(head_dim)
   const int32_t* cu_q = nullptr;
   const int32_t* cu_kv = nullptr;
+  /// Packed: rows of q (lse is [heads, total_q]); 0 means cu_q[batch]. Tokens past cu_q[batch] belong to
+  /// no sequence: their out/dq rows stay 0 and their lse -inf (as the caller initialised them).
+  int64_t total_q = 0;
 };
 void attention_forward_f64(const AttentionDims& d, const double* q, const double* k, const double* v, double* out,
                            double* lse);

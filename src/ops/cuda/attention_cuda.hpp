@@ -77,6 +77,38 @@ void flash_backward_sm90_main(const AttnProblem& p, const float* dsum, float* dq
 void flash_backward(const AttnProblem& p, float* dsum, float* dq_acc, int device, void* stream,
                     const FlashBwdTuning& tuning = {});
 
+/// Packed sequences through cuDNN's ragged layout: device helpers (attention_ragged.cu).
+/// Element-offset arrays ragged_prepare writes: array i holds, for b in [0, batch_padded], cu[min(b, batch)]
+/// * mult[i], where cu is cu_kv when kv[i] and cu_q otherwise.
+struct RaggedOffsets {
+  static constexpr int kMax = 10;
+  int n = 0;
+  int64_t mult[kMax] = {};
+  bool kv[kMax] = {};
+};
+/// Writes into out (int32, 2 * batch_padded + offs.n * (batch_padded + 1) entries): the q lengths
+/// [batch_padded], the kv lengths [batch_padded] (sequences past `batch` are empty; lengths are cut to
+/// max_q / max_kv), then the offset arrays.
+void ragged_prepare(const int32_t* cu_q, const int32_t* cu_kv, int batch, int batch_padded, int max_q, int max_kv,
+                    const RaggedOffsets& offs, int32_t* out, void* stream);
+/// Token-major stats [tq, heads] into lse (lse[h * lse_head_stride + t]); -inf for tokens outside every
+/// sequence or whose sequence has no keys. stats null: only those -inf entries are written.
+void ragged_stats_to_lse(const float* stats, float* lse, int64_t lse_head_stride, int64_t tq, int heads,
+                         const int32_t* cu_q, const int32_t* cu_kv, int batch, void* stream);
+/// lse [heads, tq] (head stride lse_head_stride) into token-major stats [tq, heads].
+void ragged_lse_to_stats(const float* lse, int64_t lse_head_stride, float* stats, int64_t tq, int heads,
+                         void* stream);
+/// Zeroes rows [t, h, 0:dim] of a 2-byte tensor for tokens t outside every sequence of cu, or whose
+/// sequence b has no tokens in cu_other (cu_other[b + 1] == cu_other[b]).
+void ragged_zero_orphan_rows(void* ptr, int64_t row_stride, int64_t head_stride, int64_t tokens, int heads, int dim,
+                             const int32_t* cu, const int32_t* cu_other, int batch, void* stream);
+
+/// Packed calls, after either backend: the rows no kernel computes get the reference's values. Forward:
+/// lse -inf and out rows 0 for queries outside every sequence or in a sequence without keys. Backward:
+/// dq rows 0 for those queries, dk/dv rows 0 for keys outside every sequence or in one without queries.
+void ragged_fix_orphans_forward(const AttnProblem& p, int device, void* stream);
+void ragged_fix_orphans_backward(const AttnProblem& p, int device, void* stream);
+
 /// True when the build has the cuDNN SDPA path.
 bool cudnn_sdpa_built();
 /// Why cuDNN SDPA cannot run this problem ("" when it can); may build (and cache) the graph to ask.

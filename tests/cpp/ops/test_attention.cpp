@@ -125,6 +125,40 @@ TEST_CASE("attention cpu: tensor API runs the reference", "[ops][attention]") {
   CHECK(attention_resolve_backend(q, k, o) == AttentionBackend::Reference);
 }
 
+TEST_CASE("attention cpu: packed tokens past the last sequence belong to none", "[ops][attention]") {
+  // cu_seqlens may end before the tensors do (the API checks cu.back() <= tokens): those rows are in no
+  // sequence (out 0, lse -inf), and lse [H, Tq] keeps the tensor's Tq as its head stride. Compared with the
+  // same call on the tensors cut at cu.back().
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const int64_t tq = 12, t = 9, H = 2, D = 8;
+  Tensor q = mctest::randn({tq, H, D}, DType::F32, seed), k = mctest::randn({tq, 1, D}, DType::F32, seed + 1),
+         v = mctest::randn({tq, 1, D}, DType::F32, seed + 2);
+  AttentionOptions o;
+  o.causal = true;
+  o.cu_seqlens_q = Tensor::from_vector(std::vector<int32_t>{0, 5, 9}, {3});
+  o.cu_seqlens_kv = o.cu_seqlens_q;
+  o.max_seqlen_q = o.max_seqlen_kv = 5;
+  Tensor out = mctest::poisoned({tq, H, D}, DType::F32, Device::cpu());
+  Tensor lse = mctest::poisoned({H, tq}, DType::F32, Device::cpu());
+  attention_forward(q, k, v, out, lse, o);
+  auto cut = [&](const Tensor& x) { return x.narrow(0, 0, t).contiguous(); };
+  Tensor out9 = Tensor::zeros({t, H, D}), lse9 = Tensor::zeros({H, t});
+  attention_forward(cut(q), cut(k), cut(v), out9, lse9, o);
+  const std::vector<double> l = lse.to_double_vector(), l9 = lse9.to_double_vector();
+  const std::vector<double> ov = out.to_double_vector(), o9 = out9.to_double_vector();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < tq; ++i) {
+      INFO("head " << h << " token " << i);
+      if (i < t) CHECK(l[size_t(h * tq + i)] == l9[size_t(h * t + i)]);
+      else CHECK(l[size_t(h * tq + i)] == -INFINITY);
+    }
+  for (size_t i = 0; i < ov.size(); ++i) {
+    if (int64_t(i) < t * H * D) CHECK(ov[i] == o9[i]);
+    else CHECK(ov[i] == 0.0);
+  }
+}
+
 TEST_CASE("attention: bad arguments give clear errors", "[ops][attention]") {
   Tensor q = Tensor::zeros({1, 8, 6, 4}), k = Tensor::zeros({1, 8, 4, 4}), v = Tensor::zeros({1, 8, 4, 4});
   Tensor out = Tensor::zeros({1, 8, 6, 4}), lse = Tensor::zeros({1, 6, 8});
@@ -215,14 +249,6 @@ void run_gpu_case_once(const GpuCase& c) {
     k = mctest::randn(ks, c.dt, seed + 1, 0, 1, g);
     v = mctest::randn(ks, c.dt, seed + 2, 0, 1, g);
   }
-  if (c.backend == AttentionBackend::Cudnn) {
-    AttentionOptions probe;
-    probe.causal = c.causal;
-    if (attention_resolve_backend(q, k, probe) != AttentionBackend::Cudnn) {
-      WARN("cuDNN SDPA does not support this case; skipped (Auto uses the flash kernel for it)");
-      return;
-    }
-  }
   Tensor dout = mctest::randn(qs, c.dt, seed + 3, 0, 1, g);
   Tensor out = mctest::poisoned(qs, c.dt, g), lse = mctest::poisoned(ls, DType::F32, g);
   AttentionOptions o;
@@ -237,6 +263,14 @@ void run_gpu_case_once(const GpuCase& c) {
     for (size_t i = 0; i + 1 < c.cu_q.size(); ++i) {
       o.max_seqlen_q = std::max<int64_t>(o.max_seqlen_q, c.cu_q[i + 1] - c.cu_q[i]);
       o.max_seqlen_kv = std::max<int64_t>(o.max_seqlen_kv, c.cu_kv[i + 1] - c.cu_kv[i]);
+    }
+  }
+  if (c.backend == AttentionBackend::Cudnn) {
+    AttentionOptions probe = o;
+    probe.backend = AttentionBackend::Auto;
+    if (attention_resolve_backend(q, k, probe) != AttentionBackend::Cudnn) {
+      WARN("cuDNN SDPA does not support this case; skipped (Auto uses the flash kernel for it)");
+      return;
     }
   }
   attention_forward(q, k, v, out, lse, o);
@@ -406,18 +440,119 @@ TEST_CASE("attention gpu: flash forward kernels over many key tiles (GQA, partia
 
 TEST_CASE("attention gpu: packed variable-length sequences", "[ops][attention][gpu]") {
   MC_REQUIRE_GPU();
-  for (int64_t dim : {64, 128})
-    for (bool causal : {false, true}) {
-      GpuCase c;
-      c.backend = AttentionBackend::Flash, c.dim = dim, c.causal = causal, c.heads = 4, c.kv_heads = 1;
-      c.cu_q = prefix({50, 0, 127, 123, 1});
-      c.cu_kv = causal ? c.cu_q : prefix({70, 3, 64, 200, 9});
-      run_gpu_case(c);
-    }
+  const Device g = mctest::gpu();
+  for (AttentionBackend be : gpu_backends())
+    for (int64_t dim : {64, 128})
+      for (bool causal : {false, true}) {
+        GpuCase c;
+        c.backend = be, c.dim = dim, c.causal = causal, c.heads = 4, c.kv_heads = 1;
+        c.cu_q = prefix({50, 0, 127, 123, 1});
+        c.cu_kv = causal ? c.cu_q : prefix({70, 3, 64, 200, 9});
+        run_gpu_case(c);
+      }
+  // On Hopper cuDNN takes packed sequences (its ragged layout): Auto must pick it there.
+  if (attention_cudnn_available() && attention_flash_sm90_available(g)) {
+    AttentionOptions o;
+    o.causal = true;
+    o.cu_seqlens_q = Tensor::from_vector(prefix({100, 28, 0, 61}), {5}).to(g);
+    o.cu_seqlens_kv = o.cu_seqlens_q;
+    o.max_seqlen_q = o.max_seqlen_kv = 100;
+    Tensor q = Tensor::zeros({189, 8, 128}, DType::BF16, g), k = Tensor::zeros({189, 2, 128}, DType::BF16, g);
+    CHECK(attention_resolve_backend(q, k, o) == AttentionBackend::Cudnn);
+    // Both directions, explicitly: a refusal raises with cuDNN's reason.
+    o.backend = AttentionBackend::Cudnn;
+    Tensor out = Tensor::zeros({189, 8, 128}, DType::BF16, g), lse = Tensor::zeros({8, 189}, DType::F32, g);
+    Tensor dq = Tensor::zeros({189, 8, 128}, DType::BF16, g), dk = Tensor::zeros({189, 2, 128}, DType::BF16, g),
+           dv = Tensor::zeros({189, 2, 128}, DType::BF16, g);
+    CHECK_NOTHROW(attention_forward(q, k, k, out, lse, o));
+    CHECK_NOTHROW(attention_backward(q, k, k, out, lse, out, dq, dk, dv, o));
+  }
   // Auto never fails on packed input: it uses whichever backend supports it (and says so once).
   GpuCase a;
   a.backend = AttentionBackend::Auto, a.causal = true, a.cu_q = prefix({100, 28}), a.cu_kv = a.cu_q;
   run_gpu_case(a);
+}
+
+TEST_CASE("attention gpu: packed sequences with an empty side, and tokens outside every sequence",
+          "[ops][attention][gpu]") {
+  // Sequence 0 has queries but no keys (its rows: out 0, lse -inf, dq 0), sequence 1 keys but no queries
+  // (dk, dv 0), sequence 2 both; 6 trailing tokens on each side belong to no sequence (out/dq/dk/dv 0,
+  // lse -inf). Every backend must give the reference's values everywhere, not leave rows unwritten.
+  MC_REQUIRE_GPU();
+  const Device g = mctest::gpu();
+  const std::vector<int32_t> cq = prefix({20, 0, 33}), ck = prefix({0, 40, 5});
+  const int64_t tq = cq.back() + 6, tk = ck.back() + 6, H = 4, Hk = 2;
+  for (AttentionBackend be : gpu_backends())
+    for (int64_t D : {64, 128}) {
+      const uint64_t seed = fresh_seed();
+      INFO("seed " << seed << " backend " << attention_backend_name(be) << " D " << D);
+      Tensor q = mctest::randn({tq, H, D}, DType::BF16, seed, 0, 1, g);
+      Tensor k = mctest::randn({tk, Hk, D}, DType::BF16, seed + 1, 0, 1, g);
+      Tensor v = mctest::randn({tk, Hk, D}, DType::BF16, seed + 2, 0, 1, g);
+      Tensor dout = mctest::randn({tq, H, D}, DType::BF16, seed + 3, 0, 1, g);
+      Tensor out = mctest::poisoned({tq, H, D}, DType::BF16, g), lse = mctest::poisoned({H, tq}, DType::F32, g);
+      Tensor dq = mctest::poisoned({tq, H, D}, DType::BF16, g), dk = mctest::poisoned({tk, Hk, D}, DType::BF16, g),
+             dv = mctest::poisoned({tk, Hk, D}, DType::BF16, g);
+      AttentionOptions o;
+      o.backend = be;
+      o.cu_seqlens_q = Tensor::from_vector(cq, {4}).to(g);
+      o.cu_seqlens_kv = Tensor::from_vector(ck, {4}).to(g);
+      o.max_seqlen_q = 33, o.max_seqlen_kv = 40;
+      if (be == AttentionBackend::Cudnn) {
+        AttentionOptions probe = o;
+        probe.backend = AttentionBackend::Auto;
+        if (attention_resolve_backend(q, k, probe) != AttentionBackend::Cudnn) {
+          WARN("cuDNN SDPA does not take packed sequences on this device; skipped");
+          continue;
+        }
+      }
+      attention_forward(q, k, v, out, lse, o);
+      attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+
+      ref::AttentionDims d;
+      d.batch = 3, d.seqlen_q = 33, d.seqlen_kv = 40, d.heads = H, d.kv_heads = Hk, d.head_dim = D;
+      d.cu_q = cq.data(), d.cu_kv = ck.data(), d.total_q = tq;
+      std::vector<double> qd = q.to_double_vector(), kd = k.to_double_vector(), vd = v.to_double_vector(),
+                          gd = dout.to_double_vector();
+      std::vector<double> od(qd.size()), ld(size_t(H * tq), -INFINITY), dqd(qd.size()), dkd(kd.size()),
+          dvd(vd.size());
+      ref::attention_forward_f64(d, qd.data(), kd.data(), vd.data(), od.data(), ld.data());
+      ref::attention_backward_f64(d, qd.data(), kd.data(), vd.data(), od.data(), ld.data(), gd.data(), dqd.data(),
+                                  dkd.data(), dvd.data());
+      // lse: -inf exactly where the reference has it; the rest compared as usual.
+      std::vector<double> lg = lse.to_double_vector(), lf, lr;
+      int64_t inf_rows = 0;
+      for (size_t i = 0; i < ld.size(); ++i) {
+        if (std::isinf(ld[i])) {
+          ++inf_rows;
+          CHECK(lg[i] == -INFINITY);
+        } else {
+          lf.push_back(lg[i]), lr.push_back(ld[i]);
+        }
+      }
+      CHECK(inf_rows == H * (20 + 6));
+      CHECK(mctest::rel_err(lf, lr) < 1e-3);
+      const std::vector<double> og = out.to_double_vector(), dqg = dq.to_double_vector(), dkg = dk.to_double_vector(),
+                                dvg = dv.to_double_vector();
+      CHECK(mctest::rel_err(og, od) < 1e-2);
+      CHECK(mctest::rel_err(dqg, dqd) < 1e-2);
+      CHECK(mctest::rel_err(dkg, dkd) < 1e-2);
+      CHECK(mctest::rel_err(dvg, dvd) < 1e-2);
+      // The rows without a partner are exactly zero (not merely small next to the rest).
+      auto zero_rows = [](const std::vector<double>& x, int64_t row_elems, int64_t first, int64_t last) {
+        for (int64_t i = first * row_elems; i < last * row_elems; ++i)
+          if (x[size_t(i)] != 0.0) return false;
+        return true;
+      };
+      CHECK(zero_rows(og, H * D, 0, 20));
+      CHECK(zero_rows(og, H * D, tq - 6, tq));
+      CHECK(zero_rows(dqg, H * D, 0, 20));
+      CHECK(zero_rows(dqg, H * D, tq - 6, tq));
+      CHECK(zero_rows(dkg, Hk * D, 0, 40));
+      CHECK(zero_rows(dvg, Hk * D, 0, 40));
+      CHECK(zero_rows(dkg, Hk * D, tk - 6, tk));
+      CHECK(zero_rows(dvg, Hk * D, tk - 6, tk));
+    }
 }
 
 TEST_CASE("attention gpu: q, k, v as strided views of a fused QKV projection", "[ops][attention][gpu]") {
