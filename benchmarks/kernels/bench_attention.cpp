@@ -6,6 +6,7 @@
 // MC_TORCH_ATTN_PEERS). FLOPs follow FlashAttention's convention: forward 4 B H S^2 D (two products),
 // backward 2.5x forward, halved for the causal mask.
 // (A .cpp, not a .cu: it has no device code, and .cu files build as C++17 while the headers need C++20.)
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -195,6 +196,82 @@ MC_BENCHMARK("attention", 30) {
       std::printf("  %-26s %-28s %9.3f %9.1f %11.3f %9.1f  %s\n", shape.c_str(), path.label, fwd_ms, ftf, fb_ms,
                   btf, peer_txt.c_str());
       ctx.record(row);
+    }
+  }
+}
+
+// Packed (cu_seqlens) attention: 16k tokens per step made of documents of unequal length, causal, d = 128,
+// through cuDNN's ragged layout and megacore's flash kernel (defaults of each). torch SDPA has no
+// public packed-sequence entry point, so the two megacore paths are each other's peer here; the dense
+// rows above give both at equal token counts. FLOPs: the sum over documents of the dense formula.
+MC_BENCHMARK("attention_packed", 31) {
+  struct Cfg {
+    const char* name;
+    std::vector<int32_t> lens;
+    int64_t h, hk;
+  };
+  std::vector<int32_t> many;  // 32 documents of 300..724 tokens, 16384 in all
+  for (int i = 0; i < 32; ++i) many.push_back(300 + (i * 37) % 425);
+  int32_t sum = 0;
+  for (int32_t l : many) sum += l;
+  many.back() += 16384 - sum;
+  std::vector<Cfg> cfgs{{"docs6", {5000, 4096, 3000, 2048, 1240, 1000}, 16, 16},
+                        {"docs32", many, 16, 16},
+                        {"docs6_gqa", {5000, 4096, 3000, 2048, 1240, 1000}, 32, 8}};
+  if (ctx.quick) cfgs.resize(1);
+  const int64_t D = 128;
+  const int samples = ctx.quick ? 5 : 15;
+  std::vector<ops::AttentionBackend> backends{ops::AttentionBackend::Flash};
+  if (ops::attention_cudnn_available()) backends.insert(backends.begin(), ops::AttentionBackend::Cudnn);
+  std::printf("  %-26s %-10s %9s %9s %11s %9s\n", "shape", "path", "fwd ms", "TFLOP/s", "fwd+bwd ms", "TFLOP/s");
+  for (const auto& c : cfgs) {
+    std::vector<int32_t> cu{0};
+    int32_t longest = 0;
+    double fwd_flops = 0;
+    for (int32_t l : c.lens) {
+      cu.push_back(cu.back() + l);
+      longest = std::max(longest, l);
+      fwd_flops += 4.0 * c.h * double(l) * double(l) * D / 2.0;
+    }
+    const int64_t t = cu.back();
+    const double fb_flops = fwd_flops * 3.5;
+    Tensor q = dev_rand({t, c.h, D}, 1), k = dev_rand({t, c.hk, D}, 2), v = dev_rand({t, c.hk, D}, 3);
+    Tensor dout = dev_rand({t, c.h, D}, 4);
+    Tensor out = Tensor::empty(q.shape(), DType::BF16, Device::cuda(0));
+    Tensor lse = Tensor::empty({c.h, t}, DType::F32, Device::cuda(0));
+    Tensor dq = Tensor::empty(q.shape(), DType::BF16, Device::cuda(0));
+    Tensor dk = Tensor::empty(k.shape(), DType::BF16, Device::cuda(0)), dv = Tensor::empty(k.shape(), DType::BF16, Device::cuda(0));
+    const std::string shape = std::string(c.name) + "_t" + std::to_string(t) + "_h" + std::to_string(c.h) + "_kv" +
+                              std::to_string(c.hk) + "_d128_causal";
+    for (ops::AttentionBackend be : backends) {
+      ops::AttentionOptions o;
+      o.causal = true, o.backend = be;
+      o.cu_seqlens_q = Tensor::from_vector(cu, {int64_t(cu.size())}).to(Device::cuda(0));
+      o.cu_seqlens_kv = o.cu_seqlens_q;
+      o.max_seqlen_q = o.max_seqlen_kv = longest;
+      auto fwd = [&] { ops::attention_forward(q, k, v, out, lse, o); };
+      auto fb = [&] {
+        ops::attention_forward(q, k, v, out, lse, o);
+        ops::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
+      };
+      const std::string op = std::string("attention_packed_") + ops::attention_backend_name(be);
+      double fwd_ms = 0, fb_ms = 0;
+      try {
+        fwd_ms = mcbench::time_ms(fwd, 3, samples);
+        fb_ms = mcbench::time_ms(fb, 3, samples);
+      } catch (const std::exception& e) {
+        std::printf("  %-26s %-10s failed: %s\n", shape.c_str(), ops::attention_backend_name(be), e.what());
+        ctx.record({{"op", op}, {"shape", shape}, {"error", e.what()}});
+        continue;
+      }
+      const double ftf = fwd_flops / (fwd_ms * 1e-3) / 1e12, btf = fb_flops / (fb_ms * 1e-3) / 1e12;
+      std::printf("  %-26s %-10s %9.3f %9.1f %11.3f %9.1f\n", shape.c_str(), ops::attention_backend_name(be), fwd_ms,
+                  ftf, fb_ms, btf);
+      ctx.record({{"op", op}, {"shape", shape}, {"documents", c.lens.size()}, {"tokens", t}, {"dtype", "bf16"},
+                  {"ms", fb_ms}, {"fwd_ms", fwd_ms}, {"fwd_tflops", ftf}, {"fwdbwd_ms", fb_ms}, {"fwdbwd_tflops", btf},
+                  {"fwd_flops", fwd_flops}, {"fwdbwd_flops", fb_flops},
+                  {"frac_gemm_ceiling_fwdbwd", btf / ctx.gemm_bf16_tflops}, {"card", ctx.card},
+                  {"peer", "none: torch SDPA has no packed-sequence entry point; cuDNN and flash rows compare"}});
     }
   }
 }
