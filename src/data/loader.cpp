@@ -16,6 +16,22 @@ namespace megacore::data {
 
 namespace {
 
+// LoaderConfig::vocab_size: ids outside the vocabulary stop here, on the host, with the row named.
+void check_ids(const RowView& row, int64_t S, int64_t sample, int64_t vocab) {
+  for (int64_t t = 0; t < S; ++t) {
+    const int64_t id = row.tokens[t];
+    MC_CHECK_AS(ValueError, id >= 0 && id < vocab,
+                "sample {} has token id {} at position {}, outside the model's vocabulary [0, {}): the data was "
+                "tokenized for another vocabulary; check model.vocab_size against the tokenizer that built it",
+                sample, id, t, vocab);
+    const int64_t label = row.labels[t];
+    MC_CHECK_AS(ValueError, row.loss_mask[t] == 0.f || (label >= 0 && label < vocab),
+                "sample {} has label {} at position {} (counted in the loss), outside the model's vocabulary "
+                "[0, {}): check model.vocab_size against the tokenizer that built the data",
+                sample, label, t, vocab);
+  }
+}
+
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -155,6 +171,7 @@ DataLoader::DataLoader(std::shared_ptr<const SampleSource> source, LoaderConfig 
           rb.samples[size_t(j)] = idx;
           RowView row{tokens + j * S, labels + j * S, mask + j * S, pos + j * S, &starts};
           source_->get(idx, row);
+          if (cfg_.vocab_size > 0) check_ids(row, S, idx, cfg_.vocab_size);
           MC_CHECK(!starts.empty() && starts[0] == 0, "dataset row {} has no sequence start at 0", idx);
           for (size_t k = 0; k < starts.size(); ++k) {
             int64_t end = k + 1 < starts.size() ? starts[k + 1] : S;

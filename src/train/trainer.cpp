@@ -363,6 +363,7 @@ void Trainer::Impl::build() {
   lc.consumed_samples = consumed_samples;
   lc.device = device;
   lc.prefetch = cfg.prefetch;
+  lc.vocab_size = m.vocab_size;
   loader = std::make_unique<data::DataLoader>(train_src, lc);
   MC_CHECK_AS(ConfigError, loader->num_steps() >= cfg.max_steps,
               "the training data provides {} steps of {} samples but trainer.max_steps is {}; build the dataset with "
@@ -569,6 +570,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
   lc.dp_size = dp();
   lc.device = device;
   lc.prefetch = std::min(cfg.prefetch, 2);  // validation is short: a smaller pinned pool
+  lc.vocab_size = cfg.model.vocab_size;
   data::DataLoader vl(valid_src, lc);
   const int64_t steps = std::min(max_batches, vl.num_steps());
   MC_CHECK_AS(ConfigError, steps > 0, "the validation split holds less than one global batch ({} samples); give it "

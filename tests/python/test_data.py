@@ -155,6 +155,15 @@ def test_loader_dp1_equals_union_of_dp4(tmp_path):
     assert union == one and len(one) == 128
 
 
+def test_loader_refuses_ids_outside_the_vocabulary(tmp_path):
+    # documents d hold ids d * 1000 + t: with 40 documents the largest id is 39000 + 19
+    p = _numbered(tmp_path, "v", [20] * 40)
+    train = D.GPTDataset(D.IndexedDataset(p), seq_length=8, num_samples=64, use_cache=False)
+    assert len(list(D.DataLoader(train, micro_batch_size=4, vocab_size=39020))) == 16
+    with pytest.raises(mc.ValueError, match=r"token id \d+ at position \d+, outside the model's vocabulary \[0, 1000\)"):
+        list(D.DataLoader(train, micro_batch_size=4, vocab_size=1000))
+
+
 def test_loader_resume(tmp_path):
     p = _numbered(tmp_path, "r", [20] * 50)
     train = D.GPTDataset(D.IndexedDataset(p), seq_length=8, num_samples=64, use_cache=False)

@@ -172,3 +172,30 @@ TEST_CASE("default corpus and byte tokenizer", "[data]") {
   CHECK(doc.back() == ByteTokenizer::kEos);
   CHECK(ByteTokenizer::decode(doc) == default_corpus_document(0));
 }
+
+TEST_CASE("loader: ids outside the model's vocabulary are a ValueError naming the sample", "[data]") {
+  // The numbered dataset's documents d hold ids d * 1000 + t: documents from 30 on exceed 30000.
+  TempDir dir;
+  auto ds = small_gpt(dir, 40);
+  int64_t max_id = 0;
+  for (int64_t i = 0; i < ds->size(); ++i)
+    for (int64_t id : ds->sample_tokens(i)) max_id = std::max(max_id, id);
+  REQUIRE(max_id >= 30000);
+  {
+    DataLoader ok(ds, {.micro_batch_size = 4, .vocab_size = max_id + 1});
+    int n = 0;
+    while (ok.next()) ++n;
+    CHECK(n == 10);
+  }
+  DataLoader bad(ds, {.micro_batch_size = 4, .vocab_size = 30000});
+  try {
+    while (bad.next()) {
+    }
+    FAIL("no error for ids past the vocabulary");
+  } catch (const ValueError& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("outside the model's vocabulary [0, 30000)") != std::string::npos);
+    CHECK(msg.find("sample ") != std::string::npos);
+    CHECK(msg.find("model.vocab_size") != std::string::npos);
+  }
+}
