@@ -90,6 +90,32 @@ ops::AttentionOptions SelfAttention::attention_options() const {
   return o;
 }
 
+ops::AttentionOptions SelfAttention::packed_options() const {
+  ops::AttentionOptions o = attention_options();
+  o.cu_seqlens_q = o.cu_seqlens_kv = cu_;
+  o.max_seqlen_q = o.max_seqlen_kv = max_seqlen_;
+  return o;
+}
+
+namespace {
+// [s, b, h, d] (sequence-major) → a contiguous token-major [b·s, h, d] copy, row 0's tokens first.
+Tensor token_major(const Tensor& t, const Stream& st) {
+  return t.permute({1, 0, 2, 3}).contiguous(st).view({t.size(0) * t.size(1), t.size(2), t.size(3)});
+}
+// The inverse into dst [s, b, h, d] (any strides).
+void from_token_major(Tensor dst, const Tensor& src, const Stream& st) {
+  dst.permute({1, 0, 2, 3}).copy_(src.view({dst.size(1), dst.size(0), dst.size(2), dst.size(3)}), st);
+}
+}  // namespace
+
+void SelfAttention::packed_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                                   const Stream& st) const {
+  const int64_t s = q.size(0), b = q.size(1), d = head_dim_;
+  Tensor op = Tensor::empty({b * s, heads_local_, d}, q.dtype(), q.device(), st);
+  ops::attention_forward(token_major(q, st), token_major(k, st), token_major(v, st), op, lse, packed_options(), st);
+  from_token_major(out.view({s, b, heads_local_, d}), op, st);
+}
+
 Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64_t b, const Stream& st) const {
   // One id per token of the [s, b] activations, in their (sequence-major) order.
   std::vector<int64_t> pos(size_t(s * b));
@@ -106,6 +132,9 @@ Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64
              "{}.forward: position_ids has shape {}; pass [s] = [{}] or [b, s] = [{}, {}] for the full sequence "
              "(with sequence_parallel too)",
              kName, shape_str(position_ids.shape()), s, b, s);
+    // The loader's [b, s] i64 ids on the layer's device (packed rows): transposed on the device, no host trip.
+    if (per_sample && position_ids.dtype() == DType::I64 && position_ids.device() == opts_.device)
+      return position_ids.transpose(0, 1).contiguous(st).view({s * b});
     const std::vector<double> ids = position_ids.to_double_vector();
     for (int64_t i = 0; i < s; ++i)
       for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = int64_t(ids[size_t(shared ? i : j * s + i)]);
@@ -139,9 +168,26 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
              kName);
   }
   Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
-  Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, x.device(), st);
-  Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
-  ops::attention_forward(bshd(q), bshd(k), bshd(v), out4, lse, attention_options(), st);
+  Tensor lse;
+  cu_ = Tensor(), max_seqlen_ = 0;
+  if (ctx.cu_seqlens.defined()) {
+    const Tensor& cu = ctx.cu_seqlens;
+    MC_CHECK(cu.dtype() == DType::I32 && cu.dim() == 1 && cu.size(0) >= 2 && cu.device() == x.device(),
+             "{}.forward: ctx.cu_seqlens must be i32 [segments + 1] on {} (the DataLoader's Batch.cu_seqlens), got "
+             "{} {} on {}",
+             kName, x.device().str(), dtype_name(cu.dtype()), shape_str(cu.shape()), cu.device().str());
+    MC_CHECK(ctx.max_seqlen > 0 && ctx.max_seqlen <= s,
+             "{}.forward: ctx.max_seqlen is {} but must be the longest segment, in [1, {}] (the row length); pass "
+             "Batch.max_seqlen",
+             kName, ctx.max_seqlen, s);
+    cu_ = cu, max_seqlen_ = ctx.max_seqlen;
+    lse = Tensor::empty({heads_local_, b * s}, DType::F32, x.device(), st);
+    packed_forward(q, k, v, out, lse, st);
+  } else {
+    lse = Tensor::empty({b, heads_local_, s}, DType::F32, x.device(), st);
+    Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
+    ops::attention_forward(bshd(q), bshd(k), bshd(v), out4, lse, attention_options(), st);
+  }
   Tensor y = proj_.forward(ctx, out);
   if (ctx.training) {
     q_ = q, k_ = k, v_ = v, positions_ = positions;
@@ -150,7 +196,7 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
     out_ = recompute_ ? Tensor() : out;
     lse_ = recompute_ ? Tensor() : lse;
   } else {
-    q_ = k_ = v_ = out_ = lse_ = positions_ = Tensor();
+    q_ = k_ = v_ = out_ = lse_ = positions_ = cu_ = Tensor();
   }
   return y;
 }
@@ -165,18 +211,34 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   Tensor dout = proj_.backward(ctx, dy).contiguous(st);  // [s, b, heads/TP · d]
   Tensor out = out_, lse = lse_;
   const ops::AttentionOptions ao = attention_options();
+  const bool packed = cu_.defined();
   if (recompute_) {
     out = Tensor::empty({s, b, heads_local_ * d}, q_.dtype(), q_.device(), st);
-    lse = Tensor::empty({b, heads_local_, s}, DType::F32, q_.device(), st);
-    Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
-    ops::attention_forward(bshd(q_), bshd(k_), bshd(v_), out4, lse, ao, st);
+    if (packed) {
+      lse = Tensor::empty({heads_local_, b * s}, DType::F32, q_.device(), st);
+      packed_forward(q_, k_, v_, out, lse, st);
+    } else {
+      lse = Tensor::empty({b, heads_local_, s}, DType::F32, q_.device(), st);
+      Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
+      ops::attention_forward(bshd(q_), bshd(k_), bshd(v_), out4, lse, ao, st);
+    }
   }
   // dQKV in the fused grouped layout; attention and RoPE write their gradients straight into it.
   Tensor dqkv = Tensor::empty({s, b, groups_local_, hpg + 2, d}, q_.dtype(), q_.device(), st);
   Tensor dq = Tensor::empty({s, b, heads_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
-  {
+  if (packed) {
+    Tensor dqp = Tensor::empty({b * s, heads_local_, d}, q_.dtype(), q_.device(), st);
+    Tensor dkp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
+    Tensor dvp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
+    ops::attention_backward(token_major(q_, st), token_major(k_, st), token_major(v_, st),
+                            token_major(out.view({s, b, heads_local_, d}), st), lse,
+                            token_major(dout.view({s, b, heads_local_, d}), st), dqp, dkp, dvp, packed_options(), st);
+    from_token_major(dq, dqp, st);
+    from_token_major(dk, dkp, st);
+    from_token_major(dv, dvp, st);
+  } else {
     Tensor dq4 = bshd(dq), dk4 = bshd(dk), dv4 = bshd(dv);
     ops::attention_backward(bshd(q_), bshd(k_), bshd(v_), bshd(out.view({s, b, heads_local_, d})), lse,
                             bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, ao, st);
@@ -188,7 +250,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   dqkv.narrow(3, 0, hpg).copy_(dq.view({s, b, groups_local_, hpg, d}), st);
   dqkv.select(3, hpg).copy_(dk, st);
   dqkv.select(3, hpg + 1).copy_(dv, st);
-  q_ = k_ = v_ = out_ = lse_ = positions_ = Tensor();
+  q_ = k_ = v_ = out_ = lse_ = positions_ = cu_ = Tensor();
   return qkv_.backward(ctx, dqkv.view({s, b, groups_local_ * (hpg + 2) * d}));
 }
 
@@ -253,17 +315,19 @@ std::vector<Tensor> split_qkv_weight(const Tensor& wqkv, int64_t heads, int64_t 
 void SelfAttention::stash_activations(ActivationStash& s) {
   qkv_.stash_activations(s);
   proj_.stash_activations(s);
-  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_}) s.put(*t);
+  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.put(*t);
   s.put_int(seq_);
   s.put_int(batch_);
+  s.put_int(max_seqlen_);
 }
 
 void SelfAttention::restore_activations(ActivationStash& s) {
   qkv_.restore_activations(s);
   proj_.restore_activations(s);
-  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_}) s.take(*t);
+  for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.take(*t);
   seq_ = s.take_int();
   batch_ = s.take_int();
+  max_seqlen_ = s.take_int();
 }
 
 }  // namespace megacore::layers

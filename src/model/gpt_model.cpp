@@ -204,9 +204,18 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
     if (position_.data.defined()) {
       const int64_t s_local = cfg_.sequence_parallel ? s / tpn : s,
                     first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
+      // Positions restart at every segment of packed rows (ctx.position_ids, [b, s]); else 0..s-1.
+      std::vector<double> given;
+      if (ctx.position_ids.defined()) {
+        MC_CHECK(ctx.position_ids.dim() == 2 && ctx.position_ids.size(0) == b && ctx.position_ids.size(1) == s,
+                 "GPTModel.forward: ctx.position_ids has shape {}; it must be the batch's [b, s] = [{}, {}]",
+                 shape_str(ctx.position_ids.shape()), b, s);
+        given = ctx.position_ids.to_double_vector();
+      }
       std::vector<int64_t> pos(size_t(s_local * b));
       for (int64_t i = 0; i < s_local; ++i)
-        for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = first + i;
+        for (int64_t j = 0; j < b; ++j)
+          pos[size_t(i * b + j)] = given.empty() ? first + i : int64_t(given[size_t(j * s + first + i)]);
       Tensor pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
       Tensor pe = Tensor::empty(x.shape(), x.dtype(), x.device(), st);
       ops::embedding_forward(position_.data, pos_ids, pe, -1, st);
@@ -230,7 +239,9 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
     x = input;
   }
   // The block ends with the final norm on a post_process stage (same shape as its layers' output).
-  x = block_->forward(ctx, x);
+  // RoPE layers take the packed rows' positions (learned positions were added at the embedding above).
+  x = block_->forward(ctx, x,
+                      cfg_.position_embedding == PositionEmbeddingType::RoPE ? ctx.position_ids : Tensor());
   out_shape_ = x.shape();
   has_forward_ = ctx.training;
   if (!opts_.post_process) return x;

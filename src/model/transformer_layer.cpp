@@ -101,6 +101,7 @@ Tensor TransformerLayer::forward(const ly::ForwardContext& ctx, const Tensor& x,
   Tensor y = forward_impl(no_save, x, position_ids);
   saved_x_ = x;
   saved_positions_ = position_ids;
+  saved_cu_ = ctx.cu_seqlens, saved_max_seqlen_ = ctx.max_seqlen;
   has_forward_ = true;
   return y;
 }
@@ -112,10 +113,14 @@ Tensor TransformerLayer::backward(const ly::ForwardContext& ctx, const Tensor& d
            opts_.layer_number);
   has_forward_ = false;
   if (cfg_.recompute_granularity == RecomputeGranularity::Full) {
-    // Rerun the forward with saving on; its output is not needed, only the sub-modules' saved state.
-    forward_impl(ctx, saved_x_, saved_positions_);
+    // Rerun the forward with saving on; its output is not needed, only the sub-modules' saved state. The
+    // packed-row boundaries are the forward's, whatever the backward's context carries.
+    ly::ForwardContext rctx = ctx;
+    rctx.cu_seqlens = saved_cu_, rctx.max_seqlen = saved_max_seqlen_;
+    forward_impl(rctx, saved_x_, saved_positions_);
     saved_x_ = Tensor();
     saved_positions_ = Tensor();
+    saved_cu_ = Tensor();
   }
   Tensor dn2 = mlp_.backward(ctx, dy);
   Tensor dh = mlp_norm_->backward_residual(ctx, dn2, dy);  // gradient of both x and the attention output
@@ -130,6 +135,8 @@ void TransformerLayer::stash_activations(ly::ActivationStash& s) {
   mlp_.stash_activations(s);
   s.put(saved_x_);
   s.put(saved_positions_);
+  s.put(saved_cu_);
+  s.put_int(saved_max_seqlen_);
   s.put_int(std::exchange(has_forward_, false) ? 1 : 0);
 }
 
@@ -140,6 +147,8 @@ void TransformerLayer::restore_activations(ly::ActivationStash& s) {
   mlp_.restore_activations(s);
   s.take(saved_x_);
   s.take(saved_positions_);
+  s.take(saved_cu_);
+  saved_max_seqlen_ = s.take_int();
   has_forward_ = s.take_int() != 0;
 }
 

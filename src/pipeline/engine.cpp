@@ -199,6 +199,7 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
         busy.begin();
         ly::ForwardContext fctx = ctx;
         fctx.loss_tokens = tokens[size_t(op.microbatch)];  // counted above: no device read-back per micro-batch
+        fctx.cu_seqlens = mb.cu_seqlens, fctx.max_seqlen = mb.max_seqlen, fctx.position_ids = mb.position_ids;
         Tensor out = chunk.forward_stage(fctx, in, mb.tokens, mb.labels, mb.loss_mask);
         stash.emplace(key, chunk.stash_activations());
         busy.end();

@@ -241,7 +241,7 @@ struct Trainer::Impl {
   StepMetrics train_step();
   void log(const StepMetrics& m);
   double evaluate(int64_t max_batches);
-  Tensor forward_only(const Tensor& tokens, const Tensor& labels, const Tensor& mask, double* loss_tokens);
+  Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
   std::string save();
   void load(const std::string& path, bool optimizer);
   /// Resolves `path` and loads the model's parameters; the reader serves load_training_state.
@@ -449,7 +449,12 @@ std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLo
     std::optional<data::Batch> b = l.next(ctx.stream);
     MC_CHECK_AS(ValueError, b.has_value(), "the data loader ran out after {} micro-batches; the dataset is too small",
                 mbs.size());
-    mbs.push_back({b->tokens, b->labels, b->loss_mask});
+    pipeline::MicroBatch mb{b->tokens, b->labels, b->loss_mask};
+    // Packed rows (more segments than rows): attention must stay within segments and positions restart.
+    if (b->cu_seqlens.defined() && b->cu_seqlens.size(0) - 1 > b->tokens.size(0)) {
+      mb.cu_seqlens = b->cu_seqlens, mb.max_seqlen = b->max_seqlen, mb.position_ids = b->position_ids;
+    }
+    mbs.push_back(std::move(mb));
   }
   return mbs;
 }
@@ -531,10 +536,11 @@ void Trainer::Impl::log(const StepMetrics& m) {
 // One forward of the whole model on [b, s] tokens with no saved activations, through every virtual stage
 // in model order (stage s on pipeline rank s % PP, chunk s / PP); activations move with the pipeline
 // group. On the post-process rank returns the mean loss (and its token count), elsewhere an empty tensor.
-Tensor Trainer::Impl::forward_only(const Tensor& tokens, const Tensor& labels, const Tensor& mask,
-                                   double* loss_tokens) {
+Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_tokens) {
+  const Tensor &tokens = mb.tokens, &labels = mb.labels, &mask = mb.loss_mask;
   ly::ForwardContext ectx = ctx;
   ectx.training = false;
+  ectx.cu_seqlens = mb.cu_seqlens, ectx.max_seqlen = mb.max_seqlen, ectx.position_ids = mb.position_ids;
   const int pp = grid->layout().pp_size(), pp_rank = grid->pp_rank(), vp = int(chunks.size());
   comm::Communicator& ppc = grid->pp();
   Tensor x, loss;
@@ -580,7 +586,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
   for (int64_t k = 0; k < steps; ++k)
     for (const pipeline::MicroBatch& mb : next_micro_batches(vl)) {
       double n = 0;
-      Tensor l = forward_only(mb.tokens, mb.labels, mb.loss_mask, &n);
+      Tensor l = forward_only(mb, &n);
       if (l.defined()) {
         sums[0] += l.item() * n;
         sums[1] += n;
@@ -731,7 +737,7 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     std::copy(ids.begin(), ids.end(), tok.begin());
     Tensor tokens = Tensor::from_vector<int64_t>(tok, {1, s}).to(I.device, I.ctx.stream);
     Tensor labels = Tensor::zeros({1, s}, DType::I64, I.device, I.ctx.stream);
-    Tensor loss = I.forward_only(tokens, labels, Tensor(), nullptr);
+    Tensor loss = I.forward_only({tokens, labels, Tensor()}, nullptr);
     Tensor next = Tensor::zeros({1}, DType::I64, I.device, I.ctx.stream);
     if (loss.defined()) {
       // The logits of the last prompt position, gathered over the vocabulary shards.

@@ -75,7 +75,9 @@ class SelfAttention {
 
   /// x: [s, b, hidden] replicated over TP, or this rank's chunk [s/TP, b, hidden] with sequence_parallel.
   /// position_ids (optional, i32/i64 on any device): [s] shared by the batch or [b, s], for the FULL sequence
-  /// even with SP; undefined means 0..s-1. Returns y in x's layout.
+  /// even with SP; undefined means 0..s-1. With ctx.cu_seqlens defined (packed rows), attention stays within
+  /// the segments it marks (q/k/v are copied into token-major [b·s, heads, d] for the packed op and the
+  /// results copied back). Returns y in x's layout.
   Tensor forward(const ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
   /// dy: gradient of forward's output (same shape). Accumulates every parameter's main_grad and returns
   /// the gradient of x in x's layout. One backward per forward.
@@ -113,6 +115,12 @@ class SelfAttention {
   // Saved between forward and backward (see the header comment for what each mode keeps).
   Tensor q_, k_, v_, out_, lse_, positions_;
   int64_t seq_ = 0, batch_ = 0;
+  Tensor cu_;  // packed rows: the forward's ctx.cu_seqlens (undefined: dense)
+  int64_t max_seqlen_ = 0;
+  ops::AttentionOptions packed_options() const;
+  // Packed core attention on [s, b, heads, d] q/k/v (sequence-major): out [s, b, heads·d], lse [heads, b·s].
+  void packed_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                      const Stream& st) const;
 };
 
 /// The fused QKV weight [(heads + 2·groups)·d, hidden] in the grouped layout above, from separate

@@ -16,6 +16,14 @@ struct ForwardContext {
   /// caller already has it, e.g. the pipeline engine; negative: the model counts them itself, which for
   /// labels on a GPU is a device-to-host read (the host waits for the forward queued so far).
   double loss_tokens = -1.0;
+  /// Packed rows (several sequences per row, the DataLoader's Batch): i32 cumulative boundaries over the
+  /// flattened [b * s] tokens (row-major: row 0's tokens first), on the model's device, and the longest
+  /// segment. When defined, self-attention attends within segments only (ops' packed attention). The
+  /// positions that restart at each segment go to the model as position_ids (GPTModel takes them from
+  /// `position_ids` here: [b, s] integer ids).
+  Tensor cu_seqlens;
+  int64_t max_seqlen = 0;
+  Tensor position_ids;
 };
 
 }  // namespace megacore::layers

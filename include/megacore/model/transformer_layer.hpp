@@ -89,7 +89,8 @@ class TransformerLayer {
   std::unique_ptr<layers::NormLayer> mlp_norm_;
   layers::MLP mlp_;
   // Full recompute: the layer input and position ids, kept instead of the sub-modules' activations.
-  Tensor saved_x_, saved_positions_;
+  Tensor saved_x_, saved_positions_, saved_cu_;  // saved_cu_: the forward's ctx.cu_seqlens (packed rows)
+  int64_t saved_max_seqlen_ = 0;
   bool has_forward_ = false;
 };
 

@@ -49,6 +49,11 @@ class StageP2P;
 
 struct MicroBatch {
   Tensor tokens, labels, loss_mask;
+  /// Packed rows (optional, from the DataLoader's Batch): segment boundaries (i32, over the flattened
+  /// [b * s] tokens, on the model's device), the longest segment and the restarting positions [b, s]; every
+  /// stage's attention and RoPE use them (layers::ForwardContext).
+  Tensor cu_seqlens, position_ids;
+  int64_t max_seqlen = 0;
 };
 
 struct PipelineEngineOptions {

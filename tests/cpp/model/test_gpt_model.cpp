@@ -238,3 +238,89 @@ TEST_CASE("GPTModel full recompute keeps no sub-module activations between forwa
     for (double g : p->main_grad.to_double_vector()) norm += g * g;
   CHECK(norm > 0);
 }
+
+TEST_CASE("GPTModel on packed rows equals each sequence run alone (loss and every gradient)", "[model]") {
+  // Two rows of 8 tokens holding four sequences (5 + 3, 2 + 6). With ctx.cu_seqlens and the restarting
+  // position ids, the packed batch's mean loss and gradients must be the token-weighted combination of
+  // the four sequences run as their own batches: no attention across a boundary, positions from 0 in
+  // each (RoPE and learned positions), in every recompute mode (full recompute reruns the forward in
+  // backward with the saved boundaries). f32 on the CPU: relative 1e-5 (loss) and 1e-4 (gradients).
+  SoloCommunicator tp;
+  const int64_t b = 2, s = 8;
+  const std::vector<std::vector<int64_t>> rows_lens{{5, 3}, {2, 6}};
+  for (mdl::TransformerConfig cfg : {mdl::presets::tiny_llama(), mdl::presets::tiny_gpt2()})
+    for (mdl::RecomputeGranularity rg : {mdl::RecomputeGranularity::None, mdl::RecomputeGranularity::Selective,
+                                         mdl::RecomputeGranularity::Full}) {
+      cfg.recompute_granularity = rg;
+      INFO(mdl::norm_type_name(cfg.normalization) << " recompute " << int(rg));
+      mdl::GPTModel m(cfg, tp);
+      const Batch batch = make_batch(cfg.vocab_size, b, s);
+      std::vector<int32_t> cu{0};
+      std::vector<int64_t> pos;
+      for (const auto& lens : rows_lens)
+        for (int64_t l : lens) {
+          cu.push_back(cu.back() + int32_t(l));
+          for (int64_t i = 0; i < l; ++i) pos.push_back(i);
+        }
+      ly::ForwardContext pctx;
+      pctx.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
+      pctx.max_seqlen = 6;
+      pctx.position_ids = Tensor::from_vector<int64_t>(pos, {b, s});
+
+      m.zero_grad();
+      const double packed_loss = m.forward(pctx, batch.tokens, batch.labels, batch.mask).item();
+      m.backward(pctx);
+      std::vector<std::vector<double>> packed_grads;
+      for (ly::Parameter* p : m.parameters()) packed_grads.push_back(p->main_grad.to_double_vector());
+
+      // Each sequence alone, weighted by its share of the loss tokens.
+      const std::vector<double> mask = batch.mask.to_double_vector();
+      const double total = std::accumulate(mask.begin(), mask.end(), 0.0);
+      double want_loss = 0;
+      std::vector<std::vector<double>> want_grads(packed_grads.size());
+      for (size_t i = 0; i < want_grads.size(); ++i) want_grads[i].assign(packed_grads[i].size(), 0.0);
+      for (size_t seg = 0; seg + 1 < cu.size(); ++seg) {
+        const int64_t start = cu[seg], len = cu[seg + 1] - cu[seg];
+        Batch one;
+        one.tokens = batch.tokens.view({b * s}).narrow(0, start, len).contiguous().view({1, len});
+        one.labels = batch.labels.view({b * s}).narrow(0, start, len).contiguous().view({1, len});
+        one.mask = batch.mask.view({b * s}).narrow(0, start, len).contiguous().view({1, len});
+        const std::vector<double> mk = one.mask.to_double_vector();
+        const double n = std::accumulate(mk.begin(), mk.end(), 0.0);
+        REQUIRE(n > 0);
+        ly::ForwardContext ctx;
+        m.zero_grad();
+        want_loss += m.forward(ctx, one.tokens, one.labels, one.mask).item() * n / total;
+        m.backward(ctx);
+        std::vector<ly::Parameter*> ps = m.parameters();
+        for (size_t i = 0; i < ps.size(); ++i) {
+          const std::vector<double> g = ps[i]->main_grad.to_double_vector();
+          for (size_t j = 0; j < g.size(); ++j) want_grads[i][j] += g[j] * n / total;
+        }
+      }
+      CHECK(std::abs(packed_loss - want_loss) <= 1e-5 * std::abs(want_loss));
+      std::vector<ly::Parameter*> ps = m.parameters();
+      for (size_t i = 0; i < ps.size(); ++i) {
+        INFO("parameter " << ps[i]->name);
+        CHECK(mctest::rel_err(packed_grads[i], want_grads[i]) < 1e-4);
+      }
+      // Negative control: the same rows without boundaries are a different computation.
+      ly::ForwardContext plain;
+      plain.training = false;
+      CHECK(std::abs(m.forward(plain, batch.tokens, batch.labels, batch.mask).item() - want_loss) >
+            1e-3 * std::abs(want_loss));
+    }
+}
+
+TEST_CASE("GPTModel refuses packed-row boundaries it cannot use, naming the fix", "[model]") {
+  SoloCommunicator tp;
+  mdl::GPTModel m(mdl::presets::tiny_llama(), tp);
+  const Batch batch = make_batch(m.config().vocab_size, 2, 8);
+  ly::ForwardContext ctx;
+  ctx.cu_seqlens = Tensor::from_vector(std::vector<int64_t>{0, 8, 16}, {3});  // i64: wrong dtype
+  ctx.max_seqlen = 8;
+  CHECK_THROWS_WITH(m.forward(ctx, batch.tokens, batch.labels, batch.mask), Catch::Contains("cu_seqlens must be i32"));
+  ctx.cu_seqlens = Tensor::from_vector(std::vector<int32_t>{0, 8, 16}, {3});
+  ctx.max_seqlen = 0;
+  CHECK_THROWS_WITH(m.forward(ctx, batch.tokens, batch.labels, batch.mask), Catch::Contains("Batch.max_seqlen"));
+}
