@@ -29,11 +29,9 @@ def build_data(recipe, world):
 
     def build():
         if d.sft_path:
-            if d.sft_pack:
-                raise ConfigError("data.sft_pack: packed SFT rows need per-sequence attention boundaries through the "
-                                  "model, which the trainer does not pass yet; set data.sft_pack = false (one example "
-                                  "per row)")
-            return mdata.build_sft_dataset(d.sft_path, d.tokenizer, d.seq_length, pack=False), None
+            # Packed rows carry their boundaries (Batch.cu_seqlens) and restarting positions; the trainer
+            # hands them to every pipeline stage, so no example attends to another.
+            return mdata.build_sft_dataset(d.sft_path, d.tokenizer, d.seq_length, pack=d.sft_pack), None
         paths = d.paths
         if list(paths) == ["embedded"]:
             os.makedirs(cache, exist_ok=True)
