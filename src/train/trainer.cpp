@@ -264,6 +264,10 @@ void Trainer::Impl::build() {
   if (want_cuda) {
     const int n = cuda_device_count();
     MC_CHECK_AS(ConfigError, n > 0, "trainer.device is cuda but no GPU is visible");
+    // Refused here, before any weight is allocated, rather than by the first attention call.
+    MC_CHECK_AS(ConfigError, m.params_dtype != DType::F32,
+                "trainer.precision is f32, but on GPUs the attention kernels (cuDNN SDPA and megacore's flash "
+                "kernel) take bf16 or f16; set trainer.precision = bf16 (or f16), or train f32 on CPU ranks (--cpu)");
     const char* lr = std::getenv("LOCAL_RANK");
     const char* olr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
     const int local = lr ? std::atoi(lr) : olr ? std::atoi(olr) : 0;
