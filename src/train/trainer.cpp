@@ -137,6 +137,8 @@ TrainConfig TrainConfig::from_recipe_json(const std::string& text) {
   c.micro_batch_size = get<int64_t>(d, "data", "micro_batch_size");
   c.global_batch_size = get<int64_t>(d, "data", "global_batch_size");
   if (d.contains("prefetch")) c.prefetch = get<int>(d, "data", "prefetch");
+  c.shuffle_rows = d.contains("sft_path") && !get<std::string>(d, "data", "sft_path").empty();
+  if (d.contains("seed")) c.data_seed = get<uint64_t>(d, "data", "seed");
   MC_CHECK_AS(ConfigError, c.prefetch >= 1, "data.prefetch is {}; it counts micro-batches prepared ahead, >= 1",
               c.prefetch);
 
@@ -368,6 +370,8 @@ void Trainer::Impl::build() {
   lc.device = device;
   lc.prefetch = cfg.prefetch;
   lc.vocab_size = m.vocab_size;
+  lc.shuffle = cfg.shuffle_rows;
+  lc.seed = cfg.data_seed;
   loader = std::make_unique<data::DataLoader>(train_src, lc);
   MC_CHECK_AS(ConfigError, loader->num_steps() >= cfg.max_steps,
               "the training data provides {} steps of {} samples but trainer.max_steps is {}; build the dataset with "

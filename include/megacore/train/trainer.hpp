@@ -56,6 +56,10 @@ struct TrainConfig {
 
   int64_t seq_length = 128;
   int prefetch = 4;  ///< data.prefetch: micro-batches the training loader prepares ahead
+  /// Seeded shuffle of the training rows in the loader (data.seed): on for SFT data (data.sft_path), whose
+  /// packed rows come in bin order (longest examples first); pretraining samples are shuffled by their dataset.
+  bool shuffle_rows = false;
+  uint64_t data_seed = 1234;
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 1;
 
