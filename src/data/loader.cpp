@@ -16,7 +16,9 @@ namespace megacore::data {
 
 namespace {
 
-// LoaderConfig::vocab_size: ids outside the vocabulary stop here, on the host, with the row named.
+// LoaderConfig::vocab_size: ids outside the vocabulary stop here, on the host, with the row named. A label of
+// the loss's ignore_index (-100, ops::CrossEntropyOptions) counts nothing and passes.
+constexpr int64_t kIgnoreIndex = -100;
 void check_ids(const RowView& row, int64_t S, int64_t sample, int64_t vocab) {
   for (int64_t t = 0; t < S; ++t) {
     const int64_t id = row.tokens[t];
@@ -25,7 +27,7 @@ void check_ids(const RowView& row, int64_t S, int64_t sample, int64_t vocab) {
                 "tokenized for another vocabulary; check model.vocab_size against the tokenizer that built it",
                 sample, id, t, vocab);
     const int64_t label = row.labels[t];
-    MC_CHECK_AS(ValueError, row.loss_mask[t] == 0.f || (label >= 0 && label < vocab),
+    MC_CHECK_AS(ValueError, row.loss_mask[t] == 0.f || (label >= 0 && label < vocab) || label == kIgnoreIndex,
                 "sample {} has label {} at position {} (counted in the loss), outside the model's vocabulary "
                 "[0, {}): check model.vocab_size against the tokenizer that built the data",
                 sample, label, t, vocab);

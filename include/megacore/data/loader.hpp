@@ -52,8 +52,8 @@ struct LoaderConfig {
   /// Apply a seeded permutation to the dataset order (for sources that are not shuffled, like packed SFT rows).
   bool shuffle = false;
   uint64_t seed = 1234;
-  /// When > 0: every token id, and every label at a position that counts towards the loss, must lie in
-  /// [0, vocab_size); a row that breaks this makes next() raise ValueError naming the sample, position and
+  /// When > 0: every token id, and every label at a position that counts towards the loss (other than the
+  /// loss's ignore_index, -100), must lie in [0, vocab_size); a row that breaks this makes next() raise ValueError naming the sample, position and
   /// id. (On GPUs the embedding and cross-entropy kernels cannot stop on a bad id without a host sync;
   /// they would give NaN.) The Trainer sets it to model.vocab_size.
   int64_t vocab_size = 0;

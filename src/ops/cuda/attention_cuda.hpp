@@ -86,9 +86,26 @@ struct RaggedOffsets {
   int64_t mult[kMax] = {};
   bool kv[kMax] = {};
 };
-/// Writes into out (int32, 2 * batch_padded + offs.n * (batch_padded + 1) entries): the q lengths
-/// [batch_padded], the kv lengths [batch_padded] (sequences past `batch` are empty; lengths are cut to
-/// max_q / max_kv), then the offset arrays.
+/// Where ragged_prepare puts each array in its int32 block (entries from the block's start): every array
+/// starts on a 16-byte boundary, the alignment the cuDNN graph declares for these tensors.
+struct RaggedIndexLayout {
+  int64_t seq_kv = 0;         ///< the kv lengths (the q lengths start at 0)
+  int64_t offsets = 0;        ///< offset array 0
+  int64_t offset_stride = 0;  ///< from one offset array to the next
+  int64_t total = 0;          ///< entries to allocate
+};
+inline RaggedIndexLayout ragged_index_layout(int64_t batch_padded, int n_offsets) {
+  auto up4 = [](int64_t v) { return (v + 3) / 4 * 4; };
+  RaggedIndexLayout l;
+  l.seq_kv = up4(batch_padded);
+  l.offsets = 2 * l.seq_kv;
+  l.offset_stride = up4(batch_padded + 1);
+  l.total = l.offsets + n_offsets * l.offset_stride;
+  return l;
+}
+/// Writes into out (int32, laid out by ragged_index_layout(batch_padded, offs.n), 16-byte aligned): the q
+/// lengths [batch_padded], the kv lengths [batch_padded] (sequences past `batch` are empty; lengths are cut
+/// to max_q / max_kv), then the offset arrays [batch_padded + 1] each.
 void ragged_prepare(const int32_t* cu_q, const int32_t* cu_kv, int batch, int batch_padded, int max_q, int max_kv,
                     const RaggedOffsets& offs, int32_t* out, void* stream);
 /// Token-major stats [tq, heads] into lse (lse[h * lse_head_stride + t]); -inf for tokens outside every

@@ -252,48 +252,48 @@ void run(const AttnProblem& p, bool backward, int device, void* stream) {
   }
   const Stream s = Stream::from_native(Device::cuda(device), stream);
   Allocator& alloc = Allocator::get(Device::cuda(device));
+  // Scratch freed on every way out (stream-ordered: reused only by later work on this stream).
+  struct Scratch {
+    Allocator& alloc;
+    void* ptr = nullptr;
+    ~Scratch() {
+      if (ptr) alloc.deallocate(ptr);
+    }
+  };
+  Scratch index{alloc}, stats{alloc}, ws{alloc};
   // Packed: lengths and offsets (int32) and the token-major stats, made on the stream from cu_seqlens.
-  void* index = nullptr;
-  float* stats = nullptr;
   if (packed) {
     const RaggedOffsets offs = offsets_of(p, backward);
     const int64_t bp = gp.batch;
-    index = alloc.allocate(size_t(2 * bp + offs.n * (bp + 1)) * sizeof(int32_t), s);
-    auto* ix = static_cast<int32_t*>(index);
+    const RaggedIndexLayout lay = ragged_index_layout(bp, offs.n);
+    index.ptr = alloc.allocate(size_t(lay.total) * sizeof(int32_t), s);
+    auto* ix = static_cast<int32_t*>(index.ptr);
     ragged_prepare(p.cu_q, p.cu_kv, p.batch, int(bp), gp.seqlen_q, gp.seqlen_kv, offs, ix, stream);
-    pack[kSeqQ] = ix, pack[kSeqKV] = ix + bp;
-    for (int i = 0; i < offs.n; ++i) pack[kOffsets + i] = ix + 2 * bp + i * (bp + 1);
-    stats = static_cast<float*>(alloc.allocate(size_t(std::max<int64_t>(p.total_q * p.heads, 1)) * sizeof(float), s));
-    pack[kStats] = stats;
-    if (backward) ragged_lse_to_stats(p.lse, p.lse_head_stride, stats, p.total_q, p.heads, stream);
+    pack[kSeqQ] = ix, pack[kSeqKV] = ix + lay.seq_kv;
+    for (int i = 0; i < offs.n; ++i) pack[kOffsets + i] = ix + lay.offsets + i * lay.offset_stride;
+    stats.ptr = alloc.allocate(size_t(std::max<int64_t>(p.total_q * p.heads, 1)) * sizeof(float), s);
+    pack[kStats] = stats.ptr;
+    if (backward)
+      ragged_lse_to_stats(p.lse, p.lse_head_stride, static_cast<float*>(stats.ptr), p.total_q, p.heads, stream);
   }
-  void* ws = e->workspace > 0 ? alloc.allocate(size_t(e->workspace), s) : nullptr;
-  // Stream-ordered frees: the memory is reused only by later work on this stream.
-  auto release = [&] {
-    if (ws) alloc.deallocate(ws);
-    if (stats) alloc.deallocate(stats);
-    if (index) alloc.deallocate(index);
-  };
+  if (e->workspace > 0) ws.ptr = alloc.allocate(size_t(e->workspace), s);
   check_cudnn(cudnnSetStream(st.handle, static_cast<cudaStream_t>(stream)), "cudnnSetStream");
   if (e->tune) {
     // Once per graph: time every plan on this call's tensors (synchronises the device) and keep the
     // fastest. Should the timing fail, the heuristic's first plan stays selected.
     e->tune = false;
-    if (e->graph->autotune(st.handle, pack, ws).is_good()) {
+    if (e->graph->autotune(st.handle, pack, ws.ptr).is_good()) {
       int64_t w = 0;
       if (e->graph->get_workspace_size(w).is_good()) e->workspace = w;
     }
   }
-  auto status = e->graph->execute(st.handle, pack, ws);
-  if (!status.is_good()) {
-    release();
-    raise<CudaError>("cuDNN SDPA execution failed: {}", status.get_message());
-  }
+  auto status = e->graph->execute(st.handle, pack, ws.ptr);
+  if (!status.is_good()) raise<CudaError>("cuDNN SDPA execution failed: {}", status.get_message());
   // Packed forward: cuDNN's token-major stats into lse (the rows it leaves alone are attention.cpp's, as
   // for the flash kernel: ragged_fix_orphans_*).
   if (packed && !backward)
-    ragged_stats_to_lse(stats, p.lse, p.lse_head_stride, p.total_q, p.heads, p.cu_q, p.cu_kv, p.batch, stream);
-  release();
+    ragged_stats_to_lse(static_cast<float*>(stats.ptr), p.lse, p.lse_head_stride, p.total_q, p.heads, p.cu_q,
+                        p.cu_kv, p.batch, stream);
   MC_CUDA_CHECK_LAUNCH();
 }
 

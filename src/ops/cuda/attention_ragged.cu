@@ -28,7 +28,7 @@ __device__ __forceinline__ int sequence_of(const int32_t* cu, int batch, int64_t
 }
 
 __global__ void prepare_kernel(const int32_t* cu_q, const int32_t* cu_kv, int batch, int batch_padded, int max_q,
-                               int max_kv, RaggedOffsets offs, int32_t* out) {
+                               int max_kv, RaggedOffsets offs, RaggedIndexLayout lay, int32_t* out) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b > batch_padded) return;
   const int bb = b < batch ? b : batch;
@@ -37,11 +37,11 @@ __global__ void prepare_kernel(const int32_t* cu_q, const int32_t* cu_kv, int ba
     // Lengths past the graph's maxima would address rows beyond what cuDNN was told; they are cut to the
     // maxima (the call's contract is max_seqlen >= every length, as for the flash kernel).
     out[b] = lq < 0 ? 0 : (lq > max_q ? max_q : lq);
-    out[batch_padded + b] = lk < 0 ? 0 : (lk > max_kv ? max_kv : lk);
+    out[lay.seq_kv + b] = lk < 0 ? 0 : (lk > max_kv ? max_kv : lk);
   }
   for (int i = 0; i < offs.n; ++i) {
     const int64_t start = offs.kv[i] ? cu_kv[bb] : cu_q[bb];
-    out[2 * batch_padded + i * (batch_padded + 1) + b] = int32_t(start * offs.mult[i]);
+    out[lay.offsets + i * lay.offset_stride + b] = int32_t(start * offs.mult[i]);
   }
 }
 
@@ -82,7 +82,7 @@ unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) 
 void ragged_prepare(const int32_t* cu_q, const int32_t* cu_kv, int batch, int batch_padded, int max_q, int max_kv,
                     const RaggedOffsets& offs, int32_t* out, void* stream) {
   prepare_kernel<<<blocks_for(batch_padded + 1, 128), 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      cu_q, cu_kv, batch, batch_padded, max_q, max_kv, offs, out);
+      cu_q, cu_kv, batch, batch_padded, max_q, max_kv, offs, ragged_index_layout(batch_padded, offs.n), out);
   MC_CUDA_CHECK_LAUNCH();
 }
 

@@ -7,6 +7,7 @@
 #include "ops/ops_test_util.hpp"
 #include "megacore/build_config.hpp"
 #include "megacore/ops/attention.hpp"
+#include "ops/cuda/attention_cuda.hpp"
 #if MEGACORE_WITH_CUDA
 #include "ops/attention_tuned.hpp"
 #endif
@@ -157,6 +158,23 @@ TEST_CASE("attention cpu: packed tokens past the last sequence belong to none", 
     if (int64_t(i) < t * H * D) CHECK(ov[i] == o9[i]);
     else CHECK(ov[i] == 0.0);
   }
+}
+
+TEST_CASE("attention: cuDNN ragged index arrays start on 16-byte boundaries and do not overlap", "[ops][attention]") {
+  // The cuDNN graph declares its int32 length and offset tensors 16-byte aligned (cudnn-frontend's default);
+  // ragged_index_layout places them in one scratch block, which the allocator aligns.
+  for (int64_t bp = 1; bp <= 70; ++bp)
+    for (int n : {5, 9}) {
+      const ops::cuda::RaggedIndexLayout l = ops::cuda::ragged_index_layout(bp, n);
+      INFO("batch_padded " << bp << " arrays " << n);
+      CHECK(l.seq_kv % 4 == 0);
+      CHECK(l.offsets % 4 == 0);
+      CHECK(l.offset_stride % 4 == 0);
+      CHECK(l.seq_kv >= bp);                  // q lengths [0, bp) end before the kv lengths
+      CHECK(l.offsets >= l.seq_kv + bp);      // kv lengths end before offset array 0
+      CHECK(l.offset_stride >= bp + 1);       // each offset array holds bp + 1 entries
+      CHECK(l.total == l.offsets + n * l.offset_stride);
+    }
 }
 
 TEST_CASE("attention: bad arguments give clear errors", "[ops][attention]") {
