@@ -205,18 +205,23 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
       const int64_t s_local = cfg_.sequence_parallel ? s / tpn : s,
                     first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
       // Positions restart at every segment of packed rows (ctx.position_ids, [b, s]); else 0..s-1.
-      std::vector<double> given;
-      if (ctx.position_ids.defined()) {
-        MC_CHECK(ctx.position_ids.dim() == 2 && ctx.position_ids.size(0) == b && ctx.position_ids.size(1) == s,
+      const Tensor& given = ctx.position_ids;
+      if (given.defined())
+        MC_CHECK(given.dim() == 2 && given.size(0) == b && given.size(1) == s,
                  "GPTModel.forward: ctx.position_ids has shape {}; it must be the batch's [b, s] = [{}, {}]",
-                 shape_str(ctx.position_ids.shape()), b, s);
-        given = ctx.position_ids.to_double_vector();
+                 shape_str(given.shape()), b, s);
+      Tensor pos_ids;
+      if (given.defined() && given.dtype() == DType::I64 && given.device() == opts_.device) {
+        // The loader's ids on the model's device: this rank's [s_local, b] slice, without a host trip.
+        pos_ids = given.narrow(1, first, s_local).transpose(0, 1).contiguous(st);
+      } else {
+        const std::vector<double> ids = given.defined() ? given.to_double_vector() : std::vector<double>();
+        std::vector<int64_t> pos(size_t(s_local * b));
+        for (int64_t i = 0; i < s_local; ++i)
+          for (int64_t j = 0; j < b; ++j)
+            pos[size_t(i * b + j)] = ids.empty() ? first + i : int64_t(ids[size_t(j * s + first + i)]);
+        pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
       }
-      std::vector<int64_t> pos(size_t(s_local * b));
-      for (int64_t i = 0; i < s_local; ++i)
-        for (int64_t j = 0; j < b; ++j)
-          pos[size_t(i * b + j)] = given.empty() ? first + i : int64_t(given[size_t(j * s + first + i)]);
-      Tensor pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
       Tensor pe = Tensor::empty(x.shape(), x.dtype(), x.device(), st);
       ops::embedding_forward(position_.data, pos_ids, pe, -1, st);
       x = add(x, pe, st);

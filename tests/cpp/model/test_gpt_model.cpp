@@ -249,10 +249,13 @@ TEST_CASE("GPTModel on packed rows equals each sequence run alone (loss and ever
   const int64_t b = 2, s = 8;
   const std::vector<std::vector<int64_t>> rows_lens{{5, 3}, {2, 6}};
   for (mdl::TransformerConfig cfg : {mdl::presets::tiny_llama(), mdl::presets::tiny_gpt2()})
-    for (mdl::RecomputeGranularity rg : {mdl::RecomputeGranularity::None, mdl::RecomputeGranularity::Selective,
-                                         mdl::RecomputeGranularity::Full}) {
+    for (auto [rg, pos_dt] : {std::pair{mdl::RecomputeGranularity::None, DType::I64},
+                              std::pair{mdl::RecomputeGranularity::Selective, DType::I64},
+                              std::pair{mdl::RecomputeGranularity::Full, DType::I64},
+                              std::pair{mdl::RecomputeGranularity::None, DType::I32}}) {
+      // i64 ids on the model's device take the device path, i32 the host one
       cfg.recompute_granularity = rg;
-      INFO(mdl::norm_type_name(cfg.normalization) << " recompute " << int(rg));
+      INFO(mdl::norm_type_name(cfg.normalization) << " recompute " << int(rg) << " ids " << dtype_name(pos_dt));
       mdl::GPTModel m(cfg, tp);
       const Batch batch = make_batch(cfg.vocab_size, b, s);
       std::vector<int32_t> cu{0};
@@ -265,7 +268,7 @@ TEST_CASE("GPTModel on packed rows equals each sequence run alone (loss and ever
       ly::ForwardContext pctx;
       pctx.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
       pctx.max_seqlen = 6;
-      pctx.position_ids = Tensor::from_vector<int64_t>(pos, {b, s});
+      pctx.position_ids = Tensor::from_vector<int64_t>(pos, {b, s}).to(pos_dt);
 
       m.zero_grad();
       const double packed_loss = m.forward(pctx, batch.tokens, batch.labels, batch.mask).item();
