@@ -108,12 +108,20 @@ void from_token_major(Tensor dst, const Tensor& src, const Stream& st) {
 }
 }  // namespace
 
-void SelfAttention::packed_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                                   const Stream& st) const {
+Tensor SelfAttention::core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                                  const Stream& st) const {
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_;
+  if (!cu_.defined()) {
+    Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, q.device(), st);
+    Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
+    ops::attention_forward(bshd(q), bshd(k), bshd(v), out4, lse, attention_options(), st);
+    return lse;
+  }
+  Tensor lse = Tensor::empty({heads_local_, b * s}, DType::F32, q.device(), st);
   Tensor op = Tensor::empty({b * s, heads_local_, d}, q.dtype(), q.device(), st);
   ops::attention_forward(token_major(q, st), token_major(k, st), token_major(v, st), op, lse, packed_options(), st);
   from_token_major(out.view({s, b, heads_local_, d}), op, st);
+  return lse;
 }
 
 Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64_t b, const Stream& st) const {
@@ -168,7 +176,6 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
              kName);
   }
   Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
-  Tensor lse;
   cu_ = Tensor(), max_seqlen_ = 0;
   if (ctx.cu_seqlens.defined()) {
     const Tensor& cu = ctx.cu_seqlens;
@@ -181,13 +188,8 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
              "Batch.max_seqlen",
              kName, ctx.max_seqlen, s);
     cu_ = cu, max_seqlen_ = ctx.max_seqlen;
-    lse = Tensor::empty({heads_local_, b * s}, DType::F32, x.device(), st);
-    packed_forward(q, k, v, out, lse, st);
-  } else {
-    lse = Tensor::empty({b, heads_local_, s}, DType::F32, x.device(), st);
-    Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
-    ops::attention_forward(bshd(q), bshd(k), bshd(v), out4, lse, attention_options(), st);
   }
+  Tensor lse = core_forward(q, k, v, out, st);
   Tensor y = proj_.forward(ctx, out);
   if (ctx.training) {
     q_ = q, k_ = k, v_ = v, positions_ = positions;
@@ -210,25 +212,16 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   const int64_t s = seq_, b = batch_, d = head_dim_, hpg = heads_local_ / groups_local_;
   Tensor dout = proj_.backward(ctx, dy).contiguous(st);  // [s, b, heads/TP · d]
   Tensor out = out_, lse = lse_;
-  const ops::AttentionOptions ao = attention_options();
-  const bool packed = cu_.defined();
   if (recompute_) {
     out = Tensor::empty({s, b, heads_local_ * d}, q_.dtype(), q_.device(), st);
-    if (packed) {
-      lse = Tensor::empty({heads_local_, b * s}, DType::F32, q_.device(), st);
-      packed_forward(q_, k_, v_, out, lse, st);
-    } else {
-      lse = Tensor::empty({b, heads_local_, s}, DType::F32, q_.device(), st);
-      Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
-      ops::attention_forward(bshd(q_), bshd(k_), bshd(v_), out4, lse, ao, st);
-    }
+    lse = core_forward(q_, k_, v_, out, st);
   }
   // dQKV in the fused grouped layout; attention and RoPE write their gradients straight into it.
   Tensor dqkv = Tensor::empty({s, b, groups_local_, hpg + 2, d}, q_.dtype(), q_.device(), st);
   Tensor dq = Tensor::empty({s, b, heads_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
-  if (packed) {
+  if (cu_.defined()) {
     Tensor dqp = Tensor::empty({b * s, heads_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dkp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dvp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
@@ -241,7 +234,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   } else {
     Tensor dq4 = bshd(dq), dk4 = bshd(dk), dv4 = bshd(dv);
     ops::attention_backward(bshd(q_), bshd(k_), bshd(v_), bshd(out.view({s, b, heads_local_, d})), lse,
-                            bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, ao, st);
+                            bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, attention_options(), st);
   }
   if (rotary_dim_ > 0) {
     ops::rope_backward(dq, positions_, inv_freq_, dq, opts_.rotary_interleaved, st);

@@ -118,9 +118,9 @@ class SelfAttention {
   Tensor cu_;  // packed rows: the forward's ctx.cu_seqlens (undefined: dense)
   int64_t max_seqlen_ = 0;
   ops::AttentionOptions packed_options() const;
-  // Packed core attention on [s, b, heads, d] q/k/v (sequence-major): out [s, b, heads·d], lse [heads, b·s].
-  void packed_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                      const Stream& st) const;
+  // Core attention on [s, b, heads, d] q/k/v (sequence-major) into out [s, b, heads·d]; returns lse,
+  // [b, heads, s] dense or [heads, b·s] for packed rows (cu_ defined: token-major copies for the packed op).
+  Tensor core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
 };
 
 /// The fused QKV weight [(heads + 2·groups)·d, hidden] in the grouped layout above, from separate
