@@ -244,6 +244,7 @@ struct Trainer::Impl {
   void log(const StepMetrics& m);
   double evaluate(int64_t max_batches);
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
+  data::LoaderConfig loader_config(int prefetch) const;
   std::string save();
   void load(const std::string& path, bool optimizer);
   /// Resolves `path` and loads the model's parameters; the reader serves load_training_state.
@@ -361,15 +362,8 @@ void Trainer::Impl::build() {
   for (auto& ch : chunks) raw.push_back(ch.get());
   engine = std::make_unique<pipeline::PipelineEngine>(grid->pp(), *layout, raw, eo);
 
-  data::LoaderConfig lc;
-  lc.micro_batch_size = cfg.micro_batch_size;
-  lc.global_batch_size = cfg.global_batch_size;
-  lc.dp_rank = grid->dp_rank();
-  lc.dp_size = dp();
+  data::LoaderConfig lc = loader_config(cfg.prefetch);
   lc.consumed_samples = consumed_samples;
-  lc.device = device;
-  lc.prefetch = cfg.prefetch;
-  lc.vocab_size = m.vocab_size;
   lc.shuffle = cfg.shuffle_rows;
   lc.seed = cfg.data_seed;
   loader = std::make_unique<data::DataLoader>(train_src, lc);
@@ -449,6 +443,19 @@ std::vector<checkpoint::ShardedTensor> Trainer::Impl::model_tensors() const {
   for (const auto& ch : chunks)
     for (checkpoint::ShardedTensor& t : checkpoint::shard_model(*ch, sl)) out.push_back(std::move(t));
   return out;
+}
+
+// What the training and validation loaders share: this rank's place in DP, the device, and the vocabulary check.
+data::LoaderConfig Trainer::Impl::loader_config(int prefetch) const {
+  data::LoaderConfig lc;
+  lc.micro_batch_size = cfg.micro_batch_size;
+  lc.global_batch_size = cfg.global_batch_size;
+  lc.dp_rank = grid->dp_rank();
+  lc.dp_size = dp();
+  lc.device = device;
+  lc.prefetch = prefetch;
+  lc.vocab_size = cfg.model.vocab_size;
+  return lc;
 }
 
 std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLoader& l) {
@@ -577,15 +584,7 @@ Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_
 
 double Trainer::Impl::evaluate(int64_t max_batches) {
   MC_CHECK(valid_src != nullptr, "Trainer.evaluate: no validation data was given");
-  data::LoaderConfig lc;
-  lc.micro_batch_size = cfg.micro_batch_size;
-  lc.global_batch_size = cfg.global_batch_size;
-  lc.dp_rank = grid->dp_rank();
-  lc.dp_size = dp();
-  lc.device = device;
-  lc.prefetch = std::min(cfg.prefetch, 2);  // validation is short: a smaller pinned pool
-  lc.vocab_size = cfg.model.vocab_size;
-  data::DataLoader vl(valid_src, lc);
+  data::DataLoader vl(valid_src, loader_config(std::min(cfg.prefetch, 2)));  // short: a smaller pinned pool
   const int64_t steps = std::min(max_batches, vl.num_steps());
   MC_CHECK_AS(ConfigError, steps > 0, "the validation split holds less than one global batch ({} samples); give it "
               "more documents (data.split) or set trainer.val_check_interval = 0", cfg.global_batch_size);
