@@ -232,6 +232,14 @@ struct GpuCase {
   int sm90_variant = 0;  // AttentionOptions::flash_sm90_variant
 };
 
+// Whether Auto would run this call on cuDNN (the Cudnn cases run only then); WARNs `skipped` otherwise.
+bool cudnn_takes(const Tensor& q, const Tensor& k, AttentionOptions o, const char* skipped) {
+  o.backend = AttentionBackend::Auto;
+  if (attention_resolve_backend(q, k, o) == AttentionBackend::Cudnn) return true;
+  WARN(skipped);
+  return false;
+}
+
 std::vector<int32_t> prefix(const std::vector<int32_t>& lens) {
   std::vector<int32_t> cu{0};
   for (int32_t l : lens) cu.push_back(cu.back() + l);
@@ -283,14 +291,9 @@ void run_gpu_case_once(const GpuCase& c) {
       o.max_seqlen_kv = std::max<int64_t>(o.max_seqlen_kv, c.cu_kv[i + 1] - c.cu_kv[i]);
     }
   }
-  if (c.backend == AttentionBackend::Cudnn) {
-    AttentionOptions probe = o;
-    probe.backend = AttentionBackend::Auto;
-    if (attention_resolve_backend(q, k, probe) != AttentionBackend::Cudnn) {
-      WARN("cuDNN SDPA does not support this case; skipped (Auto uses the flash kernel for it)");
-      return;
-    }
-  }
+  if (c.backend == AttentionBackend::Cudnn &&
+      !cudnn_takes(q, k, o, "cuDNN SDPA does not support this case; skipped (Auto uses the flash kernel for it)"))
+    return;
   attention_forward(q, k, v, out, lse, o);
 
   ref::AttentionDims d;
@@ -516,14 +519,9 @@ TEST_CASE("attention gpu: packed sequences with an empty side, and tokens outsid
       o.cu_seqlens_q = Tensor::from_vector(cq, {4}).to(g);
       o.cu_seqlens_kv = Tensor::from_vector(ck, {4}).to(g);
       o.max_seqlen_q = 33, o.max_seqlen_kv = 40;
-      if (be == AttentionBackend::Cudnn) {
-        AttentionOptions probe = o;
-        probe.backend = AttentionBackend::Auto;
-        if (attention_resolve_backend(q, k, probe) != AttentionBackend::Cudnn) {
-          WARN("cuDNN SDPA does not take packed sequences on this device; skipped");
-          continue;
-        }
-      }
+      if (be == AttentionBackend::Cudnn &&
+          !cudnn_takes(q, k, o, "cuDNN SDPA does not take packed sequences on this device; skipped"))
+        continue;
       attention_forward(q, k, v, out, lse, o);
       attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o);
 
