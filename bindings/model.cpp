@@ -51,6 +51,35 @@ ly::ForwardContext context_for(Device d, bool training = true) {
   return ctx;
 }
 
+// One Python property per reflected field of T (core/fields.hpp), named and documented as declared in C++.
+// Names in `skip` are bound by hand (TransformerConfig's rope_scaling is the RopeScaling struct in Python,
+// while its reflected form is the flattened recipe field).
+template <class T>
+void bind_fields(pyb::class_<T>& cls, std::initializer_list<std::string_view> skip = {}) {
+  T probe{};
+  for_each_field(probe, [&](const Field& fd, auto& member) {
+    using M = std::decay_t<decltype(member)>;
+    for (std::string_view s : skip)
+      if (s == fd.name) return;
+    const std::string name(fd.name);
+    // The member of `self` named `name`, found by visiting self's fields (a property access is not hot).
+    auto with = [name](auto& self, auto&& fn) {
+      for_each_field(self, [&](const Field& f, auto& m) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(m)>, M>)
+          if (f.name == name) fn(m);
+      });
+    };
+    cls.def_property(
+        name.c_str(),
+        [with](const T& self) {
+          M out{};
+          with(self, [&](const M& m) { out = m; });
+          return out;
+        },
+        [with](T& self, const M& v) { with(self, [&](M& m) { m = v; }); }, std::string(fd.doc).c_str());
+  });
+}
+
 pyb::dict parameter_count_dict(const ParameterCount& c) {
   pyb::dict d;
   d["embedding"] = c.embedding;
@@ -94,10 +123,10 @@ void bind_config(pyb::module_& m) {
       .def_readwrite("original_max_position_embeddings", &RopeScaling::original_max_position_embeddings);
 
   using C = TransformerConfig;
-  pyb::class_<C>(m, "TransformerConfig",
+  pyb::class_<C> tc(m, "TransformerConfig",
                  "Shape and flavour of a GPT/Llama decoder. Zero means derived for num_query_groups, "
-                 "ffn_hidden_size and kv_channels.")
-      .def(pyb::init([](const pyb::kwargs& kw) {
+                 "ffn_hidden_size and kv_channels.");
+  tc.def(pyb::init([](const pyb::kwargs& kw) {
              auto c = std::make_unique<C>();
              pyb::object self = pyb::cast(c.get(), pyb::return_value_policy::reference);
              for (const auto& [k, v] : kw) {
@@ -109,29 +138,12 @@ void bind_config(pyb::module_& m) {
              return c.release();
            }),
            "TransformerConfig(**fields): every field defaults as in C++ (zero sizes).")
-      .def_readwrite("num_layers", &C::num_layers)
-      .def_readwrite("hidden_size", &C::hidden_size)
-      .def_readwrite("num_attention_heads", &C::num_attention_heads)
-      .def_readwrite("num_query_groups", &C::num_query_groups)
-      .def_readwrite("ffn_hidden_size", &C::ffn_hidden_size)
-      .def_readwrite("kv_channels", &C::kv_channels)
-      .def_readwrite("vocab_size", &C::vocab_size)
-      .def_readwrite("max_position_embeddings", &C::max_position_embeddings)
-      .def_readwrite("make_vocab_size_divisible_by", &C::make_vocab_size_divisible_by)
-      .def_readwrite("normalization", &C::normalization)
-      .def_readwrite("norm_eps", &C::norm_eps)
-      .def_readwrite("activation", &C::activation)
-      .def_readwrite("add_bias_linear", &C::add_bias_linear)
-      .def_readwrite("tie_word_embeddings", &C::tie_word_embeddings)
-      .def_readwrite("position_embedding", &C::position_embedding)
-      .def_readwrite("rope_theta", &C::rope_theta)
       .def_readwrite("rope_scaling", &C::rope_scaling)
-      .def_readwrite("init_method_std", &C::init_method_std)
       .def_property("params_dtype", [](const C& c) { return std::string(dtype_name(c.params_dtype)); },
                     [](C& c, const pyb::object& d) { c.params_dtype = dtype_arg(d); })
       .def_readwrite("sequence_parallel", &C::sequence_parallel)
       .def_readwrite("recompute_granularity", &C::recompute_granularity)
-      .def_readwrite("seed", &C::seed)
+      .def_readwrite("tp_comm_overlap", &C::tp_comm_overlap)
       .def_property_readonly("head_dim", &C::head_dim)
       .def_property_readonly("query_groups", &C::query_groups)
       .def_property_readonly("ffn_size", &C::ffn_size)
@@ -147,6 +159,8 @@ void bind_config(pyb::module_& m) {
                            c.vocab_size, norm_type_name(c.normalization), activation_type_name(c.activation),
                            position_embedding_type_name(c.position_embedding), dtype_name(c.params_dtype));
       });
+
+  bind_fields(tc, {"rope_scaling"});
 
   m.def("validate", [](const C& c, int tp) { validate(c, tp); }, pyb::arg("config"), pyb::arg("tp_size") = 1,
         "Raises megacore.ConfigError listing every inconsistency for tp_size-way TP, each with its fix.");

@@ -4,6 +4,7 @@
 
 #include "bindings.hpp"
 #include "megacore/comm/communicator.hpp"
+#include "megacore/train/run_config.hpp"
 #include "megacore/train/trainer.hpp"
 
 namespace megacore::py {
@@ -31,15 +32,31 @@ pyb::dict metrics_dict(const train::StepMetrics& m) {
 
 void bind_train(pyb::module_& root) {
   pyb::module_ m = root.def_submodule("train", "The training loop (C++ Trainer).");
-  pyb::class_<train::TrainConfig>(m, "TrainConfig")
-      .def_static("from_recipe_json", &train::TrainConfig::from_recipe_json, pyb::arg("json"),
-                  "Parses Recipe.to_json(); ConfigError naming a missing or mistyped field.")
-      .def_readonly("max_steps", &train::TrainConfig::max_steps)
-      .def_readonly("seq_length", &train::TrainConfig::seq_length)
-      .def_readonly("global_batch_size", &train::TrainConfig::global_batch_size);
+  // The run configuration is declared once in C++ (train/run_config.hpp); Python's Recipe classes are
+  // generated from run_config_schema() and hand their JSON here to be parsed, set and validated.
+  pyb::class_<train::RunConfig>(m, "RunConfig", "A parsed recipe (train::RunConfig).")
+      .def(pyb::init<>())
+      .def_static("from_json", &train::run_config_from_json, pyb::arg("json"),
+                  "Parses a recipe JSON; ConfigError naming an unknown or mistyped field or an unaccepted value.")
+      .def("to_json", [](const train::RunConfig& c) { return train::to_json(c); })
+      .def("set", &train::set_field, pyb::arg("key"), pyb::arg("value"),
+           "Sets 'section.field' (aliases accepted) from its text form, as --set does.")
+      .def("validate", [](const train::RunConfig& c, int world_size, bool check_paths) {
+             train::ValidationReport r = train::validate(c, world_size, {.check_paths = check_paths});
+             return pyb::make_tuple(r.errors, r.warnings);
+           }, pyb::arg("world_size"), pyb::arg("check_paths") = true,
+           "(errors, warnings): every problem of the run as a whole, each naming the field and its fix.")
+      .def("transformer_config", &train::RunConfig::transformer_config, pyb::arg("on_gpu") = false,
+           "The TransformerConfig the layers get (precision 'auto' resolved for the device).")
+      .def_property_readonly("world_size", &train::RunConfig::world_size);
+  m.def("run_config_schema", &train::run_config_schema,
+        "Every section and field (type, default, doc, accepted values, alias) as JSON.");
+  m.def("model_preset_json", [](const std::string& name) {
+    return train::model_section_json(train::ModelSection::preset(name));
+  }, pyb::arg("name"), "The model section of a C++ preset as JSON.");
 
   pyb::class_<train::Trainer>(m, "Trainer")
-      .def(pyb::init([](const train::TrainConfig& cfg, comm::Communicator& world,
+      .def(pyb::init([](const train::RunConfig& cfg, comm::Communicator& world,
                         std::shared_ptr<data::SampleSource> train_src, std::shared_ptr<data::SampleSource> valid_src) {
              pyb::gil_scoped_release nogil;
              return std::make_unique<train::Trainer>(cfg, world, std::move(train_src), std::move(valid_src));

@@ -30,8 +30,13 @@ def build_data(recipe, world):
     def build():
         if d.sft_path:
             # Packed rows carry their boundaries (Batch.cu_seqlens) and restarting positions; the trainer
-            # hands them to every pipeline stage, so no example attends to another.
-            return mdata.build_sft_dataset(d.sft_path, d.tokenizer, d.seq_length, pack=d.sft_pack), None
+            # hands them to every pipeline stage, so no example attends to another. data.split cuts the
+            # examples into training and validation parts (validation only when the trainer validates).
+            from .data.sft import build_sft_datasets
+
+            split = d.split if t.val_check_interval > 0 else "1,0,0"
+            return build_sft_datasets(d.sft_path, d.tokenizer, d.seq_length, pack=d.sft_pack, split=split,
+                                      seed=d.seed, on_error=d.sft_on_error)
         paths = d.paths
         if list(paths) == ["embedded"]:
             os.makedirs(cache, exist_ok=True)
@@ -66,7 +71,7 @@ def run(recipe, world=None) -> dict:
         os.makedirs(recipe.logging.log_dir, exist_ok=True)
         recipe.to_json(os.path.join(recipe.logging.log_dir, "recipe.json"))
     train, valid = build_data(recipe, world)
-    cfg = _C.train.TrainConfig.from_recipe_json(recipe.to_json())
+    cfg = _C.train.RunConfig.from_json(recipe.to_json())
     trainer = _C.train.Trainer(cfg, world, train, valid)
     result = trainer.fit()
     hist = result["history"]

@@ -33,7 +33,7 @@ int64_t divisor_at_most(int64_t n, int64_t limit) {
 
 }  // namespace
 
-void validate(const TransformerConfig& c, int tp) {
+std::vector<std::string> validation_errors(const TransformerConfig& c, int tp) {
   // Collect every problem so one run of the check tells the user everything to change.
   std::vector<std::string> errs;
   auto add = [&]<class... A>(fmt::format_string<A...> f, A&&... a) { errs.push_back(fmt::format(f, std::forward<A>(a)...)); };
@@ -102,7 +102,11 @@ void validate(const TransformerConfig& c, int tp) {
   if (!(c.init_method_std > 0)) add("init_method_std is {}; set it to a positive standard deviation (0.02)", c.init_method_std);
   if (!is_floating(c.params_dtype))
     add("params_dtype is {}; parameters must be f32, bf16 or f16", dtype_name(c.params_dtype));
+  return errs;
+}
 
+void validate(const TransformerConfig& c, int tp) {
+  const std::vector<std::string> errs = validation_errors(c, tp);
   if (errs.empty()) return;
   std::string msg = errs.size() == 1 ? "invalid TransformerConfig: " : fmt::format("invalid TransformerConfig ({} problems): ", errs.size());
   for (size_t i = 0; i < errs.size(); ++i) msg += (i ? "; " : "") + errs[i];

@@ -84,10 +84,10 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"model.num_layers": 5}, "5 layers cannot be split evenly over PP×VP = 2×1"),
     ({"parallel.pipeline_layout": [1, 2]}, "sums to 3 layers but the model has 4"),
     ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
-    ({"data.prefetch": 0}, "data.prefetch: must be an integer >= 1"),
+    ({"data.prefetch": 0}, "data.prefetch: must be a positive integer"),
     ({"parallel.overlap_param_gather": True}, "overlap_param_gather: needs parallel.use_distributed_optimizer"),
     ({"parallel.pipeline_head_cost": -1.0}, "pipeline_head_cost: must be a finite number of layers >= 0"),
-    ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost: must be a finite number"),
+    ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost must be a number, got 'nan'"),
     ({"parallel.pipeline_layout": [2, 2], "parallel.pipeline_head_cost": 1.0}, "not both"),
     ({"parallel.vp": 2, "data.global_batch_size": 12, "data.micro_batch_size": 4},
      "number of micro-batches \\(3\\) to be a multiple of PP = 2"),
@@ -96,14 +96,29 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"data.paths": ["/nonexistent/corpus"]}, "'/nonexistent/corpus' has no /nonexistent/corpus.bin"),
     ({"model.vocab_size": 100}, "smaller than the byte tokenizer"),
     ({"optim.lr_decay_style": "exp"}, "'exp' is not one of constant, linear, cosine, wsd"),
-    ({"trainer.precision": "fp8"}, "'fp8' is not one of f32, bf16, f16"),
+    ({"trainer.precision": "fp8"}, "'fp8' is not one of auto, f32, bf16, f16"),
+    ({"trainer.recompute": "bogus"}, "trainer.recompute 'bogus' is not one of none, selective, full"),
+    ({"model.normalization": "BatchNorm"}, "model.normalization 'BatchNorm' is not one of RMSNorm, LayerNorm"),
     ({"model.num_query_groups": 3}, "model:"),
     ({"checkpoint.resume": "/nonexistent/step_5"}, "is not a checkpoint directory"),
 ])
 def test_bad_recipes_fail_before_launch_naming_field_and_fix(changes, needle):
     r = recipes.tiny.pretrain_recipe()
-    for k, v in changes.items():
-        r.set(k, v)
+    with pytest.raises(ConfigError, match=needle):  # refused by set() (a value the field never accepts) or validate()
+        for k, v in changes.items():
+            r.set(k, v)
+        r.validate()
+
+
+@pytest.mark.parametrize("section,field,value,needle", [
+    ("trainer", "recompute", "bogus", "trainer.recompute 'bogus' is not one of none, selective, full"),
+    ("trainer", "precision", "fp8", "'fp8' is not one of auto, f32, bf16, f16"),
+    ("optim", "lr_decay_style", "exp", "'exp' is not one of constant, linear, cosine, wsd"),
+    ("data", "seq_length", "long", "data.seq_length must be an integer"),
+])
+def test_values_assigned_directly_are_checked_at_validation(section, field, value, needle):
+    r = recipes.tiny.pretrain_recipe()
+    setattr(getattr(r, section), field, value)  # plain attribute assignment bypasses set()
     with pytest.raises(ConfigError, match=needle):
         r.validate()
 

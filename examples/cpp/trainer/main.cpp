@@ -18,19 +18,21 @@ int main(int argc, char** argv) {
   try {
     auto world = comm::init_from_env();
 
-    train::TrainConfig cfg;
-    cfg.model = model::presets::tiny_llama();  // 2 layers, h64, GQA, SwiGLU
+    // The same RunConfig a recipe JSON parses into (train/run_config.hpp); fields set in code here, or
+    // from text with train::set_field(cfg, "optim.lr", "3e-3") / train::run_config_from_json(...).
+    train::RunConfig cfg;
+    cfg.model = train::ModelSection::preset("tiny_llama");  // 2 layers, h64, GQA, SwiGLU
     cfg.model.vocab_size = data::ByteTokenizer::kVocabSize;
-    cfg.parallel.tensor = tp;
-    cfg.parallel.pipeline = pp;
-    cfg.seq_length = 64;
-    cfg.micro_batch_size = 4;
-    cfg.global_batch_size = 16;
-    cfg.max_steps = steps;
-    cfg.lr.lr = 3e-3;
-    cfg.lr.min_lr = 3e-4;
-    cfg.lr.warmup_steps = 2;
-    cfg.lr.decay_steps = steps;
+    cfg.resources.num_gpus_per_node = world->size();
+    cfg.parallel.tensor_model_parallel_size = tp;
+    cfg.parallel.pipeline_model_parallel_size = pp;
+    cfg.data.seq_length = 64;
+    cfg.data.micro_batch_size = 4;
+    cfg.data.global_batch_size = 16;
+    cfg.trainer.max_steps = steps;
+    cfg.optim.lr = 3e-3;
+    cfg.optim.min_lr = 3e-4;
+    cfg.optim.lr_warmup_iters = 2;
 
     // Rank 0 writes the corpus and the dataset indices; the others read them after the barrier.
     const std::string dir = (std::filesystem::temp_directory_path() / "megacore_cpp_trainer").string();
@@ -40,8 +42,8 @@ int main(int argc, char** argv) {
       if (!std::filesystem::exists(prefix + ".idx")) data::write_default_corpus(prefix, {1000, 0});
       data::PretrainDatasetsConfig dc;
       dc.blend = {{1.0, prefix}};
-      dc.seq_length = cfg.seq_length;
-      dc.num_samples = {cfg.max_steps * cfg.global_batch_size, 0, 0};
+      dc.seq_length = cfg.data.seq_length;
+      dc.num_samples = {cfg.trainer.max_steps * cfg.data.global_batch_size, 0, 0};
       dc.cache_dir = dir;
       return data::build_pretrain_datasets(dc);
     };

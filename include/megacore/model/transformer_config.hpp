@@ -10,7 +10,10 @@
 #include <string>
 #include <string_view>
 
+#include <vector>
+
 #include "megacore/core/dtype.hpp"
+#include "megacore/core/fields.hpp"
 
 namespace megacore::model {
 
@@ -69,6 +72,39 @@ struct TransformerConfig {
   /// path (comm stream + events) has not yet been validated on a GPU.
   bool tp_comm_overlap = false;
 
+  /// The architecture fields as a recipe's model section names them (the RoPE scaling flattened to
+  /// rope_scaling, rope_scaling_factor, ...). params_dtype, sequence_parallel, recompute_granularity and
+  /// tp_comm_overlap are set from the trainer and parallel sections (train::RunConfig::transformer_config).
+  template <class Self, class F>
+  static void fields(Self& s, F&& f) {
+    f(Field{"num_layers", "Transformer layers."}, s.num_layers);
+    f(Field{"hidden_size", "Model width."}, s.hidden_size);
+    f(Field{"num_attention_heads", "Query heads."}, s.num_attention_heads);
+    f(Field{"num_query_groups", "KV heads (GQA); 0 = num_attention_heads."}, s.num_query_groups);
+    f(Field{"ffn_hidden_size", "MLP width; 0 = 4 x hidden_size."}, s.ffn_hidden_size);
+    f(Field{"kv_channels", "Head dimension; 0 = hidden_size / num_attention_heads."}, s.kv_channels);
+    f(Field{"vocab_size", "The tokenizer's vocabulary (unpadded)."}, s.vocab_size);
+    f(Field{"max_position_embeddings", "Longest sequence the model supports."}, s.max_position_embeddings);
+    f(Field{"make_vocab_size_divisible_by",
+            "The embedding and output layer are padded to a multiple of this x TP; padding rows are masked out."},
+      s.make_vocab_size_divisible_by);
+    f(Field{"normalization", "RMSNorm (Llama) or LayerNorm (GPT-2)."}, s.normalization);
+    f(Field{"norm_eps", "Epsilon of the norms."}, s.norm_eps);
+    f(Field{"activation", "SwiGLU (fc1 makes [gate | up]) or GELU (tanh, GPT-2)."}, s.activation);
+    f(Field{"add_bias_linear", "Biases on every linear layer (GPT-2: yes, Llama: no)."}, s.add_bias_linear);
+    f(Field{"tie_word_embeddings", "The output layer shares the word-embedding weight."}, s.tie_word_embeddings);
+    f(Field{"position_embedding", "RoPE or Learned (absolute positions, GPT-2)."}, s.position_embedding);
+    f(Field{"rope_theta", "RoPE base (10000 Llama 2, 500000 Llama 3)."}, s.rope_theta);
+    f(Field{"rope_scaling", "RoPE frequency scaling: none or llama3 (Llama 3.1+)."}, s.rope_scaling.type);
+    f(Field{"rope_scaling_factor", "llama3 scaling: factor (8 for 3.1, 32 for 3.2)."}, s.rope_scaling.factor);
+    f(Field{"rope_low_freq_factor", "llama3 scaling: low-frequency factor."}, s.rope_scaling.low_freq_factor);
+    f(Field{"rope_high_freq_factor", "llama3 scaling: high-frequency factor."}, s.rope_scaling.high_freq_factor);
+    f(Field{"rope_original_max_position_embeddings", "llama3 scaling: the pre-training context."},
+      s.rope_scaling.original_max_position_embeddings);
+    f(Field{"init_method_std", "Standard deviation of the weight init."}, s.init_method_std);
+    f(Field{"seed", "Seed of the weight init."}, s.seed);
+  }
+
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0); }
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   int64_t ffn_size() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
@@ -78,8 +114,10 @@ struct TransformerConfig {
   int64_t qkv_width() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
 };
 
-/// Throws ConfigError listing every inconsistency of `cfg` for `tp_size`-way tensor parallelism, each
-/// with the change that fixes it. Call it before allocating anything.
+/// Every inconsistency of `cfg` for `tp_size`-way tensor parallelism, each with the change that fixes it
+/// (empty when the config is valid).
+std::vector<std::string> validation_errors(const TransformerConfig& cfg, int tp_size = 1);
+/// Throws ConfigError listing validation_errors() when there are any. Call it before allocating anything.
 void validate(const TransformerConfig& cfg, int tp_size = 1);
 
 /// vocab_size rounded up to a multiple of make_vocab_size_divisible_by × tp_size.
@@ -133,3 +171,33 @@ TransformerConfig gpt2_124m();
 }  // namespace presets
 
 }  // namespace megacore::model
+
+namespace megacore {
+template <>
+struct EnumNames<model::NormType> {
+  static constexpr std::array values{std::pair{model::NormType::RMSNorm, std::string_view{"RMSNorm"}},
+                                     std::pair{model::NormType::LayerNorm, std::string_view{"LayerNorm"}}};
+};
+template <>
+struct EnumNames<model::ActivationType> {
+  static constexpr std::array values{std::pair{model::ActivationType::SwiGLU, std::string_view{"SwiGLU"}},
+                                     std::pair{model::ActivationType::GELU, std::string_view{"GELU"}}};
+};
+template <>
+struct EnumNames<model::PositionEmbeddingType> {
+  static constexpr std::array values{std::pair{model::PositionEmbeddingType::RoPE, std::string_view{"RoPE"}},
+                                     std::pair{model::PositionEmbeddingType::Learned, std::string_view{"Learned"}}};
+};
+template <>
+struct EnumNames<model::RecomputeGranularity> {
+  static constexpr std::array values{
+      std::pair{model::RecomputeGranularity::None, std::string_view{"none"}},
+      std::pair{model::RecomputeGranularity::Selective, std::string_view{"selective"}},
+      std::pair{model::RecomputeGranularity::Full, std::string_view{"full"}}};
+};
+template <>
+struct EnumNames<model::RopeScalingType> {
+  static constexpr std::array values{std::pair{model::RopeScalingType::None, std::string_view{"none"}},
+                                     std::pair{model::RopeScalingType::Llama3, std::string_view{"llama3"}}};
+};
+}  // namespace megacore

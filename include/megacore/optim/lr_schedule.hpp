@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "megacore/core/fields.hpp"
+
 namespace megacore::optim {
 
 enum class LRDecayStyle { Constant, Linear, Cosine, WSD };
@@ -67,3 +69,13 @@ class LRScheduler {
 };
 
 }  // namespace megacore::optim
+
+namespace megacore {
+template <>
+struct EnumNames<optim::LRDecayStyle> {
+  static constexpr std::array values{std::pair{optim::LRDecayStyle::Constant, std::string_view{"constant"}},
+                                     std::pair{optim::LRDecayStyle::Linear, std::string_view{"linear"}},
+                                     std::pair{optim::LRDecayStyle::Cosine, std::string_view{"cosine"}},
+                                     std::pair{optim::LRDecayStyle::WSD, std::string_view{"wsd"}}};
+};
+}  // namespace megacore

@@ -19,6 +19,9 @@ def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 8, dir: str | N
                                       recompute="selective"), dir=dir)
 
 
-def finetune_recipe(sft_path: str, resume: str, num_nodes: int = 1, num_gpus_per_node: int = 8,
+def finetune_recipe(sft_path: str = "", pretrained_checkpoint: str = "", num_nodes: int = 1, num_gpus_per_node: int = 8,
                     dir: str | None = None) -> Recipe:
-    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node, dir), sft_path, resume, lr=1e-5)
+    """SFT of this model on ``sft_path`` (JSONL) from ``pretrained_checkpoint`` (weights only), into its own run
+    directory (runs/llama3_8b_finetune unless ``dir``); both paths can also come from ``--set``."""
+    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node), sft_path, pretrained_checkpoint, lr=1e-5,
+                         dir=dir)

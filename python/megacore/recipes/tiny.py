@@ -17,11 +17,14 @@ def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 4, dir: str | N
                 parallel=ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                 data=DataConfig(paths=["embedded"], seq_length=128, micro_batch_size=4, global_batch_size=16),
                 optim=OptimizerConfig(lr=3e-3, min_lr=3e-4, weight_decay=0.01, lr_warmup_iters=5),
-                trainer=TrainerConfig(max_steps=150, val_check_interval=50, limit_val_batches=2, precision="f32",
+                trainer=TrainerConfig(max_steps=150, val_check_interval=50, limit_val_batches=2, precision="auto",
                                       generate_tokens=40, generate_prompt="sam says tree"),
                 dir=dir)
 
 
-def finetune_recipe(sft_path: str, resume: str, num_nodes: int = 1, num_gpus_per_node: int = 4,
+def finetune_recipe(sft_path: str = "", pretrained_checkpoint: str = "", num_nodes: int = 1, num_gpus_per_node: int = 4,
                     dir: str | None = None) -> Recipe:
-    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node, dir), sft_path, resume, lr=1e-3)
+    """SFT of this model on ``sft_path`` (JSONL) from ``pretrained_checkpoint`` (weights only), into its own run
+    directory (runs/tiny_finetune unless ``dir``); both paths can also come from ``--set``."""
+    return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node), sft_path, pretrained_checkpoint, lr=1e-3,
+                         dir=dir)

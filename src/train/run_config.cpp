@@ -1,0 +1,678 @@
+#include "megacore/train/run_config.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "megacore/core/error.hpp"
+
+namespace megacore::train {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------------
+// Generic field I/O: every reflected struct is read, written, described and set through these.
+
+namespace {
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+
+std::string join(const std::vector<std::string>& v, std::string_view sep = ", ") {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? std::string(sep) : "") + v[i];
+  return out;
+}
+
+std::vector<std::string> split_choices(std::string_view c) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= c.size() && !c.empty()) {
+    const size_t bar = c.find('|', start);
+    out.emplace_back(c.substr(start, bar == std::string_view::npos ? std::string_view::npos : bar - start));
+    if (bar == std::string_view::npos) break;
+    start = bar + 1;
+  }
+  return out;
+}
+
+template <class T>
+std::vector<std::string> choices_of(const Field& fd) {
+  if constexpr (NamedEnum<T>)
+    return split_choices(enum_choices<T>());
+  else
+    return split_choices(fd.choices);
+}
+
+template <class T>
+std::string type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  else if constexpr (std::is_integral_v<T>) return "int";
+  else if constexpr (std::is_floating_point_v<T>) return "float";
+  else if constexpr (std::is_same_v<T, std::string> || NamedEnum<T>) return "str";
+  else if constexpr (std::is_same_v<T, BlendList>) return "list[float|str]";
+  else if constexpr (std::is_same_v<T, std::vector<int64_t>>) return "list[int]";
+  else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "list[str]";
+  else if constexpr (Reflected<T>) return "section";
+  else static_assert(sizeof(T) == 0, "unsupported config field type");
+}
+
+template <class T>
+json to_value(const T& v) {
+  if constexpr (NamedEnum<T>) {
+    return std::string(enum_name(v));
+  } else if constexpr (std::is_same_v<T, BlendList>) {
+    json a = json::array();
+    for (const auto& e : v) std::visit([&](const auto& x) { a.push_back(x); }, e);
+    return a;
+  } else if constexpr (Reflected<T>) {
+    json o = json::object();
+    for_each_field(v, [&](const Field& fd, const auto& m) { o[std::string(fd.name)] = to_value(m); });
+    return o;
+  } else {
+    return json(v);
+  }
+}
+
+[[noreturn]] void wrong(const std::string& where, std::string_view want, const json& got) {
+  raise<ConfigError>("{} must be {}, got {}", where, want, got.dump());
+}
+
+template <class T>
+void read_object(const json& j, T& obj, const std::string& where);
+
+template <class T>
+void read_value(const json& j, T& out, const std::string& where, const Field& fd) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!j.is_boolean()) wrong(where, "true or false", j);
+    out = j.get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (j.is_boolean() || !j.is_number()) wrong(where, "an integer", j);
+    if (j.is_number_float()) {
+      const double d = j.get<double>();
+      if (d != std::floor(d)) wrong(where, "an integer", j);
+      if (std::is_unsigned_v<T> && d < 0) wrong(where, "a non-negative integer", j);
+      out = static_cast<T>(d);
+    } else if (std::is_unsigned_v<T> && j.is_number_integer() && !j.is_number_unsigned() && j.get<int64_t>() < 0) {
+      wrong(where, "a non-negative integer", j);
+    } else {
+      out = j.get<T>();
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (j.is_boolean() || !j.is_number()) wrong(where, "a number", j);
+    out = j.get<T>();
+  } else if constexpr (NamedEnum<T>) {
+    if (!j.is_string()) wrong(where, fmt::format("one of {}", join(choices_of<T>(fd))), j);
+    const auto v = enum_from_name<T>(j.get<std::string>());
+    if (!v) raise<ConfigError>("{} '{}' is not one of {}", where, j.get<std::string>(), join(choices_of<T>(fd)));
+    out = *v;
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!j.is_string()) wrong(where, "a string", j);
+    std::string s = j.get<std::string>();
+    const auto ok = choices_of<T>(fd);
+    if (!ok.empty() && std::find(ok.begin(), ok.end(), s) == ok.end())
+      raise<ConfigError>("{} '{}' is not one of {}", where, s, join(ok));
+    out = std::move(s);
+  } else if constexpr (std::is_same_v<T, BlendList>) {
+    if (j.is_string()) {
+      out = {j.get<std::string>()};
+      return;
+    }
+    if (!j.is_array()) wrong(where, "a list of prefixes (and weights)", j);
+    out.clear();
+    for (const auto& e : j) {
+      if (e.is_string())
+        out.emplace_back(e.get<std::string>());
+      else if (e.is_number() && !e.is_boolean())
+        out.emplace_back(e.get<double>());
+      else
+        wrong(where, "a list of prefixes (strings) and weights (numbers)", j);
+    }
+  } else if constexpr (IsVector<T>::value) {
+    if (!j.is_array()) wrong(where, fmt::format("a list ({})", type_name<T>()), j);
+    out.clear();
+    for (size_t i = 0; i < j.size(); ++i) {
+      typename T::value_type v{};
+      read_value(j[i], v, fmt::format("{}[{}]", where, i), Field{});
+      out.push_back(std::move(v));
+    }
+  } else if constexpr (Reflected<T>) {
+    read_object(j, out, where);
+  } else {
+    static_assert(sizeof(T) == 0, "unsupported config field type");
+  }
+}
+
+template <class T>
+void read_object(const json& j, T& obj, const std::string& where) {
+  if (!j.is_object()) raise<ConfigError>("{} must be a mapping of fields, got {}", where, j.dump());
+  std::vector<std::string> names;
+  for_each_field(obj, [&](const Field& fd, auto& m) {
+    names.emplace_back(fd.name);
+    const std::string key(fd.name);
+    if (j.contains(key)) read_value(j[key], m, where + "." + key, fd);
+  });
+  std::vector<std::string> unknown;
+  for (const auto& [k, v] : j.items())
+    if (std::find(names.begin(), names.end(), k) == names.end()) unknown.push_back("'" + k + "'");
+  if (!unknown.empty())
+    raise<ConfigError>("unknown field{} {} in {}; valid fields: {}", unknown.size() > 1 ? "s" : "", join(unknown),
+                       where, join(names));
+}
+
+template <class T>
+json describe(const T& obj) {
+  json fields = json::array();
+  for_each_field(obj, [&](const Field& fd, const auto& m) {
+    using M = std::decay_t<decltype(m)>;
+    json d = {{"name", std::string(fd.name)}, {"doc", std::string(fd.doc)}, {"type", type_name<M>()}};
+    if constexpr (Reflected<M>) {
+      d["fields"] = describe(m);
+    } else {
+      d["default"] = to_value(m);
+      d["choices"] = choices_of<M>(fd);
+      if (!fd.alias.empty()) d["alias"] = std::string(fd.alias);
+    }
+    fields.push_back(std::move(d));
+  });
+  return fields;
+}
+
+// The text of `--set key=value` as the JSON value of a field of type T.
+template <class T>
+json parse_text(const std::string& text, const std::string& where) {
+  auto trimmed = [](std::string s) {
+    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  const std::string t = trimmed(text);
+  if constexpr (std::is_same_v<T, bool>) {
+    std::string l = t;
+    std::transform(l.begin(), l.end(), l.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    if (l == "1" || l == "true" || l == "yes" || l == "on") return true;
+    if (l == "0" || l == "false" || l == "no" || l == "off") return false;
+    raise<ConfigError>("{} must be true or false, got '{}'", where, text);
+  } else if constexpr (std::is_arithmetic_v<T>) {
+    try {
+      return json::parse(t);
+    } catch (const json::exception&) {
+      raise<ConfigError>("{} must be {}, got '{}'", where, std::is_integral_v<T> ? "an integer" : "a number", text);
+    }
+  } else if constexpr (std::is_same_v<T, std::string> || NamedEnum<T>) {
+    return t;
+  } else {  // lists: JSON, or comma-separated items (numbers stay numbers)
+    if (!t.empty() && t.front() == '[') {
+      try {
+        return json::parse(t);
+      } catch (const json::exception& e) {
+        raise<ConfigError>("{}: '{}' is not a JSON list ({})", where, text, e.what());
+      }
+    }
+    json a = json::array();
+    std::stringstream ss(t);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      item = trimmed(item);
+      if (item.empty()) continue;
+      try {
+        json n = json::parse(item);
+        a.push_back(n.is_number() ? n : json(item));
+      } catch (const json::exception&) {
+        a.push_back(item);
+      }
+    }
+    return a;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Sections
+
+ModelSection::ModelSection() {
+  num_layers = 4;
+  hidden_size = 128;
+  num_attention_heads = 4;
+  num_query_groups = 2;
+  ffn_hidden_size = 256;
+  vocab_size = 259;  // the byte tokenizer
+  max_position_embeddings = 256;
+}
+
+ModelSection ModelSection::preset(const std::string& name) {
+  model::TransformerConfig t;
+  if (name == "tiny_llama") t = model::presets::tiny_llama();
+  else if (name == "tiny_gpt2") t = model::presets::tiny_gpt2();
+  else if (name == "llama32_1b") t = model::presets::llama32_1b();
+  else if (name == "llama3_8b") t = model::presets::llama3_8b();
+  else if (name == "gpt2_124m") t = model::presets::gpt2_124m();
+  else
+    raise<ConfigError>("unknown model preset '{}'; use one of tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m",
+                       name);
+  ModelSection m;
+  static_cast<model::TransformerConfig&>(m) = t;
+  m.name = name;
+  return m;
+}
+
+parallel::ParallelConfig RunConfig::grid_config() const {
+  parallel::ParallelConfig pc;
+  pc.tensor = parallel.tensor_model_parallel_size;
+  pc.pipeline = parallel.pipeline_model_parallel_size;
+  pc.virtual_pipeline = parallel.virtual_pipeline_model_parallel_size;
+  pc.context = parallel.context_parallel_size;
+  pc.expert = parallel.expert_model_parallel_size;
+  return pc;
+}
+
+model::TransformerConfig RunConfig::transformer_config(bool on_gpu) const {
+  model::TransformerConfig t = model;
+  const std::string& p = trainer.precision;
+  t.params_dtype = p == "bf16" ? DType::BF16 : p == "f16" ? DType::F16 : p == "f32" ? DType::F32
+                   : on_gpu    ? DType::BF16
+                               : DType::F32;
+  t.sequence_parallel = parallel.sequence_parallel;
+  t.recompute_granularity = trainer.recompute;
+  t.tp_comm_overlap = parallel.tp_comm_overlap;
+  return t;
+}
+
+optim::LRScheduleConfig RunConfig::lr_schedule() const {
+  optim::LRScheduleConfig s;
+  s.lr = optim.lr;
+  s.min_lr = optim.min_lr;
+  s.decay_steps = optim.lr_decay_iters > 0 ? optim.lr_decay_iters : trainer.max_steps;
+  s.warmup_steps = optim.lr_warmup_fraction > 0 ? int64_t(std::llround(optim.lr_warmup_fraction * double(s.decay_steps)))
+                                                : optim.lr_warmup_iters;
+  s.style = optim.lr_decay_style;
+  s.wsd_decay_steps = optim.lr_wsd_decay_iters;
+  if (s.style == optim::LRDecayStyle::WSD && s.wsd_decay_steps == 0)
+    s.wsd_decay_steps = std::max<int64_t>(1, (s.decay_steps - s.warmup_steps) / 10);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// JSON, --set and the schema
+
+std::string to_json(const RunConfig& cfg, int indent) { return to_value(cfg).dump(indent); }
+
+RunConfig run_config_from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    raise<ConfigError>("the recipe is not valid JSON: {}", e.what());
+  }
+  RunConfig c;
+  read_object(j, c, "recipe");
+  return c;
+}
+
+void set_field(RunConfig& cfg, const std::string& key, const std::string& value) {
+  if (key == "name") {
+    cfg.name = value;
+    return;
+  }
+  const auto dot = key.find('.');
+  std::vector<std::string> sections;
+  for_each_field(cfg, [&](const Field& fd, auto& m) {
+    if constexpr (Reflected<std::decay_t<decltype(m)>>) sections.emplace_back(fd.name);
+  });
+  if (dot == std::string::npos || key.find('.', dot + 1) != std::string::npos)
+    raise<ConfigError>("--set key '{}' must be section.field (e.g. parallel.tp=2) or name; sections: {}", key,
+                       join(sections));
+  const std::string sec = key.substr(0, dot), name = key.substr(dot + 1);
+  bool found_section = false, found_field = false;
+  for_each_field(cfg, [&](const Field& sfd, auto& section) {
+    using S = std::decay_t<decltype(section)>;
+    if constexpr (Reflected<S>) {
+      if (sfd.name != sec) return;
+      found_section = true;
+      std::vector<std::string> names, aliases;
+      for_each_field(section, [&](const Field& fd, auto& m) {
+        names.emplace_back(fd.name);
+        if (!fd.alias.empty()) aliases.push_back(fmt::format("{}={}", fd.alias, fd.name));
+        if (fd.name != name && fd.alias != name) return;
+        found_field = true;
+        const std::string where = fmt::format("{}.{}", sec, fd.name);
+        read_value(parse_text<std::decay_t<decltype(m)>>(value, where), m, where, fd);
+      });
+      if (!found_field)
+        raise<ConfigError>("unknown field '{}' in recipe section '{}'; valid fields: {}{}", name, sec, join(names),
+                           aliases.empty() ? "" : fmt::format(" (aliases: {})", join(aliases)));
+    }
+  });
+  if (!found_section) raise<ConfigError>("unknown recipe section '{}' in '{}'; use one of {}", sec, key, join(sections));
+}
+
+std::string run_config_schema() { return describe(RunConfig{}).dump(); }
+
+std::string model_section_json(const ModelSection& m) { return to_value(m).dump(); }
+
+// ---------------------------------------------------------------------------------------------------
+// Validation of the run as a whole
+
+namespace {
+
+// Checks of the files a run reads; each problem goes to `err`.
+template <class Err>
+void check_files(const RunConfig& r, Err&& err) {
+  const DataSection& d = r.data;
+  if (!d.sft_path.empty()) {
+    if (!fs::is_regular_file(d.sft_path))
+      err("data.sft_path", fmt::format("'{}' does not exist; give the path of a JSONL file of SFT examples", d.sft_path));
+  } else if (d.paths.empty()) {
+    err("data.paths", "is empty and so is data.sft_path: no training data; set data.sft_path to a JSONL file of SFT "
+                      "examples, or data.paths to a prefix, a blend such as [0.3, \"data/a\", 0.7, \"data/b\"], or "
+                      "[\"embedded\"]");
+  } else if (!(d.paths.size() == 1 && std::holds_alternative<std::string>(d.paths[0]) &&
+               std::get<std::string>(d.paths[0]) == "embedded")) {
+    for (const auto& e : d.paths) {
+      if (!std::holds_alternative<std::string>(e)) continue;  // a blend weight
+      const std::string& prefix = std::get<std::string>(e);
+      std::vector<std::string> missing;
+      for (const char* ext : {".bin", ".idx"})
+        if (!fs::is_regular_file(prefix + ext)) missing.push_back(prefix + ext);
+      if (!missing.empty())
+        err("data.paths", fmt::format("'{}' has no {}; give dataset prefixes written by `megacore preprocess` "
+                                      "(without .bin/.idx), or [\"embedded\"]",
+                                      prefix, join(missing, " or ")));
+    }
+  }
+  if (d.tokenizer != "byte") {
+    const fs::path t(d.tokenizer);
+    const bool ok = fs::is_regular_file(t) || fs::is_regular_file(t / "tokenizer.json");
+    if (!ok)
+      err("data.tokenizer",
+          fmt::format("'{}' is not a tokenizer.json file or a folder holding one, and megacore downloads nothing; on a "
+                      "connected machine run `python -c \"from transformers import AutoTokenizer; "
+                      "AutoTokenizer.from_pretrained('{}').save_pretrained('tok')\"` (or fetch tokenizer.json from the "
+                      "model's page) and set data.tokenizer to tok/tokenizer.json, or use 'byte'",
+                      d.tokenizer, d.tokenizer));
+  }
+}
+
+// The model section stored with a checkpoint (metadata.json's json.recipe, or a recipe.json beside it).
+std::optional<json> saved_model(const fs::path& dir) {
+  for (const auto& [file, nested] : {std::pair{"metadata.json", true}, std::pair{"recipe.json", false}}) {
+    std::ifstream in(dir / file);
+    if (!in) continue;
+    json j = json::parse(in);
+    if (nested) {
+      if (!j.contains("json") || !j["json"].contains("recipe")) return std::nullopt;
+      j = j["json"]["recipe"];
+      if (j.is_string()) j = json::parse(j.get<std::string>());
+    }
+    if (j.is_object() && j.contains("model")) return j["model"];
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+template <class Err>
+void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view field = "checkpoint.resume") {
+  if (!fs::is_directory(path)) {
+    err(field,
+        fmt::format("'{}' is not a checkpoint directory; give a step_<N> directory, 'auto' or ''", path.string()));
+    return;
+  }
+  if (!fs::is_regular_file(path / "metadata.json") && fs::is_regular_file(path / "latest")) {
+    std::ifstream in(path / "latest");
+    std::string name;
+    in >> name;
+    path /= name;
+  }
+  std::optional<json> saved;
+  try {
+    saved = saved_model(path);
+  } catch (const std::exception& e) {
+    err(field, fmt::format("cannot read the checkpoint metadata in '{}': {}", path.string(), e.what()));
+    return;
+  }
+  if (!saved) return;  // written outside the trainer (e.g. converted): the loader compares tensor shapes
+  const json want = json::parse(model_section_json(r.model));
+  std::vector<std::string> diff;
+  for (const char* k : {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                        "vocab_size", "normalization", "activation", "tie_word_embeddings", "position_embedding",
+                        "add_bias_linear"}) {
+    const json a = saved->value(k, json()), b = want.value(k, json());
+    if (a != b) diff.push_back(fmt::format("{} {} vs {}", k, a.dump(), b.dump()));
+  }
+  if (!diff.empty())
+    err(field,
+        fmt::format("'{}' holds another model ({}, checkpoint vs recipe); resume from a checkpoint of this model, or "
+                    "set checkpoint.resume = '' to start fresh",
+                    path.string(), join(diff, "; ")));
+}
+
+}  // namespace
+
+ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& opts) {
+  ValidationReport rep;
+  auto err = [&](std::string_view field, std::string msg) { rep.errors.push_back(fmt::format("{}: {}", field, msg)); };
+  const ParallelSection& p = r.parallel;
+  const DataSection& d = r.data;
+  const OptimSection& o = r.optim;
+  const TrainerSection& t = r.trainer;
+  const CheckpointSection& ck = r.checkpoint;
+
+  // ---- sizes: nothing else is meaningful until these are positive
+  for (const auto& [name, v] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"resources.num_nodes", r.resources.num_nodes},
+           {"resources.num_gpus_per_node", r.resources.num_gpus_per_node},
+           {"parallel.tensor_model_parallel_size", p.tensor_model_parallel_size},
+           {"parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size},
+           {"parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size},
+           {"parallel.context_parallel_size", p.context_parallel_size},
+           {"parallel.expert_model_parallel_size", p.expert_model_parallel_size},
+           {"data.seq_length", d.seq_length},
+           {"data.micro_batch_size", d.micro_batch_size},
+           {"data.global_batch_size", d.global_batch_size},
+           {"data.prefetch", d.prefetch},
+           {"trainer.max_steps", t.max_steps},
+           {"trainer.log_interval", t.log_interval}}) {
+    if (v < 1) err(name, fmt::format("must be a positive integer, got {}", v));
+  }
+  if (world < 1) rep.errors.push_back(fmt::format("world size {} must be at least 1", world));
+  if (!rep.errors.empty()) return rep;
+
+  // ---- layout
+  const int tp = p.tensor_model_parallel_size, pp = p.pipeline_model_parallel_size,
+            vp = p.virtual_pipeline_model_parallel_size, cp = p.context_parallel_size;
+  const int mp = tp * pp * cp;
+  int dp = 0;
+  if (world % mp)
+    err("parallel", fmt::format("world size {} (resources: {} node(s) × {}) is not divisible by TP×PP×CP = {}×{}×{} = "
+                                "{}; change the parallel sizes or the GPU count so that TP×PP×CP divides {}",
+                                world, r.resources.num_nodes, r.resources.num_gpus_per_node, tp, pp, cp, mp, world));
+  else
+    dp = world / mp;
+  if (cp > 1)
+    err("parallel.context_parallel_size", "context parallelism is not implemented in the trainer yet; set it to 1");
+  if (p.expert_model_parallel_size > 1)
+    err("parallel.expert_model_parallel_size", "the models of these recipes have no experts; set it to 1");
+  if (p.sequence_parallel && tp == 1)
+    err("parallel.sequence_parallel", "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP "
+                                      "group); set sequence_parallel = false or raise TP");
+  if (p.sequence_parallel && d.seq_length % tp)
+    err("data.seq_length", fmt::format("{} is not divisible by TP = {}, which sequence parallelism needs; use a "
+                                       "multiple of {}",
+                                       d.seq_length, tp, tp));
+  if (p.use_distributed_optimizer && o.optimizer != "adamw")
+    err("parallel.use_distributed_optimizer",
+        "ZeRO-1 shards AdamW state; set optim.optimizer = adamw or turn use_distributed_optimizer off");
+  if (p.overlap_param_gather && !p.use_distributed_optimizer)
+    err("parallel.overlap_param_gather", "needs parallel.use_distributed_optimizer (ZeRO-1): only then are the "
+                                         "parameters all-gathered after the step; set zero=true or "
+                                         "overlap_param_gather=false");
+  if (vp > 1 && pp < 2)
+    err("parallel.virtual_pipeline_model_parallel_size", "interleaving needs pipeline_model_parallel_size >= 2");
+  if (dp > 0 && rep.errors.empty()) {
+    try {
+      parallel::GridLayout::validate(r.grid_config(), world);
+    } catch (const ConfigError& e) {
+      err("parallel", e.what());
+    }
+  }
+
+  // ---- batch
+  if (dp) {
+    if (d.global_batch_size % (d.micro_batch_size * dp)) {
+      err("data.global_batch_size",
+          fmt::format("{} is not divisible by micro_batch_size × DP = {} × {}; use a multiple of {} (DP = world / "
+                      "(TP×PP×CP))",
+                      d.global_batch_size, d.micro_batch_size, dp, d.micro_batch_size * dp));
+    } else {
+      const int64_t m = d.global_batch_size / (d.micro_batch_size * dp);
+      if (vp > 1 && m % pp)
+        err("data.global_batch_size",
+            fmt::format("interleaved 1F1B needs the number of micro-batches ({}) to be a multiple of PP = {}; use a "
+                        "global batch that is a multiple of {}",
+                        m, pp, d.micro_batch_size * dp * pp));
+      else if (pp > 1 && m < pp)
+        rep.warnings.push_back(fmt::format("only {} micro-batches for PP = {}: the pipeline bubble is {:.0f}%; raise "
+                                           "data.global_batch_size",
+                                           m, pp, 100.0 * (pp - 1) / double(m + pp - 1)));
+    }
+  }
+
+  // ---- model and layout
+  const ModelSection& mc = r.model;
+  const bool costs = p.pipeline_embedding_cost != 0 || p.pipeline_head_cost != 0;
+  if (mc.num_layers >= 1) {
+    if (costs && p.pipeline_layout.empty()) {
+      for (const auto& [k, v] : {std::pair{"parallel.pipeline_embedding_cost", p.pipeline_embedding_cost},
+                                 std::pair{"parallel.pipeline_head_cost", p.pipeline_head_cost}})
+        if (!(v >= 0) || std::isinf(v)) err(k, fmt::format("must be a finite number of layers >= 0, got {}", v));
+    } else if (!p.pipeline_layout.empty()) {
+      const auto& lay = p.pipeline_layout;
+      int64_t sum = 0;
+      bool negative = false;
+      for (int64_t x : lay) {
+        sum += x;
+        negative |= x < 0;
+      }
+      if (costs)
+        err("parallel.pipeline_layout", "is given together with pipeline_embedding_cost/pipeline_head_cost; give "
+                                        "explicit counts or the costs to balance for, not both");
+      else if (int64_t(lay.size()) != int64_t(pp) * vp)
+        err("parallel.pipeline_layout", fmt::format("has {} entries but PP×VP = {} stages; give one layer count per "
+                                                    "(virtual) stage",
+                                                    lay.size(), pp * vp));
+      else if (negative)
+        err("parallel.pipeline_layout", "entries must be non-negative integers");
+      else if (sum != mc.num_layers)
+        err("parallel.pipeline_layout", fmt::format("sums to {} layers but the model has {}; every layer must be "
+                                                    "placed exactly once (fix the counts or model.num_layers)",
+                                                    sum, mc.num_layers));
+    } else if (mc.num_layers % (int64_t(pp) * vp)) {
+      err("model.num_layers", fmt::format("{} layers cannot be split evenly over PP×VP = {}×{} stages; choose PP and "
+                                          "VP whose product divides {}, give parallel.pipeline_layout, or set "
+                                          "parallel.pipeline_head_cost (layers) to have the split balanced",
+                                          mc.num_layers, pp, vp, mc.num_layers));
+    }
+  }
+  if (d.seq_length > mc.max_position_embeddings)
+    err("data.seq_length", fmt::format("{} exceeds model.max_position_embeddings {}; shorten the sequences or raise "
+                                       "max_position_embeddings",
+                                       d.seq_length, mc.max_position_embeddings));
+  for (const std::string& e : model::validation_errors(r.transformer_config(false), tp)) err("model", e);
+  // A blend alternates weights and prefixes: [0.3, "data/a", 0.7, "data/b"]; a plain list has no weights.
+  const bool weighted = std::any_of(d.paths.begin(), d.paths.end(),
+                                    [](const auto& e) { return std::holds_alternative<double>(e); });
+  if (weighted) {
+    bool shape = d.paths.size() % 2 == 0;
+    for (size_t i = 0; shape && i < d.paths.size(); i += 2)
+      shape = std::holds_alternative<double>(d.paths[i]) && std::holds_alternative<std::string>(d.paths[i + 1]) &&
+              std::get<double>(d.paths[i]) > 0;
+    if (!shape)
+      err("data.paths", "a weighted blend alternates positive weights and prefixes: [0.3, \"data/a\", 0.7, \"data/b\"]");
+  }
+  if (d.tokenizer == "byte" && mc.vocab_size < 259)
+    err("model.vocab_size",
+        fmt::format("{} is smaller than the byte tokenizer's 259 ids; set vocab_size >= 259", mc.vocab_size));
+
+  // ---- optimizer and schedule
+  if (!(o.lr > 0)) err("optim.lr", fmt::format("must be positive, got {}", o.lr));
+  if (o.min_lr < 0 || o.min_lr > o.lr) err("optim.min_lr", fmt::format("{} must be in [0, lr = {}]", o.min_lr, o.lr));
+  if (!(o.lr_warmup_fraction >= 0 && o.lr_warmup_fraction < 1))
+    err("optim.lr_warmup_fraction", fmt::format("{} must be in [0, 1)", o.lr_warmup_fraction));
+  if (o.lr_warmup_fraction > 0 && o.lr_warmup_iters > 0)
+    err("optim.lr_warmup_fraction", "is set together with lr_warmup_iters; give one of them (the other 0)");
+  // With max_epochs the length is known only once the data is read: the Trainer checks the schedule then.
+  const bool length_known = t.max_epochs == 0;
+  if (o.lr_warmup_iters < 0 || (length_known && o.lr_warmup_iters > t.max_steps))
+    err("optim.lr_warmup_iters",
+        fmt::format("{} must be in [0, trainer.max_steps = {}]", o.lr_warmup_iters, t.max_steps));
+  const int64_t decay = o.lr_decay_iters ? o.lr_decay_iters : t.max_steps;
+  if (length_known && o.lr_decay_style != optim::LRDecayStyle::Constant && o.lr_warmup_iters > 0 &&
+      decay <= o.lr_warmup_iters)
+    err("optim.lr_decay_iters",
+        fmt::format("the decay ends at step {} (lr_decay_iters, or trainer.max_steps when 0), not after the {} warmup "
+                    "steps; raise lr_decay_iters / max_steps or shorten lr_warmup_iters",
+                    decay, o.lr_warmup_iters));
+  if (o.clip_grad < 0) err("optim.clip_grad", fmt::format("must be >= 0 (0 disables clipping), got {}", o.clip_grad));
+  if (o.lr_wsd_decay_iters < 0 || o.lr_decay_iters < 0)
+    err("optim", "lr_decay_iters and lr_wsd_decay_iters must be >= 0");
+  if (rep.errors.empty() && length_known) {
+    try {
+      optim::validate(r.lr_schedule());
+    } catch (const ConfigError& e) {
+      err("optim", e.what());
+    }
+  }
+
+  // ---- trainer and checkpoints
+  if (t.max_epochs < 0) err("trainer.max_epochs", "must be >= 0 (0 = the run is max_steps long)");
+  if (t.max_epochs > 0 && d.sft_path.empty())
+    err("trainer.max_epochs", "counts passes over SFT rows (data.sft_path); pretraining runs are max_steps long "
+                              "(their datasets are built for max_steps x global_batch_size samples): set it to 0");
+  if (t.stop_after_steps < 0) err("trainer.stop_after_steps", "must be >= 0 (0 = run to max_steps)");
+  if (t.val_check_interval < 0) err("trainer.val_check_interval", "must be >= 0 (0 = never)");
+  if (t.val_check_interval > 0 && t.limit_val_batches < 1)
+    err("trainer.limit_val_batches", "must be >= 1 when validating (trainer.val_check_interval > 0)");
+  if (t.generate_tokens < 0) err("trainer.generate_tokens", "must be >= 0");
+  if (!(t.comm_timeout_s > 0)) err("trainer.comm_timeout_s", "must be a positive number of seconds");
+  if (ck.save_interval < 0 || ck.keep_last < 0 || ck.keep_top_k < 0)
+    err("checkpoint", "save_interval, keep_last and keep_top_k must be >= 0");
+  if (ck.keep_top_k && !t.val_check_interval)
+    err("checkpoint.keep_top_k", "ranks checkpoints by validation loss; set trainer.val_check_interval > 0");
+
+  if (opts.check_paths) {
+    check_files(r, err);
+    if ((ck.save_interval || ck.save_last) && ck.save_dir.empty())
+      rep.warnings.push_back("checkpoint.save_dir is empty: no checkpoint will be written");
+    if (!ck.pretrained_checkpoint.empty()) {
+      if (!fs::exists(ck.pretrained_checkpoint))
+        err("checkpoint.pretrained_checkpoint",
+            fmt::format("'{}' does not exist; give a megacore checkpoint (a step_<N> directory or a root with "
+                        "'latest'; `megacore convert hf-to-megacore` makes one from a Hugging Face model)",
+                        ck.pretrained_checkpoint));
+      else
+        check_resume(r, ck.pretrained_checkpoint, err, "checkpoint.pretrained_checkpoint");
+    }
+    if (ck.resume != "" && ck.resume != "auto") {
+      check_resume(r, ck.resume, err);
+    } else if (ck.resume == "auto" && !ck.save_dir.empty() && fs::exists(fs::path(ck.save_dir) / "latest")) {
+      check_resume(r, ck.save_dir, err);
+    }
+  }
+  return rep;
+}
+
+std::vector<std::string> check(const RunConfig& cfg, int world_size, const ValidateOptions& opts) {
+  ValidationReport rep = validate(cfg, world_size, opts);
+  if (!rep.errors.empty()) throw ConfigError("invalid recipe:\n  " + join(rep.errors, "\n  "));
+  return rep.warnings;
+}
+
+}  // namespace megacore::train

@@ -1,0 +1,202 @@
+// RunConfig: the single declaration of a run's settings. JSON round trips, the parser refuses unknown
+// fields, wrong types and unaccepted names (listing what is accepted), --set resolves aliases, the schema
+// carries every field with its doc, and validate() reports every problem of a run at once.
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "test_helpers.hpp"
+#include "megacore/train/run_config.hpp"
+
+using namespace megacore;
+using namespace megacore::train;
+using json = nlohmann::json;
+
+namespace {
+
+std::string config_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "<no ConfigError>";
+}
+
+bool has(const std::vector<std::string>& v, const std::string& needle) {
+  for (const auto& s : v)
+    if (s.find(needle) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("RunConfig JSON round-trips every field", "[config]") {
+  RunConfig c;
+  c.name = "rt";
+  c.model = ModelSection::preset("llama32_1b");
+  c.parallel.tensor_model_parallel_size = 2;
+  c.parallel.pipeline_layout = {3, 5, 4, 4};
+  c.data.paths = {0.3, std::string("data/a"), 0.7, std::string("data/b")};
+  c.optim.lr_decay_style = optim::LRDecayStyle::WSD;
+  c.trainer.recompute = model::RecomputeGranularity::Selective;
+  c.trainer.precision = "bf16";
+  c.checkpoint.resume = "";
+  const std::string text = to_json(c);
+  const RunConfig back = run_config_from_json(text);
+  CHECK(to_json(back) == text);
+  const json j = json::parse(text);
+  CHECK(j["model"]["rope_scaling"] == "llama3");
+  CHECK(j["model"]["rope_scaling_factor"] == 32.0);
+  CHECK(j["model"]["normalization"] == "RMSNorm");
+  CHECK(j["data"]["paths"] == json::array({0.3, "data/a", 0.7, "data/b"}));
+  CHECK(j["optim"]["lr_decay_style"] == "wsd");
+  CHECK(j["trainer"]["recompute"] == "selective");
+  CHECK(back.model.rope_scaling.type == model::RopeScalingType::Llama3);
+  CHECK(back.model.num_query_groups == 8);
+  // Missing fields keep their defaults; enum names are read case-insensitively.
+  const RunConfig partial = run_config_from_json(R"({"model": {"normalization": "layernorm"}, "optim": {"lr": 0.01}})");
+  CHECK(partial.model.normalization == model::NormType::LayerNorm);
+  CHECK(partial.optim.lr == 0.01);
+  CHECK(partial.data.seq_length == RunConfig{}.data.seq_length);
+}
+
+TEST_CASE("RunConfig parsing refuses what it does not know, listing what it accepts", "[config]") {
+  std::string e = config_error([] { run_config_from_json(R"({"trainer": {"recompute": "bogus"}})"); });
+  CHECK(e.find("recipe.trainer.recompute 'bogus' is not one of none, selective, full") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"trainer": {"precision": "fp8"}})"); });
+  CHECK(e.find("is not one of auto, f32, bf16, f16") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"model": {"recompute": "full"}})"); });
+  CHECK(e.find("unknown field 'recompute' in recipe.model; valid fields: name, num_layers") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"modle": {}})"); });
+  CHECK(e.find("unknown field 'modle' in recipe; valid fields: name, model, parallel") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"data": {"seq_length": "long"}})"); });
+  CHECK(e.find("recipe.data.seq_length must be an integer") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"data": {"seq_length": 1.5}})"); });
+  CHECK(e.find("must be an integer") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"parallel": {"sequence_parallel": 1}})"); });
+  CHECK(e.find("recipe.parallel.sequence_parallel must be true or false") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"parallel": {"pipeline_layout": [1, "x"]}})"); });
+  CHECK(e.find("recipe.parallel.pipeline_layout[1] must be an integer") != std::string::npos);
+  e = config_error([] { run_config_from_json(R"({"data": {"seed": -1}})"); });
+  CHECK(e.find("must be a non-negative integer") != std::string::npos);
+  e = config_error([] { run_config_from_json("{not json"); });
+  CHECK(e.find("not valid JSON") != std::string::npos);
+}
+
+TEST_CASE("set_field converts text by the field's type and resolves aliases", "[config]") {
+  RunConfig c;
+  set_field(c, "parallel.tp", "4");
+  set_field(c, "parallel.sp", "on");
+  set_field(c, "parallel.pipeline_layout", "1,2,1");
+  set_field(c, "data.paths", "[0.5, \"a\", 0.5, \"b\"]");
+  set_field(c, "optim.lr", "1e-3");
+  set_field(c, "trainer.recompute", "FULL");
+  CHECK(c.parallel.tensor_model_parallel_size == 4);
+  CHECK(c.parallel.sequence_parallel);
+  CHECK(c.parallel.pipeline_layout == std::vector<int64_t>{1, 2, 1});
+  CHECK(c.data.paths.size() == 4);
+  CHECK(c.optim.lr == 1e-3);
+  CHECK(c.trainer.recompute == model::RecomputeGranularity::Full);
+  std::string e = config_error([&] { set_field(c, "trainer.recompute", "bogus"); });
+  CHECK(e.find("trainer.recompute 'bogus' is not one of none, selective, full") != std::string::npos);
+  e = config_error([&] { set_field(c, "model.recompute", "bogus"); });
+  CHECK(e.find("unknown field 'recompute' in recipe section 'model'; valid fields:") != std::string::npos);
+  e = config_error([&] { set_field(c, "parallel.tq", "2"); });
+  CHECK(e.find("(aliases: tp=tensor_model_parallel_size") != std::string::npos);
+  e = config_error([&] { set_field(c, "paralel.tp", "2"); });
+  CHECK(e.find("unknown recipe section 'paralel'") != std::string::npos);
+  e = config_error([&] { set_field(c, "tp", "2"); });
+  CHECK(e.find("must be section.field") != std::string::npos);
+  e = config_error([&] { set_field(c, "parallel.tp", "two"); });
+  CHECK(e.find("parallel.tensor_model_parallel_size must be an integer, got 'two'") != std::string::npos);
+}
+
+TEST_CASE("the schema lists every field once, with type, default, doc and accepted values", "[config]") {
+  const json s = json::parse(run_config_schema());
+  std::vector<std::string> sections;
+  for (const auto& sec : s) {
+    if (sec["type"] != "section") continue;
+    sections.push_back(sec["name"]);
+    std::set<std::string> names;
+    for (const auto& f : sec["fields"]) {
+      CHECK(!f["doc"].get<std::string>().empty());
+      CHECK(names.insert(f["name"].get<std::string>()).second);  // no field declared twice
+      CHECK(f.contains("default"));
+    }
+  }
+  CHECK(sections == std::vector<std::string>{"model", "parallel", "data", "optim", "trainer", "checkpoint", "logging",
+                                             "resources"});
+  auto field = [&](const std::string& sec, const std::string& name) {
+    for (const auto& x : s)
+      if (x["name"] == sec)
+        for (const auto& f : x["fields"])
+          if (f["name"] == name) return f;
+    return json();
+  };
+  CHECK(field("trainer", "recompute")["choices"] == json::array({"none", "selective", "full"}));
+  CHECK(field("parallel", "tensor_model_parallel_size")["alias"] == "tp");
+  CHECK(field("model", "normalization")["type"] == "str");
+  CHECK(field("data", "paths")["default"] == json::array({"embedded"}));
+  // The C++ defaults are the schema's defaults.
+  CHECK(field("optim", "lr")["default"] == RunConfig{}.optim.lr);
+}
+
+TEST_CASE("validate reports every problem of a run at once, each with its fix", "[config]") {
+  RunConfig c;
+  c.resources.num_gpus_per_node = 4;
+  c.parallel.tensor_model_parallel_size = 3;           // 4 % 3
+  c.parallel.overlap_param_gather = true;              // needs ZeRO
+  c.data.seq_length = 1000;                            // > max_position_embeddings 256
+  c.optim.min_lr = 1.0;                                // > lr
+  c.checkpoint.keep_top_k = 1;                         // needs validation
+  const ValidationReport r = validate(c, 4, {.check_paths = false});
+  CHECK(has(r.errors, "world size 4 (resources: 1 node(s) × 4) is not divisible by TP×PP×CP"));
+  CHECK(has(r.errors, "parallel.overlap_param_gather: needs parallel.use_distributed_optimizer"));
+  CHECK(has(r.errors, "data.seq_length: 1000 exceeds model.max_position_embeddings 256"));
+  CHECK(has(r.errors, "optim.min_lr"));
+  CHECK(has(r.errors, "checkpoint.keep_top_k"));
+  CHECK(has(r.errors, "num_attention_heads 4 is not divisible by TP 3"));  // the model's own check, for this TP
+  CHECK_THROWS_AS(check(c, 4, {.check_paths = false}), ConfigError);
+
+  RunConfig ok;
+  ok.resources.num_gpus_per_node = 4;
+  ok.parallel.tensor_model_parallel_size = 2;
+  ok.parallel.pipeline_model_parallel_size = 2;
+  CHECK(validate(ok, 4, {.check_paths = false}).errors.empty());
+  // One micro-batch per pipeline stage is a warning, not an error.
+  ok.data.global_batch_size = 4;
+  const ValidationReport w = validate(ok, 4, {.check_paths = false});
+  CHECK(w.errors.empty());
+  CHECK(has(w.warnings, "pipeline bubble"));
+}
+
+TEST_CASE("validate checks the files a run reads, naming how to get them", "[config]") {
+  const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  RunConfig c;
+  c.data.paths = {0.5, (dir / "a").string(), 0.5, (dir / "b").string()};
+  std::ofstream(dir / "a.bin") << "x";
+  std::ofstream(dir / "a.idx") << "x";
+  c.data.tokenizer = "meta-llama/Meta-Llama-3-8B";
+  c.checkpoint.resume = (dir / "nope").string();
+  ValidationReport r = validate(c, 1);
+  CHECK(has(r.errors, "data.paths: '" + (dir / "b").string() + "' has no"));
+  CHECK(!has(r.errors, "'" + (dir / "a").string() + "' has no"));
+  CHECK(has(r.errors, "data.tokenizer: 'meta-llama/Meta-Llama-3-8B' is not a tokenizer.json file"));
+  CHECK(has(r.errors, "save_pretrained"));
+  CHECK(has(r.errors, "checkpoint.resume"));
+  // Weights must alternate with prefixes and be positive.
+  c.data.paths = {0.5, (dir / "a").string(), -1.0, (dir / "a").string()};
+  c.data.tokenizer = "byte";
+  c.checkpoint.resume = "";
+  r = validate(c, 1);
+  CHECK(has(r.errors, "data.paths"));
+  c.data.paths = {0.5, (dir / "a").string(), (dir / "a").string()};
+  CHECK(has(validate(c, 1).errors, "data.paths"));
+  std::filesystem::remove_all(dir);
+}
