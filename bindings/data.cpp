@@ -218,15 +218,17 @@ void bind_data(pyb::module_& parent) {
   pyb::class_<DataLoader>(m, "DataLoader", "Micro-batches of one DP rank, prepared by a background thread.")
       .def(pyb::init([](std::shared_ptr<SampleSource> ds, int64_t mbs, int64_t gbs, int dp_rank, int dp_size,
                         int64_t consumed, int prefetch, const pyb::object& device, bool pin, bool shuffle,
-                        uint64_t seed, int64_t vocab_size) {
-             LoaderConfig c{mbs, gbs, dp_rank, dp_size, consumed, prefetch, device_arg(device), pin, shuffle, seed,
-                            vocab_size};
+                        uint64_t seed, int64_t vocab_size, int64_t epochs) {
+             LoaderConfig c{.micro_batch_size = mbs, .global_batch_size = gbs, .dp_rank = dp_rank, .dp_size = dp_size,
+                            .consumed_samples = consumed, .prefetch = prefetch, .device = device_arg(device),
+                            .pin_memory = pin, .shuffle = shuffle, .seed = seed, .epochs = epochs,
+                            .vocab_size = vocab_size};
              return std::make_unique<DataLoader>(std::move(ds), c);
            }),
            pyb::arg("dataset"), pyb::arg("micro_batch_size") = 1, pyb::arg("global_batch_size") = 0,
            pyb::arg("dp_rank") = 0, pyb::arg("dp_size") = 1, pyb::arg("consumed_samples") = 0,
            pyb::arg("prefetch") = 4, pyb::arg("device") = "cpu", pyb::arg("pin_memory") = true,
-           pyb::arg("shuffle") = false, pyb::arg("seed") = 1234, pyb::arg("vocab_size") = 0)
+           pyb::arg("shuffle") = false, pyb::arg("seed") = 1234, pyb::arg("vocab_size") = 0, pyb::arg("epochs") = 1)
       .def("next", [](DataLoader& l, const pyb::object& stream) -> std::optional<Batch> {
              Stream s = stream_arg(stream, l.config().device);
              pyb::gil_scoped_release nogil;

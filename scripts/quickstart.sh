@@ -10,6 +10,6 @@ source scripts/install_deps.sh
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q --no-build-isolation . ${CMAKE_ARGS:+--config-settings=cmake.args="$CMAKE_ARGS"}
 gpus=$(cd /tmp && "$PY" -c "import megacore; print(megacore.cuda_device_count())")
-# On GPUs the recipe's f32 becomes bf16: the GPU attention kernels take 16-bit inputs (the trainer refuses f32 there).
-flags=(--cpu); [ "$gpus" -ge 4 ] && flags=(--set trainer.precision=bf16)
+# trainer.precision is auto: bf16 on GPUs, f32 on CPU ranks.
+flags=(--cpu); [ "$gpus" -ge 4 ] && flags=()
 exec "$PY" -m megacore.cli train --recipe tiny --nproc-per-node 4 "${flags[@]}" "$@"

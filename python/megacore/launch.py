@@ -81,6 +81,9 @@ def _run_mpi(a, nproc: int) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # Whether the user watches a terminal is known here, not in the ranks (mpirun gives them a pty even when
+    # this launcher writes to a file or a pipe); the trainer draws its progress bar only then.
+    os.environ.setdefault("MEGACORE_STDOUT_IS_TTY", "1" if sys.stdout.isatty() else "0")
     gpus = 0 if a.cpu else _gpu_count()
     nproc = a.nproc_per_node or max(gpus, 1)
     if gpus == 0:

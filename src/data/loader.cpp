@@ -112,18 +112,23 @@ DataLoader::DataLoader(std::shared_ptr<const SampleSource> source, LoaderConfig 
            "loader reported (consumed_samples()) when the checkpoint was saved",
            cfg_.consumed_samples, chunk);
   MC_CHECK(cfg_.prefetch >= 1, "prefetch must be >= 1, got {}", cfg_.prefetch);
+  MC_CHECK(cfg_.epochs >= 1, "epochs must be >= 1, got {}", cfg_.epochs);
   if (cfg_.device.is_cuda()) check_device(cfg_.device);
   State& st = *state_;
   st.use_pinned = cfg_.pin_memory && cuda_available();
   st.stats.pinned = st.use_pinned;
   const int64_t cells = cfg_.micro_batch_size * source_->seq_length();
   st.slot_bytes = size_t(cells) * (3 * 8 + 4);
-  if (cfg_.shuffle) st.permutation = seeded_permutation(source_->size(), cfg_.seed, uint64_t(1) << 41);
+  // Pass e's order is stream 2^41 + e of the seed, made when the worker reaches that pass.
+  auto permutation_of = [this](int64_t epoch) {
+    return seeded_permutation(source_->size(), cfg_.seed, (uint64_t(1) << 41) + uint64_t(epoch));
+  };
 
-  st.worker = std::thread([this] {
+  st.worker = std::thread([this, permutation_of] {
     State& s = *state_;
     try {
-      const int64_t mps = micro_batches_per_step();
+      const int64_t mps = micro_batches_per_step(), spe = steps_per_epoch();
+      int64_t perm_epoch = -1;
       const int64_t total = num_steps() * mps;
       const int64_t cells = cfg_.micro_batch_size * source_->seq_length();
       std::vector<int32_t> starts;
@@ -164,6 +169,10 @@ DataLoader::DataLoader(std::shared_ptr<const SampleSource> source, LoaderConfig 
         rb.step = m / mps;
         rb.micro = m % mps;
         rb.samples = sample_indices(rb.step, rb.micro, cfg_.dp_rank);
+        if (cfg_.shuffle && rb.step / spe != perm_epoch) {
+          perm_epoch = rb.step / spe;
+          s.permutation = permutation_of(perm_epoch);
+        }
         rb.cu_seqlens.push_back(0);
         rb.max_seqlen = 0;
         const int64_t S = source_->seq_length();
@@ -218,14 +227,17 @@ int64_t DataLoader::micro_batches_per_step() const {
   return cfg_.global_batch_size / (cfg_.micro_batch_size * cfg_.dp_size);
 }
 
-int64_t DataLoader::num_steps() const { return source_->size() / cfg_.global_batch_size; }
+int64_t DataLoader::steps_per_epoch() const { return source_->size() / cfg_.global_batch_size; }
+
+int64_t DataLoader::num_steps() const { return cfg_.epochs * steps_per_epoch(); }
 
 std::vector<int64_t> DataLoader::sample_indices(int64_t step, int64_t micro_step, int rank) const {
   MC_CHECK(rank >= 0 && rank < cfg_.dp_size, "rank {} not in [0, {})", rank, cfg_.dp_size);
   MC_CHECK(micro_step >= 0 && micro_step < micro_batches_per_step(), "micro_step {} not in [0, {})", micro_step,
            micro_batches_per_step());
   std::vector<int64_t> out(size_t(cfg_.micro_batch_size));
-  int64_t base = step * cfg_.global_batch_size + micro_step * cfg_.micro_batch_size * cfg_.dp_size +
+  const int64_t spe = steps_per_epoch();
+  int64_t base = (spe > 0 ? step % spe : step) * cfg_.global_batch_size + micro_step * cfg_.micro_batch_size * cfg_.dp_size +
                  int64_t(rank) * cfg_.micro_batch_size;
   for (int64_t j = 0; j < cfg_.micro_batch_size; ++j) out[size_t(j)] = base + j;
   return out;

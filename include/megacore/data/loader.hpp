@@ -52,6 +52,9 @@ struct LoaderConfig {
   /// Apply a seeded permutation to the dataset order (for sources that are not shuffled, like packed SFT rows).
   bool shuffle = false;
   uint64_t seed = 1234;
+  /// Passes over the dataset (SFT epochs). Each pass visits every sample of the dataset's steps once; with
+  /// shuffle each pass has its own seeded order (the first pass's order does not depend on `epochs`).
+  int64_t epochs = 1;
   /// When > 0: every token id, and every label at a position that counts towards the loss (other than the
   /// loss's ignore_index, -100), must lie in [0, vocab_size); a row that breaks this makes next() raise ValueError naming the sample, position and
   /// id. (On GPUs the embedding and cross-entropy kernels cannot stop on a bad id without a host sync;
@@ -84,9 +87,12 @@ class DataLoader {
   int64_t consumed_samples() const;
   /// Micro-batches per rank per optimizer step.
   int64_t micro_batches_per_step() const;
-  /// Optimizer steps the dataset provides (incomplete last global batch dropped).
+  /// Optimizer steps the dataset provides over all epochs (incomplete last global batch of a pass dropped).
   int64_t num_steps() const;
-  /// Global sample indices of rank r's micro-batch m of step k (no I/O; for tests and planning).
+  /// Optimizer steps of one pass over the dataset.
+  int64_t steps_per_epoch() const;
+  /// Global sample indices of rank r's micro-batch m of step k (no I/O; for tests and planning), before the
+  /// shuffle permutation of that step's epoch.
   std::vector<int64_t> sample_indices(int64_t step, int64_t micro_step, int rank) const;
   LoaderStats stats() const;
   const LoaderConfig& config() const { return cfg_; }

@@ -86,6 +86,51 @@ TEST_CASE("loader resumes exactly from consumed_samples", "[data]") {
   CHECK_THROWS_AS(DataLoader(ds, cfg), ValueError);
 }
 
+TEST_CASE("loader: epochs visit every sample once per pass, each pass in its own order, and resume", "[data]") {
+  TempDir dir;
+  auto ds = small_gpt(dir, 40);  // 40 samples, global batch 8: 5 steps a pass
+  LoaderConfig cfg{.micro_batch_size = 2, .global_batch_size = 8, .shuffle = true, .seed = 7, .epochs = 3};
+  std::vector<std::vector<int64_t>> passes(3);  // dataset index of every row, per pass
+  std::vector<std::vector<int64_t>> full;
+  {
+    DataLoader l(ds, cfg);
+    CHECK(l.steps_per_epoch() == 5);
+    CHECK(l.num_steps() == 15);
+    while (auto b = l.next()) {
+      full.push_back(b->sample_indices);
+      for (int64_t i : b->sample_indices) passes[size_t(b->step / 5)].push_back(i);
+    }
+    CHECK(l.consumed_samples() == 120);
+  }
+  for (auto& p : passes) {
+    std::vector<int64_t> sorted = p;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> all(40);
+    for (int64_t i = 0; i < 40; ++i) all[size_t(i)] = i;
+    CHECK(sorted == all);  // each pass is a permutation of the whole dataset
+  }
+  CHECK(passes[0] != passes[1]);
+  CHECK(passes[1] != passes[2]);
+  // The first pass is the order a one-epoch loader gives.
+  {
+    LoaderConfig one = cfg;
+    one.epochs = 1;
+    DataLoader l(ds, one);
+    std::vector<int64_t> seen;
+    while (auto b = l.next())
+      for (int64_t i : b->sample_indices) seen.push_back(i);
+    CHECK(seen == passes[0]);
+  }
+  // Resuming in the second pass continues with that pass's order.
+  cfg.consumed_samples = 56;  // 7 steps
+  DataLoader l(ds, cfg);
+  std::vector<std::vector<int64_t>> rest;
+  while (auto b = l.next()) rest.push_back(b->sample_indices);
+  CHECK(rest == std::vector<std::vector<int64_t>>(full.begin() + 28, full.end()));
+  cfg.epochs = 0;
+  CHECK_THROWS_AS(DataLoader(ds, cfg), ValueError);
+}
+
 TEST_CASE("loader: packed rows give cu_seqlens over the flattened batch", "[data]") {
   std::vector<int64_t> tokens;
   std::vector<uint8_t> answer;
