@@ -16,13 +16,13 @@ namespace megacore::ops::cuda {
 /// short for `min_block` threads share a block. Values the kernels cannot honour for a shape are
 /// rounded to ones they can (more vectors per thread when a row would need over 512 threads).
 struct NormTuning {
-  // Defaults: the fastest rows of megacore_bench_kernels on an H100 (2026-11-26,
+  // Defaults and the measurement behind them: megacore_bench_kernels on an H100 (2026-11-26,
   // benchmarks/results/kernels_NVIDIA_H100.json, bf16, % of copy at 16384x4096 / x8192 / 32768x2048).
   // Backward, shared-memory sums + 16-byte finalize, 4 vectors, 512-thread blocks: RMSNorm
   // 86.2 / 88.4 / 89.4, LayerNorm 85.1 / 88.2 / 86.0; register sums (row f8_breg_fin) 75.3 / 74.1 / 77.0
   // and 78.6 / 78.5 / 80.7; 128-thread blocks (f8_b4_sacc_fin_m128) 85.3 / 87.1 / 86.6 and
   // 82.1 / 86.4 / 84.5. Forward: 8 vectors, 128-thread blocks; 256 (f8_b4_m256_sacc_fin) costs LayerNorm
-  // 6 points (84.4 / 89.5 / 86.3 against 90.7 / 96.2 / 91.8).
+  // 5.5-6.7 points (84.4 / 89.5 / 86.3 against 90.7 / 96.2 / 91.8).
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
   int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except 2 for LayerNorm
                                   ///< with the register sums
