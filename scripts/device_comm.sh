@@ -17,7 +17,7 @@ src=/tmp/mc-src; rm -rf $src; mkdir -p $src; cp -r . $src; cd $src
 source scripts/install_deps.sh; set +euo pipefail
 B=/tmp/b; t0=$(date +%s)
 cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DCMAKE_CUDA_ARCHITECTURES=90a -DMEGACORE_CUDNN=OFF > $OUT_DIR/configure.log 2>&1
-cmake --build $B -j64 --target megacore_tests megacore_mpi_tests _C megacore_bench_collectives > $OUT_DIR/build.log 2>&1 || { grep error $OUT_DIR/build.log | head; exit 1; }
+cmake --build $B -j$(nproc) --target megacore_tests megacore_mpi_tests _C megacore_bench_collectives > $OUT_DIR/build.log 2>&1 || { grep error $OUT_DIR/build.log | head; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"; nvidia-smi -L
 timeout 60 $B/tests/megacore_tests "[gpu]" > $OUT_DIR/gpu_single.log 2>&1; echo "megacore_tests [gpu] rc=$?"; tail -2 $OUT_DIR/gpu_single.log
 for np in 2 4; do
