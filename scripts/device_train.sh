@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU validation and benchmark run (docs/gpu.md): builds the working tree for sm_90a with the carried
-# .deps bundle (cuDNN off unless CUDNN=ON: attention then uses megacore's flash kernel) into .gpu-build/
-# (kept between calls while the machine stays warm), then runs the phases named in PHASE (comma-separated):
+# GPU validation and benchmarks on one Hopper host (docs/gpu.md): builds the tree for sm_90a into .gpu-build/
+# (reused by the next run; cuDNN off unless CUDNN=ON, attention then uses megacore's flash kernel; the .deps/
+# bundle is used when present), then runs the phases named in PHASE (comma-separated):
 #   tests        single-GPU [gpu] tests, multi-rank [gpu] tests under mpirun -np 2 and 4 (NCCL collectives,
 #                the watchdog, GPT model with TP/SP/overlap, ...), Python GPU tests (transformers logits,
 #                DLPack with torch, the trainer on 1 and 4 GPUs, a killed rank ends the job)
@@ -19,81 +19,86 @@
 #                overlap-param-gather parity test on GPUs
 #   ddp5         ZeRO with the param all-gather overlapped (f32 and bf16 reduction), ZeRO without, DDP with bf16
 #                reduction over 4 micro-batches (torch DDP reduces bf16 grads), at 1 and 4 micro-batches
-#   ddp6         the final DP comparison in one call: DDP, ZeRO + overlapped param gather (f32 and bf16
+#   ddp6         the DP comparison in one run: DDP, ZeRO + overlapped param gather (f32 and bf16
 #                reduction), and torch DDP at 1 and 4 micro-batches
 #   kernels      single-GPU [gpu] tests, torch peers (fused ops and SDPA), then megacore_bench_kernels
 #                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substrings,
 #                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only; TORCH_PEERS=0 / ATTN_PEERS=0
 #                skip the fused-op / SDPA peers; KTESTS=0 skips the tests)
-# Logs go to $OUT/logs.tgz, JSON results to $OUT/json.tgz (one archive: a call returns a limited number of files).
-#   device run: PHASE=tests,collectives bash scripts/device_train.sh   (carry [".deps"], kind nvidia-h100-x4)
+#   OUT_DIR   logs (OUT_DIR/<step>.log) and JSON results (OUT_DIR/json/), default gpu-results/ in the tree
+#   PYTHON    interpreter (default /opt/torch/.venv/bin/python3 when present, else python3)
+#   DEADLINE  seconds for the whole run (default 3600); each step is also cut to what is left of it
+# Usage: PHASE=tests,collectives bash scripts/device_train.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/json"
+root=$(cd "$(dirname "$0")/.." && pwd)
+OUT_DIR=$(mkdir -p "${OUT_DIR:-$root/gpu-results}/json" && cd "${OUT_DIR:-$root/gpu-results}" && pwd)
+cd "$root"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_DEBUG=WARN
-PY=/opt/torch/.venv/bin/python3
+PY=${PYTHON:-python3}; [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
 PHASE=${PHASE:-tests}
 has() { [[ ",$PHASE," == *",$1,"* ]]; }
 source scripts/install_deps.sh; set +euo pipefail
 B=$PWD/.gpu-build; t0=$(date +%s)
 cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DMEGACORE_BUILD_BENCHMARKS=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DMEGACORE_CUDNN=${CUDNN:-OFF} > $OUT/configure.log 2>&1
+  -DCMAKE_CUDA_ARCHITECTURES=90a -DMEGACORE_CUDNN=${CUDNN:-OFF} > $OUT_DIR/configure.log 2>&1
 targets=${TARGETS:-"_C megacore_tests megacore_mpi_tests megacore_bench_model megacore_bench_training megacore_bench_pipeline megacore_bench_collectives"}
 has kernels && targets="$targets megacore_bench_kernels"
-cmake --build $B -j$(nproc) --target $targets > $OUT/build.log 2>&1 || { grep -B2 -A8 error $OUT/build.log | head -60; exit 1; }
-echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT/build.log) compiled)"; nvidia-smi -L | head -4
+cmake --build $B -j$(nproc) --target $targets > $OUT_DIR/build.log 2>&1 || { grep -B2 -A8 error $OUT_DIR/build.log | head -60; exit 1; }
+echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT_DIR/build.log) compiled)"; nvidia-smi -L | head -4
 export PYTHONPATH=$B/python
 ngpu=$(nvidia-smi -L | wc -l)
-# Every step is cut to what is left of DEADLINE seconds (from the start), so the logs are always packed.
-DEADLINE=${DEADLINE:-540}; T_START=$t0; mkdir -p $OUT/logs
+# Every step is cut to what is left of DEADLINE seconds (from the start), so a hang in one step leaves
+# time for the others.
+DEADLINE=${DEADLINE:-3600}; T_START=$t0
 step() { local name=$1 limit=$2; shift 2; local t=$(date +%s); local left=$(( DEADLINE - (t - T_START) - 15 ));
          [ $left -lt $limit ] && limit=$left; if [ $limit -le 5 ]; then echo "== $name skipped (deadline)"; return 1; fi
-         timeout $limit "$@" > $OUT/logs/$name.log 2>&1; local rc=$?;
-         cp $OUT/logs/$name.log $OUT/$name.log; echo "== $name rc=$rc ($(( $(date +%s) - t )) s)"; return $rc; }
+         timeout $limit "$@" > $OUT_DIR/$name.log 2>&1; local rc=$?;
+         echo "== $name rc=$rc ($(( $(date +%s) - t )) s)"; return $rc; }
 
 if has tests; then
-  step gpu_single 120 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT/gpu_single.log
+  step gpu_single 120 $B/tests/megacore_tests "[gpu]"; tail -2 $OUT_DIR/gpu_single.log
   for np in 2 4; do
     [ $np -le $ngpu ] || continue
     step gpu_mpi_np$np 240 mpirun -np $np --bind-to none $B/tests/megacore_mpi_tests "[gpu]"
-    grep -E "\[gpu model\]|test cases|assertions" $OUT/gpu_mpi_np$np.log | sort -u | head -30
-    grep -B4 -A14 "FAILED" $OUT/gpu_mpi_np$np.log | grep -v "^\[rank" | head -40
+    grep -E "\[gpu model\]|test cases|assertions" $OUT_DIR/gpu_mpi_np$np.log | sort -u | head -30
+    grep -B4 -A14 "FAILED" $OUT_DIR/gpu_mpi_np$np.log | grep -v "^\[rank" | head -40
   done
   step pytest_gpu 300 $PY -m pytest -q -rs -s tests/python/test_convert_transformers.py tests/python/test_dlpack_torch.py \
     tests/python/test_train_gpu.py tests/python/test_comm_faults.py
-  grep -E "passed|failed|Error" $OUT/pytest_gpu.log | tail -8
+  grep -E "passed|failed|Error" $OUT_DIR/pytest_gpu.log | tail -8
 fi
 
 if has collectives; then
   for np in 2 4 8; do
     [ $np -le $ngpu ] || continue
     step bench_coll_np$np 240 mpirun -np $np --bind-to none $B/benchmarks/megacore_bench_collectives \
-      --out $OUT/json/collectives_${np}gpu_blocking.json
+      --out $OUT_DIR/json/collectives_${np}gpu_blocking.json
     grep -E "^all_reduce +(8|1048576|67108864|1073741824) |^(all_gather|reduce_scatter|all_to_all|broadcast) +(8|67108864) " \
-      $OUT/bench_coll_np$np.log
+      $OUT_DIR/bench_coll_np$np.log
   done
   step bench_coll_nb 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_collectives --non-blocking \
-    --max-bytes 1M --ops all_reduce --out $OUT/json/collectives_${ngpu}gpu_nonblocking_small.json
-  grep -E "^all_reduce +(8|1048576) " $OUT/bench_coll_nb.log
+    --max-bytes 1M --ops all_reduce --out $OUT_DIR/json/collectives_${ngpu}gpu_nonblocking_small.json
+  grep -E "^all_reduce +(8|1048576) " $OUT_DIR/bench_coll_nb.log
 fi
 if has collectives || has collectives_py; then
   step bench_coll_py 240 $PY -m megacore.launch --nproc-per-node $ngpu benchmarks/collectives/bench_collectives.py \
-    --out $OUT/json/collectives_py_${ngpu}gpu.json
-  grep -E "^(all_reduce|all_gather) +(8|67108864) " $OUT/bench_coll_py.log; tail -3 $OUT/bench_coll_py.log
+    --out $OUT_DIR/json/collectives_py_${ngpu}gpu.json
+  grep -E "^(all_reduce|all_gather) +(8|67108864) " $OUT_DIR/bench_coll_py.log; tail -3 $OUT_DIR/bench_coll_py.log
 fi
 
 if has quick; then
   # A short check of a build on all GPUs: C++ collectives vs raw NCCL, the [gpu] multi-rank tests, one
   # pipeline-bubble measurement (VP 1).
   step bench_coll 60 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_collectives \
-    --out $OUT/json/collectives_${ngpu}gpu_blocking.json
-  grep -E "^[a-z_]+ +(8|67108864) " $OUT/bench_coll.log
+    --out $OUT_DIR/json/collectives_${ngpu}gpu_blocking.json
+  grep -E "^[a-z_]+ +(8|67108864) " $OUT_DIR/bench_coll.log
   step gpu_mpi_np$ngpu 150 mpirun -np $ngpu --bind-to none $B/tests/megacore_mpi_tests "[gpu]"
-  grep -E "test cases|assertions|All tests" $OUT/gpu_mpi_np$ngpu.log | sort -u | head -4
-  grep -B4 -A14 "FAILED" $OUT/gpu_mpi_np$ngpu.log | grep -v "^\[rank" | head -30
+  grep -E "test cases|assertions|All tests" $OUT_DIR/gpu_mpi_np$ngpu.log | sort -u | head -4
+  grep -B4 -A14 "FAILED" $OUT_DIR/gpu_mpi_np$ngpu.log | grep -v "^\[rank" | head -30
   step bench_pipe_vp1 90 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp 1 \
-    --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp1.json
-  grep -E "^PP|bubble|rror" $OUT/bench_pipe_vp1.log | head -8
+    --out $OUT_DIR/json/pipeline_bubble_${ngpu}gpu_vp1.json
+  grep -E "^PP|bubble|rror" $OUT_DIR/bench_pipe_vp1.log | head -8
 fi
 
 if has recipes || has recipes_zero; then
@@ -107,25 +112,25 @@ if has recipes || has recipes_zero; then
     step recipe_$name 200 $PY -m megacore.cli train --recipe llama32_1b --nproc-per-node $ngpu $sets \
       --set data.paths=embedded --set data.tokenizer=byte --set data.global_batch_size=32 --set data.seq=2048 \
       --set data.mbs=2 --set trainer.max_steps=12 --set trainer.val_check_interval=0 --set optim.lr_warmup_iters=2 \
-      --set checkpoint.save_dir=/tmp/ck/$name --set checkpoint.keep_last=1 --set logging.log_dir=$OUT/runs/$name \
+      --set checkpoint.save_dir=/tmp/ck/$name --set checkpoint.keep_last=1 --set logging.log_dir=$OUT_DIR/runs/$name \
       --set logging.tensorboard=false --set trainer.recompute=selective
-    grep -E "^step (1|6|12)/|checkpoint" $OUT/recipe_$name.log | cut -c1-200; grep -iE "error" $OUT/recipe_$name.log | head -3
+    grep -E "^step (1|6|12)/|checkpoint" $OUT_DIR/recipe_$name.log | cut -c1-200; grep -iE "error" $OUT_DIR/recipe_$name.log | head -3
     rm -rf /tmp/ck/$name
-    cp $OUT/runs/$name/metrics.jsonl $OUT/json/recipe_llama32_1b_$name.jsonl 2>/dev/null
+    cp $OUT_DIR/runs/$name/metrics.jsonl $OUT_DIR/json/recipe_llama32_1b_$name.jsonl 2>/dev/null
   done
 fi
 
 if has model; then
   if [ -z "${MODEL_SKIP_1:-}" ]; then
-    step bench_model 200 mpirun -np 1 --bind-to none $B/benchmarks/megacore_bench_model --out $OUT/json/model_1gpu.json
-    grep -E "tokens_per_s\"|mfu" $OUT/bench_model.log | tr -s ' ' | tr '\n' ' '; echo
-    step peer_model 200 $PY benchmarks/model/torch_llama_peer.py --out $OUT/json/model_peer.json
-    grep -E "tokens_per_s" $OUT/peer_model.log
+    step bench_model 200 mpirun -np 1 --bind-to none $B/benchmarks/megacore_bench_model --out $OUT_DIR/json/model_1gpu.json
+    grep -E "tokens_per_s\"|mfu" $OUT_DIR/bench_model.log | tr -s ' ' | tr '\n' ' '; echo
+    step peer_model 200 $PY benchmarks/model/torch_llama_peer.py --out $OUT_DIR/json/model_peer.json
+    grep -E "tokens_per_s" $OUT_DIR/peer_model.log
   fi
   for tp in 2 4; do [ $tp -le $ngpu ] || continue; for v in "" "--sequence-parallel" "--tp-comm-overlap" "--sequence-parallel --tp-comm-overlap"; do
     tag=tp$tp$(echo "$v" | sed 's/--sequence-parallel/_sp/; s/--tp-comm-overlap/_overlap/; s/ //g')
-    step bench_$tag 150 mpirun -np $tp --bind-to none $B/benchmarks/megacore_bench_model $v --out $OUT/json/model_$tag.json
-    echo "$tag $(grep -E '"tokens_per_s"|"ms_per_step"' $OUT/bench_$tag.log | tr -s ' ' | tr '\n' ' ')"
+    step bench_$tag 150 mpirun -np $tp --bind-to none $B/benchmarks/megacore_bench_model $v --out $OUT_DIR/json/model_$tag.json
+    echo "$tag $(grep -E '"tokens_per_s"|"ms_per_step"' $OUT_DIR/bench_$tag.log | tr -s ' ' | tr '\n' ' ')"
   done; done
 fi
 
@@ -134,15 +139,15 @@ if has ddp; then
   # reduction overlaps backward GEMMs: fewer CTAs, fewer SMs taken from them); f32 and bf16 reduction.
   for z in "" "--zero"; do
     step bench_ddp$z 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $z --max-ctas 0,8,16 \
-      --out $OUT/json/ddp_${ngpu}gpu${z:+_zero}.json
-    grep -iE "^ddp max_ctas|\"scaling|error" $OUT/bench_ddp$z.log | head -12
+      --out $OUT_DIR/json/ddp_${ngpu}gpu${z:+_zero}.json
+    grep -iE "^ddp max_ctas|\"scaling|error" $OUT_DIR/bench_ddp$z.log | head -12
   done
   step bench_ddp_bf16 100 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --bf16-reduce \
-    --max-ctas 0,8 --out $OUT/json/ddp_${ngpu}gpu_bf16_reduce.json
-  grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_bf16.log | head -6
+    --max-ctas 0,8 --out $OUT_DIR/json/ddp_${ngpu}gpu_bf16_reduce.json
+  grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp_bf16.log | head -6
   step peer_ddp 120 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
-    --out $OUT/json/ddp_torch_peer_${ngpu}gpu.json
-  grep -iE "scaling|tokens|error" $OUT/peer_ddp.log | head -6
+    --out $OUT_DIR/json/ddp_torch_peer_${ngpu}gpu.json
+  grep -iE "scaling|tokens|error" $OUT_DIR/peer_ddp.log | head -6
 fi
 
 if has pipeline; then
@@ -150,22 +155,22 @@ if has pipeline; then
   # (the last stage's output layer + loss costs about a layer: 4/4/4/3 evens the stages).
   for vp in 1 2; do
     step bench_pipe_vp$vp 200 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp $vp \
-      --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp$vp.json
-    grep -E "^PP|bubble|rror" $OUT/bench_pipe_vp$vp.log | head -8
+      --out $OUT_DIR/json/pipeline_bubble_${ngpu}gpu_vp$vp.json
+    grep -E "^PP|bubble|rror" $OUT_DIR/bench_pipe_vp$vp.log | head -8
     step bench_pipe_bal_vp$vp 200 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_pipeline --vp $vp \
-      --layers 15 --layout balanced --out $OUT/json/pipeline_bubble_${ngpu}gpu_vp${vp}_balanced.json
-    grep -E "^PP|^balanced|rror" $OUT/bench_pipe_bal_vp$vp.log | head -8
+      --layers 15 --layout balanced --out $OUT_DIR/json/pipeline_bubble_${ngpu}gpu_vp${vp}_balanced.json
+    grep -E "^PP|^balanced|rror" $OUT_DIR/bench_pipe_bal_vp$vp.log | head -8
   done
 fi
 
 if has ckpt; then
   if [ -z "${CKPT_SKIP_1:-}" ]; then
-    step bench_ckpt_1 300 $PY benchmarks/checkpoint/bench_checkpoint.py --repeats ${CKPT_REPEATS:-2} --out $OUT/json/checkpoint_1gpu.json
-    grep -A6 best_GBps $OUT/bench_ckpt_1.log | head -7
+    step bench_ckpt_1 300 $PY benchmarks/checkpoint/bench_checkpoint.py --repeats ${CKPT_REPEATS:-2} --out $OUT_DIR/json/checkpoint_1gpu.json
+    grep -A6 best_GBps $OUT_DIR/bench_ckpt_1.log | head -7
   fi
   step bench_ckpt_n 300 mpirun -np $ngpu --bind-to none $PY benchmarks/checkpoint/bench_checkpoint.py \
-    --repeats ${CKPT_REPEATS:-2} --out $OUT/json/checkpoint_${ngpu}gpu.json
-  grep -A6 best_GBps $OUT/bench_ckpt_n.log | head -7; grep -iE "error|Traceback" -A3 $OUT/bench_ckpt_*.log | head -10
+    --repeats ${CKPT_REPEATS:-2} --out $OUT_DIR/json/checkpoint_${ngpu}gpu.json
+  grep -A6 best_GBps $OUT_DIR/bench_ckpt_n.log | head -7; grep -iE "error|Traceback" -A3 $OUT_DIR/bench_ckpt_*.log | head -10
 fi
 if has ddp3; then
   # ZeRO-1 with the parameter all-gather overlapped with the next forward, and both with 4 micro-batches
@@ -173,37 +178,37 @@ if has ddp3; then
   for v in "--zero --overlap-param-gather" "--grad-accum 4" "--zero --overlap-param-gather --grad-accum 4"; do
     tag=$(echo "$v" | sed 's/--zero/zero/; s/ --overlap-param-gather/_pg/; s/ *--grad-accum 4/_ga4/; s/^_//; s/ //g')
     step bench_ddp_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
-      --out $OUT/json/ddp_${ngpu}gpu_$tag.json
-    grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_$tag.log | head -3
+      --out $OUT_DIR/json/ddp_${ngpu}gpu_$tag.json
+    grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp_$tag.log | head -3
   done
   step peer_ddp_ga4 150 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
-    --grad-accum 4 --out $OUT/json/ddp_torch_peer_${ngpu}gpu_ga4.json
-  grep -iE "scaling|error" $OUT/peer_ddp_ga4.log | head -3
+    --grad-accum 4 --out $OUT_DIR/json/ddp_torch_peer_${ngpu}gpu_ga4.json
+  grep -iE "scaling|error" $OUT_DIR/peer_ddp_ga4.log | head -3
 fi
 
 if has ddp4; then
-  has tests || { step gpu_gemm 60 $B/tests/megacore_tests "[gemm]"; tail -1 $OUT/gpu_gemm.log
+  has tests || { step gpu_gemm 60 $B/tests/megacore_tests "[gemm]"; tail -1 $OUT_DIR/gpu_gemm.log
                  step pytest_pg 200 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k overlap_param_gather
-                 grep -E "passed|failed|Error|assert" $OUT/pytest_pg.log | tail -6; }
+                 grep -E "passed|failed|Error|assert" $OUT_DIR/pytest_pg.log | tail -6; }
   for v in "--max-ctas 0,16 --gemm-sm-margin 0,16,32" "--cta-policy 1 --gemm-sm-margin 0,16" \
            "--zero --overlap-param-gather --max-ctas 0,16 --gemm-sm-margin 0,16,32" \
            "--zero --overlap-param-gather --cta-policy 1 --gemm-sm-margin 0,16"; do
     tag=$(echo "$v" | sed 's/--zero --overlap-param-gather/zero_pg/; s/--max-ctas 0,16 //; s/--cta-policy 1 /eff_/; s/--gemm-sm-margin //; s/[ ,]/_/g')
     step bench_ddp4_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
-      --out $OUT/json/ddp_${ngpu}gpu_smmargin_$tag.json
-    grep -iE "^ddp max_ctas|error" $OUT/bench_ddp4_$tag.log | head -8
+      --out $OUT_DIR/json/ddp_${ngpu}gpu_smmargin_$tag.json
+    grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp4_$tag.log | head -8
   done
 fi
 
 if has ddp5; then
   has ddp4 || has tests || { step pytest_pg 200 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k overlap_param_gather
-                             grep -E "passed|failed|Error|assert" $OUT/pytest_pg.log | tail -6; }
+                             grep -E "passed|failed|Error|assert" $OUT_DIR/pytest_pg.log | tail -6; }
   for v in "--zero" "--zero --overlap-param-gather" "--zero --overlap-param-gather --bf16-reduce" \
            "--zero --overlap-param-gather --grad-accum 4" "--bf16-reduce --grad-accum 4" "--grad-accum 4"; do
     tag=$(echo "$v" | sed 's/--zero/zero/; s/ *--overlap-param-gather/_pg/; s/ *--bf16-reduce/_bf16/; s/ *--grad-accum 4/_ga4/; s/^_//; s/ //g')
     step bench_ddp5_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
-      --out $OUT/json/ddp_${ngpu}gpu_$tag.json
-    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT/bench_ddp5_$tag.log | head -3)"
+      --out $OUT_DIR/json/ddp_${ngpu}gpu_$tag.json
+    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp5_$tag.log | head -3)"
   done
 fi
 
@@ -211,49 +216,47 @@ if has ddp6; then
   for v in "" "--zero --overlap-param-gather" "--zero --overlap-param-gather --bf16-reduce"; do
     tag=$(echo "$v" | sed 's/--zero/zero/; s/ *--overlap-param-gather/_pg/; s/ *--bf16-reduce/_bf16/; s/ //g'); tag=${tag:-ddp}
     step bench_ddp6_$tag 150 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training $v \
-      --out $OUT/json/ddp6_${ngpu}gpu_$tag.json
-    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT/bench_ddp6_$tag.log | head -3)"
+      --out $OUT_DIR/json/ddp6_${ngpu}gpu_$tag.json
+    echo "$tag: $(grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp6_$tag.log | head -3)"
   done
   for ga in 1 4; do
     step peer_ddp6_ga$ga 150 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/training/torch_ddp_peer.py \
-      --grad-accum $ga --out $OUT/json/ddp6_torch_peer_${ngpu}gpu_ga$ga.json
-    echo "torch ga$ga: $(grep -iE "scaling|error" $OUT/peer_ddp6_ga$ga.log | head -3)"
+      --grad-accum $ga --out $OUT_DIR/json/ddp6_torch_peer_${ngpu}gpu_ga$ga.json
+    echo "torch ga$ga: $(grep -iE "scaling|error" $OUT_DIR/peer_ddp6_ga$ga.log | head -3)"
   done
 fi
 
 if has ddp2; then
   step bench_ddp_prio 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --comm-priority -5 \
-    --max-ctas 0,32 --out $OUT/json/ddp_${ngpu}gpu_prio.json
-  grep -iE "^ddp max_ctas|error" $OUT/bench_ddp_prio.log | head -4
+    --max-ctas 0,32 --out $OUT_DIR/json/ddp_${ngpu}gpu_prio.json
+  grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_ddp_prio.log | head -4
   step bench_zero_bf16 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --zero --bf16-reduce \
-    --out $OUT/json/ddp_${ngpu}gpu_zero_bf16_reduce.json
-  grep -iE "^ddp max_ctas|error" $OUT/bench_zero_bf16.log | head -4
+    --out $OUT_DIR/json/ddp_${ngpu}gpu_zero_bf16_reduce.json
+  grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_zero_bf16.log | head -4
   step bench_zero_prio 120 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_training --zero --comm-priority -5 \
-    --max-ctas 0,32 --out $OUT/json/ddp_${ngpu}gpu_zero_prio.json
-  grep -iE "^ddp max_ctas|error" $OUT/bench_zero_prio.log | head -4
+    --max-ctas 0,32 --out $OUT_DIR/json/ddp_${ngpu}gpu_zero_prio.json
+  grep -iE "^ddp max_ctas|error" $OUT_DIR/bench_zero_prio.log | head -4
 fi
 
 if has kernels; then
   # attention in its own step: a hang there must not cost the other results
-  # KTESTS=0: benchmarks only (the tests ran in an earlier call on the same tree)
-  has tests || [ "${KTESTS:-1}" = 0 ] || { step gpu_single 150 $B/tests/megacore_tests "[gpu]~[attention]"; tail -2 $OUT/gpu_single.log
-                 step gpu_attention 200 $B/tests/megacore_tests "[attention][gpu]"; tail -2 $OUT/gpu_attention.log
-                 grep -B3 -A12 FAILED $OUT/gpu_attention.log | head -40
-                 grep -B3 -A12 FAILED $OUT/gpu_single.log | head -40; }
+  # KTESTS=0: benchmarks only (the tests already ran on the same tree)
+  has tests || [ "${KTESTS:-1}" = 0 ] || { step gpu_single 150 $B/tests/megacore_tests "[gpu]~[attention]"; tail -2 $OUT_DIR/gpu_single.log
+                 step gpu_attention 200 $B/tests/megacore_tests "[attention][gpu]"; tail -2 $OUT_DIR/gpu_attention.log
+                 grep -B3 -A12 FAILED $OUT_DIR/gpu_attention.log | head -40
+                 grep -B3 -A12 FAILED $OUT_DIR/gpu_single.log | head -40; }
   if [ "${TORCH_PEERS:-1}" = 1 ]; then  # TORCH_PEERS=0: no torch fused-op peers (e.g. an attention-only run)
-    step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT/json/torch_peers.json ${TPEERS_ONLY:+--only $TPEERS_ONLY}
-    tail -2 $OUT/torch_peers.log
+    step torch_peers 200 $PY benchmarks/kernels/torch_peers.py --out $OUT_DIR/json/torch_peers.json ${TPEERS_ONLY:+--only $TPEERS_ONLY}
+    tail -2 $OUT_DIR/torch_peers.log
   fi
   if [ "${ATTN_PEERS:-1}" = 1 ]; then  # ATTN_PEERS=0: no torch SDPA peer (a run without attention)
-    step torch_attn_peers 200 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT/json/attention_torch_sdpa.json
-    tail -2 $OUT/torch_attn_peers.log
+    step torch_attn_peers 200 $PY benchmarks/kernels/torch_attention_peer.py --out $OUT_DIR/json/attention_torch_sdpa.json
+    tail -2 $OUT_DIR/torch_attn_peers.log
   fi
   # KFILTER: comma-separated substrings of the benchmark names to run (all when empty).
-  export MC_TORCH_ATTN_PEERS=$OUT/json/attention_torch_sdpa.json
+  export MC_TORCH_ATTN_PEERS=$OUT_DIR/json/attention_torch_sdpa.json
   step bench_kernels 300 $B/benchmarks/megacore_bench_kernels \
-    --peers $OUT/json/torch_peers.json --out $OUT/json/kernels.json ${KFILTER:+--filter $KFILTER}
-  grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy|gemm|attention|embedding" $OUT/bench_kernels.log | head -120
+    --peers $OUT_DIR/json/torch_peers.json --out $OUT_DIR/json/kernels.json ${KFILTER:+--filter $KFILTER}
+  grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy|gemm|attention|embedding" $OUT_DIR/bench_kernels.log | head -120
 fi
-cd $OUT && tar czf logs.tgz logs runs 2>/dev/null; rm -rf *.log logs runs
-# Many small files do not all come back: the JSON results travel as one archive too.
-tar czf json.tgz json && rm -rf json
+echo "logs in $OUT_DIR, JSON results in $OUT_DIR/json"

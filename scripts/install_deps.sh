@@ -2,8 +2,8 @@
 # Installs what megacore needs to build and test, skipping what is already there.
 #   Debian packages: cmake, ninja, g++, Eigen, fmt, nlohmann-json, Catch2 (v2), Open MPI.
 #   Python packages: numpy, pytest, pybind11, scikit-build-core.
-# On an offline machine with the header bundle from ../shared/device/deps.sh carried in .deps/, nothing
-# is installed: the bundle is used through CMAKE_PREFIX_PATH (source this script to get it exported).
+# On an offline machine with the header bundle of scripts/bundle_deps.sh in .deps/, nothing is
+# installed: the bundle is used through CMAKE_PREFIX_PATH (source this script to get it exported).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}

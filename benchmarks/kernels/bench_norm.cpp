@@ -20,7 +20,7 @@ using NormTuning = ops::cuda::NormTuning;
 // most 1024 backward threads per SM), each spelled out.
 std::vector<mcbench::Variant<NormTuning>> norm_variants() {
   return {
-      // the previous default (session 3): register sums (4 vectors RMSNorm, 2 LayerNorm), scalar finalize
+      // register sums (4 vectors RMSNorm, 2 LayerNorm), scalar finalize
       {"f8_breg_scal", NormTuning{.bwd_smem_acc = false, .bwd_finalize = 0}},
       // register sums with the 16-byte finalize
       {"f8_breg_fin", NormTuning{.bwd_smem_acc = false}},
@@ -37,9 +37,9 @@ std::vector<mcbench::Variant<NormTuning>> norm_variants() {
       {"f8_b4_m256_sacc_fin_occ", NormTuning{.min_block = 256, .bwd_threads_per_sm = 0}},
       {"f8_b4_sacc_fin_768", NormTuning{.bwd_threads_per_sm = 768}},
       {"f4_b4_sacc_fin", NormTuning{.fwd_vecs = 4}},
-      // the default before session 5: 4 backward vectors and 128-thread blocks for both norms
+      // 4 backward vectors and 128-thread blocks for both norms
       {"f8_b4_sacc_fin_m128", NormTuning{.bwd_vecs = 4, .bwd_min_block = 128}},
-      // session 5's defaults: LayerNorm 256-thread backward blocks; RMSNorm 2 vectors at h <= 2048
+      // LayerNorm 256-thread backward blocks; RMSNorm 2 vectors at h <= 2048
       // (128-thread blocks at 2048), else row f8_b4_sacc_fin_m128
       {"bm256_b4", NormTuning{.bwd_vecs = 4, .bwd_min_block = 256}},
       {"bm128_b2", NormTuning{.bwd_vecs = 2, .bwd_min_block = 128}},

@@ -126,8 +126,8 @@ def test_attention_gpu_on_torch_tensors_matches_torch(causal):
 
 @pytest.mark.gpu
 def test_cudnn_attention_switch_from_python():
-    """cuDNN is on by default inside Python where built in (the import-time guard of session 7 is gone:
-    docs/kernels.md, 'cuDNN inside the Python module'); the process-wide switch turns it off and on."""
+    """cuDNN is on by default inside Python where built in (docs/kernels.md, 'cuDNN inside the Python
+    module'); the process-wide switch turns it off and on."""
     q = mc.zeros((1, 64, 2, 128), dtype="bf16", device="cuda:0")
     out = mc.zeros((1, 64, 2, 128), dtype="bf16", device="cuda:0")
     lse = mc.zeros((1, 2, 64), device="cuda:0")

@@ -1,7 +1,10 @@
 // ForwardContext: what a module's forward/backward needs beyond its inputs.
 #pragma once
 
+#include <cstdint>
+
 #include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
 
 namespace megacore::layers {
 

@@ -105,8 +105,8 @@ bool attention_cudnn_available();
 bool attention_cudnn_built();
 
 /// Process-wide switch for the cuDNN SDPA path (on by default where built in). Off: Auto uses megacore's
-/// flash kernel, and asking for AttentionBackend::Cudnn is a ValueError that quotes `reason`. The Python
-/// module turns it off at import (see docs/kernels.md, "cuDNN inside the Python module").
+/// flash kernel, and asking for AttentionBackend::Cudnn is a ValueError that quotes `reason`. Python:
+/// megacore.ops.set_cudnn_attention_enabled (docs/kernels.md, "cuDNN inside the Python module").
 void set_cudnn_attention_enabled(bool on, const std::string& reason = "");
 bool cudnn_attention_enabled();
 

@@ -472,10 +472,9 @@ void launch_row_smem(const CeArgs& a, int64_t slice, int threads, cudaStream_t s
 }  // namespace
 
 CeTuning ce_default_tuning(DType, CeMode, int64_t) {
-  // H100 (session 6, after the one-MUFU exp2 and the FFMA gradient), bf16 fused: the two-pass kernel
-  // 93.8 % of copy at 8192x32000 and 89.9 % at 8192x128256 (unroll 8, rows in flight in half of L2),
-  // against 88.4 % (cluster 1) and 86.2-88.7 % (clusters of 4 or 8) for the row-on-chip kernel. Before
-  // those changes the row-on-chip kernel led at 128k (80.3 % vs 77.4 %) and was the default there.
+  // H100 (benchmarks/results/kernels_NVIDIA_H100.json, 2026-11-26), bf16 fused: the two-pass kernel
+  // 94.5 % of copy at 8192x32000 and 89.6 % at 8192x128256, against at best 91.0 % (smem_c2_t256) and
+  // 89.0 % (smem_c8_t256) for the row-on-chip kernel.
   return CeTuning{};
 }
 
@@ -506,16 +505,16 @@ void cross_entropy(DType dt, const CeArgs& a, int device, void* stream) {
     const int64_t row_bytes = a.v * int64_t(sizeof(T));
     const int sms = sm_count(device);
     int64_t grid = int64_t(sms) * (tu.blocks_per_sm < 1 ? 1 : tu.blocks_per_sm);
-    // Defaults from the H100 sweeps (2026-11-26): 32k-vocabulary rows 0.75 of L2 + unroll 4 (84-86 % of
-    // copy in two runs, vs 81-82 % with unroll 2 and 70 % at 0.5 of L2), 128k rows 0.5 + unroll 8 (77-78 %
-    // vs 74-76 % with 4; 0.75 drops to 58-61 %).
+    // Defaults (H100, bf16 fused, benchmarks/results/kernels_NVIDIA_H100.json, 2026-11-26): 32k-vocabulary
+    // rows 0.75 of L2 + unroll 4, 94.5 % of copy (84.6 % at 0.5 of L2); 128k rows 0.5 + unroll 8, 89.6 %
+    // (82.3 % with unroll 4, 71.3 % with unroll 4 at 0.75).
     const bool long_rows = row_bytes > (128 << 10);
     const float l2_share = tu.l2_fraction > 0.f ? tu.l2_fraction : long_rows ? 0.5f : 0.75f;
     const int64_t fit = row_bytes > 0 ? int64_t(double(l2) * double(l2_share)) / row_bytes : grid;
     if (a.mode == CeMode::Fused && fit < grid) grid = fit < sms ? sms : fit;
     if (grid > a.n) grid = a.n;
     // unroll 0: by row length. Long rows (Llama-3's 128k vocabulary) leave one block per SM, which
-    // needs several loads in flight per thread (H200: 128k bf16 1.82 ms unrolled vs 2.70 ms not).
+    // needs several loads in flight per thread (H100, 128k bf16: 89.8 % of copy with 8, 70.7 % with 2).
     // Shorter rows run about three 512-thread blocks per SM (L2 limit): 4 loads (64 registers) leave
     // room for two, 2 loads (40 registers) keep three; two blocks with 4 loads each measured faster.
     const int unroll = tu.unroll > 0 ? tu.unroll : long_rows ? 8 : 4;

@@ -725,8 +725,9 @@ constexpr int kBwdM = 64;   // queries per step
 
 // kBulkDq (the default at D = 128; AttnProblem::sm90_bwd_variant 1 turns it off): dQ goes through shared
 // memory ([64][D] f32, the dq_acc rows' own layout) and one bulk reduce-add per tile (cp.reduce.async.bulk
-// .add.f32) instead of red.global.add from every thread. H100, causal d128 fwd+bwd: 277 / 322 / 350 / 385
-// TFLOP/s at seq 2k / 4k / 8k / 16k against 269 / 312 / 340 / 356 with the per-thread adds (same call).
+// .add.f32) instead of red.global.add from every thread. H100, causal d128 fwd+bwd: 276 / 320 / 350 / 358
+// TFLOP/s at seq 2k / 4k / 8k / 16k against 270 / 310 / 343 / 353 with the per-thread adds (same run,
+// benchmarks/results/kernels_NVIDIA_H100.json).
 template <class T, int D, bool kBulkDq = false>
 struct Sm90BwdCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");

@@ -16,25 +16,13 @@ namespace megacore::ops::cuda {
 /// short for `min_block` threads share a block. Values the kernels cannot honour for a shape are
 /// rounded to ones they can (more vectors per thread when a row would need over 512 threads).
 struct NormTuning {
-  // Defaults from the launch-shape sweep of megacore_bench_kernels on an H100 (2026-11-26, norm session 4,
-  // bf16, % of a copy at 16384x4096 / 16384x8192 / 32768x2048): 8 vectors per forward thread was best or
-  // within 1 % everywhere. Backward: dw/db sums in shared memory with the 16-byte finalize and 4 vectors
-  // per thread, RMSNorm 82.4 / 85.2 / 82.9 and LayerNorm 79.4 / 85.1 / 82.1 (bench row f8_b4_sacc_fin),
-  // against 79 / 86 / 81 (RMSNorm, before the bwd_merge flag) and 74.6 / 76.1 / 76.5 (LayerNorm, the
-  // same 2-vector register kernel as row f2_b2 of that sweep) for the register sums with the scalar
-  // finalize (the previous default, bench row f8_breg_scal). RMSNorm at h 2048 measured 85.6 with 2
-  // vectors (f8_b2_sacc_fin) against 82.9 with 4. Where the shared-memory sums do not
-  // fit the register sums run, with 4 vectors for RMSNorm and 2 for LayerNorm (its 4-vector register
-  // kernel spills). Session 5 (same card, three runs): RMSNorm at h 2048 85.7 / 85.6 / 87.2 with 2
-  // vectors against 82.5 / 84.0 / 82.8 with 4, so 2 became its default there; LayerNorm's backward with
-  // 256-thread blocks (two row groups at h 4096) 79.0 / 81.3 / 81.4 against 76.3 / 79.3 / 80.1 at h 4096
-  // and level elsewhere, so bwd_min_block 0 gives LayerNorm 256 (its forward keeps 128: 87 % against
-  // 81 % with 256). Session 6 (same card): with each row group on its own named barrier, 512-thread
-  // backward blocks with 4 vectors (a quarter of the partial rows at h 4096) were best or level at every
-  // shape in three runs: RMSNorm 86.8-87.7 / 88.0-88.5 / 87.9, LayerNorm 85.5-86.2 / 88.3-88.6 / 85.9
-  // (bench rows bm512 / bm512_b4), against RMSNorm 84.4-86.1 / 87.0-88.1 / 83.2-83.7 and LayerNorm
-  // 85.5-86.1 / 86.8-87.5 / 85.9-86.3 for the session-5 defaults; so bwd_vecs 0 is 4 and bwd_min_block
-  // 0 is 512 for both norms.
+  // Defaults and the measurement behind them: megacore_bench_kernels on an H100 (2026-11-26,
+  // benchmarks/results/kernels_NVIDIA_H100.json, bf16, % of copy at 16384x4096 / x8192 / 32768x2048).
+  // Backward, shared-memory sums + 16-byte finalize, 4 vectors, 512-thread blocks: RMSNorm
+  // 86.2 / 88.4 / 89.4, LayerNorm 85.1 / 88.2 / 86.0; register sums (row f8_breg_fin) 75.3 / 74.1 / 77.0
+  // and 78.6 / 78.5 / 80.7; 128-thread blocks (f8_b4_sacc_fin_m128) 85.3 / 87.1 / 86.6 and
+  // 82.1 / 86.4 / 84.5. Forward: 8 vectors, 128-thread blocks; 256 (f8_b4_m256_sacc_fin) costs LayerNorm
+  // 5.5-6.7 points (84.4 / 89.5 / 86.3 against 90.7 / 96.2 / 91.8).
   int fwd_vecs = 8;               ///< forward: 1, 2, 4 or 8
   int bwd_vecs = 0;               ///< backward: 1 or 2, 4 without prefetch; 0: 4, except 2 for LayerNorm
                                   ///< with the register sums

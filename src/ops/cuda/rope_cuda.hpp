@@ -16,8 +16,8 @@ struct RopeTuning {
                         ///< (the first kernel's shape: one wave of long-lived threads)
   int unroll = 4;       ///< heads whose loads are issued before any is used: 1, 2 or 4 (4: 117 registers
                         ///< for bf16 on sm_90, a third of the threads per SM)
-                        ///< Defaults from the H100 sweep (2026-11-26, 16384 x 32 x 128 bf16): chunk 4 +
-                        ///< unroll 4 88.5 % of copy, chunk 8 + unroll 2 86.6 %, all heads unroll 1 83.6 %.
+                        ///< Defaults: H100, 16384 x 32 x 128 bf16 (kernels_NVIDIA_H100.json): chunk 4 +
+                        ///< unroll 4 90.7 % of copy, chunk 8 + unroll 2 88.4 %, all heads unroll 1 85.5 %.
 };
 
 struct RopeArgs {
