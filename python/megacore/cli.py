@@ -298,12 +298,17 @@ def _add_convert(sub):
         "convert", help="convert checkpoints between Hugging Face and megacore formats",
         description="hf-to-megacore SRC OUT: a Hugging Face model directory (Llama family or GPT-2) into a megacore "
                     "checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
-                    "checkpoint (directory or root with `latest`) into config.json + safetensors.")
+                    "checkpoint (a step_N directory, or a root such as runs/NAME/checkpoints: its latest), including "
+                    "every checkpoint `megacore train` writes, into a Hugging Face model directory (config.json, "
+                    "generation_config.json, safetensors and the run's tokenizer files).")
     p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf"])
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--max-shard-size", type=int, default=5 * 1024 ** 3,
                    help="megacore-to-hf: bytes per safetensors file before sharding with an index (default 5 GiB)")
+    p.add_argument("--tokenizer", default=None,
+                   help="megacore-to-hf: 'byte' or the tokenizer.json the run used (default: the run's data.tokenizer "
+                        "from the checkpoint's recipe)")
 
     def run(args):
         from . import convert
@@ -311,7 +316,8 @@ def _add_convert(sub):
         if args.direction == "hf-to-megacore":
             print(convert.hf_to_megacore(args.src, args.out))
         else:
-            print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size))
+            print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size,
+                                         tokenizer=args.tokenizer))
         return 0
 
     p.set_defaults(func=run)
