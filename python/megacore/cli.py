@@ -326,8 +326,15 @@ def _add_convert(sub):
 _COMMANDS = [_add_preprocess, _add_plan, _add_train, _add_bench, _add_convert]
 
 
+def _version() -> str:
+    import megacore
+
+    return megacore.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacore", description="megacore: Megatron-Core-style training tools")
+    parser.add_argument("--version", action="version", version=f"megacore {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for add in _COMMANDS:

@@ -1,4 +1,5 @@
-"""`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front."""
+"""`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front;
+`megacore --version`."""
 
 import pytest
 import megacore as mc
@@ -60,3 +61,11 @@ def test_plan_refuses_bad_layouts_with_the_fix(capsys):
     assert cli.main(["plan", "--model", "nope", "--world-size", "1"]) == 1
     assert "unknown model preset 'nope'" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny_llama", "--world-size", "2", "--sequence-parallel"]) == 1
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megacore {mc.__version__}"
+
