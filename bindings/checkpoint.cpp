@@ -7,6 +7,7 @@
 
 #include "bindings.hpp"
 #include "megacore/checkpoint/dist_checkpoint.hpp"
+#include "megacore/checkpoint/safetensors.hpp"
 
 namespace megacore::py {
 
@@ -120,6 +121,28 @@ void bind_checkpoint(pyb::module_& root) {
   }, pyb::arg("path"), pyb::arg("name"), pyb::arg("verify") = true, "One whole tensor on the host.");
   m.def("tensor_names", [](const std::string& path) { return CheckpointReader(path).tensor_names(); },
         pyb::arg("path"));
+  // The one safetensors reader: Python's SafetensorsReader opens files through it, so both languages accept and
+  // refuse exactly the same files (overlaps, holes, size/shape mismatches, truncation, bad JSON, duplicates).
+  pyb::class_<SafetensorsFile>(m, "SafetensorsFile",
+                               "A validated, memory-mapped safetensors file (every problem is an IOError naming the "
+                               "file and the tensor).")
+      .def(pyb::init<const std::string&>(), pyb::arg("path"), pyb::call_guard<pyb::gil_scoped_release>())
+      .def_property_readonly("path", &SafetensorsFile::path)
+      .def("names", &SafetensorsFile::names, "Tensor names in data order.")
+      .def("__contains__", &SafetensorsFile::contains)
+      .def_property_readonly("metadata", &SafetensorsFile::metadata)
+      .def_property_readonly("data_size", &SafetensorsFile::data_size)
+      .def("info", [](const SafetensorsFile& f, const std::string& name) {
+        const SafetensorsInfo& i = f.info(name);
+        pyb::dict d;
+        d["dtype"] = std::string(safetensors_dtype_name(i.dtype));
+        d["shape"] = i.shape;
+        d["data_offsets"] = std::vector<int64_t>{i.data_begin, i.data_begin + i.nbytes};
+        return d;
+      }, pyb::arg("name"), "{dtype, shape, data_offsets: [begin, end)} of one tensor (offsets from the data start).")
+      .def("tensor", &SafetensorsFile::tensor, pyb::arg("name"), "A CPU tensor viewing the mapped bytes (no copy).")
+      .def("load", [](const SafetensorsFile& f, const std::string& name) { return f.load(name); }, pyb::arg("name"),
+           "A CPU tensor owning a copy of the bytes.");
   m.def("crc32", [](const pyb::bytes& b, uint32_t crc) {
     std::string_view s = b;
     return crc32(s.data(), s.size(), crc);

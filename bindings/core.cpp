@@ -5,6 +5,7 @@
 
 #include "bindings.hpp"
 #include "megacore/comm/communicator.hpp"
+#include "megacore/core/log.hpp"
 
 namespace megacore::py {
 
@@ -110,6 +111,16 @@ void bind_core(pyb::module_& m) {
   m.def("cuda_available", &cuda_available, "True when this build has CUDA and a device is visible.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_name", &cuda_device_name, pyb::arg("index") = 0);
+  m.def("log_level", [] {
+    static const char* names[] = {"debug", "info", "warning", "error", "off"};
+    return std::string(names[int(log_level())]);
+  }, "The log threshold of this process: MEGACORE_LOG_LEVEL (debug, info, warning, error, off; default info) "
+     "unless set_log_level overrode it.");
+  m.def("set_log_level", [](const std::string& name) {
+    auto lv = parse_log_level(name);
+    MC_CHECK(lv.has_value(), "log level '{}' is not one of debug, info, warning, error, off", name);
+    set_log_level(*lv);
+  }, pyb::arg("level"), "Overrides MEGACORE_LOG_LEVEL for the rest of this process.");
 
   pyb::class_<Generator>(m, "Generator", "Philox counter-based generator: same numbers on CPU and GPU.")
       .def(pyb::init<uint64_t, uint64_t>(), pyb::arg("seed") = 0, pyb::arg("offset") = 0)

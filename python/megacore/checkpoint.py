@@ -5,10 +5,11 @@ Two halves:
 * The compiled, collective API (``save``, ``load``, ``resolve``, ``list_checkpoints``, ``read_full``,
   ``tensor_names``) from ``megacore._C.checkpoint``: every rank writes its own shards in parallel and
   loading reshards to any layout (see docs/checkpoint.md and include/megacore/checkpoint/dist_checkpoint.hpp).
-* A small pure-numpy reader/writer of the same on-disk format (``save_full_checkpoint``,
+* A small numpy reader/writer of the same on-disk format (``save_full_checkpoint``,
   ``load_full_checkpoint``, ``read_safetensors``, ``write_safetensors``), for single-process tools such as
   ``megacore.convert`` that handle whole tensors. It follows the same crash-safe protocol (temporary
-  directory, fsync, rename, atomic ``latest``) and checks every CRC-32 on read.
+  directory, fsync, rename, atomic ``latest``) and checks every CRC-32 on read. Safetensors headers are
+  validated by the C++ reader (``SafetensorsReader``), so Python and C++ accept exactly the same files.
 
 Tensors in the numpy half are numpy arrays; bfloat16 (which numpy lacks) travels as ``BF16Array``, a
 uint16 array of the raw bits tagged with its dtype, so conversions are bit-exact.
@@ -163,47 +164,44 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Op
 
 
 class SafetensorsReader:
-    """A memory-mapped safetensors file; ``get(name)`` returns a read-only array viewing the file."""
+    """A memory-mapped safetensors file; ``get(name)`` returns a read-only array viewing the file.
+
+    The header is read and validated by the C++ reader (``megacore._C.checkpoint.SafetensorsFile``), the one
+    reader both languages share: tensors must tile the data section exactly (no overlap, no hole), each
+    tensor's byte count must match its dtype and shape, the header must be a JSON object within the file, and
+    names must be unique. Every problem is a ``megacore.IOError`` naming the file and the tensor. The arrays
+    handed out view this object's own read-only mapping of the file, so nothing is copied.
+    """
 
     def __init__(self, path: str):
         self.path = path
+        self._file = _need_c().SafetensorsFile(path)  # raises megacore.IOError naming the file and the problem
+        self.metadata = dict(self._file.metadata)
+        self.entries = {n: self._file.info(n) for n in self._file.names()}
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size < 8:
-                    raise MegacoreIOError(f"{path}: too short ({size} bytes) for a safetensors file; it is truncated")
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise MegacoreIOError(f"{path}: cannot open ({e})") from e
-        (n,) = struct.unpack("<Q", self._mm[:8])
-        if 8 + n > size:
-            raise MegacoreIOError(f"{path}: header length {n} runs past the end of the file ({size} bytes); "
-                                  "the file is truncated or not safetensors")
-        try:
-            header = json.loads(bytes(self._mm[8:8 + n]))
-        except ValueError as e:
-            raise MegacoreIOError(f"{path}: header is not valid JSON ({e})") from e
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.entries = header
-        self._start = 8 + n
-        for name, e in header.items():
-            b, end = e["data_offsets"]
-            if self._start + end > size or b > end:
-                raise MegacoreIOError(f"{path}: tensor '{name}' data [{b}, {end}) runs past the end of the file; "
-                                      "the file is truncated")
+            raise MegacoreIOError(f"safetensors file '{path}': cannot map ({e})") from e
+        self._start = size - self._file.data_size
 
     def names(self):
         return list(self.entries)
 
+    def _entry(self, name: str) -> dict:
+        e = self.entries.get(name)
+        if e is None:
+            raise MegacoreIOError(f"safetensors file '{self.path}' has no tensor '{name}' (it has "
+                                  f"{len(self.entries)}: {', '.join(list(self.entries)[:5])}, ...)")
+        return e
+
     def raw(self, name: str) -> memoryview:
-        b, e = self.entries[name]["data_offsets"]
+        b, e = self._entry(name)["data_offsets"]
         return memoryview(self._mm)[self._start + b:self._start + e]
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self.entries:
-            raise MegacoreIOError(f"{self.path}: no tensor '{name}' (it has {len(self.entries)}: "
-                                  f"{', '.join(list(self.entries)[:5])}, ...)")
-        e = self.entries[name]
+        e = self._entry(name)
         return _array_of(e["dtype"], self.raw(name), tuple(e["shape"]))
 
 

@@ -13,23 +13,36 @@ import sys
 
 def _add_preprocess(sub):
     p = sub.add_parser(
-        "preprocess", help="tokenise a JSONL corpus into a Megatron indexed dataset (.bin/.idx)",
-        description="Tokenise a JSONL file (one document per line) into OUTPUT_PREFIX.bin/.idx. Output is "
-                    "written to temporary names and renamed at the end, so nothing half-written is left on error.")
+        "preprocess", help="tokenise a JSONL corpus into Megatron indexed datasets (.bin/.idx)",
+        description="Tokenise a JSONL file (one document per line) into OUTPUT_PREFIX_<key>_document.bin/.idx, one "
+                    "dataset per --json-keys key (Megatron-LM's naming and flags). Output is written to temporary "
+                    "names and renamed at the end, so nothing half-written (and no new folder) is left on error.")
     p.add_argument("--input", help="JSONL file, one JSON object per line")
-    p.add_argument("--json-key", default="text", help="field holding the document text (default: text)")
-    p.add_argument("--tokenizer", default="byte",
+    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                   help="fields holding the document text, one output dataset per key (default: text)")
+    p.add_argument("--json-key", default=None, help="one field (same as --json-keys KEY)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="Megatron tokenizer type: HuggingFaceTokenizer or GPT2BPETokenizer (with --tokenizer-model "
+                        "PATH to a tokenizer.json), or ByteTokenizer (built-in); other types are refused")
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json (or its directory) for --tokenizer-type")
+    p.add_argument("--vocab-file", default=None, help=argparse.SUPPRESS)  # Megatron's GPT-2 pair: refused with the fix
+    p.add_argument("--merge-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default=None,
                    help="'byte' (built-in, no files) or a path to a Hugging Face tokenizer.json (default: byte)")
-    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes OUTPUT_PREFIX_<key>_document.bin and .idx for each key")
     p.add_argument("--workers", type=int, default=1, help="tokenising worker processes (default: 1)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
-                   help="bad lines (malformed JSON, missing field, empty document): fail with the line number, "
-                        "or skip and count them (default: fail)")
+                   help="bad lines (malformed JSON, missing key, non-string value, empty document): fail with the line "
+                        "number, or skip and count them (default: fail)")
+    p.add_argument("--append-eod", dest="append_eod", action="store_true", default=True,
+                   help="append the end-of-document token to each document (the default)")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false",
                    help="do not append the end-of-document token to each document")
     p.add_argument("--dtype", default=None, help="token dtype (default: u16 for vocabularies <= 65536, else i32)")
     p.add_argument("--default-corpus", type=int, metavar="N", default=None,
-                   help="instead of --input, write the built-in synthetic corpus of N documents (byte tokens)")
+                   help="instead of --input, write the built-in synthetic corpus of N documents (byte tokens) to "
+                        "OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar (it is shown only on a terminal anyway)")
     p.set_defaults(func=_run_preprocess, parser=p)
@@ -37,6 +50,7 @@ def _add_preprocess(sub):
 
 def _run_preprocess(args) -> int:
     from .data import preprocess, write_default_corpus
+    from .data.preprocess import tokenizer_from_type
 
     if args.default_corpus is not None:
         if args.input:
@@ -47,9 +61,26 @@ def _run_preprocess(args) -> int:
         return 0
     if not args.input:
         args.parser.error("--input is required (or --default-corpus N)")
-    preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer, json_key=args.json_key,
-               workers=args.workers, append_eod=args.append_eod, on_error=args.on_error, dtype=args.dtype,
-               progress=args.progress)
+    if args.json_key and args.json_keys:
+        args.parser.error("give --json-keys or --json-key, not both")
+    keys = args.json_keys or [args.json_key or "text"]
+    if args.vocab_file or args.merge_file:
+        from .errors import ConfigError
+
+        raise ConfigError("--vocab-file/--merge-file (GPT-2's vocab.json + merges.txt) are not read; save the "
+                          "tokenizer as one tokenizer.json (tokenizers: Tokenizer(models.BPE.from_file(vocab, merges))"
+                          "...save(path), or AutoTokenizer.from_pretrained(...).save_pretrained(dir)) and pass "
+                          "--tokenizer-type GPT2BPETokenizer --tokenizer-model PATH")
+    if args.tokenizer_type:
+        if args.tokenizer:
+            args.parser.error("give --tokenizer-type (with --tokenizer-model) or --tokenizer, not both")
+        tokenizer = tokenizer_from_type(args.tokenizer_type, args.tokenizer_model)
+    else:
+        if args.tokenizer_model:
+            args.parser.error("--tokenizer-model needs --tokenizer-type (e.g. HuggingFaceTokenizer)")
+        tokenizer = args.tokenizer or "byte"
+    preprocess(args.input, args.output_prefix, tokenizer=tokenizer, json_keys=keys, workers=args.workers,
+               append_eod=args.append_eod, on_error=args.on_error, dtype=args.dtype, progress=args.progress)
     return 0
 
 
@@ -298,12 +329,17 @@ def _add_convert(sub):
         "convert", help="convert checkpoints between Hugging Face and megacore formats",
         description="hf-to-megacore SRC OUT: a Hugging Face model directory (Llama family or GPT-2) into a megacore "
                     "checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
-                    "checkpoint (directory or root with `latest`) into config.json + safetensors.")
+                    "checkpoint (a step_N directory, or a root such as runs/NAME/checkpoints: its latest), including "
+                    "every checkpoint `megacore train` writes, into a Hugging Face model directory (config.json, "
+                    "generation_config.json, safetensors and the run's tokenizer files).")
     p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf"])
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--max-shard-size", type=int, default=5 * 1024 ** 3,
                    help="megacore-to-hf: bytes per safetensors file before sharding with an index (default 5 GiB)")
+    p.add_argument("--tokenizer", default=None,
+                   help="megacore-to-hf: 'byte' or the tokenizer.json the run used (default: the run's data.tokenizer "
+                        "from the checkpoint's recipe)")
 
     def run(args):
         from . import convert
@@ -311,7 +347,8 @@ def _add_convert(sub):
         if args.direction == "hf-to-megacore":
             print(convert.hf_to_megacore(args.src, args.out))
         else:
-            print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size))
+            print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size,
+                                         tokenizer=args.tokenizer))
         return 0
 
     p.set_defaults(func=run)
@@ -320,8 +357,15 @@ def _add_convert(sub):
 _COMMANDS = [_add_preprocess, _add_plan, _add_train, _add_bench, _add_convert]
 
 
+def _version() -> str:
+    import megacore
+
+    return megacore.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacore", description="megacore: Megatron-Core-style training tools")
+    parser.add_argument("--version", action="version", version=f"megacore {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for add in _COMMANDS:

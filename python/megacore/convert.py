@@ -6,9 +6,11 @@ writes a megacore checkpoint ``out_root/step_0`` holding the whole (TP = 1) tens
 parallel layout (megacore checkpoints reshard on load). The TransformerConfig travels as the JSON blob
 "config" (``config_from_checkpoint`` / ``transformer_config`` turn it back into a TransformerConfig).
 
-``megacore_to_hf(ckpt, out_dir)`` does the reverse from any megacore checkpoint (any layout it was saved
-from: shards are assembled), writing config.json and safetensors (sharded with an index above
-``max_shard_size`` bytes).
+``megacore_to_hf(ckpt, out_dir)`` does the reverse from any megacore checkpoint (a step directory or a root
+with ``latest``; any layout it was saved from: shards are assembled), including those ``megacore train``
+writes (the model is read from their "recipe" blob). It writes what transformers >= 5 writes: config.json
+(``rope_parameters``, ``dtype``, special token ids, ...), generation_config.json, safetensors (sharded with an
+index above ``max_shard_size`` bytes) and the run's tokenizer files; vocabulary padding rows are dropped.
 
 Name and layout mapping (docs/checkpoint.md has the table):
 
@@ -148,32 +150,51 @@ def _flavour(c: Mapping[str, Any]) -> str:
 _TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
-def config_to_hf(c: Mapping[str, Any]) -> Dict[str, Any]:
+HF_FORMAT_VERSION = "5.0.0"  # the transformers release whose config.json layout (rope_parameters, dtype) we write
+
+
+def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[int]]] = None) -> Dict[str, Any]:
+    """The config.json that transformers >= 5 writes for this model (``rope_parameters``, ``dtype``, the special
+    token ids, ``architectures``, ``head_dim``, ...). ``special``: {"bos_token_id", "eos_token_id",
+    "pad_token_id"} (None where the tokenizer has no such token)."""
     dt = _TORCH_DTYPE.get(str(c.get("params_dtype", "f32")).lower(), "float32")
+    ids = {k: (special or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if _flavour(c) == "llama":
         rs = c.get("rope_scaling") or {"type": "None"}
-        scaling = None
-        if rs.get("type", "None").lower() == "llama3":
-            scaling = {"rope_type": "llama3", "factor": rs["factor"], "low_freq_factor": rs["low_freq_factor"],
-                       "high_freq_factor": rs["high_freq_factor"],
-                       "original_max_position_embeddings": rs["original_max_position_embeddings"]}
+        rope = {"rope_theta": float(c["rope_theta"]), "rope_type": "default"}
+        if str(rs.get("type", "None")).lower() == "llama3":
+            rope = {"rope_theta": float(c["rope_theta"]), "rope_type": "llama3", "factor": float(rs["factor"]),
+                    "low_freq_factor": float(rs["low_freq_factor"]), "high_freq_factor": float(rs["high_freq_factor"]),
+                    "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
         heads = c["num_attention_heads"]
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "hidden_size": c["hidden_size"], "intermediate_size": c["ffn_hidden_size"],
-                "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
-                "num_key_value_heads": c.get("num_query_groups") or heads,
-                "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "vocab_size": c["vocab_size"],
-                "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["norm_eps"],
-                "rope_theta": c["rope_theta"], "rope_scaling": scaling,
-                "tie_word_embeddings": bool(c["tie_word_embeddings"]), "attention_bias": False, "mlp_bias": False,
-                "attention_dropout": 0.0, "initializer_range": c.get("init_method_std", 0.02), "torch_dtype": dt}
+        return {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, **ids,
+                "dtype": dt, "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",
+                "hidden_size": c["hidden_size"], "initializer_range": c.get("init_method_std", 0.02),
+                "intermediate_size": c["ffn_hidden_size"], "max_position_embeddings": c["max_position_embeddings"],
+                "mlp_bias": False, "model_type": "llama", "num_attention_heads": heads,
+                "num_hidden_layers": c["num_layers"], "num_key_value_heads": c.get("num_query_groups") or heads,
+                "pretraining_tp": 1, "rms_norm_eps": c["norm_eps"], "rope_parameters": rope,
+                "tie_word_embeddings": bool(c["tie_word_embeddings"]), "transformers_version": HF_FORMAT_VERSION,
+                "use_cache": True, "vocab_size": c["vocab_size"]}
     h = c["hidden_size"]
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": h, "n_layer": c["num_layers"],
-            "n_head": c["num_attention_heads"], "n_positions": c["max_position_embeddings"],
-            "n_ctx": c["max_position_embeddings"], "n_inner": c["ffn_hidden_size"] or 4 * h,
-            "vocab_size": c["vocab_size"], "layer_norm_epsilon": c["norm_eps"], "activation_function": "gelu_new",
-            "tie_word_embeddings": bool(c["tie_word_embeddings"]), "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "initializer_range": c.get("init_method_std", 0.02), "torch_dtype": dt}
+    return {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0, **ids,
+            "dtype": dt, "embd_pdrop": 0.0, "initializer_range": c.get("init_method_std", 0.02),
+            "layer_norm_epsilon": c["norm_eps"], "model_type": "gpt2", "n_ctx": c["max_position_embeddings"],
+            "n_embd": h, "n_head": c["num_attention_heads"], "n_inner": c["ffn_hidden_size"] or 4 * h,
+            "n_layer": c["num_layers"], "n_positions": c["max_position_embeddings"], "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+            "tie_word_embeddings": bool(c["tie_word_embeddings"]), "transformers_version": HF_FORMAT_VERSION,
+            "use_cache": True, "vocab_size": c["vocab_size"]}
+
+
+def generation_config_to_hf(special: Optional[Mapping[str, Optional[int]]] = None) -> Dict[str, Any]:
+    """generation_config.json as transformers writes it for a model config (only the ids that exist)."""
+    out: Dict[str, Any] = {"_from_model_config": True}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if (special or {}).get(k) is not None:
+            out[k] = int(special[k])
+    out["transformers_version"] = HF_FORMAT_VERSION
+    return out
 
 
 def config_dict(cfg) -> Dict[str, Any]:
@@ -211,18 +232,147 @@ def transformer_config(d: Mapping[str, Any]):
     return cfg
 
 
-def config_from_checkpoint(ckpt: str) -> Dict[str, Any]:
+def _blob(v):
+    """A JSON blob of metadata.json: the C++ writer stores objects; text is parsed too."""
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except ValueError as e:
+            raise MegacoreIOError(f"a JSON blob of the checkpoint is not valid JSON ({e})") from e
+    return v
+
+
+def config_from_recipe(recipe: Mapping[str, Any]) -> Dict[str, Any]:
+    """The TransformerConfig dict (``config_dict`` form) of the recipe JSON the trainer stores in each checkpoint
+    (``metadata.json`` → ``json`` → ``recipe``). Fields are read by name, with the recipe defaults where absent
+    (0 means derived: query groups = heads, FFN = 4 × hidden, head dim = hidden / heads); extra fields are
+    ignored."""
+    m = recipe.get("model")
+    if not isinstance(m, Mapping):
+        raise ConfigError("the checkpoint's recipe has no 'model' section; it was not written by megacore train")
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if k not in m:
+            raise ConfigError(f"the checkpoint's recipe lacks model.{k}")
+    g = m.get
+    heads, h = int(g("num_attention_heads")), int(g("hidden_size"))
+    rs_type = str(g("rope_scaling", "none") or "none").lower()
+    if rs_type not in ("none", "llama3"):
+        raise ConfigError(f"model.rope_scaling '{rs_type}' is not none or llama3")
+    precision = str((recipe.get("trainer") or {}).get("precision", "f32")).lower()
+    return {"num_layers": int(g("num_layers")), "hidden_size": h, "num_attention_heads": heads,
+            "num_query_groups": int(g("num_query_groups", 0) or heads),
+            "ffn_hidden_size": int(g("ffn_hidden_size", 0) or 4 * h),
+            "kv_channels": int(g("kv_channels", 0) or h // heads), "vocab_size": int(g("vocab_size")),
+            "max_position_embeddings": int(g("max_position_embeddings", 2048)),
+            "make_vocab_size_divisible_by": int(g("make_vocab_size_divisible_by", 128)),
+            "normalization": str(g("normalization", "RMSNorm")), "norm_eps": float(g("norm_eps", 1e-5)),
+            "activation": str(g("activation", "SwiGLU")), "add_bias_linear": bool(g("add_bias_linear", False)),
+            "tie_word_embeddings": bool(g("tie_word_embeddings", False)),
+            "position_embedding": str(g("position_embedding", "RoPE")), "rope_theta": float(g("rope_theta", 10000.0)),
+            "rope_scaling": {"type": "Llama3" if rs_type == "llama3" else "None",
+                             "factor": float(g("rope_scaling_factor", 8.0)),
+                             "low_freq_factor": float(g("rope_low_freq_factor", 1.0)),
+                             "high_freq_factor": float(g("rope_high_freq_factor", 4.0)),
+                             "original_max_position_embeddings": int(g("rope_original_max_position_embeddings", 8192))},
+            "init_method_std": float(g("init_method_std", 0.02)), "params_dtype": precision,
+            "seed": int(g("seed", 1234))}
+
+
+def _checkpoint_blobs(ckpt: str) -> Tuple[str, Dict[str, Any]]:
     from .checkpoint import resolve_checkpoint
 
     d = resolve_checkpoint(ckpt)
     if d is None:
-        raise MegacoreIOError(f"'{ckpt}' holds no complete megacore checkpoint")
+        raise MegacoreIOError(f"'{ckpt}' holds no complete megacore checkpoint (no metadata.json, no valid `latest`, "
+                              "no complete step_<N>)")
     with open(os.path.join(d, "metadata.json")) as f:
         meta = json.load(f)
-    if "config" not in meta.get("json", {}):
-        raise MegacoreIOError(f"{d}: the checkpoint has no 'config' JSON blob; save it with json={{'config': ...}} "
-                              "(megacore.convert.config_dict(cfg)) to export it")
-    return meta["json"]["config"]
+    return d, dict(meta.get("json") or {})
+
+
+def config_from_checkpoint(ckpt: str) -> Dict[str, Any]:
+    """The TransformerConfig dict of a checkpoint: its "config" blob (conversion tools, ``megacore.checkpoint``
+    saves) or, for checkpoints written by ``megacore train``, the model section of its "recipe" blob."""
+    d, blobs = _checkpoint_blobs(ckpt)
+    if "config" in blobs:
+        return _blob(blobs["config"])
+    if "recipe" in blobs:
+        return config_from_recipe(_blob(blobs["recipe"]))
+    raise MegacoreIOError(f"{d}: the checkpoint has neither a 'config' nor a 'recipe' JSON blob, so its model is "
+                          "unknown; save it with json={'config': megacore.convert.config_dict(cfg)} to export it")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+# The built-in byte tokenizer (megacore.tokenizers.ByteTokenizer): UTF-8 bytes are ids 0..255.
+BYTE_SPECIAL = {"bos_token_id": 258, "eos_token_id": 256, "pad_token_id": 257}
+
+_SPECIAL_NAMES = {
+    "eos_token_id": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]"),
+    "bos_token_id": ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]"),
+    "pad_token_id": ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>"),
+}
+
+
+def tokenizer_json_special_ids(path: str) -> Dict[str, Optional[int]]:
+    """bos/eos/pad ids of a Hugging Face tokenizer.json, found by the usual token names (the same rule as
+    ``megacore.tokenizers.HFTokenizer``), read from the JSON itself (the ``tokenizers`` package is not needed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MegacoreIOError(f"cannot read tokenizer '{path}' ({e}); it must be a Hugging Face tokenizer.json") from e
+    vocab: Dict[str, int] = {}
+    model_vocab = (tj.get("model") or {}).get("vocab")
+    if isinstance(model_vocab, dict):
+        vocab.update({k: int(v) for k, v in model_vocab.items() if isinstance(v, int)})
+    for t in tj.get("added_tokens") or []:
+        if isinstance(t, dict) and "content" in t and "id" in t:
+            vocab[t["content"]] = int(t["id"])
+    out: Dict[str, Optional[int]] = {}
+    for key, names in _SPECIAL_NAMES.items():
+        out[key] = next((vocab[n] for n in names if n in vocab), None)
+    return out
+
+
+def _tokenizer_token(path: str, i: Optional[int]) -> Optional[str]:
+    if i is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        tj = json.load(f)
+    for t in tj.get("added_tokens") or []:
+        if isinstance(t, dict) and t.get("id") == i:
+            return t.get("content")
+    for k, v in ((tj.get("model") or {}).get("vocab") or {}).items():
+        if v == i:
+            return k
+    return None
+
+
+def _write_tokenizer(tok_path: str, out_dir: str, special: Mapping[str, Optional[int]], max_len: int) -> list:
+    """Copies tokenizer.json (and tokenizer_config.json / special_tokens_map.json when they sit next to it) into
+    out_dir; writes a tokenizer_config.json naming the special tokens when there is none. Returns the files."""
+    import shutil
+
+    src_dir = os.path.dirname(os.path.abspath(tok_path))
+    written = ["tokenizer.json"]
+    shutil.copyfile(tok_path, os.path.join(out_dir, "tokenizer.json"))
+    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+        src = os.path.join(src_dir, extra)
+        if os.path.isfile(src) and os.path.basename(tok_path) == "tokenizer.json":
+            shutil.copyfile(src, os.path.join(out_dir, extra))
+            written.append(extra)
+    if "tokenizer_config.json" not in written:
+        cfg: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(max_len),
+                               "clean_up_tokenization_spaces": False}
+        for key, name in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"), ("pad_token_id", "pad_token")):
+            tok = _tokenizer_token(tok_path, special.get(key))
+            if tok is not None:
+                cfg[name] = tok
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        written.append("tokenizer_config.json")
+    return written
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -372,17 +522,76 @@ def hf_to_megacore(hf_dir: str, out_root: str, step: int = 0) -> str:
     return save_full_checkpoint(out_root, step, tensors, {"config": c, "hf_config": hf_cfg})
 
 
-def megacore_to_hf(ckpt: str, out_dir: str, max_shard_size: int = 5 * 1024 ** 3) -> str:
-    """Writes config.json and model.safetensors (or model-0000k-of-0000n.safetensors + index above
-    ``max_shard_size`` bytes) for the megacore checkpoint at ``ckpt``; returns ``out_dir``."""
-    c = config_from_checkpoint(ckpt)
-    needed = None  # all model tensors; optimizer state is not exported
-    tensors, _ = load_full_checkpoint(ckpt, names=needed)
-    tensors = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+def _model_tensor_names(meta: Mapping[str, Any]) -> list:
+    """The model's parameters among a checkpoint's tensors: optimizer state (``optimizer.*``, also ZeRO's) is not
+    exported."""
+    return [n for n in meta["tensors"] if not n.startswith("optimizer.")]
+
+
+def _strip_vocab_padding(t: Dict[str, np.ndarray], c: Mapping[str, Any]) -> None:
+    vocab = int(c["vocab_size"])
+    for name in ("embedding.weight", "output_layer.weight"):
+        if name in t:
+            a = t[name]
+            if a.shape[0] < vocab:
+                raise MegacoreIOError(f"'{name}' has {a.shape[0]} rows but the model's vocab_size is {vocab}")
+            if a.shape[0] > vocab:  # padding rows (make_vocab_size_divisible_by × TP) are not part of the model
+                t[name] = _keep(np.ascontiguousarray(a[:vocab]), a)
+
+
+def _check_shapes(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> None:
+    """The layer-0 shapes agree with the config (a wrong config would otherwise split tensors silently wrong)."""
+    heads, groups, d, h = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["hidden_size"]
+    f = c["ffn_hidden_size"] * (2 if c["activation"] == "SwiGLU" else 1)
+    want = {"layers.0.self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
+            "layers.0.mlp.linear_fc1.weight": (f, h), "embedding.weight": (c["vocab_size"], h)}
+    for name, shape in want.items():
+        if name in t and tuple(t[name].shape) != shape:
+            raise ConfigError(f"the checkpoint's '{name}' is {list(t[name].shape)} but its model config says "
+                              f"{list(shape)}; the config does not describe these weights")
+
+
+def megacore_to_hf(ckpt: str, out_dir: str, max_shard_size: int = 5 * 1024 ** 3, tokenizer: Optional[str] = None,
+                   log=print) -> str:
+    """Exports the megacore checkpoint at ``ckpt`` (a step directory, or a root such as a run's ``checkpoints``
+    folder: its ``latest``) as a Hugging Face model directory ``out_dir``: config.json and
+    generation_config.json as transformers >= 5 writes them, model.safetensors (or model-0000k-of-0000n
+    .safetensors + index above ``max_shard_size`` bytes) and, when the run used a ``tokenizer.json``, the
+    tokenizer files. Works for checkpoints of ``megacore train`` (model from the stored recipe) and of the
+    conversion tools (the "config" blob). ``tokenizer``: "byte" or a tokenizer.json path, overriding the
+    recipe's ``data.tokenizer``. Vocabulary padding rows are dropped. Returns ``out_dir``."""
+    from .checkpoint import _metadata
+
+    say = log or (lambda *_: None)
+    d, blobs = _checkpoint_blobs(ckpt)
+    c = dict(config_from_checkpoint(d))
+    recipe = _blob(blobs["recipe"]) if "recipe" in blobs else {}
+    tok_spec = tokenizer if tokenizer is not None else (recipe.get("data") or {}).get("tokenizer")
+    meta = _metadata(d)
+    tensors, _ = load_full_checkpoint(d, names=_model_tensor_names(meta))
+    emb = tensors.get("embedding.weight")
+    if emb is not None:  # the stored weights' dtype is what is exported
+        c["params_dtype"] = _PARAMS_DTYPE.get(dtype_name(emb), c.get("params_dtype", "f32"))
+    _strip_vocab_padding(tensors, c)
+    _check_shapes(tensors, c)
     hf = megacore_state_to_hf(tensors, c)
+
+    special: Dict[str, Optional[int]] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    tok_path = None
+    if tok_spec == "byte":
+        special = dict(BYTE_SPECIAL)
+    elif tok_spec:
+        tok_path = os.path.join(tok_spec, "tokenizer.json") if os.path.isdir(tok_spec) else tok_spec
+        if not os.path.isfile(tok_path):
+            raise MegacoreIOError(f"the run's tokenizer '{tok_spec}' does not exist here; pass its path with "
+                                  "--tokenizer PATH (tokenizer=...) so the exported model gets its tokenizer files")
+        special = tokenizer_json_special_ids(tok_path)
+
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_to_hf(c), f, indent=2)
+        json.dump(config_to_hf(c, special), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(generation_config_to_hf(special), f, indent=2)
     shards, cur, size = [], {}, 0
     for name, a in hf.items():
         if cur and size + a.nbytes > max_shard_size:
@@ -393,18 +602,32 @@ def megacore_to_hf(ckpt: str, out_dir: str, max_shard_size: int = 5 * 1024 ** 3)
     shards.append(cur)
     if len(shards) == 1:
         write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0], {"format": "pt"})
-        return out_dir
-    weight_map = {}
-    for k, s in enumerate(shards):
-        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(out_dir, fn), s, {"format": "pt"})
-        weight_map.update({n: fn for n in s})
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))}, "weight_map": weight_map},
-                  f, indent=2)
+    else:
+        weight_map = {}
+        for k, sh in enumerate(shards):
+            fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(os.path.join(out_dir, fn), sh, {"format": "pt"})
+            weight_map.update({n: fn for n in sh})
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))}, "weight_map": weight_map},
+                      f, indent=2)
+    say(f"exported {d} (step {meta.get('step')}): {_flavour(c)}, {len(hf)} tensors, {c['params_dtype']}, "
+        f"vocab {c['vocab_size']} -> {out_dir}")
+    if tok_path:
+        files = _write_tokenizer(tok_path, out_dir, special, c["max_position_embeddings"])
+        say(f"tokenizer: copied {tok_path} ({', '.join(files)}); special ids {special}")
+    elif tok_spec == "byte":
+        say("tokenizer: the run used megacore's byte tokenizer, which has no Hugging Face tokenizer file, so none "
+            "is written. Ids 0..255 are the UTF-8 bytes of the text, 256 is <eos> (eos_token_id), 257 <pad> "
+            "(pad_token_id), 258 <bos> (bos_token_id); encode with list(text.encode('utf-8')) and decode with "
+            "bytes(i for i in ids if i < 256).decode('utf-8', 'replace') (megacore.tokenizers.ByteTokenizer)")
+    else:
+        say("tokenizer: the checkpoint names no tokenizer; no tokenizer files are written and the special token ids "
+            "are null (pass --tokenizer PATH to add them)")
     return out_dir
 
 
 __all__ = ["hf_to_megacore", "megacore_to_hf", "fuse_qkv", "split_qkv", "config_from_hf", "config_to_hf",
+           "generation_config_to_hf", "config_from_recipe", "tokenizer_json_special_ids",
            "config_dict", "transformer_config", "config_from_checkpoint", "hf_state_to_megacore",
            "megacore_state_to_hf"]

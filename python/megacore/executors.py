@@ -58,14 +58,16 @@ class LocalExecutor:
         n = recipe.resources.num_gpus_per_node
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
-        cfg = _config_path(recipe)
+        cfg = os.path.abspath(_config_path(recipe))
         cmd = [sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(n)] + (["--cpu"] if self.cpu else []) \
             + ["-m", "megacore.train", "--config", cfg]
+        # The recipe file is written in a dry run too: the printed command reads it, so it works when pasted.
+        os.makedirs(os.path.dirname(cfg) or ".", exist_ok=True)
+        recipe.to_json(cfg)
         if dryrun:
+            print(f"megacore: wrote the recipe to {cfg}; the command below runs it", file=sys.stderr)
             print(" ".join(shlex.quote(c) for c in cmd))
             return 0
-        os.makedirs(os.path.dirname(cfg), exist_ok=True)
-        recipe.to_json(cfg)
         return subprocess.call(cmd, env=dict(os.environ, **{k: str(v) for k, v in self.env.items()}))
 
 

@@ -285,14 +285,18 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     return std::tie(a.data_begin, a.nbytes, a.name) < std::tie(b.data_begin, b.nbytes, b.name);
   });
   int64_t expect = 0;
+  const SafetensorsInfo* prev = nullptr;
   for (const SafetensorsInfo& info : infos_) {
     if (info.data_begin > expect)
       fail(fmt::format("bytes [{}, {}) of the data section belong to no tensor (a hole before '{}')", expect,
                        info.data_begin, info.name));
     if (info.data_begin < expect)
-      fail(fmt::format("tensor '{}' at data_offsets [{}, {}) overlaps the tensor before it (which ends at {})",
-                       info.name, info.data_begin, info.data_begin + info.nbytes, expect));
+      fail(fmt::format("tensor '{}' at data_offsets [{}, {}) overlaps tensor '{}' at [{}, {}); each tensor needs "
+                       "bytes of its own (the header is corrupt or aliases one tensor to another)",
+                       info.name, info.data_begin, info.data_begin + info.nbytes, prev->name, prev->data_begin,
+                       prev->data_begin + prev->nbytes));
     expect = info.data_begin + info.nbytes;
+    prev = &info;
   }
   if (expect != data_size_)
     fail(fmt::format("bytes [{}, {}) at the end of the data section belong to no tensor", expect, data_size_));

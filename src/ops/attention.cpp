@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "megacore/build_config.hpp"
+#include "megacore/core/log.hpp"
 #include "megacore/ops/ops_common.hpp"
 #include "ops/attention_tuned.hpp"
 #include "ops/cuda/attention_cuda.hpp"
@@ -219,15 +220,6 @@ void check_lse(const Tensor& lse, const Geometry& g, Device dev, const char* op)
   MC_CHECK(lse.is_contiguous(), "{}: lse must be contiguous", op);
 }
 
-// ---- logging -------------------------------------------------------------------------------------
-void log_once(const std::string& key, const std::string& msg) {
-  static std::mutex mu;
-  static std::set<std::string>* seen = new std::set<std::string>();
-  std::lock_guard<std::mutex> lock(mu);
-  if (!seen->insert(key).second) return;
-  fmt::print(stderr, "[megacore] attention: {}\n", msg);
-}
-
 // ---- CPU path ------------------------------------------------------------------------------------
 std::vector<int32_t> host_ints(const Tensor& t) {
   std::vector<double> d = t.to_double_vector();
@@ -346,12 +338,16 @@ AttentionBackend resolve_cuda(const cuda::AttnProblem& p, AttentionBackend want,
     return AttentionBackend::Cudnn;
   }
   if (cudnn_why.empty()) {
-    log_once("cudnn " + shape_key(p, backward), fmt::format("using cuDNN SDPA for {}", shape_key(p, backward)));
+    // Once per process and at debug level: the choice is the expected one, and with a new shape per generated
+    // token a line per shape (on every rank) would bury the log.
+    log_once(LogLevel::Debug, "attention cudnn", "attention",
+             fmt::format("using cuDNN SDPA (first call: {})", shape_key(p, backward)));
     return AttentionBackend::Cudnn;
   }
   MC_CHECK(flash_why.empty(), "{}: no GPU attention backend can run this call: cuDNN: {}; flash kernel: {}", op,
            cudnn_why, flash_why);
-  log_once("flash " + shape_key(p, backward) + cudnn_why,
+  // A fallback is worth saying (once per reason, not per shape).
+  log_once(LogLevel::Info, "attention flash " + cudnn_why, "attention",
            fmt::format("using megacore's flash kernel for {} (cuDNN SDPA unavailable: {})", shape_key(p, backward),
                        cudnn_why));
   return AttentionBackend::Flash;

@@ -94,3 +94,102 @@ def test_corruption_is_an_ioerror(tmp_path, world):
     open(shard, "wb").write(bytes(raw[:100]))
     with pytest.raises(mc.IOError):
         ck.load(world, str(tmp_path), [("x", mc.from_numpy(out), [64], [0])])
+
+
+# ----------------------------------------------------------------------------- the one safetensors reader
+
+def _raw_safetensors(path, header, data_len, header_bytes=None):
+    """A safetensors file with a hand-written header (entries may lie) and data_len bytes of data."""
+    import struct
+
+    text = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + bytes(range(256)) * (data_len // 256) + bytes(data_len % 256))
+    return str(path)
+
+
+def _f32(begin, end, shape):
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize("header,data_len,match", [
+    ({"q": _f32(0, 16, [4]), "k": _f32(0, 16, [4])}, 16, "overlaps"),                 # k aliases q
+    ({"q": _f32(0, 16, [4]), "k": _f32(8, 24, [4])}, 24, "overlaps"),                 # partial overlap
+    ({"q": _f32(0, 16, [4]), "k": _f32(32, 48, [4])}, 48, "belong to no tensor"),     # a hole
+    ({"q": _f32(0, 16, [4])}, 24, "belong to no tensor"),                              # trailing bytes
+    ({"q": _f32(0, 16, [2, 3])}, 16, "needs 24 bytes"),                                # shape vs size
+    ({"q": _f32(0, 32, [4])}, 16, "outside the 16-byte data section"),                 # past the end
+    ({"q": {"dtype": "F32", "shape": [4]}}, 16, "no 'data_offsets'"),
+])
+def test_safetensors_reader_rejects_inconsistent_headers(tmp_path, header, data_len, match):
+    path = _raw_safetensors(tmp_path / "bad.safetensors", header, data_len)
+    with pytest.raises(mc.IOError, match=match) as e:
+        ck.SafetensorsReader(path)
+    assert "bad.safetensors" in str(e.value)
+    if "q" in str(e.value) or "k" in str(e.value):
+        assert "'q'" in str(e.value) or "'k'" in str(e.value)  # the tensor is named
+    with pytest.raises(mc.IOError):
+        ck.read_safetensors(path)
+
+
+def test_safetensors_reader_rejects_truncated_and_non_json_files(tmp_path):
+    import struct
+
+    p = tmp_path / "long.safetensors"
+    p.write_bytes(struct.pack("<Q", 1000) + b"{}")
+    with pytest.raises(mc.IOError, match="header length 1000 runs past the end") as e:
+        ck.SafetensorsReader(str(p))
+    assert "long.safetensors" in str(e.value)
+    path = _raw_safetensors(tmp_path / "nj.safetensors", None, 0, header_bytes=b"not json at all")
+    with pytest.raises(mc.IOError, match="not valid JSON") as e:
+        ck.SafetensorsReader(path)
+    assert "nj.safetensors" in str(e.value)
+    (tmp_path / "short.safetensors").write_bytes(b"abc")
+    with pytest.raises(mc.IOError, match="too short"):
+        ck.SafetensorsReader(str(tmp_path / "short.safetensors"))
+
+
+def test_safetensors_reader_views_the_file_and_matches_the_writer(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = ck.BF16Array.from_float32(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
+    ck.write_safetensors(str(tmp_path / "ok.safetensors"), {"x": x, "b": b, "e": np.zeros((0, 4), np.float32)},
+                         {"k": "v"})
+    r = ck.SafetensorsReader(str(tmp_path / "ok.safetensors"))
+    assert r.names() == ["x", "b", "e"] and r.metadata == {"k": "v"}
+    got = r.get("x")
+    assert np.array_equal(got, x) and not got.flags.writeable and not got.flags.owndata  # a view of the mapping
+    assert isinstance(r.get("b"), ck.BF16Array) and np.array_equal(r.get("b"), b)
+    assert r.get("e").shape == (0, 4)
+    with pytest.raises(mc.IOError, match="no tensor 'nope'"):
+        r.get("nope")
+
+
+def test_convert_refuses_a_checkpoint_whose_k_proj_aliases_q_proj(tmp_path, capsys):
+    """A Hugging Face file whose k_proj entry points at q_proj's bytes is refused (exit 1, file and tensor named)."""
+    from megacore import cli
+
+    h, heads = 8, 2
+    names = {"model.embed_tokens.weight": [10, h], "model.norm.weight": [h], "lm_head.weight": [10, h],
+             "model.layers.0.input_layernorm.weight": [h], "model.layers.0.post_attention_layernorm.weight": [h],
+             "model.layers.0.self_attn.q_proj.weight": [h, h], "model.layers.0.self_attn.k_proj.weight": [h, h],
+             "model.layers.0.self_attn.v_proj.weight": [h, h], "model.layers.0.self_attn.o_proj.weight": [h, h],
+             "model.layers.0.mlp.gate_proj.weight": [16, h], "model.layers.0.mlp.up_proj.weight": [16, h],
+             "model.layers.0.mlp.down_proj.weight": [h, 16]}
+    header, off = {}, 0
+    for n, shape in names.items():
+        nbytes = 4 * int(np.prod(shape))
+        if n.endswith("k_proj.weight"):
+            header[n] = _f32(*header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"], shape)
+            continue
+        header[n] = _f32(off, off + nbytes, shape)
+        off += nbytes
+    d = tmp_path / "hf"
+    d.mkdir()
+    _raw_safetensors(d / "model.safetensors", header, off)
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": h, "intermediate_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "vocab_size": 10, "tie_word_embeddings": False}))
+    assert cli.main(["convert", "hf-to-megacore", str(d), str(tmp_path / "mc")]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "k_proj" in err and "overlaps" in err

@@ -1,4 +1,5 @@
-"""`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front."""
+"""`megacore plan`: the layout, counts and memory estimate of a model and layout, validated up front;
+`megacore --version`."""
 
 import pytest
 import megacore as mc
@@ -60,3 +61,43 @@ def test_plan_refuses_bad_layouts_with_the_fix(capsys):
     assert cli.main(["plan", "--model", "nope", "--world-size", "1"]) == 1
     assert "unknown model preset 'nope'" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny_llama", "--world-size", "2", "--sequence-parallel"]) == 1
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megacore {mc.__version__}"
+
+
+def test_log_level_from_python():
+    before = mc.log_level()
+    assert before in ("debug", "info", "warning", "error", "off")
+    try:
+        mc.set_log_level("debug")
+        assert mc.log_level() == "debug"
+        mc.set_log_level("WARNING")
+        assert mc.log_level() == "warning"
+        with pytest.raises(mc.ValueError, match="not one of debug, info, warning, error, off"):
+            mc.set_log_level("loud")
+    finally:
+        mc.set_log_level(before)
+
+
+def test_log_level_comes_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "import megacore as mc; print(mc.log_level())"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for value, want in (("debug", "debug"), ("error", "error"), (None, "info")):
+        e = dict(env)
+        e.pop("MEGACORE_LOG_LEVEL", None)
+        if value:
+            e["MEGACORE_LOG_LEVEL"] = value
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+    e = dict(env, MEGACORE_LOG_LEVEL="chatty")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    assert r.stdout.strip() == "info" and "MEGACORE_LOG_LEVEL='chatty' is not one of" in r.stderr

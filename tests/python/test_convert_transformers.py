@@ -3,6 +3,8 @@
 1. Export: a megacore model (tiny Llama with GQA and llama3 RoPE scaling, untied; tiny GPT-2, tied) with
    randomised parameters (norms and biases included) is saved as a megacore checkpoint, exported with
    megacore_to_hf, loaded with transformers' AutoModelForCausalLM, and both give the same logits.
+   A checkpoint written by `megacore train` (tiny recipe on CPU ranks, needs MPI) exports through the CLI and
+   gives the same logits in LlamaForCausalLM.
 2. Import: a tiny LlamaForCausalLM initialised by transformers (GQA, llama3 scaling, tied and untied) is
    written with save_pretrained (safetensors), imported with hf_to_megacore, loaded into a megacore
    GPTModel through the C++ resharding loader, and gives transformers' logits.
@@ -22,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import megacore as mc  # noqa: E402
 from megacore import checkpoint as ck  # noqa: E402
-from megacore import convert, model  # noqa: E402
+from megacore import cli, convert, model  # noqa: E402
 
 TOL = 1e-4
 
@@ -111,4 +113,30 @@ def test_transformers_llama_imports_with_same_logits(tmp_path, world, tied):
         targets.append((name, data, shape, [0] * len(shape)))
     ck.load(None, str(tmp_path / "mc"), targets)
     tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int64)
+    _close(megacore_logits(m, cfg, tokens), hf_logits(hf, tokens))
+
+
+@pytest.mark.skipif(not mc.comm.mpi_available(), reason="built without MPI (the trainer runs on CPU ranks)")
+def test_trained_checkpoint_exports_to_transformers_with_same_logits(tmp_path, world):
+    """What `megacore train` writes (tiny recipe, TP = 2 on CPU ranks, a few steps) exported with
+    `megacore convert megacore-to-hf ROOT OUT` loads in LlamaForCausalLM and gives megacore's logits (f32)."""
+    from test_convert_trained import train_tiny
+
+    r = train_tiny(tmp_path, steps=3, save_interval=0)
+    root = r.checkpoint.save_dir
+    out = str(tmp_path / "hf")
+    assert cli.main(["convert", "megacore-to-hf", root, out]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
+    assert hf.config.vocab_size == 259 and hf.config.num_key_value_heads == r.model.num_query_groups
+    assert hf.config.eos_token_id == 256 and hf.generation_config.eos_token_id == 256
+    cfg = convert.transformer_config(convert.config_from_checkpoint(root))
+    m = model.GPTModel(cfg, world)
+    targets = []
+    for name, (data, _) in m.parameters().items():
+        shape = list(data.shape)
+        if name in ("embedding.weight", "output_layer.weight"):
+            shape[0] = cfg.vocab_size
+        targets.append((name, data, shape, [0] * len(shape)))
+    ck.load(None, root, targets)
+    tokens = np.random.default_rng(2).integers(0, 259, size=(2, 16)).astype(np.int64)
     _close(megacore_logits(m, cfg, tokens), hf_logits(hf, tokens))

@@ -36,12 +36,12 @@ def test_preprocess_cli_round_trip(tmp_path, capsys):
     assert main(["preprocess", "--input", inp, "--output-prefix", out, "--tokenizer", "byte"]) == 0
     line = capsys.readouterr().out
     assert "300 documents" in line and "tokens/s" in line
-    ds = D.IndexedDataset(out)
+    ds = D.IndexedDataset(out + "_text_document")
     assert ds.num_documents == 300 and ds.dtype == "u16"
     for i in (0, 17, 299):
         assert ByteTokenizer().decode(ds[i]) == docs[i]
         assert ds[i][-1] == ByteTokenizer.eos_id
-    assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
 
 
 def test_preprocess_workers_give_identical_files(tmp_path):
@@ -130,3 +130,67 @@ def test_tokenizer_errors(tmp_path):
         f.write_text("{}")
         with pytest.raises(mc.ConfigError, match="pip install tokenizers"):
             load_tokenizer(str(f))
+
+
+def test_preprocess_megatron_flags_write_one_dataset_per_key(tmp_path, capsys):
+    rows = [{"text": f"body {i} " * (1 + i % 5), "title": f"title {i}", "id": i} for i in range(40)]
+    inp = _jsonl(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "out" / "wiki")
+    assert main(["preprocess", "--input", inp, "--output-prefix", out, "--json-keys", "text", "title",
+                 "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "wiki_text_document.bin/.idx" in printed and "wiki_title_document.bin/.idx" in printed
+    assert sorted(os.listdir(tmp_path / "out")) == ["wiki_text_document.bin", "wiki_text_document.idx",
+                                                    "wiki_title_document.bin", "wiki_title_document.idx"]
+    text, title = D.IndexedDataset(out + "_text_document"), D.IndexedDataset(out + "_title_document")
+    assert text.num_documents == title.num_documents == 40
+    for i in (0, 13, 39):  # document i of every output comes from line i
+        assert ByteTokenizer().decode(text[i]) == rows[i]["text"] and text[i][-1] == ByteTokenizer.eos_id
+        assert ByteTokenizer().decode(title[i]) == rows[i]["title"] and title[i][-1] == ByteTokenizer.eos_id
+    # The old single-key flags still work (and name the output the same way).
+    assert main(["preprocess", "--input", inp, "--output-prefix", str(tmp_path / "old"), "--json-key", "title",
+                 "--tokenizer", "byte", "--no-append-eod"]) == 0
+    old = D.IndexedDataset(str(tmp_path / "old_title_document"))
+    assert ByteTokenizer().decode(old[3]) == rows[3]["title"] and old[3][-1] != ByteTokenizer.eos_id
+
+
+def test_preprocess_tokenizer_types(tmp_path, capsys):
+    inp = _jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    out = str(tmp_path / "o")
+    assert main(["preprocess", "--input", inp, "--output-prefix", out, "--tokenizer-type",
+                 "SentencePieceTokenizer"]) == 1
+    err = capsys.readouterr().err
+    assert "'SentencePieceTokenizer' is not supported" in err
+    for valid in ("HuggingFaceTokenizer", "GPT2BPETokenizer", "ByteTokenizer"):
+        assert valid in err
+    for t in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        assert main(["preprocess", "--input", inp, "--output-prefix", out, "--tokenizer-type", t]) == 1
+        assert "needs --tokenizer-model" in capsys.readouterr().err
+        assert main(["preprocess", "--input", inp, "--output-prefix", out, "--tokenizer-type", t,
+                     "--tokenizer-model", str(tmp_path / "missing.json")]) == 1
+        assert "does not exist" in capsys.readouterr().err
+    assert main(["preprocess", "--input", inp, "--output-prefix", out, "--tokenizer-type", "GPT2BPETokenizer",
+                 "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]) == 1
+    assert "save the tokenizer as one tokenizer.json" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]
+
+
+def test_preprocess_wrong_type_is_not_a_missing_field(tmp_path, capsys):
+    inp = _jsonl(tmp_path / "d.jsonl", [{"text": "ok", "title": "t"}, {"text": "fine", "title": 42}])
+    out = str(tmp_path / "new" / "deeper" / "o")
+    assert main(["preprocess", "--input", inp, "--output-prefix", out, "--json-keys", "text", "title"]) == 1
+    err = capsys.readouterr().err
+    assert "d.jsonl:2: key 'title' holds a number (42), not a string" in err
+    assert "missing" not in err
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]  # no output folder, nothing partial
+    s = D.preprocess(inp, out, json_keys=["text", "title"], on_error="skip", log=False)
+    assert s["skipped"] == {"wrong type": 1} and s["documents"] == 1
+    assert D.IndexedDataset(out + "_title_document").num_documents == 1
+
+
+def test_failed_run_leaves_no_folder_even_after_documents_were_written(tmp_path):
+    rows = [{"text": f"doc {i}"} for i in range(600)] + ['{"text": 1.5}']  # fails in the third chunk
+    inp = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(mc.ValueError, match="d.jsonl:601: key 'text' holds a number"):
+        D.preprocess(inp, str(tmp_path / "a" / "b" / "o"), json_keys=["text"], log=False)
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]

@@ -2,6 +2,7 @@
 field by field (the manifest against the PyTorchJob v1 schema's required structure)."""
 
 import json
+import os
 
 import pytest
 
@@ -81,9 +82,11 @@ def test_kubernetes_dry_run_prints_yaml(capsys):
     assert set(docs[1]["spec"]["pytorchReplicaSpecs"]) == {"Master"}  # one node: no workers
 
 
-def test_local_dry_run_command(capsys):
+def test_local_dry_run_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     r = recipes.tiny.pretrain_recipe()
     assert executors.LocalExecutor(nproc_per_node=4, cpu=True).launch(r, dryrun=True) == 0
     out = capsys.readouterr().out
-    assert "-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config runs/tiny_pretrain/logs/recipe.json" \
-        in out
+    cfg = os.path.join(str(tmp_path), "runs/tiny_pretrain/logs/recipe.json")
+    assert f"-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config {cfg}" in out
+    assert os.path.isfile(cfg)  # the command reads it: a dry run writes it

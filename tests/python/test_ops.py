@@ -153,3 +153,31 @@ def test_cudnn_attention_switch_from_python():
         want = np.broadcast_to(np.log(np.arange(1, 65, dtype=np.float64)), (2, 64)).ravel()
         np.testing.assert_allclose(lse.tolist_flat(), want, rtol=1e-5, atol=1e-5)
         assert not np.any(out.tolist_flat())
+
+
+@pytest.mark.gpu
+def test_cudnn_choice_is_logged_once_per_process_at_debug_level():
+    """Sampling runs attention at a new length per generated token: the cuDNN choice is one debug line per
+    process, not one line per shape (and none at the default level)."""
+    import os
+    import subprocess
+    import sys
+
+    if not mc.ops.attention_cudnn_available():
+        pytest.skip("built without cuDNN SDPA")
+    code = """
+import megacore as mc
+for s in range(60, 72):
+    q = mc.zeros((1, s, 2, 128), dtype="bf16", device="cuda:0")
+    out = mc.zeros((1, s, 2, 128), dtype="bf16", device="cuda:0")
+    lse = mc.zeros((1, 2, s), device="cuda:0")
+    mc.ops.attention_forward(q, q, q, out, lse, causal=True)
+mc.synchronize("cuda:0")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("MEGACORE_LOG_LEVEL", None)
+    for level, lines in ((None, 0), ("debug", 1)):
+        e = dict(env, **({"MEGACORE_LOG_LEVEL": level} if level else {}))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("using cuDNN SDPA") == lines, r.stderr

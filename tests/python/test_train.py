@@ -157,9 +157,15 @@ def test_bad_recipes_fail_before_any_rank_starts(capsys):
     assert "unknown recipe 'nope'" in capsys.readouterr().err
 
 
-def test_train_dry_runs_and_saved_config(tmp_path, capsys):
+def test_train_dry_runs_and_saved_config(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--recipe", "tiny", "--cpu", "--dryrun"]) == 0
-    assert "-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config" in out.out
+    # The printed command reads a recipe file: the dry run writes it (and says so).
+    cfg = out.out.split()[-1]
+    assert os.path.isabs(cfg) and os.path.isfile(cfg) and f"wrote the recipe to {cfg}" in out.err
+    assert recipes.Recipe.from_file(cfg).to_json() == recipes.get("tiny").to_json()
     assert cli.main(["train", "--recipe", "llama32_1b", "--nodes", "2", "--nproc-per-node", "8", "--executor", "slurm",
                      "--dryrun"]) == 0
     assert "#SBATCH --nodes=2" in capsys.readouterr().out
@@ -275,3 +281,17 @@ def test_packed_sft_trains_with_boundaries_and_layouts_agree(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (tp_pp, dp)
     print("packed SFT losses TP2xPP2:", tp_pp, "DP4:", dp)
     assert min(tp_pp[2:]) < tp_pp[0] - 0.5, tp_pp
+
+
+@needs_mpi
+def test_the_dry_run_command_runs_when_pasted(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    sets = ["trainer.max_steps=2", "trainer.generate_tokens=0", "trainer.val_check_interval=0", "optim.lr_warmup_iters=1",
+            "resources.num_gpus_per_node=2", "parallel.pp=1"]
+    assert cli.main(["train", "--recipe", "tiny", "--cpu", "--dryrun"] + [a for s in sets for a in ("--set", s)]) == 0
+    cmd = capsys.readouterr().out.strip().splitlines()[-1]
+    p = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "step 2/2 | loss" in p.stdout
