@@ -38,7 +38,11 @@ install() {
   have_all || die_env "Slurm's packages installed but slurmctld/slurmd/sbatch/munged are still not on PATH"
 }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Two distinct free TCP ports (both bound at once, so they differ).
+free_ports() {
+  python3 -c 'import socket; s = [socket.socket() for _ in range(2)]; [x.bind(("127.0.0.1", 0)) for x in s]
+print(*[x.getsockname()[1] for x in s])'
+}
 
 # Waits up to $1 seconds for the command in the other arguments to succeed.
 wait_for() {
@@ -72,12 +76,14 @@ start() {
   local hw
   hw=$(slurmd -C 2>/dev/null | head -n 1 | sed -E 's/^NodeName=[^ ]+ //')
   [ -n "$hw" ] || die_env "slurmd -C printed nothing (cannot read this machine's hardware)"
+  local ports
+  read -r -a ports <<<"$(free_ports)"
   cat >"$dir/slurm.conf" <<EOF
 # One-node test cluster written by megacore's scripts/slurm_local.sh (Slurm $(slurmd -V | awk '{print $2}')).
 ClusterName=megacore-local
 SlurmctldHost=localhost
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=${ports[0]}
+SlurmdPort=${ports[1]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
