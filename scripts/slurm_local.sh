@@ -61,7 +61,7 @@ start() {
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   mkdir -p "$dir/munge" "$dir/state" "$dir/spool"
-  chmod 700 "$dir/munge"
+  chmod 755 "$dir/munge"  # clients need to reach the socket; munged refuses a dir others can write to
 
   # munged insists on a private key file and a socket directory that others cannot write to.
   head -c 1024 /dev/urandom >"$dir/munge/munge.key"

@@ -43,7 +43,7 @@ def slurm(tmp_path_factory):
         pytest.skip(f"Slurm cannot be installed here: {p.stderr.strip()}")
     assert p.returncode == 0, f"slurm_local.sh install failed (a bug in the script): {p.stderr}"
     installed = time.monotonic()
-    # Short: the munge socket's path must fit a sockaddr_un (108 bytes).
+    # The munge socket's path (d/munge/munge.socket) must fit in 108 bytes: pytest's base temp dir is short.
     d = tmp_path_factory.mktemp("slurm")
     p = _sh("start", str(d), timeout=120)
     try:
