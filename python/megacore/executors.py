@@ -3,7 +3,8 @@
 * ``LocalExecutor(nproc_per_node=N)``: starts the ranks on this machine through ``megacore.launch`` (GPU ranks,
   or CPU ranks through mpirun when there is no GPU).
 * ``SlurmExecutor(...)``: writes an sbatch script (one task per GPU, srun sets the rank environment that
-  ``megacore.comm.init_from_env`` reads) and submits it; ``dryrun=True`` only prints it.
+  ``megacore.comm.init_from_env`` reads; ``cpu=True``: CPU ranks joined by MPI through ``srun --mpi=pmix``) and
+  submits it; ``dryrun=True`` only prints it.
 * ``KubernetesExecutor(...)``: renders a Kubeflow ``PyTorchJob`` (master + workers, one pod per node, GPU limits,
   NCCL environment, a memory-backed /dev/shm) and applies it with kubectl; ``dryrun=True`` only prints it.
 
@@ -23,6 +24,10 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+
+
+#: A launcher's per-process variables (torchrun, megacore.launch); see megacore.comm.init_from_env.
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
 
 def _entry(config_path: str) -> list[str]:
@@ -73,7 +78,24 @@ class LocalExecutor:
 
 @dataclass
 class SlurmExecutor:
-    """An sbatch job of ``nodes`` × ``gpus_per_node`` tasks (taken from the recipe's resources when 0)."""
+    """An sbatch job of ``nodes`` × ``gpus_per_node`` tasks (taken from the recipe's resources when 0), one rank per
+    task, started by ``srun`` inside the allocation.
+
+    GPU ranks (the default) get ``--gpus-per-node`` and bootstrap NCCL through MASTER_ADDR/MASTER_PORT (the first
+    node of the allocation, a port derived from the job id); ``cpu=True`` runs CPU ranks instead: no GPUs are asked
+    for, the recipe's ``trainer.device`` becomes ``cpu`` and srun starts the ranks with ``--mpi=pmix`` so that each
+    one joins MPI_COMM_WORLD through Slurm's PMIx server (Open MPI built with PMIx, as Debian's and most sites' are).
+
+    The job runs with the submitting shell's environment (sbatch exports it by default): the python that runs
+    ``megacore.train`` on the nodes is ``python`` (default: this interpreter, ``sys.executable``, or ``python``
+    inside a container) and must import megacore there: an installed package, or PYTHONPATH passed through
+    ``env``. ``job_dir`` (default: the recipe's ``logging.log_dir``) must be on a filesystem every node sees.
+
+    Preemption and time limits: the script asks for no ``--signal``, because ``megacore.train`` does not trap one;
+    at the time limit Slurm sends SIGTERM, then SIGKILL after KillWait, and the steps since the last checkpoint
+    are lost. Bound a job by ``trainer.stop_after_steps`` (it saves when it stops) with ``checkpoint.save_interval``
+    as the safety net; resubmitting the same recipe resumes from the newest checkpoint (``checkpoint.resume =
+    auto``)."""
 
     account: str = ""
     partition: str = ""
@@ -81,51 +103,77 @@ class SlurmExecutor:
     nodes: int = 0
     gpus_per_node: int = 0
     job_name: str = ""
+    #: CPU ranks (MPI through srun --mpi=pmix) instead of one GPU per task.
+    cpu: bool = False
+    #: srun's ``--mpi`` plugin for CPU ranks (``srun --mpi=list`` shows the site's).
+    mpi: str = "pmix"
+    #: The interpreter on the nodes; "" = ``sys.executable`` on the host, ``python`` inside a container.
+    python: str = ""
     #: Container image (pyxis/enroot ``--container-image``); empty runs on the host environment.
     container_image: str = ""
     container_mounts: list = field(default_factory=list)
-    #: Directory shared by all nodes where the recipe and logs are written.
+    #: Directory shared by all nodes where the recipe, the sbatch script and Slurm's output are written.
     job_dir: str = ""
     env: dict = field(default_factory=dict)
     dryrun: bool = False
 
     def _job_dir(self, recipe) -> str:
-        return self.job_dir or os.path.abspath(os.path.join("runs", recipe.name))
+        return os.path.abspath(self.job_dir or os.path.dirname(_config_path(recipe)))
+
+    def _prepare(self, recipe):
+        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
+        if self.cpu:
+            if recipe.trainer.device == "cuda":
+                raise ConfigError("SlurmExecutor(cpu=True) runs CPU ranks, but the recipe sets trainer.device = cuda; "
+                                  "set it to auto or cpu, or drop cpu=True")
+            recipe.trainer.device = "cpu"
+        return recipe
 
     def script(self, recipe) -> str:
-        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
+        recipe = self._prepare(recipe)
         nodes, gpn = recipe.resources.num_nodes, recipe.resources.num_gpus_per_node
         job_dir = self._job_dir(recipe)
         cfg = os.path.join(job_dir, "recipe.json")
         lines = ["#!/bin/bash", f"#SBATCH --job-name={self.job_name or 'megacore-' + recipe.name}",
-                 f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpn}", f"#SBATCH --gpus-per-node={gpn}",
-                 "#SBATCH --exclusive", f"#SBATCH --time={self.time}",
-                 f"#SBATCH --output={job_dir}/slurm-%j.out"]
+                 f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpn}"]
+        if not self.cpu:
+            lines.append(f"#SBATCH --gpus-per-node={gpn}")
+        lines += ["#SBATCH --exclusive", f"#SBATCH --time={self.time}", f"#SBATCH --output={job_dir}/slurm-%j.out"]
         if self.account:
             lines.append(f"#SBATCH --account={self.account}")
         if self.partition:
             lines.append(f"#SBATCH --partition={self.partition}")
-        lines += ["set -euo pipefail", "# Rendezvous: the first node of the allocation; ranks come from SLURM_PROCID.",
-                  'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                  "export MASTER_PORT=${MASTER_PORT:-29500}", "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}"]
+        lines += ["# No --signal: megacore.train does not trap signals. At the time limit the ranks get SIGTERM, then",
+                  "# SIGKILL; bound the job with trainer.stop_after_steps and resubmit (checkpoint.resume=auto).",
+                  "set -euo pipefail"]
+        if self.cpu:
+            lines.append("# CPU ranks: srun starts them as MPI processes (PMIx); each reads its rank from MPI.")
+        else:
+            lines += ["# Rendezvous: the first node of the allocation; ranks come from SLURM_PROCID.",
+                      'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                      "# A port of this job's own, so that jobs sharing a node do not meet on one port.",
+                      "export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
+                      "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}"]
         for k, v in sorted(self.env.items()):
             lines.append(f"export {k}={shlex.quote(str(v))}")
         srun = ["srun", "--kill-on-bad-exit=1", "--cpu-bind=none"]
+        if self.cpu:
+            srun.append(f"--mpi={self.mpi}")
         if self.container_image:
             srun.append(f"--container-image={self.container_image}")
             mounts = list(self.container_mounts) + [f"{job_dir}:{job_dir}"]
             srun.append("--container-mounts=" + ",".join(mounts))
-        lines.append(" ".join(srun + ["python", "-u"] + _entry(cfg)))
+        python = self.python or ("python" if self.container_image else sys.executable)
+        lines.append(" ".join(srun + [shlex.quote(python), "-u"] + [shlex.quote(a) for a in _entry(cfg)]))
         return "\n".join(lines) + "\n"
 
-    def launch(self, recipe, dryrun: bool | None = None) -> int:
-        recipe = _sized(recipe, self.nodes, self.gpus_per_node)
-        for w in recipe.validate(check_paths=not (self.dryrun if dryrun is None else dryrun)):
+    def submit(self, recipe) -> str:
+        """Validates the recipe, writes it, the script (job.sbatch) and submits it; returns Slurm's job id. The
+        job's output goes to ``<job_dir>/slurm-<id>.out``."""
+        recipe = self._prepare(recipe)
+        for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
         text = self.script(recipe)
-        if self.dryrun if dryrun is None else dryrun:
-            print(text, end="")
-            return 0
         job_dir = self._job_dir(recipe)
         os.makedirs(job_dir, exist_ok=True)
         recipe.to_json(os.path.join(job_dir, "recipe.json"))
@@ -135,7 +183,25 @@ class SlurmExecutor:
         if shutil.which("sbatch") is None:
             raise ConfigError(f"sbatch is not on PATH; the script is at {path} (submit it from a Slurm login node) "
                               "or use dryrun=True")
-        return subprocess.call(["sbatch", path])
+        # The job inherits this environment (sbatch --export=ALL); a submitting process that is itself a rank (an
+        # MPI singleton, a torchrun worker) must not hand its identity to the job's ranks, which read theirs first.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OMPI_", "PMIX_", "PMI_", "TORCHELASTIC_")) and k not in _RANK_VARS}
+        p = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            raise ConfigError(f"sbatch {path} failed ({p.returncode}): {p.stderr.strip() or p.stdout.strip()}")
+        return p.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+
+    def launch(self, recipe, dryrun: bool | None = None) -> int:
+        if self.dryrun if dryrun is None else dryrun:
+            recipe = self._prepare(recipe)
+            for w in recipe.validate(check_paths=False):
+                print(f"megacore: warning: {w}", file=sys.stderr)
+            print(self.script(recipe), end="")
+            return 0
+        job = self.submit(recipe)
+        print(f"Submitted batch job {job} (output: {self._job_dir(recipe)}/slurm-{job}.out)")
+        return 0
 
 
 @dataclass

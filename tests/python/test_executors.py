@@ -90,3 +90,40 @@ def test_local_dry_run_command(capsys, tmp_path, monkeypatch):
     cfg = os.path.join(str(tmp_path), "runs/tiny_pretrain/logs/recipe.json")
     assert f"-m megacore.launch --nproc-per-node 4 --cpu -m megacore.train --config {cfg}" in out
     assert os.path.isfile(cfg)  # the command reads it: a dry run writes it
+
+
+def test_slurm_cpu_ranks_script():
+    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=2)
+    s = executors.SlurmExecutor(cpu=True, job_dir="/shared/cpu").script(r)
+    assert "#SBATCH --ntasks-per-node=2" in s and "--gpus-per-node" not in s and "MASTER_ADDR" not in s
+    (srun,) = [line for line in s.splitlines() if line.startswith("srun ")]
+    assert "--mpi=pmix" in srun and "--container" not in srun
+    assert srun.endswith(" -u -m megacore.train --config /shared/cpu/recipe.json")
+    r.trainer.device = "cuda"
+    with pytest.raises(ConfigError, match="trainer.device = cuda"):
+        executors.SlurmExecutor(cpu=True).script(r)
+
+
+def test_slurm_submit_writes_the_job_and_strips_rank_variables(tmp_path, monkeypatch):
+    """submit() writes recipe.json and job.sbatch to the job dir (default: the recipe's log_dir) and calls sbatch
+    without the submitting process's own rank variables (an MPI singleton's or a torchrun worker's), which the job's
+    ranks would otherwise read before Slurm's."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "sbatch"
+    fake.write_text('#!/bin/sh\nenv > "$(dirname "$0")/env.txt"\necho "$@" > "$(dirname "$0")/args.txt"\necho 42\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    for k, v in {"OMPI_COMM_WORLD_SIZE": "1", "PMIX_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "KEEP_ME": "1"}.items():
+        monkeypatch.setenv(k, v)
+    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=2, dir=str(tmp_path / "run"))
+    r.parallel.pipeline_model_parallel_size = 1
+    ex = executors.SlurmExecutor(cpu=True)
+    assert ex.submit(r) == "42"
+    job_dir = tmp_path / "run" / "logs"
+    assert (bindir / "args.txt").read_text().split() == ["--parsable", str(job_dir / "job.sbatch")]
+    assert (job_dir / "job.sbatch").read_text() == ex.script(r)
+    assert json.loads((job_dir / "recipe.json").read_text())["trainer"]["device"] == "cpu"
+    env = dict(line.split("=", 1) for line in (bindir / "env.txt").read_text().splitlines() if "=" in line)
+    assert "KEEP_ME" in env
+    assert not {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "RANK", "WORLD_SIZE"} & set(env)
