@@ -439,8 +439,11 @@ struct TcpStore::Impl {
           Client& c = clients[i];
           std::string why;
           try {
-            why = service(c, pfds[i + 2].revents, buf.data(), buf.size());
-            if (why.empty() && c.fd.get() >= 0) why = overdue(c, t);
+            // Only clients with news or pending work are serviced: with thousands of ranks polling, one
+            // request must not cost a pass over every idle connection's buffers.
+            const short ev = pfds[i + 2].revents;
+            if (ev || !c.out.empty() || c.in.size() >= kHeader) why = service(c, ev, buf.data(), buf.size());
+            if (why.empty() && c.fd.get() >= 0 && (!c.authed || !c.in.empty() || !c.out.empty())) why = overdue(c, t);
           } catch (const std::bad_alloc&) {
             why = "rank 0 ran out of memory serving it";
           } catch (const std::exception& e) {
