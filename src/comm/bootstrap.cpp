@@ -134,11 +134,13 @@ StoreConfig store_config(const LaunchEnv& e) {
   return c;
 }
 
-std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::milliseconds timeout) {
+std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::milliseconds timeout,
+                                     std::vector<std::pair<std::string, std::string>> preset) {
   StoreConfig c = store_config(e);
   TcpStoreOptions o;
   o.token = c.token;
   o.timeout = timeout;
+  o.preset = std::move(preset);
   if (e.rank == 0) {
     // A hostname that resolves to loopback on rank 0 (Debian's 127.0.1.1 entry) is reachable only from
     // here; say so, since the other nodes' ranks will fail at their connect timeout. Not an error: a
@@ -262,14 +264,17 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
               "init_from_env(cuda): {} ranks started by the {} need MASTER_ADDR and MASTER_PORT (rank 0's host and a "
               "free port) to exchange the NCCL id; export them, or start the ranks with mpirun",
               e.world_size, launcher_name(e.launcher));
-  auto store = open_store(e, options.timeout);
   NcclUniqueId id{};
-  // Set once by rank 0 (store keys cannot be replaced); a fresh store serves each init_from_env call.
+  // Rank 0's store holds the id before it accepts anyone, and keys cannot be replaced, so no other
+  // process can plant its own id for the ranks to read. A fresh store serves each init_from_env call.
   const std::string key = "megacore/nccl_unique_id/" + options.name;
+  std::vector<std::pair<std::string, std::string>> preset;
   if (e.rank == 0) {
     id = nccl_unique_id();
-    store->set(key, std::string(reinterpret_cast<const char*>(id.data()), id.size()));
-  } else {
+    preset.emplace_back(key, std::string(reinterpret_cast<const char*>(id.data()), id.size()));
+  }
+  auto store = open_store(e, options.timeout, std::move(preset));
+  if (e.rank != 0) {
     std::string v = store->get(key);
     MC_CHECK_AS(CommError, v.size() == id.size(), "the NCCL id from the TCP store has {} bytes, expected {}",
                 v.size(), id.size());

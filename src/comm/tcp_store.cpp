@@ -633,12 +633,16 @@ TcpStore::TcpStore(std::string host, int port, bool is_server, TcpStoreOptions o
   impl_->port = port;
   impl_->server = is_server;
   impl_->opt = std::move(options);
-  if (is_server) impl_->listen_on(port);
+  if (is_server) {
+    for (const auto& [k, v] : impl_->opt.preset) set(k, v);
+    impl_->opt.preset.clear();
+    impl_->listen_on(port);
+  }
   else impl_->connect_to(impl_->host, port);
 }
 
 TcpStore::TcpStore(std::string host, int port, bool is_server, std::chrono::milliseconds timeout)
-    : TcpStore(std::move(host), port, is_server, TcpStoreOptions{.token = {}, .timeout = timeout, .limits = {}}) {}
+    : TcpStore(std::move(host), port, is_server, TcpStoreOptions{.token = {}, .timeout = timeout, .limits = {}, .preset = {}}) {}
 
 TcpStore::~TcpStore() {
   if (impl_->server && impl_->thread.joinable()) {

@@ -54,9 +54,11 @@ struct StoreConfig {
 /// that says how to set it, since an open store lets anyone on the network read or plant the NCCL id.
 StoreConfig store_config(const LaunchEnv& e);
 
-/// Opens this rank's end of the store: the server on rank 0, a client (connected, token presented)
-/// on the others. Blocking steps end within `timeout` with a CommError.
-std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::milliseconds timeout);
+/// Opens this rank's end of the store: the server on rank 0, holding `preset` before it accepts anyone,
+/// a client (connected, token presented) on the others. Blocking steps end within `timeout` with a
+/// CommError.
+std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::milliseconds timeout,
+                                     std::vector<std::pair<std::string, std::string>> preset = {});
 
 /// The world communicator of this job.
 /// - device_kind CPU: MPI over MPI_COMM_WORLD (ConfigError naming the fix without MPI or mpirun).

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace megacore::comm {
@@ -42,6 +43,9 @@ struct TcpStoreOptions {
   /// Every blocking call (connect, get, wait) ends within this with a CommError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   TcpStoreLimits limits;
+  /// Server: keys stored before it accepts its first connection, so no client can race to set them
+  /// first (rank 0 presets the NCCL id this way).
+  std::vector<std::pair<std::string, std::string>> preset;
 };
 
 /// What the server holds now, for logs and tests (server only; zeros on a client).

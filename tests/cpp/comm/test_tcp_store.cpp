@@ -625,14 +625,18 @@ TEST_CASE("tcp store: the bootstrap's id exchange, ranks as threads", "[comm][st
   for (int r = kWorld - 1; r >= 0; --r) {  // clients first: they wait for rank 0's server
     ranks.emplace_back([&, r] {
       try {
-        auto store = open_store(launch(r), 10s);
         const std::string key = "megacore/nccl_unique_id/world";
+        // As init_from_env does: rank 0's store holds the id before it accepts anyone.
+        auto store = r == 0 ? open_store(launch(r), 10s, {{key, id}}) : open_store(launch(r), 10s);
         if (r == 0) {
-          store->set(key, id);
           // The id's readers are done before the store closes (NCCL init waits for them in init_from_env).
           while (read.load() < kWorld - 1) std::this_thread::sleep_for(1ms);
           got[0] = id;
         } else {
+          std::string v;
+          // Present from the first moment, and nobody can replace it.
+          if (!store->try_get(key, v)) errors[r] = "the id was not there at connect";
+          if (!has(error_of([&] { store->set(key, "planted"); }), "already set")) errors[r] = "the id was replaced";
           got[r] = store->get(key);
           ++read;
         }
