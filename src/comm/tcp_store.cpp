@@ -19,9 +19,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <new>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -84,6 +86,56 @@ std::string peer_name(const sockaddr_storage& sa) {
     port = ntohs(a->sin6_port);
   }
   return fmt::format("{}:{}", host, port);
+}
+
+bool is_loopback(const sockaddr_storage& sa) {
+  if (sa.ss_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(&sa)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (sa.ss_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+// The uid that owns the socket at `peer` connected to `self` (both ends on this machine), read from
+// /proc/net/tcp{,6} as the kernel prints them; -1 when it is not found.
+long socket_owner(const sockaddr_storage& peer, const sockaddr_storage& self) {
+  auto endpoint = [](const sockaddr_storage& sa) {
+    std::string s;
+    uint16_t port = 0;
+    const uint8_t* bytes = nullptr;
+    int words = 0;
+    if (sa.ss_family == AF_INET) {
+      bytes = reinterpret_cast<const uint8_t*>(&reinterpret_cast<const sockaddr_in*>(&sa)->sin_addr);
+      words = 1;
+      port = ntohs(reinterpret_cast<const sockaddr_in*>(&sa)->sin_port);
+    } else {
+      bytes = reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_addr.s6_addr;
+      words = 4;
+      port = ntohs(reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_port);
+    }
+    // The kernel prints each 32-bit word of the address as the host reads it, then the port.
+    for (int w = 0; w < words; ++w) {
+      uint32_t v;
+      std::memcpy(&v, bytes + 4 * w, 4);
+      s += fmt::format("{:08X}", v);
+    }
+    return s + fmt::format(":{:04X}", port);
+  };
+  if (peer.ss_family != self.ss_family || (peer.ss_family != AF_INET && peer.ss_family != AF_INET6)) return -1;
+  const std::string local = endpoint(peer), remote = endpoint(self);
+  std::ifstream f(peer.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6");
+  std::string line;
+  std::getline(f, line);  // the header
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string slot, l, r, state, queues, timer, retransmits;
+    long uid = -1;
+    if (in >> slot >> l >> r >> state >> queues >> timer >> retransmits >> uid && l == local && r == remote) return uid;
+  }
+  return -1;
 }
 
 class Fd {
@@ -164,6 +216,7 @@ struct TcpStore::Impl {
     Fd fd;
     std::string peer;
     bool authed = false;
+    std::string foreign;   // why a token-less store refuses this peer ("" when it may be served)
     bool closing = false;  // a final reply is queued: close once it is sent
     std::string why;       // the reason logged when a closing client goes
     std::string in, out;
@@ -270,6 +323,10 @@ struct TcpStore::Impl {
           refuse_and_close(c, kDenied,
                            len == 0 ? "this store needs the job's token (MEGACORE_STORE_TOKEN) and none was sent"
                                     : "wrong token: MEGACORE_STORE_TOKEN differs from rank 0's");
+          return "";
+        }
+        if (!c.foreign.empty()) {
+          refuse_and_close(c, kDenied, c.foreign);
           return "";
         }
         c.authed = true;
@@ -392,6 +449,24 @@ struct TcpStore::Impl {
       c.fd = std::move(owned);
       c.peer = std::move(peer);
       c.accepted = c.in_since = c.out_since = now;
+      // Without a token, the store's only guard against other users of this machine is who owns the
+      // connecting socket: serve processes of rank 0's own user only. (A peer on another machine cannot
+      // be checked; comm::store_config never listens beyond loopback without a token.)
+      if (opt.token.empty() && is_loopback(sa)) {
+        sockaddr_storage self{};
+        socklen_t len = sizeof(self);
+        ::getsockname(c.fd.get(), reinterpret_cast<sockaddr*>(&self), &len);
+        const long owner = socket_owner(sa, self), me = long(::geteuid());
+        if (owner != me) {
+          c.foreign = owner < 0 ? fmt::format("without a token this store serves only processes of its own user (uid "
+                                              "{}), and the owner of this connection was not found; set "
+                                              "MEGACORE_STORE_TOKEN on every rank",
+                                              me)
+                                : fmt::format("without a token this store serves only processes of its own user (uid "
+                                              "{}), not uid {}; set MEGACORE_STORE_TOKEN on every rank",
+                                              me, owner);
+        }
+      }
       clients.push_back(std::move(c));
     }
   }

@@ -713,3 +713,30 @@ TEST_CASE("tcp store: hostile frames under a tight address-space limit do not ki
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
 }
+
+TEST_CASE("tcp store: without a token, only processes of rank 0's own user are served", "[comm][store]") {
+  TcpStore server("127.0.0.1", 0, true, 3s);
+  server.set("nccl_id", "secret-id");
+  // Another process (not a thread of this one), speaking the protocol: 0 when served, 5 when refused.
+  auto status_of = [&](const std::string& become) {
+    // encodings.idna is imported before a change of user, which may lose access to Python's files.
+    std::string cmd = "python3 -c \"import encodings.idna, os, socket, struct, sys\n" + become +
+                      "s = socket.create_connection(('127.0.0.1', " + std::to_string(server.port()) +
+                      "))\ns.sendall(struct.pack('!IBI', 0x4d435332, 3, 0))\nd = s.recv(5)\n"
+                      "sys.exit(d[0] if d else 99)\"";
+    int rc = std::system(cmd.c_str());
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  };
+  if (std::system("python3 -c pass") != 0) {
+    WARN("skipped: no python3 to run a second process");
+    return;
+  }
+  CHECK(status_of("") == kOk);
+  if (::geteuid() != 0) {
+    WARN("the other-user half is skipped: changing user needs root");
+    return;
+  }
+  CHECK(status_of("os.setgid(65534); os.setuid(65534)\n") == kDenied);
+  TcpStoreStats s = server.stats();
+  CHECK(s.dropped >= 1);
+}
