@@ -38,7 +38,8 @@ struct TcpStoreLimits {
 /// How a TcpStore serves (server) or connects (client).
 struct TcpStoreOptions {
   /// The job's shared secret. The server serves a connection only if its first frame carries exactly
-  /// this token (so an empty token admits only clients without one); a client sends it on connect.
+  /// this token; with an empty one it admits only clients without a token whose loopback socket is
+  /// owned by the server's own user. A client sends it on connect.
   std::string token;
   /// Every blocking call (connect, get, wait) ends within this with a CommError.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
