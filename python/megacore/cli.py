@@ -269,7 +269,7 @@ def _run_train(args) -> int:
         ex = executors.LocalExecutor(nproc_per_node=r.resources.num_gpus_per_node, cpu=args.cpu)
         return ex.launch(r, dryrun=args.dryrun)
     if args.executor == "slurm":
-        ex = executors.SlurmExecutor(account=args.account, partition=args.partition, dryrun=args.dryrun,
+        ex = executors.SlurmExecutor(account=args.account, partition=args.partition, dryrun=args.dryrun, cpu=args.cpu,
                                      container_image="" if args.image == "megacore:latest" else args.image)
     else:
         ex = executors.KubernetesExecutor(image=args.image, namespace=args.namespace, dryrun=args.dryrun)

@@ -8,6 +8,10 @@
 * ``KubernetesExecutor(...)``: renders a Kubeflow ``PyTorchJob`` (master + workers, one pod per node, GPU limits,
   NCCL environment, a memory-backed /dev/shm) and applies it with kubectl; ``dryrun=True`` only prints it.
 
+Every rank of a job gets the same ``MEGACORE_STORE_TOKEN``, the secret rank 0's rendezvous store asks of each
+connection (docs/comm.md): ``megacore.launch`` makes it for local runs, the Slurm script makes it when the job
+starts (so it is in no file), and the Kubernetes executor puts a fresh one in a Secret of the job.
+
 Every executor validates the recipe first (``Recipe.validate``), writes it as JSON next to the run's logs and
 hands each rank ``python -m megacore.train --config <that file>``, so a run is reproducible from its config.
 
@@ -17,6 +21,7 @@ hands each rank ``python -m megacore.train --config <that file>``, so a run is r
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -49,6 +54,14 @@ def _config_path(recipe, base_dir: str | None = None) -> str:
     return os.path.join(d, "recipe.json")
 
 
+def _cpu_ranks(recipe, who: str):
+    """CPU ranks train on the CPU even where GPUs are visible: trainer.device becomes cpu."""
+    if recipe.trainer.device == "cuda":
+        raise ConfigError(f"{who} runs CPU ranks, but the recipe sets trainer.device = cuda; set it to auto or cpu, "
+                          "or drop cpu=True")
+    recipe.trainer.device = "cpu"
+
+
 @dataclass
 class LocalExecutor:
     """Ranks on this machine. ``nproc_per_node`` defaults to the recipe's ``resources.num_gpus_per_node``;
@@ -60,6 +73,8 @@ class LocalExecutor:
 
     def launch(self, recipe, dryrun: bool = False) -> int:
         recipe = _sized(recipe, 1, self.nproc_per_node or 0)  # one node: this one
+        if self.cpu:
+            _cpu_ranks(recipe, "LocalExecutor(cpu=True)")
         n = recipe.resources.num_gpus_per_node
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
@@ -123,10 +138,7 @@ class SlurmExecutor:
     def _prepare(self, recipe):
         recipe = _sized(recipe, self.nodes, self.gpus_per_node)
         if self.cpu:
-            if recipe.trainer.device == "cuda":
-                raise ConfigError("SlurmExecutor(cpu=True) runs CPU ranks, but the recipe sets trainer.device = cuda; "
-                                  "set it to auto or cpu, or drop cpu=True")
-            recipe.trainer.device = "cpu"
+            _cpu_ranks(recipe, "SlurmExecutor(cpu=True)")
         return recipe
 
     def script(self, recipe) -> str:
@@ -153,7 +165,9 @@ class SlurmExecutor:
                       'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                       "# A port of this job's own, so that jobs sharing a node do not meet on one port.",
                       "export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
-                      "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}"]
+                      "export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}",
+                      "# The secret rank 0's rendezvous store asks of every rank; srun passes it to the tasks.",
+                      "export MEGACORE_STORE_TOKEN=${MEGACORE_STORE_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')}"]
         for k, v in sorted(self.env.items()):
             lines.append(f"export {k}={shlex.quote(str(v))}")
         srun = ["srun", "--kill-on-bad-exit=1", "--cpu-bind=none"]
@@ -233,8 +247,16 @@ class KubernetesExecutor:
         config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                       "metadata": {"name": cm_name, "namespace": self.namespace},
                       "data": {"recipe.json": rec.to_json()}}
+        secret_name = f"{name}-store-token"
+        # Every pod's launcher must hand its ranks the same token, so it is made once here, kept in a Secret
+        # (readable only by who may read the job's Secrets) rather than in the job's spec.
+        secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                  "metadata": {"name": secret_name, "namespace": self.namespace},
+                  "stringData": {"token": secrets.token_hex(32)}}
         env = [{"name": "NCCL_NVLS_ENABLE", "value": "0"}, {"name": "NCCL_DEBUG", "value": "WARN"},
-               {"name": "PYTHONUNBUFFERED", "value": "1"}]
+               {"name": "PYTHONUNBUFFERED", "value": "1"},
+               {"name": "MEGACORE_STORE_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret_name, "key": "token"}}}]
         env += [{"name": k, "value": str(v)} for k, v in sorted(self.env.items())]
         command = ["bash", "-c", "exec python -m megacore.launch --nproc-per-node " + str(gpn) + " --nnodes " +
                    str(nodes) + " --node-rank ${RANK} --master-addr ${MASTER_ADDR} --master-port ${MASTER_PORT} " +
@@ -263,7 +285,7 @@ class KubernetesExecutor:
                "metadata": {"name": name, "namespace": self.namespace, "labels": {"app": "megacore"}},
                "spec": {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0},
                         "pytorchReplicaSpecs": specs}}
-        return [config_map, job]
+        return [config_map, secret, job]
 
     def render(self, recipe) -> str:
         from .recipes.config import _yaml

@@ -1,7 +1,9 @@
 """Starts the ranks of one node: ``python -m megacore.launch --nproc-per-node N script.py [args]``.
 
 Each child gets the torchrun-style environment that ``megacore.comm.init_from_env`` reads (RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT). On a machine without
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT) and the job's store token
+(MEGACORE_STORE_TOKEN: 32 random bytes in hex, made here unless the environment already has one, which a
+launch on several nodes needs so that every node passes the same). On a machine without
 a visible GPU (or with ``--cpu``) the ranks are CPU ranks, which communicate through MPI, so the launcher
 hands them to ``mpirun`` instead. If any rank fails, the others are stopped after ``--grace`` seconds and
 the launcher exits with the failing rank's code: a job never hangs on a dead rank.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -59,6 +62,19 @@ def parse_args(argv=None):
     return a
 
 
+def store_token(nnodes: int) -> str:
+    """The secret that rank 0's rendezvous store asks of every rank (see docs/comm.md)."""
+    token = os.environ.get("MEGACORE_STORE_TOKEN", "")
+    if token:
+        return token
+    if nnodes > 1:
+        # Each node runs its own launcher: a token made here would differ from the other nodes'.
+        raise SystemExit("megacore.launch: --nnodes > 1 needs the same MEGACORE_STORE_TOKEN on every node (the secret "
+                         "rank 0's store asks of every rank); export one, e.g. "
+                         "MEGACORE_STORE_TOKEN=$(openssl rand -hex 32), and pass it to every node's launcher")
+    return secrets.token_hex(32)
+
+
 def _command(a) -> list[str]:
     return [sys.executable, "-u"] + (["-m", a.script] if a.module else [a.script]) + a.script_args
 
@@ -88,6 +104,7 @@ def main(argv=None) -> int:
     nproc = a.nproc_per_node or max(gpus, 1)
     if gpus == 0:
         return _run_mpi(a, nproc)
+    token = store_token(a.nnodes)
     port = a.master_port or _free_port()
     world = nproc * a.nnodes
     procs = []
@@ -99,7 +116,7 @@ def main(argv=None) -> int:
         rank = a.node_rank * nproc + local
         env = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(nproc), NODE_RANK=str(a.node_rank), GROUP_RANK=str(a.node_rank),
-                   MASTER_ADDR=a.master_addr, MASTER_PORT=str(port))
+                   MASTER_ADDR=a.master_addr, MASTER_PORT=str(port), MEGACORE_STORE_TOKEN=token)
         procs.append(subprocess.Popen(_command(a), env=env))
 
     def stop_all(sig=signal.SIGTERM):

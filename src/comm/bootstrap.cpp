@@ -1,5 +1,10 @@
 #include "megacore/comm/bootstrap.hpp"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -72,7 +77,84 @@ int store_port(const LaunchEnv& e) {
   return e.master_port;
 }
 
+// True when every address `host` names is a loopback address, i.e. only this machine can reach it.
+bool is_loopback(const std::string& host) {
+  if (host == "localhost") return true;
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (host.empty() || ::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool all = res != nullptr;
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      all &= (ntohl(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const in6_addr& v6 = reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      all &= IN6_IS_ADDR_LOOPBACK(&v6) ||
+             (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+    } else {
+      all = false;
+    }
+  }
+  ::freeaddrinfo(res);
+  return all;
+}
+
 }  // namespace
+
+StoreConfig store_config(const LaunchEnv& e) {
+  StoreConfig c;
+  c.port = store_port(e);
+  c.token = env("MEGACORE_STORE_TOKEN").value_or("");
+  MC_CHECK_AS(ConfigError, c.token.size() <= 256, "MEGACORE_STORE_TOKEN has {} characters; use at most 256 (e.g. 64 "
+              "hex digits)", c.token.size());
+  c.single_node = e.local_world_size == e.world_size;
+  auto bind = env("MEGACORE_STORE_BIND");
+  if (bind) {
+    MC_CHECK_AS(ConfigError, !bind->empty(), "MEGACORE_STORE_BIND is set but empty; set it to an address of rank 0's "
+                "host (127.0.0.1, 0.0.0.0, an interface's IP) or unset it");
+    c.bind = *bind;
+    c.connect_host = e.master_addr;
+  } else if (c.single_node) {
+    // Every rank is here, so nothing beyond this machine needs to reach the store.
+    c.bind = "127.0.0.1";
+    c.connect_host = "127.0.0.1";
+  } else {
+    c.bind = e.master_addr;
+    c.connect_host = e.master_addr;
+  }
+  if (c.token.empty() && !is_loopback(c.bind)) {
+    raise<ConfigError>(
+        "megacore's rendezvous store would listen on '{}' ({}), reachable from other machines, without a token; "
+        "anyone there could read or replace the NCCL id. Export the same secret on every node, e.g. `export "
+        "MEGACORE_STORE_TOKEN=$(openssl rand -hex 32)` in the job script before torchrun/srun, or start the ranks with "
+        "python -m megacore.launch or a megacore executor (they set one)",
+        c.bind, bind ? "MEGACORE_STORE_BIND" : "MASTER_ADDR of a job on several nodes");
+  }
+  return c;
+}
+
+std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::milliseconds timeout,
+                                     std::vector<std::pair<std::string, std::string>> preset) {
+  StoreConfig c = store_config(e);
+  TcpStoreOptions o;
+  o.token = c.token;
+  o.timeout = timeout;
+  o.preset = std::move(preset);
+  if (e.rank == 0) {
+    // A hostname that resolves to loopback on rank 0 (Debian's 127.0.1.1 entry) is reachable only from
+    // here; say so, since the other nodes' ranks will fail at their connect timeout. Not an error: a
+    // "multi-node" job simulated on one machine uses 127.0.0.1 on purpose.
+    if (!c.single_node && !env("MEGACORE_STORE_BIND") && is_loopback(c.bind)) {
+      fmt::print(stderr, "megacore: MASTER_ADDR '{}' is a loopback address on rank 0, so ranks on other nodes cannot "
+                 "reach its rendezvous store; set MASTER_ADDR to rank 0's IP, or MEGACORE_STORE_BIND\n", c.bind);
+    }
+    return std::make_unique<TcpStore>(c.bind, c.port, true, o);
+  }
+  MC_CHECK_AS(ConfigError, !c.connect_host.empty(), "rank {} cannot reach megacore's rendezvous store: MASTER_ADDR is "
+              "not set; export it (rank 0's host) on every rank", e.rank);
+  return std::make_unique<TcpStore>(c.connect_host, c.port, false, o);
+}
 
 std::string_view launcher_name(Launcher l) {
   switch (l) {
@@ -182,14 +264,18 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
               "init_from_env(cuda): {} ranks started by the {} need MASTER_ADDR and MASTER_PORT (rank 0's host and a "
               "free port) to exchange the NCCL id; export them, or start the ranks with mpirun",
               e.world_size, launcher_name(e.launcher));
-  TcpStore store(e.master_addr, store_port(e), e.rank == 0, options.timeout);
   NcclUniqueId id{};
+  // Rank 0's store holds the id before it accepts anyone, and keys cannot be replaced, so no other
+  // process can plant its own id for the ranks to read. A fresh store serves each init_from_env call.
   const std::string key = "megacore/nccl_unique_id/" + options.name;
+  std::vector<std::pair<std::string, std::string>> preset;
   if (e.rank == 0) {
     id = nccl_unique_id();
-    store.set(key, std::string(reinterpret_cast<const char*>(id.data()), id.size()));
-  } else {
-    std::string v = store.get(key);
+    preset.emplace_back(key, std::string(reinterpret_cast<const char*>(id.data()), id.size()));
+  }
+  auto store = open_store(e, options.timeout, std::move(preset));
+  if (e.rank != 0) {
+    std::string v = store->get(key);
     MC_CHECK_AS(CommError, v.size() == id.size(), "the NCCL id from the TCP store has {} bytes, expected {}",
                 v.size(), id.size());
     std::memcpy(id.data(), v.data(), id.size());

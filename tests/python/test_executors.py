@@ -27,6 +27,9 @@ def test_slurm_dry_run_script(capsys):
     assert srun.endswith("python -u -m megacore.train --config /shared/run1/recipe.json")
     # srun gives every task SLURM_PROCID/SLURM_NTASKS, which megacore.comm.init_from_env reads
     assert "MASTER_ADDR=$(scontrol show hostnames" in s
+    # The store token is made when the job starts (srun passes it on), so no file holds it.
+    (tok,) = [line for line in lines if line.startswith("export MEGACORE_STORE_TOKEN=")]
+    assert "/dev/urandom" in tok and lines.index(tok) < lines.index(srun)
 
 
 def test_slurm_refuses_an_invalid_recipe_before_writing_anything(tmp_path):
@@ -41,8 +44,10 @@ def _check_container(c, gpus):
     assert c["name"] == "pytorch"  # the Kubeflow training operator finds the container by this name
     assert isinstance(c["image"], str) and c["image"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["NCCL_NVLS_ENABLE"] == "0"
+    # Every pod's ranks get the job's store token from its Secret, not from the job spec.
+    assert env["MEGACORE_STORE_TOKEN"]["secretKeyRef"]["key"] == "token"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts["/dev/shm"] == "dshm" and mounts["/etc/megacore"] == "recipe"
     cmd = " ".join(c["command"])
@@ -53,8 +58,12 @@ def _check_container(c, gpus):
 def test_kubernetes_manifest_follows_the_pytorchjob_schema():
     r = recipes.llama32_1b.pretrain_recipe(num_nodes=3, num_gpus_per_node=8)
     ex = executors.KubernetesExecutor(image="registry/megacore:1", namespace="ml", memory="500Gi")
-    cm, job = ex.manifests(r)
+    cm, secret, job = ex.manifests(r)
     assert cm["kind"] == "ConfigMap" and cm["apiVersion"] == "v1"
+    assert secret["kind"] == "Secret" and secret["metadata"]["namespace"] == "ml"
+    token = secret["stringData"]["token"]
+    assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes in hex
+    assert ex.manifests(r)[1]["stringData"]["token"] != token  # a fresh one per job
     saved = json.loads(cm["data"]["recipe.json"])
     assert saved["resources"] == {"num_nodes": 3, "num_gpus_per_node": 8}
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
@@ -70,6 +79,8 @@ def test_kubernetes_manifest_follows_the_pytorchjob_schema():
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
         assert vols["recipe"]["configMap"]["name"] == cm["metadata"]["name"]
+        (tok,) = [e for e in c["env"] if e["name"] == "MEGACORE_STORE_TOKEN"]
+        assert tok["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
     assert job["spec"]["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
 
 
@@ -78,8 +89,8 @@ def test_kubernetes_dry_run_prints_yaml(capsys):
     r = recipes.tiny.pretrain_recipe(num_nodes=1, num_gpus_per_node=4)
     assert executors.KubernetesExecutor(dryrun=True).launch(r) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]
-    assert set(docs[1]["spec"]["pytorchReplicaSpecs"]) == {"Master"}  # one node: no workers
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "PyTorchJob"]
+    assert set(docs[2]["spec"]["pytorchReplicaSpecs"]) == {"Master"}  # one node: no workers
 
 
 def test_local_dry_run_command(capsys, tmp_path, monkeypatch):

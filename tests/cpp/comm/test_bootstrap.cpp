@@ -40,7 +40,7 @@ class CleanEnv {
       "PET_NNODES", "PET_NODE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK",
       "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID",
       "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_ID",
-      "SLURM_STEPID", "MEGACORE_STORE_PORT", "PMI_SIZE", "PMIX_RANK"};
+      "SLURM_STEPID", "MEGACORE_STORE_PORT", "MEGACORE_STORE_BIND", "MEGACORE_STORE_TOKEN", "PMI_SIZE", "PMIX_RANK"};
   std::map<std::string, std::string> saved_;
 };
 
@@ -208,7 +208,7 @@ TEST_CASE("init_from_env refuses what cannot work", "[comm]") {
   CHECK_THROWS_AS(init_from_env(Device::cuda()), ConfigError);
 }
 
-TEST_CASE("tcp store: set, get, wait across clients", "[comm]") {
+TEST_CASE("tcp store: set, get, wait across clients", "[comm][store]") {
   TcpStore server("127.0.0.1", 0, /*is_server=*/true, 10s);
   REQUIRE(server.is_server());
   const int port = server.port();
@@ -243,7 +243,7 @@ TEST_CASE("tcp store: set, get, wait across clients", "[comm]") {
   CHECK(server.get("rank/3") == "9");
 }
 
-TEST_CASE("tcp store: a client waits for a server that starts late", "[comm]") {
+TEST_CASE("tcp store: a client waits for a server that starts late", "[comm][store]") {
   int port = free_port();
   std::string got, error;
   std::thread client([&] {
@@ -265,7 +265,7 @@ TEST_CASE("tcp store: a client waits for a server that starts late", "[comm]") {
   CHECK(got == "value");
 }
 
-TEST_CASE("tcp store: timeouts and refused connections are CommErrors", "[comm]") {
+TEST_CASE("tcp store: timeouts and refused connections are CommErrors", "[comm][store]") {
   TcpStore server("127.0.0.1", 0, true, 10s);
   TcpStore client("127.0.0.1", server.port(), false, 300ms);
   auto start = std::chrono::steady_clock::now();
