@@ -59,6 +59,10 @@ def run(recipe, world=None) -> dict:
     """Trains `recipe` on this rank (collective over the world); returns the C++ trainer's result dict."""
     from . import _C, comm, tokenizers
 
+    if recipe.data.tokenizer != "byte" and os.path.exists(recipe.data.tokenizer):
+        # The recipe saved with every checkpoint names the tokenizer by absolute path, so an export or a
+        # resume from another working directory finds it.
+        recipe.data.tokenizer = os.path.abspath(recipe.data.tokenizer)
     recipe.validate()
     if world is None:
         dev = {"auto": "auto", "cpu": "cpu", "cuda": "cuda:0"}[recipe.trainer.device]
