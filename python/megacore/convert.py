@@ -278,7 +278,7 @@ def config_from_recipe(recipe: Mapping[str, Any]) -> Dict[str, Any]:
             "seed": int(g("seed", 1234))}
 
 
-def _checkpoint_blobs(ckpt: str) -> Tuple[str, Dict[str, Any]]:
+def _checkpoint_meta(ckpt: str) -> Tuple[str, Dict[str, Any]]:
     from .checkpoint import resolve_checkpoint
 
     d = resolve_checkpoint(ckpt)
@@ -286,18 +286,27 @@ def _checkpoint_blobs(ckpt: str) -> Tuple[str, Dict[str, Any]]:
         raise MegacoreIOError(f"'{ckpt}' holds no complete megacore checkpoint (no metadata.json, no valid `latest`, "
                               "no complete step_<N>)")
     with open(os.path.join(d, "metadata.json")) as f:
-        meta = json.load(f)
+        return d, json.load(f)
+
+
+def _checkpoint_blobs(ckpt: str) -> Tuple[str, Dict[str, Any]]:
+    d, meta = _checkpoint_meta(ckpt)
     return d, dict(meta.get("json") or {})
 
 
 def config_from_checkpoint(ckpt: str) -> Dict[str, Any]:
     """The TransformerConfig dict of a checkpoint: its "config" blob (conversion tools, ``megacore.checkpoint``
     saves) or, for checkpoints written by ``megacore train``, the model section of its "recipe" blob."""
-    d, blobs = _checkpoint_blobs(ckpt)
+    d, meta = _checkpoint_meta(ckpt)
+    blobs = dict(meta.get("json") or {})
     if "config" in blobs:
         return _blob(blobs["config"])
     if "recipe" in blobs:
-        return config_from_recipe(_blob(blobs["recipe"]))
+        c = config_from_recipe(_blob(blobs["recipe"]))
+        if c["params_dtype"] == "auto":  # trainer.precision auto: the dtype the run's weights were saved in
+            emb = (meta.get("tensors") or {}).get("embedding.weight") or {}
+            c["params_dtype"] = str(emb.get("dtype", "f32")).lower()
+        return c
     raise MegacoreIOError(f"{d}: the checkpoint has neither a 'config' nor a 'recipe' JSON blob, so its model is "
                           "unknown; save it with json={'config': megacore.convert.config_dict(cfg)} to export it")
 

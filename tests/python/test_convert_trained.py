@@ -64,6 +64,10 @@ def test_trainer_checkpoint_exports_from_root_and_step_dir(tmp_path, capsys):
     r = train_tiny(tmp_path)
     root = r.checkpoint.save_dir
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_2", "step_4"]
+    # trainer.precision 'auto' resolves to the dtype the weights were saved in (f32 on CPU ranks).
+    c = convert.config_from_checkpoint(root)
+    assert r.trainer.precision == "auto" and c["params_dtype"] == "f32"
+    assert convert.transformer_config(c).num_layers == r.model.num_layers
 
     out = str(tmp_path / "hf")
     assert cli.main(["convert", "megacore-to-hf", root, out]) == 0
