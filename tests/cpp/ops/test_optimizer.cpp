@@ -55,12 +55,13 @@ TEST_CASE("multi-tensor CUDA kernels match the CPU reference", "[ops][optimizer]
   for (DType gdt : {DType::F32, DType::BF16}) {
     const uint64_t seed = fresh_seed();
     INFO("grads " << dtype_name(gdt) << " seed " << seed);
-    std::vector<Tensor> g, w, m, v, p, gg, gw, gm, gv, gp;
+    std::vector<Tensor> g, w, m, v, p, gg, gw, gm, gv, gp, m0;
     for (size_t i = 0; i < sizes.size(); ++i) {
       const int64_t n = sizes[i];
       g.push_back(randn({n}, gdt, seed + 10 * i));
       w.push_back(randn({n}, DType::F32, seed + 10 * i + 1));
       m.push_back(randn({n}, DType::F32, seed + 10 * i + 2, 0, 0.1));
+      m0.push_back(m.back().clone());
       v.push_back(randu({n}, DType::F32, seed + 10 * i + 3, 0, 0.01));
       p.push_back(Tensor::empty({n}, DType::BF16));
       gg.push_back(g.back().to(d));
@@ -80,7 +81,18 @@ TEST_CASE("multi-tensor CUDA kernels match the CPU reference", "[ops][optimizer]
     for (size_t i = 0; i < sizes.size(); ++i) {
       INFO("tensor " << i << " n " << sizes[i]);
       CHECK(rel_err_t(gw[i], w[i]) < 1e-6);
-      CHECK(rel_err_t(gm[i], m[i]) < 1e-6);
+      // m = beta1·m0 + (1 - beta1)·g' can cancel in an element, so its error is bounded by the size of the two
+      // terms, not of m (a 1-element tensor showed 3e-6 relative to m on an H200 from such a cancellation).
+      {
+        const auto a = gm[i].to(Device::cpu()).to_double_vector(), b = m[i].to_double_vector(),
+                   b0 = m0[i].to_double_vector();
+        double worst = 0;
+        for (size_t k = 0; k < b.size(); ++k) {
+          const double terms = h.beta1 * std::abs(b0[k]) + std::abs(b[k] - h.beta1 * b0[k]);
+          worst = std::max(worst, std::abs(a[k] - b[k]) / (terms + 1e-30));
+        }
+        CHECK(worst < 1e-6);
+      }
       CHECK(rel_err_t(gv[i], v[i]) < 1e-6);
       CHECK(rel_err_t(gp[i], p[i]) < 1e-2);
     }
