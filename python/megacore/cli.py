@@ -95,32 +95,39 @@ def _add_plan(sub):
                                     "with --set overrides")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--world-size", type=int, default=None, help="total number of ranks (GPUs)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    p.add_argument("--vp", type=int, default=1, help="virtual pipeline stages per rank (interleaving)")
-    p.add_argument("--head-cost", type=float, default=0.0,
+    # Layout flags default to None: with --recipe a given flag overrides the recipe's field (as --set would).
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default 1)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default 1)")
+    p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank (interleaving; default 1)")
+    p.add_argument("--head-cost", type=float, default=None,
                    help="extra work of the last pipeline stage (output layer + loss), in layers: balance the split")
-    p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (needs TP > 1)")
-    p.add_argument("--zero", action="store_true", help="shard optimizer state over DP×CP (ZeRO-1)")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sample (default 2048)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None, help="sequence parallelism (needs TP > 1)")
+    p.add_argument("--zero", action="store_true", default=None, help="shard optimizer state over DP×CP (ZeRO-1)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the warning")
+    p.add_argument("--headroom-gib", type=float, default=None,
+                   help="memory per GPU kept for what the estimate does not count (CUDA context, NCCL and library "
+                        "workspaces, allocator fragmentation); default max(4, 10 %% of --gpu-memory-gib)")
     p.add_argument("--no-table", dest="table", action="store_false", help="omit the per-rank table")
     p.set_defaults(func=_run_plan, parser=p)
 
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
          sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
-         pipeline_head_cost=0.0):
+         pipeline_head_cost=0.0, headroom_gib=None):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
     Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), f32 main grads (4/param),
     AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
-    micro-batches rank r of 1F1B holds in flight (PP − r). Layers per stage: `pipeline_layout` (explicit counts
+    micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
+    gradient (bf16, [s/CP·b, padded vocab/TP] each). It fits when the total stays under the GPU's memory less
+    `headroom_gib` (default max(4, 10 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
+    workspaces, backward temporaries and allocator fragmentation. Layers per stage: `pipeline_layout` (explicit counts
     per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
     """
     from . import model as m
@@ -158,6 +165,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     s, b = seq_length // cp, micro_batch_size
     rc = cfg.recompute_granularity if str(cfg.recompute_granularity).lower().endswith("full") else "selective"
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
+    logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
 
     def rank_memory(r):
         # 1F1B: pipeline rank r holds up to PP − r micro-batches' activations of its layers.
@@ -166,21 +174,29 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "main_grads": 4 * stage_params[r],
             "optimizer": 12 * stage_params[r] / (dp_cp if zero else 1),
             "activations": act_layer * rank_layers[r] * (pp - r),
+            "logits": logits if r == pp - 1 else 0.0,
         }
 
     busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
     mem = rank_memory(busiest_rank)
     total = sum(mem.values())
+    headroom = max(4.0, 0.1 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
-            "memory_bytes": mem, "total_bytes": total, "fits": total <= gpu_memory_gib * 2**30,
+            "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
+            "fits": total <= (gpu_memory_gib - headroom) * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True)}
+
+
+_PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "vp": "parallel.vp",
+               "head_cost": "parallel.pipeline_head_cost", "seq_length": "data.seq_length",
+               "micro_batch_size": "data.micro_batch_size", "sequence_parallel": "parallel.sp", "zero": "parallel.zero"}
 
 
 def _run_plan(args) -> int:
     if args.recipe:
-        sets = list(args.set) + ([f"parallel.pipeline_head_cost={args.head_cost}"] if args.head_cost else [])
-        rec = load_recipe(args.recipe, None, sets)
+        flags = [f"{key}={getattr(args, a)}" for a, key in _PLAN_FLAGS.items() if getattr(args, a) is not None]
+        rec = load_recipe(args.recipe, None, list(args.set) + flags)
         rec.validate(check_paths=False)
         p = rec.parallel
         args.model = rec.name
@@ -189,14 +205,17 @@ def _run_plan(args) -> int:
                  p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                  p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
                  rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
-                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost)
+                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib)
     else:
         if args.world_size is None:
             from .errors import ConfigError
             raise ConfigError("--world-size is required without --recipe")
-        r = plan(args.model, args.world_size, args.tp, args.pp, args.cp, args.ep, args.vp, args.seq_length,
-                 args.micro_batch_size, args.sequence_parallel, args.zero, args.gpu_memory_gib,
-                 pipeline_head_cost=args.head_cost)
+        d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vp": 1, "head_cost": 0.0, "seq_length": 2048, "micro_batch_size": 1,
+             "sequence_parallel": False, "zero": False}
+        v = {k: (getattr(args, k) if getattr(args, k) is not None else d[k]) for k in d}
+        r = plan(args.model, args.world_size, v["tp"], v["pp"], v["cp"], v["ep"], v["vp"], v["seq_length"],
+                 v["micro_batch_size"], v["sequence_parallel"], v["zero"], args.gpu_memory_gib,
+                 pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib)
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "
@@ -211,8 +230,11 @@ def _run_plan(args) -> int:
     print(f"memory per GPU (pipeline rank {r['busiest_rank']}, the largest; estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
           + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")
     if not r["fits"]:
-        print(f"warning: the estimate exceeds {args.gpu_memory_gib:g} GiB per GPU; raise TP or PP, enable "
-              f"--sequence-parallel or --zero, or lower --micro-batch-size")
+        usable = args.gpu_memory_gib - r["headroom_gib"]
+        print(f"warning: the estimate ({r['total_bytes'] / gib:.1f} GiB) exceeds the {usable:g} GiB per GPU left after "
+              f"{r['headroom_gib']:g} GiB of headroom (context, NCCL and library workspaces, fragmentation) on a "
+              f"{args.gpu_memory_gib:g} GiB GPU; raise TP or PP, enable sequence parallelism or ZeRO, use selective "
+              f"recompute, or lower the micro-batch size")
     if args.table:
         print(L.table())
     return 0

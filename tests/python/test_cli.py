@@ -101,3 +101,26 @@ def test_log_level_comes_from_the_environment():
     e = dict(env, MEGACORE_LOG_LEVEL="chatty")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert r.stdout.strip() == "info" and "MEGACORE_LOG_LEVEL='chatty' is not one of" in r.stderr
+
+
+def test_plan_counts_the_logits_on_the_last_stage_and_keeps_headroom():
+    r = cli.plan("llama3_8b", world_size=4, tp=2, seq_length=8192, sequence_parallel=True, zero=True)
+    vocab = mc.model.padded_vocab_size(r["config"], 2)
+    assert r["memory_bytes"]["logits"] == 2 * 2 * 8192 * vocab / 2  # bf16 logits and their gradient, V/TP columns
+    two = cli.plan("llama3_8b", world_size=4, tp=2, pp=2, seq_length=8192)
+    assert (two["memory_bytes"]["logits"] > 0) == (two["busiest_rank"] == 1)  # only the last stage holds logits
+    # The fit test keeps headroom (default max(4 GiB, 10 %)) for what the estimate does not count.
+    assert r["headroom_gib"] == 8.0
+    assert r["fits"] == (r["total_bytes"] <= 72 * 2**30)
+    assert not cli.plan("llama3_8b", world_size=4, tp=2, seq_length=8192, sequence_parallel=True, zero=True,
+                        headroom_gib=80 - r["total_bytes"] / 2**30 + 0.1)["fits"]
+
+
+def test_plan_layout_flags_override_a_recipe(capsys):
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--tp", "4", "--seq-length", "4096",
+                     "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "world 4 = TP 4 × CP 1 × DP 1 × PP 1" in out  # --tp was ignored with --recipe before
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "world 4 = TP 2 × CP 1 × DP 2 × PP 1" in out and "logits 1.96 GiB" in out
