@@ -110,24 +110,27 @@ def _add_plan(sub):
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the warning")
     p.add_argument("--headroom-gib", type=float, default=None,
                    help="memory per GPU kept for what the estimate does not count (CUDA context, NCCL and library "
-                        "workspaces, allocator fragmentation); default max(4, 10 %% of --gpu-memory-gib)")
+                        "workspaces, allocator fragmentation); default max(4, 12 %% of --gpu-memory-gib)")
     p.add_argument("--no-table", dest="table", action="store_false", help="omit the per-rank table")
     p.set_defaults(func=_run_plan, parser=p)
 
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
          sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
-         pipeline_head_cost=0.0, headroom_gib=None):
+         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
     Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), f32 main grads (4/param),
-    AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), and activations counted
+    AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), the gradient reduction's
+    buffers (ZeRO-1: each bucket's reduce-scatter output, 4/param/DP in f32; bf16 reduction: a bf16 copy of the
+    gradients, 2/param, and a bf16 output shard), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
     micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
     gradient (bf16, [s/CP·b, padded vocab/TP] each). It fits when the total stays under the GPU's memory less
-    `headroom_gib` (default max(4, 10 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
-    workspaces, backward temporaries and allocator fragmentation. Layers per stage: `pipeline_layout` (explicit counts
+    `headroom_gib` (default max(4, 12 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
+    workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
+    ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
     per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
     """
     from . import model as m
@@ -167,12 +170,19 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
     logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
 
+    def reduce_bytes(n):
+        # DistributedDataParallel: ZeRO reduce-scatters each bucket into a shard buffer of the reduction dtype;
+        # bf16 reduction first copies the f32 gradients into a bf16 staging buffer.
+        shard = (2 if grad_reduce_in_bf16 else 4) * n / dp_cp if zero and dp_cp > 1 else 0.0
+        return shard + (2 * n if grad_reduce_in_bf16 and dp_cp > 1 else 0.0)
+
     def rank_memory(r):
         # 1F1B: pipeline rank r holds up to PP − r micro-batches' activations of its layers.
         return {
             "weights": 2 * stage_params[r],
             "main_grads": 4 * stage_params[r],
             "optimizer": 12 * stage_params[r] / (dp_cp if zero else 1),
+            "grad_reduce": reduce_bytes(stage_params[r]),
             "activations": act_layer * rank_layers[r] * (pp - r),
             "logits": logits if r == pp - 1 else 0.0,
         }
@@ -180,7 +190,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
     mem = rank_memory(busiest_rank)
     total = sum(mem.values())
-    headroom = max(4.0, 0.1 * gpu_memory_gib) if headroom_gib is None else headroom_gib
+    headroom = max(4.0, 0.12 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
             "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
@@ -205,7 +215,8 @@ def _run_plan(args) -> int:
                  p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                  p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
                  rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
-                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib)
+                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib,
+                 p.grad_reduce_in_bf16)
     else:
         if args.world_size is None:
             from .errors import ConfigError
