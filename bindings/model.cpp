@@ -285,52 +285,41 @@ void bind_linear_methods(pyb::class_<L>& c, const char* forward_doc, const char*
       .def_property_readonly("out_features", &L::out_features);
 }
 
+// The constructor both parallel linear layers share; `flag` is the one option that differs (gather_output for the
+// column-parallel layer, input_is_parallel for the row-parallel one).
+template <class L, class Options>
+void bind_linear_init(pyb::class_<L>& c, const char* flag, bool Options::*flag_member) {
+  c.def(pyb::init([flag_member](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool flag_value,
+                                bool sequence_parallel, const pyb::object& dtype, const pyb::object& device,
+                                double init_std, uint64_t seed, uint64_t init_offset) {
+          Options o;
+          o.bias = bias;
+          o.*flag_member = flag_value;
+          o.sequence_parallel = sequence_parallel;
+          o.params_dtype = dtype_arg(dtype);
+          o.device = device_arg(device);
+          o.init_std = init_std;
+          o.seed = seed;
+          o.init_offset = init_offset;
+          pyb::gil_scoped_release nogil;
+          return new L(tp, in, out, o);
+        }),
+        pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
+        pyb::arg(flag) = false, pyb::arg("sequence_parallel") = false, pyb::arg("params_dtype") = "f32",
+        pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02, pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0,
+        pyb::keep_alive<1, 2>());
+}
+
 void bind_linear(pyb::module_& m) {
   pyb::class_<ly::ColumnParallelLinear> col(m, "ColumnParallelLinear", "Y = X W^T + b with W's rows split over TP.");
-  col.def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool gather_output,
-                        bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
-                        uint64_t seed, uint64_t init_offset) {
-             ly::ColumnParallelLinearOptions o;
-             o.bias = bias;
-             o.gather_output = gather_output;
-             o.sequence_parallel = sequence_parallel;
-             o.params_dtype = dtype_arg(dtype);
-             o.device = device_arg(device);
-             o.init_std = init_std;
-             o.seed = seed;
-             o.init_offset = init_offset;
-             pyb::gil_scoped_release nogil;
-             return new ly::ColumnParallelLinear(tp, in, out, o);
-           }),
-           pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
-           pyb::arg("gather_output") = false, pyb::arg("sequence_parallel") = false, pyb::arg("params_dtype") = "f32",
-           pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02, pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0,
-           pyb::keep_alive<1, 2>());
+  bind_linear_init(col, "gather_output", &ly::ColumnParallelLinearOptions::gather_output);
   bind_linear_methods(col, "x: [..., in] (or [s/TP, ..., in] with SP) → [..., out/TP] (or [..., out] gathered).",
                       "Accumulates weight/bias main_grad and returns dx.", "(data [out/TP, in], main_grad)",
                       "(data [out/TP], main_grad), or None without bias");
   col.def_property_readonly("out_features_per_rank", &ly::ColumnParallelLinear::out_features_per_rank);
 
   pyb::class_<ly::RowParallelLinear> row(m, "RowParallelLinear", "Y = X W^T + b with W's columns split over TP.");
-  row.def(pyb::init([](comm::Communicator& tp, int64_t in, int64_t out, bool bias, bool input_is_parallel,
-                        bool sequence_parallel, const pyb::object& dtype, const pyb::object& device, double init_std,
-                        uint64_t seed, uint64_t init_offset) {
-             ly::RowParallelLinearOptions o;
-             o.bias = bias;
-             o.input_is_parallel = input_is_parallel;
-             o.sequence_parallel = sequence_parallel;
-             o.params_dtype = dtype_arg(dtype);
-             o.device = device_arg(device);
-             o.init_std = init_std;
-             o.seed = seed;
-             o.init_offset = init_offset;
-             pyb::gil_scoped_release nogil;
-             return new ly::RowParallelLinear(tp, in, out, o);
-           }),
-           pyb::arg("tp"), pyb::arg("in_features"), pyb::arg("out_features"), pyb::arg("bias") = true,
-           pyb::arg("input_is_parallel") = false, pyb::arg("sequence_parallel") = false,
-           pyb::arg("params_dtype") = "f32", pyb::arg("device") = "cpu", pyb::arg("init_std") = 0.02,
-           pyb::arg("seed") = 1234, pyb::arg("init_offset") = 0, pyb::keep_alive<1, 2>());
+  bind_linear_init(row, "input_is_parallel", &ly::RowParallelLinearOptions::input_is_parallel);
   bind_linear_methods(row, "x: [..., in/TP] with input_is_parallel, else [..., in] → [..., out] (summed over TP).",
                       "Accumulates weight/bias main_grad and returns dx in x's layout.", "(data [out, in/TP], main_grad)",
                       "(data [out], main_grad), or None without bias");

@@ -25,6 +25,8 @@ void translate(std::exception_ptr p) {
     set("CudaError", e);
   } catch (const IOError& e) {
     set("IOError", e);
+  } catch (const InternalError& e) {
+    set("InternalError", e);
   } catch (const Error& e) {
     set("Error", e);
   }

@@ -30,7 +30,7 @@ from ._C import (
     zeros,
 )
 from ._C import _set_current_stream
-from .errors import CommError, ConfigError, CudaError, Error, IOError, OutOfMemoryError, ValueError
+from .errors import CommError, ConfigError, CudaError, Error, InternalError, IOError, OutOfMemoryError, ValueError
 from .executors import KubernetesExecutor, LocalExecutor, SlurmExecutor, run
 
 __version__ = build_info()["version"]
@@ -65,7 +65,7 @@ def tensor(array, dtype=None, device="cpu"):
 
 
 __all__ = [
-    "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "errors",
+    "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "InternalError", "errors",
     "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
     "cuda_available", "cuda_device_count", "cuda_device_name", "current_stream", "stream", "synchronize",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "set_memory_limit", "build_info", "log_level",

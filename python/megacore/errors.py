@@ -35,4 +35,9 @@ class IOError(Error, builtins.OSError):  # noqa: A001
     """A file is missing, truncated, corrupt or of the wrong kind."""
 
 
-__all__ = ["Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError"]
+class InternalError(Error, builtins.RuntimeError):
+    """A broken invariant inside megacore: a bug in the library, not in the caller's input."""
+
+
+__all__ = ["Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError",
+           "InternalError"]

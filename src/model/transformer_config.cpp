@@ -175,83 +175,50 @@ FlopsPerToken flops_per_token(const TransformerConfig& c, int64_t seq_len, bool 
 
 namespace presets {
 
-TransformerConfig tiny_llama() {
-  TransformerConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 8;
-  c.num_query_groups = 4;
-  c.ffn_hidden_size = 128;
-  c.vocab_size = 256;
-  c.max_position_embeddings = 128;
-  c.normalization = NormType::RMSNorm;
-  c.activation = ActivationType::SwiGLU;
-  c.position_embedding = PositionEmbeddingType::RoPE;
-  c.rope_theta = 10000.0;
+// Each preset names only what differs from TransformerConfig's defaults (RMSNorm, SwiGLU, RoPE, untied);
+// GPT-2 models share one flavour. Fields left out of the designated initializers keep their defaults, which is
+// the point, so GCC's -Wmissing-field-initializers is off here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+namespace {
+TransformerConfig gpt2_flavour(TransformerConfig c) {
+  c.normalization = NormType::LayerNorm;
+  c.activation = ActivationType::GELU;
+  c.add_bias_linear = true;
+  c.tie_word_embeddings = true;
+  c.position_embedding = PositionEmbeddingType::Learned;
   return c;
+}
+}  // namespace
+
+TransformerConfig tiny_llama() {
+  return {.num_layers = 2, .hidden_size = 64, .num_attention_heads = 8, .num_query_groups = 4, .ffn_hidden_size = 128,
+          .vocab_size = 256, .max_position_embeddings = 128};
 }
 
 TransformerConfig tiny_gpt2() {
-  TransformerConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 8;
-  c.ffn_hidden_size = 256;
-  c.vocab_size = 256;
-  c.max_position_embeddings = 128;
-  c.normalization = NormType::LayerNorm;
-  c.activation = ActivationType::GELU;
-  c.add_bias_linear = true;
-  c.tie_word_embeddings = true;
-  c.position_embedding = PositionEmbeddingType::Learned;
-  return c;
+  return gpt2_flavour({.num_layers = 2, .hidden_size = 64, .num_attention_heads = 8, .ffn_hidden_size = 256,
+                       .vocab_size = 256, .max_position_embeddings = 128});
 }
 
 TransformerConfig llama32_1b() {
-  TransformerConfig c;
-  c.num_layers = 16;
-  c.hidden_size = 2048;
-  c.num_attention_heads = 32;
-  c.num_query_groups = 8;
-  c.ffn_hidden_size = 8192;
-  c.kv_channels = 64;
-  c.vocab_size = 128256;
-  c.max_position_embeddings = 131072;
-  c.tie_word_embeddings = true;
-  c.rope_theta = 500000.0;
-  c.rope_scaling = RopeScaling{RopeScalingType::Llama3, 32.0, 1.0, 4.0, 8192};
-  return c;
+  return {.num_layers = 16, .hidden_size = 2048, .num_attention_heads = 32, .num_query_groups = 8,
+          .ffn_hidden_size = 8192, .kv_channels = 64, .vocab_size = 128256, .max_position_embeddings = 131072,
+          .tie_word_embeddings = true, .rope_theta = 500000.0,
+          .rope_scaling = {RopeScalingType::Llama3, 32.0, 1.0, 4.0, 8192}};
 }
 
 TransformerConfig llama3_8b() {
-  TransformerConfig c;
-  c.num_layers = 32;
-  c.hidden_size = 4096;
-  c.num_attention_heads = 32;
-  c.num_query_groups = 8;
-  c.ffn_hidden_size = 14336;
-  c.kv_channels = 128;
-  c.vocab_size = 128256;
-  c.max_position_embeddings = 8192;
-  c.rope_theta = 500000.0;
-  return c;
+  return {.num_layers = 32, .hidden_size = 4096, .num_attention_heads = 32, .num_query_groups = 8,
+          .ffn_hidden_size = 14336, .kv_channels = 128, .vocab_size = 128256, .max_position_embeddings = 8192,
+          .rope_theta = 500000.0};
 }
 
 TransformerConfig gpt2_124m() {
-  TransformerConfig c;
-  c.num_layers = 12;
-  c.hidden_size = 768;
-  c.num_attention_heads = 12;
-  c.ffn_hidden_size = 3072;
-  c.vocab_size = 50257;
-  c.max_position_embeddings = 1024;
-  c.normalization = NormType::LayerNorm;
-  c.activation = ActivationType::GELU;
-  c.add_bias_linear = true;
-  c.tie_word_embeddings = true;
-  c.position_embedding = PositionEmbeddingType::Learned;
-  return c;
+  return gpt2_flavour({.num_layers = 12, .hidden_size = 768, .num_attention_heads = 12, .ffn_hidden_size = 3072,
+                       .vocab_size = 50257, .max_position_embeddings = 1024});
 }
+#pragma GCC diagnostic pop
 
 }  // namespace presets
 }  // namespace megacore::model

@@ -166,7 +166,7 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
   std::vector<Tensor> losses(static_cast<size_t>(m));
   auto take = [](std::map<Key, Tensor>& from, const Key& k, const Op& op) {
     auto it = from.find(k);
-    MC_CHECK(it != from.end(), "PipelineEngine: internal schedule error at {}: its tensor is missing", to_string(op));
+    MC_INTERNAL_ASSERT(it != from.end(), "PipelineEngine: at {} its tensor is missing", to_string(op));
     Tensor t = std::move(it->second);
     from.erase(it);
     return t;
@@ -213,7 +213,7 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
         if (opts_.before_backward) opts_.before_backward(op.chunk, op.microbatch, op.microbatch == last_bwd[size_t(op.chunk)]);
         Tensor dy = chunk.post_process() ? Tensor() : take(grad_outs, key, op);
         auto it = stash.find(key);
-        MC_CHECK(it != stash.end(), "PipelineEngine: internal schedule error at {}: no stashed forward", to_string(op));
+        MC_INTERNAL_ASSERT(it != stash.end(), "PipelineEngine: at {} there is no stashed forward", to_string(op));
         const float scale =
             total_tokens > 0 ? float(tokens[size_t(op.microbatch)] * dp_size / total_tokens * loss_scale) : 0.f;
         busy.begin();

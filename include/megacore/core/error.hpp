@@ -1,4 +1,5 @@
-// Typed errors and the MC_CHECK family of macros.
+// Typed errors and the MC_CHECK family of macros (the caller's mistakes), apart from MC_INTERNAL_ASSERT
+// (megacore's own bugs).
 //
 // Every failure megacore reports is one of the classes below, so callers (and the Python bindings)
 // can tell a bad argument from a communication failure from a CUDA fault. Messages say what is wrong
@@ -47,11 +48,24 @@ class IOError : public Error {
  public:
   using Error::Error;
 };
+/// A broken invariant inside megacore: a bug in the library, not a problem with the caller's input
+/// (MC_INTERNAL_ASSERT). Deliberately not a ValueError, so code that handles bad input does not swallow it.
+class InternalError : public Error {
+ public:
+  using Error::Error;
+};
 
 namespace detail {
 template <class E, class... Args>
 [[noreturn]] void throw_error(fmt::format_string<Args...> f, Args&&... args) {
   throw E(fmt::format(f, std::forward<Args>(args)...));
+}
+template <class... Args>
+[[noreturn]] void throw_internal(const char* file, int line, const char* cond, fmt::format_string<Args...> f,
+                                 Args&&... args) {
+  throw InternalError(fmt::format("internal error at {}:{}: `{}` does not hold: {}. This is a bug in megacore, not in "
+                                  "your input; please report it with this message",
+                                  file, line, cond, fmt::format(f, std::forward<Args>(args)...)));
 }
 }  // namespace detail
 
@@ -73,4 +87,11 @@ template <class E = ValueError, class... Args>
 #define MC_CHECK_AS(Type, cond, ...)                                                 \
   do {                                                                               \
     if (!(cond)) ::megacore::detail::throw_error<::megacore::Type>(__VA_ARGS__);     \
+  } while (0)
+
+/// MC_INTERNAL_ASSERT(cond, "fmt {}", args...): an invariant of megacore's own code (as TORCH_INTERNAL_ASSERT;
+/// MC_CHECK is for the caller's mistakes). Throws megacore::InternalError naming file:line and the condition.
+#define MC_INTERNAL_ASSERT(cond, ...)                                                             \
+  do {                                                                                            \
+    if (!(cond)) ::megacore::detail::throw_internal(__FILE__, __LINE__, #cond, __VA_ARGS__);      \
   } while (0)

@@ -393,7 +393,8 @@ void embedding_backward(DType dt, DType wdt, const void* dout, const void* ids, 
   if (!accumulate) MC_CUDA_CHECK(cudaMemsetAsync(dweight, 0, size_t(v) * size_t(h) * size_t(dtype_size(wdt)), s));
   if (n == 0 || h == 0) return;
   const Layout l = layout(n, v);
-  MC_CHECK(workspace_bytes >= l.total, "internal: embedding workspace too small");
+  MC_INTERNAL_ASSERT(workspace_bytes >= l.total, "the embedding workspace has {} bytes, its layout needs {}",
+                     workspace_bytes, l.total);
   char* ws = static_cast<char*>(workspace);
   auto* keys_in = reinterpret_cast<int32_t*>(ws + l.keys_in);
   auto* keys_out = reinterpret_cast<int32_t*>(ws + l.keys_out);
