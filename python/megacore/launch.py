@@ -91,6 +91,10 @@ def _run_mpi(a, nproc: int) -> int:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # mpirun's own variables describe the ranks
+    if a.cpu:
+        # --cpu means CPU ranks even where GPUs are visible: hidden from the ranks, device 'auto' picks the CPU
+        # (and MPI) as it does on a machine without GPUs.
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(nproc)] + _command(a)
     return subprocess.call(cmd, env=env)
 
