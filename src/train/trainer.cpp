@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -27,6 +28,7 @@
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/pipeline/engine.hpp"
 #include "megacore/pipeline/layout.hpp"
+#include "megacore/train/stop_signal.hpp"
 
 namespace megacore::train {
 
@@ -112,6 +114,8 @@ struct Trainer::Impl {
   std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& l);
   StepMetrics train_step();
   void log(const StepMetrics& m);
+  /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
+  int agree_stop();
   double evaluate(int64_t max_batches);
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
   data::LoaderConfig loader_config(int prefetch) const;
@@ -488,6 +492,12 @@ Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_
   return loss;
 }
 
+int Trainer::Impl::agree_stop() {
+  Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device, ctx.stream);
+  world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait();
+  return int(t.to(Device::cpu(), ctx.stream).to_double_vector()[0]);
+}
+
 double Trainer::Impl::evaluate(int64_t max_batches) {
   MC_CHECK(valid_src != nullptr, "Trainer.evaluate: no validation data was given");
   data::DataLoader vl(valid_src, loader_config(std::min(cfg.data.prefetch, 2)));  // short: a smaller pinned pool
@@ -621,12 +631,24 @@ TrainResult Trainer::fit() {
         if (I.tb) I.tb->add_scalars(I.step, {{"val/loss", *val}});
       }
     }
-    if (I.ckpt && (I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
+    // Agreed before the checkpoint decision, so a stop saves this step's state once.
+    const int stop = I.step < end ? I.agree_stop() : 0;
+    if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
       I.save(val);
       if (I.root) {
         std::printf("step %lld | checkpoint %s\n", (long long)I.step, I.last_checkpoint.c_str());
         std::fflush(stdout);
       }
+    }
+    if (stop != 0) {
+      r.stopped_by_signal = stop;
+      if (I.root) {
+        std::printf("megacore: stopping after step %lld on signal %d (%s)%s\n", (long long)I.step, stop,
+                    strsignal(stop), I.ckpt ? "; resume from the checkpoint above" : "; checkpoint.save_dir is "
+                    "empty, so nothing was saved");
+        std::fflush(stdout);
+      }
+      break;
     }
   }
   if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
