@@ -642,6 +642,7 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("trainer.limit_val_batches", "must be >= 1 when validating (trainer.val_check_interval > 0)");
   if (t.generate_tokens < 0) err("trainer.generate_tokens", "must be >= 0");
   if (!(t.comm_timeout_s > 0)) err("trainer.comm_timeout_s", "must be a positive number of seconds");
+  if (t.max_restarts < 0) err("trainer.max_restarts", "must be >= 0 (0 = a failure ends the job)");
   if (ck.save_interval < 0 || ck.keep_last < 0 || ck.keep_top_k < 0)
     err("checkpoint", "save_interval, keep_last and keep_top_k must be >= 0");
   if (ck.keep_top_k && !t.val_check_interval)

@@ -206,6 +206,7 @@ struct TrainerSection {
   int64_t generate_tokens = 0;
   std::string generate_prompt;
   double comm_timeout_s = 300;
+  int64_t max_restarts = 0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -238,6 +239,10 @@ struct TrainerSection {
     f(Field{"generate_prompt", "Prompt of the sample printed after training."}, s.generate_prompt);
     f(Field{"comm_timeout_s", "Seconds a collective may hang before the run fails with CommError."},
       s.comm_timeout_s);
+    f(Field{"max_restarts",
+            "When a rank fails, megacore.launch restarts every rank from the latest checkpoint, up to this many "
+            "times (each restart must get further than the last); 0 = the job fails."},
+      s.max_restarts);
   }
 };
 
