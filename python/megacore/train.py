@@ -81,12 +81,22 @@ def run(recipe, world=None, on_step=None, on_world=None) -> dict:
     train, valid = build_data(recipe, world)
     cfg = _C.train.RunConfig.from_json(recipe.to_json())
     trainer = _C.train.Trainer(cfg, world, train, valid)
+    server = None
     if world.rank == 0:
         _proc.report_progress(trainer.step)
+        lg = recipe.logging
+        if lg.metrics_port:
+            from .metrics import MetricsServer
+
+            server = MetricsServer(lg.metrics_host, lg.metrics_port,
+                                   restarts=int(os.environ.get("MEGACORE_RESTART", "0") or 0))
+            print(f"megacore: metrics at http://{lg.metrics_host}:{lg.metrics_port}/metrics", flush=True)
 
     def step_done(m):
         if world.rank == 0:
             _proc.report_progress(m["step"])
+            if server is not None:
+                server.update(m)
         if on_step is not None:
             on_step(m)
     trainer.set_step_callback(step_done)
@@ -94,6 +104,8 @@ def run(recipe, world=None, on_step=None, on_world=None) -> dict:
         result = trainer.fit()
     finally:
         trainer.set_step_callback(None)
+        if server is not None:
+            server.close()
     hist = result["history"]
     if world.rank == 0 and hist:
         first = hist[0]["loss"]

@@ -1,6 +1,7 @@
 """Resilience on CPU ranks: an error on one rank ends the whole job within seconds and the launcher names it
 once; SIGTERM stops every rank after the same step with a checkpoint (and the resumed run continues bit for
-bit); stopping the CLI leaves no process of the job; --max-restarts resumes a job whose rank died."""
+bit); stopping the CLI leaves no process of the job; --max-restarts resumes a job whose rank died; rank 0
+serves Prometheus metrics."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -173,3 +175,51 @@ def test_a_job_that_keeps_failing_stops_after_its_restarts(tmp_path):
     assert took < 60, (took, out)
     lines = SUMMARY.findall(p.stderr)
     assert len(lines) == 1 and "made no progress" in lines[0], out
+
+
+@needs_mpi
+def test_rank_0_serves_prometheus_metrics_during_the_run(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r, cfg = _tiny(tmp_path, "prom", 6, logging__metrics_port=port)
+    proc = subprocess.Popen([sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu", RANK, cfg],
+                            env=dict(os.environ, FAULT_STEP_DELAY="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text, ctype, deadline = None, None, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                    body, ctype = resp.read().decode(), resp.headers["Content-Type"]
+                if "megacore_step " in body:
+                    text = body
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert text is not None, "no scrape succeeded"
+    finally:
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert ctype.startswith("text/plain; version=0.0.4")
+    samples, helped, typed = {}, set(), {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split()[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            typed[name] = kind
+        else:
+            m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)", line)
+            assert m, line
+            samples[m.group(1)] = float(m.group(3))
+    assert set(samples) == helped == set(typed)
+    for name in ("megacore_step", "megacore_loss", "megacore_grad_norm", "megacore_learning_rate",
+                 "megacore_tokens_per_second", "megacore_tflops_per_gpu", "megacore_mfu_ratio",
+                 "megacore_memory_allocated_bytes", "megacore_step_seconds", "megacore_restarts_total"):
+        assert name in samples, name
+    assert typed["megacore_restarts_total"] == "counter" and typed["megacore_loss"] == "gauge"
+    assert 1 <= samples["megacore_step"] <= 6 and samples["megacore_loss"] > 0

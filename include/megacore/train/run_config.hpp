@@ -281,6 +281,8 @@ struct LoggingSection {
   bool jsonl = true;
   bool tensorboard = true;
   std::string progress_bar = "auto";
+  int64_t metrics_port = 0;
+  std::string metrics_host = "127.0.0.1";
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -289,6 +291,11 @@ struct LoggingSection {
     f(Field{"tensorboard", "Write TensorBoard event files under log_dir/tensorboard."}, s.tensorboard);
     f(Field{"progress_bar", "auto (only when the launcher's output is a terminal), on or off.", "auto|on|off"},
       s.progress_bar);
+    f(Field{"metrics_port",
+            "Rank 0 serves the latest step's metrics in Prometheus text format on http://metrics_host:port/metrics "
+            "(0 = off)."},
+      s.metrics_port);
+    f(Field{"metrics_host", "Address the metrics endpoint binds to (0.0.0.0 = every interface)."}, s.metrics_host);
   }
 };
 
