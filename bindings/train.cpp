@@ -19,6 +19,8 @@ pyb::dict metrics_dict(const train::StepMetrics& m) {
   d["grad_norm"] = m.grad_norm;
   d["lr"] = m.lr;
   d["skipped"] = m.skipped;
+  d["nonfinite"] = m.nonfinite;
+  d["loss_spike"] = m.loss_spike;
   d["step_seconds"] = m.step_seconds;
   d["tokens_per_s"] = m.tokens_per_s;
   d["tflops_per_gpu"] = m.tflops_per_gpu;

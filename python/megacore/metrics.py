@@ -36,7 +36,8 @@ def _value(v) -> str:
     return repr(v)
 
 
-def render(metrics: dict | None, restarts: int = 0, skipped_steps: int = 0) -> str:
+def render(metrics: dict | None, restarts: int = 0, skipped_steps: int = 0, nonfinite_steps: int = 0,
+           loss_spikes: int = 0) -> str:
     """The exposition text of one snapshot (metrics: the trainer's per-step dict, None before the first step)."""
     out = []
     for name, kind, doc, key, scale in GAUGES:
@@ -46,7 +47,12 @@ def render(metrics: dict | None, restarts: int = 0, skipped_steps: int = 0) -> s
     out += ["# HELP megacore_restarts_total Times megacore.launch restarted the job's ranks after a failure.",
             "# TYPE megacore_restarts_total counter", f"megacore_restarts_total {restarts}",
             "# HELP megacore_skipped_steps_total Steps skipped for non-finite gradients in this run.",
-            "# TYPE megacore_skipped_steps_total counter", f"megacore_skipped_steps_total {skipped_steps}"]
+            "# TYPE megacore_skipped_steps_total counter", f"megacore_skipped_steps_total {skipped_steps}",
+            "# HELP megacore_nonfinite_steps_total Steps whose loss or gradient norm was NaN or Inf in this run.",
+            "# TYPE megacore_nonfinite_steps_total counter", f"megacore_nonfinite_steps_total {nonfinite_steps}",
+            "# HELP megacore_loss_spikes_total Steps whose loss exceeded trainer.loss_spike_factor x its moving "
+            "average in this run.",
+            "# TYPE megacore_loss_spikes_total counter", f"megacore_loss_spikes_total {loss_spikes}"]
     return "\n".join(out) + "\n"
 
 
@@ -57,7 +63,7 @@ class MetricsServer:
         self._lock = threading.Lock()
         self._metrics = None
         self._restarts = restarts
-        self._skipped = 0
+        self._skipped = self._nonfinite = self._spikes = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -85,10 +91,12 @@ class MetricsServer:
         with self._lock:
             self._metrics = dict(metrics)
             self._skipped += bool(metrics.get("skipped"))
+            self._nonfinite += bool(metrics.get("nonfinite"))
+            self._spikes += bool(metrics.get("loss_spike"))
 
     def text(self) -> str:
         with self._lock:
-            return render(self._metrics, self._restarts, self._skipped)
+            return render(self._metrics, self._restarts, self._skipped, self._nonfinite, self._spikes)
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -153,6 +153,8 @@ std::string to_json(const StepMetrics& m) {
                       {"lr", m.lr},
                       {"loss_scale", m.loss_scale},
                       {"skipped", m.skipped},
+                      {"nonfinite", m.nonfinite},
+                      {"loss_spike", m.loss_spike},
                       {"step_seconds", m.step_seconds},
                       {"tokens_per_s", m.tokens_per_s},
                       {"tflops_per_gpu", m.tflops_per_gpu},

@@ -114,6 +114,11 @@ struct Trainer::Impl {
   std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& l);
   StepMetrics train_step();
   void log(const StepMetrics& m);
+  /// Marks and reports a non-finite loss / gradient norm (and ends the run when on_nonfinite = stop) and a
+  /// loss spike. Every rank holds the same loss and norm, so every rank decides alike.
+  void check_numerics(StepMetrics& m);
+  double loss_avg = 0;     // moving average of finite losses (loss_spike_factor)
+  int64_t loss_avg_n = 0;
   /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
   int agree_stop();
   double evaluate(int64_t max_batches);
@@ -492,6 +497,38 @@ Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_
   return loss;
 }
 
+void Trainer::Impl::check_numerics(StepMetrics& m) {
+  const bool bad_loss = !std::isfinite(m.loss), bad_norm = !std::isfinite(m.grad_norm) && !scaler;
+  if (bad_loss || bad_norm) {
+    m.nonfinite = true;
+    const std::string what = fmt::format("{}{}{} (loss {}, gradient norm {})", bad_loss ? "loss" : "",
+                                         bad_loss && bad_norm ? " and " : "", bad_norm ? "gradient norm" : "", m.loss,
+                                         m.grad_norm);
+    if (root) {
+      std::printf("megacore: step %lld: non-finite %s, the global values every rank holds; %s\n", (long long)m.step,
+                  what.c_str(), m.skipped ? "the update was skipped" : "the update was applied "
+                  "(optim.skip_nonfinite_steps = false)");
+      std::fflush(stdout);
+    }
+    MC_CHECK_AS(ValueError, cfg.trainer.on_nonfinite != "stop",
+                "step {}: non-finite {}; trainer.on_nonfinite = stop ended the run (checkpoints before this step are "
+                "intact). Lower optim.lr or raise optim.lr_warmup_iters, check the data, or set "
+                "trainer.on_nonfinite = skip to skip such steps", m.step, what);
+    return;
+  }
+  const double f = cfg.trainer.loss_spike_factor;
+  if (f > 0 && loss_avg_n >= 10 && m.loss > f * loss_avg) {
+    m.loss_spike = true;
+    if (root) {
+      std::printf("megacore: step %lld: loss spike: %.4f is %.1fx its moving average %.4f (trainer.loss_spike_factor "
+                  "= %g)\n", (long long)m.step, m.loss, m.loss / loss_avg, loss_avg, f);
+      std::fflush(stdout);
+    }
+  }
+  loss_avg = loss_avg_n == 0 ? m.loss : 0.9 * loss_avg + 0.1 * m.loss;
+  ++loss_avg_n;
+}
+
 int Trainer::Impl::agree_stop() {
   Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device, ctx.stream);
   world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait();
@@ -617,6 +654,7 @@ TrainResult Trainer::fit() {
   const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.step + ts.stop_after_steps) : ts.max_steps;
   while (I.step < end) {
     StepMetrics m = I.train_step();
+    I.check_numerics(m);
     r.history.push_back(m);
     I.log(m);
     if (I.step_cb) I.step_cb(m);

@@ -223,3 +223,34 @@ def test_rank_0_serves_prometheus_metrics_during_the_run(tmp_path):
         assert name in samples, name
     assert typed["megacore_restarts_total"] == "counter" and typed["megacore_loss"] == "gauge"
     assert 1 <= samples["megacore_step"] <= 6 and samples["megacore_loss"] > 0
+
+
+def _diverging(tmp_path, name, on_nonfinite):
+    # SGD at lr 1e30 without warmup: step 1 is finite, its update overflows the weights, step 2's loss is not.
+    return _tiny(tmp_path, name, 4, optim__optimizer="sgd", optim__lr=1e30, optim__min_lr=0.0,
+                 optim__lr_warmup_iters=0, trainer__on_nonfinite=on_nonfinite, checkpoint__save_last=False)
+
+
+@needs_mpi
+def test_a_nonfinite_loss_stops_the_run_when_asked(tmp_path):
+    r, cfg = _diverging(tmp_path, "nan_stop", "stop")
+    p, took = _launch(cfg)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and took < 30, out
+    assert "megacore: step 2: non-finite loss" in p.stdout, out
+    lines = SUMMARY.findall(p.stderr)
+    assert len(lines) == 1 and "failed first: ValueError: step 2: non-finite loss" in lines[0], out
+    assert "trainer.on_nonfinite = stop" in lines[0]
+
+
+@needs_mpi
+def test_nonfinite_steps_are_reported_and_skipped(tmp_path):
+    r, cfg = _diverging(tmp_path, "nan_skip", "skip")
+    p, _ = _launch(cfg)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    for step in (2, 3, 4):
+        assert f"megacore: step {step}: non-finite loss" in p.stdout and "the update was skipped" in p.stdout, out
+    rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    assert [(row["step"], row["nonfinite"], row["skipped"]) for row in rows] == \
+        [(1, False, False), (2, True, True), (3, True, True), (4, True, True)]

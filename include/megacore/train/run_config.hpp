@@ -186,7 +186,9 @@ struct OptimSection {
     f(Field{"lr_wsd_decay_iters", "WSD: length of the final decay phase; 0 = a tenth of the decay."},
       s.lr_wsd_decay_iters);
     f(Field{"initial_loss_scale", "f16 only: the initial dynamic loss scale."}, s.initial_loss_scale);
-    f(Field{"skip_nonfinite_steps", "Skip the step (and report it) when a gradient is NaN or Inf."},
+    f(Field{"skip_nonfinite_steps",
+            "Skip the update when a gradient is NaN or Inf (false applies it anyway: debugging only). What the run "
+            "then does is trainer.on_nonfinite."},
       s.skip_nonfinite_steps);
   }
 };
@@ -207,6 +209,8 @@ struct TrainerSection {
   std::string generate_prompt;
   double comm_timeout_s = 300;
   int64_t max_restarts = 0;
+  std::string on_nonfinite = "skip";
+  double loss_spike_factor = 3.0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -243,6 +247,17 @@ struct TrainerSection {
             "When a rank fails, megacore.launch restarts every rank from the latest checkpoint, up to this many "
             "times (each restart must get further than the last); 0 = the job fails."},
       s.max_restarts);
+    f(Field{"on_nonfinite",
+            "A step whose loss or gradient norm is NaN/Inf is reported (step, values) and then: skip = the run goes "
+            "on (the update itself is skipped unless optim.skip_nonfinite_steps = false); stop = every rank ends "
+            "the run with ValueError (the last checkpoint predates it). With f16 loss scaling an Inf gradient norm "
+            "is the scaler's business (it backs off) and only a non-finite loss counts.",
+            "skip|stop"},
+      s.on_nonfinite);
+    f(Field{"loss_spike_factor",
+            "Report a step whose loss exceeds this factor times the loss's moving average (after 10 steps); "
+            "0 = off."},
+      s.loss_spike_factor);
   }
 };
 
