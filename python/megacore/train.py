@@ -4,6 +4,11 @@ Executors start this on every rank (``megacore.launch``, srun, a PyTorchJob pod)
 the world communicator, builds this rank's data sources, hands everything to the C++ ``Trainer`` and, when the
 recipe asks for it, prints a greedy sample from the trained model on rank 0. Rank 0 also writes the recipe
 next to the logs, so the run can be reproduced from its own config.
+
+Failures and signals (docs/training.md, "Failures, signals and restarts"): any exception on a rank ends the
+whole job at once (fail_fast: the error is printed and recorded for the launcher, the world communicator is
+aborted, MPI_Abort under mpirun); SIGTERM, SIGUSR1 or a first Ctrl-C stop every rank after the same step with a
+checkpoint and exit 0.
 """
 
 from __future__ import annotations
