@@ -21,6 +21,9 @@ pyb::dict metrics_dict(const train::StepMetrics& m) {
   d["skipped"] = m.skipped;
   d["nonfinite"] = m.nonfinite;
   d["loss_spike"] = m.loss_spike;
+  d["compute_seconds"] = m.compute_seconds;
+  d["rank_compute_seconds"] = m.rank_compute_seconds;
+  d["stragglers"] = m.stragglers;
   d["step_seconds"] = m.step_seconds;
   d["tokens_per_s"] = m.tokens_per_s;
   d["tflops_per_gpu"] = m.tflops_per_gpu;

@@ -37,13 +37,22 @@ def _value(v) -> str:
 
 
 def render(metrics: dict | None, restarts: int = 0, skipped_steps: int = 0, nonfinite_steps: int = 0,
-           loss_spikes: int = 0) -> str:
+           loss_spikes: int = 0, straggler_steps: int = 0) -> str:
     """The exposition text of one snapshot (metrics: the trainer's per-step dict, None before the first step)."""
     out = []
     for name, kind, doc, key, scale in GAUGES:
         if metrics is None or key not in metrics:
             continue
         out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {_value(metrics[key] * scale)}"]
+    per_rank = (metrics or {}).get("rank_compute_seconds") or []
+    if per_rank:
+        out += ["# HELP megacore_rank_compute_seconds Each rank's compute time in the latest step (up to the "
+                "data-parallel gradient reduction); trainer.straggler_factor > 0.",
+                "# TYPE megacore_rank_compute_seconds gauge"]
+        out += [f'megacore_rank_compute_seconds{{rank="{r}"}} {_value(t)}' for r, t in enumerate(per_rank)]
+        out += ["# HELP megacore_straggler_steps_total Steps in which some rank was slower than "
+                "trainer.straggler_factor times the median.",
+                "# TYPE megacore_straggler_steps_total counter", f"megacore_straggler_steps_total {straggler_steps}"]
     out += ["# HELP megacore_restarts_total Times megacore.launch restarted the job's ranks after a failure.",
             "# TYPE megacore_restarts_total counter", f"megacore_restarts_total {restarts}",
             "# HELP megacore_skipped_steps_total Steps skipped for non-finite gradients in this run.",
@@ -63,7 +72,7 @@ class MetricsServer:
         self._lock = threading.Lock()
         self._metrics = None
         self._restarts = restarts
-        self._skipped = self._nonfinite = self._spikes = 0
+        self._skipped = self._nonfinite = self._spikes = self._stragglers = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -93,10 +102,12 @@ class MetricsServer:
             self._skipped += bool(metrics.get("skipped"))
             self._nonfinite += bool(metrics.get("nonfinite"))
             self._spikes += bool(metrics.get("loss_spike"))
+            self._stragglers += bool(metrics.get("stragglers"))
 
     def text(self) -> str:
         with self._lock:
-            return render(self._metrics, self._restarts, self._skipped, self._nonfinite, self._spikes)
+            return render(self._metrics, self._restarts, self._skipped, self._nonfinite, self._spikes,
+                          self._stragglers)
 
     def close(self) -> None:
         self._httpd.shutdown()

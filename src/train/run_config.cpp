@@ -647,6 +647,8 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("trainer.on_nonfinite", fmt::format("'{}' is not skip or stop", t.on_nonfinite));
   if (!(t.loss_spike_factor == 0 || t.loss_spike_factor > 1))
     err("trainer.loss_spike_factor", "must be 0 (off) or a factor above 1, e.g. 3");
+  if (!(t.straggler_factor == 0 || t.straggler_factor > 1))
+    err("trainer.straggler_factor", "must be 0 (off) or a factor above 1, e.g. 1.5");
   if (r.logging.metrics_port < 0 || r.logging.metrics_port > 65535)
     err("logging.metrics_port", "must be a TCP port in 1..65535, or 0 for no metrics endpoint");
   if (r.logging.metrics_port > 0 && r.logging.metrics_host.empty())

@@ -117,6 +117,8 @@ struct Trainer::Impl {
   /// Marks and reports a non-finite loss / gradient norm (and ends the run when on_nonfinite = stop) and a
   /// loss spike. Every rank holds the same loss and norm, so every rank decides alike.
   void check_numerics(StepMetrics& m);
+  /// Gathers every rank's compute time and reports the stragglers (trainer.straggler_factor). Collective.
+  void check_stragglers(StepMetrics& m);
   double loss_avg = 0;     // moving average of finite losses (loss_spike_factor)
   int64_t loss_avg_n = 0;
   /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
@@ -393,8 +395,15 @@ StepMetrics Trainer::Impl::train_step() {
   ddp->zero_grad();
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*loader);
   const double loss_scale = scaler ? scaler->scale() : 1.0;
+  // Compute time for straggler reports: on GPUs by events (no host sync inside the step), on CPU by the clock.
+  const bool time_compute = cfg.trainer.straggler_factor > 0;
+  Event ev_begin(true), ev_compute(true);
+  if (time_compute && is_cuda()) ev_begin.record(ctx.stream);
   pipeline::StepResult sr = engine->step(ctx, mbs, float(loss_scale));
   if (!tied.empty()) ddp->notify_grad_ready(tied);
+  double compute_s = 0;
+  if (time_compute && is_cuda()) ev_compute.record(ctx.stream);
+  else if (time_compute) compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ddp->finish_grad_sync();
   comm::check_health();  // a TP/PP collective the NCCL watchdog aborted during the step (stream-ordered waits)
 
@@ -421,6 +430,8 @@ StepMetrics Trainer::Impl::train_step() {
   ++step;
   consumed_samples += cfg.data.global_batch_size;
   if (is_cuda()) ctx.stream.synchronize();
+  if (time_compute && is_cuda()) compute_s = ev_begin.elapsed_ms(ev_compute) / 1e3;
+  m.compute_seconds = compute_s;
   m.step = step;
   m.loss = sr.loss;
   m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -527,6 +538,30 @@ void Trainer::Impl::check_numerics(StepMetrics& m) {
   }
   loss_avg = loss_avg_n == 0 ? m.loss : 0.9 * loss_avg + 0.1 * m.loss;
   ++loss_avg_n;
+}
+
+void Trainer::Impl::check_stragglers(StepMetrics& m) {
+  Tensor mine = Tensor::from_vector<float>({float(m.compute_seconds)}, {1}).to(device, ctx.stream);
+  Tensor all = Tensor::empty({int64_t(world.size())}, DType::F32, device, ctx.stream);
+  world.all_gather(mine, all, ctx.stream)->wait();
+  m.rank_compute_seconds = all.to(Device::cpu(), ctx.stream).to_double_vector();
+  std::vector<double> sorted = m.rank_compute_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[(sorted.size() - 1) / 2];  // the lower median: with 2 ranks, the faster one
+  const double f = cfg.trainer.straggler_factor;
+  std::string slow;
+  for (int r = 0; r < int(sorted.size()); ++r) {
+    const double t = m.rank_compute_seconds[size_t(r)];
+    if (median > 0 && t > f * median) {
+      m.stragglers.push_back(r);
+      slow += fmt::format("{}rank {} {:.3f} s ({:.1f}x)", slow.empty() ? "" : ", ", r, t, t / median);
+    }
+  }
+  if (root && !slow.empty()) {
+    std::printf("megacore: step %lld: stragglers: %s; median compute %.3f s (trainer.straggler_factor = %g)\n",
+                (long long)m.step, slow.c_str(), median, f);
+    std::fflush(stdout);
+  }
 }
 
 int Trainer::Impl::agree_stop() {
@@ -655,6 +690,7 @@ TrainResult Trainer::fit() {
   while (I.step < end) {
     StepMetrics m = I.train_step();
     I.check_numerics(m);
+    if (ts.straggler_factor > 0) I.check_stragglers(m);
     r.history.push_back(m);
     I.log(m);
     if (I.step_cb) I.step_cb(m);

@@ -184,7 +184,8 @@ def test_rank_0_serves_prometheus_metrics_during_the_run(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r, cfg = _tiny(tmp_path, "prom", 6, logging__metrics_port=port)
+    # straggler_factor barely above 1: of two ranks the slower one is reported nearly every step
+    r, cfg = _tiny(tmp_path, "prom", 6, logging__metrics_port=port, trainer__straggler_factor=1.000001)
     proc = subprocess.Popen([sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu", RANK, cfg],
                             env=dict(os.environ, FAULT_STEP_DELAY="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -215,14 +216,19 @@ def test_rank_0_serves_prometheus_metrics_during_the_run(tmp_path):
         else:
             m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)", line)
             assert m, line
-            samples[m.group(1)] = float(m.group(3))
-    assert set(samples) == helped == set(typed)
+            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    assert {k.split("{")[0] for k in samples} == helped == set(typed)
+    assert {k for k in samples if k.startswith("megacore_rank_compute_seconds")} == \
+        {'megacore_rank_compute_seconds{rank="0"}', 'megacore_rank_compute_seconds{rank="1"}'}
     for name in ("megacore_step", "megacore_loss", "megacore_grad_norm", "megacore_learning_rate",
                  "megacore_tokens_per_second", "megacore_tflops_per_gpu", "megacore_mfu_ratio",
                  "megacore_memory_allocated_bytes", "megacore_step_seconds", "megacore_restarts_total"):
         assert name in samples, name
     assert typed["megacore_restarts_total"] == "counter" and typed["megacore_loss"] == "gauge"
     assert 1 <= samples["megacore_step"] <= 6 and samples["megacore_loss"] > 0
+    assert "stragglers: rank" in out  # the log names the slower rank
+    rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    assert all(row["compute_seconds"] > 0 and isinstance(row["stragglers"], list) for row in rows)
 
 
 def _diverging(tmp_path, name, on_nonfinite):

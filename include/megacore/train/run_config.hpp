@@ -211,6 +211,7 @@ struct TrainerSection {
   int64_t max_restarts = 0;
   std::string on_nonfinite = "skip";
   double loss_spike_factor = 3.0;
+  double straggler_factor = 0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -258,6 +259,10 @@ struct TrainerSection {
             "Report a step whose loss exceeds this factor times the loss's moving average (after 10 steps); "
             "0 = off."},
       s.loss_spike_factor);
+    f(Field{"straggler_factor",
+            "Every step, gather each rank's compute time (the step up to the data-parallel gradient reduction) and "
+            "report ranks slower than this factor times the median; 0 = off (it costs one all-gather per step)."},
+      s.straggler_factor);
   }
 };
 
