@@ -3,6 +3,7 @@
 
 #include "bindings.hpp"
 #include "megacore/comm/bootstrap.hpp"
+#include "megacore/comm/abort.hpp"
 #include "megacore/comm/communicator.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -120,6 +121,9 @@ void bind_comm(pyb::module_& root) {
                            backend_name(c.backend()), c.rank(), c.size());
       });
 
+  m.def("abort_job", [](int code) { abort_job(code); }, pyb::arg("code") = 1,
+        "Ends this process now with `code`: MPI_Abort of the MPI world when MPI is initialised (mpirun then "
+        "ends every rank), else an immediate exit without teardown. Flush your output first.");
   m.def("check_health", &check_health,
         "Raises CommError if the NCCL watchdog aborted a communicator since the last check (each once).");
   m.def("init_from_env", [](const std::string& device, const std::string& name, double timeout_s, bool check_shapes,

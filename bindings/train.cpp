@@ -5,6 +5,7 @@
 #include "bindings.hpp"
 #include "megacore/comm/communicator.hpp"
 #include "megacore/train/run_config.hpp"
+#include "megacore/train/stop_signal.hpp"
 #include "megacore/train/trainer.hpp"
 
 namespace megacore::py {
@@ -18,6 +19,11 @@ pyb::dict metrics_dict(const train::StepMetrics& m) {
   d["grad_norm"] = m.grad_norm;
   d["lr"] = m.lr;
   d["skipped"] = m.skipped;
+  d["nonfinite"] = m.nonfinite;
+  d["loss_spike"] = m.loss_spike;
+  d["compute_seconds"] = m.compute_seconds;
+  d["rank_compute_seconds"] = m.rank_compute_seconds;
+  d["stragglers"] = m.stragglers;
   d["step_seconds"] = m.step_seconds;
   d["tokens_per_s"] = m.tokens_per_s;
   d["tflops_per_gpu"] = m.tflops_per_gpu;
@@ -49,6 +55,13 @@ void bind_train(pyb::module_& root) {
       .def("transformer_config", &train::RunConfig::transformer_config, pyb::arg("on_gpu") = false,
            "The TransformerConfig the layers get (precision 'auto' resolved for the device).")
       .def_property_readonly("world_size", &train::RunConfig::world_size);
+  m.def("install_stop_signal_handlers", &train::install_stop_signal_handlers,
+        "SIGTERM/SIGUSR1 (and a first SIGINT) ask Trainer.fit to stop after the current step and save; a second "
+        "SIGINT exits at once (130). Python's own SIGINT handler is replaced until uninstall.");
+  m.def("uninstall_stop_signal_handlers", &train::uninstall_stop_signal_handlers);
+  m.def("stop_requested", &train::stop_requested, "The signal that asked for a stop, 0 when none did.");
+  m.def("request_stop", &train::request_stop, pyb::arg("signal"));
+  m.def("clear_stop_request", &train::clear_stop_request);
   m.def("run_config_schema", &train::run_config_schema,
         "Every section and field (type, default, doc, accepted values, alias) as JSON.");
   m.def("model_preset_json", [](const std::string& name) {
@@ -77,6 +90,7 @@ void bind_train(pyb::module_& root) {
         d["start_step"] = r.start_step;
         d["final_step"] = r.final_step;
         d["last_checkpoint"] = r.last_checkpoint;
+        d["stopped_by_signal"] = r.stopped_by_signal;
         return d;
       }, "Trains to max_steps; returns {history: [per-step metrics], val_losses, start_step, final_step, "
          "last_checkpoint}.")
@@ -96,6 +110,15 @@ void bind_train(pyb::module_& root) {
         pyb::gil_scoped_release nogil;
         t.load(p, optimizer);
       }, pyb::arg("path"), pyb::arg("optimizer") = true)
+      .def("set_step_callback", [](train::Trainer& t, pyb::object cb) {
+        if (cb.is_none()) return t.set_step_callback({});
+        // The callback runs inside fit() (GIL released) on every rank; an exception it raises ends fit().
+        auto fn = std::make_shared<pyb::object>(std::move(cb));
+        t.set_step_callback([fn](const train::StepMetrics& m) {
+          pyb::gil_scoped_acquire gil;
+          (*fn)(metrics_dict(m));
+        });
+      }, pyb::arg("callback"), "Calls callback(metrics dict) on every rank after each step (None removes it).")
       .def_property_readonly("step", &train::Trainer::step)
       .def_property_readonly("rank", [](const train::Trainer& t) { return t.grid().rank(); })
       .def_property_readonly("is_last_stage", [](const train::Trainer& t) { return t.grid().is_last_stage(); });

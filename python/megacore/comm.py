@@ -11,6 +11,7 @@ the NCCL watchdog, and ``check_health()`` (also run by ``megacore.synchronize()`
 from ._C import comm as _c
 
 Communicator = _c.Communicator
+abort_job = _c.abort_job
 Work = _c.Work
 check_health = _c.check_health
 detect_launch_env = _c.detect_launch_env
@@ -19,5 +20,5 @@ mpi_available = _c.mpi_available
 nccl_available = _c.nccl_available
 nccl_version = _c.nccl_version
 
-__all__ = ["Communicator", "Work", "check_health", "detect_launch_env", "init_from_env", "mpi_available", "nccl_available",
+__all__ = ["Communicator", "Work", "abort_job", "check_health", "detect_launch_env", "init_from_env", "mpi_available", "nccl_available",
            "nccl_version"]

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from . import _proc
 from .errors import ConfigError
 
 
@@ -80,6 +81,7 @@ class LocalExecutor:
             print(f"megacore: warning: {w}", file=sys.stderr)
         cfg = os.path.abspath(_config_path(recipe))
         cmd = [sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(n)] + (["--cpu"] if self.cpu else []) \
+            + (["--max-restarts", str(recipe.trainer.max_restarts)] if recipe.trainer.max_restarts else []) \
             + ["-m", "megacore.train", "--config", cfg]
         # The recipe file is written in a dry run too: the printed command reads it, so it works when pasted.
         os.makedirs(os.path.dirname(cfg) or ".", exist_ok=True)
@@ -88,7 +90,9 @@ class LocalExecutor:
             print(f"megacore: wrote the recipe to {cfg}; the command below runs it", file=sys.stderr)
             print(" ".join(shlex.quote(c) for c in cmd))
             return 0
-        return subprocess.call(cmd, env=dict(os.environ, **{k: str(v) for k, v in self.env.items()}))
+        # The launcher (and through it mpirun and the ranks) is passed this process's SIGTERM/SIGINT/SIGUSR1 and
+        # dies with it: stopping `megacore train` stops the whole job.
+        return _proc.call(cmd, env=dict(os.environ, **{k: str(v) for k, v in self.env.items()}))
 
 
 @dataclass
@@ -106,15 +110,17 @@ class SlurmExecutor:
     inside a container) and must import megacore there: an installed package, or PYTHONPATH passed through
     ``env``. ``job_dir`` (default: the recipe's ``logging.log_dir``) must be on a filesystem every node sees.
 
-    Preemption and time limits: the script asks for no ``--signal``, because ``megacore.train`` does not trap one;
-    at the time limit Slurm sends SIGTERM, then SIGKILL after KillWait, and the steps since the last checkpoint
-    are lost. Bound a job by ``trainer.stop_after_steps`` (it saves when it stops) with ``checkpoint.save_interval``
-    as the safety net; resubmitting the same recipe resumes from the newest checkpoint (``checkpoint.resume =
-    auto``)."""
+    Preemption and time limits: the script asks for ``--signal=TERM@120`` (``signal``; "" leaves it out): 120 s
+    before the time limit Slurm sends SIGTERM to every task, and the ranks finish the current step, save a
+    checkpoint and exit 0 (``megacore.train`` traps SIGTERM and SIGUSR1 and the ranks agree on the step to stop
+    after). Give the time a checkpoint save takes on your model; the job is killed at the limit regardless.
+    Resubmitting the same recipe resumes from the newest checkpoint (``checkpoint.resume = auto``)."""
 
     account: str = ""
     partition: str = ""
     time: str = "04:00:00"
+    #: sbatch ``--signal``: which signal to send the tasks how long before the time limit ("" = none).
+    signal: str = "TERM@120"
     nodes: int = 0
     gpus_per_node: int = 0
     job_name: str = ""
@@ -155,9 +161,10 @@ class SlurmExecutor:
             lines.append(f"#SBATCH --account={self.account}")
         if self.partition:
             lines.append(f"#SBATCH --partition={self.partition}")
-        lines += ["# No --signal: megacore.train does not trap signals. At the time limit the ranks get SIGTERM, then",
-                  "# SIGKILL; bound the job with trainer.stop_after_steps and resubmit (checkpoint.resume=auto).",
-                  "set -euo pipefail"]
+        if self.signal:
+            lines += [f"#SBATCH --signal={self.signal}",
+                      "# The ranks trap the signal: they finish the step, save a checkpoint and exit 0; resubmit to resume."]
+        lines += ["set -euo pipefail"]
         if self.cpu:
             lines.append("# CPU ranks: srun starts them as MPI processes (PMIx); each reads its rank from MPI.")
         else:

@@ -4,6 +4,11 @@ Executors start this on every rank (``megacore.launch``, srun, a PyTorchJob pod)
 the world communicator, builds this rank's data sources, hands everything to the C++ ``Trainer`` and, when the
 recipe asks for it, prints a greedy sample from the trained model on rank 0. Rank 0 also writes the recipe
 next to the logs, so the run can be reproduced from its own config.
+
+Failures and signals (docs/training.md, "Failures, signals and restarts"): any exception on a rank ends the
+whole job at once (fail_fast: the error is printed and recorded for the launcher, the world communicator is
+aborted, MPI_Abort under mpirun); SIGTERM, SIGUSR1 or a first Ctrl-C stop every rank after the same step with a
+checkpoint and exit 0.
 """
 
 from __future__ import annotations
@@ -55,9 +60,11 @@ def build_data(recipe, world):
     return out
 
 
-def run(recipe, world=None) -> dict:
-    """Trains `recipe` on this rank (collective over the world); returns the C++ trainer's result dict."""
-    from . import _C, comm, tokenizers
+def run(recipe, world=None, on_step=None, on_world=None) -> dict:
+    """Trains `recipe` on this rank (collective over the world); returns the C++ trainer's result dict.
+    `on_step(metrics)` runs on every rank after each step (an exception it raises ends the run);
+    `on_world(world)` is told the world communicator as soon as it exists (main aborts it on an error)."""
+    from . import _C, _proc, comm, tokenizers
 
     if recipe.data.tokenizer != "byte" and os.path.exists(recipe.data.tokenizer):
         # The recipe saved with every checkpoint names the tokenizer by absolute path, so an export or a
@@ -67,6 +74,8 @@ def run(recipe, world=None) -> dict:
     if world is None:
         dev = {"auto": "auto", "cpu": "cpu", "cuda": "cuda:0"}[recipe.trainer.device]
         world = comm.init_from_env(device=dev, timeout_s=recipe.trainer.comm_timeout_s)
+    if on_world is not None:
+        on_world(world)
     if world.size != recipe.world_size:
         raise ConfigError(f"the recipe is for {recipe.world_size} ranks (resources: {recipe.resources.num_nodes} × "
                           f"{recipe.resources.num_gpus_per_node}) but {world.size} were started; launch "
@@ -77,7 +86,31 @@ def run(recipe, world=None) -> dict:
     train, valid = build_data(recipe, world)
     cfg = _C.train.RunConfig.from_json(recipe.to_json())
     trainer = _C.train.Trainer(cfg, world, train, valid)
-    result = trainer.fit()
+    server = None
+    if world.rank == 0:
+        _proc.report_progress(trainer.step)
+        lg = recipe.logging
+        if lg.metrics_port:
+            from .metrics import MetricsServer
+
+            server = MetricsServer(lg.metrics_host, lg.metrics_port,
+                                   restarts=int(os.environ.get("MEGACORE_RESTART", "0") or 0))
+            print(f"megacore: metrics at http://{lg.metrics_host}:{lg.metrics_port}/metrics", flush=True)
+
+    def step_done(m):
+        if world.rank == 0:
+            _proc.report_progress(m["step"])
+            if server is not None:
+                server.update(m)
+        if on_step is not None:
+            on_step(m)
+    trainer.set_step_callback(step_done)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.set_step_callback(None)
+        if server is not None:
+            server.close()
     hist = result["history"]
     if world.rank == 0 and hist:
         first = hist[0]["loss"]
@@ -85,7 +118,7 @@ def run(recipe, world=None) -> dict:
         print(f"trained steps {result['start_step'] + 1}..{result['final_step']}: loss {first:.4f} -> {last:.4f}"
               + (f"; checkpoint {result['last_checkpoint']}" if result["last_checkpoint"] else ""), flush=True)
     n = recipe.trainer.generate_tokens
-    if n > 0:
+    if n > 0 and not result["stopped_by_signal"]:
         tok = tokenizers.load_tokenizer(recipe.data.tokenizer)
         prompt = tok.encode(recipe.trainer.generate_prompt or " ")
         ids = trainer.generate(prompt, n)
@@ -95,21 +128,74 @@ def run(recipe, world=None) -> dict:
     return result
 
 
+def _restart_resume(recipe) -> None:
+    """A job the launcher restarted (MEGACORE_RESTART=n) resumes from its latest checkpoint."""
+    n = int(os.environ.get("MEGACORE_RESTART", "0") or 0)
+    if n > 0 and recipe.checkpoint.save_dir and not recipe.checkpoint.resume:
+        recipe.checkpoint.resume = "auto"
+
+
+def fail_fast(exc: BaseException, world=None, code: int = 1):
+    """Reports `exc` (stderr and the launcher's job folder) and ends the job: this rank's communicators are
+    aborted and the process exits with `code` at once (MPI_Abort under mpirun, which then ends every rank;
+    under megacore.launch the launcher stops the others). Never returns."""
+    import threading
+    import traceback
+
+    from . import _proc
+    from .errors import Error
+
+    rank = world.rank if world is not None else _proc.rank_from_env()
+    msg = f"{type(exc).__name__}: {exc}".strip().replace("\n", " | ")
+    if not isinstance(exc, Error):  # our errors say what to fix; anything else is worth its traceback
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(f"megacore.train: rank {rank}: error: {msg}", file=sys.stderr, flush=True)
+    _proc.report_error(rank, msg)
+    sys.stdout.flush()
+    # An abort that does not return (a driver call stuck on a dead peer) must not keep the job alive.
+    threading.Timer(5.0, lambda: os._exit(code)).start()
+    if world is not None:
+        try:
+            world.abort()
+        except BaseException:  # noqa: BLE001 - already failing; the exit below is what matters
+            pass
+    from . import _C
+
+    _C.comm.abort_job(code)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megacore.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the recipe (JSON or YAML, as Recipe.to_json/to_yaml wrote it)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     a = ap.parse_args(argv)
-    from .errors import Error
+    return guarded(lambda on_world: run(_load(a.config, a.set), on_world=on_world))
+
+
+def _load(config, overrides):
     from .recipes import Recipe
 
+    recipe = Recipe.from_file(config).apply_overrides(overrides)
+    _restart_resume(recipe)
+    return recipe
+
+
+def guarded(body) -> int:
+    """Runs ``body(on_world)`` as one rank of a job: SIGTERM, SIGUSR1 and a first Ctrl-C stop it after the
+    current step with a checkpoint (exit 0); any exception ends the whole job through fail_fast."""
+    from . import _C
+
+    world = []
+    _C.train.install_stop_signal_handlers()
     try:
-        recipe = Recipe.from_file(a.config).apply_overrides(a.set)
-        run(recipe)
-    except Error as e:
-        print(f"megacore.train: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        body(world.append)
+    except BaseException as e:  # noqa: BLE001 - every failure must end the job, whatever raised it
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            return 0
+        fail_fast(e, world[0] if world else None)
+    finally:
+        _C.train.uninstall_stop_signal_handlers()
     return 0
 
 

@@ -1,5 +1,6 @@
 // Factories of the backends this build lacks: they exist so callers link either way, and they say
 // how to get the backend.
+#include "comm/comm_detail.hpp"
 #include "megacore/build_config.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -13,6 +14,9 @@ std::unique_ptr<Communicator> make_mpi_world(const CommOptions&) {
                      "MPI (libopenmpi-dev) and rebuild (cmake -DMEGACORE_MPI=ON)");
 }
 std::unique_ptr<Communicator> make_mpi_communicator(const void*, const CommOptions& o) { return make_mpi_world(o); }
+namespace detail {
+void mpi_abort_world(int) {}
+}  // namespace detail
 #endif
 
 #if !MEGACORE_WITH_NCCL

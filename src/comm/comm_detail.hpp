@@ -55,4 +55,8 @@ std::string all_to_all_count_mismatch(const std::vector<int64_t>& counts, int si
 /// The head of every CommError: "group 'tp' (world ranks [0, 1]) op all_reduce(sum) f32 x10".
 std::string error_context(const Communicator& c, std::string_view what);
 
+/// MPI_Abort(MPI_COMM_WORLD, code) when MPI is initialised and not finalised; otherwise returns (and
+/// always returns in a build without MPI).
+void mpi_abort_world(int code);
+
 }  // namespace megacore::comm::detail

@@ -1,7 +1,10 @@
 #include "megacore/comm/communicator.hpp"
+#include "megacore/comm/abort.hpp"
 
 #include <fmt/ranges.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 
 #include "comm/comm_detail.hpp"
@@ -153,4 +156,11 @@ std::string all_to_all_count_mismatch(const std::vector<int64_t>& counts, int si
 }
 
 }  // namespace detail
+void abort_job(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  detail::mpi_abort_world(code);  // returns only when MPI is not initialised (or is already finalised)
+  std::_Exit(code);
+}
+
 }  // namespace megacore::comm

@@ -153,6 +153,8 @@ std::string to_json(const StepMetrics& m) {
                       {"lr", m.lr},
                       {"loss_scale", m.loss_scale},
                       {"skipped", m.skipped},
+                      {"nonfinite", m.nonfinite},
+                      {"loss_spike", m.loss_spike},
                       {"step_seconds", m.step_seconds},
                       {"tokens_per_s", m.tokens_per_s},
                       {"tflops_per_gpu", m.tflops_per_gpu},
@@ -160,6 +162,10 @@ std::string to_json(const StepMetrics& m) {
                       {"mem_allocated_gib", m.mem_allocated_gib},
                       {"mem_peak_gib", m.mem_peak_gib},
                       {"consumed_samples", m.consumed_samples}};
+  if (!m.rank_compute_seconds.empty()) {
+    j["compute_seconds"] = m.compute_seconds;
+    j["stragglers"] = m.stragglers;
+  }
   // NaN is not JSON: a non-finite loss or norm is written as a string so the line stays parseable.
   for (const char* k : {"loss", "grad_norm"})
     if (!std::isfinite(j[k].get<double>())) j[k] = std::to_string(j[k].get<double>());

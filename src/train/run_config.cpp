@@ -642,6 +642,17 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("trainer.limit_val_batches", "must be >= 1 when validating (trainer.val_check_interval > 0)");
   if (t.generate_tokens < 0) err("trainer.generate_tokens", "must be >= 0");
   if (!(t.comm_timeout_s > 0)) err("trainer.comm_timeout_s", "must be a positive number of seconds");
+  if (t.max_restarts < 0) err("trainer.max_restarts", "must be >= 0 (0 = a failure ends the job)");
+  if (t.on_nonfinite != "skip" && t.on_nonfinite != "stop")
+    err("trainer.on_nonfinite", fmt::format("'{}' is not skip or stop", t.on_nonfinite));
+  if (!(t.loss_spike_factor == 0 || t.loss_spike_factor > 1))
+    err("trainer.loss_spike_factor", "must be 0 (off) or a factor above 1, e.g. 3");
+  if (!(t.straggler_factor == 0 || t.straggler_factor > 1))
+    err("trainer.straggler_factor", "must be 0 (off) or a factor above 1, e.g. 1.5");
+  if (r.logging.metrics_port < 0 || r.logging.metrics_port > 65535)
+    err("logging.metrics_port", "must be a TCP port in 1..65535, or 0 for no metrics endpoint");
+  if (r.logging.metrics_port > 0 && r.logging.metrics_host.empty())
+    err("logging.metrics_host", "is empty; give an address to bind (127.0.0.1: this machine only, 0.0.0.0: any)");
   if (ck.save_interval < 0 || ck.keep_last < 0 || ck.keep_top_k < 0)
     err("checkpoint", "save_interval, keep_last and keep_top_k must be >= 0");
   if (ck.keep_top_k && !t.val_check_interval)

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -27,6 +28,7 @@
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/pipeline/engine.hpp"
 #include "megacore/pipeline/layout.hpp"
+#include "megacore/train/stop_signal.hpp"
 
 namespace megacore::train {
 
@@ -112,6 +114,15 @@ struct Trainer::Impl {
   std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& l);
   StepMetrics train_step();
   void log(const StepMetrics& m);
+  /// Marks and reports a non-finite loss / gradient norm (and ends the run when on_nonfinite = stop) and a
+  /// loss spike. Every rank holds the same loss and norm, so every rank decides alike.
+  void check_numerics(StepMetrics& m);
+  /// Gathers every rank's compute time and reports the stragglers (trainer.straggler_factor). Collective.
+  void check_stragglers(StepMetrics& m);
+  double loss_avg = 0;     // moving average of finite losses (loss_spike_factor)
+  int64_t loss_avg_n = 0;
+  /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
+  int agree_stop();
   double evaluate(int64_t max_batches);
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
   data::LoaderConfig loader_config(int prefetch) const;
@@ -384,8 +395,15 @@ StepMetrics Trainer::Impl::train_step() {
   ddp->zero_grad();
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*loader);
   const double loss_scale = scaler ? scaler->scale() : 1.0;
+  // Compute time for straggler reports: on GPUs by events (no host sync inside the step), on CPU by the clock.
+  const bool time_compute = cfg.trainer.straggler_factor > 0;
+  Event ev_begin(true), ev_compute(true);
+  if (time_compute && is_cuda()) ev_begin.record(ctx.stream);
   pipeline::StepResult sr = engine->step(ctx, mbs, float(loss_scale));
   if (!tied.empty()) ddp->notify_grad_ready(tied);
+  double compute_s = 0;
+  if (time_compute && is_cuda()) ev_compute.record(ctx.stream);
+  else if (time_compute) compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ddp->finish_grad_sync();
   comm::check_health();  // a TP/PP collective the NCCL watchdog aborted during the step (stream-ordered waits)
 
@@ -412,6 +430,8 @@ StepMetrics Trainer::Impl::train_step() {
   ++step;
   consumed_samples += cfg.data.global_batch_size;
   if (is_cuda()) ctx.stream.synchronize();
+  if (time_compute && is_cuda()) compute_s = ev_begin.elapsed_ms(ev_compute) / 1e3;
+  m.compute_seconds = compute_s;
   m.step = step;
   m.loss = sr.loss;
   m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -486,6 +506,68 @@ Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_
     }
   }
   return loss;
+}
+
+void Trainer::Impl::check_numerics(StepMetrics& m) {
+  const bool bad_loss = !std::isfinite(m.loss), bad_norm = !std::isfinite(m.grad_norm) && !scaler;
+  if (bad_loss || bad_norm) {
+    m.nonfinite = true;
+    const std::string what = fmt::format("{}{}{} (loss {}, gradient norm {})", bad_loss ? "loss" : "",
+                                         bad_loss && bad_norm ? " and " : "", bad_norm ? "gradient norm" : "", m.loss,
+                                         m.grad_norm);
+    if (root) {
+      std::printf("megacore: step %lld: non-finite %s, the global values every rank holds; %s\n", (long long)m.step,
+                  what.c_str(), m.skipped ? "the update was skipped" : "the update was applied "
+                  "(optim.skip_nonfinite_steps = false)");
+      std::fflush(stdout);
+    }
+    MC_CHECK_AS(ValueError, cfg.trainer.on_nonfinite != "stop",
+                "step {}: non-finite {}; trainer.on_nonfinite = stop ended the run (checkpoints before this step are "
+                "intact). Lower optim.lr or raise optim.lr_warmup_iters, check the data, or set "
+                "trainer.on_nonfinite = skip to skip such steps", m.step, what);
+    return;
+  }
+  const double f = cfg.trainer.loss_spike_factor;
+  if (f > 0 && loss_avg_n >= 10 && m.loss > f * loss_avg) {
+    m.loss_spike = true;
+    if (root) {
+      std::printf("megacore: step %lld: loss spike: %.4f is %.1fx its moving average %.4f (trainer.loss_spike_factor "
+                  "= %g)\n", (long long)m.step, m.loss, m.loss / loss_avg, loss_avg, f);
+      std::fflush(stdout);
+    }
+  }
+  loss_avg = loss_avg_n == 0 ? m.loss : 0.9 * loss_avg + 0.1 * m.loss;
+  ++loss_avg_n;
+}
+
+void Trainer::Impl::check_stragglers(StepMetrics& m) {
+  Tensor mine = Tensor::from_vector<float>({float(m.compute_seconds)}, {1}).to(device, ctx.stream);
+  Tensor all = Tensor::empty({int64_t(world.size())}, DType::F32, device, ctx.stream);
+  world.all_gather(mine, all, ctx.stream)->wait();
+  m.rank_compute_seconds = all.to(Device::cpu(), ctx.stream).to_double_vector();
+  std::vector<double> sorted = m.rank_compute_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[(sorted.size() - 1) / 2];  // the lower median: with 2 ranks, the faster one
+  const double f = cfg.trainer.straggler_factor;
+  std::string slow;
+  for (int r = 0; r < int(sorted.size()); ++r) {
+    const double t = m.rank_compute_seconds[size_t(r)];
+    if (median > 0 && t > f * median) {
+      m.stragglers.push_back(r);
+      slow += fmt::format("{}rank {} {:.3f} s ({:.1f}x)", slow.empty() ? "" : ", ", r, t, t / median);
+    }
+  }
+  if (root && !slow.empty()) {
+    std::printf("megacore: step %lld: stragglers: %s; median compute %.3f s (trainer.straggler_factor = %g)\n",
+                (long long)m.step, slow.c_str(), median, f);
+    std::fflush(stdout);
+  }
+}
+
+int Trainer::Impl::agree_stop() {
+  Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device, ctx.stream);
+  world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait();
+  return int(t.to(Device::cpu(), ctx.stream).to_double_vector()[0]);
 }
 
 double Trainer::Impl::evaluate(int64_t max_batches) {
@@ -607,6 +689,8 @@ TrainResult Trainer::fit() {
   const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.step + ts.stop_after_steps) : ts.max_steps;
   while (I.step < end) {
     StepMetrics m = I.train_step();
+    I.check_numerics(m);
+    if (ts.straggler_factor > 0) I.check_stragglers(m);
     r.history.push_back(m);
     I.log(m);
     if (I.step_cb) I.step_cb(m);
@@ -621,12 +705,24 @@ TrainResult Trainer::fit() {
         if (I.tb) I.tb->add_scalars(I.step, {{"val/loss", *val}});
       }
     }
-    if (I.ckpt && (I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
+    // Agreed before the checkpoint decision, so a stop saves this step's state once.
+    const int stop = I.step < end ? I.agree_stop() : 0;
+    if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
       I.save(val);
       if (I.root) {
         std::printf("step %lld | checkpoint %s\n", (long long)I.step, I.last_checkpoint.c_str());
         std::fflush(stdout);
       }
+    }
+    if (stop != 0) {
+      r.stopped_by_signal = stop;
+      if (I.root) {
+        std::printf("megacore: stopping after step %lld on signal %d (%s)%s\n", (long long)I.step, stop,
+                    strsignal(stop), I.ckpt ? "; resume from the checkpoint above" : "; checkpoint.save_dir is "
+                    "empty, so nothing was saved");
+        std::fflush(stdout);
+      }
+      break;
     }
   }
   if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next

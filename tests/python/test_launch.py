@@ -1,6 +1,11 @@
-"""megacore.launch hands every rank it starts the job's rendezvous-store token (docs/comm.md)."""
+"""megacore.launch hands every rank it starts the job's rendezvous-store token (docs/comm.md), names the rank that
+failed first, stops the others, and passes stop signals on to the ranks."""
 
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -39,3 +44,73 @@ def test_several_nodes_need_a_token_from_the_environment(monkeypatch):
     monkeypatch.setattr(launch, "_gpu_count", lambda: 2)
     with pytest.raises(SystemExit, match="needs the same MEGACORE_STORE_TOKEN on every node"):
         launch.main(["--nnodes", "2", "--node-rank", "0", "--master-port", "29511", "x.py"])
+
+
+# The GPU path's supervision (ranks started by the launcher itself), with CPU scripts standing in for ranks.
+GPU_PATH = ("import sys; from megacore import launch; launch._gpu_count = lambda: 2; "
+            "sys.exit(launch.main(sys.argv[1:]))")
+FAILING_RANK = ("import os, sys, time, pathlib\n"
+                "from megacore import _C, train\n"
+                "_C.train.install_stop_signal_handlers()  # as megacore.train does: SIGTERM alone does not end it\n"
+                "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text('up')\n"
+                "if os.environ['RANK'] == '1':\n"
+                "    time.sleep(0.5)\n"
+                "    train.fail_fast(ValueError('boom on rank 1'))\n"
+                "time.sleep(120)\n")
+STOPPING_RANK = ("import os, sys, time, pathlib\n"
+                 "from megacore import _C\n"
+                 "_C.train.install_stop_signal_handlers()\n"
+                 "out = pathlib.Path(sys.argv[1], os.environ['RANK'])\n"
+                 "out.write_text('up')\n"
+                 "t = time.monotonic()\n"
+                 "while not _C.train.stop_requested() and time.monotonic() - t < 60:\n"
+                 "    time.sleep(0.05)\n"
+                 "out.write_text(f'stopped {_C.train.stop_requested()}')\n")
+
+
+def _gpu_launch(tmp_path, body, *extra):
+    script = tmp_path / "rank.py"
+    script.write_text(body)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-c", GPU_PATH, "--nproc-per-node", "2", *extra, str(script), str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out
+
+
+def _wait_up(p, out, n=2):
+    deadline = time.monotonic() + 30
+    while len([f for f in out.iterdir() if f.read_text() == "up"]) < n:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.05)
+
+
+def test_a_failing_rank_is_named_once_and_the_others_are_stopped(tmp_path):
+    t0 = time.monotonic()
+    p, _ = _gpu_launch(tmp_path, FAILING_RANK, "--grace", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    assert time.monotonic() - t0 < 20, err  # rank 0 ignores SIGTERM while training: it is killed after --grace
+    summary = [line for line in err.splitlines() if line.startswith("megacore.launch: job failed")]
+    assert summary == ["megacore.launch: job failed: rank 1 failed first: ValueError: boom on rank 1"], err
+
+
+def test_sigterm_to_the_launcher_asks_every_rank_to_stop(tmp_path):
+    p, out = _gpu_launch(tmp_path, STOPPING_RANK)
+    _wait_up(p, out)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert [(out / r).read_text() for r in ("0", "1")] == [f"stopped {int(signal.SIGTERM)}"] * 2
+
+
+def test_a_second_interrupt_ends_the_ranks_at_once(tmp_path):
+    # Ranks that never reach the end of a step: the first Ctrl-C asks, the second ends them.
+    p, out = _gpu_launch(tmp_path, STOPPING_RANK.replace("while not _C.train.stop_requested() and", "while"))
+    _wait_up(p, out)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode != 0, err
+    assert "second interrupt" in err
+    assert [(out / r).read_text() for r in ("0", "1")] == ["up", "up"]

@@ -24,6 +24,14 @@ struct StepMetrics {
   double lr = 0;
   double loss_scale = 1;       ///< f16 dynamic loss scale (1 otherwise)
   bool skipped = false;        ///< NaN/Inf gradients: no update
+  bool nonfinite = false;      ///< the loss or (without f16 loss scaling) the gradient norm was NaN/Inf
+  bool loss_spike = false;     ///< loss above trainer.loss_spike_factor x its moving average
+  /// trainer.straggler_factor > 0: this rank's compute time (the step up to the data-parallel gradient
+  /// reduction, which is where a fast rank waits for a slow one), every rank's, and the ranks slower than
+  /// the factor times the median. Empty / 0 when off.
+  double compute_seconds = 0;
+  std::vector<double> rank_compute_seconds;
+  std::vector<int> stragglers;
   double step_seconds = 0;
   double tokens_per_s = 0;     ///< global
   double tflops_per_gpu = 0;   ///< model FLOPs (6N + attention, non-causal) per second per rank

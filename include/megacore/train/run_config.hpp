@@ -186,7 +186,9 @@ struct OptimSection {
     f(Field{"lr_wsd_decay_iters", "WSD: length of the final decay phase; 0 = a tenth of the decay."},
       s.lr_wsd_decay_iters);
     f(Field{"initial_loss_scale", "f16 only: the initial dynamic loss scale."}, s.initial_loss_scale);
-    f(Field{"skip_nonfinite_steps", "Skip the step (and report it) when a gradient is NaN or Inf."},
+    f(Field{"skip_nonfinite_steps",
+            "Skip the update when a gradient is NaN or Inf (false applies it anyway: debugging only). What the run "
+            "then does is trainer.on_nonfinite."},
       s.skip_nonfinite_steps);
   }
 };
@@ -206,6 +208,10 @@ struct TrainerSection {
   int64_t generate_tokens = 0;
   std::string generate_prompt;
   double comm_timeout_s = 300;
+  int64_t max_restarts = 0;
+  std::string on_nonfinite = "skip";
+  double loss_spike_factor = 3.0;
+  double straggler_factor = 0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -238,6 +244,25 @@ struct TrainerSection {
     f(Field{"generate_prompt", "Prompt of the sample printed after training."}, s.generate_prompt);
     f(Field{"comm_timeout_s", "Seconds a collective may hang before the run fails with CommError."},
       s.comm_timeout_s);
+    f(Field{"max_restarts",
+            "When a rank fails, megacore.launch restarts every rank from the latest checkpoint, up to this many "
+            "times (each restart must get further than the last); 0 = the job fails."},
+      s.max_restarts);
+    f(Field{"on_nonfinite",
+            "A step whose loss or gradient norm is NaN/Inf is reported (step, values) and then: skip = the run goes "
+            "on (the update itself is skipped unless optim.skip_nonfinite_steps = false); stop = every rank ends "
+            "the run with ValueError (the last checkpoint predates it). With f16 loss scaling an Inf gradient norm "
+            "is the scaler's business (it backs off) and only a non-finite loss counts.",
+            "skip|stop"},
+      s.on_nonfinite);
+    f(Field{"loss_spike_factor",
+            "Report a step whose loss exceeds this factor times the loss's moving average (after 10 steps); "
+            "0 = off."},
+      s.loss_spike_factor);
+    f(Field{"straggler_factor",
+            "Every step, gather each rank's compute time (the step up to the data-parallel gradient reduction) and "
+            "report ranks slower than this factor times the median; 0 = off (it costs one all-gather per step)."},
+      s.straggler_factor);
   }
 };
 
@@ -276,6 +301,8 @@ struct LoggingSection {
   bool jsonl = true;
   bool tensorboard = true;
   std::string progress_bar = "auto";
+  int64_t metrics_port = 0;
+  std::string metrics_host = "127.0.0.1";
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -284,6 +311,11 @@ struct LoggingSection {
     f(Field{"tensorboard", "Write TensorBoard event files under log_dir/tensorboard."}, s.tensorboard);
     f(Field{"progress_bar", "auto (only when the launcher's output is a terminal), on or off.", "auto|on|off"},
       s.progress_bar);
+    f(Field{"metrics_port",
+            "Rank 0 serves the latest step's metrics in Prometheus text format on http://metrics_host:port/metrics "
+            "(0 = off)."},
+      s.metrics_port);
+    f(Field{"metrics_host", "Address the metrics endpoint binds to (0.0.0.0 = every interface)."}, s.metrics_host);
   }
 };
 

@@ -46,6 +46,9 @@ struct TrainResult {
   int64_t start_step = 0;                                 ///< steps already done when the run started (resume)
   int64_t final_step = 0;
   std::string last_checkpoint;                            ///< "" when none was written
+  /// The signal that stopped the run early (train/stop_signal.hpp), agreed by every rank; 0 when it ran to
+  /// its end. The run then saved a checkpoint after its last step (when checkpoint.save_dir is set).
+  int stopped_by_signal = 0;
 };
 
 class Trainer {
@@ -60,7 +63,8 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  /// Trains from the current step to cfg.max_steps. Collective.
+  /// Trains from the current step to cfg.max_steps. Collective. After every step the ranks agree on whether
+  /// a stop was requested (a signal, see train/stop_signal.hpp); if so they all save a checkpoint and return.
   TrainResult fit();
   /// Token-weighted mean loss over up to `max_batches` global validation batches (forward only). Collective.
   double evaluate(int64_t max_batches);

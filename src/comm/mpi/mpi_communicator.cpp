@@ -594,6 +594,15 @@ void ensure_mpi_initialized() {
 
 bool mpi_available() { return true; }
 
+namespace detail {
+void mpi_abort_world(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+}
+}  // namespace detail
+
 std::unique_ptr<Communicator> make_mpi_world(const CommOptions& options) {
   ensure_mpi_initialized();
   MPI_Comm world = MPI_COMM_WORLD;

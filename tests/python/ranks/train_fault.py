@@ -1,0 +1,41 @@
+"""One rank of a training run with an injected fault (megacore.train's own entry, plus a step callback).
+argv: recipe path. Environment: FAULT_KIND (raise | kill | sigterm | none), FAULT_RANK, FAULT_STEP; the fault
+fires only in the first attempt of a job (MEGACORE_RESTART unset or 0), so a restarted job runs clean.
+FAULT_STEP_DELAY: seconds every rank sleeps after each step (a window for a test to act in)."""
+
+import os
+import signal
+import sys
+import time
+
+from megacore import train
+
+kind = os.environ.get("FAULT_KIND", "none")
+fault_rank = int(os.environ.get("FAULT_RANK", "0"))
+fault_step = int(os.environ.get("FAULT_STEP", "1"))
+delay = float(os.environ.get("FAULT_STEP_DELAY", "0"))
+first_attempt = int(os.environ.get("MEGACORE_RESTART", "0") or 0) == 0
+world = []
+
+
+def on_step(m):
+    if delay:
+        time.sleep(delay)
+    if not first_attempt or m["step"] != fault_step or world[0].rank != fault_rank:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected failure at step {m['step']}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def body(on_world):
+    def keep(w):
+        world.append(w)
+        on_world(w)
+    train.run(train._load(sys.argv[1], []), on_step=on_step, on_world=keep)
+
+
+sys.exit(train.guarded(body))

@@ -1,0 +1,278 @@
+"""Resilience on CPU ranks: an error on one rank ends the whole job within seconds and the launcher names it
+once; SIGTERM stops every rank after the same step with a checkpoint (and the resumed run continues bit for
+bit); stopping the CLI leaves no process of the job; --max-restarts resumes a job whose rank died; rank 0
+serves Prometheus metrics."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+import megacore as mc
+from megacore import recipes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANK = os.path.join(HERE, "ranks", "train_fault.py")
+needs_mpi = pytest.mark.skipif(not mc.comm.mpi_available() or shutil.which("mpirun") is None,
+                               reason="needs MPI and mpirun")
+SUMMARY = re.compile(r"^megacore\.launch: job failed.*$", re.M)
+
+
+def _tiny(tmp_path, name, steps, **sets):
+    """The tiny recipe on 2 CPU ranks (TP 2), short and quick."""
+    r = recipes.tiny.pretrain_recipe(dir=str(tmp_path / name))
+    r.resources.num_gpus_per_node = 2
+    r.parallel.pipeline_model_parallel_size = 1
+    r.trainer.max_steps = steps
+    r.trainer.generate_tokens = 0
+    r.trainer.val_check_interval = 0
+    r.trainer.comm_timeout_s = 120  # far above the 30 s a failure may take: the fail-fast path must end it
+    r.data.cache_dir = str(tmp_path / "data")
+    for k, v in sets.items():
+        r.set(k.replace("__", "."), v)
+    cfg = tmp_path / f"{name}.json"
+    r.to_json(str(cfg))
+    return r, str(cfg)
+
+
+def _launch(cfg, *extra, env=None, timeout=120):
+    cmd = [sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu", *extra, RANK, cfg]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    return p, time.monotonic() - t0
+
+
+def _losses(r):
+    rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    return [(row["step"], row["loss"], row["grad_norm"]) for row in rows if "loss" in row]
+
+
+@needs_mpi
+def test_an_exception_on_one_rank_mid_run_ends_the_job_within_seconds(tmp_path):
+    r, cfg = _tiny(tmp_path, "raise", 6)
+    p, took = _launch(cfg, env={"FAULT_KIND": "raise", "FAULT_RANK": "1", "FAULT_STEP": "2"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert took < 30, (took, out)
+    lines = SUMMARY.findall(p.stderr)
+    assert lines == ["megacore.launch: job failed: rank 1 failed first: RuntimeError: injected failure at step 2"], out
+    assert "step 3/" not in out  # nobody trained on
+
+
+@needs_mpi
+def test_a_bad_data_file_on_rank_0_before_the_first_collective_ends_the_job(tmp_path):
+    # A truncated .idx: the header promises 1000 sequences, the arrays are missing. Rank 0 builds the index
+    # caches while rank 1 waits in a barrier for it; the barrier must not wait out the comm timeout.
+    bad = tmp_path / "bad_text_document"
+    (tmp_path / "bad_text_document.bin").write_bytes(b"\0" * 64)
+    with open(f"{bad}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([8]) + (1000).to_bytes(8, "little")
+                + (1001).to_bytes(8, "little"))
+    r, cfg = _tiny(tmp_path, "baddata", 6)
+    r.data.paths = [str(bad)]
+    r.to_json(cfg)
+    p, took = _launch(cfg)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert took < 30, (took, out)
+    lines = SUMMARY.findall(p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("megacore.launch: job failed: rank 0 failed first: "), out
+    assert "bad_text_document" in lines[0], out
+
+
+@needs_mpi
+def test_sigterm_stops_every_rank_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp_path):
+    ref, ref_cfg = _tiny(tmp_path, "ref", 6, checkpoint__save_last=False)
+    p, _ = _launch(ref_cfg)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    want = _losses(ref)
+
+    # Rank 1 alone gets SIGTERM after step 3 (a scheduler signals every rank; one is the harder case).
+    r, cfg = _tiny(tmp_path, "pre", 6)
+    p, took = _launch(cfg, env={"FAULT_KIND": "sigterm", "FAULT_RANK": "1", "FAULT_STEP": "3"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "megacore: stopping after step 3 on signal 15" in out
+    assert os.path.isfile(os.path.join(r.checkpoint.save_dir, "step_3", "metadata.json")), out
+    assert [s for s, _, _ in _losses(r)] == [1, 2, 3]
+
+    p, _ = _launch(cfg)  # the same recipe: resume = auto
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resumed at step 3" in p.stdout
+    assert _losses(r) == want  # bit for bit
+
+
+def _job_pids(mark):
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if mark in f.read():
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@needs_mpi
+@pytest.mark.parametrize("target", ["cli", "launcher", "mpirun"])
+def test_sigterm_to_megacore_train_leaves_no_process_of_the_job(tmp_path, target):
+    r, cfg = _tiny(tmp_path, "cli", 200, checkpoint__save_interval=0)
+    mark = f"MEGACORE_TEST_JOB={uuid.uuid4().hex}"
+    env = dict(os.environ, **dict([mark.split("=")]))
+    cli = subprocess.Popen([sys.executable, "-m", "megacore.cli", "train", "--config", cfg, "--cpu"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    jsonl = os.path.join(r.logging.log_dir, "metrics.jsonl")
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(jsonl) and os.path.getsize(jsonl) > 0):
+        assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read()
+        time.sleep(0.2)
+    pids = _job_pids(mark.encode())
+    assert len(pids) >= 4  # CLI, launcher, mpirun, 2 ranks
+    victim = {"cli": cli.pid,
+              "launcher": next(p for p in pids if "-m megacore.launch" in _cmdline(p)),
+              "mpirun": next(p for p in pids if _cmdline(p).startswith("mpirun") or "/mpirun " in _cmdline(p))}[target]
+    os.kill(victim, signal.SIGTERM)
+    out, _ = cli.communicate(timeout=60)
+    time.sleep(0.5)  # mpirun reaps its ranks as it exits
+    left = _job_pids(mark.encode())
+    assert not left, ([_cmdline(p) for p in left], out)
+    if target != "mpirun":  # a stop request: every rank saves after the same step and the job exits 0
+        assert cli.returncode == 0, out
+        assert "megacore: stopping after step" in out, out
+        saved = [d for d in os.listdir(r.checkpoint.save_dir) if d.startswith("step_")]
+        assert len(saved) == 1, saved
+    # SIGTERM to mpirun itself is Open MPI's: it ends the ranks (SIGTERM, then SIGKILL) without our stop.
+
+
+@needs_mpi
+def test_max_restarts_resumes_a_job_whose_rank_died_and_ends_with_the_same_loss(tmp_path):
+    ref, ref_cfg = _tiny(tmp_path, "ref", 8, checkpoint__save_last=False)
+    p, _ = _launch(ref_cfg)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+    r, cfg = _tiny(tmp_path, "restart", 8, checkpoint__save_interval=3)
+    p, took = _launch(cfg, "--max-restarts", "1", env={"FAULT_KIND": "kill", "FAULT_RANK": "1", "FAULT_STEP": "5"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "restarting every rank from the latest checkpoint (restart 1 of 1" in out, out
+    assert "resumed at step 3" in out, out
+    assert _losses(r) == _losses(ref)  # steps 4 and 5 are trained again, the same way
+
+
+@needs_mpi
+def test_a_job_that_keeps_failing_stops_after_its_restarts(tmp_path):
+    r, cfg = _tiny(tmp_path, "norestart", 6)
+    # The fault would fire only in the first attempt; MEGACORE_RESTART is not ours to set, so use a recipe error
+    # every attempt hits: data.paths that do not exist on the ranks.
+    r.data.paths = [str(tmp_path / "missing_text_document")]
+    r.to_json(cfg)
+    p, took = _launch(cfg, "--max-restarts", "3")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert took < 60, (took, out)
+    lines = SUMMARY.findall(p.stderr)
+    assert len(lines) == 1 and "made no progress" in lines[0], out
+
+
+@needs_mpi
+def test_rank_0_serves_prometheus_metrics_during_the_run(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # straggler_factor barely above 1: of two ranks the slower one is reported nearly every step
+    r, cfg = _tiny(tmp_path, "prom", 6, logging__metrics_port=port, trainer__straggler_factor=1.000001)
+    proc = subprocess.Popen([sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu", RANK, cfg],
+                            env=dict(os.environ, FAULT_STEP_DELAY="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text, ctype, deadline = None, None, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                    body, ctype = resp.read().decode(), resp.headers["Content-Type"]
+                if "megacore_step " in body:
+                    text = body
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert text is not None, "no scrape succeeded"
+    finally:
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert ctype.startswith("text/plain; version=0.0.4")
+    samples, helped, typed = {}, set(), {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split()[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            typed[name] = kind
+        else:
+            m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)", line)
+            assert m, line
+            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    assert {k.split("{")[0] for k in samples} == helped == set(typed)
+    assert {k for k in samples if k.startswith("megacore_rank_compute_seconds")} == \
+        {'megacore_rank_compute_seconds{rank="0"}', 'megacore_rank_compute_seconds{rank="1"}'}
+    for name in ("megacore_step", "megacore_loss", "megacore_grad_norm", "megacore_learning_rate",
+                 "megacore_tokens_per_second", "megacore_tflops_per_gpu", "megacore_mfu_ratio",
+                 "megacore_memory_allocated_bytes", "megacore_step_seconds", "megacore_restarts_total"):
+        assert name in samples, name
+    assert typed["megacore_restarts_total"] == "counter" and typed["megacore_loss"] == "gauge"
+    assert 1 <= samples["megacore_step"] <= 6 and samples["megacore_loss"] > 0
+    assert "stragglers: rank" in out  # the log names the slower rank
+    rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    assert all(row["compute_seconds"] > 0 and isinstance(row["stragglers"], list) for row in rows)
+
+
+def _diverging(tmp_path, name, on_nonfinite):
+    # SGD at lr 1e30 without warmup: step 1 is finite, its update overflows the weights, step 2's loss is not.
+    return _tiny(tmp_path, name, 4, optim__optimizer="sgd", optim__lr=1e30, optim__min_lr=0.0,
+                 optim__lr_warmup_iters=0, trainer__on_nonfinite=on_nonfinite, checkpoint__save_last=False)
+
+
+@needs_mpi
+def test_a_nonfinite_loss_stops_the_run_when_asked(tmp_path):
+    r, cfg = _diverging(tmp_path, "nan_stop", "stop")
+    p, took = _launch(cfg)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and took < 30, out
+    assert "megacore: step 2: non-finite loss" in p.stdout, out
+    lines = SUMMARY.findall(p.stderr)
+    assert len(lines) == 1 and "failed first: ValueError: step 2: non-finite loss" in lines[0], out
+    assert "trainer.on_nonfinite = stop" in lines[0]
+
+
+@needs_mpi
+def test_nonfinite_steps_are_reported_and_skipped(tmp_path):
+    r, cfg = _diverging(tmp_path, "nan_skip", "skip")
+    p, _ = _launch(cfg)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    for step in (2, 3, 4):
+        assert f"megacore: step {step}: non-finite loss" in p.stdout and "the update was skipped" in p.stdout, out
+    rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
+    assert [(row["step"], row["nonfinite"], row["skipped"]) for row in rows] == \
+        [(1, False, False), (2, True, True), (3, True, True), (4, True, True)]
