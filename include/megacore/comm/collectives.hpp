@@ -33,6 +33,12 @@ Tensor wrap_span(const Communicator& c, T* p, size_t n) {
   constexpr DType dt = element_dtype<T>();
   return Tensor::from_blob(const_cast<std::remove_cv_t<T>*>(p), {int64_t(n)}, {1}, dt, c.device());
 }
+/// A dynamic-extent span over a contiguous range (std::span(std::array) would have a static extent).
+template <class R>
+auto as_span(R& r) {
+  using E = std::remove_reference_t<std::ranges::range_reference_t<R&>>;
+  return std::span<E>(std::ranges::data(r), size_t(std::ranges::size(r)));
+}
 }  // namespace detail
 
 /// In place: every rank ends with op over all ranks' `data`.
@@ -89,16 +95,17 @@ template <class T>
   return c.broadcast(t, root, s);
 }
 
-// Contiguous ranges (std::vector<T>, std::array<T, N>, ...) go through the span overloads.
+// Contiguous ranges (std::vector<T>, std::array<T, N>, ...) go through the span overloads. Lvalues
+// only: the operation outlives the call, so a temporary container would be freed under it.
 template <std::ranges::contiguous_range R>
   requires std::ranges::sized_range<R>
-[[nodiscard]] WorkPtr all_reduce(Communicator& c, R&& data, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) {
-  return all_reduce(c, std::span(data), op, s);
+[[nodiscard]] WorkPtr all_reduce(Communicator& c, R& data, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) {
+  return all_reduce(c, detail::as_span(data), op, s);
 }
 template <std::ranges::contiguous_range R>
   requires std::ranges::sized_range<R>
-[[nodiscard]] WorkPtr broadcast(Communicator& c, R&& data, int root, const Stream& s = {}) {
-  return broadcast(c, std::span(data), root, s);
+[[nodiscard]] WorkPtr broadcast(Communicator& c, R& data, int root, const Stream& s = {}) {
+  return broadcast(c, detail::as_span(data), root, s);
 }
 
 /// Synchronous reduction of one host value over c (either backend: NCCL stages it through c.device()).

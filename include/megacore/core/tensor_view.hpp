@@ -86,13 +86,15 @@ class TensorView {
   /// Views t. Throws ValueError, naming the fix, when t is undefined, its dtype is not T's, or it does
   /// not have Rank dimensions.
   explicit TensorView(const Tensor& t) {
-    const std::string name = detail::tensor_view_name<T, Rank>();
-    MC_CHECK(t.defined(), "{}: the tensor is undefined; view a defined tensor", name);
+    // The name is formatted only on failure (MC_CHECK evaluates its arguments only then).
+#define MC_TV_NAME detail::tensor_view_name<T, Rank>()
+    MC_CHECK(t.defined(), "{}: the tensor is undefined; view a defined tensor", MC_TV_NAME);
     MC_CHECK(t.dtype() == dtype, "{}: the tensor has dtype {}, not {}; view it as TensorView<{}, {}> or convert it with .to(DType::{})",
-             name, dtype_name(t.dtype()), dtype_name(dtype), detail::cpp_type_name(t.dtype()), Rank,
+             MC_TV_NAME, dtype_name(t.dtype()), dtype_name(dtype), detail::cpp_type_name(t.dtype()), Rank,
              detail::dtype_enum_name(dtype));
     MC_CHECK(t.dim() == Rank, "{}: the tensor has {} dimensions (shape {}); view it as TensorView<{}, {}> or reshape it with .view()",
-             name, t.dim(), shape_str(t.shape()), detail::cpp_type_name(dtype), t.dim());
+             MC_TV_NAME, t.dim(), shape_str(t.shape()), detail::cpp_type_name(dtype), t.dim());
+#undef MC_TV_NAME
     data_ = static_cast<T*>(t.data_ptr());
     device_ = t.device();
     for (int d = 0; d < Rank; ++d) {
