@@ -1,6 +1,8 @@
 // A complete C++ training program: `mpirun -np 4 ./cpp_trainer [steps] [tp] [pp]`.
 // Builds the built-in corpus, a TP × PP × DP grid over the launched ranks, and trains a 4-layer Llama with
 // AdamW and a cosine schedule, printing one line per step on rank 0. Exit status 0 when the loss fell.
+// It reads its loss history through a TensorView and reduces a per-rank metric with the typed
+// comm::all_reduce_value (docs/cpp.md).
 #include <megacore/megacore.hpp>
 #include <megacore/comm/bootstrap.hpp>
 #include <megacore/data/blended_dataset.hpp>
@@ -54,8 +56,25 @@ int main(int argc, char** argv) {
 
     train::Trainer trainer(cfg, *world, ds[0]);
     train::TrainResult r = trainer.fit();
-    const double first = r.history.front().loss, last = r.history.back().loss;
-    if (world->rank() == 0) std::printf("cpp_trainer: loss %.4f -> %.4f over %lld steps\n", first, last, (long long)steps);
+
+    // The run's history as a [steps, 2] f32 tensor of (loss, step seconds), read through a typed view:
+    // the dtype and rank are checked once, then indexing is plain strided access.
+    const int64_t n = int64_t(r.history.size());
+    Tensor history = Tensor::empty({n, 2}, DType::F32);
+    TensorView<float, 2> h(history);
+    float seconds = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      h(i, 0) = float(r.history[size_t(i)].loss);
+      h(i, 1) = float(r.history[size_t(i)].step_seconds);
+      seconds += h(i, 1);
+    }
+    // Every rank timed its own steps; the typed scalar all-reduce gives the slowest rank's total.
+    const float slowest = comm::all_reduce_value(*world, seconds, comm::ReduceOp::Max);
+    const double first = h(0, 0), last = h(n - 1, 0);
+    if (world->rank() == 0) {
+      std::printf("cpp_trainer: loss %.4f -> %.4f over %lld steps\n", first, last, (long long)steps);
+      std::printf("cpp_trainer: slowest rank spent %.3f s in steps\n", double(slowest));
+    }
     return last < first ? 0 : 1;
   } catch (const Error& e) {
     std::fprintf(stderr, "cpp_trainer: %s\n", e.what());
