@@ -114,7 +114,9 @@ void from_token_major(Tensor dst, const Tensor& src, const Stream& st) {
 Tensor SelfAttention::core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                   const Stream& st) const {
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_;
-  if (cp_active()) return ring_forward(q, k, v, out, st);
+  if (cp_active())
+    return opts_.cp_comm_type == CpCommType::AllGather ? gather_forward(q, k, v, out, st)
+                                                        : ring_forward(q, k, v, out, st);
   if (!cu_.defined()) {
     Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, q.device(), st);
     Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
@@ -242,7 +244,8 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   if (cp_active()) {
-    ring_backward(out, lse, dout, dq, dk, dv, st);
+    if (opts_.cp_comm_type == CpCommType::AllGather) gather_backward(out, lse, dout, dq, dk, dv, st);
+    else ring_backward(out, lse, dout, dq, dk, dv, st);
   } else if (cu_.defined()) {
     Tensor dqp = Tensor::empty({b * s, heads_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dkp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
@@ -388,6 +391,101 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
   dq.copy_(dq_acc, st);
   dk.copy_(dk_acc, st);
   dv.copy_(dv_acc, st);
+}
+
+// ---- context parallelism: all-gather ------------------------------------------------------------------
+
+Tensor SelfAttention::gather_sequence(const Tensor& t, const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size();
+  const int64_t s = t.size(0);
+  Shape shape = t.shape();
+  shape[0] = n * s;
+  Tensor ranks = Tensor::empty(shape, t.dtype(), t.device(), st);  // rank-major: rank i's local sequence at i·s
+  Tensor in = t.contiguous(st);
+  cp.all_gather(in, ranks, st)->wait_on(st);
+  std::vector<Tensor> parts;
+  for (int i = 0; i < n; ++i) parts.push_back(ranks.narrow(0, i * s, s));
+  return parallel::cp_unslice_sequence(parts, 0, st);
+}
+
+namespace {
+// Local query chunk j (0: the early one, 1: the late one) of CP rank r of n is global chunk g; it sees keys
+// [0, g·c) fully and chunk g causally.
+int64_t global_chunk(int j, int r, int n) { return j == 0 ? r : 2 * int64_t(n) - 1 - r; }
+}  // namespace
+
+Tensor SelfAttention::gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                                     const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t s = q.size(0), c = s / 2, b = q.size(1), d = head_dim_, H = heads_local_;
+  const Device dev = q.device();
+  const Tensor kg = gather_sequence(k, st), vg = gather_sequence(v, st);
+  Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t g = global_chunk(j, r, n);
+    const Tensor qj = q.narrow(0, j * c, c);
+    for (bool diag : {false, true}) {
+      if (!diag && g == 0) continue;  // nothing before the first chunk
+      const int64_t k0 = diag ? g * c : 0, kl = diag ? c : g * c;
+      ops::AttentionOptions o = attention_options();
+      o.causal = diag;
+      Tensor op = Tensor::empty({c, b, H, d}, q.dtype(), dev, st);
+      Tensor lp = Tensor::empty({b, H, c}, DType::F32, dev, st);
+      Tensor op4 = bshd(op);
+      ops::attention_forward(bshd(qj), bshd(kg.narrow(0, k0, kl)), bshd(vg.narrow(0, k0, kl)), op4, lp, o, st);
+      ops::attention_merge_partial(acc, acc_lse, op, lp, j * c, st);
+    }
+  }
+  out.view({s, b, H, d}).copy_(acc, st);
+  return acc_lse;
+}
+
+void SelfAttention::gather_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                    Tensor& dv, const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t s = seq_, c = s / 2, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
+  const Device dev = q_.device();
+  const Tensor kg = gather_sequence(k_, st), vg = gather_sequence(v_, st);
+  const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
+  Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  Tensor dkg = Tensor::zeros({n * s, b, G, d}, DType::F32, dev, st);
+  Tensor dvg = Tensor::zeros({n * s, b, G, d}, DType::F32, dev, st);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t g = global_chunk(j, r, n);
+    const Tensor lj = lse.narrow(2, j * c, c).contiguous(st);
+    for (bool diag : {false, true}) {
+      if (!diag && g == 0) continue;
+      const int64_t k0 = diag ? g * c : 0, kl = diag ? c : g * c;
+      ops::AttentionOptions o = attention_options();
+      o.causal = diag;
+      Tensor dqp = Tensor::empty({c, b, H, d}, q_.dtype(), dev, st);
+      Tensor dkp = Tensor::empty({kl, b, G, d}, q_.dtype(), dev, st);
+      Tensor dvp = Tensor::empty({kl, b, G, d}, q_.dtype(), dev, st);
+      Tensor dq4 = bshd(dqp), dk4 = bshd(dkp), dv4 = bshd(dvp);
+      ops::attention_backward(bshd(q_.narrow(0, j * c, c)), bshd(kg.narrow(0, k0, kl)), bshd(vg.narrow(0, k0, kl)),
+                              bshd(out4.narrow(0, j * c, c)), lj, bshd(dout4.narrow(0, j * c, c)), dq4, dk4, dv4, o,
+                              st);
+      Tensor dq_rows = dq_acc.narrow(0, j * c, c), dk_rows = dkg.narrow(0, k0, kl), dv_rows = dvg.narrow(0, k0, kl);
+      ops::accumulate_f32(dq_rows, dqp, st);
+      ops::accumulate_f32(dk_rows, dkp, st);
+      ops::accumulate_f32(dv_rows, dvp, st);
+    }
+  }
+  // Every rank holds partial dK/dV of the whole sequence: reduce-scatter each rank's chunks back to it.
+  auto scatter_back = [&](const Tensor& full, Tensor& dst) {
+    Tensor ranks = Tensor::empty({n * s, b, G, d}, DType::F32, dev, st);
+    for (int i = 0; i < n; ++i) ranks.narrow(0, i * s, s).copy_(parallel::cp_slice_sequence(full, 0, i, n, st), st);
+    Tensor mine = Tensor::empty({s, b, G, d}, DType::F32, dev, st);
+    cp.reduce_scatter(ranks, mine, comm::ReduceOp::Sum, st)->wait_on(st);
+    dst.copy_(mine, st);
+  };
+  scatter_back(dkg, dk);
+  scatter_back(dvg, dv);
+  dq.copy_(dq_acc, st);
 }
 
 std::vector<Parameter*> SelfAttention::parameters() {

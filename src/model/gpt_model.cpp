@@ -97,7 +97,8 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                                                       .final_layernorm = opts_.post_process,
                                                                       .init_offset_base = kModelLayerInitBase,
                                                                       .device = opts_.device,
-                                                                      .cp = opts_.cp});
+                                                                      .cp = opts_.cp,
+                                                                      .cp_comm_type = opts_.cp_comm_type});
   if (opts_.post_process) {
     output_layer_ = std::make_unique<ly::ColumnParallelLinear>(
         tp, cfg_.hidden_size, model::padded_vocab_size(cfg_, tp.size()),

@@ -45,8 +45,12 @@
 // Partial outputs are merged with their LSE in f32 (ops/attention_merge.hpp); the saved LSE is the
 // merged one. Backward replays the ring with the merged output and LSE (so each block's gradient is
 // its exact share): dQ accumulates locally, dK/dV (f32) travel with their block and, after CP
-// exchanges, arrive back at the rank that owns it. GQA runs natively in every block. Packed rows
-// (cu_seqlens) are refused with CP; the ring needs CPU tensors for now (the merge has no CUDA kernel).
+// exchanges, arrive back at the rank that owns it. GQA runs natively in every block.
+// CpCommType::AllGather (Megatron-Core's "all_gather") instead all-gathers K and V over the CP group into the
+// global sequence, and each local query chunk g attends fully to keys [0, g·c) and causally to chunk g
+// (merged with their LSE as above); backward gathers again, sums dK/dV of the whole sequence in f32 and
+// reduce-scatters each rank's chunks back to it. Simpler, no overlap, CP× the K/V memory during attention.
+// Packed rows (cu_seqlens) are refused with CP; CP needs CPU tensors for now (the merge has no CUDA kernel).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +66,12 @@
 #include "megacore/ops/attention.hpp"
 
 namespace megacore::layers {
+
+/// How context-parallel attention reaches the other CP ranks' keys and values (Megatron-Core's cp_comm_type).
+enum class CpCommType {
+  P2P,        ///< the ring: K/V blocks passed on in CP steps, overlapping the attention of the block held
+  AllGather,  ///< all-gather K/V over the CP group first, then attend locally; dK/dV reduce-scattered back
+};
 
 struct SelfAttentionOptions {
   Device device = Device::cpu();
@@ -84,6 +94,8 @@ struct SelfAttentionOptions {
   /// 2·CP−1−r), RoPE uses the chunks' global positions and core attention runs as a ring over the group
   /// (see "Context parallelism" above).
   comm::Communicator* cp = nullptr;
+  /// With CP > 1: the ring (P2P, the default) or AllGather (see "Context parallelism" above).
+  CpCommType cp_comm_type = CpCommType::P2P;
 };
 
 /// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,
@@ -147,6 +159,11 @@ class SelfAttention {
   // and backward (writes dq, dk, dv [s, b, heads or groups, d]).
   bool cp_active() const { return opts_.cp != nullptr && opts_.cp->size() > 1; }
   Tensor ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  Tensor gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  void gather_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                       const Stream& st) const;
+  // K or V [s, b, groups, d] of every CP rank, all-gathered into the global sequence order [CP·s, b, groups, d].
+  Tensor gather_sequence(const Tensor& t, const Stream& st) const;
   void ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                      const Stream& st) const;
 };

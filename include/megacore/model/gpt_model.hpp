@@ -86,6 +86,8 @@ struct GPTModelOptions {
   /// (parallel::cp_slice_sequence of the full one: 2 chunks of s/(2·CP)), attention runs the CP ring,
   /// positions are global, and forward's loss is this rank's share (see forward()).
   comm::Communicator* cp = nullptr;
+  /// With CP > 1: the ring (P2P) or AllGather attention (layers/attention.hpp).
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 // GradReadyCallback (transformer_block.hpp) is called with a group of parameters whose main_grad is

@@ -72,6 +72,7 @@ struct TransformerBlockOptions {
   Device device = Device::cpu();
   /// Context-parallel group of every layer's attention; nullptr = none (SelfAttentionOptions::cp).
   comm::Communicator* cp = nullptr;
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 class TransformerBlock {

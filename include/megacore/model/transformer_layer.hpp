@@ -48,6 +48,7 @@ struct TransformerLayerOptions {
   Device device = Device::cpu();
   /// Context-parallel group of the attention (must outlive the layer); nullptr = none (SelfAttentionOptions::cp).
   comm::Communicator* cp = nullptr;
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 /// Elementwise a + b (same shape and dtype, any device) into a new contiguous tensor. Used for the

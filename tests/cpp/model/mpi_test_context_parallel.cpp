@@ -3,8 +3,8 @@
 // gives the same loss (the CP ranks' shares summed) and every parameter gradient (summed over CP, gathered
 // over TP) as a TP = CP = 1 model built on the same rank from the same seed, on full sequences of several
 // lengths: tiny Llama with GQA (8 heads / 4 groups) and with MHA, tiny Llama with selective recompute (the
-// ring reruns in backward), and tiny GPT-2 (learned positions at the embedding: global positions of the
-// chunks). With PP 2 × CP 2 the pipeline engine (token weighting over DP×CP) gives the reference's loss
+// ring reruns in backward), tiny GPT-2 with full recompute (the whole layer reruns), and tiny GPT-2 (learned positions at the embedding: global positions of the
+// chunks). Both cp_comm_types: the p2p ring and all-gather. With PP 2 × CP 2 the pipeline engine (token weighting over DP×CP) gives the reference's loss
 // and gradients.
 //
 // Tolerances: the CP model runs the same f32 arithmetic as the reference except for the order of additions
@@ -92,10 +92,17 @@ mdl::TransformerConfig llama_selective() {
   return c;
 }
 
-void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerConfig cfg, bool sp, int64_t seq) {
+mdl::TransformerConfig gpt2_full_recompute() {
+  mdl::TransformerConfig c = mdl::presets::tiny_gpt2();
+  c.recompute_granularity = mdl::RecomputeGranularity::Full;
+  return c;
+}
+
+void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerConfig cfg, bool sp, int64_t seq,
+                   ly::CpCommType comm_type) {
   const int tpn = grid.tp().size(), cpn = grid.cp().size(), cr = grid.cp().rank();
   const bool swiglu = cfg.activation == mdl::ActivationType::SwiGLU;
-  INFO("CP " << cpn << " TP " << tpn << " SP " << sp << " seq " << seq << " norm "
+  INFO("CP " << cpn << (comm_type == ly::CpCommType::AllGather ? " all_gather" : " p2p") << " TP " << tpn << " SP " << sp << " seq " << seq << " norm "
              << mdl::norm_type_name(cfg.normalization) << " groups " << cfg.query_groups() << " recompute "
              << mdl::recompute_granularity_name(cfg.recompute_granularity));
   const Batch batch = make_batch(cfg.vocab_size, seq);
@@ -107,7 +114,7 @@ void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerC
   REQUIRE(std::isfinite(ref_loss));
 
   cfg.sequence_parallel = sp;
-  mdl::GPTModel model(cfg, grid.tp(), mdl::GPTModelOptions{.cp = &grid.cp()});
+  mdl::GPTModel model(cfg, grid.tp(), mdl::GPTModelOptions{.cp = &grid.cp(), .cp_comm_type = comm_type});
   const Batch mine = local_part(batch, cr, cpn);
   Tensor share = model.forward(ctx, mine.tokens, mine.labels, mine.mask).clone();
   grid.cp().all_reduce(share, comm::ReduceOp::Sum)->wait();
@@ -147,7 +154,8 @@ TEST_CASE("cp_slice_sequence holds chunks r and 2CP-1-r; cp_unslice_sequence inv
   CHECK_THROWS_AS(cp_slice_sequence(t, 1, 0, 3), ValueError);  // 16 is not a multiple of 6
 }
 
-TEST_CASE("GPTModel with CP 2/4 (alone and with TP 2 + SP) equals CP 1: loss and every gradient", "[cp][model][mpi]") {
+TEST_CASE("GPTModel with CP 2/4 (p2p ring and all-gather, alone and with TP 2 + SP) equals CP 1: loss and every "
+          "gradient", "[cp][model][mpi]") {
   auto world = world_comm();
   ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
   for (int cpn : {2, 4})
@@ -155,12 +163,14 @@ TEST_CASE("GPTModel with CP 2/4 (alone and with TP 2 + SP) equals CP 1: loss and
       if (world->size() % (cpn * tpn)) continue;
       ProcessGrid grid(*world, ParallelConfig{.tensor = tpn, .context = cpn}, {GroupKind::Tp, GroupKind::Cp});
       for (const mdl::TransformerConfig& cfg :
-           {mdl::presets::tiny_llama(), llama_mha(), llama_selective(), mdl::presets::tiny_gpt2()})
+           {mdl::presets::tiny_llama(), llama_mha(), llama_selective(), mdl::presets::tiny_gpt2(),
+            gpt2_full_recompute()})
         for (bool sp : {false, true}) {
           if (sp && tpn == 1) continue;
           for (int64_t seq : {8, 16, 24, 48}) {
             if (seq % (2 * cpn * (sp ? tpn : 1))) continue;
-            compare_model(grid1.tp(), grid, cfg, sp, seq);
+            for (ly::CpCommType ct : {ly::CpCommType::P2P, ly::CpCommType::AllGather})
+              compare_model(grid1.tp(), grid, cfg, sp, seq, ct);
           }
         }
     }
