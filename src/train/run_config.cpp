@@ -506,9 +506,6 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
                       "chunks{}); use a multiple of {}",
                       d.seq_length, p.sequence_parallel ? "·TP" : "", unit, 2 * cp,
                       p.sequence_parallel ? ", then sequence parallelism splits each rank's part over TP" : "", unit));
-    if (p.cp_comm_type == "all_gather")
-      err("parallel.cp_comm_type", "all_gather is not implemented yet; use p2p (the ring), which computes the same "
-                                   "attention");
     if (!d.sft_path.empty() && d.sft_pack)
       err("parallel.context_parallel_size",
           fmt::format("context parallelism (CP = {}) with packed SFT rows is not supported; set data.sft_pack = "

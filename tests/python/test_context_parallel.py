@@ -1,5 +1,5 @@
 """Context parallelism in the trainer on CPU ranks: the tiny recipe with CP = 2 (with TP = 2, with PP = 2, with
-SP, with DP × ZeRO-1) trains the same model as CP = 1, a checkpoint moves between CP = 2 and CP = 1 both ways, and
+SP, with DP × ZeRO-1, and with cp_comm_type = all_gather) trains the same model as CP = 1, a checkpoint moves between CP = 2 and CP = 1 both ways, and
 bad CP recipes fail before any rank starts with the fix.
 
 Tolerance: a CP run computes the same f32 math as the CP = 1 run in another order (attention partials merged
@@ -91,8 +91,9 @@ def test_cli_tp2_cp2_matches_cp1(tmp_path):
     ("sp", dict(parallel__pp=1, parallel__sp=True), dict(parallel__pp=1, parallel__sp=True, parallel__cp=2)),
     ("zero", dict(parallel__tp=1, parallel__pp=1, parallel__zero=True),  # DP 4 vs CP 2 × DP 2, ZeRO-1
      dict(parallel__tp=1, parallel__pp=1, parallel__zero=True, parallel__cp=2)),
+    ("all_gather", dict(parallel__pp=1), dict(parallel__pp=1, parallel__cp=2, parallel__cp_comm_type="all_gather")),
 ])
-def test_cp2_composes_with_pp_sp_and_zero(tmp_path, name, cp1, cp2):
+def test_cp2_composes_with_pp_sp_zero_and_all_gather(tmp_path, name, cp1, cp2):
     a = _tiny(tmp_path, name + "_cp1", **cp1)
     _train(a, tmp_path, name + "_cp1")
     b = _tiny(tmp_path, name + "_cp2", **cp2)
@@ -134,8 +135,6 @@ def test_bad_cp_recipes_fail_before_any_rank_starts(capsys):
     assert "data.seq_length: 132 is not divisible by 2·CP·TP = 8" in e
     e = err("parallel.cp=2", "parallel.cp_comm_type=ring")
     assert "cp_comm_type" in e and "p2p" in e and "all_gather" in e
-    e = err("parallel.cp=2", "parallel.cp_comm_type=all_gather")
-    assert "all_gather is not implemented yet; use p2p" in e
     e = err("parallel.cp=2", "data.sft_path=/tmp/x.jsonl")
     assert "packed SFT rows is not supported; set data.sft_pack = false" in e
     e = err("parallel.cp=2", "trainer.device=cuda", cpu=False)

@@ -70,7 +70,7 @@ struct ParallelSection {
     f(Field{"cp_comm_type",
             "CP: how attention reaches the other ranks' keys and values. p2p: a ring of CP steps passing K/V blocks "
             "on (Megatron-Core's default; load-balanced causal chunks). all_gather: gather K/V over the CP group "
-            "first (not implemented yet).",
+            "first, then attend locally (simpler, no overlap; dK/dV reduce-scattered back).",
             "p2p|all_gather"},
       s.cp_comm_type);
     f(Field{.name = "expert_model_parallel_size", .doc = "EP: expert-parallel size of MoE layers.", .alias = "ep"},

@@ -218,7 +218,7 @@ TEST_CASE("validate checks context parallelism: sequence divisibility, comm type
   c.data.seq_length = 128;
   CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
   c.parallel.cp_comm_type = "all_gather";
-  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "parallel.cp_comm_type: all_gather is not implemented yet"));
+  CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
   c.parallel.cp_comm_type = "p2p";
   c.data.sft_path = "x.jsonl";
   CHECK(has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows is not supported"));
