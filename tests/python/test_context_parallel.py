@@ -4,8 +4,8 @@ bad CP recipes fail before any rank starts with the fix.
 
 Tolerance: a CP run computes the same f32 math as the CP = 1 run in another order (attention partials merged
 through their log-sum-exp, gradients summed over DP×CP instead of DP, token counts split over ranks), so the
-losses agree to f32 reduction-order noise, which AdamW then carries through the steps. Measured over 6 steps:
-|Δloss| / loss ≤ 2e-6; we hold every step to 1e-5 relative.
+losses agree to f32 reduction-order noise, which AdamW then carries through the steps. Measured over 6 steps
+(every case here, 2026-11-27): |Δloss| / loss ≤ 6.1e-7; we hold every step to 1e-5 relative.
 """
 
 import json
@@ -55,6 +55,7 @@ def _close(got, want):
     assert len(got) == len(want), (got, want)
     for g, w in zip(got, want):
         assert abs(g - w) <= REL_TOL * abs(w), (got, want)
+    print("largest relative loss difference:", max(abs(g - w) / abs(w) for g, w in zip(got, want)))
 
 
 @needs_mpi
