@@ -208,15 +208,18 @@ void bind_config(pyb::module_& m) {
 void bind_gpt(pyb::module_& m) {
   pyb::class_<GPTModel>(m, "GPTModel", "Decoder-only LM over one TP group, with explicit forward and backward.")
       .def(pyb::init([](const TransformerConfig& cfg, comm::Communicator& tp, const pyb::object& device,
-                        float label_smoothing) {
+                        float label_smoothing, comm::Communicator* cp) {
              GPTModelOptions o;
              o.device = device_arg(device);
              o.label_smoothing = label_smoothing;
+             o.cp = cp;
              pyb::gil_scoped_release nogil;
              return new GPTModel(cfg, tp, o);
            }),
            pyb::arg("config"), pyb::arg("tp"), pyb::arg("device") = "cpu", pyb::arg("label_smoothing") = 0.f,
-           pyb::keep_alive<1, 3>())
+           pyb::arg("cp") = pyb::none(), pyb::keep_alive<1, 3>(), pyb::keep_alive<1, 6>(),
+           "cp: the context-parallel group (grid.cp) or None; with CP > 1 tokens/labels/mask are this rank's local "
+           "sequence (chunks r and 2·CP−1−r) and forward returns this rank's share of the mean loss.")
       .def("forward", [](GPTModel& g, const pyb::object& tokens, const pyb::object& labels,
                          const pyb::object& loss_mask, bool training) {
         Tensor t = tensor_arg(tokens, "tokens"), l = tensor_arg(labels, "labels");

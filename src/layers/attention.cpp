@@ -1,10 +1,13 @@
 #include "megacore/layers/attention.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include <fmt/format.h>
 
+#include "megacore/ops/attention_merge.hpp"
 #include "megacore/ops/rope.hpp"
+#include "megacore/parallel/context_parallel.hpp"
 
 namespace megacore::layers {
 namespace {
@@ -111,6 +114,9 @@ void from_token_major(Tensor dst, const Tensor& src, const Stream& st) {
 Tensor SelfAttention::core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                   const Stream& st) const {
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_;
+  if (cp_active())
+    return opts_.cp_comm_type == CpCommType::AllGather ? gather_forward(q, k, v, out, st)
+                                                        : ring_forward(q, k, v, out, st);
   if (!cu_.defined()) {
     Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, q.device(), st);
     Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
@@ -128,9 +134,15 @@ Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64
   // One id per token of the [s, b] activations, in their (sequence-major) order.
   std::vector<int64_t> pos(size_t(s * b));
   if (!position_ids.defined()) {
+    // Under context parallelism the local sequence is two chunks of the global one (their global positions).
+    const int cr = cp_active() ? opts_.cp->rank() : 0, cn = cp_active() ? opts_.cp->size() : 1;
     for (int64_t i = 0; i < s; ++i)
-      for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = i;
+      for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = parallel::cp_global_position(i, s, cr, cn);
   } else {
+    MC_CHECK(!cp_active(),
+             "{}.forward: position_ids were given with context parallelism (CP = {}); the CP layer derives the global "
+             "positions of its chunks itself, and packed rows are not supported with CP: pass no position_ids",
+             kName, opts_.cp->size());
     MC_CHECK(position_ids.dtype() == DType::I32 || position_ids.dtype() == DType::I64,
              "{}.forward: position_ids has dtype {}; pass integer ids (i32 or i64)", kName,
              dtype_name(position_ids.dtype()));
@@ -177,6 +189,16 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
   }
   Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
   cu_ = Tensor(), max_seqlen_ = 0;
+  if (cp_active()) {
+    MC_CHECK(!ctx.cu_seqlens.defined(),
+             "{}.forward: packed rows (ctx.cu_seqlens) with context parallelism (CP = {}) are not supported; train "
+             "packed SFT data with context_parallel_size = 1",
+             kName, opts_.cp->size());
+    MC_CHECK(s % 2 == 0,
+             "{}.forward: the local sequence has {} tokens under context parallelism; it must be the two equal chunks "
+             "of parallel::cp_slice_sequence (a global length divisible by 2·CP = {})",
+             kName, s, 2 * opts_.cp->size());
+  }
   if (ctx.cu_seqlens.defined()) {
     const Tensor& cu = ctx.cu_seqlens;
     MC_CHECK(cu.dtype() == DType::I32 && cu.dim() == 1 && cu.size(0) >= 2 && cu.device() == x.device(),
@@ -221,7 +243,10 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   Tensor dq = Tensor::empty({s, b, heads_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
-  if (cu_.defined()) {
+  if (cp_active()) {
+    if (opts_.cp_comm_type == CpCommType::AllGather) gather_backward(out, lse, dout, dq, dk, dv, st);
+    else ring_backward(out, lse, dout, dq, dk, dv, st);
+  } else if (cu_.defined()) {
     Tensor dqp = Tensor::empty({b * s, heads_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dkp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dvp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
@@ -245,6 +270,222 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   dqkv.select(3, hpg + 1).copy_(dv, st);
   q_ = k_ = v_ = out_ = lse_ = positions_ = cu_ = Tensor();
   return qkv_.backward(ctx, dqkv.view({s, b, groups_local_ * (hpg + 2) * d}));
+}
+
+// ---- context parallelism: the ring ----------------------------------------------------------------
+
+namespace {
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The K/V block a rank holds at step i, and which of its queries attend to which of its keys (see the
+// header comment): step 0 causal over everything; an earlier rank's block: all queries × its first chunk;
+// a later rank's block: the late query chunk × the whole block.
+struct RingBlock {
+  int64_t q_off, q_len, k_len;
+  bool causal;
+};
+RingBlock ring_block(int step, int src, int rank, int64_t s) {
+  const int64_t c = s / 2;
+  if (step == 0) return {0, s, s, true};
+  if (src < rank) return {0, s, c, false};
+  return {c, c, s, false};
+}
+}  // namespace
+
+Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                                   const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
+  const Device dev = q.device();
+  Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
+  Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
+  for (int i = 0; i < n; ++i) {
+    // Pass the block on while computing with it (the exchange overlaps the attention on NCCL streams).
+    Tensor kn, vn;
+    comm::WorkPtr w;
+    if (i + 1 < n) {
+      kn = Tensor::empty(kc.shape(), kc.dtype(), dev, st);
+      vn = Tensor::empty(vc.shape(), vc.dtype(), dev, st);
+      w = cp.batch_send_recv({{comm::P2POp::Send, kc, next},
+                              {comm::P2POp::Send, vc, next},
+                              {comm::P2POp::Recv, kn, prev},
+                              {comm::P2POp::Recv, vn, prev}},
+                             st);
+    }
+    const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
+    ops::AttentionOptions o = attention_options();
+    o.causal = blk.causal;
+    Tensor op = Tensor::empty({blk.q_len, b, H, d}, q.dtype(), dev, st);
+    Tensor lp = Tensor::empty({b, H, blk.q_len}, DType::F32, dev, st);
+    Tensor op4 = bshd(op);
+    ops::attention_forward(bshd(q.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
+                           bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
+    ops::attention_merge_partial(acc, acc_lse, op, lp, blk.q_off, st);
+    if (w) {
+      w->wait_on(st);
+      kc = kn, vc = vn;
+    }
+  }
+  out.view({s, b, H, d}).copy_(acc, st);
+  return acc_lse;
+}
+
+void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                  Tensor& dv, const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
+  const Device dev = q_.device();
+  const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
+  Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  // The gradient of the block held at this step; it travels with the block and ends at its owner.
+  Tensor dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
+  Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
+  Tensor kc = k_, vc = v_;
+  for (int i = 0; i < n; ++i) {
+    Tensor kn, vn;
+    comm::WorkPtr w;
+    if (i + 1 < n) {
+      kn = Tensor::empty(kc.shape(), kc.dtype(), dev, st);
+      vn = Tensor::empty(vc.shape(), vc.dtype(), dev, st);
+      w = cp.batch_send_recv({{comm::P2POp::Send, kc, next},
+                              {comm::P2POp::Send, vc, next},
+                              {comm::P2POp::Recv, kn, prev},
+                              {comm::P2POp::Recv, vn, prev}},
+                             st);
+    }
+    const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
+    ops::AttentionOptions o = attention_options();
+    o.causal = blk.causal;
+    // The merged output and LSE make each block's backward its exact share of the full gradient.
+    Tensor lp = blk.q_len == s ? lse : lse.narrow(2, blk.q_off, blk.q_len).contiguous(st);
+    Tensor dqp = Tensor::empty({blk.q_len, b, H, d}, q_.dtype(), dev, st);
+    Tensor dkp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
+    Tensor dvp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
+    Tensor dq4 = bshd(dqp), dk4 = bshd(dkp), dv4 = bshd(dvp);
+    ops::attention_backward(bshd(q_.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
+                            bshd(vc.narrow(0, 0, blk.k_len)), bshd(out4.narrow(0, blk.q_off, blk.q_len)), lp,
+                            bshd(dout4.narrow(0, blk.q_off, blk.q_len)), dq4, dk4, dv4, o, st);
+    Tensor dq_rows = dq_acc.narrow(0, blk.q_off, blk.q_len), dk_rows = dk_acc.narrow(0, 0, blk.k_len),
+           dv_rows = dv_acc.narrow(0, 0, blk.k_len);
+    ops::accumulate_f32(dq_rows, dqp, st);
+    ops::accumulate_f32(dk_rows, dkp, st);
+    ops::accumulate_f32(dv_rows, dvp, st);
+    // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
+    Tensor dkn = Tensor::empty(dk_acc.shape(), DType::F32, dev, st);
+    Tensor dvn = Tensor::empty(dv_acc.shape(), DType::F32, dev, st);
+    comm::WorkPtr wg = cp.batch_send_recv({{comm::P2POp::Send, dk_acc, next},
+                                           {comm::P2POp::Send, dv_acc, next},
+                                           {comm::P2POp::Recv, dkn, prev},
+                                           {comm::P2POp::Recv, dvn, prev}},
+                                          st);
+    if (w) {
+      w->wait_on(st);
+      kc = kn, vc = vn;
+    }
+    wg->wait_on(st);
+    dk_acc = dkn, dv_acc = dvn;
+  }
+  dq.copy_(dq_acc, st);
+  dk.copy_(dk_acc, st);
+  dv.copy_(dv_acc, st);
+}
+
+// ---- context parallelism: all-gather ------------------------------------------------------------------
+
+Tensor SelfAttention::gather_sequence(const Tensor& t, const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size();
+  const int64_t s = t.size(0);
+  Shape shape = t.shape();
+  shape[0] = n * s;
+  Tensor ranks = Tensor::empty(shape, t.dtype(), t.device(), st);  // rank-major: rank i's local sequence at i·s
+  Tensor in = t.contiguous(st);
+  cp.all_gather(in, ranks, st)->wait_on(st);
+  std::vector<Tensor> parts;
+  for (int i = 0; i < n; ++i) parts.push_back(ranks.narrow(0, i * s, s));
+  return parallel::cp_unslice_sequence(parts, 0, st);
+}
+
+namespace {
+// Local query chunk j (0: the early one, 1: the late one) of CP rank r of n is global chunk g; it sees keys
+// [0, g·c) fully and chunk g causally.
+int64_t global_chunk(int j, int r, int n) { return j == 0 ? r : 2 * int64_t(n) - 1 - r; }
+}  // namespace
+
+Tensor SelfAttention::gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                                     const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t s = q.size(0), c = s / 2, b = q.size(1), d = head_dim_, H = heads_local_;
+  const Device dev = q.device();
+  const Tensor kg = gather_sequence(k, st), vg = gather_sequence(v, st);
+  Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t g = global_chunk(j, r, n);
+    const Tensor qj = q.narrow(0, j * c, c);
+    for (bool diag : {false, true}) {
+      if (!diag && g == 0) continue;  // nothing before the first chunk
+      const int64_t k0 = diag ? g * c : 0, kl = diag ? c : g * c;
+      ops::AttentionOptions o = attention_options();
+      o.causal = diag;
+      Tensor op = Tensor::empty({c, b, H, d}, q.dtype(), dev, st);
+      Tensor lp = Tensor::empty({b, H, c}, DType::F32, dev, st);
+      Tensor op4 = bshd(op);
+      ops::attention_forward(bshd(qj), bshd(kg.narrow(0, k0, kl)), bshd(vg.narrow(0, k0, kl)), op4, lp, o, st);
+      ops::attention_merge_partial(acc, acc_lse, op, lp, j * c, st);
+    }
+  }
+  out.view({s, b, H, d}).copy_(acc, st);
+  return acc_lse;
+}
+
+void SelfAttention::gather_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                    Tensor& dv, const Stream& st) const {
+  comm::Communicator& cp = *opts_.cp;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t s = seq_, c = s / 2, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
+  const Device dev = q_.device();
+  const Tensor kg = gather_sequence(k_, st), vg = gather_sequence(v_, st);
+  const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
+  Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
+  Tensor dkg = Tensor::zeros({n * s, b, G, d}, DType::F32, dev, st);
+  Tensor dvg = Tensor::zeros({n * s, b, G, d}, DType::F32, dev, st);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t g = global_chunk(j, r, n);
+    const Tensor lj = lse.narrow(2, j * c, c).contiguous(st);
+    for (bool diag : {false, true}) {
+      if (!diag && g == 0) continue;
+      const int64_t k0 = diag ? g * c : 0, kl = diag ? c : g * c;
+      ops::AttentionOptions o = attention_options();
+      o.causal = diag;
+      Tensor dqp = Tensor::empty({c, b, H, d}, q_.dtype(), dev, st);
+      Tensor dkp = Tensor::empty({kl, b, G, d}, q_.dtype(), dev, st);
+      Tensor dvp = Tensor::empty({kl, b, G, d}, q_.dtype(), dev, st);
+      Tensor dq4 = bshd(dqp), dk4 = bshd(dkp), dv4 = bshd(dvp);
+      ops::attention_backward(bshd(q_.narrow(0, j * c, c)), bshd(kg.narrow(0, k0, kl)), bshd(vg.narrow(0, k0, kl)),
+                              bshd(out4.narrow(0, j * c, c)), lj, bshd(dout4.narrow(0, j * c, c)), dq4, dk4, dv4, o,
+                              st);
+      Tensor dq_rows = dq_acc.narrow(0, j * c, c), dk_rows = dkg.narrow(0, k0, kl), dv_rows = dvg.narrow(0, k0, kl);
+      ops::accumulate_f32(dq_rows, dqp, st);
+      ops::accumulate_f32(dk_rows, dkp, st);
+      ops::accumulate_f32(dv_rows, dvp, st);
+    }
+  }
+  // Every rank holds partial dK/dV of the whole sequence: reduce-scatter each rank's chunks back to it.
+  auto scatter_back = [&](const Tensor& full, Tensor& dst) {
+    Tensor ranks = Tensor::empty({n * s, b, G, d}, DType::F32, dev, st);
+    for (int i = 0; i < n; ++i) ranks.narrow(0, i * s, s).copy_(parallel::cp_slice_sequence(full, 0, i, n, st), st);
+    Tensor mine = Tensor::empty({s, b, G, d}, DType::F32, dev, st);
+    cp.reduce_scatter(ranks, mine, comm::ReduceOp::Sum, st)->wait_on(st);
+    dst.copy_(mine, st);
+  };
+  scatter_back(dkg, dk);
+  scatter_back(dvg, dv);
+  dq.copy_(dq_acc, st);
 }
 
 std::vector<Parameter*> SelfAttention::parameters() {

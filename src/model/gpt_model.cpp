@@ -7,6 +7,7 @@
 #include "megacore/core/error.hpp"
 #include "megacore/ops/embedding.hpp"
 #include "megacore/ops/gemm.hpp"
+#include "megacore/parallel/context_parallel.hpp"
 
 namespace megacore::model {
 
@@ -95,7 +96,9 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                               TransformerBlockOptions{.layer_indices = layer_indices_,
                                                                       .final_layernorm = opts_.post_process,
                                                                       .init_offset_base = kModelLayerInitBase,
-                                                                      .device = opts_.device});
+                                                                      .device = opts_.device,
+                                                                      .cp = opts_.cp,
+                                                                      .cp_comm_type = opts_.cp_comm_type});
   if (opts_.post_process) {
     output_layer_ = std::make_unique<ly::ColumnParallelLinear>(
         tp, cfg_.hidden_size, model::padded_vocab_size(cfg_, tp.size()),
@@ -187,9 +190,10 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
     }
   }
   if (s >= 0) {
-    MC_CHECK(s <= cfg_.max_position_embeddings,
+    const int64_t cpn = cp_active() ? opts_.cp->size() : 1;  // s is this CP rank's local part of s·CP tokens
+    MC_CHECK(s * cpn <= cfg_.max_position_embeddings,
              "GPTModel.forward: sequence length {} exceeds max_position_embeddings {}; shorten the sequences or "
-             "raise max_position_embeddings", s, cfg_.max_position_embeddings);
+             "raise max_position_embeddings", s * cpn, cfg_.max_position_embeddings);
     MC_CHECK(!cfg_.sequence_parallel || s % tpn == 0,
              "GPTModel.forward: sequence length {} is not a multiple of TP {} (sequence parallelism splits it); pad "
              "the sequences to a multiple of {}", s, tpn, tpn);
@@ -206,6 +210,9 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
                     first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
       // Positions restart at every segment of packed rows (ctx.position_ids, [b, s]); else 0..s-1.
       const Tensor& given = ctx.position_ids;
+      MC_CHECK(!(given.defined() && cp_active()),
+               "GPTModel.forward: ctx.position_ids (packed rows) with context parallelism (CP = {}) are not "
+               "supported; train packed SFT data with context_parallel_size = 1", opts_.cp->size());
       if (given.defined())
         MC_CHECK(given.dim() == 2 && given.size(0) == b && given.size(1) == s,
                  "GPTModel.forward: ctx.position_ids has shape {}; it must be the batch's [b, s] = [{}, {}]",
@@ -217,9 +224,11 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
       } else {
         const std::vector<double> ids = given.defined() ? given.to_double_vector() : std::vector<double>();
         std::vector<int64_t> pos(size_t(s_local * b));
+        const int cr = cp_active() ? opts_.cp->rank() : 0, cn = cp_active() ? opts_.cp->size() : 1;
         for (int64_t i = 0; i < s_local; ++i)
           for (int64_t j = 0; j < b; ++j)
-            pos[size_t(i * b + j)] = ids.empty() ? first + i : int64_t(ids[size_t(j * s + first + i)]);
+            pos[size_t(i * b + j)] = ids.empty() ? parallel::cp_global_position(first + i, s, cr, cn)
+                                                 : int64_t(ids[size_t(j * s + first + i)]);
         pos_ids = Tensor::from_vector<int64_t>(pos, {s_local, b}).to(opts_.device, st);
       }
       Tensor pe = Tensor::empty(x.shape(), x.dtype(), x.device(), st);
@@ -260,7 +269,16 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
 
   // The denominator comes from the inputs, which a data loader has on the host; reading them back from a
   // device is a sync, acceptable once per micro-batch.
-  loss_tokens_ = ctx.loss_tokens >= 0 ? ctx.loss_tokens : count_loss_tokens(labels, loss_mask, loss_->options().ignore_index, st);
+  if (ctx.loss_tokens >= 0) {
+    loss_tokens_ = ctx.loss_tokens;
+  } else {
+    loss_tokens_ = count_loss_tokens(labels, loss_mask, loss_->options().ignore_index, st);
+    if (cp_active()) {  // the denominator of the whole sequence: this rank's loss is its share of the mean
+      Tensor t = Tensor::from_vector<float>({float(loss_tokens_)}, {1}).to(opts_.device, st);
+      opts_.cp->all_reduce(t, comm::ReduceOp::Sum, st)->wait();
+      loss_tokens_ = t.to(Device::cpu(), st).item();
+    }
+  }
   grad_scale_ = loss_tokens_ > 0 ? float(1.0 / loss_tokens_) : 0.f;
 
   // Σ loss on the device as a [1, N] × [N, 1] product, scaled by 1 / count.

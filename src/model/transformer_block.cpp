@@ -83,7 +83,9 @@ TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConf
     layers_.push_back(std::make_unique<TransformerLayer>(
         tp, layer_cfg, TransformerLayerOptions{.layer_number = layer_indices_[i],
                                                .init_offset_base = opts_.init_offset_base,
-                                               .device = opts_.device}));
+                                               .device = opts_.device,
+                                               .cp = opts_.cp,
+                                               .cp_comm_type = opts_.cp_comm_type}));
   }
   if (opts_.final_layernorm) final_norm_ = make_model_norm(cfg_, opts_.device);
 

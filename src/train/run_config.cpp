@@ -496,8 +496,25 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
                                 world, r.resources.num_nodes, r.resources.num_gpus_per_node, tp, pp, cp, mp, world));
   else
     dp = world / mp;
-  if (cp > 1)
-    err("parallel.context_parallel_size", "context parallelism is not implemented in the trainer yet; set it to 1");
+  if (cp > 1) {
+    // The ring cuts every sequence into 2·CP chunks (causal load balancing); with SP each rank's part is then
+    // split over TP.
+    const int64_t unit = int64_t(2) * cp * (p.sequence_parallel ? tp : 1);
+    if (d.seq_length % unit)
+      err("data.seq_length",
+          fmt::format("{} is not divisible by 2·CP{} = {} (context parallelism cuts each sequence into 2·CP = {} "
+                      "chunks{}); use a multiple of {}",
+                      d.seq_length, p.sequence_parallel ? "·TP" : "", unit, 2 * cp,
+                      p.sequence_parallel ? ", then sequence parallelism splits each rank's part over TP" : "", unit));
+    if (!d.sft_path.empty() && d.sft_pack)
+      err("parallel.context_parallel_size",
+          fmt::format("context parallelism (CP = {}) with packed SFT rows is not supported; set data.sft_pack = "
+                      "false or context_parallel_size = 1", cp));
+    if (r.trainer.device == "cuda")
+      err("parallel.context_parallel_size",
+          fmt::format("context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring is not built yet); "
+                      "train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", cp));
+  }
   if (p.expert_model_parallel_size > 1)
     err("parallel.expert_model_parallel_size", "the models of these recipes have no experts; set it to 1");
   if (p.sequence_parallel && tp == 1)

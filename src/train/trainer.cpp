@@ -25,6 +25,7 @@
 #include "megacore/optim/grad_clip.hpp"
 #include "megacore/optim/loss_scaler.hpp"
 #include "megacore/optim/optimizer.hpp"
+#include "megacore/parallel/context_parallel.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/pipeline/engine.hpp"
 #include "megacore/pipeline/layout.hpp"
@@ -165,6 +166,10 @@ void Trainer::Impl::build() {
   }
 
   parallel::ParallelConfig pc = cfg.grid_config();
+  // trainer.device = auto resolved to GPUs here (validate refuses an explicit cuda).
+  MC_CHECK_AS(ConfigError, !(device.is_cuda() && pc.context > 1),
+              "context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring's merge kernel is not built "
+              "yet); train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", pc.context);
   grid = std::make_unique<parallel::ProcessGrid>(world, pc);
   const int pp = pc.pipeline, vp = pc.virtual_pipeline;
   const ParallelSection& ps = cfg.parallel;
@@ -188,6 +193,8 @@ void Trainer::Impl::build() {
     o.layer_indices = layout->layer_indices(pp_rank, c);
     o.pre_process = layout->has_embedding(pp_rank, c);
     o.post_process = layout->has_head(pp_rank, c);
+    o.cp = &grid->cp();
+    o.cp_comm_type = cfg.parallel.cp_comm_type == "all_gather" ? ly::CpCommType::AllGather : ly::CpCommType::P2P;
     chunks.push_back(std::make_unique<mdl::GPTModel>(m, grid->tp(), o));
   }
   for (auto& ch : chunks) {
@@ -382,7 +389,18 @@ std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLo
     pipeline::MicroBatch mb{b->tokens, b->labels, b->loss_mask};
     // Packed rows (more segments than rows): attention must stay within segments and positions restart.
     if (b->cu_seqlens.defined() && b->cu_seqlens.size(0) - 1 > b->tokens.size(0)) {
+      MC_CHECK_AS(ConfigError, grid->layout().cp_size() == 1,
+                  "packed rows (several SFT examples per row) with context_parallel_size {} are not supported; set "
+                  "context_parallel_size = 1 (or data.sft_pack = false)", grid->layout().cp_size());
       mb.cu_seqlens = b->cu_seqlens, mb.max_seqlen = b->max_seqlen, mb.position_ids = b->position_ids;
+    }
+    // Context parallelism: the CP ranks of a DP rank read the same samples; each keeps its two chunks of the
+    // sequence (the engine then counts and reduces the loss tokens over DP×CP).
+    if (grid->layout().cp_size() > 1) {
+      const int cr = grid->cp_rank(), cn = grid->layout().cp_size();
+      mb.tokens = parallel::cp_slice_sequence(mb.tokens, 1, cr, cn, ctx.stream);
+      mb.labels = parallel::cp_slice_sequence(mb.labels, 1, cr, cn, ctx.stream);
+      if (mb.loss_mask.defined()) mb.loss_mask = parallel::cp_slice_sequence(mb.loss_mask, 1, cr, cn, ctx.stream);
     }
     mbs.push_back(std::move(mb));
   }
@@ -482,6 +500,9 @@ Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_
   ly::ForwardContext ectx = ctx;
   ectx.training = false;
   ectx.cu_seqlens = mb.cu_seqlens, ectx.max_seqlen = mb.max_seqlen, ectx.position_ids = mb.position_ids;
+  // With CP the model would count the whole sequence's tokens on every CP rank; callers sum (loss · count)
+  // and count over DP×CP, so each rank reports its own tokens.
+  if (grid->layout().cp_size() > 1) ectx.loss_tokens = mdl::count_loss_tokens(labels, mask, -100, ctx.stream);
   const int pp = grid->layout().pp_size(), pp_rank = grid->pp_rank(), vp = int(chunks.size());
   comm::Communicator& ppc = grid->pp();
   Tensor x, loss;
@@ -744,23 +765,37 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
     const int64_t len = int64_t(ids.size());
     MC_CHECK(len <= I.mcfg.max_position_embeddings, "Trainer.generate: {} tokens exceed max_position_embeddings {}",
              len, I.mcfg.max_position_embeddings);
-    // Sequence parallelism splits the sequence over TP: pad on the right (causal attention never looks ahead).
-    const int64_t s = I.mcfg.sequence_parallel ? (len + tp - 1) / tp * tp : len;
+    // Sequence parallelism splits the sequence over TP and context parallelism into 2·CP chunks: pad on the
+    // right (causal attention never looks ahead).
+    const int cpn = I.grid->layout().cp_size(), cpr = I.grid->cp_rank();
+    const int64_t unit = (I.mcfg.sequence_parallel ? tp : 1) * (cpn > 1 ? 2 * cpn : 1);
+    const int64_t s = (len + unit - 1) / unit * unit;
     std::vector<int64_t> tok(size_t(s), 0);
     std::copy(ids.begin(), ids.end(), tok.begin());
     Tensor tokens = Tensor::from_vector<int64_t>(tok, {1, s}).to(I.device, I.ctx.stream);
     Tensor labels = Tensor::zeros({1, s}, DType::I64, I.device, I.ctx.stream);
+    tokens = parallel::cp_slice_sequence(tokens, 1, cpr, cpn, I.ctx.stream);
+    labels = parallel::cp_slice_sequence(labels, 1, cpr, cpn, I.ctx.stream);
+    // The CP rank holding the last prompt position, and that position's index in its local sequence.
+    int owner = 0;
+    int64_t local = len - 1;
+    if (cpn > 1) {
+      const int64_t c = s / (2 * cpn), chunk = (len - 1) / c;
+      owner = int(chunk < cpn ? chunk : 2 * cpn - 1 - chunk);
+      local = (chunk < cpn ? 0 : c) + (len - 1) % c;
+    }
     Tensor loss = I.forward_only({tokens, labels, Tensor()}, nullptr);
     Tensor next = Tensor::zeros({1}, DType::I64, I.device, I.ctx.stream);
-    if (loss.defined()) {
+    if (loss.defined() && cpr == owner) {
       // The logits of the last prompt position, gathered over the vocabulary shards.
       mdl::GPTModel& last = *I.chunks.back();
-      Tensor row = last.logits().narrow(1, len - 1, 1).contiguous(I.ctx.stream).view({-1});
+      Tensor row = last.logits().narrow(1, local, 1).contiguous(I.ctx.stream).view({-1});
       Tensor full = parallel::all_gather_along(I.grid->tp(), row.to(DType::F32, I.ctx.stream), 0, I.ctx.stream);
       const std::vector<double> v = full.to(Device::cpu(), I.ctx.stream).to_double_vector();
       const int64_t best = int64_t(std::max_element(v.begin(), v.begin() + vocab) - v.begin());
       next = Tensor::from_vector<int64_t>({best}, {1}).to(I.device, I.ctx.stream);
     }
+    if (cpn > 1) I.grid->cp().broadcast(next, owner, I.ctx.stream)->wait();
     I.grid->pp().broadcast(next, pp - 1, I.ctx.stream)->wait();
     ids.push_back(next.to(Device::cpu(), I.ctx.stream).to_double_vector()[0]);
   }

@@ -30,6 +30,27 @@
 //                        bit-identical gradients (on GPUs with deterministic = true: the flash kernel's
 //                        default backward adds dq with atomics, so dq's rounding varies run to run).
 //   recompute Full is the TransformerLayer's business (it reruns the whole layer); here it acts as None.
+//
+// Context parallelism (SelfAttentionOptions::cp with CP > 1; Megatron-Core's "p2p" cp_comm_type): each
+// CP rank holds the local sequence of chunks r and 2·CP−1−r (2c tokens of the 2·CP·c; with SP the
+// sequence is split by CP first and the local part by TP). Core attention runs as a ring of CP steps:
+// at step i the rank holds the K/V block of rank src = (r − i) mod CP, posts the exchange that passes it
+// to rank r+1 and receives the next one from r−1 (Communicator::batch_send_recv on the layer's stream),
+// and computes its queries against the block it holds:
+//   i = 0 (its own block): causal over the local sequence (chunk r sees itself causally, the late chunk
+//         sees chunk r fully and itself causally, which is exactly the top-left causal mask of 2c × 2c);
+//   src < r: both query chunks against the block's first chunk (src), full;
+//   src > r: the late query chunk against the whole block, full (the block's early chunk src > r is
+//         after chunk r, so chunk r sees nothing of it).
+// Partial outputs are merged with their LSE in f32 (ops/attention_merge.hpp); the saved LSE is the
+// merged one. Backward replays the ring with the merged output and LSE (so each block's gradient is
+// its exact share): dQ accumulates locally, dK/dV (f32) travel with their block and, after CP
+// exchanges, arrive back at the rank that owns it. GQA runs natively in every block.
+// CpCommType::AllGather (Megatron-Core's "all_gather") instead all-gathers K and V over the CP group into the
+// global sequence, and each local query chunk g attends fully to keys [0, g·c) and causally to chunk g
+// (merged with their LSE as above); backward gathers again, sums dK/dV of the whole sequence in f32 and
+// reduce-scatters each rank's chunks back to it. Simpler, no overlap, CP× the K/V memory during attention.
+// Packed rows (cu_seqlens) are refused with CP; CP needs CPU tensors for now (the merge has no CUDA kernel).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +66,12 @@
 #include "megacore/ops/attention.hpp"
 
 namespace megacore::layers {
+
+/// How context-parallel attention reaches the other CP ranks' keys and values (Megatron-Core's cp_comm_type).
+enum class CpCommType {
+  P2P,        ///< the ring: K/V blocks passed on in CP steps, overlapping the attention of the block held
+  AllGather,  ///< all-gather K/V over the CP group first, then attend locally; dK/dV reduce-scattered back
+};
 
 struct SelfAttentionOptions {
   Device device = Device::cpu();
@@ -62,6 +89,13 @@ struct SelfAttentionOptions {
   ops::AttentionBackend backend = ops::AttentionBackend::Auto;
   /// Ask the GPU backends for run-to-run identical gradients (see ops::AttentionOptions::deterministic).
   bool deterministic = false;
+  /// Context-parallel group (must outlive the layer); nullptr or size 1 = no context parallelism. With
+  /// CP > 1 the layer's input is this rank's local sequence (parallel/context_parallel.hpp: chunks r and
+  /// 2·CP−1−r), RoPE uses the chunks' global positions and core attention runs as a ring over the group
+  /// (see "Context parallelism" above).
+  comm::Communicator* cp = nullptr;
+  /// With CP > 1: the ring (P2P, the default) or AllGather (see "Context parallelism" above).
+  CpCommType cp_comm_type = CpCommType::P2P;
 };
 
 /// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,
@@ -121,6 +155,17 @@ class SelfAttention {
   // Core attention on [s, b, heads, d] q/k/v (sequence-major) into out [s, b, heads·d]; returns lse,
   // [b, heads, s] dense or [heads, b·s] for packed rows (cu_ defined: token-major copies for the packed op).
   Tensor core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  // Context parallelism: the ring forward (writes out [s, b, heads·d], returns the merged lse [b, heads, s])
+  // and backward (writes dq, dk, dv [s, b, heads or groups, d]).
+  bool cp_active() const { return opts_.cp != nullptr && opts_.cp->size() > 1; }
+  Tensor ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  Tensor gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  void gather_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                       const Stream& st) const;
+  // K or V [s, b, groups, d] of every CP rank, all-gathered into the global sequence order [CP·s, b, groups, d].
+  Tensor gather_sequence(const Tensor& t, const Stream& st) const;
+  void ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                     const Stream& st) const;
 };
 
 /// The fused QKV weight [(heads + 2·groups)·d, hidden] in the grouped layout above, from separate

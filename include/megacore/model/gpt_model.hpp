@@ -81,6 +81,13 @@ struct GPTModelOptions {
   bool pre_process = true;
   /// Holds the final norm, the output layer and the loss: the last pipeline stage.
   bool post_process = true;
+  /// Context-parallel group (ProcessGrid::cp(); must outlive the model); nullptr or size 1 = none. With
+  /// CP > 1 every [b, s] input (tokens, labels, loss_mask) is this rank's local sequence
+  /// (parallel::cp_slice_sequence of the full one: 2 chunks of s/(2·CP)), attention runs the CP ring,
+  /// positions are global, and forward's loss is this rank's share (see forward()).
+  comm::Communicator* cp = nullptr;
+  /// With CP > 1: the ring (P2P) or AllGather attention (layers/attention.hpp).
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 // GradReadyCallback (transformer_block.hpp) is called with a group of parameters whose main_grad is
@@ -100,7 +107,11 @@ class GPTModel {
   /// tokens, labels: i32/i64 [b, s] (the same on every TP rank; labels = ignore_index -100 are skipped);
   /// loss_mask: optional f32 [b, s]. Returns the mean loss over the counted tokens,
   /// Σ mask·loss / Σ mask over tokens whose label is not ignored (f32 [1] on the model's device;
-  /// 0 when no token counts). The count is taken on the host from labels and mask.
+  /// 0 when no token counts). The count is taken on the host from labels and mask. With context
+  /// parallelism (options.cp, CP > 1) the inputs are this rank's local sequence, the count is the whole
+  /// sequence's (summed over CP) and the returned loss is this rank's share Σ_local mask·loss / count:
+  /// the CP ranks' losses sum to the mean loss, and their gradients (summed over CP) to its gradient.
+  /// (With ctx.loss_tokens given, e.g. by the pipeline engine, that count is used as it is.)
   Tensor forward(const layers::ForwardContext& ctx, const Tensor& tokens, const Tensor& labels,
                  const Tensor& loss_mask = {});
   /// Backpropagates the mean loss of the last forward: accumulates every parameter's main_grad
@@ -193,6 +204,7 @@ class GPTModel {
 
  private:
   void sync_tied_output_weight();
+  bool cp_active() const { return opts_.cp != nullptr && opts_.cp->size() > 1; }
 
   comm::Communicator& tp_;
   TransformerConfig cfg_;

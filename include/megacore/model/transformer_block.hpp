@@ -70,6 +70,9 @@ struct TransformerBlockOptions {
   /// Philox offset of layer 0's first draw (GPTModel puts its embeddings below it).
   uint64_t init_offset_base = 16;
   Device device = Device::cpu();
+  /// Context-parallel group of every layer's attention; nullptr = none (SelfAttentionOptions::cp).
+  comm::Communicator* cp = nullptr;
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 class TransformerBlock {

@@ -46,6 +46,9 @@ struct TransformerLayerOptions {
   /// Offset of layer 0's first draw (a model puts its embeddings below it).
   uint64_t init_offset_base = 16;
   Device device = Device::cpu();
+  /// Context-parallel group of the attention (must outlive the layer); nullptr = none (SelfAttentionOptions::cp).
+  comm::Communicator* cp = nullptr;
+  layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
 };
 
 /// Elementwise a + b (same shape and dtype, any device) into a new contiguous tensor. Used for the

@@ -42,6 +42,7 @@ struct ParallelSection {
   int pipeline_model_parallel_size = 1;
   int virtual_pipeline_model_parallel_size = 1;
   int context_parallel_size = 1;
+  std::string cp_comm_type = "p2p";
   int expert_model_parallel_size = 1;
   bool sequence_parallel = false;
   std::vector<int64_t> pipeline_layout;
@@ -66,6 +67,12 @@ struct ParallelSection {
     f(Field{.name = "context_parallel_size", .doc = "CP: context-parallel size (splits the sequence).",
             .alias = "cp"},
       s.context_parallel_size);
+    f(Field{"cp_comm_type",
+            "CP: how attention reaches the other ranks' keys and values. p2p: a ring of CP steps passing K/V blocks "
+            "on (Megatron-Core's default; load-balanced causal chunks). all_gather: gather K/V over the CP group "
+            "first, then attend locally (simpler, no overlap; dK/dV reduce-scattered back).",
+            "p2p|all_gather"},
+      s.cp_comm_type);
     f(Field{.name = "expert_model_parallel_size", .doc = "EP: expert-parallel size of MoE layers.", .alias = "ep"},
       s.expert_model_parallel_size);
     f(Field{.name = "sequence_parallel",

@@ -200,3 +200,29 @@ TEST_CASE("validate checks the files a run reads, naming how to get them", "[con
   CHECK(has(validate(c, 1).errors, "data.paths"));
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("validate checks context parallelism: sequence divisibility, comm type, unsupported combinations",
+          "[config]") {
+  RunConfig c;
+  c.resources.num_gpus_per_node = 4;
+  c.parallel.tensor_model_parallel_size = 2;
+  c.parallel.context_parallel_size = 2;
+  c.data.seq_length = 128;
+  CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  CHECK(RunConfig{}.parallel.cp_comm_type == "p2p");
+  c.data.seq_length = 126;
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "data.seq_length: 126 is not divisible by 2·CP = 4"));
+  c.parallel.sequence_parallel = true;
+  c.data.seq_length = 132;  // a multiple of 2·CP = 4 but not of 2·CP·TP = 8
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "data.seq_length: 132 is not divisible by 2·CP·TP = 8"));
+  c.data.seq_length = 128;
+  CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  c.parallel.cp_comm_type = "all_gather";
+  CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  c.parallel.cp_comm_type = "p2p";
+  c.data.sft_path = "x.jsonl";
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows is not supported"));
+  c.data.sft_pack = false;
+  CHECK(!has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows"));
+  CHECK_THROWS_AS(set_field(c, "parallel.cp_comm_type", "ring"), ConfigError);  // not one of p2p|all_gather
+}
