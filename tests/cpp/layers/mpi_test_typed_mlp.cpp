@@ -7,6 +7,7 @@
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/layers/typed_mlp.hpp"
 #include "test_helpers.hpp"
+#include "typed_functors.hpp"
 
 using namespace megacore;
 namespace ly = megacore::layers;
@@ -26,11 +27,8 @@ uint64_t shared_seed(comm::Communicator& w) {
   return uint64_t(s[0]);
 }
 
-// Not one of ops::fn: instantiated from the header here.
-struct Square {
-  MC_HOST_DEVICE float operator()(float x) const { return x * x; }
-  MC_HOST_DEVICE float grad(float x) const { return 2.f * x; }
-};
+// Not one of ops::fn (tests/cpp/typed_functors.hpp): instantiated from the header here.
+using mctest::Square;
 
 }  // namespace
 

@@ -10,17 +10,16 @@
 #include "megacore/ops/activation.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "test_helpers.hpp"
+#include "typed_functors.hpp"
 
 using namespace megacore;
 namespace ly = megacore::layers;
 
 namespace {
 
-// A user policy: not one of ops::fn, so TypedMLP<T, Square> is instantiated from the header here.
-struct Square {
-  MC_HOST_DEVICE float operator()(float x) const { return x * x; }
-  MC_HOST_DEVICE float grad(float x) const { return 2.f * x; }
-};
+// A user policy (tests/cpp/typed_functors.hpp): not one of ops::fn, so TypedMLP<T, Square> is instantiated from
+// the header here.
+using mctest::Square;
 
 // c[m, n] = sum_k a[m, k] b[n, k] (a @ b^T), all f64 row-major.
 std::vector<double> mm_bt(const std::vector<double>& a, const std::vector<double>& b, int64_t m, int64_t n, int64_t k) {
