@@ -42,7 +42,7 @@ def main():
 
     recipe = mc.recipes.get(f"{a.recipe}_finetune", sft_path=sft, pretrained_checkpoint=pretrained,
                             num_gpus_per_node=a.gpus)
-    recipe.trainer.max_steps = min(recipe.trainer.max_steps, 40)
+    recipe.trainer.max_epochs = 1  # one pass over the training examples (90 %; 10 % are held out for validation)
     raise SystemExit(mc.run(recipe, executor=ex))
 
 

@@ -212,7 +212,7 @@ void Trainer::Impl::build() {
     cfg.trainer.max_steps = cfg.trainer.max_epochs * per_epoch;
     optim::validate(cfg.lr_schedule());  // the warmup and decay against the length now known
     if (root)
-      std::printf("megacore: %lld epochs of %lld rows = %lld steps of %lld rows\n", (long long)cfg.trainer.max_epochs,
+      std::printf("megacore: %lld epoch(s) of %lld rows = %lld steps of %lld rows\n", (long long)cfg.trainer.max_epochs,
                   (long long)train_src->size(), (long long)cfg.trainer.max_steps,
                   (long long)cfg.data.global_batch_size);
   }
@@ -275,6 +275,18 @@ void Trainer::Impl::build() {
   lc.shuffle = !cfg.data.sft_path.empty();
   lc.seed = cfg.data.seed;
   lc.epochs = std::max<int64_t>(1, cfg.trainer.max_epochs);
+  if (cfg.trainer.max_epochs == 0 && !cfg.data.sft_path.empty()) {
+    // SFT rows are a fixed set: a run longer than one pass goes over them again, each pass reshuffled (as
+    // pretraining datasets repeat their documents).
+    const int64_t per_pass = train_src->size() / cfg.data.global_batch_size;
+    if (per_pass > 0 && cfg.trainer.max_steps > per_pass) {
+      lc.epochs = (cfg.trainer.max_steps + per_pass - 1) / per_pass;
+      if (root)
+        std::printf("megacore: trainer.max_steps %lld is more than the %lld steps of one pass over the SFT rows: "
+                    "%lld passes, each reshuffled (trainer.max_epochs sets the length in passes instead)\n",
+                    (long long)cfg.trainer.max_steps, (long long)per_pass, (long long)lc.epochs);
+    }
+  }
   loader = std::make_unique<data::DataLoader>(train_src, lc);
   // Validation needs one whole global batch: said now rather than at the first validation step.
   MC_CHECK_AS(ConfigError,

@@ -4,6 +4,7 @@ and the hand-off errors a user meets on the way (CPU ranks)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -118,6 +119,9 @@ def test_logs_after_a_resume_hold_every_step_once_and_saves_record_val_loss(tmp_
               "--set", "checkpoint.keep_last=3", "--set", "checkpoint.keep_top_k=1", "--set", "trainer.max_steps=6"]
     rc, out, err = _cli(common, tmp_path)
     assert rc == 0, out[-3000:] + err[-3000:]
+    # Output to a pipe has no progress bar: the launcher says its stdout is not a terminal (the ranks under
+    # mpirun see a pty either way).
+    assert "step 6/6 | loss" in out and not re.search(r"\[[#.]{20}\]", out)
     ck = tmp_path / "runs" / "tiny_pretrain" / "checkpoints"
     for s in (2, 4, 6):  # keep_top_k ranks by the validation loss each save records
         meta = json.load(open(ck / f"step_{s}" / "metadata.json"))
@@ -129,3 +133,21 @@ def test_logs_after_a_resume_hold_every_step_once_and_saves_record_val_loss(tmp_
     steps, vals = _rows(tmp_path / "runs" / "tiny_pretrain" / "logs")
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
     assert [v["step"] for v in vals] == [2, 4, 6]
+
+
+@needs_mpi
+def test_sft_longer_than_its_data_makes_more_passes(tmp_path):
+    sft = tmp_path / "qa.jsonl"
+    _qa_jsonl(sft, 120)  # about 20 packed rows: 2 steps of 8 per pass
+    args = ["train", "--recipe", "tiny_finetune", "--cpu", "--set", f"data.sft_path={sft}",
+            "--set", "trainer.val_check_interval=0", "--set", "data.global_batch_size=8",
+            "--set", "data.micro_batch_size=2", "--set", "trainer.max_steps=5"]
+    rc, out, err = _cli(args, tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "passes, each reshuffled" in out
+    steps, _ = _rows(tmp_path / "runs" / "tiny_finetune" / "logs")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    # Whole passes by trainer.max_epochs: the length follows the data.
+    rc, out, err = _cli(args[:-2] + ["--set", "trainer.max_epochs=2", "--set", "name=two_passes"], tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "2 epoch(s) of" in out
