@@ -290,6 +290,23 @@ RingBlock ring_block(int step, int src, int rank, int64_t s) {
   if (src < rank) return {0, s, c, false};
   return {c, c, s, false};
 }
+
+// One ring exchange: the pair this rank holds goes to the next CP rank while the previous rank's pair arrives
+// in fresh buffers of the same shape; wait on `work` (stream-ordered) before using them.
+struct RingPass {
+  Tensor a, b;
+  comm::WorkPtr work;
+};
+RingPass ring_pass(comm::Communicator& cp, const Tensor& a, const Tensor& b, int next, int prev, const Stream& st) {
+  RingPass p{Tensor::empty(a.shape(), a.dtype(), a.device(), st), Tensor::empty(b.shape(), b.dtype(), b.device(), st),
+             nullptr};
+  p.work = cp.batch_send_recv({{comm::P2POp::Send, a, next},
+                               {comm::P2POp::Send, b, next},
+                               {comm::P2POp::Recv, p.a, prev},
+                               {comm::P2POp::Recv, p.b, prev}},
+                              st);
+  return p;
+}
 }  // namespace
 
 Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
@@ -303,17 +320,8 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
   Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
   for (int i = 0; i < n; ++i) {
     // Pass the block on while computing with it (the exchange overlaps the attention on NCCL streams).
-    Tensor kn, vn;
-    comm::WorkPtr w;
-    if (i + 1 < n) {
-      kn = Tensor::empty(kc.shape(), kc.dtype(), dev, st);
-      vn = Tensor::empty(vc.shape(), vc.dtype(), dev, st);
-      w = cp.batch_send_recv({{comm::P2POp::Send, kc, next},
-                              {comm::P2POp::Send, vc, next},
-                              {comm::P2POp::Recv, kn, prev},
-                              {comm::P2POp::Recv, vn, prev}},
-                             st);
-    }
+    RingPass kv;
+    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
     const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
@@ -323,9 +331,9 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
     ops::attention_forward(bshd(q.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
                            bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
     ops::attention_merge_partial(acc, acc_lse, op, lp, blk.q_off, st);
-    if (w) {
-      w->wait_on(st);
-      kc = kn, vc = vn;
+    if (kv.work) {
+      kv.work->wait_on(st);
+      kc = kv.a, vc = kv.b;
     }
   }
   out.view({s, b, H, d}).copy_(acc, st);
@@ -345,17 +353,8 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
   Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor kc = k_, vc = v_;
   for (int i = 0; i < n; ++i) {
-    Tensor kn, vn;
-    comm::WorkPtr w;
-    if (i + 1 < n) {
-      kn = Tensor::empty(kc.shape(), kc.dtype(), dev, st);
-      vn = Tensor::empty(vc.shape(), vc.dtype(), dev, st);
-      w = cp.batch_send_recv({{comm::P2POp::Send, kc, next},
-                              {comm::P2POp::Send, vc, next},
-                              {comm::P2POp::Recv, kn, prev},
-                              {comm::P2POp::Recv, vn, prev}},
-                             st);
-    }
+    RingPass kv;
+    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
     const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
@@ -374,19 +373,13 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
     ops::accumulate_f32(dk_rows, dkp, st);
     ops::accumulate_f32(dv_rows, dvp, st);
     // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
-    Tensor dkn = Tensor::empty(dk_acc.shape(), DType::F32, dev, st);
-    Tensor dvn = Tensor::empty(dv_acc.shape(), DType::F32, dev, st);
-    comm::WorkPtr wg = cp.batch_send_recv({{comm::P2POp::Send, dk_acc, next},
-                                           {comm::P2POp::Send, dv_acc, next},
-                                           {comm::P2POp::Recv, dkn, prev},
-                                           {comm::P2POp::Recv, dvn, prev}},
-                                          st);
-    if (w) {
-      w->wait_on(st);
-      kc = kn, vc = vn;
+    RingPass grads = ring_pass(cp, dk_acc, dv_acc, next, prev, st);
+    if (kv.work) {
+      kv.work->wait_on(st);
+      kc = kv.a, vc = kv.b;
     }
-    wg->wait_on(st);
-    dk_acc = dkn, dv_acc = dvn;
+    grads.work->wait_on(st);
+    dk_acc = grads.a, dv_acc = grads.b;
   }
   dq.copy_(dq_acc, st);
   dk.copy_(dk_acc, st);
