@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "megacore/comm/bootstrap.hpp"
+#include "comm/clean_env.hpp"
 #include "test_helpers.hpp"
 
 using namespace megacore;
@@ -138,31 +139,7 @@ std::string error_of(F&& f) {
 
 bool has(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
 
-// Clears the variables the store's configuration reads for the scope of a test and restores them after.
-class CleanEnv {
- public:
-  CleanEnv() {
-    for (const char* k : kVars) {
-      if (const char* v = std::getenv(k)) saved_[k] = v;
-      ::unsetenv(k);
-    }
-  }
-  ~CleanEnv() {
-    for (const char* k : kVars) {
-      auto it = saved_.find(k);
-      if (it == saved_.end()) ::unsetenv(k);
-      else ::setenv(k, it->second.c_str(), 1);
-    }
-  }
-  void set(const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); }
-
- private:
-  static constexpr const char* kVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                          "MASTER_PORT", "MEGACORE_STORE_PORT", "MEGACORE_STORE_BIND",
-                                          "MEGACORE_STORE_TOKEN", "TORCHELASTIC_RUN_ID",
-                                          "TORCHELASTIC_USE_AGENT_STORE", "PET_NPROC_PER_NODE"};
-  std::map<std::string, std::string> saved_;
-};
+using mctest::CleanEnv;
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
