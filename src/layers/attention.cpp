@@ -14,20 +14,38 @@ namespace {
 
 constexpr std::string_view kName = "SelfAttention";
 
-const model::TransformerConfig& validated(const model::TransformerConfig& cfg, const comm::Communicator& tp) {
-  // The whole-config check names every fix at once (groups % TP, heads % groups, odd head_dim with RoPE, ...).
-  model::validate(cfg, tp.size());
-  return cfg;
+// The layer's own invariants (a whole run configuration is validated before, by train::validate).
+const AttentionConfig& checked(const AttentionConfig& c, const comm::Communicator& tp) {
+  MC_CHECK(c.hidden_size > 0 && c.num_attention_heads > 0 && c.num_query_groups >= 0 && c.head_dim >= 0,
+           "{}: hidden_size {}, num_attention_heads {}, num_query_groups {}, head_dim {}; give positive sizes (0 derives "
+           "the groups and the head dimension)",
+           kName, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim);
+  MC_CHECK(c.head_size() > 0 && (c.head_dim > 0 || c.hidden_size % c.num_attention_heads == 0),
+           "{}: hidden_size {} is not divisible by num_attention_heads {}; set head_dim explicitly or change the heads",
+           kName, c.hidden_size, c.num_attention_heads);
+  const int64_t heads = c.num_attention_heads, groups = c.groups(), t = tp.size();
+  MC_CHECK(heads % groups == 0,
+           "{}: num_attention_heads {} is not divisible by num_query_groups {}; use a group count that divides the heads",
+           kName, heads, groups);
+  MC_CHECK(heads % t == 0 && groups % t == 0,
+           "{}: {} heads and {} KV groups do not split over TP {}; use a TP that divides both", kName, heads, groups, t);
+  MC_CHECK(!c.sequence_parallel || t > 1,
+           "{}: sequence_parallel splits the sequence over the TP group but TP is 1; turn sequence_parallel off or raise TP",
+           kName);
+  MC_CHECK(c.position_embedding != PositionEmbeddingType::RoPE || c.rope_theta > 0,
+           "{}: rope_theta is {}; set it to the RoPE base (10000 for Llama 2, 500000 for Llama 3)", kName, c.rope_theta);
+  MC_CHECK(c.init_method_std > 0, "{}: init_method_std is {}; give a positive standard deviation", kName,
+           c.init_method_std);
+  return c;
 }
 
-double proj_std(const model::TransformerConfig& cfg, const SelfAttentionOptions& o) {
-  if (o.proj_init_std > 0) return o.proj_init_std;
-  return cfg.init_method_std / std::sqrt(2.0 * double(cfg.num_layers));
+double proj_std(const AttentionConfig& cfg, const SelfAttentionOptions& o) {
+  return o.proj_init_std > 0 ? o.proj_init_std : cfg.init_method_std;
 }
 
-ops::RopeScaling rope_scaling_of(const model::RopeScaling& r) {
+ops::RopeScaling rope_scaling_of(const RopeScaling& r) {
   ops::RopeScaling s;
-  if (r.type == model::RopeScalingType::Llama3) s.type = ops::RopeScaling::Type::Llama3;
+  if (r.type == RopeScalingType::Llama3) s.type = ops::RopeScaling::Type::Llama3;
   s.factor = r.factor;
   s.low_freq_factor = r.low_freq_factor;
   s.high_freq_factor = r.high_freq_factor;
@@ -40,15 +58,14 @@ Tensor bshd(const Tensor& t) { return t.permute({1, 0, 2, 3}); }
 
 }  // namespace
 
-SelfAttention::SelfAttention(comm::Communicator& tp, const model::TransformerConfig& cfg,
-                             const SelfAttentionOptions& options)
+SelfAttention::SelfAttention(comm::Communicator& tp, const AttentionConfig& cfg, const SelfAttentionOptions& options)
     : tp_(tp),
-      cfg_(validated(cfg, tp)),
+      cfg_(checked(cfg, tp)),
       opts_(options),
-      head_dim_(cfg.head_dim()),
+      head_dim_(cfg.head_size()),
       heads_local_(cfg.num_attention_heads / tp.size()),
-      groups_local_(cfg.query_groups() / tp.size()),
-      recompute_(cfg.recompute_granularity == model::RecomputeGranularity::Selective),
+      groups_local_(cfg.groups() / tp.size()),
+      recompute_(cfg.recompute_core_attention),
       qkv_(tp, cfg.hidden_size, cfg.qkv_width(),
            {.bias = cfg.add_bias_linear,
             .gather_output = false,
@@ -71,7 +88,7 @@ SelfAttention::SelfAttention(comm::Communicator& tp, const model::TransformerCon
            "{}: qkv_init_offset and proj_init_offset are both {}; give the two weights different Philox offsets "
            "or they start from correlated draws",
            kName, opts_.qkv_init_offset);
-  if (cfg_.position_embedding == model::PositionEmbeddingType::RoPE) {
+  if (cfg_.position_embedding == PositionEmbeddingType::RoPE) {
     MC_CHECK(opts_.rotary_percent > 0 && opts_.rotary_percent <= 1,
              "{}: rotary_percent is {}; it must be in (0, 1] (1 rotates the whole head)", kName, opts_.rotary_percent);
     const double rd = double(head_dim_) * opts_.rotary_percent;

@@ -7,7 +7,7 @@ namespace {
 
 constexpr std::string_view kName = "MLP";
 
-bool is_swiglu(const MLPOptions& o) { return o.activation == model::ActivationType::SwiGLU; }
+bool is_swiglu(const MLPOptions& o) { return o.activation == ActivationType::SwiGLU; }
 
 // Validated before fc1/fc2 are built so the error names the MLP's argument, not fc1's width.
 int64_t checked_fc1_width(comm::Communicator& tp, int64_t hidden, int64_t ffn, const MLPOptions& o) {

@@ -11,10 +11,10 @@ namespace ly = megacore::layers;
 
 namespace {
 
-// Runs first in the member-initialiser list, so bad input is refused before any allocation.
-const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp,
-                                   const TransformerBlockOptions& o) {
-  validate(cfg, tp.size());
+// Runs first in the member-initialiser list, so bad input is refused before any allocation. The block
+// checks its own options; the config as a whole is validated at the boundary (GPTModel, train::validate)
+// and each layer checks its local invariants.
+const TransformerConfig& checked(const TransformerConfig& cfg, const TransformerBlockOptions& o) {
   if (o.layer_indices) {
     const std::vector<int64_t>& li = *o.layer_indices;
     for (size_t i = 0; i < li.size(); ++i) {
@@ -74,7 +74,7 @@ void run_grad_group(comm::Communicator& tp, const TransformerConfig& cfg, const 
 
 TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConfig& cfg,
                                    const TransformerBlockOptions& options)
-    : tp_(tp), cfg_(validated(cfg, tp, options)), opts_(options), layer_indices_(indices_of(cfg, options)) {
+    : tp_(tp), cfg_(checked(cfg, options)), opts_(options), layer_indices_(indices_of(cfg, options)) {
   for (size_t i = 0; i < layer_indices_.size(); ++i) {
     TransformerConfig layer_cfg = cfg_;
     if (cfg_.recompute_granularity == RecomputeGranularity::Full && opts_.recompute_num_layers >= 0 &&

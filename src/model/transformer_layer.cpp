@@ -14,11 +14,6 @@ namespace ly = megacore::layers;
 
 namespace {
 
-const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp) {
-  validate(cfg, tp.size());
-  return cfg;
-}
-
 std::unique_ptr<ly::NormLayer> make_norm(const TransformerConfig& cfg, Device device) {
   return make_model_norm(cfg, device);
 }
@@ -33,6 +28,22 @@ double output_std(const TransformerConfig& cfg) {
 }
 
 }  // namespace
+
+layers::AttentionConfig attention_config(const TransformerConfig& cfg) {
+  return {.hidden_size = cfg.hidden_size,
+          .num_attention_heads = cfg.num_attention_heads,
+          .num_query_groups = cfg.num_query_groups,
+          .head_dim = cfg.kv_channels,
+          .add_bias_linear = cfg.add_bias_linear,
+          .sequence_parallel = cfg.sequence_parallel,
+          .params_dtype = cfg.params_dtype,
+          .init_method_std = cfg.init_method_std,
+          .seed = cfg.seed,
+          .position_embedding = cfg.position_embedding,
+          .rope_theta = cfg.rope_theta,
+          .rope_scaling = cfg.rope_scaling,
+          .recompute_core_attention = cfg.recompute_granularity == RecomputeGranularity::Selective};
+}
 
 Tensor add(const Tensor& a, const Tensor& b, const Stream& s) {
   MC_CHECK(a.defined() && b.defined(), "model::add: both operands must be defined");
@@ -56,10 +67,10 @@ Tensor add(const Tensor& a, const Tensor& b, const Stream& s) {
 
 TransformerLayer::TransformerLayer(comm::Communicator& tp, const TransformerConfig& cfg,
                                    const TransformerLayerOptions& options)
-    : cfg_(validated(cfg, tp)),
+    : cfg_(cfg),
       opts_(options),
       input_norm_(make_norm(cfg, options.device)),
-      attention_(tp, cfg,
+      attention_(tp, attention_config(cfg),
                  ly::SelfAttentionOptions{.device = options.device,
                                           .qkv_init_offset = layer_base(options) + 0,
                                           .proj_init_offset = layer_base(options) + 1,

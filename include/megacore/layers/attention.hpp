@@ -62,7 +62,7 @@
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
-#include "megacore/model/transformer_config.hpp"
+#include "megacore/layers/layer_types.hpp"
 #include "megacore/ops/attention.hpp"
 
 namespace megacore::layers {
@@ -73,12 +73,38 @@ enum class CpCommType {
   AllGather,  ///< all-gather K/V over the CP group first, then attend locally; dK/dV reduce-scattered back
 };
 
+/// The shape and flavour of one attention layer (model::attention_config derives it from a
+/// TransformerConfig). Zero means "derived" for num_query_groups (= heads) and head_dim (hidden / heads).
+struct AttentionConfig {
+  int64_t hidden_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_query_groups = 0;  ///< KV heads (GQA); 0 = num_attention_heads
+  int64_t head_dim = 0;          ///< 0 = hidden_size / num_attention_heads
+  bool add_bias_linear = false;  ///< biases on linear_qkv and linear_proj
+  /// Input and output are this rank's sequence chunk [s/TP, b, h] (needs TP > 1).
+  bool sequence_parallel = false;
+  DType params_dtype = DType::F32;
+  double init_method_std = 0.02;  ///< std of linear_qkv's init (and linear_proj's unless proj_init_std is set)
+  uint64_t seed = 1234;
+  PositionEmbeddingType position_embedding = PositionEmbeddingType::RoPE;  ///< Learned: no RoPE in the layer
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  /// Selective recompute: keep q, k, v only and rerun core attention in backward.
+  bool recompute_core_attention = false;
+
+  int64_t groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  int64_t head_size() const { return head_dim > 0 ? head_dim : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0); }
+  int64_t qkv_width() const { return (num_attention_heads + 2 * groups()) * head_size(); }
+  int64_t attention_width() const { return num_attention_heads * head_size(); }
+};
+
 struct SelfAttentionOptions {
   Device device = Device::cpu();
   /// Philox offsets of the two full weights' draws; give every layer of a model its own pair.
   uint64_t qkv_init_offset = 0;
   uint64_t proj_init_offset = 1;
-  /// Std of the output projection's init; 0 uses Megatron's scaled init, init_method_std / sqrt(2 · num_layers).
+  /// Std of the output projection's init; 0 uses the config's init_method_std (a model passes Megatron's
+  /// scaled init, init_method_std / sqrt(2 · num_layers)).
   double proj_init_std = 0.0;
   /// Fraction of each head's channels that RoPE rotates (GPT-NeoX / Phi style partial rotary); the rotary
   /// dimension, head_dim × rotary_percent, must be even.
@@ -99,13 +125,13 @@ struct SelfAttentionOptions {
 };
 
 /// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,
-/// RoPE and selective recompute follow the TransformerConfig (add_bias_linear, sequence_parallel,
-/// position_embedding == RoPE with rope_theta and rope_scaling, recompute_granularity).
+/// RoPE and selective recompute follow the AttentionConfig.
 class SelfAttention {
  public:
-  /// `tp` must outlive the layer. Validates `cfg` for tp.size()-way TP first (ConfigError naming every fix,
-  /// e.g. num_query_groups % TP != 0), then the options (ValueError naming the fix).
-  SelfAttention(comm::Communicator& tp, const model::TransformerConfig& cfg, const SelfAttentionOptions& options = {});
+  /// `tp` must outlive the layer. Checks the layer's own invariants (positive sizes, groups dividing the
+  /// heads and divisible by TP, an even rotary dimension, SP only with TP > 1, distinct init offsets) and
+  /// throws ValueError naming the fix; a whole run configuration is validated before (train::validate).
+  SelfAttention(comm::Communicator& tp, const AttentionConfig& cfg, const SelfAttentionOptions& options = {});
 
   /// x: [s, b, hidden] replicated over TP, or this rank's chunk [s/TP, b, hidden] with sequence_parallel.
   /// position_ids (optional, i32/i64 on any device): [s] shared by the batch or [b, s], for the FULL sequence
@@ -127,7 +153,7 @@ class SelfAttention {
   /// linear_qkv's weight (and bias), then linear_proj's.
   std::vector<Parameter*> parameters();
   void zero_grad();
-  const model::TransformerConfig& config() const { return cfg_; }
+  const AttentionConfig& config() const { return cfg_; }
   int64_t heads_per_rank() const { return heads_local_; }
   int64_t groups_per_rank() const { return groups_local_; }
   /// 0 when the layer does not use RoPE (learned positions).
@@ -139,7 +165,7 @@ class SelfAttention {
   ops::AttentionOptions attention_options() const;
 
   comm::Communicator& tp_;
-  model::TransformerConfig cfg_;
+  AttentionConfig cfg_;
   SelfAttentionOptions opts_;
   int64_t head_dim_ = 0, heads_local_ = 0, groups_local_ = 0, rotary_dim_ = 0;
   bool recompute_ = false;

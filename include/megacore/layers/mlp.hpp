@@ -23,12 +23,12 @@
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
-#include "megacore/model/transformer_config.hpp"
+#include "megacore/layers/layer_types.hpp"
 
 namespace megacore::layers {
 
 struct MLPOptions {
-  model::ActivationType activation = model::ActivationType::SwiGLU;
+  ActivationType activation = ActivationType::SwiGLU;
   bool bias = false;  ///< biases on fc1 and fc2 (GPT-2 style)
   bool sequence_parallel = false;
   DType params_dtype = DType::F32;

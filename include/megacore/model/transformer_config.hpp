@@ -14,30 +14,21 @@
 
 #include "megacore/core/dtype.hpp"
 #include "megacore/core/fields.hpp"
+#include "megacore/layers/layer_types.hpp"
 
 namespace megacore::model {
 
-enum class NormType { RMSNorm, LayerNorm };
-/// SwiGLU: fc1 produces [gate | up] (2·ffn) and fc2 consumes ffn; GELU: fc1 ffn → fc2 (tanh GELU as GPT-2).
-enum class ActivationType { SwiGLU, GELU };
-enum class PositionEmbeddingType { RoPE, Learned };
-/// What a layer recomputes in backward: nothing, core attention only, or the whole layer.
-enum class RecomputeGranularity { None, Selective, Full };
-enum class RopeScalingType { None, Llama3 };
+using layers::ActivationType;
+using layers::NormType;
+using layers::PositionEmbeddingType;
+using layers::RecomputeGranularity;
+using layers::RopeScaling;
+using layers::RopeScalingType;
 
 std::string_view norm_type_name(NormType t);
 std::string_view activation_type_name(ActivationType t);
 std::string_view position_embedding_type_name(PositionEmbeddingType t);
 std::string_view recompute_granularity_name(RecomputeGranularity g);
-
-/// Llama-3.1-style frequency scaling of RoPE (Hugging Face rope_type "llama3").
-struct RopeScaling {
-  RopeScalingType type = RopeScalingType::None;
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
-};
 
 struct TransformerConfig {
   int64_t num_layers = 0;
@@ -171,33 +162,3 @@ TransformerConfig gpt2_124m();
 }  // namespace presets
 
 }  // namespace megacore::model
-
-namespace megacore {
-template <>
-struct EnumNames<model::NormType> {
-  static constexpr std::array values{std::pair{model::NormType::RMSNorm, std::string_view{"RMSNorm"}},
-                                     std::pair{model::NormType::LayerNorm, std::string_view{"LayerNorm"}}};
-};
-template <>
-struct EnumNames<model::ActivationType> {
-  static constexpr std::array values{std::pair{model::ActivationType::SwiGLU, std::string_view{"SwiGLU"}},
-                                     std::pair{model::ActivationType::GELU, std::string_view{"GELU"}}};
-};
-template <>
-struct EnumNames<model::PositionEmbeddingType> {
-  static constexpr std::array values{std::pair{model::PositionEmbeddingType::RoPE, std::string_view{"RoPE"}},
-                                     std::pair{model::PositionEmbeddingType::Learned, std::string_view{"Learned"}}};
-};
-template <>
-struct EnumNames<model::RecomputeGranularity> {
-  static constexpr std::array values{
-      std::pair{model::RecomputeGranularity::None, std::string_view{"none"}},
-      std::pair{model::RecomputeGranularity::Selective, std::string_view{"selective"}},
-      std::pair{model::RecomputeGranularity::Full, std::string_view{"full"}}};
-};
-template <>
-struct EnumNames<model::RopeScalingType> {
-  static constexpr std::array values{std::pair{model::RopeScalingType::None, std::string_view{"none"}},
-                                     std::pair{model::RopeScalingType::Llama3, std::string_view{"llama3"}}};
-};
-}  // namespace megacore

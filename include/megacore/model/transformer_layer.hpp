@@ -55,9 +55,13 @@ struct TransformerLayerOptions {
 /// residual adds and gradient sums the fused norm kernels do not cover.
 Tensor add(const Tensor& a, const Tensor& b, const Stream& s = {});
 
+/// The attention layer's part of a model config (sizes, biases, SP, RoPE, selective recompute).
+layers::AttentionConfig attention_config(const TransformerConfig& cfg);
+
 class TransformerLayer {
  public:
-  /// `tp` must outlive the layer. Validates cfg for tp.size()-way TP first (ConfigError naming every fix).
+  /// `tp` must outlive the layer. Its attention and MLP check their own invariants (ValueError naming the
+  /// fix); the config as a whole is validated at the boundary (GPTModel, train::validate).
   TransformerLayer(comm::Communicator& tp, const TransformerConfig& cfg, const TransformerLayerOptions& options = {});
 
   /// x: [s, b, h] replicated, or [s/TP, b, h] with sequence_parallel. position_ids: see

@@ -8,6 +8,7 @@
 // (||a - b|| / ||b||) of 1e-5 in f32. The two recompute modes are required to be bit-identical.
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/layers/attention.hpp"
+#include "megacore/model/transformer_layer.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/parallel/process_grid.hpp"
 #include "test_helpers.hpp"
@@ -83,7 +84,7 @@ struct Outputs {
 Outputs run(comm::Communicator& tp, const mdl::TransformerConfig& c, const Tensor& X, const Tensor& G,
             const Tensor& position_ids, const Tensor& bqkv, const Tensor& bproj) {
   const int tpn = tp.size(), r = tp.rank();
-  ly::SelfAttention attn(tp, c, {.qkv_init_offset = 40, .proj_init_offset = 41});
+  ly::SelfAttention attn(tp, mdl::attention_config(c), {.qkv_init_offset = 40, .proj_init_offset = 41});
   if (c.add_bias_linear) {
     attn.linear_qkv().bias().data.copy_(chunk(bqkv, 0, tpn, r));
     attn.linear_proj().bias().data.copy_(bproj);
@@ -170,8 +171,8 @@ TEST_CASE("SelfAttention refuses groups not divisible by TP on every rank before
     ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
     mdl::TransformerConfig c = config(false, false, false);
     c.num_query_groups = 1;  // MQA: one KV head cannot be split over TP ranks
-    REQUIRE_THROWS_AS(ly::SelfAttention(grid.tp(), c), ConfigError);
-    REQUIRE_THROWS_WITH(ly::SelfAttention(grid.tp(), c), Catch::Contains("num_query_groups 1 is not divisible by TP"));
+    REQUIRE_THROWS_AS(ly::SelfAttention(grid.tp(), mdl::attention_config(c)), ValueError);
+    REQUIRE_THROWS_WITH(ly::SelfAttention(grid.tp(), mdl::attention_config(c)), Catch::Contains("1 KV groups do not split over TP"));
     // Nobody is stuck in a collective.
     Tensor t = Tensor::full({1}, 1.0);
     grid.tp().all_reduce(t)->wait();

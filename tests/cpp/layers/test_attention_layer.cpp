@@ -10,6 +10,7 @@
 #include <numbers>
 
 #include "megacore/layers/attention.hpp"
+#include "megacore/model/transformer_layer.hpp"
 #include "layers_test_util.hpp"
 #include "test_helpers.hpp"
 
@@ -212,22 +213,21 @@ std::vector<std::vector<int64_t>> default_positions(int64_t s, int64_t b) {
 TEST_CASE("SelfAttention refuses bad configs and inputs with the fix", "[layers]") {
   NoCommCommunicator tp4(0, 4), tp1(0, 1);
   mdl::TransformerConfig c = tiny_config();  // 2 query groups
-  REQUIRE_THROWS_AS(ly::SelfAttention(tp4, c), ConfigError);
-  REQUIRE_THROWS_WITH(ly::SelfAttention(tp4, c),
-                      Catch::Contains("num_query_groups 2 is not divisible by TP 4") &&
-                          Catch::Contains("raise num_query_groups"));
+  REQUIRE_THROWS_AS(ly::SelfAttention(tp4, mdl::attention_config(c)), ValueError);
+  REQUIRE_THROWS_WITH(ly::SelfAttention(tp4, mdl::attention_config(c)),
+                      Catch::Contains("2 KV groups do not split over TP 4") && Catch::Contains("divides both"));
   mdl::TransformerConfig odd = c;
   odd.num_query_groups = 3;
-  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, odd), Catch::Contains("use a group count that divides the heads"));
+  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, mdl::attention_config(odd)), Catch::Contains("use a group count that divides the heads"));
   mdl::TransformerConfig sp1 = c;
   sp1.sequence_parallel = true;
-  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, sp1), Catch::Contains("turn sequence_parallel off or raise TP"));
-  REQUIRE_THROWS_AS(ly::SelfAttention(tp1, c, {.rotary_percent = 0.3}), ValueError);
-  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, c, {.rotary_percent = 0.3}), Catch::Contains("pick a rotary_percent"));
-  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, c, {.qkv_init_offset = 3, .proj_init_offset = 3}),
+  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, mdl::attention_config(sp1)), Catch::Contains("turn sequence_parallel off or raise TP"));
+  REQUIRE_THROWS_AS(ly::SelfAttention(tp1, mdl::attention_config(c), {.rotary_percent = 0.3}), ValueError);
+  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, mdl::attention_config(c), {.rotary_percent = 0.3}), Catch::Contains("pick a rotary_percent"));
+  REQUIRE_THROWS_WITH(ly::SelfAttention(tp1, mdl::attention_config(c), {.qkv_init_offset = 3, .proj_init_offset = 3}),
                       Catch::Contains("give the two weights different Philox offsets"));
 
-  ly::SelfAttention attn(tp1, c);
+  ly::SelfAttention attn(tp1, mdl::attention_config(c));
   ly::ForwardContext ctx;
   REQUIRE_THROWS_WITH(attn.backward(ctx, randn({4, 1, 32}, 1)), Catch::Contains("call forward with ctx.training = true"));
   REQUIRE_THROWS_WITH(attn.forward(ctx, randn({4, 32}, 1)), Catch::Contains("must be [s, b, hidden]"));
@@ -236,7 +236,7 @@ TEST_CASE("SelfAttention refuses bad configs and inputs with the fix", "[layers]
   REQUIRE_THROWS_WITH(attn.forward(ctx, randn({4, 1, 32}, 1), Tensor::zeros({4})), Catch::Contains("pass integer ids"));
   // TP = 2 splits whole groups: one group (2 query heads + k + v, 4 heads of 8 rows) per rank.
   NoCommCommunicator tp2(1, 2);
-  ly::SelfAttention half(tp2, c);
+  ly::SelfAttention half(tp2, mdl::attention_config(c));
   REQUIRE(half.heads_per_rank() == 2);
   REQUIRE(half.groups_per_rank() == 1);
   REQUIRE(half.linear_qkv().weight().data.shape() == Shape{32, 32});
@@ -281,7 +281,7 @@ TEST_CASE("SelfAttention at TP = 1 equals a float64 reference", "[layers]") {
       c.rope_scaling = {.type = mdl::RopeScalingType::Llama3, .factor = 8, .low_freq_factor = 1,
                         .high_freq_factor = 4, .original_max_position_embeddings = 64};
     }
-    ly::SelfAttention attn(tp1, c, {.rotary_percent = cs.rotary_percent});
+    ly::SelfAttention attn(tp1, mdl::attention_config(c), {.rotary_percent = cs.rotary_percent});
     randomize_biases(attn);
     REQUIRE(attn.rotary_dim() == (cs.rope ? int64_t(8 * cs.rotary_percent) : 0));
     const Tensor x = randn({s, b, c.hidden_size}, 5);
@@ -310,7 +310,7 @@ TEST_CASE("SelfAttention gradients match central differences of the float64 refe
     c.add_bias_linear = bias;
     c.rope_scaling = {.type = mdl::RopeScalingType::Llama3, .factor = 4, .low_freq_factor = 1, .high_freq_factor = 4,
                       .original_max_position_embeddings = 64};
-    ly::SelfAttention attn(tp1, c);
+    ly::SelfAttention attn(tp1, mdl::attention_config(c));
     randomize_biases(attn);
     const Tensor x = randn({s, b, c.hidden_size}, 6), g = randn({s, b, c.hidden_size}, 7);
     ly::ForwardContext ctx;
@@ -341,7 +341,7 @@ TEST_CASE("SelfAttention selective recompute gives bit-identical results", "[lay
     mdl::TransformerConfig c = tiny_config();
     c.add_bias_linear = true;
     c.recompute_granularity = mode ? mdl::RecomputeGranularity::Selective : mdl::RecomputeGranularity::None;
-    ly::SelfAttention attn(tp1, c);
+    ly::SelfAttention attn(tp1, mdl::attention_config(c));
     REQUIRE(attn.recompute_core_attention() == (mode == 1));
     randomize_biases(attn);
     ly::ForwardContext ctx;

@@ -138,8 +138,9 @@ TEST_CASE("TransformerBlock refuses bad input with the fix", "[model]") {
   REQUIRE_THROWS_WITH(mdl::TransformerBlock(tp, cfg, {.layer_indices = std::vector<int64_t>{1, 1}}),
                       Catch::Contains("strictly increasing"));
   mdl::TransformerConfig bad = cfg;
-  bad.hidden_size = 60;  // not a multiple of the 8 heads
-  REQUIRE_THROWS_AS(mdl::TransformerBlock(tp, bad), ConfigError);
+  bad.hidden_size = 60;  // not a multiple of the 8 heads: the attention layer's own check refuses it
+  REQUIRE_THROWS_AS(mdl::TransformerBlock(tp, bad), ValueError);
+  REQUIRE_THROWS_WITH(mdl::TransformerBlock(tp, bad), Catch::Contains("not divisible by num_attention_heads 8"));
 
   mdl::TransformerBlock block(tp, cfg, {.layer_indices = std::vector<int64_t>{1}});
   REQUIRE_THROWS_WITH(block.final_layernorm(), Catch::Contains("final_layernorm = true"));
