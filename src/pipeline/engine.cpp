@@ -98,6 +98,36 @@ PipelineEngine::PipelineEngine(comm::Communicator& pp, const PipelineLayout& lay
 
 PipelineEngine::~PipelineEngine() = default;
 
+Tensor PipelineEngine::forward_only(const ly::ForwardContext& ctx, const MicroBatch& mb, double* loss_tokens) {
+  MC_CHECK(!ctx.training, "PipelineEngine.forward_only: ctx.training is true; pass a context with training = false "
+           "(a training forward saves activations that no backward would consume)");
+  ly::ForwardContext ectx = ctx;
+  ectx.cu_seqlens = mb.cu_seqlens, ectx.max_seqlen = mb.max_seqlen, ectx.position_ids = mb.position_ids;
+  const int pp = pp_.size(), pp_rank = pp_.rank(), vp = int(chunks_.size());
+  const Device device = chunks_[0]->device();
+  Tensor x, loss;
+  const int64_t b = mb.tokens.size(0), s = mb.tokens.size(1);
+  for (int vs = 0; vs < pp * vp; ++vs) {
+    const int owner = vs % pp, c = vs / pp, prev_owner = (vs - 1 + pp) % pp;
+    if (owner != pp_rank) continue;
+    model::GPTModel& ch = *chunks_[size_t(c)];
+    if (vs > 0 && prev_owner != pp_rank) {
+      x = Tensor::empty(ch.activation_shape(b, s), ch.config().params_dtype, device, ctx.stream);
+      pp_.batch_send_recv({{comm::P2POp::Recv, x, prev_owner}}, ctx.stream)->wait();
+    }
+    Tensor y = ch.forward_stage(ectx, vs == 0 ? Tensor() : x, mb.tokens, mb.labels, mb.loss_mask);
+    if (ch.post_process()) {
+      loss = y;
+      if (loss_tokens) *loss_tokens = ch.last_loss_tokens();
+    } else {
+      x = y.contiguous(ctx.stream);
+      const int next_owner = (vs + 1) % pp;
+      if (next_owner != pp_rank) pp_.batch_send_recv({{comm::P2POp::Send, x, next_owner}}, ctx.stream)->wait();
+    }
+  }
+  return loss;
+}
+
 ScheduleConfig PipelineEngine::schedule_config(int64_t m) const {
   return make_schedule_config(layout_.pipeline_parallel(), layout_.virtual_stages(), m);
 }

@@ -1,4 +1,5 @@
 #include "megacore/train/trainer.hpp"
+#include "megacore/train/training_state.hpp"
 
 #include <unistd.h>
 
@@ -95,8 +96,7 @@ struct Trainer::Impl {
   std::unique_ptr<TensorBoardWriter> tb;
   std::unique_ptr<JsonlWriter> jsonl;
   std::function<void(const StepMetrics&)> step_cb;
-  int64_t step = 0;
-  int64_t consumed_samples = 0;
+  TrainingState state;  // step, data position, loss average (saved with checkpoints; train/training_state.hpp)
   int64_t num_micro = 1;
   double peak = 0;
   std::string last_checkpoint;
@@ -120,8 +120,6 @@ struct Trainer::Impl {
   void check_numerics(StepMetrics& m);
   /// Gathers every rank's compute time and reports the stragglers (trainer.straggler_factor). Collective.
   void check_stragglers(StepMetrics& m);
-  double loss_avg = 0;     // moving average of finite losses (loss_spike_factor)
-  int64_t loss_avg_n = 0;
   /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
   int agree_stop();
   double evaluate(int64_t max_batches);
@@ -269,7 +267,7 @@ void Trainer::Impl::build() {
   engine = std::make_unique<pipeline::PipelineEngine>(grid->pp(), *layout, raw, eo);
 
   data::LoaderConfig lc = loader_config(cfg.data.prefetch);
-  lc.consumed_samples = consumed_samples;
+  lc.consumed_samples = state.consumed_samples;
   // SFT rows are packed in bin order (longest examples first), so the loader shuffles them; pretraining
   // samples come shuffled by their dataset.
   lc.shuffle = !cfg.data.sft_path.empty();
@@ -322,7 +320,7 @@ void Trainer::Impl::build() {
     const fs::path jl = fs::path(lg.log_dir) / "metrics.jsonl";
     // Rows past the step this run resumed at were logged by a run whose later checkpoints are not being used
     // (it failed, or an earlier checkpoint was chosen): they are replaced, so every step appears once.
-    if (lg.jsonl && fs::exists(jl)) drop_rows_after(jl, step);
+    if (lg.jsonl && fs::exists(jl)) drop_rows_after(jl, state.step);
     if (lg.jsonl) jsonl = std::make_unique<JsonlWriter>(jl.string());
     if (lg.tensorboard) tb = std::make_unique<TensorBoardWriter>((fs::path(lg.log_dir) / "tensorboard").string());
   }
@@ -457,12 +455,12 @@ StepMetrics Trainer::Impl::train_step() {
   m.skipped = st.skipped;
   m.loss_scale = st.loss_scale;
   if (!st.skipped) sched->step();  // as Megatron-Core: a skipped step does not advance the schedule
-  ++step;
-  consumed_samples += cfg.data.global_batch_size;
+  ++state.step;
+  state.consumed_samples += cfg.data.global_batch_size;
   if (is_cuda()) ctx.stream.synchronize();
   if (time_compute && is_cuda()) compute_s = ev_begin.elapsed_ms(ev_compute) / 1e3;
   m.compute_seconds = compute_s;
-  m.step = step;
+  m.step = state.step;
   m.loss = sr.loss;
   m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = double(cfg.data.global_batch_size * cfg.data.seq_length);
@@ -473,7 +471,7 @@ StepMetrics Trainer::Impl::train_step() {
   const MemoryStats ms = Allocator::get(device).stats();
   m.mem_allocated_gib = double(ms.allocated) / double(1 << 30);
   m.mem_peak_gib = double(ms.peak_allocated) / double(1 << 30);
-  m.consumed_samples = double(consumed_samples);
+  m.consumed_samples = double(state.consumed_samples);
   return m;
 }
 
@@ -504,41 +502,13 @@ void Trainer::Impl::log(const StepMetrics& m) {
   std::fflush(stdout);
 }
 
-// One forward of the whole model on [b, s] tokens with no saved activations, through every virtual stage
-// in model order (stage s on pipeline rank s % PP, chunk s / PP); activations move with the pipeline
-// group. On the post-process rank returns the mean loss (and its token count), elsewhere an empty tensor.
+// The engine's forward-only pass; with CP the model would count the whole sequence's tokens on every CP
+// rank, and callers sum (loss · count) over DP×CP, so each rank counts its own tokens.
 Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_tokens) {
-  const Tensor &tokens = mb.tokens, &labels = mb.labels, &mask = mb.loss_mask;
   ly::ForwardContext ectx = ctx;
   ectx.training = false;
-  ectx.cu_seqlens = mb.cu_seqlens, ectx.max_seqlen = mb.max_seqlen, ectx.position_ids = mb.position_ids;
-  // With CP the model would count the whole sequence's tokens on every CP rank; callers sum (loss · count)
-  // and count over DP×CP, so each rank reports its own tokens.
-  if (grid->layout().cp_size() > 1) ectx.loss_tokens = mdl::count_loss_tokens(labels, mask, -100, ctx.stream);
-  const int pp = grid->layout().pp_size(), pp_rank = grid->pp_rank(), vp = int(chunks.size());
-  comm::Communicator& ppc = grid->pp();
-  Tensor x, loss;
-  const int64_t b = tokens.size(0), s = tokens.size(1);
-  for (int vs = 0; vs < pp * vp; ++vs) {
-    const int owner = vs % pp, c = vs / pp;
-    const int prev_owner = (vs - 1 + pp) % pp;
-    if (owner != pp_rank) continue;
-    mdl::GPTModel& ch = *chunks[size_t(c)];
-    if (vs > 0 && prev_owner != pp_rank) {
-      x = Tensor::empty(ch.activation_shape(b, s), mcfg.params_dtype, device, ctx.stream);
-      ppc.batch_send_recv({{comm::P2POp::Recv, x, prev_owner}}, ctx.stream)->wait();
-    }
-    Tensor y = ch.forward_stage(ectx, vs == 0 ? Tensor() : x, tokens, labels, mask);
-    if (ch.post_process()) {
-      loss = y;
-      if (loss_tokens) *loss_tokens = ch.last_loss_tokens();
-    } else {
-      x = y.contiguous(ctx.stream);
-      const int next_owner = (vs + 1) % pp;
-      if (next_owner != pp_rank) ppc.batch_send_recv({{comm::P2POp::Send, x, next_owner}}, ctx.stream)->wait();
-    }
-  }
-  return loss;
+  if (grid->layout().cp_size() > 1) ectx.loss_tokens = mdl::count_loss_tokens(mb.labels, mb.loss_mask, -100, ctx.stream);
+  return engine->forward_only(ectx, mb, loss_tokens);
 }
 
 void Trainer::Impl::check_numerics(StepMetrics& m) {
@@ -561,6 +531,8 @@ void Trainer::Impl::check_numerics(StepMetrics& m) {
     return;
   }
   const double f = cfg.trainer.loss_spike_factor;
+  double& loss_avg = state.loss_avg;
+  int64_t& loss_avg_n = state.loss_avg_n;
   if (f > 0 && loss_avg_n >= 10 && m.loss > f * loss_avg) {
     m.loss_spike = true;
     if (root) {
@@ -631,7 +603,7 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
   MC_CHECK_AS(ConfigError, ckpt != nullptr, "Trainer.save: checkpoint.save_dir is empty; set it to save checkpoints");
   if (zero) zero->finish_param_gather();  // the weights are written as the last step left them
   checkpoint::CheckpointState st;
-  st.step = step;
+  st.step = state.step;
   st.val_loss = val_loss;
   st.tensors = model_tensors();
   if (zero) {
@@ -644,15 +616,12 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
     const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
     checkpoint::add_optimizer_state(st, *opt, params_only);
   }
-  st.json["trainer"] = json{{"step", step}, {"consumed_samples", consumed_samples}, {"scheduler_steps",
-                                                                                       sched->num_steps()}}.dump();
-  if (scaler)
-    st.json["loss_scaler"] = json{{"scale", scaler->state().scale},
-                                  {"growth_tracker", scaler->state().growth_tracker},
-                                  {"hysteresis_tracker", scaler->state().hysteresis_tracker}}.dump();
+  state.scheduler_steps = sched->num_steps();
+  state.loss_scaler = scaler ? std::optional(scaler->state()) : std::nullopt;
+  state.write(st.json);
   st.json["recipe"] = to_json(cfg);
   ckpt->save(st);
-  const std::string dir = checkpoint::checkpoint_dir(cfg.checkpoint.save_dir, step);
+  const std::string dir = checkpoint::checkpoint_dir(cfg.checkpoint.save_dir, state.step);
   last_checkpoint = dir;
   return dir;
 }
@@ -681,21 +650,12 @@ void Trainer::Impl::load_training_state(checkpoint::CheckpointReader& reader) {
   } else {
     checkpoint::load_optimizer_state(reader, *opt, targets);
   }
-  const json tj = json::parse(reader.json("trainer"));
-  step = tj.at("step").get<int64_t>();
-  consumed_samples = tj.at("consumed_samples").get<int64_t>();
-  sched->set_num_steps(tj.at("scheduler_steps").get<int64_t>());
-  if (scaler && reader.json().count("loss_scaler")) {
-    const json sj = json::parse(reader.json("loss_scaler"));
-    optim::LossScalerState ls;
-    ls.scale = sj.at("scale").get<double>();
-    ls.growth_tracker = sj.at("growth_tracker").get<int64_t>();
-    ls.hysteresis_tracker = sj.at("hysteresis_tracker").get<int>();
-    scaler->load_state(ls);
-  }
+  state = TrainingState::read(reader.json());
+  sched->set_num_steps(state.scheduler_steps);
+  if (scaler && state.loss_scaler) scaler->load_state(*state.loss_scaler);
   if (loader) {  // a load after construction restarts the data at the saved position
     data::LoaderConfig lc = loader->config();
-    lc.consumed_samples = consumed_samples;
+    lc.consumed_samples = state.consumed_samples;
     loader.reset();
     loader = std::make_unique<data::DataLoader>(train_src, lc);
   }
@@ -715,12 +675,12 @@ Trainer::~Trainer() = default;
 TrainResult Trainer::fit() {
   Impl& I = *impl_;
   TrainResult r;
-  r.start_step = I.step;
-  if (I.root && I.step > 0) std::printf("resumed at step %lld (%lld samples consumed)\n", (long long)I.step,
-                                        (long long)I.consumed_samples);
+  r.start_step = I.state.step;
+  if (I.root && I.state.step > 0) std::printf("resumed at step %lld (%lld samples consumed)\n", (long long)I.state.step,
+                                        (long long)I.state.consumed_samples);
   const TrainerSection& ts = I.cfg.trainer;
-  const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.step + ts.stop_after_steps) : ts.max_steps;
-  while (I.step < end) {
+  const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.state.step + ts.stop_after_steps) : ts.max_steps;
+  while (I.state.step < end) {
     StepMetrics m = I.train_step();
     I.check_numerics(m);
     if (ts.straggler_factor > 0) I.check_stragglers(m);
@@ -728,29 +688,29 @@ TrainResult Trainer::fit() {
     I.log(m);
     if (I.step_cb) I.step_cb(m);
     std::optional<double> val;
-    if (I.valid_src && ts.val_check_interval > 0 && I.step % ts.val_check_interval == 0) {
+    if (I.valid_src && ts.val_check_interval > 0 && I.state.step % ts.val_check_interval == 0) {
       val = I.evaluate(ts.limit_val_batches);
-      r.val_losses.emplace_back(I.step, *val);
+      r.val_losses.emplace_back(I.state.step, *val);
       if (I.root) {
-        std::printf("step %lld | validation loss %.4f\n", (long long)I.step, *val);
+        std::printf("step %lld | validation loss %.4f\n", (long long)I.state.step, *val);
         std::fflush(stdout);
-        if (I.jsonl) I.jsonl->write(json{{"step", I.step}, {"val_loss", *val}}.dump());
-        if (I.tb) I.tb->add_scalars(I.step, {{"val/loss", *val}});
+        if (I.jsonl) I.jsonl->write(json{{"step", I.state.step}, {"val_loss", *val}}.dump());
+        if (I.tb) I.tb->add_scalars(I.state.step, {{"val/loss", *val}});
       }
     }
     // Agreed before the checkpoint decision, so a stop saves this step's state once.
-    const int stop = I.step < end ? I.agree_stop() : 0;
-    if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
+    const int stop = I.state.step < end ? I.agree_stop() : 0;
+    if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.state.step) || (I.cfg.checkpoint.save_last && I.state.step == end))) {
       I.save(val);
       if (I.root) {
-        std::printf("step %lld | checkpoint %s\n", (long long)I.step, I.last_checkpoint.c_str());
+        std::printf("step %lld | checkpoint %s\n", (long long)I.state.step, I.last_checkpoint.c_str());
         std::fflush(stdout);
       }
     }
     if (stop != 0) {
       r.stopped_by_signal = stop;
       if (I.root) {
-        std::printf("megacore: stopping after step %lld on signal %d (%s)%s\n", (long long)I.step, stop,
+        std::printf("megacore: stopping after step %lld on signal %d (%s)%s\n", (long long)I.state.step, stop,
                     strsignal(stop), I.ckpt ? "; resume from the checkpoint above" : "; checkpoint.save_dir is "
                     "empty, so nothing was saved");
         std::fflush(stdout);
@@ -760,7 +720,7 @@ TrainResult Trainer::fit() {
   }
   if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
   if (I.ckpt) I.ckpt->wait();
-  r.final_step = I.step;
+  r.final_step = I.state.step;
   r.last_checkpoint = I.last_checkpoint;
   return r;
 }
@@ -816,7 +776,7 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
 
 std::string Trainer::save() { return impl_->save(); }
 void Trainer::load(const std::string& path, bool optimizer) { impl_->load(path, optimizer); }
-int64_t Trainer::step() const { return impl_->step; }
+int64_t Trainer::step() const { return impl_->state.step; }
 const parallel::ProcessGrid& Trainer::grid() const { return *impl_->grid; }
 void Trainer::set_step_callback(std::function<void(const StepMetrics&)> cb) { impl_->step_cb = std::move(cb); }
 

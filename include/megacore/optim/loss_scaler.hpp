@@ -38,6 +38,7 @@ struct LossScalerState {
   double scale = 0;
   int64_t growth_tracker = 0;  ///< finite steps since the last overflow or growth
   int hysteresis_tracker = 0;  ///< overflows still tolerated before a back-off
+  bool operator==(const LossScalerState&) const = default;
 };
 
 class DynamicLossScaler {

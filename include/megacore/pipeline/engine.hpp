@@ -101,6 +101,12 @@ class PipelineEngine {
   StepResult step(const layers::ForwardContext& ctx, const std::vector<MicroBatch>& micro_batches,
                   float loss_scale = 1.f);
 
+  /// One forward of the whole model on one micro-batch with nothing saved (evaluation, generation): every
+  /// virtual stage in model order (stage v on pipeline rank v % PP, chunk v / PP), the hidden states passed
+  /// on over the pipeline group. Collective over the pipeline group. On the rank holding the last stage
+  /// returns the mean loss of the micro-batch and sets *loss_tokens to its token count (as the model counted
+  /// it, GPTModel::last_loss_tokens); elsewhere returns an undefined tensor. ctx.training must be false.
+  Tensor forward_only(const layers::ForwardContext& ctx, const MicroBatch& mb, double* loss_tokens = nullptr);
   /// The schedule a step with m micro-batches runs.
   ScheduleConfig schedule_config(int64_t m) const;
   int pp_rank() const { return pp_.rank(); }

@@ -186,6 +186,23 @@ void run_layout(comm::Communicator& world, comm::Communicator& tp1, const Layout
                     ref_view(ref, p->name, ref.parameter(p->name).data, L.tp, swiglu), kTol, p->name.c_str());
     }
   }
+
+  // Forward-only (evaluation) through the same stages: the last stage's loss and token count equal the
+  // reference model's on the same micro-batch; other stages return nothing.
+  ly::ForwardContext ectx;
+  ectx.training = false;
+  const pl::MicroBatch eval_mb = make_mb(cfg.vocab_size, 7, 99);
+  double n = -1;
+  const Tensor loss = engine.forward_only(ectx, eval_mb, &n);
+  const bool last = layout.has_head(pp_rank, L.vp - 1);
+  REQUIRE(loss.defined() == last);
+  if (last) {
+    const double want = ref.forward(ectx, eval_mb.tokens, eval_mb.labels, eval_mb.loss_mask).item();
+    CHECK(std::abs(loss.item() - want) <= kLossTol * std::abs(want));
+    CHECK(n == mdl::count_loss_tokens(eval_mb.labels, eval_mb.loss_mask));
+  }
+  ly::ForwardContext train_ctx;
+  REQUIRE_THROWS_WITH(engine.forward_only(train_ctx, eval_mb), Catch::Contains("training = false"));
 }
 
 std::vector<Layout> layouts_for(int world) {
