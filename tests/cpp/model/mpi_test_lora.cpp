@@ -54,11 +54,11 @@ mdl::LoRAConfig all_targets(double dropout = 0.0) {
   return l;
 }
 
-// B of every adapter := 0.1 · randn of its full shape (seeded by its position), this rank's slice.
+// B of every adapter := 0.1 · randn of its full shape (seeded by its name, so a pipeline stage draws
+// what the whole model draws), this rank's slice.
 void randomise_b(mdl::GPTModel& m, int tpn, int rank) {
-  uint64_t k = 0;
   for (ly::Parameter* p : m.parameters()) {
-    ++k;
+    const uint64_t k = std::hash<std::string>{}(p->name) % 1000003;
     if (p->name.find("lora_B") == std::string::npos) continue;
     Shape full = p->data.shape();
     if (p->partition_dim >= 0) full[size_t(p->partition_dim)] *= tpn;
