@@ -118,13 +118,16 @@ Tensor input_grad(LoRAAdapter* lora, const ForwardContext& ctx, const Tensor& x2
   return dx;
 }
 
-void check_adapter(const LoRAAdapter& a, LoRAAdapter::Kind kind, int64_t in, int64_t out, std::string_view layer) {
-  int64_t total = 0;
-  for (const LoRASegment& g : a.segments()) total += g.out_features;
-  MC_CHECK(a.kind() == kind && total == out && a.in_features() == in,
-           "{}.attach_lora: the adapter is for a {} layer {} -> {}, this layer is {} {} -> {}; build it for this layer",
-           layer, a.kind() == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", a.in_features(), total,
-           kind == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", in, out);
+// The adapter must be of the layer's kind and input width, and each segment's placement must tile the
+// layer's local output features (a segment may cover only part of them: q_proj alone in the fused QKV).
+void check_adapter(const LoRAAdapter& a, LoRAAdapter::Kind kind, int64_t in, int64_t out_local, std::string_view layer) {
+  bool fits = a.kind() == kind && a.in_features() == in;
+  for (const LoRASegment& g : a.segments()) fits = fits && g.blocks * g.block_width == out_local;
+  MC_CHECK(fits,
+           "{}.attach_lora: the adapter ({}, in_features {}) does not fit this {} layer (in_features {}, {} local "
+           "outputs); build it for this layer",
+           layer, a.kind() == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", a.in_features(),
+           kind == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", in, out_local);
 }
 
 // Frozen parameters keep no gradient buffer; unfreezing gives them a zeroed one again.
@@ -300,7 +303,7 @@ void ColumnParallelLinear::accumulate_weight_grads(const Tensor& dy2, const Tens
 
 void ColumnParallelLinear::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
   MC_CHECK(adapter != nullptr, "ColumnParallelLinear.attach_lora: the adapter is null");
-  check_adapter(*adapter, LoRAAdapter::Kind::Column, in_, out_, "ColumnParallelLinear");
+  check_adapter(*adapter, LoRAAdapter::Kind::Column, in_, out_local_, "ColumnParallelLinear");
   lora_ = std::move(adapter);
 }
 
