@@ -5,7 +5,7 @@ The compiled core lives in ``megacore._C``; this package re-exports it with a Py
 
 from contextlib import contextmanager
 
-from . import checkpoint, comm, convert, data, errors, layers, model, ops, optim, parallel, pipeline, recipes
+from . import checkpoint, comm, convert, data, errors, layers, model, ops, optim, parallel, peft, pipeline, recipes
 from ._C import (
     Event,
     Generator,

@@ -107,6 +107,36 @@ class OverlappedCollective {
   comm::WorkPtr work_;
 };
 
+// dX = dY W, plus the LoRA path's input gradient when an adapter is attached (its buffer takes the
+// base's product with beta = 1, so no separate add).
+Tensor input_grad(LoRAAdapter* lora, const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2, const Tensor& w) {
+  if (!lora) return ops::matmul(dy2, w, {}, ctx.stream);
+  Tensor dx = lora->backward(ctx, x2, dy2);
+  ops::GemmOptions o;
+  o.beta = 1.f;
+  ops::gemm(dy2, w, dx, o, ctx.stream);
+  return dx;
+}
+
+// The adapter must be of the layer's kind and input width, and each segment's placement must tile the
+// layer's local output features (a segment may cover only part of them: q_proj alone in the fused QKV).
+void check_adapter(const LoRAAdapter& a, LoRAAdapter::Kind kind, int64_t in, int64_t out_local, std::string_view layer) {
+  bool fits = a.kind() == kind && a.in_features() == in;
+  for (const LoRASegment& g : a.segments()) fits = fits && g.blocks * g.block_width == out_local;
+  MC_CHECK(fits,
+           "{}.attach_lora: the adapter ({}, in_features {}) does not fit this {} layer (in_features {}, {} local "
+           "outputs); build it for this layer",
+           layer, a.kind() == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", a.in_features(),
+           kind == LoRAAdapter::Kind::Column ? "column-parallel" : "row-parallel", in, out_local);
+}
+
+// Frozen parameters keep no gradient buffer; unfreezing gives them a zeroed one again.
+void set_grad_buffer(Parameter& p, bool frozen) {
+  if (!p.data.defined()) return;
+  if (frozen) p.main_grad = Tensor();
+  else if (!p.main_grad.defined()) p.main_grad = Tensor::zeros(p.data.shape(), DType::F32, p.data.device());
+}
+
 Parameter make_param(std::string name, Tensor data, int partition_dim) {
   Parameter p;
   p.name = std::move(name);
@@ -166,6 +196,7 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
     o.bias = bias_.data;
   }
   ops::gemm(x2, weight_.data, y2, o, s);
+  if (lora_) lora_->forward(ctx, x2, y2);
   saved_input_ = ctx.training ? x : Tensor();
   Tensor y = y2.view(with_last(total.shape(), out_local_));
   return opts_.gather_output ? pm::gather_from_tp_forward(tp_, y, s) : y;
@@ -182,7 +213,7 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   check_activation(dy, dy_features, opts_.params_dtype, opts_.device, kName, "dy",
                    "pass the gradient of forward's output, which has the same shape");
   Tensor dyl = opts_.gather_output ? pm::gather_from_tp_backward(tp_, dy, s) : dy;
-  if (opts_.overlap_grad_comm && tp_.size() > 1) return backward_overlapped(s, dyl);
+  if (opts_.overlap_grad_comm && tp_.size() > 1 && !lora_ && !frozen_) return backward_overlapped(s, dyl);
   // With SP the input is re-gathered here instead of being kept whole since forward.
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
   Tensor x2 = as_rows(total, in_, s);
@@ -190,12 +221,8 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   MC_CHECK(dy2.size(0) == x2.size(0),
            "{}: dy has shape {} but forward's output had {} rows; pass the gradient of forward's output", kName,
            shape_str(dy.shape()), x2.size(0));
-  ops::GemmOptions wg;
-  wg.trans_a = true;
-  wg.beta = 1.f;
-  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
-  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
-  Tensor dx = ops::matmul(dy2, weight_.data, {}, s).view(total.shape());
+  accumulate_weight_grads(dy2, x2, s);
+  Tensor dx = input_grad(lora_.get(), ctx, x2, dy2, weight_.data).view(total.shape());
   saved_input_ = Tensor();
   return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
 }
@@ -261,7 +288,35 @@ std::vector<Parameter*> ColumnParallelLinear::parameters() {
 }
 
 void ColumnParallelLinear::zero_grad() {
-  for (Parameter* p : parameters()) p->main_grad.zero_();
+  for (Parameter* p : parameters())
+    if (p->main_grad.defined()) p->main_grad.zero_();
+}
+
+void ColumnParallelLinear::accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s) {
+  if (frozen_) return;
+  ops::GemmOptions wg;
+  wg.trans_a = true;
+  wg.beta = 1.f;
+  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
+}
+
+void ColumnParallelLinear::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
+  MC_CHECK(adapter != nullptr, "ColumnParallelLinear.attach_lora: the adapter is null");
+  check_adapter(*adapter, LoRAAdapter::Kind::Column, in_, out_local_, "ColumnParallelLinear");
+  lora_ = std::move(adapter);
+}
+
+void ColumnParallelLinear::merge_lora(const Stream& s) {
+  if (!lora_) return;
+  lora_->merge_into(weight_.data, s);
+  lora_.reset();
+}
+
+void ColumnParallelLinear::set_frozen(bool frozen) {
+  frozen_ = frozen;
+  set_grad_buffer(weight_, frozen);
+  set_grad_buffer(bias_, frozen);
 }
 
 // ---- RowParallelLinear ------------------------------------------------------------------------------
@@ -304,7 +359,9 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
   Tensor x2 = as_rows(xin, in_local_, s);
   ops::GemmOptions o;
   o.trans_b = true;
-  Tensor partial = ops::matmul(x2, weight_.data, o, s).view(with_last(xin.shape(), out_));
+  Tensor partial2 = ops::matmul(x2, weight_.data, o, s);
+  if (lora_) lora_->forward(ctx, x2, partial2);  // before the reduction: B is replicated, h a TP-partial sum
+  Tensor partial = partial2.view(with_last(xin.shape(), out_));
   Tensor y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
                                      : pm::reduce_from_tp_forward(tp_, partial, s);
   if (opts_.bias) {
@@ -334,13 +391,15 @@ Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) 
            "{}: dy has shape {} but forward's output had {} rows{}; pass the gradient of forward's output", kName,
            shape_str(dy.shape()), x2.size(0) / (opts_.sequence_parallel ? tp_.size() : 1),
            opts_.sequence_parallel ? " on this rank" : "");
-  ops::GemmOptions wg;
-  wg.trans_a = true;
-  wg.beta = 1.f;
-  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
-  // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
-  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
-  Tensor dx = ops::matmul(dy2, weight_.data, {}, s).view(saved_input_.shape());
+  if (!frozen_) {
+    ops::GemmOptions wg;
+    wg.trans_a = true;
+    wg.beta = 1.f;
+    ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+    // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
+    if (opts_.bias) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
+  }
+  Tensor dx = input_grad(lora_.get(), ctx, x2, dy2, weight_.data).view(saved_input_.shape());
   saved_input_ = Tensor();
   return opts_.input_is_parallel ? dx : pm::scatter_to_tp_backward(tp_, dx, s);
 }
@@ -352,7 +411,26 @@ std::vector<Parameter*> RowParallelLinear::parameters() {
 }
 
 void RowParallelLinear::zero_grad() {
-  for (Parameter* p : parameters()) p->main_grad.zero_();
+  for (Parameter* p : parameters())
+    if (p->main_grad.defined()) p->main_grad.zero_();
+}
+
+void RowParallelLinear::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
+  MC_CHECK(adapter != nullptr, "RowParallelLinear.attach_lora: the adapter is null");
+  check_adapter(*adapter, LoRAAdapter::Kind::Row, in_, out_, "RowParallelLinear");
+  lora_ = std::move(adapter);
+}
+
+void RowParallelLinear::merge_lora(const Stream& s) {
+  if (!lora_) return;
+  lora_->merge_into(weight_.data, s);
+  lora_.reset();
+}
+
+void RowParallelLinear::set_frozen(bool frozen) {
+  frozen_ = frozen;
+  set_grad_buffer(weight_, frozen);
+  set_grad_buffer(bias_, frozen);
 }
 
 void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector<Parameter*>& params,
@@ -366,9 +444,21 @@ void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector
     }
 }
 
-void ColumnParallelLinear::stash_activations(ActivationStash& s) { s.put(saved_input_); }
-void ColumnParallelLinear::restore_activations(ActivationStash& s) { s.take(saved_input_); }
-void RowParallelLinear::stash_activations(ActivationStash& s) { s.put(saved_input_); }
-void RowParallelLinear::restore_activations(ActivationStash& s) { s.take(saved_input_); }
+void ColumnParallelLinear::stash_activations(ActivationStash& s) {
+  s.put(saved_input_);
+  if (lora_) lora_->stash_activations(s);
+}
+void ColumnParallelLinear::restore_activations(ActivationStash& s) {
+  s.take(saved_input_);
+  if (lora_) lora_->restore_activations(s);
+}
+void RowParallelLinear::stash_activations(ActivationStash& s) {
+  s.put(saved_input_);
+  if (lora_) lora_->stash_activations(s);
+}
+void RowParallelLinear::restore_activations(ActivationStash& s) {
+  s.take(saved_input_);
+  if (lora_) lora_->restore_activations(s);
+}
 
 }  // namespace megacore::layers

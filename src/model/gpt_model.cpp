@@ -122,26 +122,98 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
     }
   }
 
+  collect_parameters();
+}
+
+void GPTModel::collect_parameters() {
+  embedding_group_.clear();
+  head_extra_.clear();
   auto add = [&](std::vector<ly::Parameter*>& group, const std::string& name, ly::Parameter* p) {
     p->name = name;
-    group.push_back(p);
+    if (!lora_) group.push_back(p);  // with LoRA these weights are frozen
   };
+  const bool tied_copy = cfg_.tie_word_embeddings && opts_.post_process && !opts_.pre_process;
   if (opts_.pre_process) {
     add(embedding_group_, "embedding.weight", &embedding_->weight());
     if (position_.data.defined()) add(embedding_group_, "position_embedding.weight", &position_);
   }
   // The block names its parameters "layers.<i>.*" and "final_layernorm.*"; the head's own weight is
   // reported with the final norm's grad-ready group.
-  std::vector<ly::Parameter*> head_extra;
   if (opts_.post_process) {
-    if (!cfg_.tie_word_embeddings) add(head_extra, "output_layer.weight", &output_layer_->weight());
-    if (tied_copy) add(head_extra, "embedding.weight", &embedding_->weight());
-    block_->set_final_norm_group_extra(head_extra);
+    if (!cfg_.tie_word_embeddings) add(head_extra_, "output_layer.weight", &output_layer_->weight());
+    if (tied_copy) add(head_extra_, "embedding.weight", &embedding_->weight());
+    block_->set_final_norm_group_extra(head_extra_);
   }
   // parameters() in model order: embedding, positions, layers, final norm, output layer (or tied copy).
   params_ = embedding_group_;
   for (auto& [n, p] : block_->named_parameters()) params_.push_back(p);
-  params_.insert(params_.end(), head_extra.begin(), head_extra.end());
+  params_.insert(params_.end(), head_extra_.begin(), head_extra_.end());
+}
+
+void GPTModel::apply_lora(const LoRAConfig& lora) {
+  const std::vector<std::string> problems = lora_problems(lora, cfg_);
+  if (!problems.empty()) {
+    std::string msg;
+    for (const std::string& p : problems) msg += (msg.empty() ? "" : "; ") + p;
+    MC_CHECK_AS(ConfigError, false, "LoRA: {}", msg);
+  }
+  MC_CHECK(!lora_, "GPTModel.apply_lora: adapters are already attached; merge_lora first to attach new ones");
+  block_->apply_lora(lora);
+  if (output_layer_) output_layer_->set_frozen(true);
+  if (embedding_) embedding_->weight().main_grad = Tensor();
+  if (position_.data.defined()) position_.main_grad = Tensor();
+  lora_ = true;
+  collect_parameters();
+}
+
+void GPTModel::merge_lora() {
+  if (!lora_) return;
+  block_->merge_lora();
+  if (output_layer_) output_layer_->set_frozen(false);
+  for (ly::Parameter* p : {embedding_ ? &embedding_->weight() : nullptr, &position_})
+    if (p && p->data.defined()) p->main_grad = Tensor::zeros(p->data.shape(), DType::F32, p->data.device());
+  lora_ = false;
+  collect_parameters();
+  sync_tied_output_weight();
+}
+
+std::vector<ly::Parameter*> GPTModel::all_parameters() {
+  if (!lora_) return params_;
+  std::vector<ly::Parameter*> out;
+  if (opts_.pre_process) {
+    out.push_back(&embedding_->weight());
+    if (position_.data.defined()) out.push_back(&position_);
+  }
+  for (int64_t i = 0; i < block_->num_layers(); ++i) {
+    TransformerLayer& l = block_->layer(i);
+    const std::string pre = fmt::format("layers.{}.", layer_indices_[size_t(i)]);
+    auto norm = [&](const std::string& prefix, ly::NormLayer& n) {
+      n.weight().name = pre + prefix + "weight";
+      out.push_back(&n.weight());
+      if (n.has_bias()) n.bias().name = pre + prefix + "bias", out.push_back(&n.bias());
+    };
+    auto linear = [&](const std::string& prefix, auto& lin) {
+      lin.weight().name = pre + prefix + "weight";
+      out.push_back(&lin.weight());
+      if (lin.options().bias) lin.bias().name = pre + prefix + "bias", out.push_back(&lin.bias());
+    };
+    norm("input_layernorm.", l.input_layernorm());
+    linear("self_attention.linear_qkv.", l.self_attention().linear_qkv());
+    linear("self_attention.linear_proj.", l.self_attention().linear_proj());
+    norm("pre_mlp_layernorm.", l.pre_mlp_layernorm());
+    linear("mlp.linear_fc1.", l.mlp().fc1());
+    linear("mlp.linear_fc2.", l.mlp().fc2());
+  }
+  if (opts_.post_process) {
+    ly::NormLayer& n = block_->final_layernorm();
+    n.weight().name = "final_layernorm.weight";
+    out.push_back(&n.weight());
+    if (n.has_bias()) n.bias().name = "final_layernorm.bias", out.push_back(&n.bias());
+    if (!cfg_.tie_word_embeddings) out.push_back(&output_layer_->weight());
+    else if (!opts_.pre_process) out.push_back(&embedding_->weight());
+  }
+  out.insert(out.end(), params_.begin(), params_.end());
+  return out;
 }
 
 int64_t GPTModel::padded_vocab_size() const { return model::padded_vocab_size(cfg_, tp_.size()); }
@@ -316,6 +388,10 @@ Tensor GPTModel::backward_stage(const ly::ForwardContext& ctx, const Tensor& gra
   has_forward_ = false;
   dx = block_->backward(ctx, dx);  // final norm (post_process), then the layers, last first
   if (!opts_.pre_process) return dx;
+  if (lora_) {  // frozen embedding: nothing to compute
+    positions_ = Tensor();
+    return Tensor();
+  }
   run_grad_group(tp_, cfg_, embedding_group_, grad_ready_, st, [&] {
     if (position_.data.defined()) {
       ops::embedding_backward(dx, positions_, position_.main_grad, /*accumulate=*/true, -1, st);
@@ -387,7 +463,7 @@ ly::Parameter* GPTModel::tied_embedding_weight() {
 
 void GPTModel::allreduce_tied_embedding_grads(comm::Communicator& embedding_group, const Stream& s) {
   ly::Parameter* w = tied_embedding_weight();
-  if (!w || (opts_.pre_process && opts_.post_process) || embedding_group.size() == 1) return;
+  if (!w || lora_ || (opts_.pre_process && opts_.post_process) || embedding_group.size() == 1) return;
   MC_CHECK(w->main_grad.is_contiguous(), "GPTModel.allreduce_tied_embedding_grads: main_grad of '{}' is not "
            "contiguous; allocate gradients contiguous", w->name);
   embedding_group.all_reduce(w->main_grad, comm::ReduceOp::Sum, s)->wait_on(s);

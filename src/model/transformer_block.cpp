@@ -56,7 +56,8 @@ void run_grad_group(comm::Communicator& tp, const TransformerConfig& cfg, const 
   // These are only norms, biases and positions, so the copies are small. (Megatron-Core instead defers
   // the reduction to once per step.)
   std::vector<std::pair<ly::Parameter*, Tensor>> earlier;
-  if (cfg.sequence_parallel && tp.size() > 1)
+  // (LoRA's TP-partial adapter gradients carry the same flag, with or without SP.)
+  if (tp.size() > 1)
     for (ly::Parameter* p : group)
       if (p->sequence_parallel) {
         earlier.emplace_back(p, p->main_grad.clone(s));
@@ -89,6 +90,13 @@ TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConf
   }
   if (opts_.final_layernorm) final_norm_ = make_model_norm(cfg_, opts_.device);
 
+  collect_parameters();
+}
+
+void TransformerBlock::collect_parameters() {
+  named_.clear();
+  layer_groups_.clear();
+  final_group_.clear();
   for (size_t i = 0; i < layers_.size(); ++i) {
     layer_groups_.emplace_back();
     for (auto& [n, p] : layers_[i]->named_parameters()) {
@@ -97,7 +105,7 @@ TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConf
       layer_groups_.back().push_back(p);
     }
   }
-  if (final_norm_) {
+  if (final_norm_ && !lora_) {
     auto add_final = [&](const char* name, ly::Parameter* p) {
       p->name = name;
       named_.emplace_back(p->name, p);
@@ -105,16 +113,30 @@ TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConf
     };
     add_final("final_layernorm.weight", &final_norm_->weight());
     if (final_norm_->has_bias()) add_final("final_layernorm.bias", &final_norm_->bias());
-    final_norm_params_ = final_group_.size();
   }
+  final_norm_params_ = final_group_.size();
+  final_group_.insert(final_group_.end(), final_extra_.begin(), final_extra_.end());
 }
 
 void TransformerBlock::set_final_norm_group_extra(std::vector<ly::Parameter*> extra) {
   MC_CHECK(final_norm_ != nullptr || extra.empty(),
            "TransformerBlock.set_final_norm_group_extra: the block has no final norm; build it with "
            "final_layernorm = true (the last pipeline stage)");
+  final_extra_ = extra;
   final_group_.resize(final_norm_params_);
   final_group_.insert(final_group_.end(), extra.begin(), extra.end());
+}
+
+void TransformerBlock::apply_lora(const LoRAConfig& lora) {
+  for (auto& l : layers_) l->apply_lora(tp_, lora);
+  lora_ = true;
+  collect_parameters();
+}
+
+void TransformerBlock::merge_lora() {
+  for (auto& l : layers_) l->merge_lora();
+  lora_ = false;
+  collect_parameters();
 }
 
 std::vector<ly::Parameter*> TransformerBlock::parameters() const {

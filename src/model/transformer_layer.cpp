@@ -111,6 +111,7 @@ Tensor TransformerLayer::forward(const ly::ForwardContext& ctx, const Tensor& x,
   }
   ly::ForwardContext no_save = ctx;
   no_save.training = false;
+  no_save.recompute_pass = ly::ForwardContext::RecomputePass::Discarded;
   Tensor y = forward_impl(no_save, x, position_ids);
   saved_x_ = x;
   saved_positions_ = position_ids;
@@ -130,6 +131,7 @@ Tensor TransformerLayer::backward(const ly::ForwardContext& ctx, const Tensor& d
     // packed-row boundaries are the forward's, whatever the backward's context carries.
     ly::ForwardContext rctx = ctx;
     rctx.cu_seqlens = saved_cu_, rctx.max_seqlen = saved_max_seqlen_;
+    rctx.recompute_pass = ly::ForwardContext::RecomputePass::Replay;
     forward_impl(rctx, saved_x_, saved_positions_);
     saved_x_ = Tensor();
     saved_positions_ = Tensor();
@@ -169,13 +171,19 @@ std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_para
   // Names are built from fixed leaves, not Parameter::name, because a model overwrites that field with
   // the full path.
   std::vector<std::pair<std::string, ly::Parameter*>> out;
+  // With LoRA the base weights are frozen: only the adapters are listed.
   auto norm = [&](const std::string& prefix, ly::NormLayer& n) {
+    if (lora_) return;
     out.emplace_back(prefix + "weight", &n.weight());
     if (n.has_bias()) out.emplace_back(prefix + "bias", &n.bias());
   };
   auto linear = [&](const std::string& prefix, auto& l) {
-    out.emplace_back(prefix + "weight", &l.weight());
-    if (l.options().bias) out.emplace_back(prefix + "bias", &l.bias());
+    if (!l.frozen()) {
+      out.emplace_back(prefix + "weight", &l.weight());
+      if (l.options().bias) out.emplace_back(prefix + "bias", &l.bias());
+    }
+    if (ly::LoRAAdapter* a = l.lora())
+      for (auto& [leaf, p] : a->named_parameters()) out.emplace_back(prefix + leaf, p);
   };
   norm("input_layernorm.", *input_norm_);
   linear("self_attention.linear_qkv.", attention_.linear_qkv());
@@ -186,6 +194,72 @@ std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_para
   return out;
 }
 
+void TransformerLayer::apply_lora(comm::Communicator& tp, const LoRAConfig& lora) {
+  MC_CHECK(!lora_, "TransformerLayer {}.apply_lora: adapters are already attached; merge_lora first to attach new ones",
+           opts_.layer_number);
+  const LoRATargets t = resolve_lora_targets(lora.target_modules, cfg_);
+  const uint64_t base = kLoRAInitBase + uint64_t(opts_.layer_number) * kLoRALayerStride;
+  auto options = [&](uint64_t linear) {
+    return ly::LoRAOptions{.rank = lora.dim, .alpha = lora.alpha, .dropout = lora.dropout, .seed = lora.seed,
+                           .init_offset = base + 4 * linear};
+  };
+  using K = ly::LoRAAdapter::Kind;
+  const int n = tp.size();
+  const int64_t h = cfg_.hidden_size, d = cfg_.head_dim(), heads = cfg_.num_attention_heads,
+                groups = cfg_.query_groups(), hpg = heads / groups, ffn = cfg_.ffn_size();
+  if (!t.qkv.empty()) {
+    // Grouped layout: per local query group [hpg query heads ; k ; v], each head d rows.
+    std::vector<ly::LoRASegment> segs;
+    for (const std::string& name : t.qkv) {
+      const bool q = name == "q_proj";
+      const int64_t col0 = q ? 0 : (name == "k_proj" ? hpg : hpg + 1) * d;
+      segs.push_back({.name = name, .out_features = (q ? heads : groups) * d, .blocks = groups / n,
+                      .block_width = (hpg + 2) * d, .col0 = col0, .width = (q ? hpg : 1) * d});
+    }
+    auto& l = attention_.linear_qkv();
+    l.attach_lora(std::make_unique<ly::LoRAAdapter>(tp, K::Column, h, segs, options(0), cfg_.params_dtype, opts_.device));
+  }
+  if (t.proj) {
+    auto& l = attention_.linear_proj();
+    l.attach_lora(std::make_unique<ly::LoRAAdapter>(
+        tp, K::Row, cfg_.attention_width(),
+        std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}}, options(1),
+        cfg_.params_dtype, opts_.device));
+  }
+  if (!t.fc1.empty() || t.fc1_whole) {
+    std::vector<ly::LoRASegment> segs;
+    const int64_t fl = ffn / n;
+    if (t.fc1_whole) segs.push_back({.out_features = ffn, .block_width = fl, .width = fl});
+    for (const std::string& name : t.fc1)
+      segs.push_back({.name = name, .out_features = ffn, .block_width = 2 * fl, .col0 = name == "gate_proj" ? 0 : fl,
+                      .width = fl});
+    mlp_.fc1().attach_lora(
+        std::make_unique<ly::LoRAAdapter>(tp, K::Column, h, segs, options(2), cfg_.params_dtype, opts_.device));
+  }
+  if (t.fc2)
+    mlp_.fc2().attach_lora(std::make_unique<ly::LoRAAdapter>(
+        tp, K::Row, ffn, std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}}, options(3),
+        cfg_.params_dtype, opts_.device));
+  attention_.linear_qkv().set_frozen(true);
+  attention_.linear_proj().set_frozen(true);
+  mlp_.fc1().set_frozen(true);
+  mlp_.fc2().set_frozen(true);
+  lora_ = true;
+}
+
+void TransformerLayer::merge_lora() {
+  if (!lora_) return;
+  attention_.linear_qkv().merge_lora();
+  attention_.linear_proj().merge_lora();
+  mlp_.fc1().merge_lora();
+  mlp_.fc2().merge_lora();
+  attention_.linear_qkv().set_frozen(false);
+  attention_.linear_proj().set_frozen(false);
+  mlp_.fc1().set_frozen(false);
+  mlp_.fc2().set_frozen(false);
+  lora_ = false;
+}
+
 std::vector<ly::Parameter*> TransformerLayer::parameters() {
   std::vector<ly::Parameter*> out;
   for (auto& [name, p] : named_parameters()) out.push_back(p);
@@ -193,7 +267,8 @@ std::vector<ly::Parameter*> TransformerLayer::parameters() {
 }
 
 void TransformerLayer::zero_grad() {
-  for (ly::Parameter* p : parameters()) p->main_grad.zero_();
+  for (ly::Parameter* p : parameters())
+    if (p->main_grad.defined()) p->main_grad.zero_();
 }
 
 }  // namespace megacore::model

@@ -674,6 +674,16 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("checkpoint", "save_interval, keep_last and keep_top_k must be >= 0");
   if (ck.keep_top_k && !t.val_check_interval)
     err("checkpoint.keep_top_k", "ranks checkpoints by validation loss; set trainer.val_check_interval > 0");
+  if (r.peft.scheme == "lora") {
+    for (const std::string& e : model::lora_problems(r.peft.lora(r.model.seed), r.model))
+      rep.errors.push_back(e);
+    if (ck.pretrained_checkpoint.empty())
+      err("checkpoint.pretrained_checkpoint",
+          "is empty but peft.scheme = lora trains adapters on a frozen base model; give the base checkpoint "
+          "(`megacore convert hf-to-megacore` makes one from a Hugging Face model)");
+  } else if (r.peft.scheme != "none") {
+    err("peft.scheme", fmt::format("'{}' is not none or lora", r.peft.scheme));
+  }
 
   if (opts.check_paths) {
     check_files(r, err);

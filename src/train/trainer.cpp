@@ -111,6 +111,8 @@ struct Trainer::Impl {
 
   void build();
   void build_optimizer();
+  /// Prints "trainable of total parameters" (model-wide: summed over TP and PP, replicated ones once). Collective.
+  void log_trainable_parameters();
   std::vector<checkpoint::ShardedTensor> model_tensors() const;
   std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& l);
   StepMetrics train_step();
@@ -195,9 +197,18 @@ void Trainer::Impl::build() {
     o.cp_comm_type = cfg.parallel.cp_comm_type == "all_gather" ? ly::CpCommType::AllGather : ly::CpCommType::P2P;
     chunks.push_back(std::make_unique<mdl::GPTModel>(m, grid->tp(), o));
   }
+  const CheckpointSection& cks = cfg.checkpoint;
+  const bool lora = cfg.peft.scheme == "lora";
+  if (lora) {
+    // The frozen base first (its full weights), then the adapters: from here on the model's parameters(),
+    // and so DDP, the optimizer and checkpoints, are the adapters only.
+    load_model(cks.pretrained_checkpoint);
+    for (auto& ch : chunks) ch->apply_lora(cfg.peft.lora(m.seed));
+    log_trainable_parameters();
+  }
   for (auto& ch : chunks) {
     for (ly::Parameter* p : ch->parameters()) params.push_back(p);
-    if (m.tie_word_embeddings && pp > 1)
+    if (m.tie_word_embeddings && pp > 1 && !lora)
       if (ly::Parameter* t = ch->tied_embedding_weight()) tied.push_back(t);
   }
   if (cfg.trainer.max_epochs > 0) {
@@ -222,7 +233,6 @@ void Trainer::Impl::build() {
   }
 
   peak = cfg.trainer.peak_tflops > 0 ? cfg.trainer.peak_tflops : (is_cuda() ? known_peak_tflops(cuda_device_name(device.index)) : 0);
-  const CheckpointSection& cks = cfg.checkpoint;
   if (!cks.save_dir.empty()) {
     checkpoint::CheckpointPolicy pol;
     pol.save_every = cks.save_interval;
@@ -245,7 +255,7 @@ void Trainer::Impl::build() {
   std::optional<checkpoint::CheckpointReader> resumed;
   if (resume_dir) {
     resumed.emplace(load_model(*resume_dir));
-  } else if (!cks.pretrained_checkpoint.empty()) {
+  } else if (!cks.pretrained_checkpoint.empty() && !lora) {
     // Fine-tuning: the weights of another run (or of a converted Hugging Face model); everything else fresh.
     load_model(cks.pretrained_checkpoint);
     if (root) {
@@ -257,10 +267,15 @@ void Trainer::Impl::build() {
   build_optimizer();
   // The training state is optional (a converted Hugging Face checkpoint has none): the optimizer starts fresh then.
   if (resumed && resumed->json().count("trainer")) load_training_state(*resumed);
+  if (lora && root) {
+    std::printf("megacore: LoRA base weights from %s%s\n", cks.pretrained_checkpoint.c_str(),
+                resume_dir ? (", adapters from " + *resume_dir).c_str() : "");
+    std::fflush(stdout);
+  }
 
   pipeline::PipelineEngineOptions eo;
   eo.dp = &grid->dp_cp();
-  if (m.tie_word_embeddings && pp > 1) eo.embedding = &grid->embedding();
+  if (m.tie_word_embeddings && pp > 1 && !lora) eo.embedding = &grid->embedding();
   eo.before_backward = [this](int, int64_t, bool last) { ddp->set_is_last_microbatch(last); };
   std::vector<mdl::GPTModel*> raw;
   for (auto& ch : chunks) raw.push_back(ch.get());
@@ -326,6 +341,33 @@ void Trainer::Impl::build() {
   }
 }
 
+void Trainer::Impl::log_trainable_parameters() {
+  // One copy of the model is spread over the TP × PP ranks of DP rank 0 / CP rank 0; a TP-replicated
+  // tensor is counted on TP rank 0 only.
+  int64_t counts[2] = {0, 0};
+  if (grid->dp_rank() == 0 && grid->cp_rank() == 0)
+    for (auto& ch : chunks) {
+      for (ly::Parameter* p : ch->all_parameters())
+        if (p->partition_dim >= 0 || grid->tp_rank() == 0) counts[1] += p->data.numel();
+      for (ly::Parameter* p : ch->parameters())
+        if (p->partition_dim >= 0 || grid->tp_rank() == 0) counts[0] += p->data.numel();
+    }
+  Tensor t = Tensor::from_vector<int64_t>({counts[0], counts[1]}, {2}).to(device, ctx.stream);
+  world.all_reduce(t, comm::ReduceOp::Sum, ctx.stream)->wait();
+  const std::vector<double> v = t.to(Device::cpu(), ctx.stream).to_double_vector();
+  if (root) {
+    std::printf("megacore: LoRA r=%lld alpha=%g dropout=%g on [%s]: trainable %.0f of %.0f parameters (%.4f%%)\n",
+                (long long)cfg.peft.dim, cfg.peft.alpha, cfg.peft.dropout,
+                [&] {
+                  std::string out;
+                  for (const std::string& n : cfg.peft.target_modules) out += (out.empty() ? "" : " ") + n;
+                  return out;
+                }().c_str(),
+                v[0], v[1], v[1] > 0 ? 100.0 * v[0] / v[1] : 0.0);
+    std::fflush(stdout);
+  }
+}
+
 void Trainer::Impl::build_optimizer() {
   const ParallelSection& ps = cfg.parallel;
   const OptimSection& os = cfg.optim;
@@ -336,7 +378,7 @@ void Trainer::Impl::build_optimizer() {
   dc.reduce_dtype = ps.grad_reduce_in_bf16 ? DType::BF16 : DType::F32;
   dc.compute_stream = ctx.stream;
   for (auto& ch : chunks)
-    if (ch->post_process() && ch->pre_process() && mcfg.tie_word_embeddings)
+    if (ch->post_process() && ch->pre_process() && mcfg.tie_word_embeddings && !ch->has_lora())
       dc.shared_copies.push_back(&ch->output_layer().weight());
   ddp = std::make_unique<optim::DistributedDataParallel>(params, grid->dp_cp(), dc);
   // The tied weights are reported to DDP only after the engine summed them over the embedding group.

@@ -27,6 +27,11 @@ struct ForwardContext {
   Tensor cu_seqlens;
   int64_t max_seqlen = 0;
   Tensor position_ids;
+  /// Full activation recompute (TransformerLayer): the first forward runs with training = false and
+  /// Discarded (stochastic parts such as LoRA dropout still apply, nothing is saved); backward reruns it
+  /// with Replay, and Philox-based dropout reuses the first pass's draws.
+  enum class RecomputePass { None, Discarded, Replay };
+  RecomputePass recompute_pass = RecomputePass::None;
 };
 
 }  // namespace megacore::layers

@@ -36,15 +36,22 @@
 // full-size temporary per layer on every rank — fine for tests and models up to a few billion
 // parameters; Philox's counter design allows drawing only the shard's elements if that ever matters.
 // Biases start at zero.
+//
+// LoRA and frozen weights (layers/lora.hpp): attach_lora adds a low-rank path to the layer's GEMM, run on
+// the same input rows and added before the layer's TP reduction; set_frozen(true) skips the weight and
+// bias gradients (the dW GEMM and its main_grad buffer) while still returning the input gradient.
+// With LoRA or frozen weights the non-overlapped backward is used (overlap_grad_comm is ignored).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
 #include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
+#include "megacore/layers/lora.hpp"
 #include "megacore/layers/parameter.hpp"
 
 namespace megacore::layers {
@@ -118,8 +125,22 @@ class ColumnParallelLinear {
   /// uses it for the layers it does not construct itself).
   void set_overlap_grad_comm(bool on) { opts_.overlap_grad_comm = on; }
 
+  /// Attaches a LoRA adapter built for this layer (Kind matching, the layer's full in_features and output
+  /// width); it runs in every later forward/backward. Throws ValueError when it does not fit.
+  void attach_lora(std::unique_ptr<LoRAAdapter> adapter);
+  /// The attached adapter, or nullptr.
+  LoRAAdapter* lora() { return lora_.get(); }
+  /// Adds the adapter's scale · B A into the weight and detaches it (the layer then computes the same
+  /// function without the low-rank path).
+  void merge_lora(const Stream& s = {});
+  /// Frozen: backward computes no weight or bias gradient and their main_grad buffers are released
+  /// (unfreezing allocates them again, zeroed).
+  void set_frozen(bool frozen);
+  bool frozen() const { return frozen_; }
+
  private:
   Tensor backward_overlapped(const Stream& s, const Tensor& dyl);
+  void accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s);
 
   comm::Communicator& tp_;
   int64_t in_, out_, out_local_;
@@ -127,6 +148,8 @@ class ColumnParallelLinear {
   Parameter weight_, bias_;
   Tensor saved_input_;  // x as given (with SP: the local chunk; re-gathered in backward)
   Stream comm_stream_;  // CUDA: created on the first overlapped backward
+  std::unique_ptr<LoRAAdapter> lora_;
+  bool frozen_ = false;
 };
 
 /// Y = X W^T + b with W's input features split over the TP group; the partial products are summed
@@ -160,12 +183,27 @@ class RowParallelLinear {
   int64_t in_features_per_rank() const { return in_local_; }
   const RowParallelLinearOptions& options() const { return opts_; }
 
+  /// Attaches a LoRA adapter built for this layer (Kind matching, the layer's full in_features and output
+  /// width); it runs in every later forward/backward. Throws ValueError when it does not fit.
+  void attach_lora(std::unique_ptr<LoRAAdapter> adapter);
+  /// The attached adapter, or nullptr.
+  LoRAAdapter* lora() { return lora_.get(); }
+  /// Adds the adapter's scale · B A into the weight and detaches it (the layer then computes the same
+  /// function without the low-rank path).
+  void merge_lora(const Stream& s = {});
+  /// Frozen: backward computes no weight or bias gradient and their main_grad buffers are released
+  /// (unfreezing allocates them again, zeroed).
+  void set_frozen(bool frozen);
+  bool frozen() const { return frozen_; }
+
  private:
   comm::Communicator& tp_;
   int64_t in_, out_, in_local_;
   RowParallelLinearOptions opts_;
   Parameter weight_, bias_;
   Tensor saved_input_;  // this rank's [..., in/TP] input
+  std::unique_ptr<LoRAAdapter> lora_;
+  bool frozen_ = false;
 };
 
 /// Sums over `tp` the main_grad of every parameter flagged sequence_parallel (once per step, before

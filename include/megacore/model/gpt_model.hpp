@@ -62,6 +62,7 @@
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/model/lora.hpp"
 #include "megacore/model/transformer_block.hpp"
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/model/transformer_layer.hpp"
@@ -202,7 +203,21 @@ class GPTModel {
   layers::ColumnParallelLinear& output_layer();
   layers::NormLayer& final_layernorm();
 
+  /// LoRA fine-tuning (model/lora.hpp): attaches adapters to the targeted linears of every layer held
+  /// and freezes every base weight (embedding, positions, norms, linears, output layer): parameters()
+  /// then lists only the adapters, which is what DDP, the optimizer and checkpoints see. The embedding's
+  /// backward is skipped. `lora` is validated (ConfigError listing every problem).
+  void apply_lora(const LoRAConfig& lora);
+  /// Folds every adapter into its base weight (W += alpha/r · B A) and unfreezes the model: parameters()
+  /// lists the (merged) base weights again.
+  void merge_lora();
+  bool has_lora() const { return lora_; }
+  /// Every parameter the model holds, frozen ones included (with LoRA: the base weights, then the
+  /// adapters), named like parameters().
+  std::vector<layers::Parameter*> all_parameters();
+
  private:
+  void collect_parameters();
   void sync_tied_output_weight();
   bool cp_active() const { return opts_.cp != nullptr && opts_.cp->size() > 1; }
 
@@ -217,6 +232,8 @@ class GPTModel {
   std::unique_ptr<layers::VocabParallelCrossEntropy> loss_;     // post_process
   std::vector<layers::Parameter*> params_;
   std::vector<layers::Parameter*> embedding_group_;  // grad-ready group (the others are the block's)
+  std::vector<layers::Parameter*> head_extra_;       // the output layer's weight (or the tied copy)
+  bool lora_ = false;
   GradReadyCallback grad_ready_;
   GradReadyCallback pre_forward_;
   // Saved by forward (moved by stash_activations).

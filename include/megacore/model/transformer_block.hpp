@@ -120,7 +120,14 @@ class TransformerBlock {
   layers::NormLayer& final_layernorm();
   const TransformerConfig& config() const { return cfg_; }
 
+  /// LoRA on every layer (TransformerLayer::apply_lora) and the final norm frozen: named_parameters()
+  /// and the grad-ready groups then hold only the adapters. merge_lora folds them back into the weights.
+  void apply_lora(const LoRAConfig& lora);
+  void merge_lora();
+
  private:
+  void collect_parameters();  // named_, layer_groups_ and final_group_ from the modules' current parameters
+
   comm::Communicator& tp_;
   TransformerConfig cfg_;
   TransformerBlockOptions opts_;
@@ -131,6 +138,8 @@ class TransformerBlock {
   std::vector<std::vector<layers::Parameter*>> layer_groups_;
   std::vector<layers::Parameter*> final_group_;  // final norm's parameters + the extra ones
   size_t final_norm_params_ = 0;
+  std::vector<layers::Parameter*> final_extra_;  // set_final_norm_group_extra's
+  bool lora_ = false;
   GradReadyCallback grad_ready_;
   GradReadyCallback pre_forward_;
   // Saved by forward (moved by stash_activations).

@@ -32,6 +32,7 @@
 #include "megacore/layers/mlp.hpp"
 #include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/model/lora.hpp"
 #include "megacore/model/transformer_config.hpp"
 
 namespace megacore::model {
@@ -86,6 +87,14 @@ class TransformerLayer {
   int64_t layer_number() const { return opts_.layer_number; }
   RecomputeGranularity recompute() const { return cfg_.recompute_granularity; }
 
+  /// Attaches LoRA adapters to the linears `lora.target_modules` selects and freezes every base weight of
+  /// the layer (model/lora.hpp); named_parameters() then lists only the adapters. `tp` is the group the
+  /// layer was built with; `lora` must have passed lora_problems.
+  void apply_lora(comm::Communicator& tp, const LoRAConfig& lora);
+  /// Merges every adapter into its base weight (W += alpha/r · B A) and unfreezes the base weights.
+  void merge_lora();
+  bool has_lora() const { return lora_; }
+
  private:
   Tensor forward_impl(const layers::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids);
 
@@ -99,6 +108,7 @@ class TransformerLayer {
   Tensor saved_x_, saved_positions_, saved_cu_;  // saved_cu_: the forward's ctx.cu_seqlens (packed rows)
   int64_t saved_max_seqlen_ = 0;
   bool has_forward_ = false;
+  bool lora_ = false;  // adapters attached, base weights frozen
 };
 
 }  // namespace megacore::model

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "megacore/core/fields.hpp"
+#include "megacore/model/lora.hpp"
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/optim/lr_schedule.hpp"
 #include "megacore/parallel/process_grid.hpp"
@@ -338,6 +339,36 @@ struct ResourcesSection {
   }
 };
 
+struct PeftSection {
+  std::string scheme = "none";
+  int64_t dim = 8;
+  double alpha = 16.0;
+  double dropout = 0.0;
+  std::vector<std::string> target_modules{"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"};
+
+  template <class Self, class F>
+  static void fields(Self& s, F&& f) {
+    f(Field{"scheme",
+            "Parameter-efficient fine-tuning. none: train every weight. lora: freeze the base model and train "
+            "low-rank adapters on the target modules (the base comes from checkpoint.pretrained_checkpoint; "
+            "checkpoints then hold only the adapters and their optimizer state).",
+            "none|lora"},
+      s.scheme);
+    f(Field{"dim", "LoRA rank r (at most the smallest dimension of every targeted layer)."}, s.dim);
+    f(Field{"alpha", "LoRA alpha: the adapter output is scaled by alpha / dim."}, s.alpha);
+    f(Field{"dropout", "Dropout on the adapters' input, in [0, 1)."}, s.dropout);
+    f(Field{"target_modules",
+            "Layers that get adapters: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (Hugging Face "
+            "names) or linear_qkv linear_proj linear_fc1 linear_fc2 (Megatron-Core names)."},
+      s.target_modules);
+  }
+  /// The LoRA settings for the model (seed from the model's).
+  model::LoRAConfig lora(uint64_t seed) const {
+    return model::LoRAConfig{.dim = dim, .alpha = alpha, .dropout = dropout, .target_modules = target_modules,
+                             .seed = seed};
+  }
+};
+
 struct RunConfig {
   std::string name = "custom";
   ModelSection model;
@@ -348,6 +379,7 @@ struct RunConfig {
   CheckpointSection checkpoint;
   LoggingSection logging;
   ResourcesSection resources;
+  PeftSection peft;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -360,6 +392,7 @@ struct RunConfig {
     f(Field{"checkpoint", "Saving, retention and resuming."}, s.checkpoint);
     f(Field{"logging", "Metrics files and the progress bar."}, s.logging);
     f(Field{"resources", "Nodes and ranks per node of the job."}, s.resources);
+    f(Field{"peft", "Parameter-efficient fine-tuning (LoRA)."}, s.peft);
   }
 
   int world_size() const { return resources.num_nodes * resources.num_gpus_per_node; }

@@ -21,7 +21,8 @@ def set_run_dir(recipe: Recipe, run_dir: str) -> Recipe:
     return recipe
 
 
-def finetune_from(recipe: Recipe, sft_path: str, pretrained_checkpoint: str, lr: float, dir: str | None = None) -> Recipe:
+def finetune_from(recipe: Recipe, sft_path: str, pretrained_checkpoint: str, lr: float, dir: str | None = None,
+                  peft=None) -> Recipe:
     """SFT variant of a pretrain recipe: JSONL data with answer-only loss and packing, a lower LR with a warmup
     of 5 % of the run (it follows max_steps), weights from `pretrained_checkpoint` (a megacore checkpoint, e.g.
     a pretraining run's or one made by `megacore convert hf-to-megacore`; weights only), written into its own
@@ -39,4 +40,8 @@ def finetune_from(recipe: Recipe, sft_path: str, pretrained_checkpoint: str, lr:
     recipe.checkpoint.resume = "auto"
     recipe.checkpoint.pretrained_checkpoint = pretrained_checkpoint
     recipe.trainer.generate_tokens = 0
+    from .. import peft as _peft  # the recipe's peft section: LoRA adapters on a frozen base
+    lora = _peft.resolve(peft)
+    if lora is not None:
+        lora.apply(recipe)
     return recipe

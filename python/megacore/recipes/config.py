@@ -27,7 +27,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str, "list[int]": lis
 _SCHEMA = json.loads(_C.train.run_config_schema())
 _CLASS_NAMES = {"model": "ModelConfig", "parallel": "ParallelConfig", "data": "DataConfig", "optim": "OptimizerConfig",
                 "trainer": "TrainerConfig", "checkpoint": "CheckpointConfig", "logging": "LoggingConfig",
-                "resources": "Resources"}
+                "resources": "Resources", "peft": "PeftConfig"}
 
 
 def _run_config(recipe_or_dict) -> "_C.train.RunConfig":
@@ -99,6 +99,7 @@ TrainerConfig = _classes["trainer"]
 CheckpointConfig = _classes["checkpoint"]
 LoggingConfig = _classes["logging"]
 Resources = _classes["resources"]
+PeftConfig = _classes["peft"]
 
 #: Short names accepted by set() / --set (``parallel.tp``), from the C++ field declarations.
 ALIASES = {name: {f["alias"]: f["name"] for f in s["fields"] if f.get("alias")} for name, s in _SECTIONS.items()}

@@ -23,8 +23,8 @@ def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 4, dir: str | N
 
 
 def finetune_recipe(sft_path: str = "", pretrained_checkpoint: str = "", num_nodes: int = 1, num_gpus_per_node: int = 4,
-                    dir: str | None = None) -> Recipe:
+                    dir: str | None = None, peft=None) -> Recipe:
     """SFT of this model on ``sft_path`` (JSONL) from ``pretrained_checkpoint`` (weights only), into its own run
     directory (runs/tiny_finetune unless ``dir``); both paths can also come from ``--set``."""
     return finetune_from(pretrain_recipe(num_nodes, num_gpus_per_node), sft_path, pretrained_checkpoint, lr=1e-3,
-                         dir=dir)
+                         dir=dir, peft=peft)

@@ -129,7 +129,7 @@ TEST_CASE("the schema lists every field once, with type, default, doc and accept
     }
   }
   CHECK(sections == std::vector<std::string>{"model", "parallel", "data", "optim", "trainer", "checkpoint", "logging",
-                                             "resources"});
+                                             "resources", "peft"});
   auto field = [&](const std::string& sec, const std::string& name) {
     for (const auto& x : s)
       if (x["name"] == sec)
@@ -167,6 +167,22 @@ TEST_CASE("validate reports every problem of a run at once, each with its fix", 
   ok.parallel.tensor_model_parallel_size = 2;
   ok.parallel.pipeline_model_parallel_size = 2;
   CHECK(validate(ok, 4, {.check_paths = false}).errors.empty());
+  // LoRA: every problem of the peft section, and the base it needs.
+  RunConfig lora = ok;
+  lora.peft.scheme = "lora";
+  lora.peft.dim = 0;
+  lora.peft.target_modules = {"q_proj", "qkv"};
+  const ValidationReport lr = validate(lora, 4, {.check_paths = false});
+  CHECK(has(lr.errors, "peft.target_modules: unknown module 'qkv'; valid names are: q_proj, k_proj"));
+  CHECK(has(lr.errors, "peft.dim (the LoRA rank r) is 0"));
+  CHECK(has(lr.errors, "checkpoint.pretrained_checkpoint: is empty but peft.scheme = lora"));
+  lora.peft.dim = 100000;
+  lora.peft.target_modules = {"q_proj"};
+  CHECK(has(validate(lora, 4, {.check_paths = false}).errors, "use peft.dim <="));
+  lora.peft.dim = 8;
+  lora.checkpoint.pretrained_checkpoint = "/nonexistent/base";
+  CHECK(validate(lora, 4, {.check_paths = false}).errors.empty());
+  CHECK(has(validate(lora, 4, {.check_paths = true}).errors, "checkpoint.pretrained_checkpoint: '/nonexistent/base' does not exist"));
   // One micro-batch per pipeline stage is a warning, not an error.
   ok.data.global_batch_size = 4;
   const ValidationReport w = validate(ok, 4, {.check_paths = false});

@@ -1,0 +1,196 @@
+#include "megacore/layers/lora.hpp"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "megacore/core/random.hpp"
+#include "megacore/ops/dropout.hpp"
+#include "megacore/ops/gemm.hpp"
+
+namespace megacore::layers {
+namespace {
+
+constexpr std::string_view kName = "LoRAAdapter";
+
+Parameter make_param(std::string name, Tensor data, int partition_dim, bool tp_partial_grad) {
+  Parameter p;
+  p.name = std::move(name);
+  p.main_grad = Tensor::zeros(data.shape(), DType::F32, data.device());
+  p.data = std::move(data);
+  p.partition_dim = partition_dim;
+  p.sequence_parallel = tp_partial_grad;  // main_grad is summed over TP before use (see the header comment)
+  return p;
+}
+
+bool trivial(const LoRASegment& g) { return g.blocks == 1 && g.col0 == 0 && g.width == g.block_width; }
+
+// The segment's columns of a [rows, blocks·block_width] matrix, as a (strided) [rows, blocks, width] view.
+Tensor segment_view(const Tensor& m, const LoRASegment& g) {
+  return m.view({m.size(0), g.blocks, g.block_width}).narrow(2, g.col0, g.width);
+}
+
+// The segment's rows of a [blocks·block_width, k] weight, as a (strided) [blocks, width, k] view.
+Tensor segment_rows(const Tensor& w, const LoRASegment& g) {
+  return w.view({g.blocks, g.block_width, w.size(1)}).narrow(1, g.col0, g.width);
+}
+
+// out = alpha · op(a) op(b) + beta · out.
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& out, float alpha, float beta, const Stream& s) {
+  ops::GemmOptions o;
+  o.trans_a = ta;
+  o.trans_b = tb;
+  o.alpha = alpha;
+  o.beta = beta;
+  ops::gemm(a, b, out, o, s);
+}
+
+}  // namespace
+
+const std::vector<std::string>& lora_target_names() {
+  static const std::vector<std::string> names{"q_proj",     "k_proj",      "v_proj",     "o_proj",    "gate_proj",
+                                              "up_proj",    "down_proj",   "linear_qkv", "linear_proj",
+                                              "linear_fc1", "linear_fc2"};
+  return names;
+}
+
+LoRAAdapter::LoRAAdapter(comm::Communicator& tp, Kind kind, int64_t in_features, std::vector<LoRASegment> segments,
+                         const LoRAOptions& options, DType dtype, Device device)
+    : tp_(tp), kind_(kind), in_(in_features), in_local_(in_features), segs_(std::move(segments)), opts_(options),
+      dtype_(dtype), device_(device) {
+  const int64_t n = tp.size(), r = opts_.rank;
+  MC_CHECK(!segs_.empty(), "{}: no segments; give at least one (the whole layer)", kName);
+  MC_CHECK(opts_.dropout >= 0.0 && opts_.dropout < 1.0, "{}: dropout {} must be in [0, 1); set peft.dropout to e.g. 0.1",
+           kName, opts_.dropout);
+  MC_CHECK(opts_.alpha > 0.0, "{}: alpha {} must be positive (the scale is alpha / r); set peft.alpha to e.g. 32",
+           kName, opts_.alpha);
+  if (kind_ == Kind::Row) {
+    MC_CHECK(segs_.size() == 1 && trivial(segs_[0]),
+             "{}: a row-parallel base takes one segment covering its whole output", kName);
+    MC_CHECK(in_ % n == 0, "{}: in_features {} is not divisible by the TP size {}", kName, in_, n);
+    in_local_ = in_ / n;
+  }
+  for (const LoRASegment& g : segs_) {
+    const std::string what = g.name.empty() ? std::string("the layer") : g.name;
+    MC_CHECK(r > 0 && r <= std::min(in_, g.out_features),
+             "{}: rank r = {} for {} must be in [1, min(in, out)] = [1, {}] (in {}, out {}); set peft.dim in that range",
+             kName, r, what, std::min(in_, g.out_features), in_, g.out_features);
+    const int64_t out_local = kind_ == Kind::Column ? g.out_features / n : g.out_features;
+    MC_CHECK(g.blocks > 0 && g.width > 0 && g.col0 >= 0 && g.col0 + g.width <= g.block_width &&
+                 g.blocks * g.width == out_local,
+             "{}: the placement of {} (blocks {}, block_width {}, col0 {}, width {}) does not hold its {} local outputs",
+             kName, what, g.blocks, g.block_width, g.col0, g.width, out_local);
+  }
+  const double bound = 1.0 / std::sqrt(double(in_));
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    Tensor full_a = Tensor::empty({r, in_}, DType::F32, device_);
+    Generator gen(opts_.seed, opts_.init_offset + j);
+    full_a.uniform_(gen, -bound, bound);
+    full_a = full_a.to(dtype_);
+    const std::string pre = g.name.empty() ? std::string() : g.name + ".";
+    if (kind_ == Kind::Column) {
+      a_.push_back(make_param(pre + "lora_A.weight", full_a, -1, /*tp_partial_grad=*/n > 1));
+      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features / n, r}, dtype_, device_), 0, false));
+    } else {
+      a_.push_back(make_param(pre + "lora_A.weight", full_a.narrow(1, tp.rank() * in_local_, in_local_).contiguous(), 1,
+                              false));
+      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features, r}, dtype_, device_), -1, n > 1));
+    }
+  }
+  // Dropout draws: a seed stream of its own per adapter (the init offsets are unique per adapter).
+  dropout_seed_ = opts_.seed ^ (0x9E3779B97F4A7C15ull * (opts_.init_offset + 1));
+}
+
+Tensor LoRAAdapter::dropped(const Tensor& x2, const Stream& s) const {
+  if (opts_.dropout <= 0.0) return x2;
+  Tensor y = Tensor::empty(x2.shape(), x2.dtype(), x2.device(), s);
+  ops::dropout_forward(x2, y, float(opts_.dropout), dropout_seed_, counter_, s);
+  return y;
+}
+
+void LoRAAdapter::forward(const ForwardContext& ctx, const Tensor& x2, Tensor& y2) {
+  const Stream& s = ctx.stream;
+  using RP = ForwardContext::RecomputePass;
+  const bool train_like = ctx.training || ctx.recompute_pass == RP::Discarded;
+  const bool drop = train_like && opts_.dropout > 0.0;
+  if (drop && ctx.recompute_pass != RP::Replay) counter_ = next_counter_++;  // Replay reuses the saved counter
+  Tensor xd = drop ? dropped(x2, s) : x2;
+  saved_h_.clear();
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    Tensor h = Tensor::empty({x2.size(0), opts_.rank}, dtype_, device_, s);
+    gemm(xd, false, a_[j].data, true, h, 1.f, 0.f, s);  // h = xd Aᵀ
+    if (trivial(g)) {
+      gemm(h, false, b_[j].data, true, y2, float(scale()), 1.f, s);  // y += scale · h Bᵀ
+    } else {
+      Tensor view = segment_view(y2, g);
+      Tensor acc = view.contiguous(s).view({x2.size(0), g.blocks * g.width});
+      gemm(h, false, b_[j].data, true, acc, float(scale()), 1.f, s);
+      view.copy_(acc.view({x2.size(0), g.blocks, g.width}), s);
+    }
+    if (ctx.training) saved_h_.push_back(h);
+  }
+  if (!ctx.training) saved_h_.clear();
+}
+
+Tensor LoRAAdapter::backward(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2) {
+  const Stream& s = ctx.stream;
+  MC_CHECK(saved_h_.size() == segs_.size(),
+           "{}.backward: nothing saved; call forward with ctx.training = true before backward", kName);
+  Tensor xd = opts_.dropout > 0.0 ? dropped(x2, s) : x2;
+  const float sc = float(scale());
+  Tensor dx = Tensor::empty(x2.shape(), dtype_, device_, s);
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    Tensor dy = trivial(g) ? dy2 : segment_view(dy2, g).contiguous(s).view({dy2.size(0), g.blocks * g.width});
+    gemm(dy, true, saved_h_[j], false, b_[j].main_grad, sc, 1.f, s);  // dB += scale · dyᵀ h
+    Tensor dh = Tensor::empty({dy.size(0), opts_.rank}, dtype_, device_, s);
+    gemm(dy, false, b_[j].data, false, dh, sc, 0.f, s);                // dh = scale · dy B
+    gemm(dh, true, xd, false, a_[j].main_grad, 1.f, 1.f, s);           // dA += dhᵀ xd
+    gemm(dh, false, a_[j].data, false, dx, 1.f, j == 0 ? 0.f : 1.f, s);  // dxd (+)= dh A
+  }
+  // Every segment saw the same dropped input: one mask for the summed input gradient.
+  if (opts_.dropout > 0.0) ops::dropout_backward(dx, dx, float(opts_.dropout), dropout_seed_, counter_, s);
+  saved_h_.clear();
+  return dx;
+}
+
+void LoRAAdapter::merge_into(Tensor& weight, const Stream& s) const {
+  const int64_t k = weight.size(1);
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    Tensor rows = trivial(g) ? weight : segment_rows(weight, g);
+    Tensor acc = rows.contiguous(s).to(DType::F32, s).contiguous(s).view({b_[j].data.size(0), k});
+    Tensor bf = b_[j].data.to(DType::F32, s), af = a_[j].data.to(DType::F32, s);
+    gemm(bf, false, af, false, acc, float(scale()), 1.f, s);  // W + scale · B A, in f32
+    Tensor merged = acc.to(weight.dtype(), s);
+    rows.copy_(trivial(g) ? merged : merged.view({g.blocks, g.width, k}), s);
+  }
+}
+
+std::vector<std::pair<std::string, Parameter*>> LoRAAdapter::named_parameters() {
+  // Leaf names from the segments, not Parameter::name: a model overwrites that with the full path.
+  std::vector<std::pair<std::string, Parameter*>> out;
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const std::string pre = segs_[j].name.empty() ? std::string() : segs_[j].name + ".";
+    out.emplace_back(pre + "lora_A.weight", &a_[j]);
+    out.emplace_back(pre + "lora_B.weight", &b_[j]);
+  }
+  return out;
+}
+
+void LoRAAdapter::stash_activations(ActivationStash& s) {
+  s.put_int(int64_t(saved_h_.size()));
+  for (Tensor& h : saved_h_) s.put(h);
+  saved_h_.clear();
+  s.put_int(int64_t(counter_));
+}
+
+void LoRAAdapter::restore_activations(ActivationStash& s) {
+  saved_h_.assign(size_t(s.take_int()), Tensor());
+  for (Tensor& h : saved_h_) s.take(h);
+  counter_ = uint64_t(s.take_int());
+}
+
+}  // namespace megacore::layers
