@@ -123,26 +123,24 @@ void ce_forward_impl(const Tensor& logits, const Tensor& labels, Tensor& loss, T
 #endif
     return;
   }
-  cpu::dispatch_float(logits.dtype(), [&](auto tag) {
+  cpu::dispatch_float_index(logits.dtype(), labels.dtype(), [&](auto tag, auto ltag) {
     using T = decltype(tag);
-    cpu::dispatch_index(labels.dtype(), [&](auto ltag) {
-      using L = decltype(ltag);
-      const L* lab = labels.data<L>();
-      check_labels_cpu(lab, n, v, o.ignore_index, op);
-      const T* z = logits.data<T>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t label = int64_t(lab[i]);
-        RowStats r = row_stats(z + i * v, v, label);
-        const double l = r.max + std::log(r.sum_exp);
-        const double m = mask.defined() ? double(mask.data<float>()[i]) : 1.0;
-        loss.data<float>()[i] = float(m * row_loss(l, r.target, r.sum, label, v, o.label_smoothing, o.ignore_index));
-        if (lse.defined()) lse.data<float>()[i] = float(l);
-        if (dlogits) {
-          const double scale = label == o.ignore_index ? 0.0 : double(grad_scale) * m;
-          row_grad(z + i * v, dlogits->data<T>() + i * v, v, l, scale, label, v, o.label_smoothing);
-        }
+    using L = decltype(ltag);
+    const L* lab = labels.data<L>();
+    check_labels_cpu(lab, n, v, o.ignore_index, op);
+    const T* z = logits.data<T>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t label = int64_t(lab[i]);
+      RowStats r = row_stats(z + i * v, v, label);
+      const double l = r.max + std::log(r.sum_exp);
+      const double m = mask.defined() ? double(mask.data<float>()[i]) : 1.0;
+      loss.data<float>()[i] = float(m * row_loss(l, r.target, r.sum, label, v, o.label_smoothing, o.ignore_index));
+      if (lse.defined()) lse.data<float>()[i] = float(l);
+      if (dlogits) {
+        const double scale = label == o.ignore_index ? 0.0 : double(grad_scale) * m;
+        row_grad(z + i * v, dlogits->data<T>() + i * v, v, l, scale, label, v, o.label_smoothing);
       }
-    });
+    }
   });
 }
 
@@ -195,19 +193,17 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Te
 #endif
     return;
   }
-  cpu::dispatch_float(logits.dtype(), [&](auto tag) {
+  cpu::dispatch_float_index(logits.dtype(), labels.dtype(), [&](auto tag, auto ltag) {
     using T = decltype(tag);
-    cpu::dispatch_index(labels.dtype(), [&](auto ltag) {
-      using L = decltype(ltag);
-      const L* lab = labels.data<L>();
-      check_labels_cpu(lab, n, vocab_size, o.ignore_index, op);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t label = int64_t(lab[i]);
-        const double scale = label == o.ignore_index ? 0.0 : double(dloss.data<float>()[i]);
-        row_grad(logits.data<T>() + i * v, dlogits.data<T>() + i * v, v, double(lse.data<float>()[i]), scale,
-                 label - vocab_start, vocab_size, o.label_smoothing);
-      }
-    });
+    using L = decltype(ltag);
+    const L* lab = labels.data<L>();
+    check_labels_cpu(lab, n, vocab_size, o.ignore_index, op);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t label = int64_t(lab[i]);
+      const double scale = label == o.ignore_index ? 0.0 : double(dloss.data<float>()[i]);
+      row_grad(logits.data<T>() + i * v, dlogits.data<T>() + i * v, v, double(lse.data<float>()[i]), scale,
+               label - vocab_start, vocab_size, o.label_smoothing);
+    }
   });
 }
 
@@ -245,18 +241,16 @@ void cross_entropy_shard_stats(const Tensor& logits, const Tensor& labels, int64
 #endif
     return;
   }
-  cpu::dispatch_float(logits.dtype(), [&](auto tag) {
+  cpu::dispatch_float_index(logits.dtype(), labels.dtype(), [&](auto tag, auto ltag) {
     using T = decltype(tag);
-    cpu::dispatch_index(labels.dtype(), [&](auto ltag) {
-      using L = decltype(ltag);
-      for (int64_t i = 0; i < n; ++i) {
-        RowStats r = row_stats(logits.data<T>() + i * v, v, int64_t(labels.data<L>()[i]) - vocab_start);
-        row_max.data<float>()[i] = float(r.max);
-        sum_exp.data<float>()[i] = float(r.sum_exp);
-        target_logit.data<float>()[i] = float(r.target);
-        sum_logits.data<float>()[i] = float(r.sum);
-      }
-    });
+    using L = decltype(ltag);
+    for (int64_t i = 0; i < n; ++i) {
+      RowStats r = row_stats(logits.data<T>() + i * v, v, int64_t(labels.data<L>()[i]) - vocab_start);
+      row_max.data<float>()[i] = float(r.max);
+      sum_exp.data<float>()[i] = float(r.sum_exp);
+      target_logit.data<float>()[i] = float(r.target);
+      sum_logits.data<float>()[i] = float(r.sum);
+    }
   });
 }
 

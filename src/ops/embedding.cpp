@@ -57,19 +57,17 @@ void embedding_forward(const Tensor& weight, const Tensor& ids, Tensor& out, int
 #endif
     return;
   }
-  cpu::dispatch_float(weight.dtype(), [&](auto tag) {
+  cpu::dispatch_float_index(weight.dtype(), ids.dtype(), [&](auto tag, auto itag) {
     using T = decltype(tag);
-    cpu::dispatch_index(ids.dtype(), [&](auto itag) {
-      using L = decltype(itag);
-      const L* idp = ids.data<L>();
-      if (vocab_start < 0) check_ids_cpu(idp, n, v, op);
-      const T* w = weight.data<T>();
-      T* o = out.data<T>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t id = int64_t(idp[i]) - (vocab_start < 0 ? 0 : vocab_start);
-        for (int64_t c = 0; c < h; ++c) o[i * h + c] = (id >= 0 && id < v) ? w[id * h + c] : cpu::st<T>(0.0);
-      }
-    });
+    using L = decltype(itag);
+    const L* idp = ids.data<L>();
+    if (vocab_start < 0) check_ids_cpu(idp, n, v, op);
+    const T* w = weight.data<T>();
+    T* o = out.data<T>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t id = int64_t(idp[i]) - (vocab_start < 0 ? 0 : vocab_start);
+      for (int64_t c = 0; c < h; ++c) o[i * h + c] = (id >= 0 && id < v) ? w[id * h + c] : cpu::st<T>(0.0);
+    }
   });
 }
 

@@ -45,4 +45,10 @@ void dispatch_index(DType dt, F&& f) {
   }
 }
 
+/// f(T{}, L{}) for a floating dtype `ft` and an index dtype `it` (e.g. logits and their labels).
+template <class F>
+void dispatch_float_index(DType ft, DType it, F&& f) {
+  dispatch_float(ft, [&](auto t) { dispatch_index(it, [&](auto i) { f(t, i); }); });
+}
+
 }  // namespace megacore::ops::cpu

@@ -94,13 +94,11 @@ void rope_impl(const Tensor& x, const Tensor& positions, const Tensor& inv_freq,
 #endif
     return;
   }
-  cpu::dispatch_float(x.dtype(), [&](auto tag) {
+  cpu::dispatch_float_index(x.dtype(), positions.dtype(), [&](auto tag, auto ptag) {
     using T = decltype(tag);
-    cpu::dispatch_index(positions.dtype(), [&](auto ptag) {
-      using P = decltype(ptag);
-      rope_cpu<T, float, P>(x.data<T>(), positions.data<P>(), inv_freq.data<float>(), y.data<T>(), tokens, heads, d,
-                            rot, interleaved, backward);
-    });
+    using P = decltype(ptag);
+    rope_cpu<T, float, P>(x.data<T>(), positions.data<P>(), inv_freq.data<float>(), y.data<T>(), tokens, heads, d,
+                          rot, interleaved, backward);
   });
 }
 

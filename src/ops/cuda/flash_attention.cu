@@ -258,22 +258,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const AttnProblem p
   }
 
   cp_async_wait_all();  // nothing may be in flight at exit (only happens when there were no keys)
-  T* out = head_ptr<T>(p.o, b, si.q0, h);
-  float* lse = p.lse + lse_offset(p, b, h, si.q0);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
-    const int row = row_base + i * 8;
-    if (row < si.nq) {
-      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
-      T* orow = out + int64_t(row) * p.o.row_stride;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)
-        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) = Op::pack(o[dn][2 * i] * inv, o[dn][2 * i + 1] * inv);
-      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
-    }
-  }
+  store_out_rows<T, D, Op>(p, si, b, h, row_base, t, l_run, m_run, [&](int dn, int e) { return o[dn][e]; });
 }
 
 // ---- backward: D = rowsum(dO * O) ------------------------------------------------------------------

@@ -226,6 +226,71 @@ __device__ __forceinline__ void wgmma_kmajor(float (&d)[N / 2], uint32_t a, uint
 }
 #endif  // MC_FLASH_SM90_DEVICE
 
+#if MC_FLASH_SM90_DEVICE
+// Online-softmax step of both sm90 forward kernels for S of tile nb (scaled, masked, exponentiated in
+// place), rescales O and the running max / sum, and packs P as the register A operand (pa).
+template <class T, int D, int kN>
+__device__ __forceinline__ void softmax_step(float (&s)[kN / 2], float (&o)[D / 2], uint32_t (&pa)[kN / 16][4],
+                                             float (&m_run)[2], float (&l_run)[2], const AttnProblem& p, const SeqInfo& si,
+                                             int nb, float sl2, int wrow0, int row_base, int t) {
+  using Op = Cvt<T>;
+  const int n0 = nb * kN;
+  const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > wrow0);
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * j + e] * sl2;
+      if (need_mask) {
+        const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
+        if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
+      }
+      s[4 * j + e] = x;
+    }
+  }
+  float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float base[2], corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+    base[i] = mx[i] == -INFINITY ? 0.f : mx[i];
+    corr[i] = fast_exp2(m_run[i] - base[i]);
+    m_run[i] = mx[i];
+  }
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    s[4 * j] = fast_exp2(s[4 * j] - base[0]);
+    s[4 * j + 1] = fast_exp2(s[4 * j + 1] - base[0]);
+    s[4 * j + 2] = fast_exp2(s[4 * j + 2] - base[1]);
+    s[4 * j + 3] = fast_exp2(s[4 * j + 3] - base[1]);
+    rs[0] += s[4 * j] + s[4 * j + 1];
+    rs[1] += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l_run[0] = l_run[0] * corr[0] + rs[0];
+  l_run[1] = l_run[1] * corr[1] + rs[1];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    o[4 * i] *= corr[0];
+    o[4 * i + 1] *= corr[0];
+    o[4 * i + 2] *= corr[1];
+    o[4 * i + 3] *= corr[1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    pa[kk][0] = Op::pack(s[8 * kk], s[8 * kk + 1]);
+    pa[kk][1] = Op::pack(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = Op::pack(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = Op::pack(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+#endif
+
 template <class T, int D, int kN>
 struct Sm90Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
@@ -295,63 +360,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
     wgmma_wait_all();
     reg_fence(s);
 
-    const int n0 = nb * kN;
-    const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > wrow0);
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * sl2;
-        if (need_mask) {
-          const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
-          if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
-        }
-        s[4 * j + e] = x;
-      }
-    }
-    float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    float base[2], corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      // The four threads of a quad hold the same two rows.
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-      base[i] = mx[i] == -INFINITY ? 0.f : mx[i];  // a row with nothing seen yet: avoid inf - inf
-      corr[i] = fast_exp2(m_run[i] - base[i]);
-      m_run[i] = mx[i];
-    }
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      s[4 * j] = fast_exp2(s[4 * j] - base[0]);
-      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - base[0]);
-      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - base[1]);
-      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - base[1]);
-      rs[0] += s[4 * j] + s[4 * j + 1];
-      rs[1] += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l_run[0] = l_run[0] * corr[0] + rs[0];
-    l_run[1] = l_run[1] * corr[1] + rs[1];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[4 * i] *= corr[0];
-      o[4 * i + 1] *= corr[0];
-      o[4 * i + 2] *= corr[1];
-      o[4 * i + 3] *= corr[1];
-    }
-    // P as the register A operand, one k-step per 16 keys (layout in the header comment).
+    // Scale, mask and exponentiate S, rescale O and the running statistics, and pack P as the register A
+    // operand, one k-step per 16 keys (layout in the header comment).
     uint32_t pa[kN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      pa[kk][0] = Op::pack(s[8 * kk], s[8 * kk + 1]);
-      pa[kk][1] = Op::pack(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = Op::pack(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = Op::pack(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, nb, sl2, wrow0, row_base, t);
     // O += P V: V's k-step kk (keys 16 kk ..) starts 16 rows = 2048 bytes in; N = D spans the D / 64
     // column blocks kN * 128 bytes apart (LBO); 8-key atoms 1024 bytes apart (SBO).
     wgmma_fence();
@@ -366,23 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
   }
 
   cp_async_wait_all();  // nothing may be in flight at exit (only happens when there were no keys)
-  T* out = head_ptr<T>(p.o, b, si.q0, h);
-  float* lse = p.lse + lse_offset(p, b, h, si.q0);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
-    const int row = row_base + i * 8;
-    if (row < si.nq) {
-      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
-      T* orow = out + int64_t(row) * p.o.row_stride;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)
-        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) =
-            Op::pack(o[4 * dn + 2 * i] * inv, o[4 * dn + 2 * i + 1] * inv);
-      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
-    }
-  }
+  store_out_rows<T, D, Op>(p, si, b, h, row_base, t, l_run, m_run, [&](int dn, int e) { return o[4 * dn + e]; });
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for another architecture: the host never launches this (flash_sm90_unsupported_reason)
 #endif
@@ -440,69 +436,6 @@ __device__ __forceinline__ void load_tile_producer(T* s, const T* g, int64_t row
 #endif
 
 #if MC_FLASH_SM90_DEVICE
-// Online-softmax step of the warp-specialized kernel for S of tile nb (scaled, masked, exponentiated in
-// place), rescales O and the running max / sum, and packs P as the register A operand (pa).
-template <class T, int D, int kN>
-__device__ __forceinline__ void ws_softmax_step(float (&s)[kN / 2], float (&o)[D / 2], uint32_t (&pa)[kN / 16][4],
-                                                float (&m_run)[2], float (&l_run)[2], const AttnProblem& p,
-                                                const SeqInfo& si, int nb, float sl2, int wrow0, int row_base,
-                                                int t) {
-  using Op = Cvt<T>;
-  const int n0 = nb * kN;
-  const bool need_mask = n0 + kN > si.nk || (p.causal && n0 + kN - 1 > wrow0);
-#pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[4 * j + e] * sl2;
-      if (need_mask) {
-        const int key = n0 + j * 8 + 2 * t + (e & 1), row = row_base + (e >> 1) * 8;
-        if (key >= si.nk || (p.causal && key > row)) x = -INFINITY;
-      }
-      s[4 * j + e] = x;
-    }
-  }
-  float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-  }
-  float base[2], corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-    base[i] = mx[i] == -INFINITY ? 0.f : mx[i];
-    corr[i] = fast_exp2(m_run[i] - base[i]);
-    m_run[i] = mx[i];
-  }
-#pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-    s[4 * j] = fast_exp2(s[4 * j] - base[0]);
-    s[4 * j + 1] = fast_exp2(s[4 * j + 1] - base[0]);
-    s[4 * j + 2] = fast_exp2(s[4 * j + 2] - base[1]);
-    s[4 * j + 3] = fast_exp2(s[4 * j + 3] - base[1]);
-    rs[0] += s[4 * j] + s[4 * j + 1];
-    rs[1] += s[4 * j + 2] + s[4 * j + 3];
-  }
-  l_run[0] = l_run[0] * corr[0] + rs[0];
-  l_run[1] = l_run[1] * corr[1] + rs[1];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    o[4 * i] *= corr[0];
-    o[4 * i + 1] *= corr[0];
-    o[4 * i + 2] *= corr[1];
-    o[4 * i + 3] *= corr[1];
-  }
-#pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) {
-    pa[kk][0] = Op::pack(s[8 * kk], s[8 * kk + 1]);
-    pa[kk][1] = Op::pack(s[8 * kk + 2], s[8 * kk + 3]);
-    pa[kk][2] = Op::pack(s[8 * kk + 4], s[8 * kk + 5]);
-    pa[kk][3] = Op::pack(s[8 * kk + 6], s[8 * kk + 7]);
-  }
-}
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -637,7 +570,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
         reg_fence(o);
         mbar_arrive(empty(pst));  // this warpgroup is done with tile it - 1's K and V
       }
-      if constexpr (kS) ws_softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, it, sl2, wrow0, row_base, t);
+      if constexpr (kS) softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, it, sl2, wrow0, row_base, t);
     };
     using Yes = std::integral_constant<bool, true>;
     using No = std::integral_constant<bool, false>;
@@ -664,7 +597,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
       reg_fence(s);
 
       uint32_t pa[kN / 16][4];
-      ws_softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, nb, sl2, wrow0, row_base, t);
+      softmax_step<T, D, kN>(s, o, pa, m_run, l_run, p, si, nb, sl2, wrow0, row_base, t);
       mbar_wait(full_v(st), ph);
       __syncwarp();
       fence_proxy_async();
@@ -681,23 +614,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) flash_fwd_sm90_ws_kernel(const 
     }
   }
 
-  T* out = head_ptr<T>(p.o, b, si.q0, h);
-  float* lse = p.lse + lse_offset(p, b, h, si.q0);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
-    const int row = row_base + i * 8;
-    if (row < si.nq) {
-      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
-      T* orow = out + int64_t(row) * p.o.row_stride;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)
-        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) =
-            Op::pack(o[4 * dn + 2 * i] * inv, o[4 * dn + 2 * i + 1] * inv);
-      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
-    }
-  }
+  store_out_rows<T, D, Op>(p, si, b, h, row_base, t, l_run, m_run, [&](int dn, int e) { return o[4 * dn + e]; });
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif

@@ -103,6 +103,31 @@ __device__ __forceinline__ void stage_row_stats(const AttnProblem& p, const floa
   }
 }
 
+// The forward's epilogue: this thread's two query rows (row_base and row_base + 8) of O = acc / l and, by the
+// quad's first thread, their LSE (natural log; -inf for a row that saw no key). l_run is summed over the
+// quad first; m_run is the running max in log2 units. o(dn, e) is element e of column block dn of the
+// accumulator in the m16n8 C-fragment layout (column 8 dn + 2 t + e % 2, row row_base + 8 (e / 2)).
+template <class T, int D, class Pack, class O>
+__device__ __forceinline__ void store_out_rows(const AttnProblem& p, const SeqInfo& si, int b, int h, int row_base,
+                                               int t, float (&l_run)[2], const float (&m_run)[2], O&& o) {
+  T* out = head_ptr<T>(p.o, b, si.q0, h);
+  float* lse = p.lse + lse_offset(p, b, h, si.q0);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(kFull, l_run[i], 2);
+    const int row = row_base + i * 8;
+    if (row < si.nq) {
+      const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+      T* orow = out + int64_t(row) * p.o.row_stride;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(orow + dn * 8 + 2 * t) = Pack::pack(o(dn, 2 * i) * inv, o(dn, 2 * i + 1) * inv);
+      if (t == 0) lse[row] = l_run[i] > 0.f ? m_run[i] / kLog2e + logf(l_run[i]) : -INFINITY;
+    }
+  }
+}
+
 // Writes this thread's two key rows (key_base and key_base + 8) of dK (times the softmax scale) and dV
 // from accumulators in the m16n8 C-fragment layout both kernels' dK/dV use: dk(dn, e) / dv(dn, e) is
 // element e of column block dn (column 8 dn + 2 t + e % 2, row key_base + 8 (e / 2)). Pack is a type

@@ -34,32 +34,38 @@ std::vector<double> mm(const std::vector<double>& a, const std::vector<double>& 
   return c;
 }
 
+// The layer on `device` (host tensors in and out; on CUDA the user functor runs in the kernels that
+// typed_functors.cu instantiates) against the f64 reference computed on the host.
 template <class T>
-void check_square_mlp(double tol) {
+void check_square_mlp(double tol, Device device = Device::cpu()) {
   const uint64_t seed = std::random_device{}();
-  INFO("seed " << seed << " dtype " << dtype_name(dtype_of_v<T>));
+  INFO("seed " << seed << " dtype " << dtype_name(dtype_of_v<T>) << " device " << device.str());
   const int64_t rows = 6, hidden = 8, ffn = 16;  // x is [3, 2, 8]: rows = 3 * 2
   mctest::SoloCommunicator tp;
-  ly::TypedMLP<T, Square> mlp(tp, hidden, ffn, {.init_std = 0.3, .seed = seed});
+  ly::TypedMLP<T, Square> mlp(tp, hidden, ffn, {.device = device, .init_std = 0.3, .seed = seed});
   Generator g(seed, 100);
   // Non-zero biases, so the bias paths are checked too.
-  mlp.fc1().bias().data.normal_(g, 0.0, 0.5);
-  mlp.fc2().bias().data.normal_(g, 0.0, 0.5);
+  for (ly::Parameter* b : {&mlp.fc1().bias(), &mlp.fc2().bias()}) {
+    Tensor host = Tensor::empty(b->data.shape(), b->data.dtype());
+    host.normal_(g, 0.0, 0.5);
+    b->data.copy_(host.to(device));
+  }
   Tensor x = Tensor::empty({3, 2, hidden}, dtype_of_v<T>);
   x.normal_(g);
   Tensor dy = Tensor::empty({3, 2, hidden}, dtype_of_v<T>);
   dy.normal_(g);
 
   ly::ForwardContext ctx;
-  Tensor y = mlp.forward(ctx, x);
-  Tensor dx = mlp.backward(ctx, dy);
+  Tensor y = mlp.forward(ctx, x.to(device)).to(Device::cpu());
+  Tensor dx = mlp.backward(ctx, dy.to(device)).to(Device::cpu());
   REQUIRE(y.dtype() == dtype_of_v<T>);
   REQUIRE(y.shape() == x.shape());
   REQUIRE(dx.shape() == x.shape());
 
   // f64 reference from the layer's own (rounded) parameters and inputs.
-  const auto w1 = mlp.fc1().weight().data.to_double_vector(), b1 = mlp.fc1().bias().data.to_double_vector();
-  const auto w2 = mlp.fc2().weight().data.to_double_vector(), b2 = mlp.fc2().bias().data.to_double_vector();
+  auto host = [](const Tensor& t) { return t.to(Device::cpu()).to_double_vector(); };
+  const auto w1 = host(mlp.fc1().weight().data), b1 = host(mlp.fc1().bias().data);
+  const auto w2 = host(mlp.fc2().weight().data), b2 = host(mlp.fc2().bias().data);
   const auto xv = x.to_double_vector(), dyv = dy.to_double_vector();
   std::vector<double> h = mm_bt(xv, w1, rows, ffn, hidden), a(h.size());
   for (int64_t r = 0; r < rows; ++r)
@@ -79,8 +85,8 @@ void check_square_mlp(double tol) {
 
   CHECK(mctest::rel_err(y.to_double_vector(), yr) <= tol);
   CHECK(mctest::rel_err(dx.to_double_vector(), dxr) <= tol);
-  CHECK(mctest::rel_err(mlp.fc1().weight().main_grad.to_double_vector(), dw1) <= tol);
-  CHECK(mctest::rel_err(mlp.fc2().weight().main_grad.to_double_vector(), dw2) <= tol);
+  CHECK(mctest::rel_err(host(mlp.fc1().weight().main_grad), dw1) <= tol);
+  CHECK(mctest::rel_err(host(mlp.fc2().weight().main_grad), dw2) <= tol);
 }
 
 }  // namespace
@@ -88,6 +94,13 @@ void check_square_mlp(double tol) {
 TEST_CASE("TypedMLP with a user activation functor matches a float64 reference", "[layers][typed]") {
   check_square_mlp<float>(1e-5);
   check_square_mlp<bfloat16>(3e-2);
+}
+
+TEST_CASE("TypedMLP with a user activation functor on a GPU matches a float64 reference", "[layers][typed][gpu]") {
+  MC_REQUIRE_GPU();
+  // f32 GEMMs on the GPU may round their inputs to TF32 (10 mantissa bits): 3e-3 for f32.
+  check_square_mlp<float>(3e-3, Device::cuda(0));
+  check_square_mlp<bfloat16>(3e-2, Device::cuda(0));
 }
 
 TEST_CASE("TypedMLP: the compiled policies match ops' activations; errors name the fix", "[layers][typed]") {
