@@ -292,25 +292,68 @@ RingBlock ring_block(int step, int src, int rank, int64_t s) {
 }
 
 // One ring exchange: the pair this rank holds goes to the next CP rank while the previous rank's pair arrives
-// in fresh buffers of the same shape; wait on `work` (stream-ordered) before using them.
-struct RingPass {
+// in fresh buffers of the same shape. The exchange runs on `comm`, which first waits for everything enqueued
+// on `compute` so far (the pair's producers, the buffers' allocation); finish() makes `compute` wait for it
+// (call it after the work that should overlap is enqueued). With comm == compute (CPU ranks) the events
+// are skipped and finish() is the Work's own stream-ordered wait.
+class RingPass {
+ public:
   Tensor a, b;
-  comm::WorkPtr work;
+
+  RingPass() = default;
+  RingPass(comm::Communicator& cp, const Tensor& x, const Tensor& y, int next, int prev, const Stream& compute,
+           const Stream& comm)
+      : a(Tensor::empty(x.shape(), x.dtype(), x.device(), compute)),
+        b(Tensor::empty(y.shape(), y.dtype(), y.device(), compute)),
+        compute_(compute) {
+    if (!(comm == compute)) {
+      Event ready;
+      ready.record(compute);
+      comm.wait(ready);
+    }
+    work_ = cp.batch_send_recv({{comm::P2POp::Send, x, next},
+                                {comm::P2POp::Send, y, next},
+                                {comm::P2POp::Recv, a, prev},
+                                {comm::P2POp::Recv, b, prev}},
+                               comm);
+  }
+  RingPass(RingPass&&) = default;
+  RingPass& operator=(RingPass&&) = default;
+  ~RingPass() {
+    // Only reached pending when an exception unwinds mid-ring: do not leave the exchange running on
+    // buffers about to be freed.
+    if (work_) try {
+        work_->wait();
+      } catch (...) {
+      }
+  }
+
+  bool pending() const { return work_ != nullptr; }
+  // Orders `compute` after the exchange (the NCCL op's own event: later exchanges queued on `comm` are not
+  // waited for).
+  void finish() {
+    if (!work_) return;
+    comm::WorkPtr w = std::move(work_);
+    w->wait_on(compute_);
+  }
+
+ private:
+  Stream compute_;
+  comm::WorkPtr work_;
 };
-RingPass ring_pass(comm::Communicator& cp, const Tensor& a, const Tensor& b, int next, int prev, const Stream& st) {
-  RingPass p{Tensor::empty(a.shape(), a.dtype(), a.device(), st), Tensor::empty(b.shape(), b.dtype(), b.device(), st),
-             nullptr};
-  p.work = cp.batch_send_recv({{comm::P2POp::Send, a, next},
-                               {comm::P2POp::Send, b, next},
-                               {comm::P2POp::Recv, p.a, prev},
-                               {comm::P2POp::Recv, p.b, prev}},
-                              st);
-  return p;
-}
 }  // namespace
 
+Stream SelfAttention::ring_stream(const Stream& st) const {
+  if (!opts_.device.is_cuda() || !opts_.cp_overlap) return st;
+  if (cp_stream_.device() != opts_.device || cp_stream_.is_default()) cp_stream_ = Stream::create(opts_.device);
+  return cp_stream_;
+}
+
 Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                                   const Stream& st) const {
+                                   const Stream& given) const {
+  // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
+  const Stream st = q.device().is_cuda() && given.device().is_cpu() ? Stream::default_stream(q.device()) : given;
+  const Stream cs = ring_stream(st);
   comm::Communicator& cp = *opts_.cp;
   const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
@@ -319,9 +362,9 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
   Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
   Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
   for (int i = 0; i < n; ++i) {
-    // Pass the block on while computing with it (the exchange overlaps the attention on NCCL streams).
+    // Pass the block on while computing with it.
     RingPass kv;
-    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
+    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
     const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
@@ -331,8 +374,8 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
     ops::attention_forward(bshd(q.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
                            bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
     ops::attention_merge_partial(acc, acc_lse, op, lp, blk.q_off, st);
-    if (kv.work) {
-      kv.work->wait_on(st);
+    if (kv.pending()) {
+      kv.finish();
       kc = kv.a, vc = kv.b;
     }
   }
@@ -341,20 +384,23 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
-                                  Tensor& dv, const Stream& st) const {
+                                  Tensor& dv, const Stream& given) const {
   comm::Communicator& cp = *opts_.cp;
   const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
   const Device dev = q_.device();
+  const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
+  const Stream cs = ring_stream(st);
   const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
   Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   // The gradient of the block held at this step; it travels with the block and ends at its owner.
   Tensor dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor kc = k_, vc = v_;
+  RingPass grads;  // the previous step's dK/dV on their way; only this step's accumulation waits for them
   for (int i = 0; i < n; ++i) {
     RingPass kv;
-    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
+    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
     const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
@@ -367,23 +413,24 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
     ops::attention_backward(bshd(q_.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
                             bshd(vc.narrow(0, 0, blk.k_len)), bshd(out4.narrow(0, blk.q_off, blk.q_len)), lp,
                             bshd(dout4.narrow(0, blk.q_off, blk.q_len)), dq4, dk4, dv4, o, st);
+    if (grads.pending()) {
+      grads.finish();
+      dk_acc = grads.a, dv_acc = grads.b;
+    }
     Tensor dq_rows = dq_acc.narrow(0, blk.q_off, blk.q_len), dk_rows = dk_acc.narrow(0, 0, blk.k_len),
            dv_rows = dv_acc.narrow(0, 0, blk.k_len);
     ops::accumulate_f32(dq_rows, dqp, st);
     ops::accumulate_f32(dk_rows, dkp, st);
     ops::accumulate_f32(dv_rows, dvp, st);
     // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
-    RingPass grads = ring_pass(cp, dk_acc, dv_acc, next, prev, st);
-    if (kv.work) {
-      kv.work->wait_on(st);
-      kc = kv.a, vc = kv.b;
-    }
-    grads.work->wait_on(st);
-    dk_acc = grads.a, dv_acc = grads.b;
+    grads = RingPass(cp, dk_acc, dv_acc, next, prev, st, cs);
+    kv.finish();
+    if (i + 1 < n) kc = kv.a, vc = kv.b;
   }
+  grads.finish();
   dq.copy_(dq_acc, st);
-  dk.copy_(dk_acc, st);
-  dv.copy_(dv_acc, st);
+  dk.copy_(grads.a, st);
+  dv.copy_(grads.b, st);
 }
 
 // ---- context parallelism: all-gather ------------------------------------------------------------------

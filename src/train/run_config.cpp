@@ -510,10 +510,6 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
       err("parallel.context_parallel_size",
           fmt::format("context parallelism (CP = {}) with packed SFT rows is not supported; set data.sft_pack = "
                       "false or context_parallel_size = 1", cp));
-    if (r.trainer.device == "cuda")
-      err("parallel.context_parallel_size",
-          fmt::format("context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring is not built yet); "
-                      "train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", cp));
   }
   if (p.expert_model_parallel_size > 1)
     err("parallel.expert_model_parallel_size", "the models of these recipes have no experts; set it to 1");

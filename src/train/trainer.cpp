@@ -166,10 +166,6 @@ void Trainer::Impl::build() {
   }
 
   parallel::ParallelConfig pc = cfg.grid_config();
-  // trainer.device = auto resolved to GPUs here (validate refuses an explicit cuda).
-  MC_CHECK_AS(ConfigError, !(device.is_cuda() && pc.context > 1),
-              "context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring's merge kernel is not built "
-              "yet); train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", pc.context);
   grid = std::make_unique<parallel::ProcessGrid>(world, pc);
   const int pp = pc.pipeline, vp = pc.virtual_pipeline;
   const ParallelSection& ps = cfg.parallel;
