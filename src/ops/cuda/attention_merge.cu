@@ -48,7 +48,7 @@ void attention_merge_partial(DType dt, float* out, float* lse, const void* part,
   const int64_t rows = Sp * B * H;
   if (rows == 0 || D == 0) return;
   cuda_impl::DeviceGuard guard(device);
-  const unsigned blocks = elementwise_blocks(rows * 32, kThreads, device)  // a warp per row;
+  const unsigned blocks = elementwise_blocks(rows * 32, kThreads, device);  // a warp per row
   dispatch_float(dt, [&](auto tag) {
     using T = decltype(tag);
     merge_rows<T><<<blocks, kThreads, 0, as_stream(stream)>>>(out, lse, static_cast<const T*>(part), lse_part, S, B,
