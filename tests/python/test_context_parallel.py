@@ -146,3 +146,28 @@ def test_plan_counts_activations_at_seq_over_cp():
     assert two["layout"].sizes["cp"] == 2 and two["layout"].sizes["dp"] == 1
     assert two["memory_bytes"]["activations"] == pytest.approx(one["memory_bytes"]["activations"] / 2, rel=1e-3)
     assert two["memory_bytes"]["weights"] == one["memory_bytes"]["weights"]
+
+
+def test_plan_counts_the_ring_buffers_and_prints_the_cp_groups(capsys):
+    one = cli.plan("llama3_8b", world_size=8, tp=4, cp=1, seq_length=8192)
+    two = cli.plan("llama3_8b", world_size=8, tp=4, cp=2, seq_length=8192)
+    assert one["memory_bytes"]["cp_ring"] == 0
+    # Local tokens 4096, 32/4 query heads and 8/4 KV groups of 128 channels: dQ f32 + bf16 (6 B), dK/dV f32 held and
+    # in flight, K/V bf16 received and bf16 block dK/dV (24 B).
+    tokens = 8192 // 2
+    assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + 24 * 2 * 128)
+    assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "8", "--tp", "2", "--cp", "2",
+                     "--seq-length", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel: CP 2, each rank holds 4096 of the 8192 tokens" in out
+    assert "CP groups (ranks): [0, 2], [1, 3], [4, 6], [5, 7]" in out and "cp_ring" in out
+
+
+def test_long_context_recipe():
+    r = recipes.get("llama32_1b_long")
+    r.validate(check_paths=False)
+    assert (r.parallel.context_parallel_size, r.data.seq_length, r.data.micro_batch_size, r.world_size) == \
+        (4, 32768, 1, 4)
+    plan = cli.plan(r.model.to_transformer_config("bf16", False, r.trainer.recompute), r.world_size, cp=4,
+                    seq_length=r.data.seq_length)
+    assert plan["seq_length_per_rank"] == 8192 and plan["memory_bytes"]["cp_ring"] > 0 and plan["fits"]
