@@ -136,8 +136,8 @@ def test_bad_cp_recipes_fail_before_any_rank_starts(capsys):
     assert "data.seq_length: 132 is not divisible by 2·CP·TP = 8" in e
     e = err("parallel.cp=2", "parallel.cp_comm_type=ring")
     assert "cp_comm_type" in e and "p2p" in e and "all_gather" in e
-    e = err("parallel.cp=2", "data.sft_path=/tmp/x.jsonl")
-    assert "packed SFT rows is not supported; set data.sft_pack = false" in e
+    e = err("parallel.cp=2", "data.sft_path=/tmp/x.jsonl", "parallel.cp_comm_type=all_gather")
+    assert "packed SFT rows with context parallelism (CP = 2) need the p2p ring; set cp_comm_type = p2p" in e
 
 
 def test_plan_counts_activations_at_seq_over_cp():
