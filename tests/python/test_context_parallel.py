@@ -171,3 +171,22 @@ def test_long_context_recipe():
     plan = cli.plan(r.model.to_transformer_config("bf16", False, r.trainer.recompute), r.world_size, cp=4,
                     seq_length=r.data.seq_length)
     assert plan["seq_length_per_rank"] == 8192 and plan["memory_bytes"]["cp_ring"] > 0 and plan["fits"]
+
+
+@needs_mpi
+def test_packed_sft_with_cp2_matches_cp1(tmp_path):
+    """Packed SFT rows (several examples per row; examples cross the chunk borders of the CP split): TP 2 × CP 2
+    gives the losses of TP 2 × DP 2. The ring intersects the full rows' segments with every chunk."""
+    rows = [{"input": f"what is {i % 17} plus {(i * 7) % 13}?", "output": f"it is {i % 17 + (i * 7) % 13}."}
+            for i in range(300)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = []
+    for cp in (1, 2):
+        r = _tiny(tmp_path, f"sft_cp{cp}", parallel__tp=2, parallel__pp=1, parallel__cp=cp, data__sft_path=str(sft),
+                  data__paths=[])
+        assert r.data.sft_pack
+        out = _train(r, tmp_path, f"sft_cp{cp}")
+        assert f"CP {cp}" in out
+        runs.append(_losses(r.logging.log_dir))
+    _close(runs[1], runs[0])
