@@ -54,7 +54,9 @@
 // global sequence, and each local query chunk g attends fully to keys [0, g·c) and causally to chunk g
 // (merged with their LSE as above); backward gathers again, sums dK/dV of the whole sequence in f32 and
 // reduce-scatters each rank's chunks back to it. Simpler, no overlap, CP× the K/V memory during attention.
-// Packed rows (cu_seqlens) are refused with CP. CPU and CUDA tensors; on GPUs both attention backends
+// Packed rows with CP (P2P only): ctx.cu_seqlens are the full rows' boundaries and position_ids this rank's
+// [b, s] part; each block runs as one packed attention call over the (row, segment) runs of its query and key
+// chunks (layers/attention.cpp, packed_block). CPU and CUDA tensors; on GPUs both attention backends
 // (cuDNN SDPA, the flash kernel) run the blocks and ops/attention_merge.hpp has CUDA kernels.
 #pragma once
 
@@ -118,7 +120,8 @@ class SelfAttention {
 
   /// x: [s, b, hidden] replicated over TP, or this rank's chunk [s/TP, b, hidden] with sequence_parallel.
   /// position_ids (optional, i32/i64 on any device): [s] shared by the batch or [b, s], for the FULL sequence
-  /// even with SP; undefined means 0..s-1. With ctx.cu_seqlens defined (packed rows), attention stays within
+  /// even with SP (under CP: this rank's [b, s] part, parallel::cp_slice_sequence of the full rows' ids);
+  /// undefined means 0..s-1. With ctx.cu_seqlens defined (packed rows), attention stays within
   /// the segments it marks (q/k/v are copied into token-major [b·s, heads, d] for the packed op and the
   /// results copied back). Returns y in x's layout.
   Tensor forward(const ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
