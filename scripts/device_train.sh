@@ -25,6 +25,9 @@
 #                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substrings,
 #                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only; TORCH_PEERS=0 / ATTN_PEERS=0
 #                skip the fused-op / SDPA peers; KTESTS=0 skips the tests)
+#   cp           context parallelism: the [cp] tests (merge kernels, ring blocks on cuDNN and flash), the CP 2/4
+#                trainer parity test, then megacore_bench_cp at CP = all GPUs (seq 32768 and 65536) and on 1 GPU
+#                (seq 8192), and the torch context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
 #   OUT_DIR   logs (OUT_DIR/<step>.log) and JSON results (OUT_DIR/json/), default gpu-results/ in the tree
 #   PYTHON    interpreter (default /opt/torch/.venv/bin/python3 when present, else python3)
 #   DEADLINE  seconds for the whole run (default 3600); each step is also cut to what is left of it
@@ -44,6 +47,7 @@ cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DM
   -DCMAKE_CUDA_ARCHITECTURES=90a -DMEGACORE_CUDNN=${CUDNN:-OFF} > $OUT_DIR/configure.log 2>&1
 targets=${TARGETS:-"_C megacore_tests megacore_mpi_tests megacore_bench_model megacore_bench_training megacore_bench_pipeline megacore_bench_collectives"}
 has kernels && targets="$targets megacore_bench_kernels"
+has cp && targets="$targets megacore_bench_cp"
 cmake --build $B -j$(nproc) --target $targets > $OUT_DIR/build.log 2>&1 || { grep -B2 -A8 error $OUT_DIR/build.log | head -60; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT_DIR/build.log) compiled)"; nvidia-smi -L | head -4
 export PYTHONPATH=$B/python
@@ -258,5 +262,19 @@ if has kernels; then
   step bench_kernels 300 $B/benchmarks/megacore_bench_kernels \
     --peers $OUT_DIR/json/torch_peers.json --out $OUT_DIR/json/kernels.json ${KFILTER:+--filter $KFILTER}
   grep -E "ceiling|copy|rmsnorm|layernorm|cross_entropy|gemm|attention|embedding" $OUT_DIR/bench_kernels.log | head -120
+fi
+if has cp; then
+  step cp_tests 300 $B/tests/megacore_tests "[cp]"; tail -2 $OUT_DIR/cp_tests.log
+  step cp_pytest 400 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k context_parallel; tail -3 $OUT_DIR/cp_pytest.log
+  for S in 32768 65536; do
+    step bench_cp_$S 300 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_cp --seq $S --out-dir $OUT_DIR/json
+    grep -E "ms\"|tflops|hidden|tokens_per_s|exchange|wrote|error" $OUT_DIR/bench_cp_$S.log | head -20
+    step peer_cp_$S 300 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/cp/torch_cp_peer.py --seq $S \
+      --out-dir $OUT_DIR/json; grep -E "ms\"|tflops|error|wrote" $OUT_DIR/peer_cp_$S.log | head -6
+  done
+  step bench_cp_1gpu 200 mpirun -np 1 --bind-to none $B/benchmarks/megacore_bench_cp --seq 8192 --out-dir $OUT_DIR/json
+  grep -E "tflops|wrote|error" $OUT_DIR/bench_cp_1gpu.log | head -6
+  step peer_cp_1gpu 200 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/cp/torch_cp_peer.py --seq 8192 \
+    --out-dir $OUT_DIR/json; grep -E "tflops|error" $OUT_DIR/peer_cp_1gpu.log | head -3
 fi
 echo "logs in $OUT_DIR, JSON results in $OUT_DIR/json"

@@ -127,7 +127,11 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
     micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
-    gradient (bf16, [s/CP·b, padded vocab/TP] each). It fits when the total stays under the GPU's memory less
+    gradient (bf16, [s/CP·b, padded vocab/TP] each). With CP > 1 activations are those of the local s/CP tokens, and
+    `cp_ring` adds the ring attention's transient buffers, once (one layer's attention runs at a time): its backward,
+    the larger of the two passes, holds the f32 dQ accumulator and a bf16 block dQ ([s/CP·b, heads/TP, head_dim]),
+    dK/dV f32 accumulators held and in flight, the K/V block received while the held one is used, and bf16 block
+    dK/dV (each [s/CP·b, KV groups/TP, head_dim]). It fits when the total stays under the GPU's memory less
     `headroom_gib` (default max(4, 12 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
     workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
     ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
@@ -169,6 +173,10 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     rc = cfg.recompute_granularity if str(cfg.recompute_granularity).lower().endswith("full") else "selective"
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
     logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
+    q_elems = s * b * cfg.num_attention_heads / tp * cfg.head_dim
+    kv_elems = s * b * cfg.query_groups / tp * cfg.head_dim
+    # dQ acc f32 + block dQ bf16; dK, dV f32 held + in flight; K, V bf16 received; block dK, dV bf16.
+    cp_ring = (4 + 2) * q_elems + (2 * 2 * 4 + 2 * 2 + 2 * 2) * kv_elems if cp > 1 else 0.0
 
     def reduce_bytes(n):
         # DistributedDataParallel: ZeRO reduce-scatters each bucket into a shard buffer of the reduction dtype;
@@ -185,6 +193,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "grad_reduce": reduce_bytes(stage_params[r]),
             "activations": act_layer * rank_layers[r] * (pp - r),
             "logits": logits if r == pp - 1 else 0.0,
+            "cp_ring": cp_ring,
         }
 
     busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
@@ -195,7 +204,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
             "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
             "fits": total <= (gpu_memory_gib - headroom) * 2**30,
-            "flops_per_token": m.flops_per_token(cfg, seq_length, True)}
+            "flops_per_token": m.flops_per_token(cfg, seq_length, True), "seq_length": seq_length,
+            "seq_length_per_rank": s}
 
 
 _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "vp": "parallel.vp",
@@ -237,6 +247,11 @@ def _run_plan(args) -> int:
         print(f"  stage {i}: {r['rank_layers'][i]} layers, {p / 1e6:.1f} M parameters per GPU")
     if sz["pp"] > 1:
         print(f"pipeline layout (layers per virtual stage, model order): {r['stage_layers']}")
+    if sz["cp"] > 1:
+        groups = L.groups("cp")
+        shown = ", ".join(str(list(g)) for g in groups[:4]) + (f", … ({len(groups)} groups)" if len(groups) > 4 else "")
+        print(f"context parallel: CP {sz['cp']}, each rank holds {r['seq_length_per_rank']} of the "
+              f"{r['seq_length']} tokens (chunks r and 2·CP−1−r); CP groups (ranks): {shown}")
     mem = r["memory_bytes"]
     print(f"memory per GPU (pipeline rank {r['busiest_rank']}, the largest; estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
           + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")
@@ -257,7 +272,7 @@ def _add_train(sub):
         description="Builds a recipe (--recipe NAME or --config FILE), applies --set overrides, validates the whole "
                     "recipe before any rank starts, and runs it with the chosen executor. Locally the ranks are GPUs, "
                     "or CPU ranks through mpirun when there is no GPU.")
-    p.add_argument("--recipe", help="recipe name: tiny, gpt2_124m, llama32_1b, llama3_8b (+ _finetune)")
+    p.add_argument("--recipe", help="recipe name: tiny, gpt2_124m, llama32_1b, llama3_8b (+ _finetune), llama32_1b_long")
     p.add_argument("--config", help="a saved recipe (JSON or YAML) instead of --recipe")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field, e.g. --set parallel.tp=2 --set optim.lr=1e-3 (repeatable)")

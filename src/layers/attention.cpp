@@ -1,6 +1,8 @@
 #include "megacore/layers/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include <fmt/format.h>
@@ -51,6 +53,11 @@ ops::RopeScaling rope_scaling_of(const RopeScaling& r) {
   s.high_freq_factor = r.high_freq_factor;
   s.original_max_position = double(r.original_max_position_embeddings);
   return s;
+}
+
+std::vector<int32_t> host_cu(const Tensor& cu) {
+  const std::vector<double> v = cu.to_double_vector();
+  return std::vector<int32_t>(v.begin(), v.end());
 }
 
 // [s, b, H, D] (sequence first) seen as the op's dense [B, S, H, D]: a strided view, no copy.
@@ -156,10 +163,11 @@ Tensor SelfAttention::positions_for(const Tensor& position_ids, int64_t s, int64
     for (int64_t i = 0; i < s; ++i)
       for (int64_t j = 0; j < b; ++j) pos[size_t(i * b + j)] = parallel::cp_global_position(i, s, cr, cn);
   } else {
-    MC_CHECK(!cp_active(),
-             "{}.forward: position_ids were given with context parallelism (CP = {}); the CP layer derives the global "
-             "positions of its chunks itself, and packed rows are not supported with CP: pass no position_ids",
-             kName, opts_.cp->size());
+    MC_CHECK(!cp_active() || (position_ids.dim() == 2 && position_ids.size(0) == b && position_ids.size(1) == s),
+             "{}.forward: position_ids has shape {} under context parallelism (CP = {}); pass this rank's [b, s] = "
+             "[{}, {}] ids (parallel::cp_slice_sequence of the full rows' ids along dimension 1), or none for "
+             "0..S-1",
+             kName, shape_str(position_ids.shape()), opts_.cp->size(), b, s);
     MC_CHECK(position_ids.dtype() == DType::I32 || position_ids.dtype() == DType::I64,
              "{}.forward: position_ids has dtype {}; pass integer ids (i32 or i64)", kName,
              dtype_name(position_ids.dtype()));
@@ -206,11 +214,12 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
   }
   Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
   cu_ = Tensor(), max_seqlen_ = 0;
+  const int64_t cpn = cp_active() ? opts_.cp->size() : 1;
   if (cp_active()) {
-    MC_CHECK(!ctx.cu_seqlens.defined(),
-             "{}.forward: packed rows (ctx.cu_seqlens) with context parallelism (CP = {}) are not supported; train "
-             "packed SFT data with context_parallel_size = 1",
-             kName, opts_.cp->size());
+    MC_CHECK(!ctx.cu_seqlens.defined() || opts_.cp_comm_type == CpCommType::P2P,
+             "{}.forward: packed rows (ctx.cu_seqlens) with cp_comm_type all_gather are not supported; use the p2p "
+             "ring (cp_comm_type = p2p)",
+             kName);
     MC_CHECK(s % 2 == 0,
              "{}.forward: the local sequence has {} tokens under context parallelism; it must be the two equal chunks "
              "of parallel::cp_slice_sequence (a global length divisible by 2·CP = {})",
@@ -222,10 +231,17 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
              "{}.forward: ctx.cu_seqlens must be i32 [segments + 1] on {} (the DataLoader's Batch.cu_seqlens), got "
              "{} {} on {}",
              kName, x.device().str(), dtype_name(cu.dtype()), shape_str(cu.shape()), cu.device().str());
-    MC_CHECK(ctx.max_seqlen > 0 && ctx.max_seqlen <= s,
+    MC_CHECK(ctx.max_seqlen > 0 && ctx.max_seqlen <= s * cpn,
              "{}.forward: ctx.max_seqlen is {} but must be the longest segment, in [1, {}] (the row length); pass "
              "Batch.max_seqlen",
-             kName, ctx.max_seqlen, s);
+             kName, ctx.max_seqlen, s * cpn);
+    if (cp_active()) {
+      const int32_t last = host_cu(cu).back();
+      MC_CHECK(last <= b * s * cpn,
+               "{}.forward: ctx.cu_seqlens ends at {} but the full rows hold {} tokens; under context parallelism "
+               "pass the full rows' cu_seqlens (the loader's, before parallel::cp_slice_sequence)",
+               kName, last, b * s * cpn);
+    }
     cu_ = cu, max_seqlen_ = ctx.max_seqlen;
   }
   Tensor lse = core_forward(q, k, v, out, st);
@@ -309,25 +325,123 @@ RingBlock ring_block(int step, int src, int rank, int64_t s) {
 }
 
 // One ring exchange: the pair this rank holds goes to the next CP rank while the previous rank's pair arrives
-// in fresh buffers of the same shape; wait on `work` (stream-ordered) before using them.
-struct RingPass {
+// in fresh buffers of the same shape. The exchange runs on `comm`, which first waits for everything enqueued
+// on `compute` so far (the pair's producers, the buffers' allocation); finish() makes `compute` wait for it
+// (call it after the work that should overlap is enqueued). With comm == compute (CPU ranks) the events
+// are skipped and finish() is the Work's own stream-ordered wait.
+class RingPass {
+ public:
   Tensor a, b;
-  comm::WorkPtr work;
+
+  RingPass() = default;
+  RingPass(comm::Communicator& cp, const Tensor& x, const Tensor& y, int next, int prev, const Stream& compute,
+           const Stream& comm)
+      : a(Tensor::empty(x.shape(), x.dtype(), x.device(), compute)),
+        b(Tensor::empty(y.shape(), y.dtype(), y.device(), compute)),
+        compute_(compute) {
+    if (!(comm == compute)) {
+      Event ready;
+      ready.record(compute);
+      comm.wait(ready);
+    }
+    work_ = cp.batch_send_recv({{comm::P2POp::Send, x, next},
+                                {comm::P2POp::Send, y, next},
+                                {comm::P2POp::Recv, a, prev},
+                                {comm::P2POp::Recv, b, prev}},
+                               comm);
+  }
+  RingPass(RingPass&&) = default;
+  RingPass& operator=(RingPass&&) = default;
+  ~RingPass() {
+    // Only reached pending when an exception unwinds mid-ring: do not leave the exchange running on
+    // buffers about to be freed.
+    if (work_) try {
+        work_->wait();
+      } catch (...) {
+      }
+  }
+
+  bool pending() const { return work_ != nullptr; }
+  // Orders `compute` after the exchange (the NCCL op's own event: later exchanges queued on `comm` are not
+  // waited for).
+  void finish() {
+    if (!work_) return;
+    comm::WorkPtr w = std::move(work_);
+    w->wait_on(compute_);
+  }
+
+ private:
+  Stream compute_;
+  comm::WorkPtr work_;
 };
-RingPass ring_pass(comm::Communicator& cp, const Tensor& a, const Tensor& b, int next, int prev, const Stream& st) {
-  RingPass p{Tensor::empty(a.shape(), a.dtype(), a.device(), st), Tensor::empty(b.shape(), b.dtype(), b.device(), st),
-             nullptr};
-  p.work = cp.batch_send_recv({{comm::P2POp::Send, a, next},
-                               {comm::P2POp::Send, b, next},
-                               {comm::P2POp::Recv, p.a, prev},
-                               {comm::P2POp::Recv, p.b, prev}},
-                              st);
-  return p;
+
+// Packed rows under CP: ctx.cu_seqlens describes the full rows (b rows of S = CP·s tokens, token-major, no
+// segment crossing a row). A ring block pairs some of this rank's local queries (local rows [q_off, q_off +
+// q_len) of every batch row) with the first k_len local tokens of rank `krank`'s block. Within a row, both
+// sides' global positions increase with the local index (the early chunk precedes the late one), so each
+// segment's queries and keys are contiguous runs: the block is one packed attention call with, per (row,
+// segment), the segment's query count and key count (cu_seqlens_q / cu_seqlens_kv; a zero on either side is
+// a segment the block does not touch on that side). Tokens after the last segment count as one segment per
+// row. Causal blocks (the own block) have equal query and key runs, so the top-left causal mask is exact.
+struct PackedBlock {
+  Tensor cu_q, cu_k;
+  int64_t max_q = 1, max_k = 1;
+};
+
+PackedBlock packed_block(const std::vector<int32_t>& cu, int64_t b, int64_t s, int n, int qrank, int64_t q_off,
+                         int64_t q_len, int krank, int64_t k_len, Device dev, const Stream& st) {
+  const int64_t S = s * n;
+  const int64_t nseg = int64_t(cu.size()) - 1;
+  auto seg_of = [&](int64_t row, int64_t p) -> int64_t {
+    const int64_t g = row * S + p;
+    if (g >= cu.back()) return nseg + row;  // trailing tokens: a segment of their own per row
+    return int64_t(std::upper_bound(cu.begin(), cu.end(), int32_t(g)) - cu.begin()) - 1;
+  };
+  std::vector<int32_t> cq{0}, ck{0};
+  PackedBlock pb;
+  for (int64_t row = 0; row < b; ++row) {
+    std::vector<std::pair<int64_t, int64_t>> runs_q, runs_k;  // (segment, count), segments increasing
+    auto add = [&](std::vector<std::pair<int64_t, int64_t>>& runs, int64_t seg) {
+      if (runs.empty() || runs.back().first != seg) runs.emplace_back(seg, 0);
+      ++runs.back().second;
+    };
+    for (int64_t i = q_off; i < q_off + q_len; ++i) add(runs_q, seg_of(row, parallel::cp_global_position(i, s, qrank, n)));
+    for (int64_t i = 0; i < k_len; ++i) add(runs_k, seg_of(row, parallel::cp_global_position(i, s, krank, n)));
+    size_t a = 0, c = 0;
+    while (a < runs_q.size() || c < runs_k.size()) {
+      const int64_t sq = a < runs_q.size() ? runs_q[a].first : INT64_MAX, sk = c < runs_k.size() ? runs_k[c].first : INT64_MAX;
+      const int64_t seg = std::min(sq, sk);
+      const int64_t nq = sq == seg ? runs_q[a++].second : 0, nk = sk == seg ? runs_k[c++].second : 0;
+      cq.push_back(int32_t(cq.back() + nq));
+      ck.push_back(int32_t(ck.back() + nk));
+      pb.max_q = std::max(pb.max_q, nq), pb.max_k = std::max(pb.max_k, nk);
+    }
+  }
+  pb.cu_q = Tensor::from_vector(cq, {int64_t(cq.size())}).to(dev, st);
+  pb.cu_k = Tensor::from_vector(ck, {int64_t(ck.size())}).to(dev, st);
+  return pb;
+}
+
+// [len, b, h, d] rows [off, off + len) of a sequence-first tensor as a token-major [b·len, h, d] copy, and back.
+Tensor rows_token_major(const Tensor& t, int64_t off, int64_t len, const Stream& st) {
+  return bshd(t).narrow(1, off, len).contiguous(st).view({t.size(1) * len, t.size(2), t.size(3)});
+}
+Tensor seq_first(const Tensor& tm, int64_t b, const Stream& st) {
+  return tm.view({b, tm.size(0) / b, tm.size(1), tm.size(2)}).permute({1, 0, 2, 3}).contiguous(st);
 }
 }  // namespace
 
+Stream SelfAttention::ring_stream(const Stream& st) const {
+  if (!opts_.device.is_cuda() || !opts_.cp_overlap) return st;
+  if (cp_stream_.device() != opts_.device || cp_stream_.is_default()) cp_stream_ = Stream::create(opts_.device);
+  return cp_stream_;
+}
+
 Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                                   const Stream& st) const {
+                                   const Stream& given) const {
+  // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
+  const Stream st = q.device().is_cuda() && given.device().is_cpu() ? Stream::default_stream(q.device()) : given;
+  const Stream cs = ring_stream(st);
   comm::Communicator& cp = *opts_.cp;
   const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
@@ -335,21 +449,36 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
   Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
   Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
+  const bool packed = cu_.defined();
+  const std::vector<int32_t> cu = packed ? host_cu(cu_) : std::vector<int32_t>();
   for (int i = 0; i < n; ++i) {
-    // Pass the block on while computing with it (the exchange overlaps the attention on NCCL streams).
+    // Pass the block on while computing with it.
     RingPass kv;
-    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
-    const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
+    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
+    const int src = (r - i + n) % n;
+    const RingBlock blk = ring_block(i, src, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
-    Tensor op = Tensor::empty({blk.q_len, b, H, d}, q.dtype(), dev, st);
-    Tensor lp = Tensor::empty({b, H, blk.q_len}, DType::F32, dev, st);
-    Tensor op4 = bshd(op);
-    ops::attention_forward(bshd(q.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
-                           bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
+    Tensor op, lp;  // [q_len, b, H, d] and f32 [b, H, q_len]
+    if (packed) {
+      const PackedBlock pb = packed_block(cu, b, s, n, r, blk.q_off, blk.q_len, src, blk.k_len, dev, st);
+      o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
+      Tensor ot = Tensor::empty({b * blk.q_len, H, d}, q.dtype(), dev, st);
+      Tensor lt = Tensor::empty({H, b * blk.q_len}, DType::F32, dev, st);
+      ops::attention_forward(rows_token_major(q, blk.q_off, blk.q_len, st), rows_token_major(kc, 0, blk.k_len, st),
+                             rows_token_major(vc, 0, blk.k_len, st), ot, lt, o, st);
+      op = seq_first(ot, b, st);
+      lp = lt.view({H, b, blk.q_len}).permute({1, 0, 2}).contiguous(st);
+    } else {
+      op = Tensor::empty({blk.q_len, b, H, d}, q.dtype(), dev, st);
+      lp = Tensor::empty({b, H, blk.q_len}, DType::F32, dev, st);
+      Tensor op4 = bshd(op);
+      ops::attention_forward(bshd(q.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
+                             bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
+    }
     ops::attention_merge_partial(acc, acc_lse, op, lp, blk.q_off, st);
-    if (kv.work) {
-      kv.work->wait_on(st);
+    if (kv.pending()) {
+      kv.finish();
       kc = kv.a, vc = kv.b;
     }
   }
@@ -358,49 +487,70 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
-                                  Tensor& dv, const Stream& st) const {
+                                  Tensor& dv, const Stream& given) const {
   comm::Communicator& cp = *opts_.cp;
   const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
   const Device dev = q_.device();
+  const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
+  const Stream cs = ring_stream(st);
   const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
   Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   // The gradient of the block held at this step; it travels with the block and ends at its owner.
   Tensor dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor kc = k_, vc = v_;
+  const bool packed = cu_.defined();
+  const std::vector<int32_t> cu = packed ? host_cu(cu_) : std::vector<int32_t>();
+  RingPass grads;  // the previous step's dK/dV on their way; only this step's accumulation waits for them
   for (int i = 0; i < n; ++i) {
     RingPass kv;
-    if (i + 1 < n) kv = ring_pass(cp, kc, vc, next, prev, st);
-    const RingBlock blk = ring_block(i, (r - i + n) % n, r, s);
+    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
+    const int src = (r - i + n) % n;
+    const RingBlock blk = ring_block(i, src, r, s);
     ops::AttentionOptions o = attention_options();
     o.causal = blk.causal;
     // The merged output and LSE make each block's backward its exact share of the full gradient.
-    Tensor lp = blk.q_len == s ? lse : lse.narrow(2, blk.q_off, blk.q_len).contiguous(st);
-    Tensor dqp = Tensor::empty({blk.q_len, b, H, d}, q_.dtype(), dev, st);
-    Tensor dkp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
-    Tensor dvp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
-    Tensor dq4 = bshd(dqp), dk4 = bshd(dkp), dv4 = bshd(dvp);
-    ops::attention_backward(bshd(q_.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
-                            bshd(vc.narrow(0, 0, blk.k_len)), bshd(out4.narrow(0, blk.q_off, blk.q_len)), lp,
-                            bshd(dout4.narrow(0, blk.q_off, blk.q_len)), dq4, dk4, dv4, o, st);
+    Tensor dqp, dkp, dvp;  // [q_len or k_len, b, heads or groups, d]
+    if (packed) {
+      const PackedBlock pb = packed_block(cu, b, s, n, r, blk.q_off, blk.q_len, src, blk.k_len, dev, st);
+      o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
+      Tensor lt = lse.narrow(2, blk.q_off, blk.q_len).permute({1, 0, 2}).contiguous(st).view({H, b * blk.q_len});
+      Tensor dqt = Tensor::empty({b * blk.q_len, H, d}, q_.dtype(), dev, st);
+      Tensor dkt = Tensor::empty({b * blk.k_len, G, d}, q_.dtype(), dev, st);
+      Tensor dvt = Tensor::empty({b * blk.k_len, G, d}, q_.dtype(), dev, st);
+      ops::attention_backward(rows_token_major(q_, blk.q_off, blk.q_len, st), rows_token_major(kc, 0, blk.k_len, st),
+                              rows_token_major(vc, 0, blk.k_len, st), rows_token_major(out4, blk.q_off, blk.q_len, st),
+                              lt, rows_token_major(dout4, blk.q_off, blk.q_len, st), dqt, dkt, dvt, o, st);
+      dqp = seq_first(dqt, b, st), dkp = seq_first(dkt, b, st), dvp = seq_first(dvt, b, st);
+    } else {
+      Tensor lp = blk.q_len == s ? lse : lse.narrow(2, blk.q_off, blk.q_len).contiguous(st);
+      dqp = Tensor::empty({blk.q_len, b, H, d}, q_.dtype(), dev, st);
+      dkp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
+      dvp = Tensor::empty({blk.k_len, b, G, d}, q_.dtype(), dev, st);
+      Tensor dq4 = bshd(dqp), dk4 = bshd(dkp), dv4 = bshd(dvp);
+      ops::attention_backward(bshd(q_.narrow(0, blk.q_off, blk.q_len)), bshd(kc.narrow(0, 0, blk.k_len)),
+                              bshd(vc.narrow(0, 0, blk.k_len)), bshd(out4.narrow(0, blk.q_off, blk.q_len)), lp,
+                              bshd(dout4.narrow(0, blk.q_off, blk.q_len)), dq4, dk4, dv4, o, st);
+    }
+    if (grads.pending()) {
+      grads.finish();
+      dk_acc = grads.a, dv_acc = grads.b;
+    }
     Tensor dq_rows = dq_acc.narrow(0, blk.q_off, blk.q_len), dk_rows = dk_acc.narrow(0, 0, blk.k_len),
            dv_rows = dv_acc.narrow(0, 0, blk.k_len);
     ops::accumulate_f32(dq_rows, dqp, st);
     ops::accumulate_f32(dk_rows, dkp, st);
     ops::accumulate_f32(dv_rows, dvp, st);
     // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
-    RingPass grads = ring_pass(cp, dk_acc, dv_acc, next, prev, st);
-    if (kv.work) {
-      kv.work->wait_on(st);
-      kc = kv.a, vc = kv.b;
-    }
-    grads.work->wait_on(st);
-    dk_acc = grads.a, dv_acc = grads.b;
+    grads = RingPass(cp, dk_acc, dv_acc, next, prev, st, cs);
+    kv.finish();
+    if (i + 1 < n) kc = kv.a, vc = kv.b;
   }
+  grads.finish();
   dq.copy_(dq_acc, st);
-  dk.copy_(dk_acc, st);
-  dv.copy_(dv_acc, st);
+  dk.copy_(grads.a, st);
+  dv.copy_(grads.b, st);
 }
 
 // ---- context parallelism: all-gather ------------------------------------------------------------------

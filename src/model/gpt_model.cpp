@@ -282,9 +282,7 @@ Tensor GPTModel::forward_stage(const ly::ForwardContext& ctx, const Tensor& inpu
                     first = cfg_.sequence_parallel ? tp_.rank() * s_local : 0;
       // Positions restart at every segment of packed rows (ctx.position_ids, [b, s]); else 0..s-1.
       const Tensor& given = ctx.position_ids;
-      MC_CHECK(!(given.defined() && cp_active()),
-               "GPTModel.forward: ctx.position_ids (packed rows) with context parallelism (CP = {}) are not "
-               "supported; train packed SFT data with context_parallel_size = 1", opts_.cp->size());
+      // (Under context parallelism they are this rank's [b, s] part, cp_slice_sequence of the full rows'.)
       if (given.defined())
         MC_CHECK(given.dim() == 2 && given.size(0) == b && given.size(1) == s,
                  "GPTModel.forward: ctx.position_ids has shape {}; it must be the batch's [b, s] = [{}, {}]",

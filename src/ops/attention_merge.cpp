@@ -4,17 +4,19 @@
 #include <cmath>
 #include <limits>
 
+#include "megacore/build_config.hpp"
 #include "megacore/core/dtype.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/ops/ops_common.hpp"
+#include "ops/cuda/attention_merge_cuda.hpp"
 
 namespace megacore::ops {
 namespace {
 
-void check_cpu(const Tensor& t, std::string_view op, std::string_view name) {
-  MC_CHECK(t.defined() && t.device().is_cpu(),
-           "{}: {} is on {}; the context-parallel merge has only its CPU implementation so far (issue 21: the GPU "
-           "ring is not built yet), so run context parallelism on CPU ranks (--cpu) or set context_parallel_size = 1",
-           op, name, t.defined() ? t.device().str() : std::string("(undefined)"));
+// Defined, contiguous and on `dev` (the first operand's device).
+void check_operand(const Tensor& t, Device dev, std::string_view op, std::string_view name) {
+  detail::check_defined(t, op, name);
+  detail::check_same_device(t, dev, op, name);
   MC_CHECK(t.is_contiguous(), "{}: {} must be contiguous; pass a .contiguous() copy", op, name);
 }
 
@@ -48,11 +50,12 @@ void with_float_reader(const Tensor& t, std::string_view op, F&& f) {
 void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, const Tensor& lse_part,
                              int64_t seq_offset, const Stream& s) {
   constexpr std::string_view op = "attention_merge_partial";
-  (void)s;
-  check_cpu(out, op, "out");
-  check_cpu(lse, op, "lse");
-  check_cpu(out_part, op, "out_part");
-  check_cpu(lse_part, op, "lse_part");
+  detail::check_defined(out, op, "out");
+  const Device dev = out.device();
+  check_operand(out, dev, op, "out");
+  check_operand(lse, dev, op, "lse");
+  check_operand(out_part, dev, op, "out_part");
+  check_operand(lse_part, dev, op, "lse_part");
   MC_CHECK(out.dim() == 4 && out.dtype() == DType::F32 && lse.dtype() == DType::F32 && lse_part.dtype() == DType::F32,
            "{}: out must be f32 [S, B, H, D] and lse, lse_part f32; got out {} {}", op, dtype_name(out.dtype()),
            shape_str(out.shape()));
@@ -65,6 +68,18 @@ void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, c
   MC_CHECK(lse.shape() == Shape({B, H, S}) && lse_part.shape() == Shape({B, H, Sp}),
            "{}: lse {} must be [{}, {}, {}] and lse_part {} [{}, {}, {}]", op, shape_str(lse.shape()), B, H, S,
            shape_str(lse_part.shape()), B, H, Sp);
+  MC_CHECK(is_floating(out_part.dtype()), "{}: out_part has dtype {}; pass f32, bf16 or f16", op,
+           dtype_name(out_part.dtype()));
+  if (dev.is_cuda()) {
+    void* stream = detail::launch_stream(s, dev, op);
+#if MEGACORE_WITH_CUDA
+    cuda::attention_merge_partial(out_part.dtype(), out.data<float>(), lse.data<float>(), out_part.data_ptr(),
+                                  lse_part.data<float>(), S, B, H, D, Sp, seq_offset, dev.index, stream);
+#else
+    (void)stream;
+#endif
+    return;
+  }
   float* o = out.data<float>();
   float* l = lse.data<float>();
   const float* lp = lse_part.data<float>();
@@ -88,12 +103,23 @@ void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, c
 
 void accumulate_f32(Tensor& dst, const Tensor& src, const Stream& s) {
   constexpr std::string_view op = "accumulate_f32";
-  (void)s;
-  check_cpu(dst, op, "dst");
-  check_cpu(src, op, "src");
+  detail::check_defined(dst, op, "dst");
+  const Device dev = dst.device();
+  check_operand(dst, dev, op, "dst");
+  check_operand(src, dev, op, "src");
   MC_CHECK(dst.dtype() == DType::F32 && dst.numel() == src.numel(),
            "{}: dst must be f32 with src's {} elements; got {} {}", op, src.numel(), dtype_name(dst.dtype()),
            shape_str(dst.shape()));
+  MC_CHECK(is_floating(src.dtype()), "{}: src has dtype {}; pass f32, bf16 or f16", op, dtype_name(src.dtype()));
+  if (dev.is_cuda()) {
+    void* stream = detail::launch_stream(s, dev, op);
+#if MEGACORE_WITH_CUDA
+    cuda::accumulate_f32(src.dtype(), dst.data<float>(), src.data_ptr(), dst.numel(), dev.index, stream);
+#else
+    (void)stream;
+#endif
+    return;
+  }
   float* d = dst.data<float>();
   const int64_t n = dst.numel();
   with_float_reader(src, op, [&](auto at) {

@@ -506,14 +506,10 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
                       "chunks{}); use a multiple of {}",
                       d.seq_length, p.sequence_parallel ? "·TP" : "", unit, 2 * cp,
                       p.sequence_parallel ? ", then sequence parallelism splits each rank's part over TP" : "", unit));
-    if (!d.sft_path.empty() && d.sft_pack)
-      err("parallel.context_parallel_size",
-          fmt::format("context parallelism (CP = {}) with packed SFT rows is not supported; set data.sft_pack = "
-                      "false or context_parallel_size = 1", cp));
-    if (r.trainer.device == "cuda")
-      err("parallel.context_parallel_size",
-          fmt::format("context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring is not built yet); "
-                      "train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", cp));
+    if (!d.sft_path.empty() && d.sft_pack && p.cp_comm_type == "all_gather")
+      err("parallel.cp_comm_type",
+          fmt::format("packed SFT rows with context parallelism (CP = {}) need the p2p ring; set cp_comm_type = p2p "
+                      "(or data.sft_pack = false)", cp));
   }
   if (p.expert_model_parallel_size > 1)
     err("parallel.expert_model_parallel_size", "the models of these recipes have no experts; set it to 1");

@@ -166,10 +166,6 @@ void Trainer::Impl::build() {
   }
 
   parallel::ParallelConfig pc = cfg.grid_config();
-  // trainer.device = auto resolved to GPUs here (validate refuses an explicit cuda).
-  MC_CHECK_AS(ConfigError, !(device.is_cuda() && pc.context > 1),
-              "context parallelism (CP = {}) runs on CPU ranks only so far (the GPU ring's merge kernel is not built "
-              "yet); train with --cpu (trainer.device = cpu) or set context_parallel_size = 1", pc.context);
   grid = std::make_unique<parallel::ProcessGrid>(world, pc);
   const int pp = pc.pipeline, vp = pc.virtual_pipeline;
   const ParallelSection& ps = cfg.parallel;
@@ -441,9 +437,6 @@ std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLo
     pipeline::MicroBatch mb{b->tokens, b->labels, b->loss_mask};
     // Packed rows (more segments than rows): attention must stay within segments and positions restart.
     if (b->cu_seqlens.defined() && b->cu_seqlens.size(0) - 1 > b->tokens.size(0)) {
-      MC_CHECK_AS(ConfigError, grid->layout().cp_size() == 1,
-                  "packed rows (several SFT examples per row) with context_parallel_size {} are not supported; set "
-                  "context_parallel_size = 1 (or data.sft_pack = false)", grid->layout().cp_size());
       mb.cu_seqlens = b->cu_seqlens, mb.max_seqlen = b->max_seqlen, mb.position_ids = b->position_ids;
     }
     // Context parallelism: the CP ranks of a DP rank read the same samples; each keeps its two chunks of the
@@ -453,6 +446,10 @@ std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLo
       mb.tokens = parallel::cp_slice_sequence(mb.tokens, 1, cr, cn, ctx.stream);
       mb.labels = parallel::cp_slice_sequence(mb.labels, 1, cr, cn, ctx.stream);
       if (mb.loss_mask.defined()) mb.loss_mask = parallel::cp_slice_sequence(mb.loss_mask, 1, cr, cn, ctx.stream);
+      // Packed rows: the positions are sliced like the tokens; cu_seqlens stays that of the full rows (the
+      // ring attention intersects its segments with each chunk).
+      if (mb.position_ids.defined())
+        mb.position_ids = parallel::cp_slice_sequence(mb.position_ids, 1, cr, cn, ctx.stream);
     }
     mbs.push_back(std::move(mb));
   }

@@ -123,8 +123,8 @@ def test_checkpoint_moves_between_cp2_and_cp1(tmp_path, first_cp, then_cp, layou
 
 
 def test_bad_cp_recipes_fail_before_any_rank_starts(capsys):
-    def err(*sets, cpu=True):
-        args = ["train", "--recipe", "tiny", *(["--cpu"] if cpu else []), "--set", "parallel.pp=1"]
+    def err(*sets):
+        args = ["train", "--recipe", "tiny", "--cpu", "--set", "parallel.pp=1"]
         for s in sets:
             args += ["--set", s]
         assert cli.main(args) == 1
@@ -136,10 +136,8 @@ def test_bad_cp_recipes_fail_before_any_rank_starts(capsys):
     assert "data.seq_length: 132 is not divisible by 2·CP·TP = 8" in e
     e = err("parallel.cp=2", "parallel.cp_comm_type=ring")
     assert "cp_comm_type" in e and "p2p" in e and "all_gather" in e
-    e = err("parallel.cp=2", "data.sft_path=/tmp/x.jsonl")
-    assert "packed SFT rows is not supported; set data.sft_pack = false" in e
-    e = err("parallel.cp=2", "trainer.device=cuda", cpu=False)
-    assert "CPU ranks only so far" in e
+    e = err("parallel.cp=2", "data.sft_path=/tmp/x.jsonl", "parallel.cp_comm_type=all_gather")
+    assert "packed SFT rows with context parallelism (CP = 2) need the p2p ring; set cp_comm_type = p2p" in e
 
 
 def test_plan_counts_activations_at_seq_over_cp():
@@ -148,3 +146,47 @@ def test_plan_counts_activations_at_seq_over_cp():
     assert two["layout"].sizes["cp"] == 2 and two["layout"].sizes["dp"] == 1
     assert two["memory_bytes"]["activations"] == pytest.approx(one["memory_bytes"]["activations"] / 2, rel=1e-3)
     assert two["memory_bytes"]["weights"] == one["memory_bytes"]["weights"]
+
+
+def test_plan_counts_the_ring_buffers_and_prints_the_cp_groups(capsys):
+    one = cli.plan("llama3_8b", world_size=8, tp=4, cp=1, seq_length=8192)
+    two = cli.plan("llama3_8b", world_size=8, tp=4, cp=2, seq_length=8192)
+    assert one["memory_bytes"]["cp_ring"] == 0
+    # Local tokens 4096, 32/4 query heads and 8/4 KV groups of 128 channels: dQ f32 + bf16 (6 B), dK/dV f32 held and
+    # in flight, K/V bf16 received and bf16 block dK/dV (24 B).
+    tokens = 8192 // 2
+    assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + 24 * 2 * 128)
+    assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "8", "--tp", "2", "--cp", "2",
+                     "--seq-length", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel: CP 2, each rank holds 4096 of the 8192 tokens" in out
+    assert "CP groups (ranks): [0, 2], [1, 3], [4, 6], [5, 7]" in out and "cp_ring" in out
+
+
+def test_long_context_recipe():
+    r = recipes.get("llama32_1b_long")
+    r.validate(check_paths=False)
+    assert (r.parallel.context_parallel_size, r.data.seq_length, r.data.micro_batch_size, r.world_size) == \
+        (4, 32768, 1, 4)
+    plan = cli.plan(r.model.to_transformer_config("bf16", False, r.trainer.recompute), r.world_size, cp=4,
+                    seq_length=r.data.seq_length)
+    assert plan["seq_length_per_rank"] == 8192 and plan["memory_bytes"]["cp_ring"] > 0 and plan["fits"]
+
+
+@needs_mpi
+def test_packed_sft_with_cp2_matches_cp1(tmp_path):
+    """Packed SFT rows (several examples per row; examples cross the chunk borders of the CP split): TP 2 × CP 2
+    gives the losses of TP 2 × DP 2. The ring intersects the full rows' segments with every chunk."""
+    rows = [{"input": f"what is {i % 17} plus {(i * 7) % 13}?", "output": f"it is {i % 17 + (i * 7) % 13}."}
+            for i in range(300)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = []
+    for cp in (1, 2):
+        r = _tiny(tmp_path, f"sft_cp{cp}", parallel__tp=2, parallel__pp=1, parallel__cp=cp, data__sft_path=str(sft),
+                  data__paths=[])
+        assert r.data.sft_pack
+        out = _train(r, tmp_path, f"sft_cp{cp}")
+        assert f"CP {cp}" in out
+        runs.append(_losses(r.logging.log_dir))
+    _close(runs[1], runs[0])

@@ -35,8 +35,11 @@
 // CP rank holds the local sequence of chunks r and 2·CP−1−r (2c tokens of the 2·CP·c; with SP the
 // sequence is split by CP first and the local part by TP). Core attention runs as a ring of CP steps:
 // at step i the rank holds the K/V block of rank src = (r − i) mod CP, posts the exchange that passes it
-// to rank r+1 and receives the next one from r−1 (Communicator::batch_send_recv on the layer's stream),
-// and computes its queries against the block it holds:
+// to rank r+1 and receives the next one from r−1 (Communicator::batch_send_recv), and computes its
+// queries against the block it holds. On CUDA the exchange runs on the layer's own communication stream
+// (ordered after the block's producer by an event; the compute stream waits for the exchange only before
+// it uses the received block), so the transfer overlaps the attention of the block held; on CPU ranks
+// both are the host stream. The blocks:
 //   i = 0 (its own block): causal over the local sequence (chunk r sees itself causally, the late chunk
 //         sees chunk r fully and itself causally, which is exactly the top-left causal mask of 2c × 2c);
 //   src < r: both query chunks against the block's first chunk (src), full;
@@ -45,12 +48,16 @@
 // Partial outputs are merged with their LSE in f32 (ops/attention_merge.hpp); the saved LSE is the
 // merged one. Backward replays the ring with the merged output and LSE (so each block's gradient is
 // its exact share): dQ accumulates locally, dK/dV (f32) travel with their block and, after CP
-// exchanges, arrive back at the rank that owns it. GQA runs natively in every block.
+// exchanges, arrive back at the rank that owns it; the dK/dV exchange of step i overlaps the attention
+// backward of step i+1 (only its accumulation waits for it). GQA runs natively in every block.
 // CpCommType::AllGather (Megatron-Core's "all_gather") instead all-gathers K and V over the CP group into the
 // global sequence, and each local query chunk g attends fully to keys [0, g·c) and causally to chunk g
 // (merged with their LSE as above); backward gathers again, sums dK/dV of the whole sequence in f32 and
 // reduce-scatters each rank's chunks back to it. Simpler, no overlap, CP× the K/V memory during attention.
-// Packed rows (cu_seqlens) are refused with CP; CP needs CPU tensors for now (the merge has no CUDA kernel).
+// Packed rows with CP (P2P only): ctx.cu_seqlens are the full rows' boundaries and position_ids this rank's
+// [b, s] part; each block runs as one packed attention call over the (row, segment) runs of its query and key
+// chunks (layers/attention.cpp, packed_block). CPU and CUDA tensors; on GPUs both attention backends
+// (cuDNN SDPA, the flash kernel) run the blocks and ops/attention_merge.hpp has CUDA kernels.
 #pragma once
 
 #include <cstdint>
@@ -122,6 +129,10 @@ struct SelfAttentionOptions {
   comm::Communicator* cp = nullptr;
   /// With CP > 1: the ring (P2P, the default) or AllGather (see "Context parallelism" above).
   CpCommType cp_comm_type = CpCommType::P2P;
+  /// P2P on CUDA: run the ring's exchanges on the layer's communication stream, overlapping the attention
+  /// (default). false enqueues them on the compute stream, serialised with it: the same results, for
+  /// measuring how much of the exchange the overlap hides (benchmarks/model/cp_attention.py).
+  bool cp_overlap = true;
 };
 
 /// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,
@@ -135,7 +146,8 @@ class SelfAttention {
 
   /// x: [s, b, hidden] replicated over TP, or this rank's chunk [s/TP, b, hidden] with sequence_parallel.
   /// position_ids (optional, i32/i64 on any device): [s] shared by the batch or [b, s], for the FULL sequence
-  /// even with SP; undefined means 0..s-1. With ctx.cu_seqlens defined (packed rows), attention stays within
+  /// even with SP (under CP: this rank's [b, s] part, parallel::cp_slice_sequence of the full rows' ids);
+  /// undefined means 0..s-1. With ctx.cu_seqlens defined (packed rows), attention stays within
   /// the segments it marks (q/k/v are copied into token-major [b·s, heads, d] for the packed op and the
   /// results copied back). Returns y in x's layout.
   Tensor forward(const ForwardContext& ctx, const Tensor& x, const Tensor& position_ids = {});
@@ -192,6 +204,10 @@ class SelfAttention {
   Tensor gather_sequence(const Tensor& t, const Stream& st) const;
   void ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                      const Stream& st) const;
+  // The stream the ring's exchanges run on: st on CPU ranks or with cp_overlap off, else cp_stream_
+  // (created on the first CUDA ring).
+  Stream ring_stream(const Stream& st) const;
+  mutable Stream cp_stream_;
 };
 
 /// The fused QKV weight [(heads + 2·groups)·d, hidden] in the grouped layout above, from separate

@@ -8,7 +8,7 @@
 //   out f32 [S, B, H, D] and lse f32 [B, H, S] (both contiguous) accumulate; a partial covers the query rows
 //   [seq_offset, seq_offset + S_p): out_part [S_p, B, H, D] (f32, bf16 or f16) and lse_part f32 [B, H, S_p],
 //   both contiguous. Start the accumulators at out = 0, lse = −inf (the first merge then copies).
-// CPU tensors only for now: CUDA tensors are refused with a ValueError (the GPU ring is not built yet).
+// CPU and CUDA tensors (every operand on one device); the CUDA kernels run on the given stream.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +23,7 @@ void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, c
                              int64_t seq_offset, const Stream& s = {});
 
 /// dst (f32, contiguous) += src (f32, bf16 or f16, contiguous, dst's element count): the CP ring's
-/// gradient accumulation (dQ locally, dK/dV along with their block). CPU tensors only for now.
+/// gradient accumulation (dQ locally, dK/dV along with their block).
 void accumulate_f32(Tensor& dst, const Tensor& src, const Stream& s = {});
 
 }  // namespace megacore::ops

@@ -7,7 +7,8 @@
     mc.run(recipe, executor=mc.LocalExecutor(nproc_per_node=4))
 
 ``get("tiny")`` returns a recipe by name (``tiny``, ``gpt2_124m``, ``llama32_1b``, ``llama3_8b``, each with a
-``_finetune`` variant needing ``sft_path`` and ``resume``).
+``_finetune`` variant needing ``sft_path`` and ``resume``), and the long-context variant ``llama32_1b_long``
+(sequence 32768 over context parallelism 4).
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ from .config import (ALIASES, CheckpointConfig, DataConfig, LoggingConfig, Model
 from ..errors import ConfigError
 
 RECIPES = {"tiny": tiny, "gpt2_124m": gpt2_124m, "llama32_1b": llama32_1b, "llama3_8b": llama3_8b}
+VARIANTS = {"llama32_1b_long": llama32_1b.long_context_recipe}  # named variants of a pretrain recipe
 
 
 def get(name: str, **kwargs) -> Recipe:
     """The pretrain recipe of that name (``name_finetune`` for the SFT variant); kwargs go to the function."""
+    if name in VARIANTS:
+        return VARIANTS[name](**kwargs)
     base, _, kind = name.partition("_finetune")
     if base not in RECIPES or (kind and kind != ""):
         raise ConfigError(f"unknown recipe '{name}'; use one of "
-                          f"{', '.join(list(RECIPES) + [n + '_finetune' for n in RECIPES])}")
+                          f"{', '.join(list(RECIPES) + [n + '_finetune' for n in RECIPES] + list(VARIANTS))}")
     mod = RECIPES[base]
     return mod.finetune_recipe(**kwargs) if name.endswith("_finetune") else mod.pretrain_recipe(**kwargs)
 
 
 __all__ = ["ALIASES", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
-           "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "get", "tiny", "gpt2_124m",
+           "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "VARIANTS", "get", "tiny", "gpt2_124m",
            "llama32_1b", "llama3_8b"]

@@ -17,6 +17,21 @@ def pretrain_recipe(num_nodes: int = 1, num_gpus_per_node: int = 8, dir: str | N
                                       recompute="selective"), dir=dir)
 
 
+def long_context_recipe(num_nodes: int = 1, num_gpus_per_node: int = 4, context_parallel_size: int = 4,
+                        seq_length: int = 32768, dir: str | None = None) -> Recipe:
+    """Long-context pretraining: sequences of ``seq_length`` tokens (32768) split over ``context_parallel_size``
+    GPUs (4: ring attention, each GPU holds 2 of the 8 chunks of a sequence), micro-batch 1, selective recompute.
+    The ranks beyond one CP group are data parallel; the global batch is 8 sequences per CP group."""
+    gpus = num_nodes * num_gpus_per_node
+    r = pretrain_recipe(num_nodes, num_gpus_per_node, dir=dir or "runs/llama32_1b_long_pretrain")
+    r.name = "llama32_1b_long_pretrain"
+    r.parallel.context_parallel_size = context_parallel_size
+    r.data.seq_length = seq_length
+    r.data.micro_batch_size = 1
+    r.data.global_batch_size = 8 * max(1, gpus // context_parallel_size)
+    return r
+
+
 def finetune_recipe(sft_path: str = "", pretrained_checkpoint: str = "", num_nodes: int = 1, num_gpus_per_node: int = 8,
                     dir: str | None = None, peft=None) -> Recipe:
     """SFT of this model on ``sft_path`` (JSONL) from ``pretrained_checkpoint`` (weights only), into its own run

@@ -11,6 +11,7 @@
 // (attention partials merged through their LSE, dK/dV summed over ring steps, gradients summed over CP, the
 // TP reductions). We hold the loss to 1e-6 relative and gradients to 1e-5 (||a − b|| / ||b|| per tensor),
 // as the TP tests do.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -98,8 +99,14 @@ mdl::TransformerConfig gpt2_full_recompute() {
   return c;
 }
 
+// Packed rows: segment boundaries over the full [kBatch, seq] rows (cu_seqlens) and positions restarting at each.
+struct Packing {
+  Tensor cu, positions;
+  int64_t max_seqlen = 0;
+};
+
 void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerConfig cfg, bool sp, int64_t seq,
-                   ly::CpCommType comm_type) {
+                   ly::CpCommType comm_type, const Packing& packing = {}) {
   const int tpn = grid.tp().size(), cpn = grid.cp().size(), cr = grid.cp().rank();
   const bool swiglu = cfg.activation == mdl::ActivationType::SwiGLU;
   INFO("CP " << cpn << (comm_type == ly::CpCommType::AllGather ? " all_gather" : " p2p") << " TP " << tpn << " SP " << sp << " seq " << seq << " norm "
@@ -107,6 +114,7 @@ void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerC
              << mdl::recompute_granularity_name(cfg.recompute_granularity));
   const Batch batch = make_batch(cfg.vocab_size, seq);
   ly::ForwardContext ctx;
+  ctx.cu_seqlens = packing.cu, ctx.max_seqlen = packing.max_seqlen, ctx.position_ids = packing.positions;
 
   mdl::GPTModel ref(cfg, tp1);
   const double ref_loss = ref.forward(ctx, batch.tokens, batch.labels, batch.mask).item();
@@ -116,6 +124,8 @@ void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerC
   cfg.sequence_parallel = sp;
   mdl::GPTModel model(cfg, grid.tp(), mdl::GPTModelOptions{.cp = &grid.cp(), .cp_comm_type = comm_type});
   const Batch mine = local_part(batch, cr, cpn);
+  // Under CP the positions are this rank's part; cu_seqlens stays that of the full rows.
+  if (packing.positions.defined()) ctx.position_ids = cp_slice_sequence(packing.positions, 1, cr, cpn);
   Tensor share = model.forward(ctx, mine.tokens, mine.labels, mine.mask).clone();
   grid.cp().all_reduce(share, comm::ReduceOp::Sum)->wait();
   CHECK(std::abs(share.item() - ref_loss) <= kLossTol * std::abs(ref_loss));
@@ -229,5 +239,33 @@ TEST_CASE("Pipeline engine with PP 2 x CP 2 equals the CP 1 model (loss and grad
       require_close(full_tensor(grid.tp(), *p, g, chunk.padded_vocab_size(), cfg.vocab_size),
                     ref_view(ref.parameter(p->name).main_grad, p->name, 1, swiglu), kGradTol, p->name.c_str());
     }
+  }
+}
+
+// Segments crossing chunk borders; loss and every gradient.
+TEST_CASE("GPTModel with CP 2/4 on packed rows equals CP 1", "[cp][model][mpi]") {
+  auto world = world_comm();
+  ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
+  const int64_t seq = 48;
+  // Row 0: segments of 5, 13, 7, 20 and 3 tokens; row 1: 30, 11 and 7. With CP 2 (chunks of 12) and CP 4
+  // (chunks of 6) most segments cross chunk borders, and the 20- and 30-token ones span several chunks.
+  const std::vector<std::vector<int64_t>> rows = {{5, 13, 7, 20, 3}, {30, 11, 7}};
+  std::vector<int32_t> cu{0};
+  std::vector<int64_t> pos;
+  int64_t longest = 0;
+  for (const auto& row : rows)
+    for (int64_t len : row) {
+      cu.push_back(int32_t(cu.back() + len));
+      for (int64_t i = 0; i < len; ++i) pos.push_back(i);
+      longest = std::max(longest, len);
+    }
+  REQUIRE(cu.back() == kBatch * seq);
+  const Packing packing{Tensor::from_vector<int32_t>(cu, {int64_t(cu.size())}),
+                        Tensor::from_vector<int64_t>(pos, {kBatch, seq}), longest};
+  for (int cpn : {2, 4}) {
+    if (world->size() % cpn) continue;
+    ProcessGrid grid(*world, ParallelConfig{.context = cpn}, {GroupKind::Tp, GroupKind::Cp});
+    for (const mdl::TransformerConfig& cfg : {mdl::presets::tiny_llama(), llama_selective(), mdl::presets::tiny_gpt2()})
+      compare_model(grid1.tp(), grid, cfg, false, seq, ly::CpCommType::P2P, packing);
   }
 }

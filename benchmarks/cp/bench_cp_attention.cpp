@@ -1,0 +1,222 @@
+// Context parallelism on GPUs: the ring attention layer and the whole model at long sequences, one GPU per
+// rank, every rank in one CP group (TP = 1), NCCL:
+//   mpirun -np 4 build/benchmarks/megacore_bench_cp --seq 32768 --out-dir benchmarks/results
+//   mpirun -np 1 build/benchmarks/megacore_bench_cp --seq 8192 --out-dir benchmarks/results   (the 1-GPU base)
+// Model: the Llama-1.1B of the peer figures (h2048, 16 layers, 32 heads, 8 KV groups, FFN 8192, vocab 32000,
+// untied), bf16, micro-batch 1 by default; max_position_embeddings is raised to the sequence.
+//
+// Reported (JSON, written as cp<CP>_seq<S>_<card>.json under --out-dir and printed by rank 0):
+//   attention_layer: one SelfAttention (QKV projection, RoPE, ring attention, output projection) forward +
+//     backward, ms and TFLOP/s per GPU with FLOPs = causal core attention (6·a·d·S per token, the library's
+//     12·a·d·S halved) + 6 · the two projections' weights per token; timed with the ring's K/V exchanges
+//     overlapped (cp_overlap = true, the default) and serialised on the compute stream (cp_overlap = false);
+//   ring_exchange_ms: the exchanges alone (the forward's CP−1 K/V passes, the backward's CP−1 K/V and CP
+//     f32 dK/dV passes, same sizes) and hidden_fraction = (serial − overlapped) / exchange time, i.e. the
+//     share of the communication the overlap takes off the critical path;
+//   model: GPTModel forward + backward on this rank's 2 chunks of the sequence, ms, tokens/s per GPU and
+//     model TFLOP/s per GPU (6·N_matmul + causal attention per token, model::flops_per_token(causal)).
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/bench_common.hpp"
+
+#include "megacore/comm/bootstrap.hpp"
+#include "megacore/comm/mpi_communicator.hpp"
+#include "megacore/core/allocator.hpp"
+#include "megacore/layers/attention.hpp"
+#include "megacore/model/gpt_model.hpp"
+#include "megacore/parallel/context_parallel.hpp"
+
+using namespace megacore;
+namespace mdl = megacore::model;
+namespace ly = megacore::layers;
+using json = nlohmann::json;
+
+namespace {
+
+struct Args {
+  int64_t micro_batch = 1, seq = 32768, iters = 5, warmup = 2;
+  bool skip_model = false;
+  std::string out_dir;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  bench::ArgReader r(argc, argv);
+  while (r.next()) {
+    const std::string& k = r.key();
+    if (k == "--micro-batch") a.micro_batch = r.integer();
+    else if (k == "--seq") a.seq = r.integer();
+    else if (k == "--iters") a.iters = r.integer();
+    else if (k == "--warmup") a.warmup = r.integer();
+    else if (k == "--skip-model") a.skip_model = true;
+    else if (k == "--out-dir") a.out_dir = r.text();
+    else r.unknown();
+  }
+  return a;
+}
+
+// Mean seconds of f over iters calls after warmup, every rank in step (barrier before and after).
+template <class F>
+double time_it(const Args& a, comm::Communicator& world, const Stream& s, F&& f) {
+  for (int64_t i = 0; i < a.warmup; ++i) f();
+  s.synchronize();
+  world.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < a.iters; ++i) f();
+  s.synchronize();
+  world.barrier();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(a.iters);
+}
+
+// One ring pass of two tensors (send to rank+1, receive from rank−1), waited on the stream.
+void pass(comm::Communicator& cp, const Tensor& x, const Tensor& y, Tensor& rx, Tensor& ry, const Stream& s) {
+  const int n = cp.size(), r = cp.rank();
+  cp.batch_send_recv({{comm::P2POp::Send, x, (r + 1) % n},
+                      {comm::P2POp::Send, y, (r + 1) % n},
+                      {comm::P2POp::Recv, rx, (r + n - 1) % n},
+                      {comm::P2POp::Recv, ry, (r + n - 1) % n}},
+                     s)
+      ->wait_on(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rc = 0;
+  try {
+    const Args a = parse(argc, argv);
+    auto mpi = comm::make_mpi_world();
+    comm::LaunchEnv env = comm::detect_launch_env();
+    const Device dev = Device::cuda(env.local_rank % cuda_device_count());
+    auto cp = bench::nccl_over(*mpi, dev, "cp", std::chrono::seconds(600));
+    comm::CommOptions to;
+    to.name = "tp";
+    auto tp = mpi->split(mpi->rank(), 0, to);  // TP = 1
+    const int n = cp->size();
+    const bool root = mpi->rank() == 0;
+    if (a.seq % (2 * n)) throw std::runtime_error("--seq must be a multiple of 2 x the number of ranks");
+    mdl::TransformerConfig cfg = bench::llama_1b();
+    cfg.max_position_embeddings = std::max<int64_t>(cfg.max_position_embeddings, a.seq);
+    const int64_t s_local = a.seq / n, b = a.micro_batch, h = cfg.hidden_size;
+    ly::ForwardContext ctx;
+    ctx.stream = Stream::create(dev);
+    Allocator& al = Allocator::get(dev);
+
+    // ---- one attention layer, ring exchanges overlapped and serialised --------------------------------
+    const mdl::FlopsPerToken one = [&] {
+      mdl::TransformerConfig c1 = cfg;
+      c1.num_layers = 1;
+      return mdl::flops_per_token(c1, a.seq, /*causal=*/true);
+    }();
+    const double layer_flops = double(b * a.seq) *
+                               (one.attention + 6.0 * double(h * cfg.qkv_width() + cfg.attention_width() * h));
+    json layer = json::object();
+    double t_overlap = 0, t_serial = 0;
+    for (bool overlap : {true, false}) {
+      if (n == 1 && !overlap) break;
+      ly::SelfAttentionOptions o;
+      o.device = dev;
+      o.cp = n > 1 ? cp.get() : nullptr;
+      o.cp_overlap = overlap;
+      ly::SelfAttention attn(*tp, cfg, o);
+      Tensor x = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
+      Generator g(11, uint64_t(mpi->rank()));
+      x.normal_(g, 0.0, 1.0, ctx.stream);
+      Tensor dy = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
+      dy.normal_(g, 0.0, 1.0, ctx.stream);
+      const double sec = time_it(a, *mpi, ctx.stream, [&] {
+        attn.forward(ctx, x);
+        attn.backward(ctx, dy);
+      });
+      (overlap ? t_overlap : t_serial) = sec;
+      layer[overlap ? "overlapped" : "serialised"] = {{"ms", sec * 1e3},
+                                                      {"tflops_per_gpu", layer_flops / sec / n / 1e12}};
+    }
+    json ring = nullptr;
+    if (n > 1) {
+      const int64_t G = cfg.query_groups(), d = cfg.head_dim();
+      Tensor k = Tensor::zeros({s_local, b, G, d}, cfg.params_dtype, dev, ctx.stream), v = k.clone(ctx.stream);
+      Tensor rk = Tensor::empty(k.shape(), k.dtype(), dev, ctx.stream), rv = rk.clone(ctx.stream);
+      Tensor gk = Tensor::zeros(k.shape(), DType::F32, dev, ctx.stream), gv = gk.clone(ctx.stream);
+      Tensor rgk = gk.clone(ctx.stream), rgv = gk.clone(ctx.stream);
+      const double sec = time_it(a, *mpi, ctx.stream, [&] {
+        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);   // forward
+        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);   // backward K/V
+        for (int i = 0; i < n; ++i) pass(*cp, gk, gv, rgk, rgv, ctx.stream);  // backward dK/dV
+      });
+      const double hidden = (t_serial - t_overlap) / sec;
+      ring = {{"ring_exchange_ms", sec * 1e3},
+              {"hidden_fraction", hidden},
+              {"exposed_ms_estimate", std::max(0.0, sec - (t_serial - t_overlap)) * 1e3}};
+    }
+
+    // ---- the whole model -------------------------------------------------------------------------------
+    json model = nullptr;
+    if (!a.skip_model) {
+      mdl::GPTModelOptions mo;
+      mo.device = dev;
+      mo.cp = n > 1 ? cp.get() : nullptr;
+      mdl::GPTModel m(cfg, *tp, mo);
+      std::vector<int64_t> tok(size_t(b * a.seq)), lab(tok.size());
+      for (size_t i = 0; i < tok.size(); ++i) {
+        tok[i] = int64_t((i * 7919 + 13) % uint64_t(cfg.vocab_size));
+        lab[i] = int64_t((i * 104729 + 3) % uint64_t(cfg.vocab_size));
+      }
+      Tensor tokens = parallel::cp_slice_sequence(Tensor::from_vector<int64_t>(tok, {b, a.seq}), 1, cp->rank(), n)
+                          .to(dev, ctx.stream);
+      Tensor labels = parallel::cp_slice_sequence(Tensor::from_vector<int64_t>(lab, {b, a.seq}), 1, cp->rank(), n)
+                          .to(dev, ctx.stream);
+      Tensor loss;
+      al.reset_peak_stats();
+      const double sec = time_it(a, *mpi, ctx.stream, [&] {
+        loss = m.forward(ctx, tokens, labels);
+        m.backward(ctx);
+      });
+      const mdl::FlopsPerToken fpt = mdl::flops_per_token(cfg, a.seq, /*causal=*/true);
+      model = {{"ms_per_step", sec * 1e3},
+               {"tokens_per_s_per_gpu", double(b * a.seq) / sec / n},
+               {"tflops_per_gpu", fpt.total * double(b * a.seq) / sec / n / 1e12},
+               {"loss", loss.item()},
+               {"peak_allocated_gib", double(al.stats().peak_allocated) / (1 << 30)}};
+    }
+
+    const std::string card = cuda_device_name(dev.index);
+    json r = {{"benchmark", "cp_attention"},
+              {"card", card},
+              {"model", "llama-1.1b (h2048 L16 a32 g8 ffn8192 v32000)"},
+              {"dtype", "bf16"},
+              {"gpus", n},
+              {"context_parallel", n},
+              {"cp_comm_type", "p2p"},
+              {"seq", a.seq},
+              {"micro_batch", b},
+              {"flops_convention", "causal: attention 6*a*d*S per token + 6*N_matmul"},
+              {"attention_layer", layer},
+              {"ring", ring},
+              {"model_fwd_bwd", model}};
+    if (root) {
+      std::printf("%s\n", r.dump(2).c_str());
+      if (!a.out_dir.empty()) {
+        std::string c = card;
+        std::replace(c.begin(), c.end(), ' ', '_');
+        const std::string path = a.out_dir + "/cp" + std::to_string(n) + "_seq" + std::to_string(a.seq) + "_" + c + ".json";
+        std::ofstream(path) << r.dump(2) << "\n";
+        std::printf("wrote %s\n", path.c_str());
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cp_attention: %s\n", e.what());
+    rc = 1;
+  }
+  MPI_Finalize();
+  return rc;
+}
