@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -30,6 +31,7 @@
 #include "megacore/pipeline/engine.hpp"
 #include "megacore/pipeline/layout.hpp"
 #include "megacore/train/stop_signal.hpp"
+#include "megacore/train/watchdog.hpp"
 
 namespace megacore::train {
 
@@ -68,6 +70,23 @@ void drop_rows_after(const fs::path& path, int64_t step) {
     MC_CHECK_AS(IOError, out.good(), "cannot rewrite {} (disk full?)", tmp.string());
   }
   fs::rename(tmp, path);
+}
+
+// Fault injection for the resilience tests, never for production: MEGACORE_TEST_SAVE_DELAY=<point>:<seconds> makes
+// every rank sleep at that point of each checkpoint save (checkpoint::SaveOptions::fault_hook's points, e.g.
+// shard_written), so a test can kill a rank while a save is half written.
+std::function<void(const std::string&)> save_delay_hook() {
+  const char* v = std::getenv("MEGACORE_TEST_SAVE_DELAY");
+  if (!v || !*v) return {};
+  const std::string spec = v;
+  const size_t colon = spec.rfind(':');
+  MC_CHECK_AS(ConfigError, colon != std::string::npos && colon > 0,
+              "MEGACORE_TEST_SAVE_DELAY='{}' is not <point>:<seconds> (e.g. shard_written:3); unset it", spec);
+  const std::string point = spec.substr(0, colon);
+  const double seconds = std::stod(spec.substr(colon + 1));
+  return [point, seconds](const std::string& at) {
+    if (at == point) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  };
 }
 
 }  // namespace
@@ -134,7 +153,34 @@ struct Trainer::Impl {
   checkpoint::CheckpointReader load_model(const std::string& path);
   /// Optimizer state, step, scheduler, loss scaler and data position from an open checkpoint.
   void load_training_state(checkpoint::CheckpointReader& reader);
+  /// Last member: stopped first, before anything it watches is torn down.
+  std::unique_ptr<Watchdog> watchdog;
+  void watch(WatchPhase p, int64_t at_step) {
+    if (watchdog) watchdog->enter(p, at_step);
+  }
+  void start_watchdog();
 };
+
+void Trainer::Impl::start_watchdog() {
+  const TrainerSection& t = cfg.trainer;
+  if (t.startup_timeout_s <= 0 && t.first_step_timeout_s <= 0 && t.step_timeout_s <= 0 && t.save_timeout_s <= 0)
+    return;
+  WatchdogOptions o;
+  o.startup_timeout_s = t.startup_timeout_s;
+  o.first_step_timeout_s = t.first_step_timeout_s;
+  o.step_timeout_s = t.step_timeout_s;
+  o.save_timeout_s = t.save_timeout_s;
+  o.rank = world.world_ranks()[size_t(world.rank())];
+  o.world_size = world.size();
+  const char* job_dir = std::getenv("MEGACORE_JOB_DIR");  // megacore.launch's folder for the job's reports
+  const char* attempt = std::getenv("MEGACORE_RESTART");
+  o.job_dir = job_dir ? job_dir : "";
+  o.attempt = attempt && *attempt ? attempt : "0";
+  // NCCL communicators are aborted so no kernel keeps waiting on the peers; MPI ranks end through MPI_Abort
+  // (the MPI backend is not to be used from a second thread).
+  if (world.backend() == comm::Backend::NCCL) o.abort = [this] { world.abort(); };
+  watchdog = std::make_unique<Watchdog>(std::move(o));
+}
 
 void Trainer::Impl::build() {
   root = world.rank() == 0;
@@ -231,6 +277,7 @@ void Trainer::Impl::build() {
     pol.keep_last = cks.keep_last;
     pol.keep_top_k = cks.keep_top_k;
     pol.async = cks.async_save;
+    pol.save_options.fault_hook = save_delay_hook();
     ckpt = std::make_unique<checkpoint::CheckpointManager>(world, cks.save_dir, pol);
   }
 
@@ -613,6 +660,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
   double sums[2] = {0, 0};
   for (int64_t k = 0; k < steps; ++k)
     for (const pipeline::MicroBatch& mb : next_micro_batches(vl)) {
+      if (watchdog) watchdog->beat();
       double n = 0;
       Tensor l = forward_only(mb, &n);
       if (l.defined()) {
@@ -707,6 +755,7 @@ Trainer::Trainer(const RunConfig& cfg, comm::Communicator& world, std::shared_pt
   // The one validation of the run as a whole (files are the launcher's to check: the data arrives here as
   // sample sources); the parts built below check only their own invariants.
   check(cfg, world.size(), {.check_paths = false});
+  impl_->start_watchdog();  // phase start-up until fit() begins its first step
   impl_->build();
 }
 
@@ -720,8 +769,17 @@ TrainResult Trainer::fit() {
                                         (long long)I.consumed_samples);
   const TrainerSection& ts = I.cfg.trainer;
   const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.step + ts.stop_after_steps) : ts.max_steps;
+  // However fit() ends (an exception a caller may catch included), the time after it is not a step.
+  struct Unwatch {
+    Impl& i;
+    ~Unwatch() { i.watch(WatchPhase::Idle, i.step); }
+  } unwatch{I};
+  bool first = true;
   while (I.step < end) {
+    I.watch(first ? WatchPhase::FirstStep : WatchPhase::Step, I.step + 1);
+    first = false;
     StepMetrics m = I.train_step();
+    if (I.watchdog) I.watchdog->beat();
     I.check_numerics(m);
     if (ts.straggler_factor > 0) I.check_stragglers(m);
     r.history.push_back(m);
@@ -741,7 +799,9 @@ TrainResult Trainer::fit() {
     // Agreed before the checkpoint decision, so a stop saves this step's state once.
     const int stop = I.step < end ? I.agree_stop() : 0;
     if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.step) || (I.cfg.checkpoint.save_last && I.step == end))) {
+      I.watch(WatchPhase::Save, I.step);
       I.save(val);
+      I.watch(WatchPhase::Step, I.step);
       if (I.root) {
         std::printf("step %lld | checkpoint %s\n", (long long)I.step, I.last_checkpoint.c_str());
         std::fflush(stdout);
@@ -759,6 +819,7 @@ TrainResult Trainer::fit() {
     }
   }
   if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
+  I.watch(WatchPhase::Save, I.step);
   if (I.ckpt) I.ckpt->wait();
   r.final_step = I.step;
   r.last_checkpoint = I.last_checkpoint;
