@@ -755,8 +755,9 @@ Trainer::Trainer(const RunConfig& cfg, comm::Communicator& world, std::shared_pt
   // The one validation of the run as a whole (files are the launcher's to check: the data arrives here as
   // sample sources); the parts built below check only their own invariants.
   check(cfg, world.size(), {.check_paths = false});
-  impl_->start_watchdog();  // phase start-up until fit() begins its first step
+  impl_->start_watchdog();  // phase start-up: building the model, loading a checkpoint
   impl_->build();
+  impl_->watch(WatchPhase::Idle, impl_->step);  // a trainer that waits for its caller is not hung
 }
 
 Trainer::~Trainer() = default;

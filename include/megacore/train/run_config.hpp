@@ -275,8 +275,8 @@ struct TrainerSection {
             "report ranks slower than this factor times the median; 0 = off (it costs one all-gather per step)."},
       s.straggler_factor);
     f(Field{"startup_timeout_s",
-            "Watchdog (train/watchdog.hpp): seconds from the trainer's start to its first step (building the model, "
-            "loading a checkpoint) before the rank reports its last collectives and the ranks that had not arrived, "
+            "Watchdog (train/watchdog.hpp): seconds the trainer's construction (building the model, loading a "
+            "checkpoint) may take before the rank reports its last collectives and the ranks that had not arrived, "
             "aborts its communicators and exits with code 124; 0 = not watched."},
       s.startup_timeout_s);
     f(Field{"first_step_timeout_s",

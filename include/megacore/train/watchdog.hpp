@@ -1,7 +1,7 @@
 // Watchdog: turns a rank that stops making progress into a report and an exit, instead of a silent hang.
 //
-// The training loop beats it: at each phase change (start-up, first step, step, checkpoint save) and at the
-// start and end of every step. A thread checks the time since the last beat against the phase's timeout
+// The trainer beats it: at each phase change (its construction, the first step, later steps, checkpoint saves;
+// idle in between) and at the start and end of every step and each validation batch. A thread checks the time since the last beat against the phase's timeout
 // (trainer.startup_timeout_s, first_step_timeout_s, step_timeout_s, save_timeout_s; 0 = that phase is not
 // watched). When one expires, the rank
 //   1. snapshots the flight record of every communicator of the process (comm/flight_recorder.hpp) and
