@@ -124,6 +124,10 @@ void bind_comm(pyb::module_& root) {
   m.def("abort_job", [](int code) { abort_job(code); }, pyb::arg("code") = 1,
         "Ends this process now with `code`: MPI_Abort of the MPI world when MPI is initialised (mpirun then "
         "ends every rank), else an immediate exit without teardown. Flush your output first.");
+  m.def("flight_record", [](size_t last_n) { return format_flight_records(flight_records(), last_n); },
+        pyb::arg("last_n") = 8,
+        "The last `last_n` operations of every live communicator of this process (op, bytes, sequence number, "
+        "duration or NOT FINISHED), one line per communicator: the flight record the trainer's watchdog prints.");
   m.def("check_health", &check_health,
         "Raises CommError if the NCCL watchdog aborted a communicator since the last check (each once).");
   m.def("init_from_env", [](const std::string& device, const std::string& name, double timeout_s, bool check_shapes,

@@ -15,10 +15,11 @@ abort_job = _c.abort_job
 Work = _c.Work
 check_health = _c.check_health
 detect_launch_env = _c.detect_launch_env
+flight_record = _c.flight_record
 init_from_env = _c.init_from_env
 mpi_available = _c.mpi_available
 nccl_available = _c.nccl_available
 nccl_version = _c.nccl_version
 
-__all__ = ["Communicator", "Work", "abort_job", "check_health", "detect_launch_env", "init_from_env", "mpi_available", "nccl_available",
-           "nccl_version"]
+__all__ = ["Communicator", "Work", "abort_job", "check_health", "detect_launch_env", "flight_record", "init_from_env",
+           "mpi_available", "nccl_available", "nccl_version"]

@@ -662,6 +662,10 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("trainer.loss_spike_factor", "must be 0 (off) or a factor above 1, e.g. 3");
   if (!(t.straggler_factor == 0 || t.straggler_factor > 1))
     err("trainer.straggler_factor", "must be 0 (off) or a factor above 1, e.g. 1.5");
+  for (const auto& [name, v] : {std::pair{"startup_timeout_s", t.startup_timeout_s},
+                                {"first_step_timeout_s", t.first_step_timeout_s},
+                                {"step_timeout_s", t.step_timeout_s}, {"save_timeout_s", t.save_timeout_s}})
+    if (!(v >= 0)) err(fmt::format("trainer.{}", name), "must be 0 (not watched) or a positive number of seconds");
   if (r.logging.metrics_port < 0 || r.logging.metrics_port > 65535)
     err("logging.metrics_port", "must be a TCP port in 1..65535, or 0 for no metrics endpoint");
   if (r.logging.metrics_port > 0 && r.logging.metrics_host.empty())

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -31,6 +32,7 @@
 #include "megacore/pipeline/engine.hpp"
 #include "megacore/pipeline/layout.hpp"
 #include "megacore/train/stop_signal.hpp"
+#include "megacore/train/watchdog.hpp"
 
 namespace megacore::train {
 
@@ -69,6 +71,23 @@ void drop_rows_after(const fs::path& path, int64_t step) {
     MC_CHECK_AS(IOError, out.good(), "cannot rewrite {} (disk full?)", tmp.string());
   }
   fs::rename(tmp, path);
+}
+
+// Fault injection for the resilience tests, never for production: MEGACORE_TEST_SAVE_DELAY=<point>:<seconds> makes
+// every rank sleep at that point of each checkpoint save (checkpoint::SaveOptions::fault_hook's points, e.g.
+// shard_written), so a test can kill a rank while a save is half written.
+std::function<void(const std::string&)> save_delay_hook() {
+  const char* v = std::getenv("MEGACORE_TEST_SAVE_DELAY");
+  if (!v || !*v) return {};
+  const std::string spec = v;
+  const size_t colon = spec.rfind(':');
+  MC_CHECK_AS(ConfigError, colon != std::string::npos && colon > 0,
+              "MEGACORE_TEST_SAVE_DELAY='{}' is not <point>:<seconds> (e.g. shard_written:3); unset it", spec);
+  const std::string point = spec.substr(0, colon);
+  const double seconds = std::stod(spec.substr(colon + 1));
+  return [point, seconds](const std::string& at) {
+    if (at == point) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  };
 }
 
 }  // namespace
@@ -134,7 +153,34 @@ struct Trainer::Impl {
   checkpoint::CheckpointReader load_model(const std::string& path);
   /// Optimizer state, step, scheduler, loss scaler and data position from an open checkpoint.
   void load_training_state(checkpoint::CheckpointReader& reader);
+  /// Last member: stopped first, before anything it watches is torn down.
+  std::unique_ptr<Watchdog> watchdog;
+  void watch(WatchPhase p, int64_t at_step) {
+    if (watchdog) watchdog->enter(p, at_step);
+  }
+  void start_watchdog();
 };
+
+void Trainer::Impl::start_watchdog() {
+  const TrainerSection& t = cfg.trainer;
+  if (t.startup_timeout_s <= 0 && t.first_step_timeout_s <= 0 && t.step_timeout_s <= 0 && t.save_timeout_s <= 0)
+    return;
+  WatchdogOptions o;
+  o.startup_timeout_s = t.startup_timeout_s;
+  o.first_step_timeout_s = t.first_step_timeout_s;
+  o.step_timeout_s = t.step_timeout_s;
+  o.save_timeout_s = t.save_timeout_s;
+  o.rank = world.world_ranks()[size_t(world.rank())];
+  o.world_size = world.size();
+  const char* job_dir = std::getenv("MEGACORE_JOB_DIR");  // megacore.launch's folder for the job's reports
+  const char* attempt = std::getenv("MEGACORE_RESTART");
+  o.job_dir = job_dir ? job_dir : "";
+  o.attempt = attempt && *attempt ? attempt : "0";
+  // NCCL communicators are aborted so no kernel keeps waiting on the peers; MPI ranks end through MPI_Abort
+  // (the MPI backend is not to be used from a second thread).
+  if (world.backend() == comm::Backend::NCCL) o.abort = [this] { world.abort(); };
+  watchdog = std::make_unique<Watchdog>(std::move(o));
+}
 
 void Trainer::Impl::build() {
   root = world.rank() == 0;
@@ -235,6 +281,7 @@ void Trainer::Impl::build() {
     pol.keep_last = cks.keep_last;
     pol.keep_top_k = cks.keep_top_k;
     pol.async = cks.async_save;
+    pol.save_options.fault_hook = save_delay_hook();
     ckpt = std::make_unique<checkpoint::CheckpointManager>(world, cks.save_dir, pol);
   }
 
@@ -624,6 +671,7 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
   double sums[2] = {0, 0};
   for (int64_t k = 0; k < steps; ++k)
     for (const pipeline::MicroBatch& mb : next_micro_batches(vl)) {
+      if (watchdog) watchdog->beat();
       double n = 0;
       Tensor l = forward_only(mb, &n);
       if (l.defined()) {
@@ -706,7 +754,9 @@ Trainer::Trainer(const RunConfig& cfg, comm::Communicator& world, std::shared_pt
   // The one validation of the run as a whole (files are the launcher's to check: the data arrives here as
   // sample sources); the parts built below check only their own invariants.
   check(cfg, world.size(), {.check_paths = false});
+  impl_->start_watchdog();  // phase start-up: building the model, loading a checkpoint
   impl_->build();
+  impl_->watch(WatchPhase::Idle, impl_->state.step);  // a trainer that waits for its caller is not hung
 }
 
 Trainer::~Trainer() = default;
@@ -719,13 +769,22 @@ TrainResult Trainer::fit() {
                                         (long long)I.state.consumed_samples);
   const TrainerSection& ts = I.cfg.trainer;
   const int64_t end = ts.stop_after_steps > 0 ? std::min(ts.max_steps, I.state.step + ts.stop_after_steps) : ts.max_steps;
+  // However fit() ends (an exception a caller may catch included), the time after it is not a step.
+  struct Unwatch {
+    Impl& i;
+    ~Unwatch() { i.watch(WatchPhase::Idle, i.state.step); }
+  } unwatch{I};
+  bool first = true;
   while (I.state.step < end) {
+    I.watch(first ? WatchPhase::FirstStep : WatchPhase::Step, I.state.step + 1);
+    first = false;
     StepMetrics m = I.train_step();
+    if (I.watchdog) I.watchdog->beat();
     I.check_numerics(m);
     if (ts.straggler_factor > 0) I.check_stragglers(m);
     r.history.push_back(m);
     I.log(m);
-    if (I.step_cb) I.step_cb(m);
+    if (I.state.step_cb) I.state.step_cb(m);
     std::optional<double> val;
     if (I.valid_src && ts.val_check_interval > 0 && I.state.step % ts.val_check_interval == 0) {
       val = I.evaluate(ts.limit_val_batches);
@@ -740,7 +799,9 @@ TrainResult Trainer::fit() {
     // Agreed before the checkpoint decision, so a stop saves this step's state once.
     const int stop = I.state.step < end ? I.agree_stop() : 0;
     if (I.ckpt && (stop != 0 || I.ckpt->should_save(I.state.step) || (I.cfg.checkpoint.save_last && I.state.step == end))) {
+      I.watch(WatchPhase::Save, I.state.step);
       I.save(val);
+      I.watch(WatchPhase::Step, I.state.step);
       if (I.root) {
         std::printf("step %lld | checkpoint %s\n", (long long)I.state.step, I.last_checkpoint.c_str());
         std::fflush(stdout);
@@ -758,6 +819,7 @@ TrainResult Trainer::fit() {
     }
   }
   if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
+  I.watch(WatchPhase::Save, I.state.step);
   if (I.ckpt) I.ckpt->wait();
   r.final_step = I.state.step;
   r.last_checkpoint = I.last_checkpoint;

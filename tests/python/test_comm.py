@@ -74,3 +74,19 @@ def test_launcher_stops_all_ranks_when_one_fails(tmp_path):
         assert rc != 0
         return
     assert rc == 7 and time.monotonic() - t0 < 30
+
+
+def test_flight_record_lists_a_communicators_last_operations():
+    if not mc.comm.mpi_available():
+        pytest.skip("needs MPI")
+    import numpy as np
+
+    w = mc.comm.init_from_env("cpu", name="flight_py")
+    t = mc.from_numpy(np.ones(8, dtype=np.float32))
+    for _ in range(3):
+        w.all_reduce(t)
+    w.barrier()
+    lines = [x for x in mc.comm.flight_record(2).splitlines() if "group 'flight_py'" in x]
+    assert len(lines) == 1, mc.comm.flight_record()
+    assert "rank 0: 4 collectives, 0 p2p batches; last: #3 all_reduce 32 B (took" in lines[0], lines[0]
+    assert "#4 barrier 0 B (took" in lines[0] and "#2 " not in lines[0], lines[0]

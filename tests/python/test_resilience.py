@@ -55,6 +55,25 @@ def _losses(r):
     return [(row["step"], row["loss"], row["grad_norm"]) for row in rows if "loss" in row]
 
 
+def _reference_losses(tmp_path, steps):
+    """The losses of an uninterrupted run of `steps` steps."""
+    ref, ref_cfg = _tiny(tmp_path, "ref", steps, checkpoint__save_last=False)
+    p, _ = _launch(ref_cfg)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return _losses(ref)
+
+
+def wait_for_logged_step(proc, r, step, timeout=90):
+    """Waits until rank 0 has logged `step` to metrics.jsonl (the job `proc` still running); returns the time."""
+    jsonl = os.path.join(r.logging.log_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if os.path.exists(jsonl) and any(json.loads(x).get("step") == step for x in open(jsonl) if x.strip()):
+            return time.monotonic()
+        time.sleep(0.05)
+
+
 @needs_mpi
 def test_an_exception_on_one_rank_mid_run_ends_the_job_within_seconds(tmp_path):
     r, cfg = _tiny(tmp_path, "raise", 6)
@@ -90,10 +109,7 @@ def test_a_bad_data_file_on_rank_0_before_the_first_collective_ends_the_job(tmp_
 
 @needs_mpi
 def test_sigterm_stops_every_rank_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp_path):
-    ref, ref_cfg = _tiny(tmp_path, "ref", 6, checkpoint__save_last=False)
-    p, _ = _launch(ref_cfg)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    want = _losses(ref)
+    want = _reference_losses(tmp_path, 6)
 
     # Rank 1 alone gets SIGTERM after step 3 (a scheduler signals every rank; one is the harder case).
     r, cfg = _tiny(tmp_path, "pre", 6)
@@ -122,6 +138,15 @@ def _job_pids(mark):
         except OSError:
             continue
     return pids
+
+
+def _world_rank(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env.get(b"OMPI_COMM_WORLD_RANK", b"-1"))
 
 
 def _cmdline(pid):
@@ -165,17 +190,14 @@ def test_sigterm_to_megacore_train_leaves_no_process_of_the_job(tmp_path, target
 
 @needs_mpi
 def test_max_restarts_resumes_a_job_whose_rank_died_and_ends_with_the_same_loss(tmp_path):
-    ref, ref_cfg = _tiny(tmp_path, "ref", 8, checkpoint__save_last=False)
-    p, _ = _launch(ref_cfg)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-
+    want = _reference_losses(tmp_path, 8)
     r, cfg = _tiny(tmp_path, "restart", 8, checkpoint__save_interval=3)
     p, took = _launch(cfg, "--max-restarts", "1", env={"FAULT_KIND": "kill", "FAULT_RANK": "1", "FAULT_STEP": "5"})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "restarting every rank from the latest checkpoint (restart 1 of 1" in out, out
     assert "resumed at step 3" in out, out
-    assert _losses(r) == _losses(ref)  # steps 4 and 5 are trained again, the same way
+    assert _losses(r) == want  # steps 4 and 5 are trained again, the same way
 
 
 @needs_mpi
@@ -276,3 +298,69 @@ def test_nonfinite_steps_are_reported_and_skipped(tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(r.logging.log_dir, "metrics.jsonl"))]
     assert [(row["step"], row["nonfinite"], row["skipped"]) for row in rows] == \
         [(1, False, False), (2, True, True), (3, True, True), (4, True, True)]
+
+
+@needs_mpi
+def test_a_stalled_rank_is_reported_by_the_watchdog_and_every_rank_exits(tmp_path):
+    # Rank 1 stops for good in its callback after step 2; rank 0 goes on into the next collective and waits.
+    # Both watchdogs fire after step_timeout_s, exchange their flight records, report and end the job.
+    timeout = 3.0
+    r, cfg = _tiny(tmp_path, "stall", 6, trainer__step_timeout_s=timeout)
+    proc = subprocess.Popen([sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu", RANK, cfg],
+                            env=dict(os.environ, FAULT_KIND="hang", FAULT_RANK="1", FAULT_STEP="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stalled_at = wait_for_logged_step(proc, r, 2)  # from here on rank 1 is stuck
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - stalled_at
+    assert proc.returncode != 0, out + err
+    assert took < timeout + 8, (took, err)
+    # Rank 0 waits in a collective and names rank 1 as the one that had not arrived, with its last collective.
+    m0 = re.search(r"megacore: watchdog: rank 0: step [23] made no progress for ([0-9.]+) s "
+                   r"\(trainer\.step_timeout_s = 3\); waiting in collective #(\d+) (\w+) \(([0-9.]+ (?:B|KiB|MiB))\) "
+                   r"of group '(\w+)' for [0-9.]+ s; ranks that had not arrived: rank 1 \(its last collective there: "
+                   r"#(\d+) \w+\)", err)
+    assert m0, err
+    assert timeout <= float(m0.group(1)) < timeout + 1
+    seq, op, size, grp, last = int(m0.group(2)), m0.group(3), m0.group(4), m0.group(5), int(m0.group(6))
+    assert last == seq - 1
+    # Rank 1 is outside any collective and knows rank 0 waits for it in that very one.
+    m1 = re.search(r"megacore: watchdog: rank 1: step 2 made no progress for [0-9.]+ s "
+                   r"\(trainer\.step_timeout_s = 3\); not inside a collective; waiting for this rank: (.*)", err)
+    assert m1, err
+    assert f"rank 0 in collective #{seq} {op} of group '{grp}'" in m1.group(1), m1.group(0)
+    # Each rank printed its flight record; the launcher named the first report once.
+    assert re.search(rf"group '{grp}' \(world ranks 0,1\), rank 0: {seq} collectives.*#{seq} {op} {size} "
+                     r"\(NOT FINISHED", err), err
+    lines = SUMMARY.findall(err)
+    assert len(lines) == 1 and "failed first: watchdog: rank " in lines[0] and "made no progress" in lines[0], err
+
+
+@needs_mpi
+def test_a_rank_killed_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(tmp_path):
+    want = _reference_losses(tmp_path, 6)
+    # Saves at steps 2, 4, 6; every rank sleeps 3 s after writing its shard (MEGACORE_TEST_SAVE_DELAY), and rank 1
+    # is SIGKILLed in that window of the step-4 save, its temporary folder half written.
+    r, cfg = _tiny(tmp_path, "killsave", 6, checkpoint__save_interval=2)
+    mark = f"MEGACORE_TEST_JOB={uuid.uuid4().hex}"
+    env = dict(os.environ, MEGACORE_TEST_SAVE_DELAY="shard_written:3", **dict([mark.split("=")]))
+    proc = subprocess.Popen([sys.executable, "-m", "megacore.launch", "--nproc-per-node", "2", "--cpu",
+                             "--max-restarts", "1", RANK, cfg], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    tmp_save = os.path.join(r.checkpoint.save_dir, ".tmp.step_4")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(tmp_save) and any(n.endswith(".safetensors") for n in os.listdir(tmp_save))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.join(r.checkpoint.save_dir, "step_4"))
+    rank1 = [p for p in _job_pids(mark.encode()) if "train_fault.py" in _cmdline(p) and _world_rank(p) == 1]
+    assert len(rank1) == 1, [_cmdline(p) for p in _job_pids(mark.encode())]
+    os.kill(rank1[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    assert "restarting every rank from the latest checkpoint (restart 1 of 1" in out, out
+    assert "resumed at step 2" in out, out  # the complete step-2 checkpoint, not the partial step 4
+    assert _losses(r) == want, out  # and the rerun steps 3..6 match the uninterrupted run exactly
+    left = sorted(os.listdir(r.checkpoint.save_dir))
+    assert not [n for n in left if n.startswith(".tmp.")], left
+    for step in (4, 6):  # written again, whole, by the restarted job
+        assert os.path.isfile(os.path.join(r.checkpoint.save_dir, f"step_{step}", "metadata.json")), left

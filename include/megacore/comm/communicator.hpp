@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "megacore/comm/flight_recorder.hpp"
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
 
@@ -115,12 +116,16 @@ class Communicator {
   /// Tears the communicator down without waiting for peers; later operations throw CommError.
   virtual void abort() = 0;
   virtual bool aborted() const = 0;
+  /// The record of this communicator's last operations (comm/flight_recorder.hpp); null for backends
+  /// that keep none.
+  const FlightRecorder* flight_recorder() const { return flight_.get(); }
 
  protected:
   int rank_ = 0;
   int size_ = 1;
   CommOptions options_;
   std::vector<int> world_ranks_;
+  std::shared_ptr<FlightRecorder> flight_;  ///< made by the backend once rank_ and world_ranks_ are known
 };
 
 /// Throws CommError if the NCCL watchdog has aborted a communicator of this process since the last call

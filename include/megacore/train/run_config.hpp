@@ -220,6 +220,10 @@ struct TrainerSection {
   std::string on_nonfinite = "skip";
   double loss_spike_factor = 3.0;
   double straggler_factor = 0;
+  double startup_timeout_s = 1800;
+  double first_step_timeout_s = 1800;
+  double step_timeout_s = 600;
+  double save_timeout_s = 1800;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -271,6 +275,20 @@ struct TrainerSection {
             "Every step, gather each rank's compute time (the step up to the data-parallel gradient reduction) and "
             "report ranks slower than this factor times the median; 0 = off (it costs one all-gather per step)."},
       s.straggler_factor);
+    f(Field{"startup_timeout_s",
+            "Watchdog (train/watchdog.hpp): seconds the trainer's construction (building the model, loading a "
+            "checkpoint) may take before the rank reports its last collectives and the ranks that had not arrived, "
+            "aborts its communicators and exits with code 124; 0 = not watched."},
+      s.startup_timeout_s);
+    f(Field{"first_step_timeout_s",
+            "Watchdog: seconds the first step of a run may go without progress (it warms caches and plans); 0 = not "
+            "watched."},
+      s.first_step_timeout_s);
+    f(Field{"step_timeout_s",
+            "Watchdog: seconds any later step (with its validation and step callbacks) may go without progress; 0 = "
+            "not watched. Below comm_timeout_s it reports a hang before the collective's own timeout does."},
+      s.step_timeout_s);
+    f(Field{"save_timeout_s", "Watchdog: seconds a checkpoint save may take; 0 = not watched."}, s.save_timeout_s);
   }
 };
 

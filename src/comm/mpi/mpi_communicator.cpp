@@ -214,9 +214,10 @@ struct MpiState {
 class MpiWork final : public Work {
  public:
   MpiWork(std::shared_ptr<MpiState> st, std::string context, std::chrono::milliseconds timeout,
-          std::unique_ptr<Pending> p, std::function<void()> finish)
+          std::unique_ptr<Pending> p, std::function<void()> finish, std::shared_ptr<FlightRecorder> flight,
+          uint64_t flight_id)
       : st_(std::move(st)), context_(std::move(context)), timeout_(timeout), start_(Clock::now()),
-        p_(std::move(p)), finish_(std::move(finish)) {}
+        p_(std::move(p)), finish_(std::move(finish)), flight_(std::move(flight)), flight_id_(flight_id) {}
 
   ~MpiWork() override {
     if (p_ && !done_) {
@@ -259,6 +260,7 @@ class MpiWork final : public Work {
     int rc = p_->test(done);
     if (!done) return false;
     done_ = true;
+    if (rc == MPI_SUCCESS) flight_->done(flight_id_);
     if (rc != MPI_SUCCESS) {
       error_ = fmt::format("{} failed: {}", context_, mpi_error_string(rc));
       st_->mark_aborted(error_, /*notify=*/true);
@@ -284,6 +286,8 @@ class MpiWork final : public Work {
   Clock::time_point start_;
   std::unique_ptr<Pending> p_;
   std::function<void()> finish_;
+  std::shared_ptr<FlightRecorder> flight_;
+  uint64_t flight_id_;
   bool done_ = false;
   std::string error_;
 };
@@ -317,6 +321,7 @@ class MpiCommunicator final : public Communicator {
     st_->rank = rank_;
     st_->size = size_;
     st_->world_ranks = world_ranks_;
+    flight_ = FlightRecorder::create(options_.name, world_ranks_, rank_);
     std::string cname = "megacore:" + options_.name;
     MPI_Comm_set_name(comm, cname.c_str());  // shows up in MPI's own error messages and tools
   }
@@ -337,7 +342,7 @@ class MpiCommunicator final : public Communicator {
                what);
     std::function<void()> finish;
     if (op == ReduceOp::Avg) finish = [t, s = size_] { divide_(t, s); };
-    return make_work(what, std::move(p), std::move(finish));
+    return make_work(what, std::move(p), std::move(finish), name, t.nbytes());
   }
 
   WorkPtr all_gather(const Tensor& in, Tensor& out, const Stream&) override {
@@ -359,7 +364,7 @@ class MpiCommunicator final : public Communicator {
     const void* src = (slot == in.data_ptr() && n > 0) ? MPI_IN_PLACE : in.data_ptr();
     MPI_Datatype ty = mpi_type(in.dtype());
     post_check(MPI_Iallgather(src, n, ty, out.data_ptr(), n, ty, st_->comm, &p->reqs[0]), what);
-    return make_work(what, std::move(p), nullptr);
+    return make_work(what, std::move(p), nullptr, name, in.nbytes());
   }
 
   WorkPtr reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op, const Stream&) override {
@@ -382,7 +387,7 @@ class MpiCommunicator final : public Communicator {
                what);
     std::function<void()> finish;
     if (op == ReduceOp::Avg) finish = [out, s = size_] { divide_(out, s); };
-    return make_work(what, std::move(p), std::move(finish));
+    return make_work(what, std::move(p), std::move(finish), name, in.nbytes());
   }
 
   WorkPtr broadcast(Tensor& t, int root, const Stream&) override {
@@ -396,7 +401,7 @@ class MpiCommunicator final : public Communicator {
     if (options_.check_shapes) agree(sig, what, nullptr);
     auto p = pending({t}, 1);
     post_check(MPI_Ibcast(t.data_ptr(), n, mpi_type(t.dtype()), root, st_->comm, &p->reqs[0]), what);
-    return make_work(what, std::move(p), nullptr);
+    return make_work(what, std::move(p), nullptr, name, t.nbytes());
   }
 
   WorkPtr all_to_all(const Tensor& in, Tensor& out, const std::vector<int64_t>& send_counts,
@@ -424,19 +429,21 @@ class MpiCommunicator final : public Communicator {
     }
     MPI_Datatype ty = mpi_type(in.dtype());
     post_check(MPI_Ialltoallv(in.data_ptr(), sc, sd, ty, out.data_ptr(), rc, rd, ty, st_->comm, &p->reqs[0]), what);
-    return make_work(what, std::move(p), nullptr);
+    return make_work(what, std::move(p), nullptr, name, in.nbytes());
   }
 
   WorkPtr batch_send_recv(const std::vector<P2POp>& ops, const Stream&) override {
     constexpr std::string_view name = "batch_send_recv";
     usable(name);
     std::vector<Tensor> keep;
+    int64_t bytes = 0;
     for (const auto& op : ops) {
       check_tensor(*this, name, op.kind == P2POp::Send ? "a send tensor" : "a recv tensor", op.tensor, Device::cpu());
       MC_CHECK(op.peer >= 0 && op.peer < size_, "batch_send_recv on group '{}': peer {} is out of range [0, {})",
                options_.name, op.peer, size_);
       checked_count(op.tensor.numel(), name);
       keep.push_back(op.tensor);
+      bytes += op.tensor.nbytes();
     }
     std::string what = fmt::format("batch_send_recv ({} ops)", ops.size());
     auto p = pending(std::move(keep), ops.size());
@@ -459,7 +466,7 @@ class MpiCommunicator final : public Communicator {
         ++k;
       }
     }
-    return make_work(what, std::move(p), nullptr);
+    return make_work(what, std::move(p), nullptr, name, bytes, /*p2p=*/true);
   }
 
   void barrier() override {
@@ -469,7 +476,7 @@ class MpiCommunicator final : public Communicator {
     if (options_.check_shapes) agree(sig, what, nullptr);
     auto p = pending({}, 1);
     post_check(MPI_Ibarrier(st_->comm, &p->reqs[0]), what);
-    make_work(what, std::move(p), nullptr)->wait();
+    make_work(what, std::move(p), nullptr, "barrier", 0)->wait();
   }
 
   std::unique_ptr<Communicator> split(int color, int key, const CommOptions& options) override {
@@ -482,7 +489,9 @@ class MpiCommunicator final : public Communicator {
     post_check(MPI_Iallgather(p->words.data(), 2, MPI_INT64_T, p->words.data() + 2, 2, MPI_INT64_T, st_->comm,
                               &p->reqs[0]),
                "split");
-    make_work(fmt::format("split(color={}, key={})", color, key), std::move(p), nullptr)->wait();
+    make_work(fmt::format("split(color={}, key={})", color, key), std::move(p), nullptr, "split",
+              2 * int64_t(sizeof(int64_t)))
+        ->wait();
     MPI_Comm nc = MPI_COMM_NULL;
     check(MPI_Comm_split(st_->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc), "MPI_Comm_split");
     if (nc == MPI_COMM_NULL) return nullptr;
@@ -519,9 +528,12 @@ class MpiCommunicator final : public Communicator {
     throw CommError(msg);
   }
 
-  WorkPtr make_work(std::string_view what, std::unique_ptr<Pending> p, std::function<void()> finish) {
+  // `op` and `bytes` go to the flight record (a collective unless `p2p`).
+  WorkPtr make_work(std::string_view what, std::unique_ptr<Pending> p, std::function<void()> finish,
+                    std::string_view op, int64_t bytes, bool p2p = false) {
+    const uint64_t id = flight_->start(op, bytes, p2p);
     return std::make_shared<MpiWork>(st_, error_context(*this, what), options_.timeout, std::move(p),
-                                     std::move(finish));
+                                     std::move(finish), flight_, id);
   }
 
   // check_shapes: every rank gathers every rank's signature (and for all-to-all its counts), so all
@@ -536,7 +548,8 @@ class MpiCommunicator final : public Communicator {
                what);
     Pending* raw = p.get();
     std::vector<int64_t> all;
-    make_work(what + " (check_shapes)", std::move(p), [&] { all.assign(raw->words.begin() + 4, raw->words.end()); })
+    make_work(what + " (check_shapes)", std::move(p), [&] { all.assign(raw->words.begin() + 4, raw->words.end()); },
+              "check_shapes", OpSignature::kWords * int64_t(sizeof(int64_t)))
         ->wait();
     std::vector<OpSignature> sigs(static_cast<size_t>(size_));
     for (int r = 0; r < size_; ++r) sigs[r] = {all[4 * r], all[4 * r + 1], all[4 * r + 2], all[4 * r + 3]};
@@ -553,7 +566,8 @@ class MpiCommunicator final : public Communicator {
                what);
     raw = q.get();
     make_work(what + " (check_shapes)", std::move(q),
-              [&] { all.assign(raw->words.begin() + std::ptrdiff_t(w), raw->words.end()); })
+              [&] { all.assign(raw->words.begin() + std::ptrdiff_t(w), raw->words.end()); }, "check_shapes",
+              int64_t(w * sizeof(int64_t)))
         ->wait();
     bad = all_to_all_count_mismatch(all, size_);
     if (!bad.empty()) raise<CommError>("{}: check_shapes: {}", error_context(*this, what), bad);

@@ -332,6 +332,8 @@ struct PendingOp {
   std::string context;
   std::vector<Tensor> keep;
   std::atomic<bool> finished{false};
+  std::shared_ptr<FlightRecorder> flight;  // told when the op is seen finished
+  uint64_t flight_id = 0;
 
   ~PendingOp() {
     if (event) EventPool::put(device, event);
@@ -340,6 +342,7 @@ struct PendingOp {
   // Marks the op finished (its event completed) and hands its tensors over for release.
   void finish() {
     if (finished.exchange(true)) return;
+    if (flight) flight->done(flight_id);
     defer_release(std::move(keep));
   }
 };
@@ -546,9 +549,11 @@ std::vector<Tensor> protect_buffers(std::vector<Tensor> tensors, int device, con
 class NcclWork final : public Work {
  public:
   NcclWork(std::shared_ptr<NcclState> st, std::string context, const Stream& stream, std::vector<Tensor> keep,
-           Clock::time_point start)
+           Clock::time_point start, std::shared_ptr<FlightRecorder> flight, uint64_t flight_id)
       : st_(std::move(st)), op_(std::make_shared<PendingOp>()) {
     op_->st = st_;
+    op_->flight = std::move(flight);
+    op_->flight_id = flight_id;
     op_->device = st_->device;
     op_->stream = static_cast<cudaStream_t>(stream.native());
     op_->start = start;
@@ -653,6 +658,7 @@ class NcclCommunicator final : public Communicator {
     world_ranks_ = std::move(world_ranks);
     MC_CHECK_AS(CommError, int(world_ranks_.size()) == size_, "NCCL communicator '{}' has {} ranks, expected {}",
                 options_.name, size_, world_ranks_.size());
+    flight_ = FlightRecorder::create(options_.name, world_ranks_, rank_);
   }
 
   // Orderly teardown on the owner's thread (finalize under the watchdog's stuck-call check, then destroy),
@@ -910,6 +916,17 @@ class NcclCommunicator final : public Communicator {
     DeviceGuard g(st_->device);
     auto start = Clock::now();
     bool empty = !keep.empty() && std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
+    // Flight record: the op's name is `what` up to its arguments; its bytes are the first tensor's (the input
+    // of a collective), or every tensor's for a send/receive batch. Recorded before the call, so one stuck
+    // inside NCCL shows as unfinished.
+    const std::string_view op_name = what.substr(0, what.find_first_of("( "));
+    const bool p2p = op_name == "batch_send_recv";
+    int64_t op_bytes = 0;
+    for (const Tensor& t : keep) {
+      op_bytes += t.nbytes();
+      if (!p2p) break;
+    }
+    const uint64_t flight_id = flight_->start(op_name, op_bytes, p2p);
     ncclResult_t r = ncclSuccess;
     std::string detail;
     bool was_aborted = false;
@@ -930,7 +947,8 @@ class NcclCommunicator final : public Communicator {
     if (was_aborted) usable(what);  // throws: the watchdog aborted it since the op's first check
     if (r != ncclSuccess) fail(std::string(what), start, r, detail);
     if (context_prefix_.empty()) context_prefix_ = error_context(*this, "");  // "group '..' (...) op "
-    return std::make_shared<NcclWork>(st_, context_prefix_ + std::string(what), stream, std::move(keep), start);
+    return std::make_shared<NcclWork>(st_, context_prefix_ + std::string(what), stream, std::move(keep), start,
+                                      flight_, flight_id);
   }
 
   template <class F>

@@ -1,5 +1,7 @@
 """One rank of a training run with an injected fault (megacore.train's own entry, plus a step callback).
-argv: recipe path. Environment: FAULT_KIND (raise | kill | sigterm | none), FAULT_RANK, FAULT_STEP; the fault
+argv: recipe path. Environment: FAULT_KIND (raise | kill | sigterm | hang | oom | none; hang: the rank stops in
+its step callback for good, so its peers wait for it in the next collective; oom: the rank's GPU gets a memory
+limit of what it holds now, so its next step runs out of memory), FAULT_RANK, FAULT_STEP; the fault
 fires only in the first attempt of a job (MEGACORE_RESTART unset or 0), so a restarted job runs clean.
 FAULT_STEP_DELAY: seconds every rank sleeps after each step (a window for a test to act in)."""
 
@@ -29,6 +31,16 @@ def on_step(m):
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
+    if kind == "oom":
+        import megacore as mc
+
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % mc.cuda_device_count()}"  # the trainer's choice
+        mc.synchronize(dev)
+        mc.empty_cache(dev)  # no cached blocks to serve the next step: it has to reserve, and cannot
+        mc.set_memory_limit(dev, max(mc.memory_stats(dev)["allocated"], 1))
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
 
 
 def body(on_world):

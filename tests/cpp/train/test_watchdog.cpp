@@ -1,0 +1,139 @@
+// Watchdog: the report names the collective a rank waits in and the ranks that had not arrived (from the
+// peers' published records), or the peers waiting for a rank outside any collective; the records survive
+// their JSON exchange; a watchdog fires once its phase's timeout passes without a beat, and not while beaten.
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "test_helpers.hpp"
+#include "megacore/train/watchdog.hpp"
+
+using namespace megacore;
+using namespace megacore::train;
+using comm::FlightEntry;
+using comm::FlightSnapshot;
+
+namespace {
+
+FlightSnapshot group(std::string name, std::vector<int> ranks, int rank, uint64_t done_collectives, bool pending) {
+  FlightSnapshot s;
+  s.group = std::move(name);
+  s.world_ranks = std::move(ranks);
+  s.rank = rank;
+  s.collectives = done_collectives + (pending ? 1 : 0);
+  for (uint64_t k = done_collectives > 2 ? done_collectives - 2 : 1; k <= done_collectives; ++k)
+    s.entries.push_back(FlightEntry{k, false, "all_gather", 4096, 5.0, 4.9});
+  if (pending) s.entries.push_back(FlightEntry{s.collectives, false, "all_reduce", 4, 3.2, -1});
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("watchdog report names the waiting collective and the ranks that had not arrived", "[train][watchdog]") {
+  // World of 4; group 'tp' = {0, 1}, 'dp' = {0, 2}. Rank 0 waits in tp collective #8; rank 1 stopped at #7;
+  // rank 3 published nothing (dead); in 'dp' rank 2 is level with rank 0.
+  std::vector<FlightSnapshot> r0{group("tp", {0, 1}, 0, 7, true), group("dp", {0, 2}, 0, 3, false)};
+  std::vector<FlightSnapshot> r1{group("tp", {0, 1}, 1, 7, false)};
+  std::vector<FlightSnapshot> r2{group("dp", {0, 2}, 1, 3, false)};
+  std::vector<std::vector<FlightSnapshot>> peers{r0, r1, r2, {}};
+  const std::vector<bool> published{true, true, true, false};
+
+  const std::string a = Watchdog::report(0, "step 5 made no progress", r0, peers, published);
+  const std::string head0 = a.substr(0, a.find('\n'));
+  CHECK(head0 == "megacore: watchdog: rank 0: step 5 made no progress; waiting in collective #8 all_reduce (4 B) of "
+                 "group 'tp' for 3.2 s; ranks that had not arrived: rank 1 (its last collective there: #7 all_gather)");
+  CHECK(a.find("group 'dp' (world ranks 0,2), rank 0: 3 collectives") != std::string::npos);
+
+  const std::string b = Watchdog::report(1, "step 4 made no progress", r1, peers, published);
+  CHECK(b.substr(0, b.find('\n')) == "megacore: watchdog: rank 1: step 4 made no progress; not inside a collective; "
+                                     "waiting for this rank: rank 0 in collective #8 all_reduce of group 'tp'");
+
+  // A group with a member that sent no record: it is named as such.
+  std::vector<FlightSnapshot> w0{group("world", {0, 3}, 0, 2, true)};
+  const std::string c = Watchdog::report(0, "x", w0, {w0, {}, {}, {}}, published);
+  CHECK(c.find("ranks that had not arrived: rank 3 (sent no record: dead, hung hard, or its watchdog is off)") !=
+        std::string::npos);
+  // Everyone arrived: the operation itself is stuck.
+  std::vector<FlightSnapshot> w3{group("world", {0, 3}, 1, 2, true)};
+  const std::string d = Watchdog::report(0, "x", w0, {w0, {}, {}, w3}, {true, false, false, true});
+  CHECK(d.find("every rank of the group had arrived") != std::string::npos);
+}
+
+TEST_CASE("watchdog records survive their JSON exchange", "[train][watchdog]") {
+  std::vector<FlightSnapshot> r{group("tp", {2, 3}, 1, 9, true), group("pp", {1, 3}, 1, 0, false)};
+  r[1].p2p = 4;
+  r[1].entries.push_back(FlightEntry{4, true, "batch_send_recv", 96, 1.5, 1.25});
+  const auto back = Watchdog::from_json(Watchdog::to_json(r));
+  REQUIRE(back.size() == 2);
+  CHECK(back[0].group == "tp");
+  CHECK(back[0].world_ranks == std::vector<int>{2, 3});
+  CHECK(back[0].collectives == 10);
+  REQUIRE(back[0].pending_collective() != nullptr);
+  CHECK(back[0].pending_collective()->seq == 10);
+  CHECK(back[1].p2p == 4);
+  REQUIRE(back[1].entries.size() == 1);
+  CHECK(back[1].entries[0].op == "batch_send_recv");
+  CHECK(back[1].entries[0].bytes == 96);
+  CHECK(back[1].entries[0].done_ago_s == 1.25);
+}
+
+TEST_CASE("watchdog fires after its phase's timeout without a beat, not while beaten", "[train][watchdog]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("mc_watchdog_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::atomic<int> fired{0};
+  std::string report;
+  std::mutex mu;
+  WatchdogOptions o;
+  o.startup_timeout_s = 0;  // not watched
+  o.step_timeout_s = 0.6;
+  o.save_timeout_s = 5;
+  o.rank = 0;
+  o.world_size = 2;  // rank 1 never publishes: the wait for it ends after exchange_s
+  o.job_dir = dir.string();
+  o.exchange_s = 0.3;
+  o.on_timeout = [&](const std::string& r) {
+    std::lock_guard<std::mutex> l(mu);
+    report = r;
+    ++fired;
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    Watchdog w(o);
+    std::this_thread::sleep_for(std::chrono::milliseconds(900));  // start-up is not watched
+    CHECK(fired == 0);
+    w.enter(WatchPhase::Step, 3);
+    for (int i = 0; i < 8; ++i) {  // 1.6 s of steps, each beaten within its timeout
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      w.beat();
+    }
+    CHECK(fired == 0);
+    w.enter(WatchPhase::Save, 3);  // a long save under its own, larger timeout
+    std::this_thread::sleep_for(std::chrono::milliseconds(900));
+    CHECK(fired == 0);
+    w.enter(WatchPhase::Step, 4);
+    t0 = std::chrono::steady_clock::now();
+    while (fired == 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(fired == 1);
+  CHECK(took > 0.6);
+  CHECK(took < 0.6 + 0.3 + 1.0);
+  CHECK(report.rfind("megacore: watchdog: rank 0: step 4 made no progress for ", 0) == 0);
+  CHECK(report.find("(trainer.step_timeout_s = 0.6)") != std::string::npos);
+  // It published its record and its error for the launcher.
+  CHECK(fs::exists(dir / "flight.0.rank0.json"));
+  std::ifstream ef(dir / "error.rank0.json");
+  const nlohmann::json err = nlohmann::json::parse(ef);
+  CHECK(err.at("rank") == 0);
+  CHECK(err.at("error").get<std::string>().rfind("watchdog: rank 0: step 4 made no progress", 0) == 0);
+  fs::remove_all(dir);
+}
