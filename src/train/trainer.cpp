@@ -784,7 +784,7 @@ TrainResult Trainer::fit() {
     if (ts.straggler_factor > 0) I.check_stragglers(m);
     r.history.push_back(m);
     I.log(m);
-    if (I.state.step_cb) I.state.step_cb(m);
+    if (I.step_cb) I.step_cb(m);
     std::optional<double> val;
     if (I.valid_src && ts.val_check_interval > 0 && I.state.step % ts.val_check_interval == 0) {
       val = I.evaluate(ts.limit_val_batches);
