@@ -235,10 +235,13 @@ TEST_CASE("validate checks context parallelism: sequence divisibility, comm type
   CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
   c.parallel.cp_comm_type = "all_gather";
   CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  c.data.sft_path = "x.jsonl";  // packed SFT rows: the p2p ring splits their segments, all_gather does not
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "need the p2p ring; set cp_comm_type = p2p"));
   c.parallel.cp_comm_type = "p2p";
-  c.data.sft_path = "x.jsonl";
-  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows is not supported"));
+  CHECK(!has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows"));
+  c.parallel.cp_comm_type = "all_gather";
   c.data.sft_pack = false;
   CHECK(!has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows"));
+  c.parallel.cp_comm_type = "p2p";
   CHECK_THROWS_AS(set_field(c, "parallel.cp_comm_type", "ring"), ConfigError);  // not one of p2p|all_gather
 }
