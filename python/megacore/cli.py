@@ -364,8 +364,12 @@ def _add_convert(sub):
                     "checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
                     "checkpoint (a step_N directory, or a root such as runs/NAME/checkpoints: its latest), including "
                     "every checkpoint `megacore train` writes, into a Hugging Face model directory (config.json, "
-                    "generation_config.json, safetensors and the run's tokenizer files).")
-    p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf"])
+                    "generation_config.json, safetensors and the run's tokenizer files); a LoRA run's checkpoint "
+                    "exports its base with the adapters merged in. megacore-to-peft SRC OUT: a LoRA run's adapter as "
+                    "a Hugging Face PEFT directory (adapter_config.json + adapter_model.safetensors). peft-to-megacore "
+                    "SRC OUT --base CKPT: a PEFT LoRA adapter onto a megacore base checkpoint (e.g. one made by "
+                    "hf-to-megacore), written as a megacore adapter checkpoint under OUT.")
+    p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf", "megacore-to-peft", "peft-to-megacore"])
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--max-shard-size", type=int, default=5 * 1024 ** 3,
@@ -373,18 +377,30 @@ def _add_convert(sub):
     p.add_argument("--tokenizer", default=None,
                    help="megacore-to-hf: 'byte' or the tokenizer.json the run used (default: the run's data.tokenizer "
                         "from the checkpoint's recipe)")
+    p.add_argument("--base", default=None,
+                   help="LoRA: the base megacore checkpoint (default for a LoRA run: its checkpoint."
+                        "pretrained_checkpoint; required for peft-to-megacore)")
+    p.add_argument("--base-model-name", default="",
+                   help="megacore-to-peft: base_model_name_or_path written into adapter_config.json (default: the "
+                        "base checkpoint's path)")
 
     def run(args):
-        from . import convert
+        from . import convert, peft
 
         if args.direction == "hf-to-megacore":
             print(convert.hf_to_megacore(args.src, args.out))
-        else:
+        elif args.direction == "megacore-to-hf":
             print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size,
-                                         tokenizer=args.tokenizer))
+                                         tokenizer=args.tokenizer, base=args.base))
+        elif args.direction == "megacore-to-peft":
+            print(peft.export_peft(args.src, args.out, base=args.base, base_model_name_or_path=args.base_model_name))
+        else:
+            if not args.base:
+                args.parser.error("peft-to-megacore needs --base CKPT (the megacore checkpoint of the base model)")
+            print(peft.import_peft(args.src, args.base, args.out))
         return 0
 
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 _COMMANDS = [_add_preprocess, _add_plan, _add_train, _add_bench, _add_convert]
