@@ -249,13 +249,19 @@ def load_base(adapter: Adapter):
     return tensors, dict(config_from_checkpoint(d)), d
 
 
-def merge(ckpt: str, out_root: str, base: str | None = None) -> str:
+def merge(ckpt: str, out_root: str, base: str | None = None, dtype: str | None = None) -> str:
     """Folds the LoRA adapter of ``ckpt`` into its base checkpoint and writes the merged model as a megacore
-    checkpoint ``out_root/step_0`` (loads into any parallel layout). Returns its directory."""
+    checkpoint ``out_root/step_0`` (loads into any parallel layout). ``dtype`` "f32" stores every weight in f32
+    (no rounding of W + B A back to a bf16 base's dtype); default: the base's dtype. Returns its directory."""
     from .checkpoint import save_full_checkpoint
 
     adapter = read_adapter(ckpt, base)
     tensors, c, _ = load_base(adapter)
+    if dtype not in (None, "f32"):
+        raise ConfigError(f"merge dtype '{dtype}': use None (the base's dtype) or 'f32'")
+    if dtype == "f32":
+        tensors = {n: _f32(a) for n, a in tensors.items()}
+        c = dict(c, params_dtype="f32")
     return save_full_checkpoint(out_root, 0, merge_state(tensors, adapter, c), {"config": c})
 
 
