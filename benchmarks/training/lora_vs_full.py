@@ -52,13 +52,17 @@ def write_data(path, rows=4000, seed=0):
 
 
 def run(mc, name, hf_dir, data, work, lora, steps, mb, save):
+    import shutil
+
     out = os.path.join(work, name)
+    for sub in ("checkpoints", "logs"):  # a fresh run each time (the imported base in out/base is kept)
+        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     t0 = time.time()
     mc.finetune(model_path=hf_dir, data_path=data, peft=lora, output_path=out,
                 trainer={"devices": 1, "max_steps": steps, "precision": "bf16"},
                 overrides=["data.seq_length=2048", f"data.micro_batch_size={mb}", f"data.global_batch_size={mb}",
                            "trainer.val_check_interval=0", "checkpoint.save_interval=0",
-                           f"checkpoint.save_last={'true' if save else 'false'}", "checkpoint.resume=none",
+                           f"checkpoint.save_last={'true' if save else 'false'}",
                            "optim.lr=1e-3" if lora else "optim.lr=1e-5"])
     rows = [json.loads(line) for line in open(os.path.join(out, "logs", "metrics.jsonl"))]
     return [r for r in rows if "loss" in r], time.time() - t0
