@@ -36,22 +36,36 @@ def _is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
 
-def resolve_base(model_path: str, output_path: str, log=print) -> tuple:
-    """(megacore checkpoint directory, tokenizer spec or None) of ``model_path``: a Hugging Face directory is
-    imported into ``output_path/base`` (once: a complete import there is reused)."""
+def _import_hf(model_path: str, output_path: str, log=print) -> str:
+    """Imports the Hugging Face directory ``model_path`` into ``output_path/base`` once (a complete import there
+    is reused); returns the checkpoint directory."""
     from .checkpoint import resolve_checkpoint
     from .convert import hf_to_megacore
 
+    base_root = os.path.join(output_path, "base")
+    d = resolve_checkpoint(base_root)
+    if d is None:
+        d = hf_to_megacore(model_path, base_root)
+        log(f"megacore finetune: imported the Hugging Face model {model_path} -> {d}")
+    else:
+        log(f"megacore finetune: using the imported base {d}")
+    return d
+
+
+def resolve_base(model_path: str, output_path: str) -> tuple:
+    """(megacore checkpoint directory, its TransformerConfig dict, tokenizer spec or None) of ``model_path``. For
+    a Hugging Face directory the directory is ``output_path/base`` (where ``_import_hf`` puts it; not written
+    here) and the config comes from its config.json."""
+    import json
+
+    from .checkpoint import resolve_checkpoint
+    from .convert import config_from_checkpoint, config_from_hf
+
     if _is_hf_dir(model_path):
         tok = os.path.join(model_path, "tokenizer.json")
-        base_root = os.path.join(output_path, "base")
-        d = resolve_checkpoint(base_root)
-        if d is None:
-            d = hf_to_megacore(model_path, base_root)
-            log(f"megacore finetune: imported the Hugging Face model {model_path} -> {d}")
-        else:
-            log(f"megacore finetune: using the imported base {d}")
-        return d, (tok if os.path.isfile(tok) else None)
+        with open(os.path.join(model_path, "config.json")) as f:
+            c = config_from_hf(json.load(f))
+        return (os.path.join(output_path, "base"), c, tok if os.path.isfile(tok) else None)
     d = resolve_checkpoint(model_path)
     if d is None:
         raise MegacoreIOError(f"model_path '{model_path}' is neither a Hugging Face model directory (config.json + "
@@ -62,25 +76,24 @@ def resolve_base(model_path: str, output_path: str, log=print) -> tuple:
     from .checkpoint import _metadata
 
     recipe = _peft._recipe_blob(_metadata(d).get("json") or {})
-    return d, (recipe.get("data") or {}).get("tokenizer")
+    return d, config_from_checkpoint(d), (recipe.get("data") or {}).get("tokenizer")
 
 
 def finetune_recipe(model_path: str, data_path: str, peft=None, trainer: Optional[dict] = None,
-                    output_path: str = "runs/finetune", overrides=(), log=print):
-    """The recipe ``finetune`` runs (the base is imported into ``output_path/base`` if needed). ``trainer``:
+                    output_path: str = "runs/finetune", overrides=()):
+    """The recipe ``finetune`` runs (nothing is written; a Hugging Face base is read from ``output_path/base``,
+    where ``finetune`` imports it after validating this recipe). ``trainer``:
     ``devices`` (ranks on this machine) and any trainer field (``max_epochs``, ``max_steps``, ``precision``, ...);
     ``overrides``: ``--set`` strings applied last. Defaults: TP = PP = 1 (data parallel over the devices),
     sequence length min(2048, the model's), micro-batch 1, global batch 8 × devices, lr 1e-4 with LoRA and
     1e-5 for full fine-tuning, validation on 10 % of the rows every 50 steps."""
-    from .convert import config_from_checkpoint
     from .recipes import tiny
     from .recipes._common import finetune_from
 
     if not data_path or not os.path.isfile(data_path):
         raise MegacoreIOError(f"data_path '{data_path}' does not exist; pass a JSONL file of {{\"input\", \"output\"}} "
                               "(or {\"messages\": [...]}) lines")
-    base, tokenizer = resolve_base(model_path, output_path, log)
-    c = config_from_checkpoint(base)
+    base, c, tokenizer = resolve_base(model_path, output_path)
     lora = _peft.resolve(peft)
     t = dict(trainer or {})
     devices = int(t.pop("devices", 1))
@@ -136,7 +149,11 @@ def finetune(model_path: str, data_path: str, peft=None, trainer: Optional[dict]
     from .convert import megacore_to_hf
     from .executors import LocalExecutor
 
-    r = finetune_recipe(model_path, data_path, peft, trainer, output_path, overrides, log)
+    r = finetune_recipe(model_path, data_path, peft, trainer, output_path, overrides)
+    if _is_hf_dir(model_path):  # the whole recipe is checked before the import writes anything
+        for w in r.validate(check_paths=False):
+            log(f"megacore: warning: {w}")
+        _import_hf(model_path, output_path, log)
     rc = LocalExecutor(nproc_per_node=r.resources.num_gpus_per_node, cpu=cpu).launch(r)
     if rc != 0:
         raise Error(f"the training run failed (exit status {rc}); its output above names the "

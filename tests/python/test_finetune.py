@@ -11,7 +11,8 @@
 2. Size: on a wider Llama (hidden 512, 4 layers) the adapter-only checkpoint of a LoRA run (r = 8, q/k/v/o,
    weights and optimizer state) is under 5 % of a full fine-tuning run's checkpoint of the same model.
 3. The Python form, megacore.finetune(...), with full fine-tuning (peft=None) from a megacore checkpoint, and
-   bad input (a missing model, an unknown trainer key) stop before anything runs.
+   bad input (a missing model, an unknown trainer key, bad LoRA settings, also for a Hugging Face directory
+   before it is imported) stop before anything runs or is written.
 """
 
 import json
@@ -167,6 +168,11 @@ def test_finetune_python_api_full_and_bad_input(tmp_path):
         mc.finetune(model_path=str(base), data_path=str(tmp_path / "train.jsonl"),
                     peft=mc.peft.LoRA(target_modules=["qkv"]), output_path=str(tmp_path / "bad"), cpu=True)
     assert not (tmp_path / "bad" / "checkpoints").exists()
+    convert.megacore_to_hf(str(base), str(tmp_path / "hf"))  # from an HF directory: refused before the import
+    with pytest.raises(mc.ConfigError, match="peft.dim 4096 is larger"):
+        mc.finetune(model_path=str(tmp_path / "hf"), data_path=str(tmp_path / "train.jsonl"),
+                    peft=mc.peft.LoRA(dim=4096), output_path=str(tmp_path / "bad"), cpu=True)
+    assert not (tmp_path / "bad").exists()
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
