@@ -15,7 +15,8 @@
 
 Writes benchmarks/results/lora_vs_full_<card>.json (card from torch.cuda.get_device_name).
 
-    /opt/torch/.venv/bin/python3 benchmarks/training/lora_vs_full.py --work /tmp/lora_bench
+    PYTHONPATH=.gpu-build/python /opt/torch/.venv/bin/python3 benchmarks/training/lora_vs_full.py --work /tmp/lora_bench
+    PYTHONPATH=build/python python3 benchmarks/training/lora_vs_full.py --smoke --out /tmp/smoke.json  # the script on CPU
 """
 
 import argparse
@@ -26,41 +27,46 @@ import sys
 import time
 
 
-def write_hf_model(path, seed=0):
+# The 1B shape, and a small one for checking the script itself on CPU (--smoke).
+SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=32000),
+          "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512)}
+
+
+def write_hf_model(path, shape, seed=0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
-def write_data(path, rows=4000, seed=0):
+def write_data(path, words_per_part, rows=4000, seed=0):
     import random
 
     rnd = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "green", "seven", "market", "north"]
     with open(path, "w") as f:
         for i in range(rows):
-            q = " ".join(rnd.choice(words) for _ in range(rnd.randint(20, 60)))
-            a = " ".join(rnd.choice(words) for _ in range(rnd.randint(20, 60)))
+            q = " ".join(rnd.choice(words) for _ in range(rnd.randint(*words_per_part)))
+            a = " ".join(rnd.choice(words) for _ in range(rnd.randint(*words_per_part)))
             f.write(json.dumps({"input": f"question {i}: {q}?", "output": a}) + "\n")
 
 
-def run(mc, name, hf_dir, data, work, lora, steps, mb, save):
+def run(mc, name, hf_dir, data, work, lora, steps, mb, save, seq, cpu):
     import shutil
 
     out = os.path.join(work, name)
     for sub in ("checkpoints", "logs"):  # a fresh run each time (the imported base in out/base is kept)
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     t0 = time.time()
-    mc.finetune(model_path=hf_dir, data_path=data, peft=lora, output_path=out,
+    mc.finetune(model_path=hf_dir, data_path=data, peft=lora, output_path=out, cpu=cpu,
                 trainer={"devices": 1, "max_steps": steps, "precision": "bf16"},
-                overrides=["data.seq_length=2048", f"data.micro_batch_size={mb}", f"data.global_batch_size={mb}",
+                overrides=[f"data.seq_length={seq}", "optim.lr_warmup_iters=0", f"data.micro_batch_size={mb}", f"data.global_batch_size={mb}",
                            "trainer.val_check_interval=0", "checkpoint.save_interval=0",
                            f"checkpoint.save_last={'true' if save else 'false'}",
                            "optim.lr=1e-3" if lora else "optim.lr=1e-5"])
@@ -68,15 +74,15 @@ def run(mc, name, hf_dir, data, work, lora, steps, mb, save):
     return [r for r in rows if "loss" in r], time.time() - t0
 
 
-def summarise(rows, warmup, mb):
+def summarise(rows, warmup, mb, seq):
     timed = [r for r in rows if r["step"] > warmup]
     return {"steps_timed": len(timed), "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "step_seconds": statistics.median(r["step_seconds"] for r in timed),
-            "peak_mem_gib": max(r["mem_peak_gib"] for r in rows), "tokens_per_step": mb * 2048,
+            "peak_mem_gib": max(r["mem_peak_gib"] for r in rows), "tokens_per_step": mb * seq,
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
-def peft_check(mc, hf_dir, lora_ckpt, work):
+def peft_check(mc, hf_dir, lora_ckpt, work, device):
     """(max |megacore merged − peft| / max |logit|, max |peft − plain HF| / max |logit|) in f32."""
     import numpy as np
     import peft as peft_lib
@@ -88,22 +94,22 @@ def peft_check(mc, hf_dir, lora_ckpt, work):
 
     adapter_dir = mc.peft.export_peft(lora_ckpt, os.path.join(work, "peft_check"), base_model_name_or_path=hf_dir)
     merged = mc.peft.merge(lora_ckpt, os.path.join(work, "merged_f32"), dtype="f32")
-    tokens = np.random.default_rng(0).integers(0, 32000, size=(2, 256)).astype(np.int64)
-
     cfg = convert.transformer_config(convert.config_from_checkpoint(merged))
+    V = cfg.vocab_size
+    tokens = np.random.default_rng(0).integers(0, V, size=(2, 256)).astype(np.int64)
     world = mc.comm.init_from_env("cpu")
-    m = model.GPTModel(cfg, world, device="cuda")
+    m = model.GPTModel(cfg, world, device=device)
     targets = [(n, d, [cfg.vocab_size] + list(d.shape[1:]) if n in ("embedding.weight", "output_layer.weight")
                 else list(d.shape), [0] * len(d.shape)) for n, (d, _) in m.parameters().items()]
     ck.load(None, merged, targets)
     m.forward(tokens, tokens, training=False)
-    got = np.asarray(m.logits().to("cpu").numpy())[..., :32000].astype(np.float64)
+    got = np.asarray(m.logits().to("cpu").numpy())[..., :V].astype(np.float64)
     del m
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).cuda().eval()
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
-        t = torch.from_numpy(tokens).cuda()
+        t = torch.from_numpy(tokens).to(device)
         plain = hf(t).logits.double().cpu().numpy()
         pm = peft_lib.PeftModel.from_pretrained(hf, adapter_dir).eval()
         want = pm(t).logits.double().cpu().numpy()
@@ -118,29 +124,35 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--out", default=None, help="default benchmarks/results/lora_vs_full_<card>.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the script on CPU ranks with a small model (seq 128; needs --out)")
     a = ap.parse_args()
+    if a.smoke and not a.out:
+        ap.error("--smoke needs --out (its numbers are no benchmark result)")
 
     import torch
 
     import megacore as mc
 
-    card = torch.cuda.get_device_name(0)
+    card = "cpu" if a.smoke else torch.cuda.get_device_name(0)
+    seq = 128 if a.smoke else 2048
     os.makedirs(a.work, exist_ok=True)
     hf_dir, data = os.path.join(a.work, "hf"), os.path.join(a.work, "train.jsonl")
-    write_hf_model(hf_dir)
-    write_data(data)
+    write_hf_model(hf_dir, "smoke" if a.smoke else "1b")
+    write_data(data, (3, 6) if a.smoke else (20, 60))  # rows of at most ~100 / ~750 bytes
     lora = mc.peft.LoRA(dim=32, alpha=32, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    res = {"card": card, "model": "Llama 1.1B (h2048, 16 layers, 32/8 heads, FFN 8192, vocab 32000), random init "
-           "written by transformers", "precision": "bf16", "seq_length": 2048, "micro_batch": a.micro_batch,
-           "steps": a.steps, "warmup_steps_excluded": a.warmup, "lora": {"r": 32, "alpha": 32, "targets":
+    res = {"card": card, "model": dict(SHAPES["smoke" if a.smoke else "1b"], init="random, written by transformers"),
+           "precision": "bf16", "seq_length": seq, "micro_batch": a.micro_batch,
+           "steps": a.steps, "warmup_steps_excluded": a.warmup, "lora_settings": {"r": 32, "alpha": 32, "targets":
                                                                         lora.target_modules}}
     for name, p, save in (("lora", lora, True), ("full", None, False)):
-        rows, wall = run(mc, name, hf_dir, data, a.work, p, a.steps, a.micro_batch, save)
-        res[name] = dict(summarise(rows, a.warmup, a.micro_batch), wall_seconds=wall)
+        rows, wall = run(mc, name, hf_dir, data, a.work, p, a.steps, a.micro_batch, save, seq, a.smoke)
+        res[name] = dict(summarise(rows, a.warmup, a.micro_batch, seq), wall_seconds=wall)
         print(f"{name}: {res[name]}", flush=True)
     res["memory_factor_full_over_lora"] = res["full"]["peak_mem_gib"] / res["lora"]["peak_mem_gib"]
     res["tokens_per_s_lora_over_full"] = res["lora"]["tokens_per_s"] / res["full"]["tokens_per_s"]
-    err, effect = peft_check(mc, hf_dir, os.path.join(a.work, "lora", "checkpoints"), a.work)
+    err, effect = peft_check(mc, hf_dir, os.path.join(a.work, "lora", "checkpoints"), a.work,
+                             "cpu" if a.smoke else "cuda")
     res["peft_check"] = {"max_abs_diff_over_max_logit": err, "adapter_effect_over_max_logit": effect,
                          "dtype": "f32 (megacore merged in f32; transformers + peft in f32, TF32 off)"}
     print(f"peft check: megacore merged vs peft {err:.3g} of the largest logit; the adapter's effect {effect:.3g}")

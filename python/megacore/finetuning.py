@@ -159,9 +159,10 @@ def finetune(model_path: str, data_path: str, peft=None, trainer: Optional[dict]
         raise Error(f"the training run failed (exit status {rc}); its output above names the "
                     "failure")
     ckpts = r.checkpoint.save_dir
-    if resolve_checkpoint(ckpts) is None:
-        raise MegacoreIOError(f"the run finished but wrote no checkpoint under {ckpts}")
     out = FinetuneResult(checkpoints=ckpts, logs=r.logging.log_dir, base=r.checkpoint.pretrained_checkpoint)
+    if resolve_checkpoint(ckpts) is None:  # checkpoint.save_last = false and no save_interval
+        log(f"megacore finetune: the run wrote no checkpoint under {ckpts}, so nothing is exported")
+        return out
     if r.peft.scheme == "lora":
         from .convert import _flavour, config_from_checkpoint
 
