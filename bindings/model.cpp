@@ -250,6 +250,25 @@ void bind_gpt(pyb::module_& m) {
         for (const ly::Parameter* p : g.parameters()) d[pyb::str(p->name)] = param_tuple(*p);
         return d;
       }, "Same as parameters().")
+      .def("apply_lora", [](GPTModel& g, int64_t dim, double alpha, double dropout,
+                            const std::vector<std::string>& target_modules, uint64_t seed) {
+        g.apply_lora(LoRAConfig{.dim = dim, .alpha = alpha, .dropout = dropout, .target_modules = target_modules,
+                                .seed = seed});
+      }, pyb::arg("dim"), pyb::arg("alpha"), pyb::arg("dropout") = 0.0,
+         pyb::arg("target_modules") = std::vector<std::string>{"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"},
+         pyb::arg("seed") = 1234,
+         "Attaches LoRA adapters (rank dim, scale alpha/dim) to the target modules and freezes the base: parameters() "
+         "then lists only the adapters' lora_A/lora_B. ConfigError listing every problem of the settings.")
+      .def("merge_lora", [](GPTModel& g) {
+        pyb::gil_scoped_release nogil;
+        g.merge_lora();
+      }, "Folds every adapter into its base weight (W += alpha/r · B A) and unfreezes the model.")
+      .def_property_readonly("has_lora", &GPTModel::has_lora)
+      .def("all_parameters", [](GPTModel& g) {
+        pyb::dict d;
+        for (const ly::Parameter* p : g.all_parameters()) d[pyb::str(p->name)] = param_tuple(*p);
+        return d;
+      }, "{name: (data, main_grad)} for every parameter, frozen base weights included.")
       .def("parameter", [](const GPTModel& g, const std::string& name) { return param_tuple(g.parameter(name)); },
            pyb::arg("name"), "(data, main_grad) of one parameter; ValueError listing the names if unknown.")
       .def("partition_dims", [](const GPTModel& g) {

@@ -32,6 +32,7 @@ from ._C import (
 from ._C import _set_current_stream
 from .errors import CommError, ConfigError, CudaError, Error, InternalError, IOError, OutOfMemoryError, ValueError
 from .executors import KubernetesExecutor, LocalExecutor, SlurmExecutor, run
+from .finetuning import finetune
 
 __version__ = build_info()["version"]
 
@@ -71,4 +72,5 @@ __all__ = [
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "set_memory_limit", "build_info", "log_level",
     "set_log_level", "comm", "data", "parallel",
     "model", "layers", "optim", "pipeline", "checkpoint", "convert", "recipes", "run", "LocalExecutor", "SlurmExecutor", "KubernetesExecutor",
+    "peft", "finetune",
 ]

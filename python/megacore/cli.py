@@ -379,8 +379,12 @@ def _add_convert(sub):
                     "checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
                     "checkpoint (a step_N directory, or a root such as runs/NAME/checkpoints: its latest), including "
                     "every checkpoint `megacore train` writes, into a Hugging Face model directory (config.json, "
-                    "generation_config.json, safetensors and the run's tokenizer files).")
-    p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf"])
+                    "generation_config.json, safetensors and the run's tokenizer files); a LoRA run's checkpoint "
+                    "exports its base with the adapters merged in. megacore-to-peft SRC OUT: a LoRA run's adapter as "
+                    "a Hugging Face PEFT directory (adapter_config.json + adapter_model.safetensors). peft-to-megacore "
+                    "SRC OUT --base CKPT: a PEFT LoRA adapter onto a megacore base checkpoint (e.g. one made by "
+                    "hf-to-megacore), written as a megacore adapter checkpoint under OUT.")
+    p.add_argument("direction", choices=["hf-to-megacore", "megacore-to-hf", "megacore-to-peft", "peft-to-megacore"])
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--max-shard-size", type=int, default=5 * 1024 ** 3,
@@ -388,21 +392,84 @@ def _add_convert(sub):
     p.add_argument("--tokenizer", default=None,
                    help="megacore-to-hf: 'byte' or the tokenizer.json the run used (default: the run's data.tokenizer "
                         "from the checkpoint's recipe)")
+    p.add_argument("--base", default=None,
+                   help="LoRA: the base megacore checkpoint (default for a LoRA run: its checkpoint."
+                        "pretrained_checkpoint; required for peft-to-megacore)")
+    p.add_argument("--base-model-name", default="",
+                   help="megacore-to-peft: base_model_name_or_path written into adapter_config.json (default: the "
+                        "base checkpoint's path)")
 
     def run(args):
-        from . import convert
+        from . import convert, peft
 
         if args.direction == "hf-to-megacore":
             print(convert.hf_to_megacore(args.src, args.out))
-        else:
+        elif args.direction == "megacore-to-hf":
             print(convert.megacore_to_hf(args.src, args.out, max_shard_size=args.max_shard_size,
-                                         tokenizer=args.tokenizer))
+                                         tokenizer=args.tokenizer, base=args.base))
+        elif args.direction == "megacore-to-peft":
+            print(peft.export_peft(args.src, args.out, base=args.base, base_model_name_or_path=args.base_model_name))
+        else:
+            if not args.base:
+                args.parser.error("peft-to-megacore needs --base CKPT (the megacore checkpoint of the base model)")
+            print(peft.import_peft(args.src, args.base, args.out))
         return 0
 
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
-_COMMANDS = [_add_preprocess, _add_plan, _add_train, _add_bench, _add_convert]
+def _add_finetune(sub):
+    p = sub.add_parser(
+        "finetune", help="fine-tune a Hugging Face model or megacore checkpoint on a JSONL file (LoRA or full)",
+        description="megacore.finetune on the command line: imports --model (a Hugging Face directory; a megacore "
+                    "checkpoint is used as it is) into OUTPUT/base, trains on --data ({\"input\", \"output\"} or "
+                    "{\"messages\": [...]} lines; 10 %% held out for validation) with LoRA adapters (--peft lora) or "
+                    "all parameters (--peft none), and writes OUTPUT/checkpoints, OUTPUT/logs, the adapter in Hugging "
+                    "Face PEFT format (OUTPUT/peft) and with --export-hf the fine-tuned (merged) model (OUTPUT/hf). "
+                    "Running it again with the same --output resumes.")
+    p.add_argument("--model", required=True, help="Hugging Face model directory or megacore checkpoint")
+    p.add_argument("--data", required=True, help="JSONL training data")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--peft", choices=["lora", "none"], default="lora", help="lora (default) or none (full fine-tuning)")
+    p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank r (default 32)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha; the scale is alpha / r (default 32)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    p.add_argument("--target-modules", nargs="+", default=None, metavar="NAME",
+                   help="modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj or linear_qkv "
+                        "linear_proj linear_fc1 linear_fc2 (default: all four linear_*)")
+    p.add_argument("--devices", type=int, default=1, help="ranks on this machine (GPUs, or CPU ranks with --cpu)")
+    p.add_argument("--max-epochs", type=int, default=None, help="passes over the training rows")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (when --max-epochs is not given)")
+    p.add_argument("--precision", default=None, help="auto (default), bf16, f16 or f32")
+    p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are visible")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any recipe field, e.g. --set optim.lr=2e-4 --set data.seq_length=1024")
+    p.add_argument("--export-hf", action="store_true", help="also write the fine-tuned model in Hugging Face format")
+    p.add_argument("--base-model-name", default="", help="base_model_name_or_path for adapter_config.json")
+    p.set_defaults(func=_run_finetune, parser=p)
+
+
+def _run_finetune(args) -> int:
+    from . import finetuning, peft
+
+    lora = None
+    if args.peft == "lora":
+        lora = peft.LoRA(dim=args.lora_dim, alpha=args.lora_alpha, dropout=args.lora_dropout)
+        if args.target_modules:
+            lora.target_modules = list(args.target_modules)
+    trainer = {"devices": args.devices}
+    for k in ("max_epochs", "max_steps", "precision"):
+        if getattr(args, k) is not None:
+            trainer[k] = getattr(args, k)
+    res = finetuning.finetune(args.model, args.data, peft=lora, trainer=trainer, output_path=args.output,
+                              overrides=args.set, cpu=args.cpu, export_hf=args.export_hf,
+                              base_model_name_or_path=args.base_model_name)
+    print(f"megacore finetune: checkpoints {res.checkpoints}" + (f", adapter {res.adapter}" if res.adapter else "")
+          + (f", Hugging Face model {res.hf}" if res.hf else ""))
+    return 0
+
+
+_COMMANDS = [_add_preprocess, _add_plan, _add_train, _add_bench, _add_convert, _add_finetune]
 
 
 def _version() -> str:

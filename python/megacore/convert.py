@@ -561,23 +561,35 @@ def _check_shapes(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> None:
 
 
 def megacore_to_hf(ckpt: str, out_dir: str, max_shard_size: int = 5 * 1024 ** 3, tokenizer: Optional[str] = None,
-                   log=print) -> str:
+                   log=print, base: Optional[str] = None) -> str:
     """Exports the megacore checkpoint at ``ckpt`` (a step directory, or a root such as a run's ``checkpoints``
     folder: its ``latest``) as a Hugging Face model directory ``out_dir``: config.json and
     generation_config.json as transformers >= 5 writes them, model.safetensors (or model-0000k-of-0000n
     .safetensors + index above ``max_shard_size`` bytes) and, when the run used a ``tokenizer.json``, the
     tokenizer files. Works for checkpoints of ``megacore train`` (model from the stored recipe) and of the
     conversion tools (the "config" blob). ``tokenizer``: "byte" or a tokenizer.json path, overriding the
-    recipe's ``data.tokenizer``. Vocabulary padding rows are dropped. Returns ``out_dir``."""
+    recipe's ``data.tokenizer``. Vocabulary padding rows are dropped. A LoRA checkpoint (adapters only: a LoRA
+    run's, or one ``megacore.peft.import_peft`` wrote) exports its base model with the adapters merged in
+    (W + alpha/r · B A); the base is the run's ``checkpoint.pretrained_checkpoint`` unless ``base`` names it.
+    Returns ``out_dir``."""
     from .checkpoint import _metadata
+
+    from . import peft
 
     say = log or (lambda *_: None)
     d, blobs = _checkpoint_blobs(ckpt)
-    c = dict(config_from_checkpoint(d))
     recipe = _blob(blobs["recipe"]) if "recipe" in blobs else {}
     tok_spec = tokenizer if tokenizer is not None else (recipe.get("data") or {}).get("tokenizer")
+    adapter = peft.read_adapter(d, base) if peft.is_lora_checkpoint(d) else None
+    if adapter is not None:  # a LoRA run: its base's weights with the adapters folded in
+        tensors, c, weights_dir = peft.load_base(adapter)
+        tensors = peft.merge_state(tensors, adapter, c)
+        say(f"merged the LoRA adapters of {d} (r={adapter.lora.dim}, alpha={adapter.lora.alpha:g}, "
+            f"{len(adapter.modules())} modules) into the base {weights_dir}")
+    else:
+        c = dict(config_from_checkpoint(d))
+        tensors, _ = load_full_checkpoint(d, names=_model_tensor_names(_metadata(d)))
     meta = _metadata(d)
-    tensors, _ = load_full_checkpoint(d, names=_model_tensor_names(meta))
     emb = tensors.get("embedding.weight")
     if emb is not None:  # the stored weights' dtype is what is exported
         c["params_dtype"] = _PARAMS_DTYPE.get(dtype_name(emb), c.get("params_dtype", "f32"))
