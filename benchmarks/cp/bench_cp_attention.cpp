@@ -32,6 +32,7 @@
 #include "megacore/core/allocator.hpp"
 #include "megacore/layers/attention.hpp"
 #include "megacore/model/gpt_model.hpp"
+#include "megacore/model/transformer_layer.hpp"
 #include "megacore/parallel/context_parallel.hpp"
 
 using namespace megacore;
@@ -100,7 +101,8 @@ int main(int argc, char** argv) {
     auto cp = bench::nccl_over(*mpi, dev, "cp", std::chrono::seconds(600));
     comm::CommOptions to;
     to.name = "tp";
-    auto tp = mpi->split(mpi->rank(), 0, to);  // TP = 1
+    auto tp_host = mpi->split(mpi->rank(), 0, to);  // TP = 1, on NCCL like every group the layers use on GPUs
+    auto tp = bench::nccl_over(*tp_host, dev, "tp", std::chrono::seconds(600));
     const int n = cp->size();
     const bool root = mpi->rank() == 0;
     if (a.seq % (2 * n)) throw std::runtime_error("--seq must be a multiple of 2 x the number of ranks");
@@ -127,7 +129,7 @@ int main(int argc, char** argv) {
       o.device = dev;
       o.cp = n > 1 ? cp.get() : nullptr;
       o.cp_overlap = overlap;
-      ly::SelfAttention attn(*tp, cfg, o);
+      ly::SelfAttention attn(*tp, megacore::model::attention_config(cfg), o);
       Tensor x = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
       Generator g(11, uint64_t(mpi->rank()));
       x.normal_(g, 0.0, 1.0, ctx.stream);

@@ -61,11 +61,14 @@ def main():
     flops = b * S * (6.0 * H * D * S + 6.0 * (h * (H + 2 * G) * D + H * D * h))
 
     def run(gqa):
-        xs = x.clone().requires_grad_(True)
+        # context_parallel shards its buffers in place (a resize on entry and exit), which a tensor that
+        # requires grad refuses: the layer's input is a detached leaf over the sharded buffer.
+        xs = x.clone()
         dys = dy.clone()
+        leaf = []
 
         def step():
-            out = layer(xs, gqa)
+            out = layer(leaf[0], gqa)
             out.backward(dys)
 
         if n > 1:
@@ -77,6 +80,7 @@ def main():
             import contextlib
             ctx = contextlib.nullcontext()
         with ctx:
+            leaf.append(xs.detach().requires_grad_(True))
             for _ in range(a.warmup):
                 step()
             torch.cuda.synchronize()
