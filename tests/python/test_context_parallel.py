@@ -189,4 +189,28 @@ def test_packed_sft_with_cp2_matches_cp1(tmp_path):
         out = _train(r, tmp_path, f"sft_cp{cp}")
         assert f"CP {cp}" in out
         runs.append(_losses(r.logging.log_dir))
+    assert runs[0][-1] != runs[0][0]  # the adapters train (B starts at zero: step 1 is the base's loss)
+    _close(runs[1], runs[0])
+
+
+@needs_mpi
+def test_lora_on_packed_sft_with_cp2_matches_cp1(tmp_path):
+    """LoRA (frozen base from a pretrain checkpoint, adapters only) on packed SFT rows: TP 2 × CP 2 gives the
+    losses of TP 2 × DP 2, so the adapters' gradients are reduced over DP × CP like any parameter's."""
+    base = _tiny(tmp_path, "base", parallel__tp=2, parallel__pp=1)
+    base.checkpoint.save_last = True
+    _train(base, tmp_path, "base")
+    rows = [{"input": f"what is {i % 17} plus {(i * 7) % 13}?", "output": f"it is {i % 17 + (i * 7) % 13}."}
+            for i in range(300)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = []
+    for cp in (1, 2):
+        r = _tiny(tmp_path, f"lora_cp{cp}", parallel__tp=2, parallel__pp=1, parallel__cp=cp, data__sft_path=str(sft),
+                  data__paths=[], peft__scheme="lora", peft__dim=4, peft__alpha=8, optim__lr=3e-3,
+                  checkpoint__pretrained_checkpoint=base.checkpoint.save_dir)
+        out = _train(r, tmp_path, f"lora_cp{cp}")
+        assert f"CP {cp}" in out and "trainable" in out, out[-2000:]
+        runs.append(_losses(r.logging.log_dir))
+    assert runs[0][-1] != runs[0][0]  # the adapters train (B starts at zero: step 1 is the base's loss)
     _close(runs[1], runs[0])
