@@ -32,6 +32,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 __device__ __forceinline__ float sigmoidf(float z) { return 1.f / (1.f + __expf(-z)); }
+/// The token of this warp (kRouterWarps tokens per block).
+__device__ __forceinline__ int64_t warp_token() { return int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp; }
 
 // One token's row in registers: z (logits, -inf past E) and base (what the probabilities come from:
 // the logits for softmax-after-top-k, softmax over all E, or the sigmoids).
@@ -67,7 +69,7 @@ __device__ void load_row(const float* logits, int64_t t, int e, bool sigmoid, bo
 }
 
 __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= a.t) return;
   const int lane = threadIdx.x % kWarp;
   const bool post = !a.sigmoid && !a.pre_softmax;
@@ -129,7 +131,7 @@ __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices)
 
 __global__ void router_topk_backward_kernel(RouterArgs a, const int32_t* indices, const float* dprobs,
                                             float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= a.t) return;
   const int lane = threadIdx.x % kWarp;
   const float* z = a.logits + t * a.e;
@@ -295,7 +297,7 @@ __global__ void capacity_kernel(float* probs, int32_t* indices, int64_t slots, i
 // Per-token terms: aux: sum_e scores[t, e] n_e; z: lse^2.
 __global__ void aux_terms_kernel(const float* logits, bool sigmoid, const float* tpe, int64_t t_rows, int e,
                                  float* work) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
@@ -325,7 +327,7 @@ __device__ float row_lse(const Row& r, int e) {
 }
 
 __global__ void z_terms_kernel(const float* logits, int64_t t_rows, int e, float* work) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   Row r;
   load_row(logits, t, e, false, false, r);
@@ -349,7 +351,7 @@ __global__ void reduce_terms_kernel(const float* work, int64_t n, float scale, f
 
 __global__ void aux_backward_kernel(const float* logits, bool sigmoid, const float* tpe, int64_t t_rows, int e,
                                     float c, float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
@@ -373,7 +375,7 @@ __global__ void aux_backward_kernel(const float* logits, bool sigmoid, const flo
 }
 
 __global__ void z_backward_kernel(const float* logits, int64_t t_rows, int e, float c, float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
