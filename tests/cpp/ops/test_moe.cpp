@@ -574,13 +574,15 @@ TEST_CASE("CUDA router kernels match the CPU reference", "[ops][moe][gpu]") {
 
 TEST_CASE("CUDA capacity and permutation match the CPU reference", "[ops][moe][gpu]") {
   MC_REQUIRE_GPU();
-  const int64_t t = 3000, h = 518;  // rows of 1036 / 2072 bytes: not a multiple of 16, the narrow path runs
+  const int64_t t = 3000;
   const int e = 16, k = 4;
+  // h 512: 16-byte vectors; h 518 (rows of 1036 / 2072 bytes): the narrow copies.
+  for (int64_t h : {int64_t(512), int64_t(518)})
   for (PermCase pc : {PermCase{"spread", 16, 0.0}, PermCase{"half the experts empty", 8, 0.0},
                       PermCase{"dropped slots", 16, 0.3}})
     for (DType dt : {DType::F32, DType::BF16}) {
       const uint64_t seed = fresh_seed();
-      INFO(pc.name << " " << dtype_name(dt) << " seed " << seed);
+      INFO(pc.name << " " << dtype_name(dt) << " h " << h << " seed " << seed);
       Tensor idx = random_indices(t, k, e, pc.used, pc.drop, seed);
       Tensor map_g;
       const auto cnt = check_permute_map(idx.to(gpu()), e, map_g);
