@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/cuda/cuda_check.hpp"
@@ -486,6 +487,14 @@ __global__ void unpermute_backward_kernel(const T* dy, const T* permuted, const 
   }
 }
 
+constexpr int kPointersPerLaunch = 256;  // 2 KiB of kernel arguments
+struct PointerChunk {
+  const void* p[kPointersPerLaunch];
+};
+__global__ void upload_pointers_kernel(PointerChunk chunk, int n, void** dev) {
+  if (int(threadIdx.x) < n) dev[threadIdx.x] = const_cast<void*>(chunk.p[threadIdx.x]);
+}
+
 template <class T>
 __global__ void scale_kernel(T* x, int64_t n, float alpha) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -633,6 +642,17 @@ void moe_unpermute_backward(DType dt, const void* dy, const void* permuted, cons
                                                               static_cast<T*>(dpermuted), dprobs, k, h);
   });
   MC_CUDA_CHECK_LAUNCH();
+}
+
+void upload_pointers(const void* const* host, int64_t count, void** dev, int device, void* stream) {
+  cuda_impl::DeviceGuard g(device);
+  for (int64_t base = 0; base < count; base += kPointersPerLaunch) {
+    const int n = int(std::min<int64_t>(kPointersPerLaunch, count - base));
+    PointerChunk chunk{};
+    for (int i = 0; i < n; ++i) chunk.p[i] = host[base + i];
+    upload_pointers_kernel<<<1, kPointersPerLaunch, 0, static_cast<cudaStream_t>(stream)>>>(chunk, n, dev + base);
+    MC_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void moe_scale(DType dt, void* x, int64_t n, float alpha, int device, void* stream) {
