@@ -410,6 +410,12 @@ TEST_CASE("permute and unpermute round-trip with empty experts, one expert and d
       }
       CHECK(rel_err(dperm.to_double_vector(), wdp) < tol_for(dt) / 4);
       CHECK(rel_err(dprobs.to_double_vector(), wdpr) < 1e-6);
+
+      // A buffer with spare rows (capacity-padded): rows no slot maps to come back zero.
+      Tensor perm_pad = randn({n + 2, h}, dt, seed + 4), dperm_pad = poisoned({n + 2, h}, dt, Device::cpu());
+      ops::moe_unpermute_backward(dy, perm_pad, map, probs, dperm_pad, dprobs);
+      const auto dpp = dperm_pad.to_double_vector();
+      CHECK(std::vector<double>(dpp.begin() + n * h, dpp.end()) == std::vector<double>(size_t(2 * h), 0.0));
     }
 }
 
