@@ -176,15 +176,21 @@ std::unordered_map<const ly::Parameter*, size_t> group_index(const std::vector<O
   return group_index(gs);
 }
 
-// Splits `ps` by group, in order; f(g, params of g) for each group that has some.
+// Splits `ps` by group, in order; f(g, params of g) for each group that has some. A parameter in no group is
+// ValueError when `strict` (its gradient would never be reduced), skipped otherwise.
 template <class F>
 void for_each_group(const std::unordered_map<const ly::Parameter*, size_t>& at, size_t n,
-                    const std::vector<ly::Parameter*>& ps, const std::vector<ly::Parameter*>& held_back, F&& f) {
+                    const std::vector<ly::Parameter*>& ps, const std::vector<ly::Parameter*>& held_back, bool strict,
+                    F&& f) {
   std::vector<std::vector<ly::Parameter*>> split(n);
   for (ly::Parameter* p : ps) {
     if (std::find(held_back.begin(), held_back.end(), p) != held_back.end()) continue;
     auto it = at.find(p);
-    MC_INTERNAL_ASSERT(it != at.end(), "a chunk reported parameter '{}' that no optimizer group holds", p->name);
+    if (it == at.end()) {
+      MC_CHECK_AS(ValueError, !strict, "parameter '{}' is trainable but in no parameter group; give build_optimizer "
+                  "groups that hold every trainable parameter (parameter_groups does)", p->name);
+      continue;
+    }
     split[it->second].push_back(p);
   }
   for (size_t g = 0; g < n; ++g)
@@ -195,7 +201,7 @@ void for_each_group(const std::unordered_map<const ly::Parameter*, size_t>& at, 
 
 void OptimizerParts::notify_tied_grads() {
   if (tied.empty()) return;
-  for_each_group(group_index(groups), groups.size(), tied, {},
+  for_each_group(group_index(groups), groups.size(), tied, {}, true,
                  [&](size_t g, const std::vector<ly::Parameter*>& ps) { groups[g].ddp->notify_grad_ready(ps); });
 }
 
@@ -261,7 +267,7 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
   for (OptimizerGroup& g : out.groups) hooks.push_back(g.ddp->grad_ready_hook());
   for (auto& ch : chunks)
     ch->set_grad_ready_callback([at, hooks, tied = out.tied](const std::vector<ly::Parameter*>& ps) {
-      for_each_group(at, hooks.size(), ps, tied, [&](size_t g, const std::vector<ly::Parameter*>& mine) {
+      for_each_group(at, hooks.size(), ps, tied, true, [&](size_t g, const std::vector<ly::Parameter*>& mine) {
         hooks[g](mine);
       });
     });
@@ -270,7 +276,7 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
     for (OptimizerGroup& g : out.groups) zeros.push_back(g.zero.get());
     for (auto& ch : chunks)
       ch->set_pre_forward_callback([at, zeros](const std::vector<ly::Parameter*>& ps) {
-        for_each_group(at, zeros.size(), ps, {}, [&](size_t g, const std::vector<ly::Parameter*>& mine) {
+        for_each_group(at, zeros.size(), ps, {}, false, [&](size_t g, const std::vector<ly::Parameter*>& mine) {
           zeros[g]->wait_param_gather(mine);
         });
       });
