@@ -229,6 +229,7 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   if (ka == 0) {
     // An empty sum: only the beta term remains (and a zero bias gradient).
     MC_CHECK(opts.epilogue == GemmEpilogue::None, "{}: K = 0 with an epilogue is not supported", kOp);
+    MC_CHECK(!opts.c.defined(), "{}: K = 0 with a separate beta source (opts.c) is not supported", kOp);
     if (opts.beta == 0.f) out.zero_(s);
     return;
   }
