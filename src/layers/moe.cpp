@@ -253,7 +253,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   std::vector<int64_t> kept = tokens_per_expert_;
   Tensor idx = topk_idx;
   if (opts_.capacity_factor > 0) {
-    const auto cap = int64_t(std::ceil(opts_.capacity_factor * double(t) * double(k) / double(e)));
+    const auto cap = std::max<int64_t>(1, int64_t(std::ceil(opts_.capacity_factor * double(t) * double(k) / double(e))));
     idx = topk_idx.clone(s);
     ops::router_apply_capacity(probs, idx, int(e), cap, s);
     ops::moe_permute_map(idx, int(e), row_map, tpe, s);
@@ -338,7 +338,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   } else {
     comm::Communicator& c = *g_.tp_ep;
     const int p = c.size();
-    gathered_x_ = p > 1 ? parallel::all_gather_along(c, xt, 0, s) : xt;
+    Tensor gathered_x = p > 1 ? parallel::all_gather_along(c, xt, 0, s) : xt;
     gathered_probs_ = p > 1 ? parallel::all_gather_along(c, probs, 0, s) : probs;
     Tensor all_idx = p > 1 ? parallel::all_gather_along(c, idx, 0, s) : idx;
     // Keep the slots of this rank's experts (renumbered locally); the others are -1.
@@ -355,9 +355,9 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     group_sizes_ = to_host_i64(lc);
     const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
     Tensor xs = Tensor::empty({ns, hidden_}, xt.dtype(), dev, s);
-    if (ns > 0) ops::moe_permute(gathered_x_, local_map_, xs, s);
+    if (ns > 0) ops::moe_permute(gathered_x, local_map_, xs, s);
     expert_out = experts_forward(xs, group_sizes_, s);
-    Tensor yfull = Tensor::empty({gathered_x_.size(0), hidden_}, opts_.params_dtype, dev, s);
+    Tensor yfull = Tensor::empty({gathered_x.size(0), hidden_}, opts_.params_dtype, dev, s);
     if (ns > 0)
       ops::moe_unpermute(expert_out, local_map_, gathered_probs_, yfull, s);
     else
@@ -370,7 +370,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     x_tokens_ = xt, logits_ = logits, probs_ = probs, indices_ = topk_idx, row_map_ = row_map, tpe_f32_ = tpe_f32;
     expert_out_ = expert_out;
   } else {
-    xs_ = h_ = a_ = gathered_x_ = gathered_probs_ = local_map_ = sort_map_ = Tensor();
+    xs_ = h_ = a_ = gathered_probs_ = local_map_ = sort_map_ = Tensor();
   }
   Tensor out = split ? parallel::all_gather_along(tp, y, 0, s) : y;
   if (shared_) out = add_in_f32(out, shared_->forward(ctx, x).view(out.shape()), opts_.params_dtype, s);
@@ -427,7 +427,7 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
       dxfull.zero_(s);
     dx_tokens = p > 1 ? parallel::reduce_scatter_along_first(c, dxfull, s) : dxfull;
     dprobs = p > 1 ? parallel::reduce_scatter_along_first(c, dprobs_full, s) : dprobs_full;
-    gathered_x_ = gathered_probs_ = local_map_ = Tensor();
+    gathered_probs_ = local_map_ = Tensor();
   }
 
   // ---- router: dlogits from the combine weights, the aux loss and the z-loss; then dW_r and dx.
@@ -499,7 +499,7 @@ void MoELayer::zero_grad() {
 void MoELayer::stash_activations(ActivationStash& st) {
   if (shared_) shared_->stash_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
-                    &sort_map_, &gathered_probs_, &local_map_, &gathered_x_})
+                    &sort_map_, &gathered_probs_, &local_map_})
     st.put(*t);
   for (auto* v : {&send_rows_, &recv_rows_, &group_sizes_}) {
     st.put_int(int64_t(v->size()));
@@ -514,7 +514,7 @@ void MoELayer::stash_activations(ActivationStash& st) {
 void MoELayer::restore_activations(ActivationStash& st) {
   if (shared_) shared_->restore_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
-                    &sort_map_, &gathered_probs_, &local_map_, &gathered_x_})
+                    &sort_map_, &gathered_probs_, &local_map_})
     st.take(*t);
   for (auto* v : {&send_rows_, &recv_rows_, &group_sizes_}) {
     v->resize(size_t(st.take_int()));
