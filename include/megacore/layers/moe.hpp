@@ -152,6 +152,9 @@ class MoELayer {
   const MoEOptions& options() const { return opts_; }
 
  private:
+  // All-to-all dispatcher: this rank's expert-grouped rows → its experts' rows sorted by local expert, and back.
+  Tensor to_experts(const Tensor& permuted, const Stream& s);
+  Tensor from_experts(const Tensor& sorted, const Stream& s);
   Tensor experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s);
   Tensor experts_backward(const Tensor& dys, const Stream& s);
 
