@@ -28,6 +28,13 @@ struct Parameter {
   /// group before the optimizer uses it (see layers::allreduce_sequence_parallel_grads). Deferred, as
   /// in Megatron-Core, so it is one collective per step, not one per layer per micro-batch.
   bool sequence_parallel = false;
+  /// True for a routed expert's weight (MoE): its gradient is reduced over the expert-data-parallel group
+  /// (ProcessGrid::expert_dp), not DP×CP, and ZeRO-1 shards it over that group.
+  bool expert = false;
+  /// For an expert parameter: dim 0 indexes local experts; this shard holds global experts
+  /// [expert_offset, expert_offset + data.size(0)) of num_experts (checkpoints place it with them).
+  int64_t expert_offset = 0;
+  int64_t num_experts = 0;
 };
 
 }  // namespace megacore::layers
