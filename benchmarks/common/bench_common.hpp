@@ -1,19 +1,46 @@
-// What the model-level benchmarks (model, training, pipeline) share: the Llama-1.1B shape they measure and
-// an NCCL communicator over the MPI world (the unique id made on rank 0 and broadcast through MPI).
+// What the model-level benchmarks (model, training, pipeline, CP) share: their main under MPI, this rank's
+// GPU, the command line (with the batch-shape and timing flags), the Llama-1.1B shape they measure and an
+// NCCL communicator over the MPI world (the unique id made on rank 0 and broadcast through MPI).
 #pragma once
+
+#include <mpi.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
 #include "megacore/model/transformer_config.hpp"
 
 namespace bench {
+
+/// A benchmark's main under mpirun: MPI_Init, body(), MPI_Finalize. An exception from body is printed as
+/// "<name>: <what>" on stderr and makes the exit status 1.
+template <class F>
+int mpi_main(int argc, char** argv, const char* name, F&& body) {
+  MPI_Init(&argc, &argv);
+  int rc = 0;
+  try {
+    body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", name, e.what());
+    rc = 1;
+  }
+  MPI_Finalize();
+  return rc;
+}
+
+/// This rank's GPU: the launcher's local rank modulo the visible GPUs.
+inline megacore::Device local_gpu() {
+  return megacore::Device::cuda(megacore::comm::detect_launch_env().local_rank % megacore::cuda_device_count());
+}
 
 /// Llama-3.2-1B's layers with a 32000-token untied vocabulary, no RoPE scaling, 4096 positions, bf16:
 /// the ~1.1B-parameter model of ../shared/NOTES.md that the peers are measured on too.
@@ -99,6 +126,21 @@ class ArgReader {
   char** argv_;
   int i_ = 0;
   std::string key_;
+};
+
+/// The batch shape and timing flags the model-level benchmarks share, with each benchmark's defaults.
+struct ShapeArgs {
+  int64_t micro_batch = 0, seq = 0, iters = 0, warmup = 0;
+  /// Reads the current flag when it is --micro-batch, --seq, --iters or --warmup; false for any other.
+  bool read(ArgReader& r) {
+    const std::string& k = r.key();
+    if (k == "--micro-batch") micro_batch = r.integer();
+    else if (k == "--seq") seq = r.integer();
+    else if (k == "--iters") iters = r.integer();
+    else if (k == "--warmup") warmup = r.integer();
+    else return false;
+    return true;
+  }
 };
 
 }  // namespace bench

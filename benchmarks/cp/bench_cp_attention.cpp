@@ -42,10 +42,10 @@ using json = nlohmann::json;
 
 namespace {
 
-struct Args {
-  int64_t micro_batch = 1, seq = 32768, iters = 5, warmup = 2;
+struct Args : bench::ShapeArgs {
   bool skip_model = false;
   std::string out_dir;
+  Args() : ShapeArgs{.micro_batch = 1, .seq = 32768, .iters = 5, .warmup = 2} {}
 };
 
 Args parse(int argc, char** argv) {
@@ -53,11 +53,8 @@ Args parse(int argc, char** argv) {
   bench::ArgReader r(argc, argv);
   while (r.next()) {
     const std::string& k = r.key();
-    if (k == "--micro-batch") a.micro_batch = r.integer();
-    else if (k == "--seq") a.seq = r.integer();
-    else if (k == "--iters") a.iters = r.integer();
-    else if (k == "--warmup") a.warmup = r.integer();
-    else if (k == "--skip-model") a.skip_model = true;
+    if (a.read(r)) continue;
+    if (k == "--skip-model") a.skip_model = true;
     else if (k == "--out-dir") a.out_dir = r.text();
     else r.unknown();
   }
@@ -91,13 +88,10 @@ void pass(comm::Communicator& cp, const Tensor& x, const Tensor& y, Tensor& rx, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  try {
+  return bench::mpi_main(argc, argv, "bench_cp_attention", [&] {
     const Args a = parse(argc, argv);
     auto mpi = comm::make_mpi_world();
-    comm::LaunchEnv env = comm::detect_launch_env();
-    const Device dev = Device::cuda(env.local_rank % cuda_device_count());
+    const Device dev = bench::local_gpu();
     auto cp = bench::nccl_over(*mpi, dev, "cp", std::chrono::seconds(600));
     comm::CommOptions to;
     to.name = "tp";
@@ -215,10 +209,5 @@ int main(int argc, char** argv) {
         std::printf("wrote %s\n", path.c_str());
       }
     }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_cp_attention: %s\n", e.what());
-    rc = 1;
-  }
-  MPI_Finalize();
-  return rc;
+  });
 }

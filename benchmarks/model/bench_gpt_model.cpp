@@ -38,8 +38,8 @@ using json = nlohmann::json;
 
 namespace {
 
-struct Args {
-  int64_t micro_batch = 4, seq = 2048, iters = 10, warmup = 3;
+struct Args : bench::ShapeArgs {
+  Args() : ShapeArgs{.micro_batch = 4, .seq = 2048, .iters = 10, .warmup = 3} {}
   bool sp = false, overlap = false;
   std::string recompute = "none";
   double peak_tflops = 989.0;
@@ -51,11 +51,8 @@ Args parse(int argc, char** argv) {
   bench::ArgReader r(argc, argv);
   while (r.next()) {
     const std::string& k = r.key();
-    if (k == "--micro-batch") a.micro_batch = r.integer();
-    else if (k == "--seq") a.seq = r.integer();
-    else if (k == "--iters") a.iters = r.integer();
-    else if (k == "--warmup") a.warmup = r.integer();
-    else if (k == "--sequence-parallel") a.sp = true;
+    if (a.read(r)) continue;
+    if (k == "--sequence-parallel") a.sp = true;
     else if (k == "--tp-comm-overlap") a.overlap = true;
     else if (k == "--recompute") a.recompute = r.text();
     else if (k == "--peak-tflops") a.peak_tflops = r.number();
@@ -103,13 +100,10 @@ json measure_layer(comm::Communicator& tp, mdl::TransformerConfig cfg, const Arg
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  try {
+  return bench::mpi_main(argc, argv, "bench_gpt_model", [&] {
     const Args a = parse(argc, argv);
     auto mpi = comm::make_mpi_world();
-    comm::LaunchEnv env = comm::detect_launch_env();
-    const Device dev = Device::cuda(env.local_rank % cuda_device_count());
+    const Device dev = bench::local_gpu();
     auto tp = bench::nccl_over(*mpi, dev, "tp", std::chrono::seconds(300));
     mdl::TransformerConfig cfg = bench::llama_1b();
     cfg.sequence_parallel = a.sp && tp->size() > 1;
@@ -180,10 +174,5 @@ int main(int argc, char** argv) {
       std::printf("%s\n", r.dump(2).c_str());
       if (!a.out.empty()) std::ofstream(a.out) << r.dump(2) << "\n";
     }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_gpt_model: %s\n", e.what());
-    rc = 1;
-  }
-  MPI_Finalize();
-  return rc;
+  });
 }

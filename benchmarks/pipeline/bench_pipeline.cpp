@@ -86,9 +86,7 @@ std::unique_ptr<comm::Communicator> solo_nccl(Device dev, const std::string& nam
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  try {
+  return bench::mpi_main(argc, argv, "bench_pipeline", [&] {
     Args a = parse(argc, argv);
     comm::CommOptions mo;
     mo.timeout = std::chrono::seconds(300);
@@ -99,8 +97,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<comm::Communicator> pp_comm, tp;
     mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
     if (gpu) {
-      comm::LaunchEnv env = comm::detect_launch_env();
-      dev = Device::cuda(env.local_rank % cuda_device_count());
+      dev = bench::local_gpu();
       pp_comm = bench::nccl_over(*mpi, dev, "pp", std::chrono::seconds(300));
       tp = solo_nccl(dev, "tp");
       cfg = mdl::presets::llama32_1b();
@@ -251,10 +248,5 @@ int main(int argc, char** argv) {
       std::printf("%s\n", out.dump(2).c_str());
       if (!a.out.empty()) std::ofstream(a.out) << out.dump(2) << "\n";
     }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_pipeline: %s\n", e.what());
-    rc = 1;
-  }
-  MPI_Finalize();
-  return rc;
+  });
 }

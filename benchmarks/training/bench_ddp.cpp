@@ -58,8 +58,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Args {
-  int64_t micro_batch = 4, seq = 2048, grad_accum = 1, iters = 10, warmup = 3, breakdown_iters = 3;
+struct Args : bench::ShapeArgs {
+  Args() : ShapeArgs{.micro_batch = 4, .seq = 2048, .iters = 10, .warmup = 3} {}
+  int64_t grad_accum = 1, breakdown_iters = 3;
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
   bool overlap_param_gather = false;  // ZeRO: all-gathers left running after the step, waited per layer in forward
@@ -83,11 +84,8 @@ Args parse(int argc, char** argv) {
   };
   while (r.next()) {
     const std::string& k = r.key();
-    if (k == "--micro-batch") a.micro_batch = r.integer();
-    else if (k == "--seq") a.seq = r.integer();
-    else if (k == "--grad-accum") a.grad_accum = r.integer();
-    else if (k == "--iters") a.iters = r.integer();
-    else if (k == "--warmup") a.warmup = r.integer();
+    if (a.read(r)) continue;
+    if (k == "--grad-accum") a.grad_accum = r.integer();
     else if (k == "--breakdown-iters") a.breakdown_iters = r.integer();
     else if (k == "--bucket-size") a.bucket_size = r.integer();
     else if (k == "--zero") a.zero = true;
@@ -200,13 +198,10 @@ double mean_over(comm::Communicator& mpi, double v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  try {
+  return bench::mpi_main(argc, argv, "bench_ddp", [&] {
     const Args a = parse(argc, argv);
     auto mpi = comm::make_mpi_world();
-    comm::LaunchEnv env = comm::detect_launch_env();
-    const Device dev = Device::cuda(env.local_rank % cuda_device_count());
+    const Device dev = bench::local_gpu();
     const bool root = mpi->rank() == 0;
     const mdl::TransformerConfig cfg = bench::llama_1b();
     comm::CommOptions so;
@@ -319,10 +314,5 @@ int main(int argc, char** argv) {
       std::printf("%s\n", r.dump(2).c_str());
       if (!a.out.empty()) std::ofstream(a.out) << r.dump(2) << "\n";
     }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_ddp: %s\n", e.what());
-    rc = 1;
-  }
-  MPI_Finalize();
-  return rc;
+  });
 }

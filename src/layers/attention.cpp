@@ -429,6 +429,48 @@ Tensor rows_token_major(const Tensor& t, int64_t off, int64_t len, const Stream&
 Tensor seq_first(const Tensor& tm, int64_t b, const Stream& st) {
   return tm.view({b, tm.size(0) / b, tm.size(1), tm.size(2)}).permute({1, 0, 2, 3}).contiguous(st);
 }
+
+// One ring over the CP group: this rank's place, the compute stream `st` and the exchange stream `cs`, and
+// for packed rows (cu_full defined) the host copy of the full rows' cu_seqlens.
+struct Ring {
+  comm::Communicator& cp;
+  int n, r, next, prev;
+  Stream st, cs;
+  Device dev;
+  bool packed;
+  std::vector<int32_t> cu;
+
+  Ring(comm::Communicator& c, const Stream& compute, const Stream& exchange, Device d, const Tensor& cu_full)
+      : cp(c), n(c.size()), r(c.rank()), next((r + 1) % n), prev((r + n - 1) % n), st(compute), cs(exchange),
+        dev(d), packed(cu_full.defined()), cu(packed ? host_cu(cu_full) : std::vector<int32_t>()) {}
+
+  // Starts passing (x, y) to the next rank (and receiving the previous rank's pair).
+  RingPass pass(const Tensor& x, const Tensor& y) const { return RingPass(cp, x, y, next, prev, st, cs); }
+
+  // Step i (b rows of s local tokens) with the K/V block (kc, vc) held now: the block goes on to the next rank
+  // unless this is the last step, and the step says which rank's block it is, the rows it pairs, and the
+  // attention options `o` set for it (causal for the own block; for packed rows, the block's per-segment
+  // query and key counts).
+  struct Step {
+    RingPass kv;
+    int src;
+    RingBlock blk;
+    ops::AttentionOptions o;
+  };
+  Step step(int i, ops::AttentionOptions o, int64_t b, int64_t s, const Tensor& kc, const Tensor& vc) const {
+    Step out;
+    if (i + 1 < n) out.kv = pass(kc, vc);
+    out.src = (r - i + n) % n;
+    out.blk = ring_block(i, out.src, r, s);
+    o.causal = out.blk.causal;
+    if (packed) {
+      const PackedBlock pb = packed_block(cu, b, s, n, r, out.blk.q_off, out.blk.q_len, out.src, out.blk.k_len, dev, st);
+      o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
+    }
+    out.o = std::move(o);
+    return out;
+  }
+};
 }  // namespace
 
 Stream SelfAttention::ring_stream(const Stream& st) const {
@@ -440,29 +482,20 @@ Stream SelfAttention::ring_stream(const Stream& st) const {
 Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                    const Stream& given) const {
   // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
-  const Stream st = q.device().is_cuda() && given.device().is_cpu() ? Stream::default_stream(q.device()) : given;
-  const Stream cs = ring_stream(st);
-  comm::Communicator& cp = *opts_.cp;
-  const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
-  const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
   const Device dev = q.device();
+  const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
+  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_);
+  const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
   Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
   Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
-  const bool packed = cu_.defined();
-  const std::vector<int32_t> cu = packed ? host_cu(cu_) : std::vector<int32_t>();
-  for (int i = 0; i < n; ++i) {
-    // Pass the block on while computing with it.
-    RingPass kv;
-    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
-    const int src = (r - i + n) % n;
-    const RingBlock blk = ring_block(i, src, r, s);
-    ops::AttentionOptions o = attention_options();
-    o.causal = blk.causal;
+  for (int i = 0; i < ring.n; ++i) {
+    Ring::Step rs = ring.step(i, attention_options(), b, s, kc, vc);  // passes the block on while computing
+    RingPass& kv = rs.kv;
+    const RingBlock& blk = rs.blk;
+    const ops::AttentionOptions& o = rs.o;
     Tensor op, lp;  // [q_len, b, H, d] and f32 [b, H, q_len]
-    if (packed) {
-      const PackedBlock pb = packed_block(cu, b, s, n, r, blk.q_off, blk.q_len, src, blk.k_len, dev, st);
-      o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
+    if (ring.packed) {
       Tensor ot = Tensor::empty({b * blk.q_len, H, d}, q.dtype(), dev, st);
       Tensor lt = Tensor::empty({H, b * blk.q_len}, DType::F32, dev, st);
       ops::attention_forward(rows_token_major(q, blk.q_off, blk.q_len, st), rows_token_major(kc, 0, blk.k_len, st),
@@ -488,33 +521,25 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
 
 void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
                                   Tensor& dv, const Stream& given) const {
-  comm::Communicator& cp = *opts_.cp;
-  const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
   const Device dev = q_.device();
   const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
-  const Stream cs = ring_stream(st);
+  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_);
   const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
   Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   // The gradient of the block held at this step; it travels with the block and ends at its owner.
   Tensor dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
   Tensor kc = k_, vc = v_;
-  const bool packed = cu_.defined();
-  const std::vector<int32_t> cu = packed ? host_cu(cu_) : std::vector<int32_t>();
   RingPass grads;  // the previous step's dK/dV on their way; only this step's accumulation waits for them
-  for (int i = 0; i < n; ++i) {
-    RingPass kv;
-    if (i + 1 < n) kv = RingPass(cp, kc, vc, next, prev, st, cs);
-    const int src = (r - i + n) % n;
-    const RingBlock blk = ring_block(i, src, r, s);
-    ops::AttentionOptions o = attention_options();
-    o.causal = blk.causal;
+  for (int i = 0; i < ring.n; ++i) {
+    Ring::Step rs = ring.step(i, attention_options(), b, s, kc, vc);
+    RingPass& kv = rs.kv;
+    const RingBlock& blk = rs.blk;
+    const ops::AttentionOptions& o = rs.o;
     // The merged output and LSE make each block's backward its exact share of the full gradient.
     Tensor dqp, dkp, dvp;  // [q_len or k_len, b, heads or groups, d]
-    if (packed) {
-      const PackedBlock pb = packed_block(cu, b, s, n, r, blk.q_off, blk.q_len, src, blk.k_len, dev, st);
-      o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
+    if (ring.packed) {
       Tensor lt = lse.narrow(2, blk.q_off, blk.q_len).permute({1, 0, 2}).contiguous(st).view({H, b * blk.q_len});
       Tensor dqt = Tensor::empty({b * blk.q_len, H, d}, q_.dtype(), dev, st);
       Tensor dkt = Tensor::empty({b * blk.k_len, G, d}, q_.dtype(), dev, st);
@@ -543,9 +568,9 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
     ops::accumulate_f32(dk_rows, dkp, st);
     ops::accumulate_f32(dv_rows, dvp, st);
     // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
-    grads = RingPass(cp, dk_acc, dv_acc, next, prev, st, cs);
+    grads = ring.pass(dk_acc, dv_acc);
     kv.finish();
-    if (i + 1 < n) kc = kv.a, vc = kv.b;
+    if (i + 1 < ring.n) kc = kv.a, vc = kv.b;
   }
   grads.finish();
   dq.copy_(dq_acc, st);

@@ -1,4 +1,5 @@
 #include "megacore/train/trainer.hpp"
+#include "megacore/train/builder.hpp"
 #include "megacore/train/training_state.hpp"
 
 #include <unistd.h>
@@ -93,24 +94,11 @@ std::function<void(const std::string&)> save_delay_hook() {
 }  // namespace
 
 struct Trainer::Impl {
-  RunConfig cfg;
-  mdl::TransformerConfig mcfg;  // the model as the layers see it (precision resolved for the device)
+  RunConfig cfg;  // as resolved by the build (trainer.max_steps from trainer.max_epochs)
   comm::Communicator& world;
   std::shared_ptr<const data::SampleSource> train_src, valid_src;
-  std::unique_ptr<parallel::ProcessGrid> grid;
-  std::unique_ptr<pipeline::PipelineLayout> layout;
-  Device device = Device::cpu();
+  TrainingParts parts;  // device, grid, layout, chunks, optimizer groups, engine, loader (train/builder.hpp)
   ly::ForwardContext ctx;
-  std::vector<std::unique_ptr<mdl::GPTModel>> chunks;
-  std::vector<ly::Parameter*> params;  // every chunk's parameters, chunk order
-  std::vector<ly::Parameter*> tied;    // tied embedding weights this rank holds (held back from DDP until summed)
-  std::unique_ptr<optim::DistributedDataParallel> ddp;
-  std::unique_ptr<optim::Optimizer> opt;               // AdamW / SGD
-  std::unique_ptr<optim::DistributedOptimizer> zero;   // ZeRO-1
-  std::unique_ptr<optim::LRScheduler> sched;
-  std::unique_ptr<optim::DynamicLossScaler> scaler;  // f16 only
-  std::unique_ptr<pipeline::PipelineEngine> engine;
-  std::unique_ptr<data::DataLoader> loader;
   std::unique_ptr<checkpoint::CheckpointManager> ckpt;
   std::unique_ptr<TensorBoardWriter> tb;
   std::unique_ptr<JsonlWriter> jsonl;
@@ -125,15 +113,19 @@ struct Trainer::Impl {
        std::shared_ptr<const data::SampleSource> va)
       : cfg(c), world(w), train_src(std::move(tr)), valid_src(std::move(va)) {}
 
-  int dp() const { return grid->layout().dp_size(); }
-  bool is_cuda() const { return device.is_cuda(); }
+  int dp() const { return parts.grid->layout().dp_size(); }
+  bool is_cuda() const { return parts.placement.device.is_cuda(); }
+  const Device& device() const { return parts.placement.device; }
+  const mdl::TransformerConfig& mcfg() const { return parts.model; }
+  parallel::ProcessGrid& grid() const { return *parts.grid; }
+  /// The Trainer steps one optimizer group: the model's dense parameters.
+  OptimizerGroup& dense() {
+    MC_INTERNAL_ASSERT(parts.optimizer.groups.size() == 1, "the Trainer steps one optimizer group, the build made {}",
+                       parts.optimizer.groups.size());
+    return parts.optimizer.groups.front();
+  }
 
   void build();
-  void build_optimizer();
-  /// Prints "trainable of total parameters" (model-wide: summed over TP and PP, replicated ones once). Collective.
-  void log_trainable_parameters();
-  std::vector<checkpoint::ShardedTensor> model_tensors() const;
-  std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& l);
   StepMetrics train_step();
   void log(const StepMetrics& m);
   /// Marks and reports a non-finite loss / gradient norm (and ends the run when on_nonfinite = stop) and a
@@ -145,14 +137,12 @@ struct Trainer::Impl {
   int agree_stop();
   double evaluate(int64_t max_batches);
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
-  data::LoaderConfig loader_config(int prefetch) const;
   /// `val_loss`: this step's validation loss, recorded with the checkpoint (checkpoint.keep_top_k ranks by it).
   std::string save(std::optional<double> val_loss = std::nullopt);
   void load(const std::string& path, bool optimizer);
-  /// Resolves `path` and loads the model's parameters; the reader serves load_training_state.
-  checkpoint::CheckpointReader load_model(const std::string& path);
-  /// Optimizer state, step, scheduler, loss scaler and data position from an open checkpoint.
-  void load_training_state(checkpoint::CheckpointReader& reader);
+  /// Optimizer state, step, scheduler, loss scaler and (when `p` has a loader) data position from an open
+  /// checkpoint into the parts `p` (this->parts, or those being built).
+  void load_training_state(TrainingParts& p, checkpoint::CheckpointReader& reader);
   /// Last member: stopped first, before anything it watches is torn down.
   std::unique_ptr<Watchdog> watchdog;
   void watch(WatchPhase p, int64_t at_step) {
@@ -184,192 +174,79 @@ void Trainer::Impl::start_watchdog() {
 
 void Trainer::Impl::build() {
   root = world.rank() == 0;
-  // Device: GPUs when the world communicator runs on them.
-  const bool want_cuda = cfg.trainer.device == "cuda" || (cfg.trainer.device == "auto" && world.backend() == comm::Backend::NCCL);
-  MC_CHECK_AS(ConfigError, !want_cuda || world.backend() == comm::Backend::NCCL,
-              "trainer.device is cuda but the world communicator is {} (CPU); launch with GPUs visible "
-              "(python -m megacore.launch without --cpu) or set trainer.device = cpu",
-              comm::backend_name(world.backend()));
-  MC_CHECK_AS(ConfigError, want_cuda || world.backend() == comm::Backend::MPI,
-              "trainer.device is cpu but the world communicator is NCCL; launch CPU ranks (--cpu) or set device auto");
-  mcfg = cfg.transformer_config(want_cuda);
-  const mdl::TransformerConfig& m = mcfg;
-  if (want_cuda) {
-    const int n = cuda_device_count();
-    MC_CHECK_AS(ConfigError, n > 0, "trainer.device is cuda but no GPU is visible");
-    // Refused here, before any weight is allocated, rather than by the first attention call.
-    MC_CHECK_AS(ConfigError, m.params_dtype != DType::F32,
-                "trainer.precision is f32, but on GPUs the attention kernels (cuDNN SDPA and megacore's flash "
-                "kernel) take bf16 or f16; set trainer.precision = bf16 (or f16), or train f32 on CPU ranks (--cpu)");
-    const char* lr = std::getenv("LOCAL_RANK");
-    const char* olr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-    const int local = lr ? std::atoi(lr) : olr ? std::atoi(olr) : 0;
-    device = Device::cuda(local % n);
-    // The optimizers, clipping and DDP's buffer operations issue their kernels on the device's legacy default
-    // stream; the model runs there too so every step is ordered without host syncs (a separate non-blocking
-    // compute stream let AdamW read gradients before their reduction had landed: no update at all).
-    ctx.stream = Stream::default_stream(device);
-  }
-
-  parallel::ParallelConfig pc = cfg.grid_config();
-  grid = std::make_unique<parallel::ProcessGrid>(world, pc);
-  const int pp = pc.pipeline, vp = pc.virtual_pipeline;
-  const ParallelSection& ps = cfg.parallel;
-  const bool balance = ps.pipeline_embedding_cost != 0 || ps.pipeline_head_cost != 0;
-  layout = std::make_unique<pipeline::PipelineLayout>(
-      !ps.pipeline_layout.empty()
-          ? pipeline::PipelineLayout::from_counts(m.num_layers, pp, vp, ps.pipeline_layout)
-          : balance ? pipeline::PipelineLayout::balanced(m.num_layers, pp, vp,
-                                                         {ps.pipeline_embedding_cost, ps.pipeline_head_cost})
-                    : pipeline::PipelineLayout::uniform(m.num_layers, pp, vp));
-  num_micro = pipeline::num_microbatches(cfg.data.global_batch_size, cfg.data.micro_batch_size, dp());
-  MC_CHECK_AS(ConfigError, train_src != nullptr, "Trainer: no training data given");
-  MC_CHECK_AS(ConfigError, train_src->seq_length() == cfg.data.seq_length,
-              "the training data has rows of {} tokens but data.seq_length is {}; rebuild the dataset for {}",
-              train_src->seq_length(), cfg.data.seq_length, cfg.data.seq_length);
-
-  const int pp_rank = grid->pp_rank();
-  for (int c = 0; c < vp; ++c) {
-    mdl::GPTModelOptions o;
-    o.device = device;
-    o.layer_indices = layout->layer_indices(pp_rank, c);
-    o.pre_process = layout->has_embedding(pp_rank, c);
-    o.post_process = layout->has_head(pp_rank, c);
-    o.cp = &grid->cp();
-    o.cp_comm_type = cfg.parallel.cp_comm_type == "all_gather" ? ly::CpCommType::AllGather : ly::CpCommType::P2P;
-    chunks.push_back(std::make_unique<mdl::GPTModel>(m, grid->tp(), o));
-  }
   const CheckpointSection& cks = cfg.checkpoint;
   const bool lora = cfg.peft.scheme == "lora";
-  if (lora) {
-    // The frozen base first (its full weights), then the adapters: from here on the model's parameters(),
-    // and so DDP, the optimizer and checkpoints, are the adapters only.
-    load_model(cks.pretrained_checkpoint);
-    for (auto& ch : chunks) ch->apply_lora(cfg.peft.lora(m.seed));
-    log_trainable_parameters();
-  }
-  for (auto& ch : chunks) {
-    for (ly::Parameter* p : ch->parameters()) params.push_back(p);
-    if (m.tie_word_embeddings && pp > 1 && !lora)
-      if (ly::Parameter* t = ch->tied_embedding_weight()) tied.push_back(t);
-  }
-  if (cfg.trainer.max_epochs > 0) {
-    // The run's length follows the data: every pass is rows // global_batch_size steps.
-    const int64_t per_epoch = train_src->size() / cfg.data.global_batch_size;
-    MC_CHECK_AS(ConfigError, per_epoch > 0,
-                "trainer.max_epochs: the training data has {} rows, fewer than one global batch ({}); lower "
-                "data.global_batch_size or give more examples",
-                train_src->size(), cfg.data.global_batch_size);
-    cfg.trainer.max_steps = cfg.trainer.max_epochs * per_epoch;
-    optim::validate(cfg.lr_schedule());  // the warmup and decay against the length now known
-    if (root)
-      std::printf("megacore: %lld epoch(s) of %lld rows = %lld steps of %lld rows\n", (long long)cfg.trainer.max_epochs,
-                  (long long)train_src->size(), (long long)cfg.trainer.max_steps,
-                  (long long)cfg.data.global_batch_size);
-  }
-  sched = std::make_unique<optim::LRScheduler>(cfg.lr_schedule());
-  if (m.params_dtype == DType::F16) {
-    optim::LossScalerConfig lc;
-    lc.initial_scale = cfg.optim.initial_loss_scale;
-    scaler = std::make_unique<optim::DynamicLossScaler>(lc);
-  }
-
-  peak = cfg.trainer.peak_tflops > 0 ? cfg.trainer.peak_tflops : (is_cuda() ? known_peak_tflops(cuda_device_name(device.index)) : 0);
-  if (!cks.save_dir.empty()) {
-    checkpoint::CheckpointPolicy pol;
-    pol.save_every = cks.save_interval;
-    pol.keep_last = cks.keep_last;
-    pol.keep_top_k = cks.keep_top_k;
-    pol.async = cks.async_save;
-    pol.save_options.fault_hook = save_delay_hook();
-    ckpt = std::make_unique<checkpoint::CheckpointManager>(world, cks.save_dir, pol);
-  }
-
-  // Parameters come from a checkpoint before the optimizer copies them into its master weights.
+  BuildOptions bo;
   std::optional<std::string> resume_dir;
-  if (cks.resume == "auto") {
-    if (ckpt) resume_dir = ckpt->latest();
-  } else if (!cks.resume.empty()) {
-    resume_dir = checkpoint::resolve_checkpoint(cks.resume);
-    MC_CHECK_AS(IOError, resume_dir.has_value(),
-                "checkpoint.resume '{}' holds no complete checkpoint; give a step_<N> directory or a root with "
-                "'latest', or set resume = '' to start fresh", cks.resume);
-  }
   std::optional<checkpoint::CheckpointReader> resumed;
-  if (resume_dir) {
-    resumed.emplace(load_model(*resume_dir));
-  } else if (!cks.pretrained_checkpoint.empty() && !lora) {
-    // Fine-tuning: the weights of another run (or of a converted Hugging Face model); everything else fresh.
-    load_model(cks.pretrained_checkpoint);
-    if (root) {
-      std::printf("megacore: weights from %s (step, optimizer, schedule and data start fresh)\n",
-                  cks.pretrained_checkpoint.c_str());
+  // Parameters come from a checkpoint before the optimizer copies them into its master weights.
+  bo.before_optimizer = [&](TrainingParts& p) {
+    const Device& dev = p.placement.device;
+    peak = cfg.trainer.peak_tflops > 0 ? cfg.trainer.peak_tflops
+                                       : (dev.is_cuda() ? known_peak_tflops(cuda_device_name(dev.index)) : 0);
+    if (!cks.save_dir.empty()) {
+      checkpoint::CheckpointPolicy pol;
+      pol.save_every = cks.save_interval;
+      pol.keep_last = cks.keep_last;
+      pol.keep_top_k = cks.keep_top_k;
+      pol.async = cks.async_save;
+      pol.save_options.fault_hook = save_delay_hook();
+      ckpt = std::make_unique<checkpoint::CheckpointManager>(world, cks.save_dir, pol);
+    }
+    if (cks.resume == "auto") {
+      if (ckpt) resume_dir = ckpt->latest();
+    } else if (!cks.resume.empty()) {
+      resume_dir = checkpoint::resolve_checkpoint(cks.resume);
+      MC_CHECK_AS(IOError, resume_dir.has_value(),
+                  "checkpoint.resume '{}' holds no complete checkpoint; give a step_<N> directory or a root with "
+                  "'latest', or set resume = '' to start fresh", cks.resume);
+    }
+    if (resume_dir) {
+      resumed.emplace(load_model_weights(*p.grid, p.chunks, *resume_dir));
+    } else if (!cks.pretrained_checkpoint.empty() && !lora) {
+      // Fine-tuning: the weights of another run (or of a converted Hugging Face model); everything else fresh.
+      load_model_weights(*p.grid, p.chunks, cks.pretrained_checkpoint);
+      if (root) {
+        std::printf("megacore: weights from %s (step, optimizer, schedule and data start fresh)\n",
+                    cks.pretrained_checkpoint.c_str());
+        std::fflush(stdout);
+      }
+    }
+  };
+  bo.after_optimizer = [&](TrainingParts& p) {
+    // The training state is optional (a converted Hugging Face checkpoint has none): the optimizer starts fresh.
+    if (resumed && resumed->json().count("trainer")) load_training_state(p, *resumed);
+    if (lora && root) {
+      std::printf("megacore: LoRA base weights from %s%s\n", cks.pretrained_checkpoint.c_str(),
+                  resume_dir ? (", adapters from " + *resume_dir).c_str() : "");
       std::fflush(stdout);
     }
-  }
-  build_optimizer();
-  // The training state is optional (a converted Hugging Face checkpoint has none): the optimizer starts fresh then.
-  if (resumed && resumed->json().count("trainer")) load_training_state(*resumed);
-  if (lora && root) {
-    std::printf("megacore: LoRA base weights from %s%s\n", cks.pretrained_checkpoint.c_str(),
-                resume_dir ? (", adapters from " + *resume_dir).c_str() : "");
-    std::fflush(stdout);
-  }
-
-  pipeline::PipelineEngineOptions eo;
-  eo.dp = &grid->dp_cp();
-  if (m.tie_word_embeddings && pp > 1 && !lora) eo.embedding = &grid->embedding();
-  eo.before_backward = [this](int, int64_t, bool last) { ddp->set_is_last_microbatch(last); };
-  std::vector<mdl::GPTModel*> raw;
-  for (auto& ch : chunks) raw.push_back(ch.get());
-  engine = std::make_unique<pipeline::PipelineEngine>(grid->pp(), *layout, raw, eo);
-
-  data::LoaderConfig lc = loader_config(cfg.data.prefetch);
-  lc.consumed_samples = state.consumed_samples;
-  // SFT rows are packed in bin order (longest examples first), so the loader shuffles them; pretraining
-  // samples come shuffled by their dataset.
-  lc.shuffle = !cfg.data.sft_path.empty();
-  lc.seed = cfg.data.seed;
-  lc.epochs = std::max<int64_t>(1, cfg.trainer.max_epochs);
-  if (cfg.trainer.max_epochs == 0 && !cfg.data.sft_path.empty()) {
-    // SFT rows are a fixed set: a run longer than one pass goes over them again, each pass reshuffled (as
-    // pretraining datasets repeat their documents).
-    const int64_t per_pass = train_src->size() / cfg.data.global_batch_size;
-    if (per_pass > 0 && cfg.trainer.max_steps > per_pass) {
-      lc.epochs = (cfg.trainer.max_steps + per_pass - 1) / per_pass;
-      if (root)
-        std::printf("megacore: trainer.max_steps %lld is more than the %lld steps of one pass over the SFT rows: "
-                    "%lld passes, each reshuffled (trainer.max_epochs sets the length in passes instead)\n",
-                    (long long)cfg.trainer.max_steps, (long long)per_pass, (long long)lc.epochs);
-    }
-  }
-  loader = std::make_unique<data::DataLoader>(train_src, lc);
-  // Validation needs one whole global batch: said now rather than at the first validation step.
-  MC_CHECK_AS(ConfigError,
-              !valid_src || cfg.trainer.val_check_interval == 0 || valid_src->size() >= cfg.data.global_batch_size,
-              "the validation data has {} rows, fewer than one global batch ({}); give it more examples (a larger "
-              "validation weight in data.split, or more data), lower data.global_batch_size, or set "
-              "trainer.val_check_interval = 0",
-              valid_src ? valid_src->size() : 0, cfg.data.global_batch_size);
-  MC_CHECK_AS(ConfigError, loader->num_steps() >= cfg.trainer.max_steps,
-              "the training data provides {} steps of {} samples but trainer.max_steps is {}; build the dataset with "
-              "at least max_steps × global_batch_size = {} samples", loader->num_steps(), cfg.data.global_batch_size,
-              cfg.trainer.max_steps, cfg.trainer.max_steps * cfg.data.global_batch_size);
+    return state.consumed_samples;
+  };
+  parts = build_training_parts(cfg, world, train_src, valid_src, bo);
+  cfg = parts.cfg;
+  ctx.stream = parts.placement.stream;
+  num_micro = pipeline::num_microbatches(cfg.data.global_batch_size, cfg.data.micro_batch_size, dp());
 
   if (root) {
+    const parallel::ParallelConfig pc = cfg.grid_config();
+    const mdl::TransformerConfig& m = mcfg();
+    const ParallelSection& ps = cfg.parallel;
     std::printf("megacore: world %d = TP %d x PP %d (VP %d) x CP %d x DP %d on %s | %lld layers, %s | micro-batch %lld x "
                 "%lld, %lld micro-batches per step | %s%s%s%s\n",
                 world.size(), pc.tensor, pc.pipeline, pc.virtual_pipeline, pc.context, dp(),
-                is_cuda() ? cuda_device_name(device.index).c_str() : "CPU", (long long)m.num_layers,
+                is_cuda() ? cuda_device_name(device().index).c_str() : "CPU", (long long)m.num_layers,
                 std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.data.micro_batch_size,
-                (long long)cfg.data.seq_length, (long long)num_micro, zero ? "ZeRO-1" : cfg.optim.optimizer.c_str(),
+                (long long)cfg.data.seq_length, (long long)num_micro,
+                ps.use_distributed_optimizer ? "ZeRO-1" : cfg.optim.optimizer.c_str(),
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "");
     if (pc.pipeline > 1) {
       std::string counts;
-      for (int64_t c : layout->counts()) counts += (counts.empty() ? "" : ", ") + std::to_string(c);
+      for (int64_t c : parts.layout->counts()) counts += (counts.empty() ? "" : ", ") + std::to_string(c);
       std::printf("megacore: pipeline layout [%s] (layers per virtual stage, model order)%s\n", counts.c_str(),
-                  balance ? " balanced for the embedding/head costs" : "");
+                  ps.pipeline_embedding_cost != 0 || ps.pipeline_head_cost != 0
+                      ? " balanced for the embedding/head costs" : "");
     }
     std::fflush(stdout);
   }
@@ -384,163 +261,47 @@ void Trainer::Impl::build() {
   }
 }
 
-void Trainer::Impl::log_trainable_parameters() {
-  // One copy of the model is spread over the TP × PP ranks of DP rank 0 / CP rank 0; a TP-replicated
-  // tensor is counted on TP rank 0 only.
-  int64_t counts[2] = {0, 0};
-  if (grid->dp_rank() == 0 && grid->cp_rank() == 0)
-    for (auto& ch : chunks) {
-      for (ly::Parameter* p : ch->all_parameters())
-        if (p->partition_dim >= 0 || grid->tp_rank() == 0) counts[1] += p->data.numel();
-      for (ly::Parameter* p : ch->parameters())
-        if (p->partition_dim >= 0 || grid->tp_rank() == 0) counts[0] += p->data.numel();
-    }
-  Tensor t = Tensor::from_vector<int64_t>({counts[0], counts[1]}, {2}).to(device, ctx.stream);
-  world.all_reduce(t, comm::ReduceOp::Sum, ctx.stream)->wait();
-  const std::vector<double> v = t.to(Device::cpu(), ctx.stream).to_double_vector();
-  if (root) {
-    std::printf("megacore: LoRA r=%lld alpha=%g dropout=%g on [%s]: trainable %.0f of %.0f parameters (%.4f%%)\n",
-                (long long)cfg.peft.dim, cfg.peft.alpha, cfg.peft.dropout,
-                [&] {
-                  std::string out;
-                  for (const std::string& n : cfg.peft.target_modules) out += (out.empty() ? "" : " ") + n;
-                  return out;
-                }().c_str(),
-                v[0], v[1], v[1] > 0 ? 100.0 * v[0] / v[1] : 0.0);
-    std::fflush(stdout);
-  }
-}
-
-void Trainer::Impl::build_optimizer() {
-  const ParallelSection& ps = cfg.parallel;
-  const OptimSection& os = cfg.optim;
-  optim::DDPConfig dc;
-  dc.bucket_size = ps.bucket_size;
-  dc.overlap_grad_reduce = ps.overlap_grad_reduce;
-  dc.use_distributed_optimizer = ps.use_distributed_optimizer;
-  dc.reduce_dtype = ps.grad_reduce_in_bf16 ? DType::BF16 : DType::F32;
-  dc.compute_stream = ctx.stream;
-  for (auto& ch : chunks)
-    if (ch->post_process() && ch->pre_process() && mcfg.tie_word_embeddings && !ch->has_lora())
-      dc.shared_copies.push_back(&ch->output_layer().weight());
-  ddp = std::make_unique<optim::DistributedDataParallel>(params, grid->dp_cp(), dc);
-  // The tied weights are reported to DDP only after the engine summed them over the embedding group.
-  auto hook = ddp->grad_ready_hook();
-  for (auto& ch : chunks)
-    ch->set_grad_ready_callback([this, hook](const std::vector<ly::Parameter*>& ps) {
-      if (tied.empty()) return hook(ps);
-      std::vector<ly::Parameter*> rest;
-      for (ly::Parameter* p : ps)
-        if (std::find(tied.begin(), tied.end(), p) == tied.end()) rest.push_back(p);
-      if (!rest.empty()) hook(rest);
-    });
-  optim::AdamWConfig ac;
-  ac.beta1 = float(os.adam_beta1);
-  ac.beta2 = float(os.adam_beta2);
-  ac.eps = float(os.adam_eps);
-  ac.weight_decay = float(os.weight_decay);
-  if (ps.use_distributed_optimizer) {
-    zero = std::make_unique<optim::DistributedOptimizer>(*ddp, ac, ps.overlap_param_gather);
-    if (ps.overlap_param_gather)
-      for (auto& ch : chunks)
-        ch->set_pre_forward_callback([this](const std::vector<ly::Parameter*>& ps) { zero->wait_param_gather(ps); });
-  } else if (os.optimizer == "adamw") {
-    opt = std::make_unique<optim::AdamW>(params, ac);
-  } else {
-    optim::SGDConfig sc;
-    sc.momentum = float(os.sgd_momentum);
-    sc.weight_decay = float(os.weight_decay);
-    opt = std::make_unique<optim::SGD>(params, sc);
-  }
-}
-
-std::vector<checkpoint::ShardedTensor> Trainer::Impl::model_tensors() const {
-  const checkpoint::ShardLayout sl = checkpoint::shard_layout(*grid);
-  std::vector<checkpoint::ShardedTensor> out;
-  for (const auto& ch : chunks)
-    for (checkpoint::ShardedTensor& t : checkpoint::shard_model(*ch, sl)) out.push_back(std::move(t));
-  return out;
-}
-
-// What the training and validation loaders share: this rank's place in DP, the device, and the vocabulary check.
-data::LoaderConfig Trainer::Impl::loader_config(int prefetch) const {
-  data::LoaderConfig lc;
-  lc.micro_batch_size = cfg.data.micro_batch_size;
-  lc.global_batch_size = cfg.data.global_batch_size;
-  lc.dp_rank = grid->dp_rank();
-  lc.dp_size = dp();
-  lc.device = device;
-  lc.prefetch = prefetch;
-  lc.vocab_size = mcfg.vocab_size;
-  return lc;
-}
-
-std::vector<pipeline::MicroBatch> Trainer::Impl::next_micro_batches(data::DataLoader& l) {
-  std::vector<pipeline::MicroBatch> mbs;
-  for (int64_t i = 0; i < l.micro_batches_per_step(); ++i) {
-    std::optional<data::Batch> b = l.next(ctx.stream);
-    MC_CHECK_AS(ValueError, b.has_value(), "the data loader ran out after {} micro-batches; the dataset is too small",
-                mbs.size());
-    pipeline::MicroBatch mb{b->tokens, b->labels, b->loss_mask};
-    // Packed rows (more segments than rows): attention must stay within segments and positions restart.
-    if (b->cu_seqlens.defined() && b->cu_seqlens.size(0) - 1 > b->tokens.size(0)) {
-      mb.cu_seqlens = b->cu_seqlens, mb.max_seqlen = b->max_seqlen, mb.position_ids = b->position_ids;
-    }
-    // Context parallelism: the CP ranks of a DP rank read the same samples; each keeps its two chunks of the
-    // sequence (the engine then counts and reduces the loss tokens over DP×CP).
-    if (grid->layout().cp_size() > 1) {
-      const int cr = grid->cp_rank(), cn = grid->layout().cp_size();
-      mb.tokens = parallel::cp_slice_sequence(mb.tokens, 1, cr, cn, ctx.stream);
-      mb.labels = parallel::cp_slice_sequence(mb.labels, 1, cr, cn, ctx.stream);
-      if (mb.loss_mask.defined()) mb.loss_mask = parallel::cp_slice_sequence(mb.loss_mask, 1, cr, cn, ctx.stream);
-      // Packed rows: the positions are sliced like the tokens; cu_seqlens stays that of the full rows (the
-      // ring attention intersects its segments with each chunk).
-      if (mb.position_ids.defined())
-        mb.position_ids = parallel::cp_slice_sequence(mb.position_ids, 1, cr, cn, ctx.stream);
-    }
-    mbs.push_back(std::move(mb));
-  }
-  return mbs;
-}
-
 StepMetrics Trainer::Impl::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
-  if (is_cuda()) Allocator::get(device).reset_peak_stats();
-  ddp->zero_grad();
-  std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*loader);
-  const double loss_scale = scaler ? scaler->scale() : 1.0;
+  OptimizerParts& op = parts.optimizer;
+  OptimizerGroup& g = dense();
+  if (is_cuda()) Allocator::get(device()).reset_peak_stats();
+  op.zero_grad();
+  std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*parts.loader, grid(), ctx.stream);
+  const double loss_scale = op.scaler ? op.scaler->scale() : 1.0;
   // Compute time for straggler reports: on GPUs by events (no host sync inside the step), on CPU by the clock.
   const bool time_compute = cfg.trainer.straggler_factor > 0;
   Event ev_begin(true), ev_compute(true);
   if (time_compute && is_cuda()) ev_begin.record(ctx.stream);
-  pipeline::StepResult sr = engine->step(ctx, mbs, float(loss_scale));
-  if (!tied.empty()) ddp->notify_grad_ready(tied);
+  pipeline::StepResult sr = parts.engine->step(ctx, mbs, float(loss_scale));
+  op.notify_tied_grads();
   double compute_s = 0;
   if (time_compute && is_cuda()) ev_compute.record(ctx.stream);
   else if (time_compute) compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ddp->finish_grad_sync();
+  op.finish_grad_sync();
   comm::check_health();  // a TP/PP collective the NCCL watchdog aborted during the step (stream-ordered waits)
 
   // Norm (tied copies counted once), NaN/Inf check, clipping and the update in one place; with f16 the
   // gradients carry the loss scale, which checked_step divides out and adjusts.
-  optim::GradNormGroups groups = optim::grad_norm_groups(*grid, zero != nullptr);
+  optim::GradNormGroups groups = optim::grad_norm_groups(grid(), g.zero != nullptr);
   groups.skip = [this](const ly::Parameter& p) {
-    for (const auto& ch : chunks)
+    for (const auto& ch : parts.chunks)
       if (ch->is_tied_copy(p)) return true;
     return false;
   };
   optim::CheckedStepOptions co;
   co.max_norm = cfg.optim.clip_grad;
-  co.scaler = scaler.get();
+  co.scaler = op.scaler.get();
   co.skip_nonfinite = cfg.optim.skip_nonfinite_steps;
-  const double lr = sched->lr();
-  const optim::StepResult st = zero ? optim::checked_step(*zero, lr, groups, co) : optim::checked_step(*opt, lr, groups, co);
+  const double lr = op.sched->lr();
+  const optim::StepResult st =
+      g.zero ? optim::checked_step(*g.zero, lr, groups, co) : optim::checked_step(*g.opt, lr, groups, co);
   StepMetrics m;
   m.lr = lr;
   m.grad_norm = st.grad_norm;
   m.skipped = st.skipped;
   m.loss_scale = st.loss_scale;
-  if (!st.skipped) sched->step();  // as Megatron-Core: a skipped step does not advance the schedule
+  if (!st.skipped) op.sched->step();  // as Megatron-Core: a skipped step does not advance the schedule
   ++state.step;
   state.consumed_samples += cfg.data.global_batch_size;
   if (is_cuda()) ctx.stream.synchronize();
@@ -551,10 +312,10 @@ StepMetrics Trainer::Impl::train_step() {
   m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = double(cfg.data.global_batch_size * cfg.data.seq_length);
   m.tokens_per_s = tokens / m.step_seconds;
-  const mdl::FlopsPerToken f = mdl::flops_per_token(mcfg, cfg.data.seq_length, false);
+  const mdl::FlopsPerToken f = mdl::flops_per_token(mcfg(), cfg.data.seq_length, false);
   m.tflops_per_gpu = f.total * tokens / m.step_seconds / world.size() / 1e12;
   m.mfu = peak > 0 ? m.tflops_per_gpu / peak : 0;
-  const MemoryStats ms = Allocator::get(device).stats();
+  const MemoryStats ms = Allocator::get(device()).stats();
   m.mem_allocated_gib = double(ms.allocated) / double(1 << 30);
   m.mem_peak_gib = double(ms.peak_allocated) / double(1 << 30);
   m.consumed_samples = double(state.consumed_samples);
@@ -579,7 +340,7 @@ void Trainer::Impl::log(const StepMetrics& m) {
       m.step, std::to_string(cfg.trainer.max_steps).size(), cfg.trainer.max_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s / 1e3,
       m.tflops_per_gpu, 100 * m.mfu, m.mem_allocated_gib, m.mem_peak_gib, m.step_seconds,
       (m.skipped ? " | SKIPPED (non-finite gradients)" : "") +
-          (scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()));
+          (parts.optimizer.scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()));
   if (bar) {
     const int width = 20, done = int(width * m.step / std::max<int64_t>(1, cfg.trainer.max_steps));
     line += " [" + std::string(size_t(done), '#') + std::string(size_t(width - done), '.') + "]";
@@ -593,12 +354,12 @@ void Trainer::Impl::log(const StepMetrics& m) {
 Tensor Trainer::Impl::forward_only(const pipeline::MicroBatch& mb, double* loss_tokens) {
   ly::ForwardContext ectx = ctx;
   ectx.training = false;
-  if (grid->layout().cp_size() > 1) ectx.loss_tokens = mdl::count_loss_tokens(mb.labels, mb.loss_mask, -100, ctx.stream);
-  return engine->forward_only(ectx, mb, loss_tokens);
+  if (grid().layout().cp_size() > 1) ectx.loss_tokens = mdl::count_loss_tokens(mb.labels, mb.loss_mask, -100, ctx.stream);
+  return parts.engine->forward_only(ectx, mb, loss_tokens);
 }
 
 void Trainer::Impl::check_numerics(StepMetrics& m) {
-  const bool bad_loss = !std::isfinite(m.loss), bad_norm = !std::isfinite(m.grad_norm) && !scaler;
+  const bool bad_loss = !std::isfinite(m.loss), bad_norm = !std::isfinite(m.grad_norm) && !parts.optimizer.scaler;
   if (bad_loss || bad_norm) {
     m.nonfinite = true;
     const std::string what = fmt::format("{}{}{} (loss {}, gradient norm {})", bad_loss ? "loss" : "",
@@ -632,8 +393,8 @@ void Trainer::Impl::check_numerics(StepMetrics& m) {
 }
 
 void Trainer::Impl::check_stragglers(StepMetrics& m) {
-  Tensor mine = Tensor::from_vector<float>({float(m.compute_seconds)}, {1}).to(device, ctx.stream);
-  Tensor all = Tensor::empty({int64_t(world.size())}, DType::F32, device, ctx.stream);
+  Tensor mine = Tensor::from_vector<float>({float(m.compute_seconds)}, {1}).to(device(), ctx.stream);
+  Tensor all = Tensor::empty({int64_t(world.size())}, DType::F32, device(), ctx.stream);
   world.all_gather(mine, all, ctx.stream)->wait();
   m.rank_compute_seconds = all.to(Device::cpu(), ctx.stream).to_double_vector();
   std::vector<double> sorted = m.rank_compute_seconds;
@@ -656,21 +417,22 @@ void Trainer::Impl::check_stragglers(StepMetrics& m) {
 }
 
 int Trainer::Impl::agree_stop() {
-  Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device, ctx.stream);
+  Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device(), ctx.stream);
   world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait();
   return int(t.to(Device::cpu(), ctx.stream).to_double_vector()[0]);
 }
 
 double Trainer::Impl::evaluate(int64_t max_batches) {
   MC_CHECK(valid_src != nullptr, "Trainer.evaluate: no validation data was given");
-  data::DataLoader vl(valid_src, loader_config(std::min(cfg.data.prefetch, 2)));  // short: a smaller pinned pool
+  // Short: a smaller pinned pool.
+  data::DataLoader vl(valid_src, loader_config(cfg, mcfg(), grid(), device(), std::min(cfg.data.prefetch, 2)));  // short: a smaller pinned pool
   const int64_t steps = std::min(max_batches, vl.num_steps());
   MC_CHECK_AS(ConfigError, steps > 0, "the validation split holds less than one global batch ({} samples); give it "
               "more documents (data.split) or set trainer.val_check_interval = 0", cfg.data.global_batch_size);
   // [Σ loss·tokens, Σ tokens] on the last stage, summed over DP, then sent to everyone in the pipeline group.
   double sums[2] = {0, 0};
   for (int64_t k = 0; k < steps; ++k)
-    for (const pipeline::MicroBatch& mb : next_micro_batches(vl)) {
+    for (const pipeline::MicroBatch& mb : next_micro_batches(vl, grid(), ctx.stream)) {
       if (watchdog) watchdog->beat();
       double n = 0;
       Tensor l = forward_only(mb, &n);
@@ -679,32 +441,33 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
         sums[1] += n;
       }
     }
-  Tensor t = Tensor::from_vector<float>({float(sums[0]), float(sums[1])}, {2}).to(device, ctx.stream);
-  grid->dp_cp().all_reduce(t, comm::ReduceOp::Sum, ctx.stream)->wait();
-  grid->pp().broadcast(t, grid->layout().pp_size() - 1, ctx.stream)->wait();
+  Tensor t = Tensor::from_vector<float>({float(sums[0]), float(sums[1])}, {2}).to(device(), ctx.stream);
+  grid().dp_cp().all_reduce(t, comm::ReduceOp::Sum, ctx.stream)->wait();
+  grid().pp().broadcast(t, grid().layout().pp_size() - 1, ctx.stream)->wait();
   const std::vector<double> v = t.to(Device::cpu(), ctx.stream).to_double_vector();
   return v[1] > 0 ? v[0] / v[1] : 0.0;
 }
 
 std::string Trainer::Impl::save(std::optional<double> val_loss) {
   MC_CHECK_AS(ConfigError, ckpt != nullptr, "Trainer.save: checkpoint.save_dir is empty; set it to save checkpoints");
-  if (zero) zero->finish_param_gather();  // the weights are written as the last step left them
+  OptimizerGroup& g = dense();
+  if (g.zero) g.zero->finish_param_gather();  // the weights are written as the last step left them
   checkpoint::CheckpointState st;
   st.step = state.step;
   st.val_loss = val_loss;
-  st.tensors = model_tensors();
-  if (zero) {
+  st.tensors = model_tensors(grid(), parts.chunks);
+  if (g.zero) {
     // Each rank writes the ZeRO shard it owns (no gather); the pieces reshard on load like any other.
     const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
-    for (auto& t : checkpoint::shard_zero_state(*zero, params_only, checkpoint::shard_layout(*grid)))
+    for (auto& t : checkpoint::shard_zero_state(*g.zero, params_only, checkpoint::shard_layout(grid())))
       st.tensors.push_back(std::move(t));
-    st.json["optimizer"] = json{{"step", zero->step_count()}}.dump();
+    st.json["optimizer"] = json{{"step", g.zero->step_count()}}.dump();
   } else {
     const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
-    checkpoint::add_optimizer_state(st, *opt, params_only);
+    checkpoint::add_optimizer_state(st, *g.opt, params_only);
   }
-  state.scheduler_steps = sched->num_steps();
-  state.loss_scaler = scaler ? std::optional(scaler->state()) : std::nullopt;
+  state.scheduler_steps = parts.optimizer.sched->num_steps();
+  state.loss_scaler = parts.optimizer.scaler ? std::optional(parts.optimizer.scaler->state()) : std::nullopt;
   state.write(st.json);
   st.json["recipe"] = to_json(cfg);
   ckpt->save(st);
@@ -713,38 +476,35 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
   return dir;
 }
 
-checkpoint::CheckpointReader Trainer::Impl::load_model(const std::string& path) {
-  std::optional<std::string> dir = checkpoint::resolve_checkpoint(path);
-  MC_CHECK_AS(IOError, dir.has_value(), "no complete checkpoint at '{}'", path);
-  std::vector<checkpoint::ShardedTensor> targets = model_tensors();
-  return checkpoint::load_checkpoint(&world, *dir, targets);
-}
-
 void Trainer::Impl::load(const std::string& path, bool optimizer) {
-  checkpoint::CheckpointReader reader = load_model(path);
-  if (optimizer) load_training_state(reader);
+  checkpoint::CheckpointReader reader = load_model_weights(grid(), parts.chunks, path);
+  if (optimizer) load_training_state(parts, reader);
 }
 
-void Trainer::Impl::load_training_state(checkpoint::CheckpointReader& reader) {
+void Trainer::Impl::load_training_state(TrainingParts& p, checkpoint::CheckpointReader& reader) {
+  MC_INTERNAL_ASSERT(p.optimizer.groups.size() == 1, "the Trainer loads one optimizer group, the build made {}",
+                     p.optimizer.groups.size());
+  OptimizerGroup& g = p.optimizer.groups.front();
   // Only the parameters' shard mapping is needed here (the optimizer state is mapped like its parameter).
-  const std::vector<checkpoint::ShardedTensor> targets = model_tensors();
-  if (zero) {
+  const std::vector<checkpoint::ShardedTensor> targets = model_tensors(*p.grid, p.chunks);
+  if (g.zero) {
     // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
-    std::vector<checkpoint::ShardedTensor> st = checkpoint::shard_zero_state(*zero, targets, checkpoint::shard_layout(*grid));
+    std::vector<checkpoint::ShardedTensor> st =
+        checkpoint::shard_zero_state(*g.zero, targets, checkpoint::shard_layout(*p.grid));
     reader.load_all(st);
     const json oj = json::parse(reader.json("optimizer"));
-    zero->finish_load(oj.at("step").get<int64_t>());
+    g.zero->finish_load(oj.at("step").get<int64_t>());
   } else {
-    checkpoint::load_optimizer_state(reader, *opt, targets);
+    checkpoint::load_optimizer_state(reader, *g.opt, targets);
   }
   state = TrainingState::read(reader.json());
-  sched->set_num_steps(state.scheduler_steps);
-  if (scaler && state.loss_scaler) scaler->load_state(*state.loss_scaler);
-  if (loader) {  // a load after construction restarts the data at the saved position
-    data::LoaderConfig lc = loader->config();
+  p.optimizer.sched->set_num_steps(state.scheduler_steps);
+  if (p.optimizer.scaler && state.loss_scaler) p.optimizer.scaler->load_state(*state.loss_scaler);
+  if (p.loader) {  // a load after construction restarts the data at the saved position
+    data::LoaderConfig lc = p.loader->config();
     lc.consumed_samples = state.consumed_samples;
-    loader.reset();
-    loader = std::make_unique<data::DataLoader>(train_src, lc);
+    p.loader.reset();
+    p.loader = std::make_unique<data::DataLoader>(train_src, lc);
   }
 }
 
@@ -818,7 +578,7 @@ TrainResult Trainer::fit() {
       break;
     }
   }
-  if (I.zero) I.zero->finish_param_gather();  // the caller may read the parameters next
+  I.parts.optimizer.finish_param_gather();  // the caller may read the parameters next
   I.watch(WatchPhase::Save, I.state.step);
   if (I.ckpt) I.ckpt->wait();
   r.final_step = I.state.step;
@@ -831,22 +591,22 @@ double Trainer::evaluate(int64_t max_batches) { return impl_->evaluate(max_batch
 std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64_t n) {
   Impl& I = *impl_;
   MC_CHECK(!prompt.empty(), "Trainer.generate: the prompt is empty; give at least one token id");
-  const int tp = I.grid->layout().tp_size(), pp = I.grid->layout().pp_size();
+  const int tp = I.grid().layout().tp_size(), pp = I.grid().layout().pp_size();
   std::vector<int64_t> ids = prompt;
-  const int64_t vocab = I.mcfg.vocab_size;
+  const int64_t vocab = I.mcfg().vocab_size;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t len = int64_t(ids.size());
-    MC_CHECK(len <= I.mcfg.max_position_embeddings, "Trainer.generate: {} tokens exceed max_position_embeddings {}",
-             len, I.mcfg.max_position_embeddings);
+    MC_CHECK(len <= I.mcfg().max_position_embeddings, "Trainer.generate: {} tokens exceed max_position_embeddings {}",
+             len, I.mcfg().max_position_embeddings);
     // Sequence parallelism splits the sequence over TP and context parallelism into 2·CP chunks: pad on the
     // right (causal attention never looks ahead).
-    const int cpn = I.grid->layout().cp_size(), cpr = I.grid->cp_rank();
-    const int64_t unit = (I.mcfg.sequence_parallel ? tp : 1) * (cpn > 1 ? 2 * cpn : 1);
+    const int cpn = I.grid().layout().cp_size(), cpr = I.grid().cp_rank();
+    const int64_t unit = (I.mcfg().sequence_parallel ? tp : 1) * (cpn > 1 ? 2 * cpn : 1);
     const int64_t s = (len + unit - 1) / unit * unit;
     std::vector<int64_t> tok(size_t(s), 0);
     std::copy(ids.begin(), ids.end(), tok.begin());
-    Tensor tokens = Tensor::from_vector<int64_t>(tok, {1, s}).to(I.device, I.ctx.stream);
-    Tensor labels = Tensor::zeros({1, s}, DType::I64, I.device, I.ctx.stream);
+    Tensor tokens = Tensor::from_vector<int64_t>(tok, {1, s}).to(I.device(), I.ctx.stream);
+    Tensor labels = Tensor::zeros({1, s}, DType::I64, I.device(), I.ctx.stream);
     tokens = parallel::cp_slice_sequence(tokens, 1, cpr, cpn, I.ctx.stream);
     labels = parallel::cp_slice_sequence(labels, 1, cpr, cpn, I.ctx.stream);
     // The CP rank holding the last prompt position, and that position's index in its local sequence.
@@ -858,18 +618,18 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
       local = (chunk < cpn ? 0 : c) + (len - 1) % c;
     }
     Tensor loss = I.forward_only({tokens, labels, Tensor()}, nullptr);
-    Tensor next = Tensor::zeros({1}, DType::I64, I.device, I.ctx.stream);
+    Tensor next = Tensor::zeros({1}, DType::I64, I.device(), I.ctx.stream);
     if (loss.defined() && cpr == owner) {
       // The logits of the last prompt position, gathered over the vocabulary shards.
-      mdl::GPTModel& last = *I.chunks.back();
+      mdl::GPTModel& last = *I.parts.chunks.back();
       Tensor row = last.logits().narrow(1, local, 1).contiguous(I.ctx.stream).view({-1});
-      Tensor full = parallel::all_gather_along(I.grid->tp(), row.to(DType::F32, I.ctx.stream), 0, I.ctx.stream);
+      Tensor full = parallel::all_gather_along(I.grid().tp(), row.to(DType::F32, I.ctx.stream), 0, I.ctx.stream);
       const std::vector<double> v = full.to(Device::cpu(), I.ctx.stream).to_double_vector();
       const int64_t best = int64_t(std::max_element(v.begin(), v.begin() + vocab) - v.begin());
-      next = Tensor::from_vector<int64_t>({best}, {1}).to(I.device, I.ctx.stream);
+      next = Tensor::from_vector<int64_t>({best}, {1}).to(I.device(), I.ctx.stream);
     }
-    if (cpn > 1) I.grid->cp().broadcast(next, owner, I.ctx.stream)->wait();
-    I.grid->pp().broadcast(next, pp - 1, I.ctx.stream)->wait();
+    if (cpn > 1) I.grid().cp().broadcast(next, owner, I.ctx.stream)->wait();
+    I.grid().pp().broadcast(next, pp - 1, I.ctx.stream)->wait();
     ids.push_back(next.to(Device::cpu(), I.ctx.stream).to_double_vector()[0]);
   }
   return std::vector<int64_t>(ids.begin() + int64_t(prompt.size()), ids.end());
@@ -878,7 +638,7 @@ std::vector<int64_t> Trainer::generate(const std::vector<int64_t>& prompt, int64
 std::string Trainer::save() { return impl_->save(); }
 void Trainer::load(const std::string& path, bool optimizer) { impl_->load(path, optimizer); }
 int64_t Trainer::step() const { return impl_->state.step; }
-const parallel::ProcessGrid& Trainer::grid() const { return *impl_->grid; }
+const parallel::ProcessGrid& Trainer::grid() const { return impl_->grid(); }
 void Trainer::set_step_callback(std::function<void(const StepMetrics&)> cb) { impl_->step_cb = std::move(cb); }
 
 }  // namespace megacore::train

@@ -1,14 +1,17 @@
 // A complete C++ training program: `mpirun -np 4 ./cpp_trainer [steps] [tp] [pp]`.
 // Builds the built-in corpus, a TP × PP × DP grid over the launched ranks, and trains a 4-layer Llama with
 // AdamW and a cosine schedule, printing one line per step on rank 0. Exit status 0 when the loss fell.
-// It reads its loss history through a TensorView and reduces a per-rank metric with the typed
-// comm::all_reduce_value (docs/cpp.md).
+// The run is made from the trainer's parts (train/builder.hpp) and stepped by its own loop, the loop
+// train::Trainer runs (which adds checkpoints, validation and logging). It reads its loss history through a
+// TensorView and reduces a per-rank metric with the typed comm::all_reduce_value (docs/cpp.md).
 #include <megacore/megacore.hpp>
 #include <megacore/comm/bootstrap.hpp>
 #include <megacore/data/blended_dataset.hpp>
 #include <megacore/data/corpus.hpp>
-#include <megacore/train/trainer.hpp>
+#include <megacore/optim/grad_clip.hpp>
+#include <megacore/train/builder.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -54,18 +57,51 @@ int main(int argc, char** argv) {
     world->barrier();
     if (world->rank() != 0) ds = build();
 
-    train::Trainer trainer(cfg, *world, ds[0]);
-    train::TrainResult r = trainer.fit();
+    // Device, grid, pipeline layout, model chunks, DDP + optimizer, engine and loader, in that order; each
+    // part can be built alone (train::pick_device, build_grid, build_model_chunks, ...) and replaced.
+    train::check(cfg, world->size(), {.check_paths = false});
+    train::TrainingParts run = train::build_training_parts(cfg, *world, ds[0]);
+    layers::ForwardContext ctx;
+    ctx.stream = run.placement.stream;
+    train::OptimizerParts& opt = run.optimizer;
+    train::OptimizerGroup& dense = opt.groups.front();  // a dense model: one group, reduced over DP
+    std::vector<double> losses, step_seconds;
+    for (int64_t step = 1; step <= cfg.trainer.max_steps; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      opt.zero_grad();
+      std::vector<pipeline::MicroBatch> mbs = train::next_micro_batches(*run.loader, *run.grid, ctx.stream);
+      const pipeline::StepResult sr = run.engine->step(ctx, mbs);
+      opt.notify_tied_grads();  // tied embeddings, once the engine summed them over the first and last stage
+      opt.finish_grad_sync();
+      // Global-norm clipping counts every parameter once: TP-replicated ones on TP rank 0, tied copies skipped.
+      optim::GradNormGroups groups = optim::grad_norm_groups(*run.grid);
+      groups.skip = [&](const layers::Parameter& p) {
+        for (const auto& chunk : run.chunks)
+          if (chunk->is_tied_copy(p)) return true;
+        return false;
+      };
+      optim::CheckedStepOptions co;
+      co.max_norm = cfg.optim.clip_grad;
+      const double lr = opt.sched->lr();
+      const optim::StepResult st = optim::checked_step(*dense.opt, lr, groups, co);
+      if (!st.skipped) opt.sched->step();
+      if (run.placement.device.is_cuda()) ctx.stream.synchronize();
+      losses.push_back(sr.loss);
+      step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (world->rank() == 0)
+        std::printf("step %lld | loss %.4f | grad norm %.3f | lr %.3e%s\n", (long long)step, sr.loss, st.grad_norm, lr,
+                    st.skipped ? " | skipped (non-finite gradients)" : "");
+    }
 
     // The run's history as a [steps, 2] f32 tensor of (loss, step seconds), read through a typed view:
     // the dtype and rank are checked once, then indexing is plain strided access.
-    const int64_t n = int64_t(r.history.size());
+    const int64_t n = int64_t(losses.size());
     Tensor history = Tensor::empty({n, 2}, DType::F32);
     TensorView<float, 2> h(history);
     float seconds = 0;
     for (int64_t i = 0; i < n; ++i) {
-      h(i, 0) = float(r.history[size_t(i)].loss);
-      h(i, 1) = float(r.history[size_t(i)].step_seconds);
+      h(i, 0) = float(losses[size_t(i)]);
+      h(i, 1) = float(step_seconds[size_t(i)]);
       seconds += h(i, 1);
     }
     // Every rank timed its own steps; the typed scalar all-reduce gives the slowest rank's total.

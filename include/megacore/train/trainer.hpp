@@ -2,7 +2,8 @@
 // and driven from Python recipes (`python -m megacore.train`). Its configuration is a RunConfig
 // (train/run_config.hpp), the same object a recipe JSON parses into.
 //
-// What one run builds, on every rank, in this order:
+// What one run builds, on every rank, in this order (each part a function of train/builder.hpp, composed by
+// train::build_training_parts):
 //   ProcessGrid (validated)  →  this rank's model chunks (PipelineLayout: uniform or explicit counts;
 //   GPTModel stages with global layer names)  →  [resume: parameters from a checkpoint, any layout]  →
 //   DistributedDataParallel over all chunks' parameters (buckets, overlapped reduction on the last

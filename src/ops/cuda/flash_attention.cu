@@ -368,6 +368,44 @@ __device__ __forceinline__ void bwd_accumulate_dkdv(float (&dk)[D / 8][4], float
   }
 }
 
+// Where a block of keys stands: its sequence, batch row, kv head and first key, and its walk over the query
+// tiles that see those keys.
+struct KeyBlock {
+  SeqInfo si;
+  int b, hk, n0;
+  QueryWalk walk;
+};
+
+// The prologue of both kernels: the block's kN keys (blockIdx.x) of kv head blockIdx.y in batch row
+// blockIdx.z, their K and V tiles loaded into shared memory, and the first query tile issued into buffer 0
+// (one cp.async group committed). False, with nothing loaded, for a block past the sequence's keys.
+template <class T, int D, int kN, int kM, int NT>
+__device__ __forceinline__ bool bwd_begin_key_block(const AttnProblem& p, const float* dsum, T* sK, T* sV, T* sQ,
+                                                    T* sdO, float* sL, float* sD, int tid, KeyBlock& kb) {
+  kb.b = blockIdx.z;
+  kb.hk = blockIdx.y;
+  kb.si = seq_info(p, kb.b);
+  kb.n0 = blockIdx.x * kN;
+  if (kb.n0 >= kb.si.nk) return false;
+  const T* k = head_ptr<const T>(p.k, kb.b, kb.si.k0, kb.hk);
+  const T* v = head_ptr<const T>(p.v, kb.b, kb.si.k0, kb.hk);
+  load_tile<T, kN, D, NT>(sK, k + int64_t(kb.n0) * p.k.row_stride, p.k.row_stride, kb.si.nk - kb.n0, tid);
+  load_tile<T, kN, D, NT>(sV, v + int64_t(kb.n0) * p.v.row_stride, p.v.row_stride, kb.si.nk - kb.n0, tid);
+  kb.walk = query_walk(p, kb.si, kb.hk, kb.n0, kM);
+  if (kb.walk.total > 0) bwd_issue_q_tile<T, D, kM, NT>(p, dsum, kb.si, kb.b, kb.walk, 0, 0, sQ, sdO, sL, sD, tid);
+  cp_async_commit();
+  return true;
+}
+
+template <int D>
+__device__ __forceinline__ void bwd_zero_dkdv(float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+}
+
 // Writes this thread's rows of dK (times the softmax scale) and dV.
 template <class T, int D>
 __device__ __forceinline__ void bwd_store_dkdv(const AttnProblem& p, const SeqInfo& si, int b, int hk, int key_base,
@@ -396,37 +434,22 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(const AttnProb
   float* sL = reinterpret_cast<float*>(sdO + 2 * kM * D);  // two buffers: lse * log2(e)
   float* sD = sL + 2 * kM;                                  // two buffers: rowsum(dO * O)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int b = blockIdx.z, hk = blockIdx.y;
-  const SeqInfo si = seq_info(p, b);
-  const int n0 = blockIdx.x * kN;
-  if (n0 >= si.nk) return;
-  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
-  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
-  load_tile<T, kN, D>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
-  load_tile<T, kN, D>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
-
-  const QueryWalk walk = query_walk(p, si, hk, n0, kM);
-  const int total = walk.total;
-
-  auto issue = [&](int it, int buf) {
-    bwd_issue_q_tile<T, D, kM, kThreads>(p, dsum, si, b, walk, it, buf, sQ, sdO, sL, sD, tid);
-  };
-  if (total > 0) issue(0, 0);
-  cp_async_commit();
+  KeyBlock kb;
+  if (!bwd_begin_key_block<T, D, kN, kM, kThreads>(p, dsum, sK, sV, sQ, sdO, sL, sD, tid, kb)) return;
+  const SeqInfo& si = kb.si;
+  const int b = kb.b, hk = kb.hk, n0 = kb.n0, total = kb.walk.total;
+  const QueryWalk& walk = kb.walk;
 
   float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
-    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
-  }
+  bwd_zero_dkdv<D>(dk, dv);
   const float sl2 = p.scale * kLog2e;
   const int key_base = n0 + warp * 16 + g;
 
   for (int it = 0; it < total; ++it) {
     cp_async_wait_all();
     __syncthreads();
-    if (it + 1 < total) issue(it + 1, (it + 1) & 1);
+    if (it + 1 < total)
+      bwd_issue_q_tile<T, D, kM, kThreads>(p, dsum, si, b, walk, it + 1, (it + 1) & 1, sQ, sdO, sL, sD, tid);
     cp_async_commit();
     const int buf = it & 1;
     const int m0 = walk.row0(it);
@@ -610,30 +633,14 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   float* sL = reinterpret_cast<float*>(sdS + kN * kM);  // two buffers: lse * log2(e)
   float* sD = sL + 2 * kM;                               // two buffers: rowsum(dO * O)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int b = blockIdx.z, hk = blockIdx.y;
-  const SeqInfo si = seq_info(p, b);
-  const int n0 = blockIdx.x * kN;
-  if (n0 >= si.nk) return;
-  const T* k = head_ptr<const T>(p.k, b, si.k0, hk);
-  const T* v = head_ptr<const T>(p.v, b, si.k0, hk);
-  load_tile<T, kN, D, NT>(sK, k + int64_t(n0) * p.k.row_stride, p.k.row_stride, si.nk - n0, tid);
-  load_tile<T, kN, D, NT>(sV, v + int64_t(n0) * p.v.row_stride, p.v.row_stride, si.nk - n0, tid);
-
-  const QueryWalk walk = query_walk(p, si, hk, n0, kM);
-  const int total = walk.total;
-
-  auto issue = [&](int it, int buf) {
-    bwd_issue_q_tile<T, D, kM, NT>(p, dsum, si, b, walk, it, buf, sQ, sdO, sL, sD, tid);
-  };
-  if (total > 0) issue(0, 0);
-  cp_async_commit();
+  KeyBlock kb;
+  if (!bwd_begin_key_block<T, D, kN, kM, NT>(p, dsum, sK, sV, sQ, sdO, sL, sD, tid, kb)) return;
+  const SeqInfo& si = kb.si;
+  const int b = kb.b, hk = kb.hk, n0 = kb.n0, total = kb.walk.total;
+  const QueryWalk& walk = kb.walk;
 
   float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
-    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
-  }
+  bwd_zero_dkdv<D>(dk, dv);
   const float sl2 = p.scale * kLog2e;
   const int key_base = n0 + warp * 16 + g;
   // Warps whose keys reach past the sequence mask them (P = 0): their K rows are zero-filled, but P
@@ -645,7 +652,8 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
   for (int it = 0; it < total; ++it) {
     cp_async_wait_all();
     __syncthreads();  // this tile's loads are visible; every warp is done with the previous tile
-    if (it + 1 < total) issue(it + 1, (it + 1) & 1);
+    if (it + 1 < total)
+      bwd_issue_q_tile<T, D, kM, NT>(p, dsum, si, b, walk, it + 1, (it + 1) & 1, sQ, sdO, sL, sD, tid);
     cp_async_commit();
     const int buf = it & 1;
     const int hq = walk.head(it);
@@ -658,6 +666,8 @@ __global__ void __launch_bounds__(32 * W) flash_bwd_fused_kernel(const AttnProbl
     float st[kM / 8][4], dpt[kM / 8][4];
     bwd_st_dpt<T, D, kM>(st, dpt, sK, sV, cQ, cdO, warp, lane);
     const bool need_mask = tail_keys || (p.causal && m0 < n0 + warp * 16 + 15);
+    // P and dS^T are written out here and in the dK/dV kernel alike: behind a shared device function with a
+    // mask functor, ptxas (CUDA 13.0, sm_90a) spilled this kernel at D = 128, W = 8 and grew the dK/dV kernel.
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
 #pragma unroll

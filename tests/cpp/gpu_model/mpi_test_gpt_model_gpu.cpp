@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
 #include "megacore/model/gpt_model.hpp"
@@ -28,22 +29,9 @@ namespace {
 
 constexpr int64_t kBatch = 2, kSeq = 16;
 
-struct Batch {
-  Tensor tokens, labels, mask;
-};
+using model_test::Batch;
 
-Batch make_batch(int64_t vocab) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
-    tok.push_back((i * 37 + 5) % vocab);
-    lab.push_back((i * 53 + 11) % vocab);
-    mask.push_back(i % 5 == 3 ? 0.f : 1.f);
-  }
-  lab[6] = -100;
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, kSeq}), Tensor::from_vector<int64_t>(lab, {kBatch, kSeq}),
-          Tensor::from_vector<float>(mask, {kBatch, kSeq})};
-}
+Batch make_batch(int64_t vocab) { return model_test::token_batch(kBatch, kSeq, vocab, 0, /*ignored=*/6); }
 
 Device my_device() {
   comm::LaunchEnv e = comm::detect_launch_env();
@@ -71,16 +59,6 @@ Tensor gather_host(comm::Communicator& mpi_tp, const Tensor& shard, int64_t dim)
 Tensor full_grad_host(comm::Communicator& mpi_tp, const ly::Parameter& p) {
   if (p.partition_dim < 0) return p.main_grad.to(Device::cpu()).contiguous();
   return gather_host(mpi_tp, p.main_grad, p.partition_dim);
-}
-
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
 }
 
 double rel(const Tensor& got, const Tensor& want) {

@@ -61,6 +61,18 @@ inline Tensor scaled(const Tensor& t, double k) {
   return c;
 }
 
+/// SwiGLU fc1 rows [0, 2F) in the global [gate | up] order (the TP = 1 layout) → the concatenation over
+/// the tpn ranks of [gate rows of rank q ; up rows of rank q], the layout the gathered fc1 shards have.
+inline Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
+  const int64_t f = t.size(0) / 2, fl = f / tpn;
+  Tensor out = Tensor::empty(t.shape());
+  for (int q = 0; q < tpn; ++q) {
+    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
+    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
+  }
+  return out;
+}
+
 inline std::vector<int> tp_sizes_for(int world) {
   std::vector<int> out;
   for (int tp : {1, 2, 4})

@@ -39,18 +39,6 @@ Tensor ref_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return ops::matmul(rows(x), w, o).view(s);
 }
 
-// Rows [0, 2F) in the global [gate | up] order → the concatenation over ranks of
-// [gate rows of rank q ; up rows of rank q], the layout the gathered fc1 shards have.
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
-}
-
 void run_norm(comm::Communicator& tp, bool layer, bool sp, bool residual) {
   const int tpn = tp.size(), r = tp.rank();
   INFO("TP " << tpn << " layernorm " << layer << " SP " << sp << " residual " << residual);

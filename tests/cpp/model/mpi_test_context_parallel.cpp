@@ -18,6 +18,7 @@
 #include <string>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/parallel/context_parallel.hpp"
 #include "megacore/parallel/mappings.hpp"
@@ -36,44 +37,16 @@ namespace {
 constexpr double kLossTol = 1e-6, kGradTol = 1e-5;
 constexpr int64_t kBatch = 2;
 
-struct Batch {
-  Tensor tokens, labels, mask;
-};
+using model_test::Batch;
+using model_test::full_tensor;
 
 Batch make_batch(int64_t vocab, int64_t seq, int64_t salt = 0) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
-  for (int64_t i = 0; i < kBatch * seq; ++i) {
-    tok.push_back((i * 37 + 5 + salt * 11) % vocab);
-    lab.push_back((i * 53 + 11 + salt * 7) % vocab);
-    mask.push_back(i % 5 == 3 ? 0.f : 1.f);
-  }
-  lab[3] = -100;  // an ignored label
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, seq}), Tensor::from_vector<int64_t>(lab, {kBatch, seq}),
-          Tensor::from_vector<float>(mask, {kBatch, seq})};
+  return model_test::token_batch(kBatch, seq, vocab, salt, /*ignored=*/3);
 }
 
 Batch local_part(const Batch& b, int rank, int size) {
   return {cp_slice_sequence(b.tokens, 1, rank, size), cp_slice_sequence(b.labels, 1, rank, size),
           cp_slice_sequence(b.mask, 1, rank, size)};
-}
-
-// [gate; up] rows (the TP = 1 layout) → the concatenation over ranks of [gate_r; up_r].
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
-}
-
-// A gradient (or any tensor of p's shape) as the full TP = 1 tensor, real vocabulary rows only.
-Tensor full_tensor(comm::Communicator& tp, const ly::Parameter& p, const Tensor& t, int64_t padded, int64_t vocab) {
-  Tensor g = p.partition_dim < 0 ? t : all_gather_along(tp, t.contiguous(), p.partition_dim);
-  if (g.dim() == 2 && g.size(0) == padded) g = g.narrow(0, 0, vocab).contiguous();
-  return g;
 }
 
 Tensor ref_view(const Tensor& want, const std::string& name, int tpn, bool swiglu) {

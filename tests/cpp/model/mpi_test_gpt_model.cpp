@@ -19,6 +19,7 @@
 #include <string>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/parallel/process_grid.hpp"
 
@@ -33,40 +34,14 @@ namespace {
 constexpr double kLossTol = 1e-6, kLogitsTol = 1e-5, kGradTol = 1e-5;
 constexpr int64_t kBatch = 2, kSeq = 8;
 
-struct Batch {
-  Tensor tokens, labels, mask;
-};
+using model_test::Batch;
+using model_test::llama_tied;
 
-Batch make_batch(int64_t vocab) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
-    tok.push_back((i * 37 + 5) % vocab);
-    lab.push_back((i * 53 + 11) % vocab);
-    mask.push_back(i % 5 == 3 ? 0.f : 1.f);
-  }
-  lab[6] = -100;  // an ignored label
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, kSeq}), Tensor::from_vector<int64_t>(lab, {kBatch, kSeq}),
-          Tensor::from_vector<float>(mask, {kBatch, kSeq})};
-}
-
-// [gate; up] rows (the TP = 1 layout) → the concatenation over ranks of [gate_r; up_r], the layout the
-// gathered SwiGLU fc1 shards have.
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
-}
+Batch make_batch(int64_t vocab) { return model_test::token_batch(kBatch, kSeq, vocab, 0, /*ignored=*/6); }
 
 // A parameter's gradient as the full (TP = 1) tensor, real vocabulary rows only.
 Tensor full_grad(comm::Communicator& tp, const mdl::GPTModel& m, const ly::Parameter& p) {
-  Tensor g = p.partition_dim < 0 ? p.main_grad : all_gather_along(tp, p.main_grad, p.partition_dim);
-  if (g.dim() == 2 && g.size(0) == m.padded_vocab_size()) g = g.narrow(0, 0, m.config().vocab_size).contiguous();
-  return g;
+  return model_test::full_tensor(tp, p, p.main_grad, m.padded_vocab_size(), m.config().vocab_size);
 }
 
 Tensor full_logits(comm::Communicator& tp, const mdl::GPTModel& m) {
@@ -138,12 +113,6 @@ std::vector<Tensor> grads_with(comm::Communicator& tp, mdl::TransformerConfig cf
   std::vector<Tensor> out;
   for (ly::Parameter* p : model.parameters()) out.push_back(p->main_grad.clone());
   return out;
-}
-
-mdl::TransformerConfig llama_tied() {
-  mdl::TransformerConfig c = mdl::presets::tiny_llama();
-  c.tie_word_embeddings = true;
-  return c;
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <map>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/parallel/process_grid.hpp"
 
@@ -33,21 +34,11 @@ namespace {
 constexpr double kTol = 1e-6;
 constexpr int64_t kBatch = 2, kSeq = 8;
 
-struct Batch {
-  Tensor tokens, labels, mask;
-};
+using model_test::Batch;
 
 Batch make_batch(int64_t vocab, int64_t salt) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
-    tok.push_back((i * 37 + 5 + salt * 11) % vocab);
-    lab.push_back((i * 53 + 11 + salt * 7) % vocab);
-    mask.push_back((i + salt) % 5 == 3 ? 0.f : 1.f);
-  }
-  lab[size_t(6 + salt)] = -100;
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, kSeq}), Tensor::from_vector<int64_t>(lab, {kBatch, kSeq}),
-          Tensor::from_vector<float>(mask, {kBatch, kSeq})};
+  return model_test::token_batch(kBatch, kSeq, vocab, salt, /*ignored=*/6 + salt,
+                                 [&](int64_t i) { return (i + salt) % 5 == 3; });
 }
 
 struct Recorder {

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/parallel/process_grid.hpp"
 
@@ -29,21 +30,9 @@ namespace {
 constexpr double kLossTol = 1e-6, kTol = 1e-5;
 constexpr int64_t kBatch = 2, kSeq = 8;
 
-struct Batch {
-  Tensor tokens, labels, mask;
-};
+using model_test::Batch;
 
-Batch make_batch(int64_t vocab) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
-    tok.push_back((i * 37 + 5) % vocab);
-    lab.push_back((i * 53 + 11) % vocab);
-    mask.push_back(i % 5 == 3 ? 0.f : 1.f);
-  }
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, kSeq}), Tensor::from_vector<int64_t>(lab, {kBatch, kSeq}),
-          Tensor::from_vector<float>(mask, {kBatch, kSeq})};
-}
+Batch make_batch(int64_t vocab) { return model_test::token_batch(kBatch, kSeq, vocab); }
 
 mdl::LoRAConfig all_targets(double dropout = 0.0) {
   mdl::LoRAConfig l;

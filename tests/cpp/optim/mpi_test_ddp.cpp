@@ -73,17 +73,6 @@ op::AdamWConfig adam() {
   return a;
 }
 
-// [gate; up] rows (the TP = 1 layout) → the layout of SwiGLU fc1 shards gathered over TP.
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
-}
-
 // A TP-local tensor of parameter p as the full tensor in the TP = 1 layout's row order (fc1 excepted,
 // see full_reference), real vocabulary rows only.
 Tensor gather_full(comm::Communicator& tp, const ly::Parameter& p, const Tensor& local, int64_t vocab,

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/grad_clip.hpp"
 #include "megacore/parallel/process_grid.hpp"
@@ -77,11 +78,7 @@ void check(comm::Communicator& tp1, const ProcessGrid& grid, mdl::TransformerCon
   CHECK(optim::global_grad_norm(model.parameters(), groups).norm == Approx(want / 2).epsilon(1e-5));
 }
 
-mdl::TransformerConfig llama_tied() {
-  mdl::TransformerConfig c = mdl::presets::tiny_llama();
-  c.tie_word_embeddings = true;
-  return c;
-}
+using model_test::llama_tied;
 
 }  // namespace
 

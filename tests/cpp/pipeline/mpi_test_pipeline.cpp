@@ -28,6 +28,7 @@
 #include <map>
 
 #include "layers/layers_test_util.hpp"
+#include "model/model_test_util.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/optimizer.hpp"
 #include "megacore/parallel/process_grid.hpp"
@@ -47,35 +48,12 @@ constexpr int64_t kBatch = 2, kSeq = 8;
 
 // Micro-batch g of the global batch; masks differ so token counts differ between micro-batches.
 pl::MicroBatch make_mb(int64_t vocab, int64_t g, int step) {
-  std::vector<int64_t> tok, lab;
-  std::vector<float> mask;
   const int64_t salt = g * 13 + step * 101;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
-    tok.push_back((i * 37 + 5 + salt * 11) % vocab);
-    lab.push_back((i * 53 + 11 + salt * 7) % vocab);
-    mask.push_back((i * 3 + salt) % (3 + g % 4) == 0 ? 0.f : 1.f);
-  }
-  lab[size_t((salt % (kBatch * kSeq)))] = -100;
-  return {Tensor::from_vector<int64_t>(tok, {kBatch, kSeq}), Tensor::from_vector<int64_t>(lab, {kBatch, kSeq}),
-          Tensor::from_vector<float>(mask, {kBatch, kSeq})};
+  const model_test::Batch b = model_test::token_batch(kBatch, kSeq, vocab, salt, salt % (kBatch * kSeq),
+                                                      [&](int64_t i) { return (i * 3 + salt) % (3 + g % 4) == 0; });
+  return {b.tokens, b.labels, b.mask};
 }
 
-Tensor swiglu_rank_layout(const Tensor& t, int tpn) {
-  const int64_t f = t.size(0) / 2, fl = f / tpn;
-  Tensor out = Tensor::empty(t.shape());
-  for (int q = 0; q < tpn; ++q) {
-    out.narrow(0, 2 * q * fl, fl).copy_(t.narrow(0, q * fl, fl));
-    out.narrow(0, (2 * q + 1) * fl, fl).copy_(t.narrow(0, f + q * fl, fl));
-  }
-  return out;
-}
-
-// A TP-sharded tensor as the full one (real vocabulary rows only).
-Tensor gather_full(comm::Communicator& tp, const ly::Parameter& p, const Tensor& t, int64_t padded, int64_t vocab) {
-  Tensor g = p.partition_dim < 0 || tp.size() == 1 ? t.contiguous() : all_gather_along(tp, t.contiguous(), p.partition_dim);
-  if (g.dim() == 2 && g.size(0) == padded) g = g.narrow(0, 0, vocab).contiguous();
-  return g;
-}
 
 Tensor ref_view(const mdl::GPTModel& ref, const std::string& name, const Tensor& t, int tpn, bool swiglu) {
   Tensor g = t;
@@ -173,7 +151,7 @@ void run_layout(comm::Communicator& world, comm::Communicator& tp1, const Layout
     for (ly::Parameter* p : params) {
       INFO("gradient of " << p->name);
       const mdl::GPTModel& any = *chunks[0];
-      require_close(gather_full(grid.tp(), *p, p->main_grad, any.padded_vocab_size(), cfg.vocab_size),
+      require_close(model_test::full_tensor(grid.tp(), *p, p->main_grad, any.padded_vocab_size(), cfg.vocab_size),
                     ref_view(ref, p->name, want.at(p->name), L.tp, swiglu), kTol, p->name.c_str());
     }
     // Same update on both sides.
@@ -182,7 +160,7 @@ void run_layout(comm::Communicator& world, comm::Communicator& tp1, const Layout
     ref_opt->step(lr);
     for (ly::Parameter* p : params) {
       INFO("parameter " << p->name);
-      require_close(gather_full(grid.tp(), *p, p->data, chunks[0]->padded_vocab_size(), cfg.vocab_size),
+      require_close(model_test::full_tensor(grid.tp(), *p, p->data, chunks[0]->padded_vocab_size(), cfg.vocab_size),
                     ref_view(ref, p->name, ref.parameter(p->name).data, L.tp, swiglu), kTol, p->name.c_str());
     }
   }
