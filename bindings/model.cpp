@@ -85,10 +85,13 @@ pyb::dict parameter_count_dict(const ParameterCount& c) {
   d["embedding"] = c.embedding;
   d["position_embedding"] = c.position_embedding;
   d["per_layer"] = c.per_layer;
+  d["per_moe_layer"] = c.per_moe_layer;
+  d["per_moe_layer_experts"] = c.per_moe_layer_experts;
   d["layers"] = c.layers;
   d["final_norm"] = c.final_norm;
   d["output_layer"] = c.output_layer;
   d["total"] = c.total;
+  d["active"] = c.active;
   return d;
 }
 
@@ -113,6 +116,9 @@ void bind_config(pyb::module_& m) {
                                    {"selective", RecomputeGranularity::Selective},
                                    {"full", RecomputeGranularity::Full}});
   bind_enum<RopeScalingType>(m, "RopeScalingType", {{"none", RopeScalingType::None}, {"llama3", RopeScalingType::Llama3}});
+  bind_enum<MoERouterScore>(m, "MoERouterScore", {{"softmax", MoERouterScore::Softmax}, {"sigmoid", MoERouterScore::Sigmoid}});
+  bind_enum<MoETokenDispatcher>(m, "MoETokenDispatcher",
+                                {{"alltoall", MoETokenDispatcher::AllToAll}, {"allgather", MoETokenDispatcher::AllGather}});
 
   pyb::class_<RopeScaling>(m, "RopeScaling", "Llama-3.1-style RoPE frequency scaling.")
       .def(pyb::init<>())
@@ -150,7 +156,8 @@ void bind_config(pyb::module_& m) {
       .def_property_readonly("attention_width", &C::attention_width)
       .def_property_readonly("qkv_width", &C::qkv_width)
       .def("copy", [](const C& c) { return C(c); })
-      .def("validate", [](const C& c, int tp) { validate(c, tp); }, pyb::arg("tp_size") = 1)
+      .def("validate", [](const C& c, int tp, int ep, int etp) { validate(c, tp, ep, etp); }, pyb::arg("tp_size") = 1,
+           pyb::arg("ep_size") = 1, pyb::arg("expert_tp_size") = 0)
       .def("__repr__", [](const C& c) {
         return fmt::format("megacore.model.TransformerConfig(num_layers={}, hidden_size={}, num_attention_heads={}, "
                            "num_query_groups={}, ffn_hidden_size={}, vocab_size={}, normalization={}, activation={}, "
@@ -162,8 +169,10 @@ void bind_config(pyb::module_& m) {
 
   bind_fields(tc, {"rope_scaling"});
 
-  m.def("validate", [](const C& c, int tp) { validate(c, tp); }, pyb::arg("config"), pyb::arg("tp_size") = 1,
-        "Raises megacore.ConfigError listing every inconsistency for tp_size-way TP, each with its fix.");
+  m.def("validate", [](const C& c, int tp, int ep, int etp) { validate(c, tp, ep, etp); }, pyb::arg("config"),
+        pyb::arg("tp_size") = 1, pyb::arg("ep_size") = 1, pyb::arg("expert_tp_size") = 0,
+        "Raises megacore.ConfigError listing every inconsistency for tp_size-way TP, ep_size-way EP and "
+        "expert_tp_size-way expert TP (0 = TP), each with its fix.");
   m.def("padded_vocab_size", [](const C& c, int tp) { return padded_vocab_size(c, tp); }, pyb::arg("config"),
         pyb::arg("tp_size") = 1);
   m.def("parameter_count", [](const C& c, int tp) { return parameter_count_dict(parameter_count(c, tp)); },

@@ -19,6 +19,7 @@
 #include "megacore/ops/dropout.hpp"
 #include "megacore/ops/embedding.hpp"
 #include "megacore/ops/gemm.hpp"
+#include "megacore/ops/moe.hpp"
 #include "megacore/ops/elementwise.hpp"
 #include "megacore/ops/functors.hpp"
 #include "megacore/ops/norm.hpp"

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <array>
+#include <cmath>
+#include <utility>
 #include <vector>
 
 #include "megacore/core/error.hpp"
@@ -31,9 +34,96 @@ int64_t divisor_at_most(int64_t n, int64_t limit) {
   return 1;
 }
 
+template <class T>
+std::string field_text(const T& v) {
+  if constexpr (NamedEnum<T>)
+    return std::string(enum_name(v));
+  else
+    return fmt::format("{}", v);
+}
+
+// The moe_* fields of `c` whose value differs from the default, as (name, value, default).
+std::vector<std::array<std::string, 3>> moe_fields_set(const TransformerConfig& c) {
+  std::vector<std::pair<std::string_view, std::string>> mine, dflt;
+  auto collect = [](const TransformerConfig& cfg, auto& out) {
+    TransformerConfig::fields(cfg, [&](const Field& f, const auto& v) {
+      if (f.name.starts_with("moe_")) out.emplace_back(f.name, field_text(v));
+    });
+  };
+  collect(c, mine);
+  collect(TransformerConfig{}, dflt);
+  std::vector<std::array<std::string, 3>> out;
+  for (size_t i = 0; i < mine.size(); ++i)
+    if (mine[i].second != dflt[i].second) out.push_back({std::string(mine[i].first), mine[i].second, dflt[i].second});
+  return out;
+}
+
+void moe_validation_errors(const TransformerConfig& c, int tp, int ep, int etp, std::vector<std::string>& errs) {
+  auto add = [&]<class... A>(fmt::format_string<A...> f, A&&... a) { errs.push_back(fmt::format(f, std::forward<A>(a)...)); };
+  const int64_t e = c.num_moe_experts;
+  if (e < 0) add("num_moe_experts is {}; set it to the number of routed experts, or 0 for a dense model", e);
+  if (e <= 0) {
+    for (const auto& [name, value, dflt] : moe_fields_set(c))
+      add("{} is {} but num_moe_experts is 0 (a dense model has no MoE layers); set num_moe_experts to the expert "
+          "count, or leave {} at its default {}",
+          name, value, name, dflt);
+    if (ep > 1)
+      add("expert parallelism (EP = {}) splits the experts of MoE layers but num_moe_experts is 0; set "
+          "parallel.expert_model_parallel_size (ep) to 1, or give the model experts",
+          ep);
+    if (etp > 0 && etp != tp)
+      add("expert_tensor_parallel_size {} applies to MoE experts but num_moe_experts is 0; set it to 0 (= TP)", etp);
+    return;
+  }
+  if (c.moe_router_topk < 1 || c.moe_router_topk > e)
+    add("moe_router_topk is {}; each token is routed to between 1 and num_moe_experts = {} experts: set "
+        "moe_router_topk in [1, {}] (2 is common)",
+        c.moe_router_topk, e, e);
+  if (c.moe_ffn_hidden_size < 0)
+    add("moe_ffn_hidden_size is {}; set the experts' FFN width (a positive number), or 0 for ffn_hidden_size",
+        c.moe_ffn_hidden_size);
+  if (c.moe_layer_freq < 1)
+    add("moe_layer_freq is {}; set it to k >= 1 (every k-th layer is a MoE layer; 1 = every layer)", c.moe_layer_freq);
+  if (!(c.moe_aux_loss_coeff >= 0) || std::isinf(c.moe_aux_loss_coeff))
+    add("moe_aux_loss_coeff is {}; set a finite coefficient >= 0 (0 = no load-balancing loss, 1e-2 is common)",
+        c.moe_aux_loss_coeff);
+  if (!(c.moe_z_loss_coeff >= 0) || std::isinf(c.moe_z_loss_coeff))
+    add("moe_z_loss_coeff is {}; set a finite coefficient >= 0 (0 = no z-loss, 1e-3 is common)", c.moe_z_loss_coeff);
+  if (c.moe_shared_expert_size < 0)
+    add("moe_shared_expert_size is {}; set the shared expert's FFN width, or 0 for none", c.moe_shared_expert_size);
+  if (!(c.moe_router_topk_scaling_factor > 0) || std::isinf(c.moe_router_topk_scaling_factor))
+    add("moe_router_topk_scaling_factor is {}; set a finite positive factor (1 = unscaled)",
+        c.moe_router_topk_scaling_factor);
+  if (!(c.moe_router_bias_update_rate >= 0) || std::isinf(c.moe_router_bias_update_rate))
+    add("moe_router_bias_update_rate is {}; set a finite rate >= 0 (1e-3 is DeepSeek-V3's)", c.moe_router_bias_update_rate);
+  if (!(c.moe_expert_capacity_factor >= 0) || std::isinf(c.moe_expert_capacity_factor))
+    add("moe_expert_capacity_factor is {}; set a positive factor (e.g. 1.0 keeps at most the even share of token "
+        "slots per expert) or 0 for dropless routing",
+        c.moe_expert_capacity_factor);
+  if (c.moe_router_pre_softmax && c.moe_router_score_function == MoERouterScore::Sigmoid)
+    add("moe_router_pre_softmax applies to softmax scores but moe_router_score_function is sigmoid; set "
+        "moe_router_pre_softmax = false or use softmax scores");
+  if (c.add_bias_linear)
+    add("MoE experts have no biases but add_bias_linear is true; set add_bias_linear = false for a MoE model");
+  if (ep >= 1 && e % ep != 0)
+    add("num_moe_experts {} is not divisible by EP = {}; every expert-parallel rank holds the same number of "
+        "experts: use an EP that divides {} (e.g. {}) or change the expert count",
+        e, ep, e, divisor_at_most(e, ep));
+  const int expert_tp = etp > 0 ? etp : tp;
+  const int64_t f = c.moe_ffn_size();
+  if (expert_tp >= 1 && c.moe_ffn_hidden_size >= 0 && f > 0 && f % expert_tp != 0)
+    add("the experts' FFN width {} (moe_ffn_hidden_size, or ffn_hidden_size when 0) is not divisible by expert-TP "
+        "= {}; round it to a multiple of {} or change expert_tensor_parallel_size",
+        f, expert_tp, expert_tp);
+  if (tp >= 1 && c.moe_shared_expert_size > 0 && c.moe_shared_expert_size % tp != 0)
+    add("moe_shared_expert_size {} is not divisible by TP = {} (the shared expert is split like a dense MLP); round "
+        "it to a multiple of {}",
+        c.moe_shared_expert_size, tp, tp);
+}
+
 }  // namespace
 
-std::vector<std::string> validation_errors(const TransformerConfig& c, int tp) {
+std::vector<std::string> validation_errors(const TransformerConfig& c, int tp, int ep, int etp) {
   // Collect every problem so one run of the check tells the user everything to change.
   std::vector<std::string> errs;
   auto add = [&]<class... A>(fmt::format_string<A...> f, A&&... a) { errs.push_back(fmt::format(f, std::forward<A>(a)...)); };
@@ -102,11 +192,14 @@ std::vector<std::string> validation_errors(const TransformerConfig& c, int tp) {
   if (!(c.init_method_std > 0)) add("init_method_std is {}; set it to a positive standard deviation (0.02)", c.init_method_std);
   if (!is_floating(c.params_dtype))
     add("params_dtype is {}; parameters must be f32, bf16 or f16", dtype_name(c.params_dtype));
+  if (ep < 1) add("the expert-parallel size is {}; it must be at least 1", ep);
+  if (etp < 0) add("the expert-tensor-parallel size is {}; it must be at least 1, or 0 for TP", etp);
+  moe_validation_errors(c, tp, ep, etp, errs);
   return errs;
 }
 
-void validate(const TransformerConfig& c, int tp) {
-  const std::vector<std::string> errs = validation_errors(c, tp);
+void validate(const TransformerConfig& c, int tp, int ep, int etp) {
+  const std::vector<std::string> errs = validation_errors(c, tp, ep, etp);
   if (errs.empty()) return;
   std::string msg = errs.size() == 1 ? "invalid TransformerConfig: " : fmt::format("invalid TransformerConfig ({} problems): ", errs.size());
   for (size_t i = 0; i < errs.size(); ++i) msg += (i ? "; " : "") + errs[i];
@@ -125,9 +218,17 @@ int64_t padded_vocab_size(const TransformerConfig& c, int tp) {
 namespace {
 
 struct LayerShapes {
-  int64_t qkv_w, proj_w, fc1_w, fc2_w;  // matmul weights of one layer
+  int64_t qkv_w, proj_w, fc1_w, fc2_w;  // matmul weights of one dense layer
   int64_t biases, norms;                // everything else in the layer
+  // A MoE layer replaces fc1/fc2 (and their biases) by these matmul weights.
+  int64_t router_w, expert_w, shared_w;  // expert_w: one routed expert (fc1 + fc2)
 };
+
+// fc1 + fc2 weights of a (SwiGLU or GELU) MLP of width f.
+int64_t mlp_weights(const TransformerConfig& c, int64_t f) {
+  const int64_t fc1_out = c.activation == ActivationType::SwiGLU ? 2 * f : f;
+  return c.hidden_size * fc1_out + f * c.hidden_size;
+}
 
 LayerShapes layer_shapes(const TransformerConfig& c) {
   const int64_t h = c.hidden_size, f = c.ffn_size();
@@ -140,6 +241,11 @@ LayerShapes layer_shapes(const TransformerConfig& c) {
   s.fc2_w = f * h;
   s.biases = c.add_bias_linear ? c.qkv_width() + h + fc1_out + h : 0;
   s.norms = 2 * norm;
+  if (c.is_moe()) {
+    s.router_w = c.num_moe_experts * h;
+    s.expert_w = mlp_weights(c, c.moe_ffn_size());
+    s.shared_w = c.moe_shared_expert_size > 0 ? mlp_weights(c, c.moe_shared_expert_size) : 0;
+  }
   return s;
 }
 
@@ -153,10 +259,16 @@ ParameterCount parameter_count(const TransformerConfig& c, int tp) {
   p.embedding = vocab * h;
   p.position_embedding = c.position_embedding == PositionEmbeddingType::Learned ? c.max_position_embeddings * h : 0;
   p.per_layer = s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w + s.biases + s.norms;
-  p.layers = c.num_layers * p.per_layer;
+  const int64_t moe_layers = c.num_moe_layers();
+  if (moe_layers > 0) {
+    p.per_moe_layer_experts = c.num_moe_experts * s.expert_w;
+    p.per_moe_layer = s.qkv_w + s.proj_w + s.norms + s.router_w + p.per_moe_layer_experts + s.shared_w;
+  }
+  p.layers = (c.num_layers - moe_layers) * p.per_layer + moe_layers * p.per_moe_layer;
   p.final_norm = c.normalization == NormType::LayerNorm ? 2 * h : h;
   p.output_layer = c.tie_word_embeddings ? 0 : vocab * h;
   p.total = p.embedding + p.position_embedding + p.layers + p.final_norm + p.output_layer;
+  p.active = p.total - moe_layers * (c.num_moe_experts - c.moe_router_topk) * s.expert_w;
   return p;
 }
 
@@ -164,8 +276,11 @@ FlopsPerToken flops_per_token(const TransformerConfig& c, int64_t seq_len, bool 
   MC_CHECK(seq_len > 0, "flops_per_token: seq_len is {}; pass the training sequence length", seq_len);
   const LayerShapes s = layer_shapes(c);
   // The output layer is a matmul whether or not its weight is shared with the embedding lookup.
-  const double n_matmul = double(c.num_layers) * double(s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w) +
-                          double(c.vocab_size) * double(c.hidden_size);
+  const int64_t moe_layers = c.num_moe_layers();
+  const double moe_layer_active = double(s.qkv_w + s.proj_w + s.router_w + s.shared_w) +
+                                  double(c.moe_router_topk) * double(s.expert_w);
+  const double n_matmul = double(c.num_layers - moe_layers) * double(s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w) +
+                          double(moe_layers) * moe_layer_active + double(c.vocab_size) * double(c.hidden_size);
   FlopsPerToken f;
   f.dense = 6.0 * n_matmul;
   f.attention = 12.0 * double(c.num_layers) * double(c.attention_width()) * double(seq_len) * (causal ? 0.5 : 1.0);

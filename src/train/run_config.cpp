@@ -271,6 +271,7 @@ parallel::ParallelConfig RunConfig::grid_config() const {
   pc.virtual_pipeline = parallel.virtual_pipeline_model_parallel_size;
   pc.context = parallel.context_parallel_size;
   pc.expert = parallel.expert_model_parallel_size;
+  pc.expert_tensor = parallel.expert_tensor_parallel_size;
   return pc;
 }
 
@@ -511,8 +512,23 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
           fmt::format("packed SFT rows with context parallelism (CP = {}) need the p2p ring; set cp_comm_type = p2p "
                       "(or data.sft_pack = false)", cp));
   }
-  if (p.expert_model_parallel_size > 1)
-    err("parallel.expert_model_parallel_size", "the models of these recipes have no experts; set it to 1");
+  const int ep = p.expert_model_parallel_size, etp = p.expert_tensor_parallel_size;
+  if (etp < 0)
+    err("parallel.expert_tensor_parallel_size",
+        fmt::format("must be a positive integer, or 0 for the TP size, got {}", etp));
+  else if (dp > 0 && r.model.num_moe_experts > 0) {
+    // The expert layout carves EP (times expert-TP) out of the ranks of one pipeline stage, as Megatron-Core does.
+    if ((etp == 0 || etp == tp) && (int64_t(dp) * cp) % ep)
+      err("parallel.expert_model_parallel_size",
+          fmt::format("EP = {} does not divide DP×CP = {}×{} = {} (experts are spread over the data- and "
+                      "context-parallel ranks); set ep to a divisor of {}, or change the GPU count",
+                      ep, dp, cp, dp * cp, dp * cp));
+    else if (etp > 0 && etp != tp && (world / pp) % (int64_t(etp) * ep))
+      err("parallel.expert_tensor_parallel_size",
+          fmt::format("expert-TP×EP = {}×{} = {} does not divide the {} ranks of a pipeline stage; choose etp and ep "
+                      "whose product divides {}",
+                      etp, ep, etp * ep, world / pp, world / pp));
+  }
   if (p.sequence_parallel && tp == 1)
     err("parallel.sequence_parallel", "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP "
                                       "group); set sequence_parallel = false or raise TP");
@@ -598,7 +614,9 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("data.seq_length", fmt::format("{} exceeds model.max_position_embeddings {}; shorten the sequences or raise "
                                        "max_position_embeddings",
                                        d.seq_length, mc.max_position_embeddings));
-  for (const std::string& e : model::validation_errors(r.transformer_config(false), tp)) err("model", e);
+  for (const std::string& e : model::validation_errors(r.transformer_config(false), tp, p.expert_model_parallel_size,
+                                                       std::max(p.expert_tensor_parallel_size, 0)))
+    err("model", e);
   // A blend alternates weights and prefixes: [0.3, "data/a", 0.7, "data/b"]; a plain list has no weights.
   const bool weighted = std::any_of(d.paths.begin(), d.paths.end(),
                                     [](const auto& e) { return std::holds_alternative<double>(e); });

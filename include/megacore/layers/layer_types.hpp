@@ -1,4 +1,5 @@
-// The flavour choices of the transformer layers (norm, activation, positions, recompute, RoPE scaling),
+// The flavour choices of the transformer layers (norm, activation, positions, recompute, RoPE scaling,
+// MoE routing and dispatch),
 // declared here so the layers can take them without depending on the model. model::TransformerConfig
 // uses the same types (model:: names them too).
 #pragma once
@@ -19,6 +20,12 @@ enum class PositionEmbeddingType { RoPE, Learned };
 /// What a layer recomputes in backward: nothing, core attention only, or the whole layer.
 enum class RecomputeGranularity { None, Selective, Full };
 enum class RopeScalingType { None, Llama3 };
+/// How a MoE router scores the experts of a token: softmax over all experts (Mixtral, Qwen-MoE) or an
+/// independent sigmoid per expert (DeepSeek-V3).
+enum class MoERouterScore { Softmax, Sigmoid };
+/// How a MoE layer moves tokens to the ranks that hold their experts: an all-to-all over the EP group
+/// with uneven splits, or an all-gather of every token over EP with a reduce-scatter back.
+enum class MoETokenDispatcher { AllToAll, AllGather };
 
 /// Llama-3.1-style frequency scaling of RoPE (Hugging Face rope_type "llama3").
 struct RopeScaling {
@@ -58,5 +65,15 @@ template <>
 struct EnumNames<layers::RopeScalingType> {
   static constexpr std::array values{std::pair{layers::RopeScalingType::None, std::string_view{"none"}},
                                      std::pair{layers::RopeScalingType::Llama3, std::string_view{"llama3"}}};
+};
+template <>
+struct EnumNames<layers::MoERouterScore> {
+  static constexpr std::array values{std::pair{layers::MoERouterScore::Softmax, std::string_view{"softmax"}},
+                                     std::pair{layers::MoERouterScore::Sigmoid, std::string_view{"sigmoid"}}};
+};
+template <>
+struct EnumNames<layers::MoETokenDispatcher> {
+  static constexpr std::array values{std::pair{layers::MoETokenDispatcher::AllToAll, std::string_view{"alltoall"}},
+                                     std::pair{layers::MoETokenDispatcher::AllGather, std::string_view{"allgather"}}};
 };
 }  // namespace megacore

@@ -19,6 +19,8 @@
 namespace megacore::model {
 
 using layers::ActivationType;
+using layers::MoERouterScore;
+using layers::MoETokenDispatcher;
 using layers::NormType;
 using layers::PositionEmbeddingType;
 using layers::RecomputeGranularity;
@@ -51,6 +53,23 @@ struct TransformerConfig {
   PositionEmbeddingType position_embedding = PositionEmbeddingType::RoPE;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
+
+  /// Mixture of experts (Megatron-Core names). num_moe_experts = 0 is a dense model; otherwise every
+  /// moe_layer_freq-th layer (0, k, 2k, ...) replaces its MLP by a MoE layer of routed SwiGLU/GELU experts.
+  int64_t num_moe_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;  ///< each expert's FFN width; 0 = ffn_size()
+  int64_t moe_layer_freq = 1;
+  double moe_aux_loss_coeff = 0.0;
+  double moe_z_loss_coeff = 0.0;
+  int64_t moe_shared_expert_size = 0;  ///< FFN width of the shared expert; 0 = none
+  MoERouterScore moe_router_score_function = MoERouterScore::Softmax;
+  bool moe_router_pre_softmax = false;
+  double moe_router_topk_scaling_factor = 1.0;
+  bool moe_router_enable_expert_bias = false;
+  double moe_router_bias_update_rate = 1e-3;
+  double moe_expert_capacity_factor = 0.0;  ///< 0 = dropless
+  MoETokenDispatcher moe_token_dispatcher_type = MoETokenDispatcher::AllToAll;
 
   double init_method_std = 0.02;
   DType params_dtype = DType::F32;
@@ -92,6 +111,44 @@ struct TransformerConfig {
     f(Field{"rope_high_freq_factor", "llama3 scaling: high-frequency factor."}, s.rope_scaling.high_freq_factor);
     f(Field{"rope_original_max_position_embeddings", "llama3 scaling: the pre-training context."},
       s.rope_scaling.original_max_position_embeddings);
+    f(Field{"num_moe_experts", "Routed experts per MoE layer; 0 = a dense model (no MoE layers)."}, s.num_moe_experts);
+    f(Field{"moe_router_topk", "Experts each token is routed to (top-k)."}, s.moe_router_topk);
+    f(Field{"moe_ffn_hidden_size", "FFN width of each routed expert; 0 = ffn_hidden_size."}, s.moe_ffn_hidden_size);
+    f(Field{"moe_layer_freq",
+            "Every k-th layer is a MoE layer (layers 0, k, 2k, ...), the rest dense; 1 = every layer."},
+      s.moe_layer_freq);
+    f(Field{"moe_aux_loss_coeff",
+            "Switch load-balancing loss coefficient (per MoE layer and micro-batch); 0 = off (1e-2 is common)."},
+      s.moe_aux_loss_coeff);
+    f(Field{"moe_z_loss_coeff", "Router z-loss coefficient, coeff x mean(logsumexp(logits)^2); 0 = off (1e-3 is common)."},
+      s.moe_z_loss_coeff);
+    f(Field{"moe_shared_expert_size",
+            "FFN width of a shared expert every token passes through beside the routed ones; 0 = none."},
+      s.moe_shared_expert_size);
+    f(Field{"moe_router_score_function",
+            "Router scores: softmax over the experts (Mixtral, Qwen-MoE) or a sigmoid per expert (DeepSeek-V3)."},
+      s.moe_router_score_function);
+    f(Field{"moe_router_pre_softmax",
+            "Softmax scores: true = softmax over all experts, then top-k (probabilities not renormalised, "
+            "Qwen2-MoE); false = top-k of the logits, then softmax over the k chosen (Mixtral)."},
+      s.moe_router_pre_softmax);
+    f(Field{"moe_router_topk_scaling_factor", "The routing probabilities are multiplied by this."},
+      s.moe_router_topk_scaling_factor);
+    f(Field{"moe_router_enable_expert_bias",
+            "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only, "
+            "moved after each step towards even load."},
+      s.moe_router_enable_expert_bias);
+    f(Field{"moe_router_bias_update_rate",
+            "Expert bias step: bias += rate x sign(mean load - load of the expert) after each optimizer step."},
+      s.moe_router_bias_update_rate);
+    f(Field{"moe_expert_capacity_factor",
+            "Token dropping: each expert keeps at most ceil(factor x tokens x topk / experts) token slots (the most "
+            "probable); 0 = dropless."},
+      s.moe_expert_capacity_factor);
+    f(Field{"moe_token_dispatcher_type",
+            "How tokens reach their experts' ranks: alltoall (uneven all-to-all over EP) or allgather (gather every "
+            "token over EP, reduce-scatter back)."},
+      s.moe_token_dispatcher_type);
     f(Field{"init_method_std", "Standard deviation of the weight init."}, s.init_method_std);
     f(Field{"seed", "Seed of the weight init."}, s.seed);
   }
@@ -99,17 +156,30 @@ struct TransformerConfig {
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : (num_attention_heads > 0 ? hidden_size / num_attention_heads : 0); }
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   int64_t ffn_size() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
+  bool is_moe() const { return num_moe_experts > 0; }
+  /// True when layer `layer` (0-based) is a MoE layer: experts are configured and layer % moe_layer_freq == 0.
+  bool is_moe_layer(int64_t layer) const {
+    return num_moe_experts > 0 && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
+  }
+  /// Number of MoE layers (the others are dense).
+  int64_t num_moe_layers() const {
+    return num_moe_experts > 0 && moe_layer_freq > 0 && num_layers > 0 ? (num_layers - 1) / moe_layer_freq + 1 : 0;
+  }
+  /// FFN width of one routed expert.
+  int64_t moe_ffn_size() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_size(); }
   /// Width of the attention output (heads · head_dim), the input of the output projection.
   int64_t attention_width() const { return num_attention_heads * head_dim(); }
   /// Output width of the fused QKV projection: (heads + 2·query_groups) · head_dim.
   int64_t qkv_width() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
 };
 
-/// Every inconsistency of `cfg` for `tp_size`-way tensor parallelism, each with the change that fixes it
+/// Every inconsistency of `cfg` for `tp_size`-way tensor parallelism, `ep_size`-way expert parallelism and
+/// `expert_tp_size`-way tensor parallelism inside experts (0 = tp_size), each with the change that fixes it
 /// (empty when the config is valid).
-std::vector<std::string> validation_errors(const TransformerConfig& cfg, int tp_size = 1);
+std::vector<std::string> validation_errors(const TransformerConfig& cfg, int tp_size = 1, int ep_size = 1,
+                                           int expert_tp_size = 0);
 /// Throws ConfigError listing validation_errors() when there are any. Call it before allocating anything.
-void validate(const TransformerConfig& cfg, int tp_size = 1);
+void validate(const TransformerConfig& cfg, int tp_size = 1, int ep_size = 1, int expert_tp_size = 0);
 
 /// vocab_size rounded up to a multiple of make_vocab_size_divisible_by × tp_size.
 int64_t padded_vocab_size(const TransformerConfig& cfg, int tp_size = 1);
@@ -118,11 +188,18 @@ int64_t padded_vocab_size(const TransformerConfig& cfg, int tp_size = 1);
 struct ParameterCount {
   int64_t embedding = 0;           ///< word embedding (vocab × hidden)
   int64_t position_embedding = 0;  ///< learned positions (max_positions × hidden), else 0
-  int64_t per_layer = 0;           ///< one transformer layer
-  int64_t layers = 0;              ///< num_layers × per_layer
+  int64_t per_layer = 0;           ///< one dense transformer layer
+  /// One MoE layer (attention, norms, router, every routed expert, the shared expert); 0 for a dense model.
+  int64_t per_moe_layer = 0;
+  /// Of a MoE layer, the routed experts' weights (all of them; an EP rank holds 1/EP of them).
+  int64_t per_moe_layer_experts = 0;
+  int64_t layers = 0;              ///< dense layers × per_layer + MoE layers × per_moe_layer
   int64_t final_norm = 0;
   int64_t output_layer = 0;        ///< 0 when tied to the embedding
   int64_t total = 0;
+  /// Parameters one token passes through: total less the routed experts it is not sent to (a MoE layer
+  /// counts moe_router_topk of its experts). Equals total for a dense model.
+  int64_t active = 0;
 };
 
 /// Counts every parameter. tp_size = 0 counts the true vocabulary (as Hugging Face reports it); a
@@ -133,7 +210,8 @@ ParameterCount parameter_count(const TransformerConfig& cfg, int tp_size = 0);
 struct FlopsPerToken {
   /// 6 · N_matmul: N_matmul counts the weights that take part in a matrix product (every linear
   /// layer and the output layer, whether or not it is tied), not the embedding lookup, norms, biases
-  /// or position tables.
+  /// or position tables. In a MoE layer only the *active* weights count: the router, the top-k routed
+  /// experts a token is sent to, and the shared expert (so MFU is by active parameters).
   double dense = 0;
   /// 12 · L · (heads · head_dim) · s for QK^T and AV over the full s×s score matrix (forward 4·L·a·d·s,
   /// backward twice that); halved when `causal` is set, counting only the lower triangle.

@@ -45,6 +45,7 @@ struct ParallelSection {
   int context_parallel_size = 1;
   std::string cp_comm_type = "p2p";
   int expert_model_parallel_size = 1;
+  int expert_tensor_parallel_size = 0;
   bool sequence_parallel = false;
   std::vector<int64_t> pipeline_layout;
   double pipeline_embedding_cost = 0.0;
@@ -74,8 +75,15 @@ struct ParallelSection {
             "first, then attend locally (simpler, no overlap; dK/dV reduce-scattered back).",
             "p2p|all_gather"},
       s.cp_comm_type);
-    f(Field{.name = "expert_model_parallel_size", .doc = "EP: expert-parallel size of MoE layers.", .alias = "ep"},
+    f(Field{.name = "expert_model_parallel_size",
+            .doc = "EP: MoE layers spread their experts over this many ranks, carved from DP x CP (must divide it and "
+                   "model.num_moe_experts).",
+            .alias = "ep"},
       s.expert_model_parallel_size);
+    f(Field{.name = "expert_tensor_parallel_size",
+            .doc = "Expert-TP: tensor-parallel size inside MoE experts (splits their FFN width); 0 = TP.",
+            .alias = "etp"},
+      s.expert_tensor_parallel_size);
     f(Field{.name = "sequence_parallel",
             .doc = "Split norms, dropout and residuals along the sequence over the TP group (needs TP > 1).",
             .alias = "sp"},

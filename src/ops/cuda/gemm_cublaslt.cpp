@@ -13,18 +13,12 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.hpp"
+#include "ops/cuda/cublas_check.hpp"
 #include "megacore/core/allocator.hpp"
 #include "megacore/core/stream.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "ops/cuda/gemm_cuda.hpp"
 
-#define MC_CUBLAS_CHECK(expr)                                                                             \
-  do {                                                                                                    \
-    cublasStatus_t mc_st_ = (expr);                                                                       \
-    if (mc_st_ != CUBLAS_STATUS_SUCCESS)                                                                  \
-      ::megacore::raise<::megacore::CudaError>("{} failed: {} at {}:{}", #expr, cublasGetStatusString(mc_st_), \
-                                               __FILE__, __LINE__);                                       \
-  } while (0)
 
 namespace megacore::ops::cuda {
 

@@ -153,3 +153,108 @@ TEST_CASE("every inconsistency is a ConfigError that names the fix", "[model]") 
   REQUIRE_THROWS_AS(padded_vocab_size(with([](auto& c) { c.vocab_size = 0; }), 1), ConfigError);
   REQUIRE_THROWS_WITH(flops_per_token(ok, 0), Catch::Contains("pass the training sequence length"));
 }
+
+namespace {
+
+// Mixtral 8x7B: h4096, 32 layers, 32 heads, 8 KV, expert FFN 14336, vocab 32000, 8 experts, top-2, untied.
+TransformerConfig mixtral_8x7b() {
+  TransformerConfig c = presets::llama3_8b();
+  c.vocab_size = 32000;
+  c.max_position_embeddings = 32768;
+  c.rope_theta = 1e6;
+  c.num_moe_experts = 8;
+  c.moe_router_topk = 2;
+  return c;
+}
+
+void require_moe_error(const TransformerConfig& c, int tp, int ep, int etp, const std::string& what) {
+  INFO("expecting: " << what);
+  REQUIRE_THROWS_AS(validate(c, tp, ep, etp), ConfigError);
+  REQUIRE_THROWS_WITH(validate(c, tp, ep, etp), Catch::Contains(what));
+}
+
+}  // namespace
+
+TEST_CASE("MoE parameter counts: Mixtral 8x7B's published total and active sizes", "[model][moe]") {
+  const TransformerConfig c = mixtral_8x7b();
+  REQUIRE_NOTHROW(validate(c, 4, 8, 1));
+  // Per layer: attention 41,943,040 + norms 8,192 + router 8·4096 + 8 experts · 3·4096·14336 (176,160,768 each).
+  const int64_t expert = 3LL * 4096 * 14336;
+  const int64_t per_moe_layer = 41'943'040 + 8'192 + 8 * 4096 + 8 * expert;
+  const ParameterCount p = parameter_count(c);
+  REQUIRE(p.per_moe_layer == per_moe_layer);
+  REQUIRE(p.per_moe_layer_experts == 8 * expert);
+  REQUIRE(p.layers == 32 * per_moe_layer);
+  REQUIRE(p.total == 46'702'792'704);   // "46.7B" (Hugging Face's count of Mixtral-8x7B)
+  REQUIRE(p.active == 12'879'925'248);  // "12.9B active": 6 of 8 experts idle per token in each layer
+  // Active FLOPs: every matmul weight a token passes through (top-2 experts, the router, attention, the output layer).
+  const double n_active = 32.0 * (41'943'040 + 8 * 4096 + 2.0 * expert) + 32000.0 * 4096;
+  REQUIRE(flops_per_token(c, 4096).dense == 6 * n_active);
+
+  // Every other layer MoE (layers 0, 2, ...), and a shared expert in each MoE layer.
+  TransformerConfig half = c;
+  half.moe_layer_freq = 2;
+  half.moe_shared_expert_size = 4096;
+  half.num_layers = 5;  // MoE layers 0, 2, 4; dense 1, 3
+  REQUIRE(half.num_moe_layers() == 3);
+  REQUIRE(half.is_moe_layer(0));
+  REQUIRE_FALSE(half.is_moe_layer(1));
+  REQUIRE(half.is_moe_layer(4));
+  const ParameterCount q = parameter_count(half);
+  const int64_t shared = 3LL * 4096 * 4096;
+  REQUIRE(q.per_moe_layer == per_moe_layer + shared);
+  REQUIRE(q.layers == 3 * (per_moe_layer + shared) + 2 * q.per_layer);
+  REQUIRE(q.active == q.total - 3 * 6 * expert);
+  // A dense model: active = total, no MoE layers.
+  const ParameterCount d = parameter_count(presets::llama3_8b());
+  REQUIRE(d.active == d.total);
+  REQUIRE(d.per_moe_layer == 0);
+}
+
+TEST_CASE("MoE config errors name the fix, all at once", "[model][moe]") {
+  TransformerConfig ok = presets::tiny_llama();
+  ok.num_moe_experts = 4;
+  REQUIRE_NOTHROW(validate(ok, 2, 4, 1));
+  REQUIRE_NOTHROW(validate(ok, 2, 2, 2));
+  auto with = [&](auto edit) {
+    TransformerConfig c = ok;
+    edit(c);
+    return c;
+  };
+  require_moe_error(ok, 1, 3, 0,
+                    "num_moe_experts 4 is not divisible by EP = 3; every expert-parallel rank holds the same number of "
+                    "experts: use an EP that divides 4 (e.g. 2)");
+  require_moe_error(with([](auto& c) { c.moe_router_topk = 5; }), 1, 1, 0,
+                    "moe_router_topk is 5; each token is routed to between 1 and num_moe_experts = 4 experts: set "
+                    "moe_router_topk in [1, 4]");
+  require_moe_error(with([](auto& c) { c.moe_router_topk = 0; }), 1, 1, 0, "moe_router_topk is 0");
+  require_moe_error(with([](auto& c) { c.moe_expert_capacity_factor = -1; }), 1, 1, 0,
+                    "moe_expert_capacity_factor is -1; set a positive factor");
+  require_moe_error(with([](auto& c) { c.moe_layer_freq = 0; }), 1, 1, 0, "moe_layer_freq is 0; set it to k >= 1");
+  require_moe_error(with([](auto& c) { c.moe_ffn_hidden_size = 96; }), 1, 1, 64,
+                    "the experts' FFN width 96 (moe_ffn_hidden_size, or ffn_hidden_size when 0) is not divisible by "
+                    "expert-TP = 64; round it to a multiple of 64");
+  require_moe_error(with([](auto& c) { c.moe_shared_expert_size = 66; }), 4, 1, 0,
+                    "moe_shared_expert_size 66 is not divisible by TP = 4");
+  require_moe_error(with([](auto& c) { c.moe_aux_loss_coeff = -0.1; }), 1, 1, 0, "moe_aux_loss_coeff is -0.1");
+  require_moe_error(with([](auto& c) { c.moe_z_loss_coeff = -1; }), 1, 1, 0, "moe_z_loss_coeff is -1");
+  require_moe_error(with([](auto& c) { c.moe_router_topk_scaling_factor = 0; }), 1, 1, 0,
+                    "moe_router_topk_scaling_factor is 0");
+  require_moe_error(with([](auto& c) { c.moe_router_pre_softmax = true; c.moe_router_score_function = MoERouterScore::Sigmoid; }),
+                    1, 1, 0, "moe_router_pre_softmax applies to softmax scores but moe_router_score_function is sigmoid");
+  require_moe_error(with([](auto& c) { c.add_bias_linear = true; }), 1, 1, 0,
+                    "MoE experts have no biases but add_bias_linear is true");
+  // MoE settings on a dense model are refused rather than ignored.
+  TransformerConfig dense = presets::tiny_llama();
+  dense.moe_router_topk = 4;
+  dense.moe_token_dispatcher_type = MoETokenDispatcher::AllGather;
+  require_moe_error(dense, 1, 1, 0,
+                    "moe_router_topk is 4 but num_moe_experts is 0 (a dense model has no MoE layers); set "
+                    "num_moe_experts to the expert count, or leave moe_router_topk at its default 2");
+  require_moe_error(dense, 1, 1, 0, "invalid TransformerConfig (2 problems)");
+  require_moe_error(dense, 1, 1, 0, "moe_token_dispatcher_type is allgather but num_moe_experts is 0");
+  require_moe_error(presets::tiny_llama(), 1, 2, 0,
+                    "expert parallelism (EP = 2) splits the experts of MoE layers but num_moe_experts is 0; set "
+                    "parallel.expert_model_parallel_size (ep) to 1");
+  require_moe_error(with([](auto& c) { c.num_moe_experts = -1; }), 1, 1, 0, "num_moe_experts is -1");
+}

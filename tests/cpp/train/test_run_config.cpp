@@ -190,6 +190,51 @@ TEST_CASE("validate reports every problem of a run at once, each with its fix", 
   CHECK(has(w.warnings, "pipeline bubble"));
 }
 
+TEST_CASE("validate checks the MoE layout: EP within DP×CP, experts and FFN divisible, no EP without experts",
+          "[config][moe]") {
+  RunConfig c;
+  c.resources.num_gpus_per_node = 8;
+  c.parallel.tensor_model_parallel_size = 2;  // DP = 4
+  c.model.num_moe_experts = 4;
+  c.parallel.expert_model_parallel_size = 4;
+  CHECK(validate(c, 8, {.check_paths = false}).errors.empty());
+  c.parallel.expert_tensor_parallel_size = 1;  // expert-TP 1 × EP 4 over 8 ranks: expert-DP 2
+  CHECK(validate(c, 8, {.check_paths = false}).errors.empty());
+  c.parallel.expert_tensor_parallel_size = 0;
+  c.parallel.expert_model_parallel_size = 3;
+  const ValidationReport r = validate(c, 8, {.check_paths = false});
+  CHECK(has(r.errors, "parallel.expert_model_parallel_size: EP = 3 does not divide DP×CP = 4×1 = 4"));
+  CHECK(has(r.errors, "set ep to a divisor of 4"));
+  CHECK(has(r.errors, "model: num_moe_experts 4 is not divisible by EP = 3"));
+  c.parallel.expert_model_parallel_size = 4;
+  c.parallel.expert_tensor_parallel_size = 4;  // expert-TP 4 × EP 4 = 16 > 8 ranks
+  CHECK(has(validate(c, 8, {.check_paths = false}).errors,
+            "parallel.expert_tensor_parallel_size: expert-TP×EP = 4×4 = 16 does not divide the 8 ranks"));
+  c.parallel.expert_tensor_parallel_size = -1;
+  CHECK(has(validate(c, 8, {.check_paths = false}).errors, "parallel.expert_tensor_parallel_size: must be a positive"));
+  // A dense model with EP > 1 or MoE fields set.
+  RunConfig dense;
+  dense.resources.num_gpus_per_node = 2;
+  dense.parallel.expert_model_parallel_size = 2;
+  dense.model.moe_aux_loss_coeff = 0.01;
+  const ValidationReport d = validate(dense, 2, {.check_paths = false});
+  CHECK(has(d.errors, "expert parallelism (EP = 2) splits the experts of MoE layers but num_moe_experts is 0"));
+  CHECK(has(d.errors, "moe_aux_loss_coeff is 0.01 but num_moe_experts is 0"));
+  // grid_config carries the expert sizes.
+  CHECK(c.grid_config().expert == 4);
+  CHECK(c.grid_config().expert_tensor == -1);
+  RunConfig s;
+  set_field(s, "parallel.etp", "2");
+  set_field(s, "parallel.ep", "4");
+  set_field(s, "model.moe_router_score_function", "sigmoid");
+  set_field(s, "model.moe_token_dispatcher_type", "allgather");
+  CHECK(s.parallel.expert_tensor_parallel_size == 2);
+  CHECK(s.parallel.expert_model_parallel_size == 4);
+  CHECK(s.model.moe_router_score_function == model::MoERouterScore::Sigmoid);
+  CHECK(s.model.moe_token_dispatcher_type == model::MoETokenDispatcher::AllGather);
+  CHECK_THROWS_WITH(set_field(s, "model.moe_router_score_function", "relu"), Catch::Contains("softmax, sigmoid"));
+}
+
 TEST_CASE("validate checks the files a run reads, naming how to get them", "[config]") {
   const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config";
   std::filesystem::remove_all(dir);

@@ -1,0 +1,118 @@
+// Mixture-of-experts ops: the router (top-k, capacity, load-balancing and z losses), the token
+// permutation that groups token copies by expert, and the grouped GEMM that runs every local expert's
+// linear layer over its group of rows.
+//
+// Shapes: T tokens, E experts, k experts per token (top-k), H hidden features. A "slot" (t, j) is the
+// j-th expert chosen for token t. Router semantics follow Megatron-Core's router
+// (topk_softmax_with_capacity, switch_load_balancing_loss_func, z_loss_func), so a model trained with
+// megacore routes its tokens the way a Megatron-Core or Hugging Face checkpoint expects.
+//
+// Every op checks its arguments before launching anything (ValueError naming the argument and the fix).
+// Index values are checked on the CPU; on CUDA, where checking values would need a host sync, the ops
+// say below what an out-of-range value produces. Results are deterministic on both devices: no op
+// depends on the order in which atomics land.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "megacore/core/stream.hpp"
+#include "megacore/core/tensor.hpp"
+
+namespace megacore::ops {
+
+/// How router logits become expert scores.
+enum class RouterScore { Softmax, Sigmoid };
+
+struct RouterTopkOptions {
+  int topk = 2;  ///< experts per token, 1 <= topk <= E
+  RouterScore score = RouterScore::Softmax;
+  /// Softmax only. false: the k largest logits are chosen, then softmax over those k (Mixtral).
+  /// true: softmax over all E, then the k largest probabilities, not renormalised (Qwen2-MoE).
+  /// Sigmoid: the k largest sigmoid(logits) (+ bias) are chosen; probs = the chosen sigmoids divided
+  /// by their sum when k > 1 (DeepSeek-V3), the sigmoid itself when k = 1.
+  bool pre_softmax = false;
+  float scaling_factor = 1.f;  ///< probs *= scaling_factor
+};
+
+/// Top-k routing. logits f32 [T, E] (in). expert_bias f32 [E] or undefined (in): added to the scores
+/// for the *selection only*, so the combine weights stay those of the unbiased scores (aux-loss-free
+/// load balancing). probs f32 [T, k] (out): combine weights. indices i32 [T, k] (out): distinct experts
+/// per row in descending selection score, ties to the lower expert id. E <= 256 and k <= 8 on CUDA.
+void router_topk(const Tensor& logits, const Tensor& expert_bias, const RouterTopkOptions& o, Tensor& probs,
+                 Tensor& indices, const Stream& s = {});
+
+/// Backward of router_topk: dprobs f32 [T, k] (in) → dlogits f32 [T, E] (accumulated: dlogits += ..., so
+/// the aux and z-loss gradients can go into the same buffer). indices are router_topk's output from
+/// *before* router_apply_capacity: a dropped slot still took part in the normalisation of its row's
+/// probabilities, and its own dprobs is 0 (moe_unpermute_backward gives 0 there).
+void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterTopkOptions& o,
+                          Tensor& dlogits, const Stream& s = {});
+
+/// Capacity (token dropping), in place on router_topk's outputs: each expert keeps at most `capacity`
+/// slots, those with the largest probs (ties to the lower token index); a dropped slot gets
+/// indices = -1 and probs = 0. capacity >= 1. A slot whose index is already -1 stays dropped.
+void router_apply_capacity(Tensor& probs, Tensor& indices, int num_experts, int64_t capacity, const Stream& s = {});
+
+/// Switch load-balancing loss, as Megatron-Core computes it:
+///   scores = softmax(logits) (Softmax) or sigmoid(logits) / row sum (Sigmoid), f32 [T, E]
+///   loss   = coeff * E / (total_tokens^2 * topk) * sum_e (sum_t scores[t, e]) * tokens_per_expert[e]
+/// logits f32 [T, E]; tokens_per_expert f32 [E] (may already be summed over a TP/CP/SP group; then
+/// total_tokens counts the same tokens). loss f32 [1] (out, written).
+void router_aux_loss(const Tensor& logits, RouterScore score, const Tensor& tokens_per_expert, int64_t total_tokens,
+                     int topk, float coeff, Tensor& loss, const Stream& s = {});
+/// dlogits f32 [T, E] += dloss * d loss / d logits (the gradient flows through the scores only; the
+/// token counts are constants).
+void router_aux_loss_backward(const Tensor& logits, RouterScore score, const Tensor& tokens_per_expert,
+                              int64_t total_tokens, int topk, float coeff, float dloss, Tensor& dlogits,
+                              const Stream& s = {});
+
+/// z-loss: loss f32 [1] = coeff * mean_t (logsumexp_e logits[t, e])^2, logits f32 [T, E].
+void router_z_loss(const Tensor& logits, float coeff, Tensor& loss, const Stream& s = {});
+/// dlogits f32 [T, E] += dloss * d loss / d logits.
+void router_z_loss_backward(const Tensor& logits, float coeff, float dloss, Tensor& dlogits, const Stream& s = {});
+
+/// Where each slot goes in the expert-grouped ("permuted") buffer. Slots are grouped by expert (expert 0
+/// first); within an expert they are ordered by token t, then j. Dropped slots (index -1) are skipped.
+/// indices i32 [T, k] (in). row_map i32 [T, k] (out): destination row of slot (t, j), -1 for a dropped
+/// slot. tokens_per_expert i64 [E] (out, same device): rows per expert; the caller copies them to the
+/// host (its one sync) to size the permuted buffer and the grouped GEMM. On CUDA an index outside
+/// [-1, E) makes every count -1, which the caller's host copy shows.
+void moe_permute_map(const Tensor& indices, int num_experts, Tensor& row_map, Tensor& tokens_per_expert,
+                     const Stream& s = {});
+
+/// permuted[row_map[t, j]] = x[t]. x [T, H] (in), permuted [N, H] (out, x's dtype, N = kept slots),
+/// any float dtype. Rows of permuted that no slot maps to are left as they are.
+void moe_permute(const Tensor& x, const Tensor& row_map, Tensor& permuted, const Stream& s = {});
+
+/// y[t] = sum_j w(t, j) * permuted[row_map[t, j]] with w = probs[t, j] (f32 [T, k]), or 1 when probs is
+/// undefined (then this is the backward of moe_permute). Accumulates in f32; y [T, H] (out, overwritten,
+/// permuted's dtype). A token whose slots are all dropped gets y[t] = 0.
+void moe_unpermute(const Tensor& permuted, const Tensor& row_map, const Tensor& probs, Tensor& y,
+                   const Stream& s = {});
+
+/// Backward of moe_unpermute with probs. dy [T, H] (in), permuted [N, H] (in, the forward's input),
+/// dpermuted [N, H] (out): dpermuted[row_map[t, j]] = probs[t, j] * dy[t], rows no slot maps to are
+/// zeroed. dprobs f32 [T, k] (out): <dy[t], permuted[row_map[t, j]]> accumulated in f32, 0 for a
+/// dropped slot.
+void moe_unpermute_backward(const Tensor& dy, const Tensor& permuted, const Tensor& row_map, const Tensor& probs,
+                            Tensor& dpermuted, Tensor& dprobs, const Stream& s = {});
+
+/// Grouped GEMM over experts, each group a linear layer (y = x W^T). The rows of x are grouped
+/// contiguously: group g has group_sizes[g] rows (host values, may be 0, summing to N). w is [G, M, K],
+/// one [M, K] weight per group. Dtypes as ops::gemm: f32, bf16 or f16, accumulating in f32.
+///   forward: y_g  = x_g · w_g^T                 x [N, K]  → y [N, M]   (x's dtype)
+///   dgrad:   dx_g = dy_g · w_g                  dy [N, M] → dx [N, K]  (dy's dtype)
+///   wgrad:   dw_g = beta · dw_g + dy_g^T · x_g  dw [G, M, K], f32 (the main grad) when the inputs are
+///            16-bit, else their dtype; beta = 1 accumulates; a group with 0 rows leaves beta · dw_g
+///            (forward/dgrad write nothing for it: it has no rows).
+/// On CUDA all groups run in one cuBLAS grouped-GEMM launch where cuBLAS supports the case, else one
+/// ops::gemm per group (logged once per case); on the CPU one ops::gemm per group.
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& y,
+                          const Stream& s = {});
+void grouped_gemm_dgrad(const Tensor& dy, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& dx,
+                        const Stream& s = {});
+void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64_t> group_sizes, Tensor& dw,
+                        float beta = 1.f, const Stream& s = {});
+
+}  // namespace megacore::ops

@@ -1,0 +1,182 @@
+// MoELayer under mpirun (4 ranks; layouts that do not fit the world are skipped): EP = 1, 2, 4, TP = 2 with
+// and without sequence parallelism, expert-TP = 1 and 2 (also expert-TP ≠ TP), both dispatchers, a shared
+// expert, capacity dropping, and routing forced onto two experts (so most experts, and whole ranks, get no
+// tokens) give the outputs, input gradients, aux/z-losses and every (gathered, reduced) parameter gradient of
+// a single-rank layer (EP = 1, no TP) run on each data-parallel replica's full input.
+//
+// Every rank builds that reference itself. Replica d (the DP coordinate) feeds its own [s, b, h] input; the
+// reference runs forward/backward once per replica, accumulating its gradients, so its expert gradients are
+// the sum over all tokens, as expert-DP reduction makes them, and its router gradient the sum over replicas
+// (the DP reduction of a replicated parameter). Tolerance: only the order of f32 additions differs, 1e-5
+// relative error.
+#include <fmt/format.h>
+
+#include "layers_test_util.hpp"
+#include "megacore/layers/moe.hpp"
+#include "megacore/parallel/process_grid.hpp"
+
+using namespace megacore;
+using namespace megacore::parallel;
+using namespace layers_test;
+namespace ly = megacore::layers;
+
+namespace {
+
+constexpr double kTol = 1e-5;
+constexpr int64_t kS = 8, kB = 2, kH = 16, kF = 24, kE = 8, kShared = 8;
+
+struct Case {
+  int tp = 1;
+  bool sp = false;
+  int ep = 1;
+  int etp = 0;  // 0 = TP
+  ly::MoETokenDispatcher dispatcher = ly::MoETokenDispatcher::AllToAll;
+  double capacity = 0;
+  bool losses = false;
+  bool shared = false;
+  bool imbalanced = false;
+};
+
+std::string describe(const Case& c) {
+  return fmt::format("TP {} SP {} EP {} ETP {} {} capacity {} losses {} shared {} imbalanced {}", c.tp, c.sp, c.ep,
+                     c.etp, enum_name(c.dispatcher), c.capacity, c.losses, c.shared, c.imbalanced);
+}
+
+ly::MoEOptions options(const Case& c) {
+  ly::MoEOptions o;
+  o.num_experts = kE;
+  o.topk = 2;
+  o.ffn_hidden_size = kF;
+  o.shared_expert_size = c.shared ? kShared : 0;
+  o.capacity_factor = c.capacity;
+  o.aux_loss_coeff = c.losses ? 0.3f : 0.f;
+  o.z_loss_coeff = c.losses ? 0.05f : 0.f;
+  o.enable_expert_bias = c.imbalanced;
+  o.dispatcher = c.dispatcher;
+  o.sequence_parallel = c.sp;
+  o.init_std = 0.3;
+  return o;
+}
+
+// Every token to experts 0 and 1 (both on EP rank 0): the bias decides the selection.
+void force_two_experts(ly::MoELayer& m) {
+  std::vector<float> b(kE, 0.f);
+  b[0] = 100.f, b[1] = 50.f;
+  m.expert_bias().copy_(Tensor::from_vector(b, {kE}));
+}
+
+Tensor summed(comm::Communicator& c, const Tensor& t) {
+  Tensor r = t.contiguous().clone();
+  if (c.size() > 1) c.all_reduce(r)->wait();
+  return r;
+}
+
+// Rows of expert-TP rank r in a [.., 2F, h] SwiGLU fc1: [gate rows r ; up rows r].
+Tensor fc1_shard(const Tensor& full, int etp, int r) {
+  const int64_t f = full.size(1) / 2, fl = f / etp;
+  Tensor out = Tensor::empty({full.size(0), 2 * fl, full.size(2)});
+  out.narrow(1, 0, fl).copy_(full.narrow(1, r * fl, fl));
+  out.narrow(1, fl, fl).copy_(full.narrow(1, f + r * fl, fl));
+  return out;
+}
+
+void run_case(comm::Communicator& world, const Case& c) {
+  INFO(describe(c));
+  ProcessGrid grid(world, ParallelConfig{.tensor = c.tp, .expert = c.ep, .expert_tensor = c.etp},
+                   {GroupKind::Tp, GroupKind::Dp, GroupKind::Ep, GroupKind::ExpertTp, GroupKind::ExpertDp,
+                    GroupKind::TpEp});
+  const int tpn = c.tp, tr = grid.tp_rank(), dpn = grid.layout().dp_size();
+  const int etpn = grid.expert_tp().size(), er = grid.expert_tp().rank();
+  const ly::MoEOptions o = options(c);
+  ly::MoELayer moe({&grid.tp(), &grid.ep(), &grid.expert_tp(), &grid.group(GroupKind::TpEp)}, kH, o);
+  NoCommCommunicator solo(0, 1);
+  ly::MoELayer ref({&solo, &solo, &solo, &solo}, kH, o);
+  if (c.imbalanced) force_two_experts(moe), force_two_experts(ref);
+
+  ly::ForwardContext ctx;
+  Tensor ref_y, ref_dx;
+  double ref_aux = 0, ref_z = 0;
+  for (int d = 0; d < dpn; ++d) {
+    const Tensor x = randn({kS, kB, kH}, 100 + d), dy = randn({kS, kB, kH}, 200 + d);
+    Tensor y = ref.forward(ctx, x);
+    Tensor dx = ref.backward(ctx, dy);
+    if (d == grid.dp_rank()) ref_y = y, ref_dx = dx, ref_aux = ref.aux_loss().item(), ref_z = ref.z_loss().item();
+  }
+  const int d = grid.dp_rank();
+  Tensor x = randn({kS, kB, kH}, 100 + d), dy = randn({kS, kB, kH}, 200 + d);
+  if (c.sp) x = chunk(x, 0, tpn, tr), dy = chunk(dy, 0, tpn, tr), ref_y = chunk(ref_y, 0, tpn, tr),
+            ref_dx = chunk(ref_dx, 0, tpn, tr);
+  require_close(moe.forward(ctx, x), ref_y, kTol, "output");
+  require_close(moe.backward(ctx, dy), ref_dx, kTol, "input gradient");
+  if (c.losses) {
+    // Local losses summed over the TP group are the replica's losses.
+    REQUIRE(std::abs(summed(grid.tp(), moe.aux_loss()).item() - ref_aux) <= 1e-5 * std::abs(ref_aux));
+    REQUIRE(std::abs(summed(grid.tp(), moe.z_loss()).item() - ref_z) <= 1e-5 * std::abs(ref_z));
+  }
+  require_close(summed(world, moe.router_weight().main_grad), ref.router_weight().main_grad, kTol, "router gradient");
+  const int64_t off = moe.expert_offset(), el = moe.num_local_experts(), fl = kF / etpn;
+  REQUIRE(el == kE / c.ep);
+  REQUIRE(moe.fc1_weight().expert);
+  REQUIRE(moe.fc1_weight().expert_offset == off);
+  require_close(summed(grid.expert_dp(), moe.fc1_weight().main_grad),
+                fc1_shard(ref.fc1_weight().main_grad.narrow(0, off, el).contiguous(), etpn, er), kTol, "fc1 gradient");
+  require_close(summed(grid.expert_dp(), moe.fc2_weight().main_grad),
+                ref.fc2_weight().main_grad.narrow(0, off, el).narrow(2, er * fl, fl).contiguous(), kTol, "fc2 gradient");
+  // The weights themselves: the same model whatever EP and expert-TP.
+  require_equal(moe.fc1_weight().data, fc1_shard(ref.fc1_weight().data.narrow(0, off, el).contiguous(), etpn, er),
+                "fc1 weight");
+  if (c.shared) {
+    ly::MLP& s = *moe.shared_expert();
+    ly::MLP& rs = *ref.shared_expert();
+    const Tensor g1 = rs.fc1().weight().main_grad;
+    require_close(summed(grid.dp(), s.fc1().weight().main_grad),
+                  fc1_shard(g1.view({1, g1.size(0), g1.size(1)}), tpn, tr).view({-1, kH}), kTol, "shared fc1 gradient");
+    require_close(summed(grid.dp(), s.fc2().weight().main_grad), chunk(rs.fc2().weight().main_grad, 1, tpn, tr), kTol,
+                  "shared fc2 gradient");
+  }
+  if (c.imbalanced) {
+    // Ranks whose experts got no tokens have zero expert gradients (and took part in every collective).
+    REQUIRE(moe.tokens_per_expert()[0] == moe.tokens_per_expert()[1]);
+    if (off >= 2) REQUIRE(moe.fc2_weight().main_grad.to_double_vector() == std::vector<double>(size_t(moe.fc2_weight().main_grad.numel()), 0.0));
+  }
+}
+
+bool fits(const Case& c, int world) {
+  const int etp = c.etp > 0 ? c.etp : c.tp;
+  return world % c.tp == 0 && (world / c.tp) % (c.etp > 0 && c.etp != c.tp ? 1 : c.ep) == 0 && world % (etp * c.ep) == 0;
+}
+
+void run_cases(const std::vector<Case>& cases) {
+  auto world = world_comm();
+  for (const Case& c : cases)
+    if (fits(c, world->size())) run_case(*world, c);
+}
+
+using D = ly::MoETokenDispatcher;
+
+}  // namespace
+
+TEST_CASE("MoELayer over EP = 1, 2, 4 equals the single-rank layer (both dispatchers)", "[layers][mpi][moe]") {
+  run_cases({{.ep = 1}, {.ep = 2}, {.ep = 4}, {.ep = 2, .dispatcher = D::AllGather}, {.ep = 4, .dispatcher = D::AllGather},
+             {.ep = 4, .losses = true, .shared = true}});
+}
+
+TEST_CASE("MoELayer with TP = 2 (with and without SP) and expert-TP = 1 or 2 equals the single-rank layer",
+          "[layers][mpi][moe]") {
+  run_cases({{.tp = 2, .sp = true, .ep = 2, .losses = true},
+             {.tp = 2, .sp = true, .ep = 2, .dispatcher = D::AllGather, .losses = true},
+             {.tp = 2, .sp = false, .ep = 2, .shared = true},
+             {.tp = 2, .sp = true, .ep = 4, .etp = 1, .shared = true},
+             {.tp = 2, .sp = true, .ep = 1, .dispatcher = D::AllGather},
+             {.tp = 1, .ep = 2, .etp = 2},
+             {.tp = 1, .ep = 2, .etp = 2, .dispatcher = D::AllGather}});
+}
+
+TEST_CASE("MoELayer with capacity dropping and with every token on two experts equals the single-rank layer",
+          "[layers][mpi][moe]") {
+  run_cases({{.ep = 4, .capacity = 0.5, .losses = true},
+             {.ep = 4, .dispatcher = D::AllGather, .capacity = 0.5},
+             {.ep = 4, .imbalanced = true},
+             {.ep = 4, .dispatcher = D::AllGather, .imbalanced = true},
+             {.tp = 2, .sp = true, .ep = 2, .etp = 1, .imbalanced = true}});
+}
