@@ -206,12 +206,14 @@ void bind_config(pyb::module_& m) {
   p.def("llama32_1b", &presets::llama32_1b);
   p.def("llama3_8b", &presets::llama3_8b);
   p.def("gpt2_124m", &presets::gpt2_124m);
+  p.def("mixtral_8x7b", &presets::mixtral_8x7b);
   // Also at module level: megacore.model.tiny_llama().
   m.attr("tiny_llama") = p.attr("tiny_llama");
   m.attr("tiny_gpt2") = p.attr("tiny_gpt2");
   m.attr("llama32_1b") = p.attr("llama32_1b");
   m.attr("llama3_8b") = p.attr("llama3_8b");
   m.attr("gpt2_124m") = p.attr("gpt2_124m");
+  m.attr("mixtral_8x7b") = p.attr("mixtral_8x7b");
 }
 
 void bind_gpt(pyb::module_& m) {

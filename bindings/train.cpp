@@ -31,6 +31,8 @@ pyb::dict metrics_dict(const train::StepMetrics& m) {
   d["mem_allocated_gib"] = m.mem_allocated_gib;
   d["mem_peak_gib"] = m.mem_peak_gib;
   d["consumed_samples"] = m.consumed_samples;
+  d["moe_aux_loss"] = m.moe_aux_loss;
+  d["moe_load_imbalance"] = m.moe_load_imbalance;
   return d;
 }
 

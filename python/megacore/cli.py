@@ -90,7 +90,7 @@ def _add_plan(sub):
         description="Validates a model preset and a parallel layout as a whole (nothing runs), then prints every "
                     "rank's coordinates, the parameters each GPU holds and an estimate of its memory.")
     p.add_argument("--model", default="tiny_llama",
-                   help="model preset: tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m (default: tiny_llama)")
+                   help="model preset: tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m, mixtral_8x7b (default: tiny_llama)")
     p.add_argument("--recipe", help="plan a recipe instead (its model, layout, GPU count, sequence and batch); "
                                     "with --set overrides")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -100,6 +100,7 @@ def _add_plan(sub):
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default 1)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel size (default 1)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default 1)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default 0 = TP)")
     p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank (interleaving; default 1)")
     p.add_argument("--head-cost", type=float, default=None,
                    help="extra work of the last pipeline stage (output layer + loss), in layers: balance the split")
@@ -117,7 +118,7 @@ def _add_plan(sub):
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
          sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
-         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False):
+         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
     Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), f32 main grads (4/param),
@@ -136,6 +137,13 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
     ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
     per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
+
+    MoE models (``num_moe_experts`` > 0): a MoE layer's routed experts are split over EP × expert-TP (``etp``, 0 =
+    TP) instead of TP, so a rank holds 1/(EP·expert-TP) of them, and ZeRO-1 shards their optimizer state over
+    expert-DP; the rest of the layer (attention, norms, router, shared expert) is counted like a dense layer's.
+    Activations of a MoE layer are counted as a dense layer's (the routed tokens' expert activations, about top-k ×
+    the expert FFN width per token, are not added). The result adds ``moe`` (EP, expert-TP, expert-DP, total and
+    active parameters, expert parameters per GPU).
     """
     from . import model as m
     from . import parallel as par
@@ -143,7 +151,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     from .errors import ValueError as McValueError
 
     presets = {"tiny_llama": m.tiny_llama, "tiny_gpt2": m.tiny_gpt2, "llama32_1b": m.llama32_1b,
-               "llama3_8b": m.llama3_8b, "gpt2_124m": m.gpt2_124m}
+               "llama3_8b": m.llama3_8b, "gpt2_124m": m.gpt2_124m, "mixtral_8x7b": m.mixtral_8x7b}
     if isinstance(model, str):
         if model not in presets:
             raise McValueError(f"unknown model preset '{model}'; use one of {', '.join(presets)}")
@@ -151,9 +159,9 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     else:
         cfg = model.copy()
     cfg.sequence_parallel = sequence_parallel
-    layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, virtual_pipeline=vp),
-                            world_size)
-    m.validate(cfg, tp)
+    layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp,
+                                               virtual_pipeline=vp), world_size)
+    m.validate(cfg, tp, ep, etp)
     if pipeline_layout:
         lay = pl.PipelineLayout.from_counts(cfg.num_layers, pp, vp, list(pipeline_layout))
     elif pipeline_embedding_cost or pipeline_head_cost:
@@ -163,12 +171,20 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
         lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)  # ConfigError naming the fix when uneven
     counts = m.parameter_count(cfg, tp)
     rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
-    stage_params = [n * counts["per_layer"] / tp for n in rank_layers]
+    rank_moe_layers = [sum(1 for c in range(vp) for i in lay.layer_indices(r, c)
+                           if cfg.num_moe_experts > 0 and i % cfg.moe_layer_freq == 0) for r in range(pp)]
+    etp_size = etp if etp > 0 else tp
+    # Per GPU: dense layers and a MoE layer's non-expert part split over TP, the routed experts over EP × expert-TP.
+    moe_rest = counts["per_moe_layer"] - counts["per_moe_layer_experts"]
+    expert_params = [k * counts["per_moe_layer_experts"] / (ep * etp_size) for k in rank_moe_layers]
+    stage_params = [((n - k) * counts["per_layer"] + k * moe_rest) / tp + e
+                    for n, k, e in zip(rank_layers, rank_moe_layers, expert_params)]
     stage_params[0] += (counts["embedding"] + counts["position_embedding"]) / tp
     stage_params[-1] += (counts["output_layer"] + counts["final_norm"]) / tp
     if cfg.tie_word_embeddings and pp > 1:
         stage_params[-1] += counts["embedding"] / tp  # the last stage keeps its own copy of the tied table
     dp_cp = layout.sizes["dp"] * layout.sizes["cp"]
+    edp = world_size // (etp_size * ep * pp)
     s, b = seq_length // cp, micro_batch_size
     rc = cfg.recompute_granularity if str(cfg.recompute_granularity).lower().endswith("full") else "selective"
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
@@ -189,7 +205,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
         return {
             "weights": 2 * stage_params[r],
             "main_grads": 4 * stage_params[r],
-            "optimizer": 12 * stage_params[r] / (dp_cp if zero else 1),
+            "optimizer": 12 * ((stage_params[r] - expert_params[r]) / (dp_cp if zero else 1)
+                               + expert_params[r] / (edp if zero else 1)),
             "grad_reduce": reduce_bytes(stage_params[r]),
             "activations": act_layer * rank_layers[r] * (pp - r),
             "logits": logits if r == pp - 1 else 0.0,
@@ -205,10 +222,14 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
             "fits": total <= (gpu_memory_gib - headroom) * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True), "seq_length": seq_length,
-            "seq_length_per_rank": s}
+            "seq_length_per_rank": s,
+            "moe": ({"ep": ep, "expert_tp": etp_size, "expert_dp": edp, "total": counts["total"],
+                     "active": counts["active"], "expert_params_per_gpu": expert_params}
+                    if cfg.num_moe_experts > 0 else None)}
 
 
-_PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "vp": "parallel.vp",
+_PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "etp": "parallel.etp",
+               "vp": "parallel.vp",
                "head_cost": "parallel.pipeline_head_cost", "seq_length": "data.seq_length",
                "micro_batch_size": "data.micro_batch_size", "sequence_parallel": "parallel.sp", "zero": "parallel.zero"}
 
@@ -226,17 +247,17 @@ def _run_plan(args) -> int:
                  p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
                  rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
                  p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib,
-                 p.grad_reduce_in_bf16)
+                 p.grad_reduce_in_bf16, p.expert_tensor_parallel_size)
     else:
         if args.world_size is None:
             from .errors import ConfigError
             raise ConfigError("--world-size is required without --recipe")
-        d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vp": 1, "head_cost": 0.0, "seq_length": 2048, "micro_batch_size": 1,
-             "sequence_parallel": False, "zero": False}
+        d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 0, "vp": 1, "head_cost": 0.0, "seq_length": 2048,
+             "micro_batch_size": 1, "sequence_parallel": False, "zero": False}
         v = {k: (getattr(args, k) if getattr(args, k) is not None else d[k]) for k in d}
         r = plan(args.model, args.world_size, v["tp"], v["pp"], v["cp"], v["ep"], v["vp"], v["seq_length"],
                  v["micro_batch_size"], v["sequence_parallel"], v["zero"], args.gpu_memory_gib,
-                 pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib)
+                 pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib, etp=v["etp"])
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "
@@ -247,6 +268,14 @@ def _run_plan(args) -> int:
         print(f"  stage {i}: {r['rank_layers'][i]} layers, {p / 1e6:.1f} M parameters per GPU")
     if sz["pp"] > 1:
         print(f"pipeline layout (layers per virtual stage, model order): {r['stage_layers']}")
+    if r["moe"]:
+        e = r["moe"]
+        groups = L.groups("ep")
+        shown = ", ".join(str(list(g)) for g in groups[:4]) + (f", … ({len(groups)} groups)" if len(groups) > 4 else "")
+        print(f"experts: {cfg.num_moe_experts} per MoE layer (top-{cfg.moe_router_topk}), expert groups EP {e['ep']} × "
+              f"expert-TP {e['expert_tp']} × expert-DP {e['expert_dp']}; EP groups (ranks): {shown}")
+        print(f"MoE parameters: {e['total'] / 1e9:.3f} B total, {e['active'] / 1e9:.3f} B active per token; experts "
+              f"per GPU: " + ", ".join(f"stage {i} {x / 1e6:.1f} M" for i, x in enumerate(e["expert_params_per_gpu"])))
     if sz["cp"] > 1:
         groups = L.groups("cp")
         shown = ", ".join(str(list(g)) for g in groups[:4]) + (f", … ({len(groups)} groups)" if len(groups) > 4 else "")
@@ -272,7 +301,8 @@ def _add_train(sub):
         description="Builds a recipe (--recipe NAME or --config FILE), applies --set overrides, validates the whole "
                     "recipe before any rank starts, and runs it with the chosen executor. Locally the ranks are GPUs, "
                     "or CPU ranks through mpirun when there is no GPU.")
-    p.add_argument("--recipe", help="recipe name: tiny, gpt2_124m, llama32_1b, llama3_8b (+ _finetune), llama32_1b_long")
+    p.add_argument("--recipe", help="recipe name: tiny, tiny_moe, gpt2_124m, llama32_1b, llama3_8b, mixtral_8x7b (+ _finetune), "
+                                    "llama32_1b_long")
     p.add_argument("--config", help="a saved recipe (JSON or YAML) instead of --recipe")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field, e.g. --set parallel.tp=2 --set optim.lr=1e-3 (repeatable)")

@@ -27,9 +27,10 @@ tiny_gpt2 = _m.tiny_gpt2
 llama32_1b = _m.llama32_1b
 llama3_8b = _m.llama3_8b
 gpt2_124m = _m.gpt2_124m
+mixtral_8x7b = _m.mixtral_8x7b
 
 __all__ = [
     "TransformerConfig", "RopeScaling", "NormType", "ActivationType", "PositionEmbeddingType",
     "RecomputeGranularity", "RopeScalingType", "GPTModel", "validate", "padded_vocab_size", "parameter_count",
-    "flops_per_token", "activation_bytes_per_layer", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m",
+    "flops_per_token", "activation_bytes_per_layer", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m", "mixtral_8x7b",
 ]

@@ -73,6 +73,9 @@ ShardLayout shard_layout(const parallel::ProcessGrid& grid) {
     l.tp_size = grid.layout().tp_size();
   }
   l.replica_writer = grid.dp_rank() == 0 && grid.cp_rank() == 0;
+  l.expert_tp_rank = grid.layout().expert_tp_rank(grid.rank());
+  l.expert_tp_size = grid.layout().expert_tp_size();
+  l.expert_replica_writer = grid.layout().expert_dp_rank(grid.rank()) == 0;
   return l;
 }
 
@@ -90,6 +93,31 @@ ShardedTensor replicated_tensor(const std::string& name, const Tensor& t, bool w
 
 ShardedTensor shard_parameter(const layers::Parameter& p, const ShardLayout& layout, const Shape& global_shape) {
   MC_CHECK(p.data.defined(), "checkpoint: parameter '{}' has no data", p.name);
+  if (p.expert) {
+    // Split over expert-TP like a dense weight over TP, then placed among all experts along dim 0.
+    MC_CHECK(p.data.dim() >= 1 && p.partition_dim != 0 && p.num_experts >= 1 && p.expert_offset >= 0 &&
+                 p.expert_offset + p.data.size(0) <= p.num_experts,
+             "checkpoint: expert parameter '{}' (shape {}, partition_dim {}) holds experts [{}, {}) of {}; an expert "
+             "weight needs dim 0 = its local experts inside [0, num_experts) and a partition_dim other than 0",
+             p.name, shape_text(p.data.shape()), p.partition_dim, p.expert_offset,
+             p.expert_offset + (p.data.dim() >= 1 ? p.data.size(0) : 0), p.num_experts);
+    layers::Parameter local = p;
+    local.expert = false;
+    ShardLayout el = layout;
+    el.tp_rank = layout.expert_tp_rank;
+    el.tp_size = layout.expert_tp_size;
+    el.replica_writer = layout.expert_replica_writer;
+    Shape gs = global_shape;
+    if (!gs.empty()) {
+      MC_CHECK(gs[0] == p.num_experts, "checkpoint: expert parameter '{}' has {} experts but global shape {} was asked",
+               p.name, p.num_experts, shape_text(gs));
+      gs[0] = p.data.size(0);
+    }
+    ShardedTensor st = shard_parameter(local, el, gs);
+    st.global_shape[0] = p.num_experts;
+    for (ShardPiece& pc : st.pieces) pc.global_offsets[0] += p.expert_offset;
+    return st;
+  }
   MC_CHECK(layout.tp_size >= 1 && layout.tp_rank >= 0 && layout.tp_rank < layout.tp_size,
            "checkpoint: TP rank {} of size {} is not a valid position; pass 0 <= tp_rank < tp_size", layout.tp_rank,
            layout.tp_size);
@@ -231,7 +259,6 @@ std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& o
   static const char* kinds[3] = {"master", "exp_avg", "exp_avg_sq"};
   // One ShardedTensor per (parameter, kind), in parameter order.
   std::vector<ShardedTensor> out(3 * ps.size());
-  std::vector<int64_t> row_size(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
     const layers::Parameter& p = *ps[i];
     auto it = by_name.find(p.name);
@@ -243,8 +270,9 @@ std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& o
     MC_CHECK(desc.local.shape() == p.data.shape(), "shard_zero_state: '{}' is described with local shape {} but the "
              "parameter is {}", p.name, shape_text(desc.local.shape()), shape_text(p.data.shape()));
     // Whether this rank's copy is the one to write, ignoring DP (every DP rank owns different elements):
-    // TP-partitioned or TP rank 0, and not the tied embedding's copy on the last pipeline stage.
-    const bool tp_writer = p.partition_dim >= 0 || layout.tp_rank == 0;
+    // TP-partitioned or TP rank 0 (expert-TP for an expert), and not the tied embedding's copy on the last
+    // pipeline stage.
+    const bool tp_writer = p.partition_dim >= 0 || (p.expert ? layout.expert_tp_rank : layout.tp_rank) == 0;
     const bool tied_copy = desc.tied_copy;
     for (int k = 0; k < 3; ++k) {
       ShardedTensor& st = out[3 * i + size_t(k)];
@@ -253,40 +281,39 @@ std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& o
       st.dtype = DType::F32;
       st.write = tp_writer && !tied_copy;
     }
-    for (const ShardPiece& pc : desc.pieces)
-      for (size_t d = 1; d < pc.shape.size(); ++d)
-        MC_CHECK(pc.local_offsets[d] == 0 && pc.shape[d] == p.data.size(int64_t(d)),
-                 "shard_zero_state: '{}' is described by pieces that are not whole rows of its local tensor; ZeRO "
-                 "state can only be mapped for row-range pieces",
-                 p.name);
-    row_size[i] = p.data.dim() == 0 ? 1 : p.data.numel() / std::max<int64_t>(1, p.data.size(0));
   }
   for (const optim::DistributedOptimizer::OwnedRange& r : opt.owned_ranges()) {
     const layers::Parameter& p = *ps[r.param];
     const ShardedTensor& desc = *by_name.at(p.name);
     const Tensor views[3] = {r.master, r.exp_avg, r.exp_avg_sq};
-    for (const ShardPiece& pc : desc.pieces) {
-      // The piece is rows [r0, r0 + rows) of the local tensor: a flat range; intersect with the owned one.
-      const int64_t r0 = pc.shape.empty() ? 0 : pc.local_offsets[0];
-      const int64_t rows = pc.shape.empty() ? 1 : pc.shape[0];
-      const int64_t lo = std::max(r.param_offset, r0 * row_size[r.param]);
-      const int64_t hi = std::min(r.param_offset + r.numel, (r0 + rows) * row_size[r.param]);
-      if (lo >= hi) continue;
-      for (const auto& [off, shape] : flat_range_boxes(p.data.shape(), lo, hi)) {
-        int64_t flat = 0, vol = 1, stride = 1;
-        for (int64_t d = int64_t(shape.size()) - 1; d >= 0; --d) {
-          flat += off[size_t(d)] * stride;
-          stride *= p.data.size(d);
-          vol *= shape[size_t(d)];
+    // The owned flat range as boxes, each contiguous in the flattened parameter; each box meets each piece
+    // (a box of the local tensor) in a box, a strided view of the box's state.
+    for (const auto& [off, shape] : flat_range_boxes(p.data.shape(), r.param_offset, r.param_offset + r.numel)) {
+      int64_t flat = 0, vol = 1, stride = 1;
+      for (int64_t d = int64_t(shape.size()) - 1; d >= 0; --d) {
+        flat += off[size_t(d)] * stride;
+        stride *= p.data.size(d);
+        vol *= shape[size_t(d)];
+      }
+      for (const ShardPiece& pc : desc.pieces) {
+        Shape lo(off.size()), len(off.size());
+        bool empty = false;
+        for (size_t d = 0; d < off.size(); ++d) {
+          lo[d] = std::max(off[d], pc.local_offsets[d]);
+          len[d] = std::min(off[d] + shape[d], pc.local_offsets[d] + pc.shape[d]) - lo[d];
+          empty |= len[d] <= 0;
         }
+        if (empty) continue;
         Shape global(off.size());
-        for (size_t d = 0; d < off.size(); ++d) global[d] = off[d] - pc.local_offsets[d] + pc.global_offsets[d];
+        for (size_t d = 0; d < off.size(); ++d) global[d] = lo[d] - pc.local_offsets[d] + pc.global_offsets[d];
         for (int k = 0; k < 3; ++k) {
+          Tensor v = views[k].narrow(0, flat - r.param_offset, vol).view(shape);
+          for (size_t d = 0; d < off.size(); ++d) v = v.narrow(int64_t(d), lo[d] - off[d], len[d]);
           ShardPiece piece;
           piece.local_offsets = Shape(off.size(), 0);
           piece.global_offsets = global;
-          piece.shape = shape;
-          piece.data = views[k].narrow(0, flat - r.param_offset, vol).view(shape);
+          piece.shape = len;
+          piece.data = v;
           out[3 * r.param + size_t(k)].pieces.push_back(std::move(piece));
         }
       }

@@ -8,6 +8,7 @@
 #include "megacore/ops/embedding.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/parallel/context_parallel.hpp"
+#include "megacore/parallel/process_grid.hpp"
 
 namespace megacore::model {
 
@@ -104,7 +105,8 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                                                       .init_offset_base = kModelLayerInitBase,
                                                                       .device = opts_.device,
                                                                       .cp = opts_.cp,
-                                                                      .cp_comm_type = opts_.cp_comm_type});
+                                                                      .cp_comm_type = opts_.cp_comm_type,
+                                                                      .moe = opts_.moe});
   if (opts_.post_process) {
     output_layer_ = std::make_unique<ly::ColumnParallelLinear>(
         tp, cfg_.hidden_size, model::padded_vocab_size(cfg_, tp.size()),
@@ -207,6 +209,16 @@ std::vector<ly::Parameter*> GPTModel::all_parameters() {
     linear("self_attention.linear_qkv.", l.self_attention().linear_qkv());
     linear("self_attention.linear_proj.", l.self_attention().linear_proj());
     norm("pre_mlp_layernorm.", l.pre_mlp_layernorm());
+    if (ly::MoELayer* moe = l.moe()) {
+      for (auto [leaf, p] : {std::pair{"router", &moe->router_weight()}, std::pair{"experts.linear_fc1", &moe->fc1_weight()},
+                             std::pair{"experts.linear_fc2", &moe->fc2_weight()}})
+        p->name = pre + "mlp." + leaf + ".weight", out.push_back(p);
+      if (ly::MLP* se = moe->shared_expert()) {
+        linear("mlp.shared_experts.linear_fc1.", se->fc1());
+        linear("mlp.shared_experts.linear_fc2.", se->fc2());
+      }
+      continue;
+    }
     linear("mlp.linear_fc1.", l.mlp().fc1());
     linear("mlp.linear_fc2.", l.mlp().fc2());
   }
@@ -508,6 +520,44 @@ ly::Parameter& GPTModel::parameter(const std::string& name) const {
 
 void GPTModel::zero_grad() {
   for (ly::Parameter* p : params_) p->main_grad.zero_();
+}
+
+layers::MoEGroups moe_groups(const parallel::ProcessGrid& grid) {
+  layers::MoEGroups g;
+  g.tp = &grid.tp();
+  g.ep = &grid.ep();
+  g.expert_tp = &grid.expert_tp();
+  if (grid.has_group(parallel::GroupKind::TpEp)) g.tp_ep = &grid.group(parallel::GroupKind::TpEp);
+  return g;
+}
+
+std::vector<ly::MoELayer*> GPTModel::moe_layers() {
+  std::vector<ly::MoELayer*> out;
+  for (int64_t i = 0; i < block_->num_layers(); ++i)
+    if (ly::MoELayer* m = block_->layer(i).moe()) out.push_back(m);
+  return out;
+}
+
+double GPTModel::moe_aux_loss() const {
+  double sum = 0;
+  for (ly::MoELayer* m : const_cast<GPTModel*>(this)->moe_layers())
+    for (const Tensor* t : {&m->aux_loss(), &m->z_loss()})
+      if (t->defined()) sum += t->to(Device::cpu()).item();
+  return sum;
+}
+
+double GPTModel::moe_load_imbalance() const {
+  double worst = 0;
+  for (ly::MoELayer* m : const_cast<GPTModel*>(this)->moe_layers()) worst = std::max(worst, m->load_imbalance());
+  return worst;
+}
+
+void GPTModel::set_moe_aux_loss_grad_scale(float s) {
+  for (ly::MoELayer* m : moe_layers()) m->set_aux_loss_grad_scale(s);
+}
+
+void GPTModel::update_expert_bias(comm::Communicator& dp, const Stream& s) {
+  for (ly::MoELayer* m : moe_layers()) m->update_expert_bias(dp, s);
 }
 
 }  // namespace megacore::model

@@ -86,7 +86,8 @@ TransformerBlock::TransformerBlock(comm::Communicator& tp, const TransformerConf
                                                .init_offset_base = opts_.init_offset_base,
                                                .device = opts_.device,
                                                .cp = opts_.cp,
-                                               .cp_comm_type = opts_.cp_comm_type}));
+                                               .cp_comm_type = opts_.cp_comm_type,
+                                               .moe = opts_.moe}));
   }
   if (opts_.final_layernorm) final_norm_ = make_model_norm(cfg_, opts_.device);
 

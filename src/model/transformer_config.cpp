@@ -329,6 +329,17 @@ TransformerConfig llama3_8b() {
           .rope_theta = 500000.0};
 }
 
+TransformerConfig mixtral_8x7b() {
+  TransformerConfig c{.num_layers = 32, .hidden_size = 4096, .num_attention_heads = 32, .num_query_groups = 8,
+                      .ffn_hidden_size = 14336, .kv_channels = 128, .vocab_size = 32000,
+                      .max_position_embeddings = 32768, .norm_eps = 1e-5, .rope_theta = 1e6};
+  c.num_moe_experts = 8;
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 14336;
+  c.moe_aux_loss_coeff = 1e-2;  // Megatron-Core's Mixtral recipe
+  return c;
+}
+
 TransformerConfig gpt2_124m() {
   return gpt2_flavour({.num_layers = 12, .hidden_size = 768, .num_attention_heads = 12, .ffn_hidden_size = 3072,
                        .vocab_size = 50257, .max_position_embeddings = 1024});

@@ -27,6 +27,58 @@ double output_std(const TransformerConfig& cfg) {
   return cfg.init_method_std / std::sqrt(2.0 * double(cfg.num_layers));
 }
 
+ly::MLPOptions mlp_options(const TransformerConfig& cfg, const TransformerLayerOptions& options) {
+  return ly::MLPOptions{.activation = cfg.activation,
+                        .bias = cfg.add_bias_linear,
+                        .sequence_parallel = cfg.sequence_parallel,
+                        .params_dtype = cfg.params_dtype,
+                        .device = options.device,
+                        .init_std = cfg.init_method_std,
+                        .output_init_std = output_std(cfg),
+                        .seed = cfg.seed,
+                        .init_offset = layer_base(options) + 2};
+}
+
+std::unique_ptr<ly::MoELayer> make_moe(comm::Communicator& tp, const TransformerConfig& cfg,
+                                       const TransformerLayerOptions& o) {
+  ly::MoEGroups g = o.moe;
+  g.tp = &tp;
+  auto fill = [&](comm::Communicator*& c, const char* name) {
+    if (c) return;
+    MC_CHECK(tp.size() == 1,
+             "TransformerLayer {}: a MoE layer with TP {} needs its {} group; pass TransformerLayerOptions::moe "
+             "(GPTModelOptions::moe: ProcessGrid ep, expert_tp, tp_ep)",
+             o.layer_number, tp.size(), name);
+    c = &tp;
+  };
+  fill(g.ep, "ep");
+  fill(g.expert_tp, "expert_tp");
+  fill(g.tp_ep, "tp_ep");
+  ly::MoEOptions m;
+  m.num_experts = cfg.num_moe_experts;
+  m.topk = int(cfg.moe_router_topk);
+  m.ffn_hidden_size = cfg.moe_ffn_size();
+  m.shared_expert_size = cfg.moe_shared_expert_size;
+  m.activation = cfg.activation;
+  m.score = cfg.moe_router_score_function;
+  m.pre_softmax = cfg.moe_router_pre_softmax;
+  m.topk_scaling_factor = float(cfg.moe_router_topk_scaling_factor);
+  m.aux_loss_coeff = float(cfg.moe_aux_loss_coeff);
+  m.z_loss_coeff = float(cfg.moe_z_loss_coeff);
+  m.enable_expert_bias = cfg.moe_router_enable_expert_bias;
+  m.expert_bias_update_rate = float(cfg.moe_router_bias_update_rate);
+  m.capacity_factor = cfg.moe_expert_capacity_factor;
+  m.dispatcher = cfg.moe_token_dispatcher_type;
+  m.sequence_parallel = cfg.sequence_parallel;
+  m.params_dtype = cfg.params_dtype;
+  m.device = o.device;
+  m.init_std = cfg.init_method_std;
+  m.output_init_std = output_std(cfg);
+  m.seed = cfg.seed;
+  m.init_offset = kMoEInitBase + uint64_t(o.layer_number) * ly::moe_init_offsets(cfg.num_moe_experts);
+  return std::make_unique<ly::MoELayer>(g, cfg.hidden_size, m);
+}
+
 }  // namespace
 
 layers::AttentionConfig attention_config(const TransformerConfig& cfg) {
@@ -77,30 +129,29 @@ TransformerLayer::TransformerLayer(comm::Communicator& tp, const TransformerConf
                                           .proj_init_std = output_std(cfg),
                                           .cp = options.cp,
                                           .cp_comm_type = options.cp_comm_type}),
-      mlp_norm_(make_norm(cfg, options.device)),
-      mlp_(tp, cfg.hidden_size, cfg.ffn_size(),
-           ly::MLPOptions{.activation = cfg.activation,
-                          .bias = cfg.add_bias_linear,
-                          .sequence_parallel = cfg.sequence_parallel,
-                          .params_dtype = cfg.params_dtype,
-                          .device = options.device,
-                          .init_std = cfg.init_method_std,
-                          .output_init_std = output_std(cfg),
-                          .seed = cfg.seed,
-                          .init_offset = layer_base(options) + 2}) {
+      mlp_norm_(make_norm(cfg, options.device)) {
   static_assert(2 + ly::kMLPInitOffsets <= kTransformerLayerInitStride, "a layer's draws overlap the next layer's");
   MC_CHECK(options.layer_number >= 0, "TransformerLayer: layer_number is {}; pass the 0-based index of the layer",
            options.layer_number);
+  if (cfg.is_moe_layer(options.layer_number))
+    moe_ = make_moe(tp, cfg, options);
+  else
+    mlp_ = std::make_unique<ly::MLP>(tp, cfg.hidden_size, cfg.ffn_size(), mlp_options(cfg, options));
   // The column-parallel layers' backward collectives overlap their weight-gradient GEMMs.
   attention_.linear_qkv().set_overlap_grad_comm(cfg_.tp_comm_overlap);
-  mlp_.fc1().set_overlap_grad_comm(cfg_.tp_comm_overlap);
+  if (mlp_) mlp_->fc1().set_overlap_grad_comm(cfg_.tp_comm_overlap);
+}
+
+ly::MLP& TransformerLayer::mlp() {
+  MC_CHECK(mlp_ != nullptr, "TransformerLayer {} is a MoE layer (no dense MLP); use moe()", opts_.layer_number);
+  return *mlp_;
 }
 
 Tensor TransformerLayer::forward_impl(const ly::ForwardContext& ctx, const Tensor& x, const Tensor& position_ids) {
   Tensor n1 = input_norm_->forward(ctx, x);
   Tensor a = attention_.forward(ctx, n1, position_ids);
   ly::NormResidualOutput h = mlp_norm_->forward_residual(ctx, a, x);  // y = norm(x + a)
-  Tensor m = mlp_.forward(ctx, h.y);
+  Tensor m = moe_ ? moe_->forward(ctx, h.y) : mlp_->forward(ctx, h.y);
   return add(m, h.residual_out, ctx.stream);
 }
 
@@ -137,7 +188,7 @@ Tensor TransformerLayer::backward(const ly::ForwardContext& ctx, const Tensor& d
     saved_positions_ = Tensor();
     saved_cu_ = Tensor();
   }
-  Tensor dn2 = mlp_.backward(ctx, dy);
+  Tensor dn2 = moe_ ? moe_->backward(ctx, dy) : mlp_->backward(ctx, dy);
   Tensor dh = mlp_norm_->backward_residual(ctx, dn2, dy);  // gradient of both x and the attention output
   Tensor dn1 = attention_.backward(ctx, dh);
   return add(input_norm_->backward(ctx, dn1), dh, ctx.stream);
@@ -147,7 +198,8 @@ void TransformerLayer::stash_activations(ly::ActivationStash& s) {
   input_norm_->stash_activations(s);
   attention_.stash_activations(s);
   mlp_norm_->stash_activations(s);
-  mlp_.stash_activations(s);
+  if (moe_) moe_->stash_activations(s);
+  else mlp_->stash_activations(s);
   s.put(saved_x_);
   s.put(saved_positions_);
   s.put(saved_cu_);
@@ -159,7 +211,8 @@ void TransformerLayer::restore_activations(ly::ActivationStash& s) {
   input_norm_->restore_activations(s);
   attention_.restore_activations(s);
   mlp_norm_->restore_activations(s);
-  mlp_.restore_activations(s);
+  if (moe_) moe_->restore_activations(s);
+  else mlp_->restore_activations(s);
   s.take(saved_x_);
   s.take(saved_positions_);
   s.take(saved_cu_);
@@ -189,8 +242,19 @@ std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_para
   linear("self_attention.linear_qkv.", attention_.linear_qkv());
   linear("self_attention.linear_proj.", attention_.linear_proj());
   norm("pre_mlp_layernorm.", *mlp_norm_);
-  linear("mlp.linear_fc1.", mlp_.fc1());
-  linear("mlp.linear_fc2.", mlp_.fc2());
+  if (mlp_) {
+    linear("mlp.linear_fc1.", mlp_->fc1());
+    linear("mlp.linear_fc2.", mlp_->fc2());
+  } else if (!lora_) {
+    // Megatron-Core's names: mlp.router, mlp.experts (grouped), mlp.shared_experts.
+    out.emplace_back("mlp.router.weight", &moe_->router_weight());
+    out.emplace_back("mlp.experts.linear_fc1.weight", &moe_->fc1_weight());
+    out.emplace_back("mlp.experts.linear_fc2.weight", &moe_->fc2_weight());
+    if (ly::MLP* se = moe_->shared_expert()) {
+      linear("mlp.shared_experts.linear_fc1.", se->fc1());
+      linear("mlp.shared_experts.linear_fc2.", se->fc2());
+    }
+  }
   return out;
 }
 
@@ -198,6 +262,10 @@ void TransformerLayer::apply_lora(comm::Communicator& tp, const LoRAConfig& lora
   MC_CHECK(!lora_, "TransformerLayer {}.apply_lora: adapters are already attached; merge_lora first to attach new ones",
            opts_.layer_number);
   const LoRATargets t = resolve_lora_targets(lora.target_modules, cfg_);
+  MC_CHECK(!moe_ || (t.fc1.empty() && !t.fc1_whole && !t.fc2),
+           "TransformerLayer {} is a MoE layer: LoRA adapters on its experts are not supported; target the attention "
+           "only (peft.target_modules = q_proj, k_proj, v_proj, o_proj)",
+           opts_.layer_number);
   const uint64_t base = kLoRAInitBase + uint64_t(opts_.layer_number) * kLoRALayerStride;
   auto options = [&](uint64_t linear) {
     return ly::LoRAOptions{.rank = lora.dim, .alpha = lora.alpha, .dropout = lora.dropout, .seed = lora.seed,
@@ -233,17 +301,16 @@ void TransformerLayer::apply_lora(comm::Communicator& tp, const LoRAConfig& lora
     for (const std::string& name : t.fc1)
       segs.push_back({.name = name, .out_features = ffn, .block_width = 2 * fl, .col0 = name == "gate_proj" ? 0 : fl,
                       .width = fl});
-    mlp_.fc1().attach_lora(
+    mlp_->fc1().attach_lora(
         std::make_unique<ly::LoRAAdapter>(tp, K::Column, h, segs, options(2), cfg_.params_dtype, opts_.device));
   }
   if (t.fc2)
-    mlp_.fc2().attach_lora(std::make_unique<ly::LoRAAdapter>(
+    mlp_->fc2().attach_lora(std::make_unique<ly::LoRAAdapter>(
         tp, K::Row, ffn, std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}}, options(3),
         cfg_.params_dtype, opts_.device));
   attention_.linear_qkv().set_frozen(true);
   attention_.linear_proj().set_frozen(true);
-  mlp_.fc1().set_frozen(true);
-  mlp_.fc2().set_frozen(true);
+  if (mlp_) mlp_->fc1().set_frozen(true), mlp_->fc2().set_frozen(true);
   lora_ = true;
 }
 
@@ -251,12 +318,10 @@ void TransformerLayer::merge_lora() {
   if (!lora_) return;
   attention_.linear_qkv().merge_lora();
   attention_.linear_proj().merge_lora();
-  mlp_.fc1().merge_lora();
-  mlp_.fc2().merge_lora();
+  if (mlp_) mlp_->fc1().merge_lora(), mlp_->fc2().merge_lora();
   attention_.linear_qkv().set_frozen(false);
   attention_.linear_proj().set_frozen(false);
-  mlp_.fc1().set_frozen(false);
-  mlp_.fc2().set_frozen(false);
+  if (mlp_) mlp_->fc1().set_frozen(false), mlp_->fc2().set_frozen(false);
   lora_ = false;
 }
 

@@ -41,6 +41,8 @@ void DistributedDataParallel::init() {
   const char* who = "DistributedDataParallel";
   MC_CHECK(cfg_.gemm_sm_margin >= 0, "{}: gemm_sm_margin must be >= 0 (SMs left to the reduction), got {}", who,
            cfg_.gemm_sm_margin);
+  MC_CHECK(cfg_.average_size >= 0, "{}: average_size must be >= 1 (0 = the group's size), got {}", who,
+           cfg_.average_size);
   MC_CHECK(cfg_.reduce_dtype == DType::F32 || cfg_.reduce_dtype == DType::BF16,
            "{}: reduce_dtype {} is not supported; use f32 or bf16", who, dtype_name(cfg_.reduce_dtype));
   const int n = dp_.size();
@@ -85,19 +87,28 @@ void DistributedDataParallel::launch(int b, bool from_notify) {
   launched_[size_t(b)] = 1;
   launches_.push_back({b, std::chrono::steady_clock::now(), from_notify});
   const int n = dp_.size();
-  if (n == 1) return;
+  const int divisor = cfg_.average_size > 0 ? cfg_.average_size : n;
+  if (n == 1) {
+    if (cfg_.average && divisor != 1)
+      ops::multi_tensor_scale({buffer_->bucket_grads(b)}, {buffer_->bucket_grads(b)}, 1.f / float(divisor), {},
+                              cfg_.compute_stream);
+    return;
+  }
   const bool cuda = buffer_->device().is_cuda();
   if (cuda && from_notify && cfg_.gemm_sm_margin > 0 && !gemm_margin_.active())
     gemm_margin_ = ops::GemmSmMarginRequest(buffer_->device().index, cfg_.gemm_sm_margin);
   if (cuda) comm_stream_.wait(cfg_.compute_stream);
   Tensor src = buffer_->bucket_grads(b);
-  comm::ReduceOp op = cfg_.average ? comm::ReduceOp::Avg : comm::ReduceOp::Sum;
+  comm::ReduceOp op = cfg_.average && divisor == n ? comm::ReduceOp::Avg : comm::ReduceOp::Sum;
   if (cfg_.reduce_dtype == DType::BF16) {
     Tensor& st = staging_[size_t(b)];
     if (!st.defined()) st = Tensor::empty({src.numel()}, DType::BF16, src.device(), comm_stream_);
-    ops::multi_tensor_scale({src}, {st}, cfg_.average ? 1.f / float(n) : 1.f, {}, comm_stream_);
+    ops::multi_tensor_scale({src}, {st}, cfg_.average ? 1.f / float(divisor) : 1.f, {}, comm_stream_);
     src = st;
     op = comm::ReduceOp::Sum;
+  } else if (cfg_.average && divisor != n) {
+    // Scaled before the sum (in place: this rank's unreduced gradients are not used after the reduction).
+    ops::multi_tensor_scale({src}, {src}, 1.f / float(divisor), {}, comm_stream_);
   }
   if (cfg_.use_distributed_optimizer) {
     Tensor& out = shard_out_[size_t(b)];

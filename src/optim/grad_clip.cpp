@@ -11,21 +11,75 @@ namespace megacore::optim {
 
 using layers::Parameter;
 
-GradNormGroups grad_norm_groups(const parallel::ProcessGrid& grid, bool grads_sharded_over_dp) {
+GradNormGroups grad_norm_groups(const parallel::ProcessGrid& grid, bool grads_sharded_over_dp, bool experts) {
   GradNormGroups g;
   g.tp_rank = grid.tp_rank();
   g.reduce.push_back(&grid.mp());
   if (grads_sharded_over_dp) g.reduce.push_back(&grid.dp_cp());
+  if (experts) {
+    g.expert_tp_rank = grid.layout().expert_tp_rank(grid.rank());
+    g.expert_reduce.push_back(&grid.group(parallel::GroupKind::TpEpPp));
+    if (grads_sharded_over_dp) g.expert_reduce.push_back(&grid.expert_dp());
+  }
   return g;
 }
 
-GradNormResult global_grad_norm(const std::vector<Parameter*>& params, const GradNormGroups& groups) {
-  MC_CHECK(groups.tp_rank >= 0, "global_grad_norm: tp_rank {} must be >= 0", groups.tp_rank);
+bool counts_in_grad_norm(const Parameter& p, const GradNormGroups& groups) {
+  if (p.partition_dim < 0 && (p.expert ? groups.expert_tp_rank : groups.tp_rank) != 0) return false;  // a copy
+  return !(groups.skip && groups.skip(p));
+}
+
+namespace {
+
+// Σ‖t‖² of the tensors as a [1] f32 tensor on `device` (0 when there are none).
+Tensor sum_of_squares(const std::vector<Tensor>& ts, Device device, const Stream& s) {
+  Tensor sq = Tensor::zeros({1}, DType::F32, device, s);
+  if (ts.empty()) return sq;
+  Tensor norm = Tensor::empty({1}, DType::F32, device, s);
+  ops::multi_tensor_l2norm(ts, norm, s);
+  ops::multi_tensor_scale({norm}, {sq}, 1.f, norm, s);  // norm² (the scale tensor is the norm itself)
+  return sq;
+}
+
+void all_reduce_over(Tensor& sq, const std::vector<comm::Communicator*>& groups, const Stream& s, const char* who) {
+  for (comm::Communicator* c : groups) {
+    MC_CHECK(c != nullptr, "{}: a reduce group is null", who);
+    if (c->size() > 1) c->all_reduce(sq, comm::ReduceOp::Sum, s)->wait();
+  }
+}
+
+}  // namespace
+
+GradNormResult combine_grad_norm(const std::vector<Tensor>& dense, const std::vector<Tensor>& expert,
+                                 const GradNormGroups& groups, Device device, const Stream& s, const char* who) {
+  const bool apart = !groups.expert_reduce.empty();
+  // Without expert groups the expert part can only be right where nothing is reduced (one process).
+  MC_CHECK(apart || expert.empty() || groups.reduce.empty(),
+           "{}: expert parameters are present but GradNormGroups has no expert_reduce groups, so their norm would be "
+           "summed over the dense groups (wrong under EP, expert-TP or expert-DP); build the groups with "
+           "grad_norm_groups(grid, sharded, /*experts=*/true) on every rank",
+           who);
+  std::vector<Tensor> together = dense;
+  if (!apart) together.insert(together.end(), expert.begin(), expert.end());
+  Tensor sq = sum_of_squares(together, device, s);
+  all_reduce_over(sq, groups.reduce, s, who);
+  double total = sq.item();
+  if (apart) {
+    Tensor esq = sum_of_squares(expert, device, s);
+    all_reduce_over(esq, groups.expert_reduce, s, who);
+    total += esq.item();
+  }
+  GradNormResult r;
+  r.norm = std::sqrt(total);
+  r.finite = std::isfinite(r.norm);
+  return r;
+}
+
+void counted_grads(const std::vector<Parameter*>& params, const GradNormGroups& groups, std::vector<Tensor>& dense,
+                   std::vector<Tensor>& expert) {
+  MC_CHECK(groups.tp_rank >= 0 && groups.expert_tp_rank >= 0, "global_grad_norm: tp_rank {} and expert_tp_rank {} "
+           "must be >= 0", groups.tp_rank, groups.expert_tp_rank);
   std::unordered_map<const void*, const Parameter*> seen;
-  std::vector<Tensor> counted;
-  // The device of the first parameter, also when this rank counts none (an NCCL group needs the sum
-  // on the device).
-  const Device device = params.empty() ? Device::cpu() : params.front()->main_grad.device();
   for (const Parameter* p : params) {
     MC_CHECK(p != nullptr, "global_grad_norm: a parameter pointer is null");
     MC_CHECK(p->main_grad.defined(), "global_grad_norm: parameter '{}' has no main_grad", p->name);
@@ -33,28 +87,20 @@ GradNormResult global_grad_norm(const std::vector<Parameter*>& params, const Gra
     MC_CHECK(fresh,
              "global_grad_norm: '{}' and '{}' share one gradient and would be counted twice; list it once",
              it->second->name, p->name);
-    if (p->partition_dim < 0 && groups.tp_rank != 0) continue;  // identical on every TP rank
-    if (groups.skip && groups.skip(*p)) continue;
-    MC_CHECK(p->main_grad.device() == device, "global_grad_norm: parameter '{}' is on another device than '{}'",
-             p->name, params.front()->name);
-    counted.push_back(p->main_grad.is_contiguous() ? p->main_grad : p->main_grad.contiguous());
+    if (!counts_in_grad_norm(*p, groups)) continue;
+    MC_CHECK(p->main_grad.device() == params.front()->main_grad.device(),
+             "global_grad_norm: parameter '{}' is on another device than '{}'", p->name, params.front()->name);
+    (p->expert ? expert : dense).push_back(p->main_grad.is_contiguous() ? p->main_grad : p->main_grad.contiguous());
   }
-  // Sum of squares on the parameters' device, so an NCCL group can reduce it without a host round-trip.
-  Tensor sq = Tensor::zeros({1}, DType::F32, device);
-  if (!counted.empty()) {
-    Tensor norm = Tensor::empty({1}, DType::F32, device);
-    ops::multi_tensor_l2norm(counted, norm);
-    ops::multi_tensor_scale({norm}, {sq}, 1.f, norm);  // norm² (the scale tensor is the norm itself)
-  }
-  for (comm::Communicator* c : groups.reduce) {
-    MC_CHECK(c != nullptr, "global_grad_norm: a reduce group is null");
-    if (c->size() > 1) c->all_reduce(sq, comm::ReduceOp::Sum)->wait();
-  }
-  GradNormResult r;
-  const double total = sq.item();
-  r.norm = std::sqrt(total);
-  r.finite = std::isfinite(r.norm);
-  return r;
+}
+
+GradNormResult global_grad_norm(const std::vector<Parameter*>& params, const GradNormGroups& groups) {
+  std::vector<Tensor> dense, expert;
+  counted_grads(params, groups, dense, expert);
+  // Sums of squares on the parameters' device (also when this rank counts none), so an NCCL group can reduce
+  // them without a host round-trip.
+  const Device device = params.empty() ? Device::cpu() : params.front()->main_grad.device();
+  return combine_grad_norm(dense, expert, groups, device, Stream(), "global_grad_norm");
 }
 
 GradNormResult clip_grad_norm(const std::vector<Parameter*>& params, double max_norm, const GradNormGroups& groups) {

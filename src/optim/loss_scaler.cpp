@@ -86,4 +86,28 @@ StepResult checked_step(DistributedOptimizer& opt, double lr, const GradNormGrou
   return finish_checked(n, lr, o, [&](float l, float gs) { opt.step(l, gs); });
 }
 
+StepResult checked_step(const std::vector<OptimizerPart>& parts, double lr, const GradNormGroups& groups,
+                        const CheckedStepOptions& o) {
+  MC_CHECK(!parts.empty(), "checked_step: no optimizer parts given");
+  std::vector<Tensor> dense, expert;
+  Device device = Device::cpu();
+  Stream stream;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const OptimizerPart& p = parts[i];
+    MC_CHECK((p.opt != nullptr) != (p.zero != nullptr),
+             "checked_step: optimizer part {} must set exactly one of opt (AdamW/SGD) and zero (ZeRO-1)", i);
+    if (p.zero) {
+      p.zero->counted_grads(groups, dense, expert);
+      if (i == 0) device = p.zero->ddp().buffer().device(), stream = p.zero->ddp().config().compute_stream;
+    } else {
+      counted_grads(p.opt->parameters(), groups, dense, expert);
+      if (i == 0 && !p.opt->parameters().empty()) device = p.opt->parameters().front()->main_grad.device();
+    }
+  }
+  const GradNormResult n = combine_grad_norm(dense, expert, groups, device, stream, "checked_step");
+  return finish_checked(n, lr, o, [&](float l, float gs) {
+    for (const OptimizerPart& p : parts) p.zero ? p.zero->step(l, gs) : p.opt->step(l, gs);
+  });
+}
+
 }  // namespace megacore::optim

@@ -121,6 +121,7 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfi
     o.post_process = layout.has_head(pp_rank, c);
     o.cp = &grid.cp();
     o.cp_comm_type = cfg.parallel.cp_comm_type == "all_gather" ? ly::CpCommType::AllGather : ly::CpCommType::P2P;
+    if (m.is_moe()) o.moe = mdl::moe_groups(grid);
     chunks.push_back(std::make_unique<mdl::GPTModel>(m, grid.tp(), o));
   }
   if (cfg.peft.scheme == "lora") {
@@ -135,10 +136,12 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfi
 
 std::vector<ParameterGroup> parameter_groups(const ModelChunks& chunks, parallel::ProcessGrid& grid) {
   ParameterGroup dense{"dense", {}, &grid.dp_cp()};
+  ParameterGroup expert{"expert", {}, &grid.expert_dp(), grid.dp_cp().size()};
   for (const auto& ch : chunks)
-    for (ly::Parameter* p : ch->parameters()) dense.params.push_back(p);
+    for (ly::Parameter* p : ch->parameters()) (p->expert ? expert : dense).params.push_back(p);
   std::vector<ParameterGroup> groups;
   groups.push_back(std::move(dense));
+  if (!expert.params.empty()) groups.push_back(std::move(expert));
   return groups;
 }
 
@@ -241,6 +244,7 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
     OptimizerGroup g;
     g.group = std::move(pg);
     optim::DDPConfig gdc = dc;  // the shared copies of this group's parameters (those aliasing their data)
+    gdc.average_size = g.group.average_size;
     std::erase_if(gdc.shared_copies, [&](const ly::Parameter* c) {
       return std::none_of(g.group.params.begin(), g.group.params.end(), [&](const ly::Parameter* q) {
         return c->data.defined() && q->data.defined() && q->data.data_ptr() == c->data.data_ptr();

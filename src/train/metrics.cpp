@@ -162,6 +162,10 @@ std::string to_json(const StepMetrics& m) {
                       {"mem_allocated_gib", m.mem_allocated_gib},
                       {"mem_peak_gib", m.mem_peak_gib},
                       {"consumed_samples", m.consumed_samples}};
+  if (m.moe_load_imbalance > 0) {
+    j["moe_aux_loss"] = m.moe_aux_loss;
+    j["moe_load_imbalance"] = m.moe_load_imbalance;
+  }
   if (!m.rank_compute_seconds.empty()) {
     j["compute_seconds"] = m.compute_seconds;
     j["stragglers"] = m.stragglers;

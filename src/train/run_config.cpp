@@ -254,9 +254,10 @@ ModelSection ModelSection::preset(const std::string& name) {
   else if (name == "tiny_gpt2") t = model::presets::tiny_gpt2();
   else if (name == "llama32_1b") t = model::presets::llama32_1b();
   else if (name == "llama3_8b") t = model::presets::llama3_8b();
+  else if (name == "mixtral_8x7b") t = model::presets::mixtral_8x7b();
   else if (name == "gpt2_124m") t = model::presets::gpt2_124m();
   else
-    raise<ConfigError>("unknown model preset '{}'; use one of tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m",
+    raise<ConfigError>("unknown model preset '{}'; use one of tiny_llama, tiny_gpt2, llama32_1b, llama3_8b, gpt2_124m, mixtral_8x7b",
                        name);
   ModelSection m;
   static_cast<model::TransformerConfig&>(m) = t;

@@ -106,6 +106,7 @@ struct Trainer::Impl {
   TrainingState state;  // step, data position, loss average (saved with checkpoints; train/training_state.hpp)
   int64_t num_micro = 1;
   double peak = 0;
+  double moe_aux_loss = 0, moe_imbalance = 0;  // the last step's (MoE models)
   std::string last_checkpoint;
   bool root = false;
 
@@ -118,12 +119,8 @@ struct Trainer::Impl {
   const Device& device() const { return parts.placement.device; }
   const mdl::TransformerConfig& mcfg() const { return parts.model; }
   parallel::ProcessGrid& grid() const { return *parts.grid; }
-  /// The Trainer steps one optimizer group: the model's dense parameters.
-  OptimizerGroup& dense() {
-    MC_INTERNAL_ASSERT(parts.optimizer.groups.size() == 1, "the Trainer steps one optimizer group, the build made {}",
-                       parts.optimizer.groups.size());
-    return parts.optimizer.groups.front();
-  }
+  /// ZeRO-1 (every group's optimizer is a DistributedOptimizer) or not.
+  bool zero() const { return parts.optimizer.groups.front().zero != nullptr; }
 
   void build();
   StepMetrics train_step();
@@ -264,7 +261,6 @@ void Trainer::Impl::build() {
 StepMetrics Trainer::Impl::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   OptimizerParts& op = parts.optimizer;
-  OptimizerGroup& g = dense();
   if (is_cuda()) Allocator::get(device()).reset_peak_stats();
   op.zero_grad();
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*parts.loader, grid(), ctx.stream);
@@ -273,6 +269,8 @@ StepMetrics Trainer::Impl::train_step() {
   const bool time_compute = cfg.trainer.straggler_factor > 0;
   Event ev_begin(true), ev_compute(true);
   if (time_compute && is_cuda()) ev_begin.record(ctx.stream);
+  // The MoE aux/z-loss gradients carry the LM loss's scaling: the loss scale over the micro-batches.
+  for (auto& ch : parts.chunks) ch->set_moe_aux_loss_grad_scale(float(loss_scale / double(mbs.size())));
   pipeline::StepResult sr = parts.engine->step(ctx, mbs, float(loss_scale));
   op.notify_tied_grads();
   double compute_s = 0;
@@ -283,7 +281,7 @@ StepMetrics Trainer::Impl::train_step() {
 
   // Norm (tied copies counted once), NaN/Inf check, clipping and the update in one place; with f16 the
   // gradients carry the loss scale, which checked_step divides out and adjusts.
-  optim::GradNormGroups groups = optim::grad_norm_groups(grid(), g.zero != nullptr);
+  optim::GradNormGroups groups = optim::grad_norm_groups(grid(), zero(), mcfg().is_moe());
   groups.skip = [this](const ly::Parameter& p) {
     for (const auto& ch : parts.chunks)
       if (ch->is_tied_copy(p)) return true;
@@ -294,9 +292,27 @@ StepMetrics Trainer::Impl::train_step() {
   co.scaler = op.scaler.get();
   co.skip_nonfinite = cfg.optim.skip_nonfinite_steps;
   const double lr = op.sched->lr();
-  const optim::StepResult st =
-      g.zero ? optim::checked_step(*g.zero, lr, groups, co) : optim::checked_step(*g.opt, lr, groups, co);
+  // Every group (dense, and expert for MoE) in one checked step: one norm, one clip, one skip decision.
+  std::vector<optim::OptimizerPart> opt_parts;
+  for (OptimizerGroup& g : op.groups) opt_parts.push_back({g.opt.get(), g.zero.get()});
+  const optim::StepResult st = optim::checked_step(opt_parts, lr, groups, co);
+  if (mcfg().is_moe()) {
+    // Aux-loss-free balancing moves the expert biases after the update (a no-op unless enabled).
+    if (!st.skipped)
+      for (auto& ch : parts.chunks) ch->update_expert_bias(grid().dp_cp(), ctx.stream);
+    // The step's aux loss (Σ over TP and stages, mean over DP × CP) and the worst load imbalance.
+    double aux = 0, imbalance = 0;
+    for (auto& ch : parts.chunks) aux += ch->moe_aux_loss(), imbalance = std::max(imbalance, ch->moe_load_imbalance());
+    Tensor a = Tensor::from_vector<float>({float(aux / double(grid().dp_cp().size()))}, {1}).to(device(), ctx.stream);
+    Tensor b = Tensor::from_vector<float>({float(imbalance)}, {1}).to(device(), ctx.stream);
+    world.all_reduce(a, comm::ReduceOp::Sum, ctx.stream)->wait();
+    world.all_reduce(b, comm::ReduceOp::Max, ctx.stream)->wait();
+    moe_aux_loss = a.to(Device::cpu(), ctx.stream).item();
+    moe_imbalance = b.to(Device::cpu(), ctx.stream).item();
+  }
   StepMetrics m;
+  m.moe_aux_loss = moe_aux_loss;
+  m.moe_load_imbalance = moe_imbalance;
   m.lr = lr;
   m.grad_norm = st.grad_norm;
   m.skipped = st.skipped;
@@ -340,7 +356,9 @@ void Trainer::Impl::log(const StepMetrics& m) {
       m.step, std::to_string(cfg.trainer.max_steps).size(), cfg.trainer.max_steps, m.loss, m.grad_norm, m.lr, m.tokens_per_s / 1e3,
       m.tflops_per_gpu, 100 * m.mfu, m.mem_allocated_gib, m.mem_peak_gib, m.step_seconds,
       (m.skipped ? " | SKIPPED (non-finite gradients)" : "") +
-          (parts.optimizer.scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()));
+          (parts.optimizer.scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()) +
+          (mcfg().is_moe() ? fmt::format(" | aux loss {:.4f} | load max/mean {:.2f}", m.moe_aux_loss, m.moe_load_imbalance)
+                           : std::string()));
   if (bar) {
     const int width = 20, done = int(width * m.step / std::max<int64_t>(1, cfg.trainer.max_steps));
     line += " [" + std::string(size_t(done), '#') + std::string(size_t(width - done), '.') + "]";
@@ -450,21 +468,21 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
 
 std::string Trainer::Impl::save(std::optional<double> val_loss) {
   MC_CHECK_AS(ConfigError, ckpt != nullptr, "Trainer.save: checkpoint.save_dir is empty; set it to save checkpoints");
-  OptimizerGroup& g = dense();
-  if (g.zero) g.zero->finish_param_gather();  // the weights are written as the last step left them
+  parts.optimizer.finish_param_gather();  // the weights are written as the last step left them
   checkpoint::CheckpointState st;
   st.step = state.step;
   st.val_loss = val_loss;
   st.tensors = model_tensors(grid(), parts.chunks);
-  if (g.zero) {
-    // Each rank writes the ZeRO shard it owns (no gather); the pieces reshard on load like any other.
-    const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
-    for (auto& t : checkpoint::shard_zero_state(*g.zero, params_only, checkpoint::shard_layout(grid())))
-      st.tensors.push_back(std::move(t));
-    st.json["optimizer"] = json{{"step", g.zero->step_count()}}.dump();
-  } else {
-    const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
-    checkpoint::add_optimizer_state(st, *g.opt, params_only);
+  const std::vector<checkpoint::ShardedTensor> params_only = st.tensors;
+  for (OptimizerGroup& g : parts.optimizer.groups) {  // dense, and expert for MoE: state named by parameter
+    if (g.zero) {
+      // Each rank writes the ZeRO shard it owns (no gather); the pieces reshard on load like any other.
+      for (auto& t : checkpoint::shard_zero_state(*g.zero, params_only, checkpoint::shard_layout(grid())))
+        st.tensors.push_back(std::move(t));
+      st.json["optimizer"] = json{{"step", g.zero->step_count()}}.dump();
+    } else {
+      checkpoint::add_optimizer_state(st, *g.opt, params_only);
+    }
   }
   state.scheduler_steps = parts.optimizer.sched->num_steps();
   state.loss_scaler = parts.optimizer.scaler ? std::optional(parts.optimizer.scaler->state()) : std::nullopt;
@@ -482,20 +500,19 @@ void Trainer::Impl::load(const std::string& path, bool optimizer) {
 }
 
 void Trainer::Impl::load_training_state(TrainingParts& p, checkpoint::CheckpointReader& reader) {
-  MC_INTERNAL_ASSERT(p.optimizer.groups.size() == 1, "the Trainer loads one optimizer group, the build made {}",
-                     p.optimizer.groups.size());
-  OptimizerGroup& g = p.optimizer.groups.front();
   // Only the parameters' shard mapping is needed here (the optimizer state is mapped like its parameter).
   const std::vector<checkpoint::ShardedTensor> targets = model_tensors(*p.grid, p.chunks);
-  if (g.zero) {
-    // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
-    std::vector<checkpoint::ShardedTensor> st =
-        checkpoint::shard_zero_state(*g.zero, targets, checkpoint::shard_layout(*p.grid));
-    reader.load_all(st);
-    const json oj = json::parse(reader.json("optimizer"));
-    g.zero->finish_load(oj.at("step").get<int64_t>());
-  } else {
-    checkpoint::load_optimizer_state(reader, *g.opt, targets);
+  for (OptimizerGroup& g : p.optimizer.groups) {
+    if (g.zero) {
+      // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
+      std::vector<checkpoint::ShardedTensor> st =
+          checkpoint::shard_zero_state(*g.zero, targets, checkpoint::shard_layout(*p.grid));
+      reader.load_all(st);
+      const json oj = json::parse(reader.json("optimizer"));
+      g.zero->finish_load(oj.at("step").get<int64_t>());
+    } else {
+      checkpoint::load_optimizer_state(reader, *g.opt, targets);
+    }
   }
   state = TrainingState::read(reader.json());
   p.optimizer.sched->set_num_steps(state.scheduler_steps);

@@ -15,7 +15,7 @@
 //
 // Who writes: replicas (DP/CP copies, and TP copies of replicated tensors) must not write the same
 // bytes twice, so `write` is true on exactly one holder of every piece: the DP/CP rank 0 replica and,
-// for replicated tensors, TP rank 0. A tied embedding's copy on the last pipeline stage is loaded but
+// for replicated tensors, TP rank 0 (for MoE expert weights: expert-DP rank 0 and expert-TP rank 0). A tied embedding's copy on the last pipeline stage is loaded but
 // never written.
 #pragma once
 
@@ -71,9 +71,16 @@ struct ShardLayout {
   int tp_size = 1;
   /// True on the one DP/CP replica that writes (DP rank 0 and CP rank 0).
   bool replica_writer = true;
+  /// For expert parameters (Parameter::expert): the expert-TP position, and whether this rank is the one
+  /// expert-DP replica that writes (expert-DP rank 0). EP needs nothing here: each rank's experts sit at
+  /// their expert_offset.
+  int expert_tp_rank = 0;
+  int expert_tp_size = 1;
+  bool expert_replica_writer = true;
 };
 
-/// TP rank/size from the grid's TP group (1 if not built); replica_writer when DP and CP ranks are 0.
+/// TP rank/size from the grid's TP group (1 if not built); replica_writer when DP and CP ranks are 0;
+/// expert-TP rank/size and expert_replica_writer (expert-DP rank 0) from the grid's layout.
 ShardLayout shard_layout(const parallel::ProcessGrid& grid);
 
 /// A one-piece tensor covering all of `t` (replicated; written when `write`).
@@ -81,7 +88,9 @@ ShardedTensor replicated_tensor(const std::string& name, const Tensor& t, bool w
 
 /// The pieces of parameter `p` (name = p.name). `global_shape` empty derives it (local × TP along
 /// partition_dim); a shorter extent along partition_dim cuts padding off the end (partition_chunks must
-/// then be 1). ValueError when the shapes cannot correspond.
+/// then be 1). An expert parameter is split over expert-TP instead of TP, its global dim 0 is num_experts
+/// and its pieces sit at expert_offset along it, so a checkpoint holds [num_experts, ...] whatever the EP
+/// degree; it is written by expert-DP rank 0. ValueError when the shapes cannot correspond.
 ShardedTensor shard_parameter(const layers::Parameter& p, const ShardLayout& layout, const Shape& global_shape = {});
 
 /// Every parameter of a (stage of a) GPTModel, with the vocabulary padding cut off the embedding,

@@ -67,6 +67,10 @@
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/model/transformer_layer.hpp"
 
+namespace megacore::parallel {
+class ProcessGrid;
+}
+
 namespace megacore::model {
 
 constexpr uint64_t kModelLayerInitBase = 16;
@@ -89,7 +93,13 @@ struct GPTModelOptions {
   comm::Communicator* cp = nullptr;
   /// With CP > 1: the ring (P2P) or AllGather attention (layers/attention.hpp).
   layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
+  /// MoE layers' groups (cfg.num_moe_experts > 0): ProcessGrid ep(), expert_tp() and the TpEp group; they
+  /// must outlive the model. Unset members are the TP group when it has one rank (see TransformerLayerOptions).
+  layers::MoEGroups moe;
 };
+
+/// The MoE groups of a grid for GPTModelOptions::moe (ep, expert_tp, and tp_ep when built).
+layers::MoEGroups moe_groups(const parallel::ProcessGrid& grid);
 
 // GradReadyCallback (transformer_block.hpp) is called with a group of parameters whose main_grad is
 // final for the current backward (see the header comment for the groups and their order).
@@ -182,6 +192,20 @@ class GPTModel {
   /// The parameter of that name; ValueError listing the names when there is none.
   layers::Parameter& parameter(const std::string& name) const;
   void zero_grad();
+
+  /// This chunk's MoE layers (empty for a dense model).
+  std::vector<layers::MoELayer*> moe_layers();
+  /// Sum over this chunk's MoE layers of the last forward's local aux loss and z-loss (host values, with
+  /// their coefficients); 0 without MoE layers. Summed over TP (and averaged over DP) they are the
+  /// model's auxiliary losses; their gradients are added by each MoE layer's backward.
+  double moe_aux_loss() const;
+  /// max/mean tokens per expert of the last forward, the largest over this chunk's MoE layers (1 =
+  /// balanced; 0 without MoE layers).
+  double moe_load_imbalance() const;
+  /// Scales the aux/z-loss gradients of every MoE layer (loss scale / micro-batches, as the LM loss's).
+  void set_moe_aux_loss_grad_scale(float s);
+  /// After the optimizer step: every MoE layer's expert-bias update (collective over TP and `dp`).
+  void update_expert_bias(comm::Communicator& dp, const Stream& s = {});
 
   const TransformerConfig& config() const { return cfg_; }
   const GPTModelOptions& options() const { return opts_; }

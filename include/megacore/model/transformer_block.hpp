@@ -73,6 +73,8 @@ struct TransformerBlockOptions {
   /// Context-parallel group of every layer's attention; nullptr = none (SelfAttentionOptions::cp).
   comm::Communicator* cp = nullptr;
   layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
+  /// Groups of the MoE layers (TransformerLayerOptions::moe).
+  layers::MoEGroups moe;
 };
 
 class TransformerBlock {

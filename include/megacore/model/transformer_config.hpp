@@ -237,6 +237,9 @@ TransformerConfig llama32_1b();
 TransformerConfig llama3_8b();
 /// GPT-2 small (124M): h768, 12 layers, 12 heads, vocab 50257, 1024 positions.
 TransformerConfig gpt2_124m();
+/// Mixtral 8x7B: h4096, 32 layers, 32 heads, 8 KV, 8 experts (top-2, softmax over the chosen) of FFN
+/// 14336 in every layer, vocab 32000, RMSNorm eps 1e-5, RoPE theta 1e6, 32768 positions, untied.
+TransformerConfig mixtral_8x7b();
 }  // namespace presets
 
 }  // namespace megacore::model

@@ -30,6 +30,7 @@
 #include "megacore/layers/attention.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/mlp.hpp"
+#include "megacore/layers/moe.hpp"
 #include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
 #include "megacore/model/lora.hpp"
@@ -50,7 +51,15 @@ struct TransformerLayerOptions {
   /// Context-parallel group of the attention (must outlive the layer); nullptr = none (SelfAttentionOptions::cp).
   comm::Communicator* cp = nullptr;
   layers::CpCommType cp_comm_type = layers::CpCommType::P2P;
+  /// Groups of the MoE layer when cfg.is_moe_layer(layer_number) (they must outlive the layer): EP,
+  /// expert-TP and expert-TP × EP (layers::MoEGroups; its tp is the layer's own). Unset members are the
+  /// layer's TP group when that has one rank (a single-rank model), else ValueError naming them.
+  layers::MoEGroups moe;
 };
+
+/// First Philox offset of the MoE layers' draws: far above the dense layers', so a MoE layer's router and
+/// experts (layers::moe_init_offsets(E) draws each) never meet another layer's.
+constexpr uint64_t kMoEInitBase = uint64_t(1) << 40;
 
 /// Elementwise a + b (same shape and dtype, any device) into a new contiguous tensor. Used for the
 /// residual adds and gradient sums the fused norm kernels do not cover.
@@ -79,7 +88,10 @@ class TransformerLayer {
   layers::NormLayer& input_layernorm() { return *input_norm_; }
   layers::SelfAttention& self_attention() { return attention_; }
   layers::NormLayer& pre_mlp_layernorm() { return *mlp_norm_; }
-  layers::MLP& mlp() { return mlp_; }
+  /// The dense MLP (ValueError on a MoE layer).
+  layers::MLP& mlp();
+  /// The MoE layer in place of the MLP (cfg.is_moe_layer(layer_number)); nullptr on a dense layer.
+  layers::MoELayer* moe() { return moe_.get(); }
   /// Parameters with their names relative to the layer ("self_attention.linear_qkv.weight", ...).
   std::vector<std::pair<std::string, layers::Parameter*>> named_parameters();
   std::vector<layers::Parameter*> parameters();
@@ -103,7 +115,8 @@ class TransformerLayer {
   std::unique_ptr<layers::NormLayer> input_norm_;
   layers::SelfAttention attention_;
   std::unique_ptr<layers::NormLayer> mlp_norm_;
-  layers::MLP mlp_;
+  std::unique_ptr<layers::MLP> mlp_;      // a dense layer
+  std::unique_ptr<layers::MoELayer> moe_;  // a MoE layer
   // Full recompute: the layer input and position ids, kept instead of the sub-modules' activations.
   Tensor saved_x_, saved_positions_, saved_cu_;  // saved_cu_: the forward's ctx.cu_seqlens (packed rows)
   int64_t saved_max_seqlen_ = 0;

@@ -50,6 +50,11 @@ struct DDPConfig {
   DType reduce_dtype = DType::F32;
   /// Divide the sum by the group size (gradients averaged over DP × CP).
   bool average = true;
+  /// With `average`: divide the sum by this many ranks instead of the group's size; 0 = the group's size.
+  /// A DDP of MoE expert parameters over expert-DP passes DP × CP, as Megatron-Core scales them: each EP
+  /// rank's experts already summed the gradients of the tokens all EP ranks sent them, so the sum over
+  /// expert-DP divided by DP × CP is the gradient of the global mean loss, like the dense parameters'.
+  int average_size = 0;
   /// Alignment of parameters in the buffer (elements).
   int64_t param_align = 64;
   /// The stream the model computes on (CUDA); the communication stream waits for it before each launch.

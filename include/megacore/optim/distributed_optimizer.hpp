@@ -15,6 +15,14 @@
 // later buckets overlaps the forward of earlier layers) or finish_param_gather() to wait for all.
 // step() itself finishes outstanding gathers first.
 //
+// Mixture of experts: dense and expert parameters are reduced over different groups (DP × CP and
+// expert-DP), so they live in two DistributedDataParallels, and one DistributedOptimizer takes both: each
+// DDP's buckets are sharded over that DDP's own group (ranks of one expert-DP group own disjoint ranges of
+// the expert buffer), the AdamW update covers both in one launch per dtype, and the gradient norm adds the
+// expert part summed over GradNormGroups::expert_reduce to the dense part (see grad_clip.hpp). Use
+// split_expert_parameters() to divide a model's parameters and expert_grad_ready_hook() to route the
+// model's grad-ready notifications to the DDP that holds each parameter.
+//
 // Checkpoints: state()/load_state() are this rank's shards plus a layout record (DP size, rank,
 // buckets), valid only for the same layout; gathered_state()/load_gathered_state() exchange per-
 // parameter full (TP-local) tensors named as AdamW::state() does, so a checkpoint can be resharded
@@ -22,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "megacore/optim/distributed_data_parallel.hpp"
@@ -36,6 +45,12 @@ class DistributedOptimizer {
   /// weights start as this rank's range of the current parameters.
   explicit DistributedOptimizer(DistributedDataParallel& ddp, const AdamWConfig& cfg = {},
                                 bool overlap_param_gather = false);
+  /// Over several DDPs (normally the dense one over DP × CP and the expert one over expert-DP), each
+  /// sharded over its own group; all must use use_distributed_optimizer, hold parameters on one device,
+  /// and each hold only dense or only expert parameters (Parameter::expert), else ValueError. The first
+  /// DDP's compute stream and gemm_sm_margin apply. parameters() lists the DDPs' parameters in order.
+  explicit DistributedOptimizer(std::vector<DistributedDataParallel*> ddps, const AdamWConfig& cfg = {},
+                                bool overlap_param_gather = false);
   ~DistributedOptimizer();
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
@@ -44,14 +59,20 @@ class DistributedOptimizer {
   /// (waited for unless overlap_param_gather). Gradients are multiplied by grad_scale and, when given,
   /// by the f32 [1] device tensor grad_scale_tensor. Collective over the DP group.
   void step(float lr, float grad_scale = 1.f, const Tensor& grad_scale_tensor = {});
-  /// Zeroes the gradients (the DDP grad buffer).
-  void zero_grad() { ddp_.zero_grad(); }
+  /// Zeroes the gradients (every DDP's grad buffer).
+  void zero_grad() {
+    for (DistributedDataParallel* d : ddps_) d->zero_grad();
+  }
   int64_t step_count() const { return step_; }
 
   /// Global gradient norm over the shards: each rank counts its owned range (TP-replicated parameters
   /// on TP rank 0 only, `groups.skip` honoured), summed over groups.reduce, which must contain the DDP
   /// group when DP > 1 (grad_norm_groups(grid, /*grads_sharded_over_dp=*/true); ValueError otherwise).
+  /// An expert DDP's ranges are summed over groups.expert_reduce, which must then contain its group.
   GradNormResult grad_norm(const GradNormGroups& groups) const;
+  /// The owned gradient ranges this rank counts in grad_norm, appended to `dense` or `expert` (with
+  /// grad_norm's checks of `groups`), for a norm over several optimizers (checked_step over parts).
+  void counted_grads(const GradNormGroups& groups, std::vector<Tensor>& dense, std::vector<Tensor>& expert) const;
   /// grad_norm, then, when finite and above max_norm (> 0), scales this rank's owned gradients by clip_coef.
   GradNormResult clip_grad_norm(double max_norm, const GradNormGroups& groups);
 
@@ -100,34 +121,61 @@ class DistributedOptimizer {
   /// weights into the parameters (all-gathered). Collective over DP.
   void finish_load(int64_t step_count);
 
-  const std::vector<layers::Parameter*>& parameters() const { return ddp_.buffer().parameters(); }
+  /// Every DDP's parameters, DDP by DDP (each in its buffer's order).
+  const std::vector<layers::Parameter*>& parameters() const { return params_; }
   bool decays(size_t i) const { return decay_[i]; }
   const AdamWConfig& config() const { return cfg_; }
-  DistributedDataParallel& ddp() const { return ddp_; }
+  /// The first DDP (the dense one).
+  DistributedDataParallel& ddp() const { return *ddps_.front(); }
+  const std::vector<DistributedDataParallel*>& ddps() const { return ddps_; }
 
  private:
   /// The intersection of one parameter with this rank's shard of one bucket.
   struct Segment {
-    size_t param;
-    int bucket;
+    size_t param;       // index in params_
+    size_t ddp;         // index in ddps_
+    size_t slot;        // index of (ddp, bucket) in slots_ (and the state tensors)
     int64_t shard_off;  // offset in the bucket's shard (and its state tensors)
     int64_t param_off;  // offset in the flattened parameter
     int64_t len;
     int64_t buf_off;    // offset in the group's buffers
   };
+  /// One bucket of one DDP.
+  struct Slot {
+    size_t ddp;
+    int bucket;
+  };
   void start_param_gather();
   void write_masters_to_params();
   std::vector<int64_t> layout() const;
+  const ParamAndGradBuffer& buffer_of(const Segment& s) const { return ddps_[s.ddp]->buffer(); }
+  Tensor grad_of(const Segment& s) const;
+  const Stream& compute_stream() const { return ddps_.front()->config().compute_stream; }
 
-  DistributedDataParallel& ddp_;
+  std::vector<DistributedDataParallel*> ddps_;
+  std::vector<layers::Parameter*> params_;
+  std::vector<size_t> param_base_;  // per DDP: index of its first parameter in params_
+  std::vector<bool> expert_ddp_;    // per DDP: holds expert parameters
   AdamWConfig cfg_;
   bool overlap_param_gather_;
   std::vector<bool> decay_;
   std::vector<Segment> segments_;
-  std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;  // per bucket, shard length
-  std::vector<comm::WorkPtr> gather_;                   // per bucket
+  std::vector<Slot> slots_;
+  std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;  // per slot, shard length
+  std::vector<comm::WorkPtr> gather_;                   // per slot
   ops::GemmSmMarginRequest gemm_margin_;  // held while overlapped gathers run (DDPConfig::gemm_sm_margin)
   int64_t step_ = 0;
 };
+
+/// Dense and expert parameters (Parameter::expert) of a list, each in the list's order.
+struct ExpertSplit {
+  std::vector<layers::Parameter*> dense, expert;
+};
+ExpertSplit split_expert_parameters(const std::vector<layers::Parameter*>& params);
+
+/// A grad-ready callback (for GPTModel::set_grad_ready_callback) that hands each parameter to the DDP
+/// whose buffer holds it (ValueError for one held by none). The DDPs must outlive the callback.
+std::function<void(const std::vector<layers::Parameter*>&)> grad_ready_hook(
+    std::vector<DistributedDataParallel*> ddps);
 
 }  // namespace megacore::optim

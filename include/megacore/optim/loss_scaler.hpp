@@ -84,4 +84,18 @@ StepResult checked_step(Optimizer& opt, double lr, const GradNormGroups& groups,
 StepResult checked_step(DistributedOptimizer& opt, double lr, const GradNormGroups& groups,
                         const CheckedStepOptions& o = {});
 
+/// One optimizer of a step over several parameter groups (MoE: the dense group and the expert group, each
+/// with its own DDP and optimizer): exactly one of the two is set.
+struct OptimizerPart {
+  Optimizer* opt = nullptr;
+  DistributedOptimizer* zero = nullptr;
+};
+/// Megatron-Core's chained optimizer: one norm over every part's counted gradients (as each part's own
+/// checked_step would count them; dense and expert parts summed over their groups, see grad_clip.hpp), so
+/// one found-inf decision and one clip coefficient for all, then every part steps. Collective over the
+/// groups in `groups` and, for ZeRO parts, their DDP groups. ValueError for an empty list or a part with
+/// neither or both optimizers set.
+StepResult checked_step(const std::vector<OptimizerPart>& parts, double lr, const GradNormGroups& groups,
+                        const CheckedStepOptions& o = {});
+
 }  // namespace megacore::optim

@@ -19,7 +19,8 @@
 //
 // Parameter groups: the optimizer part is a list of groups, each a set of parameters whose gradients are
 // reduced over one data-parallel communicator, with its own DDP and optimizer. A dense model has one
-// group ("dense", over the grid's DP × CP group).
+// group ("dense", over the grid's DP × CP group); a MoE model a second one ("expert", over expert-DP).
+// The groups step together (optim::checked_step over their optimizers: one norm, one clip, one skip).
 #pragma once
 
 #include <cstdint>
@@ -91,9 +92,13 @@ struct ParameterGroup {
   std::string name;                     ///< "dense" for the model's replicated-over-DP parameters
   std::vector<layers::Parameter*> params;
   comm::Communicator* dp = nullptr;     ///< the group gradients are averaged over (and ZeRO shards over)
+  /// The gradients' sum over `dp` is divided by this many ranks; 0 = dp's size (optim::DDPConfig::average_size).
+  int average_size = 0;
 };
 
-/// The chunks' trainable parameters (chunk order) as one "dense" group over grid.dp_cp().
+/// The chunks' trainable parameters (chunk order) as a "dense" group over grid.dp_cp() and, when this rank
+/// holds MoE expert weights (Parameter::expert), an "expert" group over grid.expert_dp() whose gradient sum
+/// is divided by DP × CP (Megatron-Core's scaling of expert gradients).
 std::vector<ParameterGroup> parameter_groups(const ModelChunks& chunks, parallel::ProcessGrid& grid);
 
 /// One parameter group with its gradient reduction and its optimizer (`opt`, or `zero` for ZeRO-1).

@@ -39,6 +39,11 @@ struct StepMetrics {
   double mem_allocated_gib = 0;
   double mem_peak_gib = 0;
   double consumed_samples = 0;
+  /// MoE models: the last micro-batch's router aux loss + z-loss (with their coefficients; summed over
+  /// layers, mean over DP × CP ranks) and its load imbalance (max/mean tokens per expert, the worst
+  /// layer of any rank; 1 = balanced). 0 for dense models.
+  double moe_aux_loss = 0;
+  double moe_load_imbalance = 0;
 };
 
 /// Dense bf16 tensor-core peak in TFLOP/s of a card by name (H100/H200 SXM 989, H100 PCIe 756, A100 312);

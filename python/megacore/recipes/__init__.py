@@ -6,19 +6,21 @@
     recipe.validate()
     mc.run(recipe, executor=mc.LocalExecutor(nproc_per_node=4))
 
-``get("tiny")`` returns a recipe by name (``tiny``, ``gpt2_124m``, ``llama32_1b``, ``llama3_8b``, each with a
+``get("tiny")`` returns a recipe by name (``tiny``, ``tiny_moe``, ``gpt2_124m``, ``llama32_1b``, ``llama3_8b``,
+``mixtral_8x7b``, each with a
 ``_finetune`` variant needing ``sft_path`` and ``resume``), and the long-context variant ``llama32_1b_long``
 (sequence 32768 over context parallelism 4).
 """
 
 from __future__ import annotations
 
-from . import gpt2_124m, llama3_8b, llama32_1b, tiny
+from . import gpt2_124m, llama3_8b, llama32_1b, mixtral_8x7b, tiny, tiny_moe
 from .config import (ALIASES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                      ParallelConfig, Recipe, Resources, TrainerConfig)
 from ..errors import ConfigError
 
-RECIPES = {"tiny": tiny, "gpt2_124m": gpt2_124m, "llama32_1b": llama32_1b, "llama3_8b": llama3_8b}
+RECIPES = {"tiny": tiny, "tiny_moe": tiny_moe, "gpt2_124m": gpt2_124m, "llama32_1b": llama32_1b, "llama3_8b": llama3_8b,
+           "mixtral_8x7b": mixtral_8x7b}
 VARIANTS = {"llama32_1b_long": llama32_1b.long_context_recipe}  # named variants of a pretrain recipe
 
 
@@ -36,4 +38,4 @@ def get(name: str, **kwargs) -> Recipe:
 
 __all__ = ["ALIASES", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "VARIANTS", "get", "tiny", "gpt2_124m",
-           "llama32_1b", "llama3_8b"]
+           "llama32_1b", "llama3_8b", "mixtral_8x7b", "tiny_moe"]

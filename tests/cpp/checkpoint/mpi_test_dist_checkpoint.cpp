@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/shared_tmp.hpp"
 #include "layers/layers_test_util.hpp"
 #include "megacore/checkpoint/checkpoint_manager.hpp"
 #include "megacore/checkpoint/dist_checkpoint.hpp"
@@ -67,26 +68,7 @@ mdl::TransformerConfig four_layers(mdl::TransformerConfig c, uint64_t seed) {
 }
 
 // A directory every rank sees: rank 0 creates it, the name is broadcast.
-struct SharedTmp {
-  comm::Communicator& world;
-  std::string path;
-  explicit SharedTmp(comm::Communicator& w) : world(w) {
-    Tensor buf = Tensor::zeros({256}, DType::U8);
-    if (w.rank() == 0) {
-      char tmpl[] = "/tmp/mc_dckpt_XXXXXX";
-      const char* p = ::mkdtemp(tmpl);
-      REQUIRE(p != nullptr);
-      std::memcpy(buf.data_ptr(), p, std::strlen(p));
-    }
-    w.broadcast(buf, 0)->wait();
-    path = std::string(static_cast<const char*>(buf.data_ptr()));
-  }
-  ~SharedTmp() {
-    world.barrier();
-    std::error_code ec;
-    if (world.rank() == 0) fs::remove_all(path, ec);
-  }
-};
+using ckpt_test::SharedTmp;
 
 bool is_vocab(const ly::Parameter& p) { return p.name == "embedding.weight" || p.name == "output_layer.weight"; }
 
