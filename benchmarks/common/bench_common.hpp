@@ -5,10 +5,12 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -66,6 +68,34 @@ inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::C
   o.nccl_max_ctas = max_ctas;
   o.nccl_cta_policy = cta_policy;
   return megacore::comm::make_nccl_communicator_over(mpi, dev, o);
+}
+
+/// Mean seconds of f over `iters` calls after `warmup` calls, every rank of `world` in step (the stream synchronised
+/// and a barrier before and after the timed loop).
+template <class F>
+double time_steps(megacore::comm::Communicator& world, const megacore::Stream& s, int64_t warmup, int64_t iters, F&& f) {
+  for (int64_t i = 0; i < warmup; ++i) f();
+  s.synchronize();
+  world.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) f();
+  s.synchronize();
+  world.barrier();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(iters);
+}
+
+/// Prints a result (JSON text) and, when out_dir is set, writes it to out_dir/<stem>_<card>.json (spaces in the
+/// card's name become '_'), saying where.
+inline void write_result(const std::string& json_text, const std::string& out_dir, const std::string& stem,
+                         std::string card) {
+  std::printf("%s\n", json_text.c_str());
+  if (out_dir.empty()) return;
+  std::replace(card.begin(), card.end(), ' ', '_');
+  const std::string path = out_dir + "/" + stem + "_" + card + ".json";
+  std::ofstream f(path);
+  f << json_text << "\n";
+  if (!f) throw std::runtime_error("cannot write " + path + "; check that --out-dir exists and is writable");
+  std::printf("wrote %s\n", path.c_str());
 }
 
 /// The benchmarks' command line: `while (r.next())` walks the arguments; key() is the current one and

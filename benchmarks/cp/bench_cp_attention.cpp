@@ -61,17 +61,9 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// Mean seconds of f over iters calls after warmup, every rank in step (barrier before and after).
 template <class F>
 double time_it(const Args& a, comm::Communicator& world, const Stream& s, F&& f) {
-  for (int64_t i = 0; i < a.warmup; ++i) f();
-  s.synchronize();
-  world.barrier();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < a.iters; ++i) f();
-  s.synchronize();
-  world.barrier();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(a.iters);
+  return bench::time_steps(world, s, a.warmup, a.iters, std::forward<F>(f));
 }
 
 // One ring pass of two tensors (send to rank+1, receive from rank−1), waited on the stream.
@@ -199,15 +191,7 @@ int main(int argc, char** argv) {
               {"attention_layer", layer},
               {"ring", ring},
               {"model_fwd_bwd", model}};
-    if (root) {
-      std::printf("%s\n", r.dump(2).c_str());
-      if (!a.out_dir.empty()) {
-        std::string c = card;
-        std::replace(c.begin(), c.end(), ' ', '_');
-        const std::string path = a.out_dir + "/cp" + std::to_string(n) + "_seq" + std::to_string(a.seq) + "_" + c + ".json";
-        std::ofstream(path) << r.dump(2) << "\n";
-        std::printf("wrote %s\n", path.c_str());
-      }
-    }
+    if (root)
+      bench::write_result(r.dump(2), a.out_dir, "cp" + std::to_string(n) + "_seq" + std::to_string(a.seq), card);
   });
 }

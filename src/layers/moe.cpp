@@ -48,19 +48,6 @@ Tensor add_in_f32(Tensor a, const Tensor& b, DType dtype, const Stream& s) {
   return a.dtype() == dtype ? a : a.to(dtype, s);
 }
 
-// Uneven all-to-all of [rows, h] tensors: `send[p]` rows go to peer p, `recv[p]` rows come from p.
-Tensor exchange_rows(comm::Communicator& c, const Tensor& in, const std::vector<int64_t>& send,
-                     const std::vector<int64_t>& recv, const Stream& s) {
-  const int64_t h = in.size(1);
-  const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
-  Tensor out = Tensor::empty({total, h}, in.dtype(), in.device(), s);
-  if (c.size() == 1) return out.copy_(in, s);
-  std::vector<int64_t> se(send.size()), re(recv.size());
-  for (size_t i = 0; i < send.size(); ++i) se[i] = send[i] * h, re[i] = recv[i] * h;
-  c.all_to_all(in.contiguous(s), out, se, re, s)->wait_on(s);
-  return out;
-}
-
 // [rows, h] padded with zero rows to `pad` rows, then all-gathered: [size · pad, h].
 Tensor gather_padded(comm::Communicator& c, const Tensor& in, int64_t pad, const Stream& s) {
   Tensor p = Tensor::zeros({pad, in.size(1)}, in.dtype(), in.device(), s);
@@ -101,6 +88,41 @@ Tensor combine(const Tensor& permuted, const Tensor& map, const Tensor& probs, i
 }
 
 }  // namespace
+
+MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const std::vector<int64_t>& counts, int64_t local_experts,
+                                    const Stream& s) {
+  const int p = ep.size();
+  const auto e = int64_t(counts.size());
+  MC_CHECK(local_experts > 0 && e == local_experts * p,
+           "moe_exchange_counts: {} expert counts do not match {} local experts x EP = {}; pass one count per global "
+           "expert",
+           e, local_experts, p);
+  MoEExchangePlan plan;
+  plan.send_rows.assign(size_t(p), 0);
+  for (int64_t i = 0; i < e; ++i) plan.send_rows[size_t(i / local_experts)] += counts[size_t(i)];
+  plan.recv_counts = counts;
+  if (p > 1) {
+    Tensor cs = on_device(counts, ep.device()), cr = Tensor::empty({e}, DType::I64, ep.device(), s);
+    ep.all_to_all(cs, cr, {}, {}, s)->wait_on(s);
+    plan.recv_counts = to_host_i64(cr);
+  }
+  plan.recv_rows.assign(size_t(p), 0);
+  for (int64_t i = 0; i < e; ++i) plan.recv_rows[size_t(i / local_experts)] += plan.recv_counts[size_t(i)];
+  return plan;
+}
+
+// Uneven all-to-all of [rows, h] tensors: `send[p]` rows go to peer p, `recv[p]` rows come from p.
+Tensor moe_exchange_rows(comm::Communicator& c, const Tensor& in, const std::vector<int64_t>& send,
+                         const std::vector<int64_t>& recv, const Stream& s) {
+  const int64_t h = in.size(1);
+  const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+  Tensor out = Tensor::empty({total, h}, in.dtype(), in.device(), s);
+  if (c.size() == 1) return out.copy_(in, s);
+  std::vector<int64_t> se(send.size()), re(recv.size());
+  for (size_t i = 0; i < send.size(); ++i) se[i] = send[i] * h, re[i] = recv[i] * h;
+  c.all_to_all(in.contiguous(s), out, se, re, s)->wait_on(s);
+  return out;
+}
 
 MoELayer::MoELayer(const MoEGroups& groups, int64_t hidden_size, const MoEOptions& options)
     : g_(groups), hidden_(hidden_size), opts_(options) {
@@ -186,7 +208,7 @@ MoELayer::MoELayer(const MoEGroups& groups, int64_t hidden_size, const MoEOption
 
 Tensor MoELayer::to_experts(const Tensor& permuted, const Stream& s) {
   comm::Communicator& etp = *g_.expert_tp;
-  Tensor recv = exchange_rows(*g_.ep, permuted, send_rows_, recv_rows_, s);
+  Tensor recv = moe_exchange_rows(*g_.ep, permuted, send_rows_, recv_rows_, s);
   if (etp.size() > 1) recv = gather_padded(etp, recv, pad_rows_, s);
   return gather_rows(recv, sort_map_, std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0}), s);
 }
@@ -195,7 +217,7 @@ Tensor MoELayer::from_experts(const Tensor& sorted, const Stream& s) {
   comm::Communicator& etp = *g_.expert_tp;
   Tensor back = scatter_rows(sorted, sort_map_, s);
   if (etp.size() > 1) back = reduce_scatter_trim(etp, back, pad_rows_, recv_total_, s);
-  return exchange_rows(*g_.ep, back, recv_rows_, send_rows_, s);
+  return moe_exchange_rows(*g_.ep, back, recv_rows_, send_rows_, s);
 }
 
 Tensor MoELayer::experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s) {
@@ -304,19 +326,12 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   if (opts_.dispatcher == MoETokenDispatcher::AllToAll) {
     comm::Communicator& ep = *g_.ep;
     comm::Communicator& etp = *g_.expert_tp;
-    const int p = ep.size();
     const int64_t el = local_experts_;
-    send_rows_.assign(size_t(p), 0);
-    for (int64_t i = 0; i < e; ++i) send_rows_[size_t(i / el)] += kept[size_t(i)];
-    // Per-expert counts first: recv[q·El + j] = rows of local expert j coming from EP rank q.
-    std::vector<int64_t> recv_counts = kept;
-    if (p > 1) {
-      Tensor cs = on_device(kept, ep.device()), cr = Tensor::empty({e}, DType::I64, ep.device(), s);
-      ep.all_to_all(cs, cr, {}, {}, s)->wait_on(s);
-      recv_counts = to_host_i64(cr);
-    }
-    recv_rows_.assign(size_t(p), 0);
-    for (int64_t i = 0; i < e; ++i) recv_rows_[size_t(i / el)] += recv_counts[size_t(i)];
+    // Per-expert counts first: recv_counts[q·El + j] = rows of local expert j coming from EP rank q.
+    MoEExchangePlan plan = moe_exchange_counts(ep, kept, el, s);
+    send_rows_ = std::move(plan.send_rows);
+    recv_rows_ = std::move(plan.recv_rows);
+    const std::vector<int64_t>& recv_counts = plan.recv_counts;
     recv_total_ = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
     // With expert-TP, every shard of an expert needs all of its tokens: gather over expert-TP (padded).
     std::vector<int64_t> layout = recv_counts;  // per gathered chunk: counts in (source, local expert) order

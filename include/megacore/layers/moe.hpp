@@ -104,6 +104,26 @@ struct MoEGroups {
   comm::Communicator* tp_ep = nullptr;
 };
 
+/// The all-to-all dispatcher's plan for one forward: rows this rank sends to and receives from each EP peer.
+struct MoEExchangePlan {
+  /// [E]: recv_counts[q·El + j] = rows of local expert j coming from EP rank q (El = local experts).
+  std::vector<int64_t> recv_counts;
+  /// [EP]: rows sent to / received from each EP rank (the forward token all-to-all's splits; backward reverses them).
+  std::vector<int64_t> send_rows, recv_rows;
+};
+
+/// The dispatcher's count exchange, as MoELayer runs it: `counts` [E] are this rank's rows per global expert
+/// (expert i lives on EP rank i / local_experts); an all-to-all of E integers over `ep`, waited on the host.
+/// Collective over ep. Throws ValueError when counts.size() != local_experts · EP.
+MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const std::vector<int64_t>& counts, int64_t local_experts,
+                                    const Stream& s = {});
+
+/// The dispatcher's token all-to-all, as MoELayer runs it in both directions: `in` [Σ send, h] (rows grouped by
+/// destination rank), send[p] rows go to rank p, recv[p] rows come from p; returns [Σ recv, h] in rank order,
+/// waited on `s`. The combine direction is the same call with send and recv swapped. Collective over c.
+Tensor moe_exchange_rows(comm::Communicator& c, const Tensor& in, const std::vector<int64_t>& send,
+                         const std::vector<int64_t>& recv, const Stream& s = {});
+
 class MoELayer {
  public:
   /// Throws ValueError naming the fix when the experts do not split over EP, the FFN width over

@@ -180,3 +180,47 @@ TEST_CASE("MoELayer with capacity dropping and with every token on two experts e
              {.ep = 4, .dispatcher = D::AllGather, .imbalanced = true},
              {.tp = 2, .sp = true, .ep = 2, .etp = 1, .imbalanced = true}});
 }
+
+TEST_CASE("moe_exchange_counts and moe_exchange_rows: the dispatcher's exchange, uneven and with empty peers",
+          "[layers][mpi][moe]") {
+  // Every rank draws every rank's per-expert counts from one seed, so each knows what it must receive; a row's
+  // values name its source rank, expert and index, so the received rows are checked one by one, and the
+  // reverse exchange must return each rank's rows unchanged (the combine direction of the benchmark and layer).
+  auto world = world_comm();
+  const int p = world->size(), me = world->rank();
+  const int64_t el = 2, e = el * p, h = 3;
+  for (uint64_t seed : {5u, 6u}) {
+    Generator g(seed, 0);
+    Tensor u = Tensor::empty({int64_t(p), e}, DType::F32, Device::cpu());
+    u.uniform_(g, 0.0, 1.0);
+    std::vector<std::vector<int64_t>> counts(static_cast<size_t>(p), std::vector<int64_t>(static_cast<size_t>(e)));
+    for (int r = 0; r < p; ++r)
+      for (int64_t i = 0; i < e; ++i)  // 0..6 rows; seed 6 sends nothing to the last rank's experts
+        counts[size_t(r)][size_t(i)] = seed == 6 && i >= e - el ? 0 : int64_t(u.data<float>()[r * e + i] * 7.f);
+    const ly::MoEExchangePlan plan = ly::moe_exchange_counts(*world, counts[size_t(me)], el);
+    std::vector<float> rows;
+    for (int64_t i = 0; i < e; ++i)
+      for (int64_t j = 0; j < counts[size_t(me)][size_t(i)]; ++j)
+        for (int64_t c = 0; c < h; ++c) rows.push_back(float(me * 10000 + i * 100 + j) + 0.25f * float(c));
+    const int64_t sent = int64_t(rows.size()) / h;
+    Tensor x = Tensor::from_vector(rows, {sent, h});
+    Tensor y = ly::moe_exchange_rows(*world, x, plan.send_rows, plan.recv_rows);
+    int64_t row = 0;
+    for (int q = 0; q < p; ++q) {
+      int64_t from_q = 0;
+      for (int64_t j = 0; j < el; ++j) {
+        const int64_t i = int64_t(me) * el + j;
+        CHECK(plan.recv_counts[size_t(q * el + j)] == counts[size_t(q)][size_t(i)]);
+        from_q += counts[size_t(q)][size_t(i)];
+        for (int64_t k = 0; k < counts[size_t(q)][size_t(i)]; ++k, ++row)
+          CHECK(y.data<float>()[row * h + 1] == float(q * 10000 + i * 100 + k) + 0.25f);
+      }
+      CHECK(plan.recv_rows[size_t(q)] == from_q);
+    }
+    CHECK(y.size(0) == row);
+    Tensor back = ly::moe_exchange_rows(*world, y, plan.recv_rows, plan.send_rows);
+    REQUIRE(back.size(0) == sent);
+    CHECK(std::equal(rows.begin(), rows.end(), back.data<float>()));
+  }
+  CHECK_THROWS_AS(ly::moe_exchange_counts(*world, std::vector<int64_t>(size_t(3 * p + 1), 1), 3), ValueError);
+}

@@ -1,0 +1,224 @@
+"""End-to-end MoE training on GPUs: a Mixtral-style model trained by `megacore train` (the mixtral_8x7b recipe
+with its shape overridden) with EP = all GPUs, against Hugging Face MixtralForCausalLM of the same shape on one
+GPU (eager, then torch.compile), all in one call. Writes moe_e2e_<card>.json under --out-dir.
+
+    python benchmarks/moe/bench_moe_e2e.py --out-dir benchmarks/results          # 4 GPUs, the full size
+    python benchmarks/moe/bench_moe_e2e.py --small                               # < 60 s smoke test
+    python benchmarks/moe/bench_moe_e2e.py --small --cpu --nproc 2 --no-peer     # the driver itself, on CPU ranks
+
+Model (full size): h 2048, 16 layers, 16 heads / 8 KV groups, 8 experts of FFN 4096 in every layer, top-2, vocab
+32000, untied; total and active parameter counts come from megacore's TransformerConfig (parameter_count).
+Run: bf16, ZeRO-1 (distributed optimizer) over DP, EP = --nproc, TP = 1, selective recompute, micro-batch 2 × seq
+2048, global batch 32 (4 micro-batches per rank), byte tokens of the embedded corpus, no checkpoints. Steady
+state = mean of steps 4..N of the trainer's metrics.jsonl. tokens/s/GPU = global tokens / step time / GPUs.
+MFU = the trainer's: FLOPs per token = 6 · N_matmul over *active* weights (router, top-k experts) + non-causal
+attention 12 · L · h · s, against the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, as the other
+benchmarks). The peer's tokens/s is for its one GPU (compare per-GPU throughput, not MFU).
+
+A part that fails (OOM, compile error, missing package) is recorded with its reason; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=4096, experts=8, topk=2, vocab=32000, seq=2048,
+            micro_batch=2, global_batch=32, steps=12)
+SMALL = dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1024, experts=8, topk=2, vocab=32000, seq=512,
+             micro_batch=2, global_batch=16, steps=6)
+
+
+def megacore_sets(m: dict, nproc: int, log_dir: str) -> list[str]:
+    sets = {"model.hidden_size": m["hidden"], "model.num_layers": m["layers"],
+            "model.num_attention_heads": m["heads"], "model.num_query_groups": m["kv_heads"],
+            "model.kv_channels": m["hidden"] // m["heads"], "model.ffn_hidden_size": m["ffn"],
+            "model.moe_ffn_hidden_size": m["ffn"], "model.num_moe_experts": m["experts"],
+            "model.moe_router_topk": m["topk"], "model.vocab_size": m["vocab"], "model.max_position_embeddings": 4096,
+            "model.moe_aux_loss_coeff": 0.01,
+            "parallel.tp": 1, "parallel.sp": "false", "parallel.pp": 1, "parallel.ep": nproc, "parallel.etp": 1,
+            "parallel.zero": "true",
+            "data.paths": "embedded", "data.tokenizer": "byte", "data.seq": m["seq"], "data.mbs": m["micro_batch"],
+            "data.global_batch_size": m["global_batch"],
+            "trainer.max_steps": m["steps"], "trainer.val_check_interval": 0, "trainer.recompute": "selective",
+            "trainer.log_interval": 1,
+            "optim.lr_warmup_iters": 2, "checkpoint.save_dir": "", "logging.log_dir": log_dir,
+            "logging.tensorboard": "false"}
+    out = []
+    for k, v in sets.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+def parameter_counts(sets: list[str], seq: int) -> dict:
+    """Total and active parameters and FLOPs per token of the configured model, from megacore's TransformerConfig."""
+    import megacore as mc
+    from megacore.cli import load_recipe
+
+    r = load_recipe("mixtral_8x7b", None, [sets[i + 1] for i in range(0, len(sets), 2)])
+    cfg = r.model.to_transformer_config("bf16")
+    c = mc.model.parameter_count(cfg, 0)
+    f = mc.model.flops_per_token(cfg, seq, False)
+    return {"total": int(c["total"]), "active": int(c["active"]),
+            "flops_per_token": float(f.total), "flops_per_token_attention": float(f.attention)}
+
+
+def run(cmd: list[str], timeout: float, log: str) -> tuple[int, str]:
+    """Runs cmd with its output in `log`; (exit status, last lines). 124 when cut at timeout."""
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    with open(log) as f:
+        tail = f.read()[-3000:]
+    return rc, tail
+
+
+def first_error(tail: str) -> str:
+    lines = [l for l in tail.splitlines() if any(w in l for w in ("Error", "error", "OOM", "out of memory"))]
+    return (lines[-1] if lines else tail.strip().splitlines()[-1] if tail.strip() else "no output")[:400]
+
+
+def megacore_part(a, m: dict, work: str) -> dict:
+    log_dir = os.path.join(work, "mc_logs")
+    sets = megacore_sets(m, a.nproc, log_dir)
+    res: dict = {"system": "megacore", "gpus": a.nproc, "layout": f"EP{a.nproc} (DP{a.nproc}, ZeRO-1), TP1",
+                 "micro_batch": m["micro_batch"], "seq": m["seq"], "global_batch": m["global_batch"]}
+    try:
+        res["parameters"] = parameter_counts(sets, m["seq"])
+    except Exception as e:  # noqa: BLE001 - recorded, the run below still says whether it works
+        res["parameters"] = {"error": f"{type(e).__name__}: {e}"}
+    cmd = [a.python, "-m", "megacore.cli", "train", "--recipe", "mixtral_8x7b", "--nproc-per-node", str(a.nproc)]
+    cmd += (["--cpu"] if a.cpu else []) + sets
+    res["command"] = " ".join(cmd)
+    t0 = time.time()
+    rc, tail = run(cmd, a.timeout, os.path.join(work, "megacore.log"))
+    res["wall_s"] = time.time() - t0
+    metrics = os.path.join(log_dir, "metrics.jsonl")
+    steps = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            steps = [json.loads(l) for l in f if l.strip()]
+    res["loss"] = [s["loss"] for s in steps]
+    if rc != 0 or len(steps) < m["steps"]:
+        res["error"] = f"exit status {rc}, {len(steps)}/{m['steps']} steps: {first_error(tail)}"
+        return res
+    steady = steps[3:] if len(steps) > 4 else steps[1:]
+    mean = lambda k: sum(float(s[k]) for s in steady) / len(steady)  # noqa: E731
+    res.update({"steady_steps": [steady[0]["step"], steady[-1]["step"]],
+                "s_per_step": mean("step_seconds"),
+                "tokens_per_s_per_gpu": mean("tokens_per_s") / a.nproc,
+                "tflops_per_gpu": mean("tflops_per_gpu"), "mfu_active": mean("mfu"),
+                "mem_peak_gib": max(float(s["mem_peak_gib"]) for s in steps),
+                "moe_load_imbalance_last": steps[-1].get("moe_load_imbalance")})
+    return res
+
+
+def peer_part(a, m: dict, work: str, compile_: bool) -> dict:
+    name = "hf_compile" if compile_ else "hf_eager"
+    out = os.path.join(work, name + ".json")
+    cmd = [a.python, os.path.join(HERE, "hf_mixtral_peer.py"), "--hidden", str(m["hidden"]), "--layers", str(m["layers"]),
+           "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]), "--ffn", str(m["ffn"]),
+           "--experts", str(m["experts"]), "--topk", str(m["topk"]), "--vocab", str(m["vocab"]),
+           "--micro-batch", str(m["micro_batch"]), "--seq", str(m["seq"]), "--out", out]
+    cmd += ["--iters", "3", "--warmup", "2"] if a.small else []
+    cmd += ["--compile"] if compile_ else []
+    rc, tail = run(cmd, a.timeout, os.path.join(work, name + ".log"))
+    if rc != 0 or not os.path.exists(out):
+        return {"system": name, "command": " ".join(cmd), "error": f"exit status {rc}: {first_error(tail)}"}
+    with open(out) as f:
+        r = json.load(f)
+    r["system"] = name
+    return r
+
+
+def card_name(cpu: bool) -> str:
+    if cpu:
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=60).stdout.strip().splitlines()
+        return out[0].strip() if out else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'system':<12} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU act':>8} {'peak GiB':>9} {'s/step':>7}  note"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['system']:<12} {'':>4} {'-':>10} {'-':>8} {'-':>8} {'-':>9} {'-':>7}  {r['error'][:100]}")
+            continue
+        tps = r.get("tokens_per_s_per_gpu", r.get("tokens_per_s", 0))
+        tfl = r.get("tflops_per_gpu")
+        mfu = r.get("mfu_active")
+        mem = r.get("mem_peak_gib", r.get("peak_allocated_gib", 0))
+        sps = r.get("s_per_step", r.get("ms_per_step", 0) / 1e3)
+        lines.append(f"{r['system']:<12} {r.get('gpus', 1):>4} {tps:>10.0f} {tfl if tfl is not None else 0:>8.1f} "
+                     f"{100 * (mfu or 0):>7.1f}% {mem:>9.2f} {sps:>7.3f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=4, help="GPUs (= EP = DP) for megacore")
+    ap.add_argument("--small", action="store_true", help="a small model and few steps (< 60 s), a smoke test")
+    ap.add_argument("--cpu", action="store_true", help="megacore on CPU ranks (checks the driver; implies --no-peer)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant of the peer")
+    ap.add_argument("--micro-batch", type=int, help="override the micro-batch (megacore and peer)")
+    ap.add_argument("--seq", type=int, help="override the sequence length (megacore and peer)")
+    ap.add_argument("--steps", type=int, help="override the megacore steps (at least 5)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per part")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for megacore and the peer")
+    ap.add_argument("--out-dir", help="write moe_e2e_<card>.json here")
+    ap.add_argument("--keep", action="store_true", help="keep the logs' temporary directory")
+    a = ap.parse_args()
+    m = dict(SMALL if a.small else FULL)
+    for k in ("micro_batch", "seq", "steps"):
+        if getattr(a, k) is not None:
+            m[k] = getattr(a, k)
+    if m["steps"] < 5:
+        ap.error("--steps must be at least 5 (steady state is steps 4..N)")
+    m["global_batch"] = max(m["global_batch"], m["micro_batch"] * a.nproc)
+    m["global_batch"] -= m["global_batch"] % (m["micro_batch"] * a.nproc)
+
+    card = card_name(a.cpu)
+    work = tempfile.mkdtemp(prefix="moe_e2e_")
+    print(f"card: {card}; model {m}; logs in {work}", flush=True)
+    rows = [megacore_part(a, m, work)]
+    print(table(rows), flush=True)
+    if not (a.no_peer or a.cpu):
+        for c in ([False] if a.no_compile else [False, True]):
+            rows.append(peer_part(a, m, work, c))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    mc = rows[0]
+    r = {"benchmark": "moe_e2e" + ("_small" if a.small else ""), "card": card, "model": m,
+         "parameters": mc.get("parameters"),
+         "flops_convention": "6*N_matmul(active: router + top-k experts) + 12*L*h*s (non-causal); peak = the card's "
+                             "dense bf16 figure (trainer.peak_tflops / known_peak_tflops)",
+         "results": rows}
+    print(table(rows))
+    print(json.dumps(r, indent=2))
+    if a.out_dir:
+        short = "_".join(card.split()[:2]) if card not in ("cpu", "unknown") else card
+        path = os.path.join(a.out_dir, f"moe_e2e{'_small' if a.small else ''}_{short}.json")
+        with open(path, "w") as f:
+            json.dump(r, f, indent=2)
+        print(f"wrote {path}")
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if "error" in mc else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
