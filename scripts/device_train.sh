@@ -29,7 +29,9 @@
 #                trainer parity test, then megacore_bench_cp at CP = all GPUs (seq 32768 and 65536) and on 1 GPU
 #                (seq 8192), and the torch context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
 #   moe          the MoE ops' [moe] tests (CUDA kernels and the cuBLAS grouped GEMM against the CPU reference), then
-#                megacore_bench_moe (grouped expert GEMMs vs a per-expert loop vs a dense GEMM of the same FLOPs)
+#                megacore_bench_moe (grouped expert GEMMs vs a per-expert loop vs a dense GEMM of the same FLOPs),
+#                megacore_bench_moe_dispatch (the EP all-to-all dispatcher vs raw NCCL all-to-all; the end-to-end
+#                MoE training benchmark is benchmarks/moe/run_gpu.sh)
 #   OUT_DIR   logs (OUT_DIR/<step>.log) and JSON results (OUT_DIR/json/), default gpu-results/ in the tree
 #   PYTHON    interpreter (default /opt/torch/.venv/bin/python3 when present, else python3)
 #   DEADLINE  seconds for the whole run (default 3600); each step is also cut to what is left of it
@@ -50,7 +52,7 @@ cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DM
 targets=${TARGETS:-"_C megacore_tests megacore_mpi_tests megacore_bench_model megacore_bench_training megacore_bench_pipeline megacore_bench_collectives"}
 has kernels && targets="$targets megacore_bench_kernels"
 has cp && targets="$targets megacore_bench_cp"
-has moe && targets="$targets megacore_bench_moe"
+has moe && targets="$targets megacore_bench_moe megacore_bench_moe_dispatch"
 cmake --build $B -j$(nproc) --target $targets > $OUT_DIR/build.log 2>&1 || { grep -B2 -A8 error $OUT_DIR/build.log | head -60; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT_DIR/build.log) compiled)"; nvidia-smi -L | head -4
 export PYTHONPATH=$B/python
@@ -285,5 +287,7 @@ if has moe; then
   step moe_tests 300 $B/tests/megacore_tests "[moe]"; tail -2 $OUT_DIR/moe_tests.log
   grep -B4 -A14 "FAILED" $OUT_DIR/moe_tests.log | head -60
   step bench_moe 600 $B/benchmarks/megacore_bench_moe --out-dir $OUT_DIR/json; cat $OUT_DIR/bench_moe.log | head -80
+  step bench_moe_dispatch 600 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_moe_dispatch --out-dir $OUT_DIR/json
+  sed -n '1,/^{/p' $OUT_DIR/bench_moe_dispatch.log | grep -v '^{' | head -20
 fi
 echo "logs in $OUT_DIR, JSON results in $OUT_DIR/json"
