@@ -37,7 +37,7 @@ SMALL = dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1024, experts=8, top
              micro_batch=2, global_batch=16, steps=6)
 
 
-def megacore_sets(m: dict, nproc: int, log_dir: str) -> list[str]:
+def megacore_sets(m: dict, nproc: int, work: str, cpu: bool) -> list[str]:
     sets = {"model.hidden_size": m["hidden"], "model.num_layers": m["layers"],
             "model.num_attention_heads": m["heads"], "model.num_query_groups": m["kv_heads"],
             "model.kv_channels": m["hidden"] // m["heads"], "model.ffn_hidden_size": m["ffn"],
@@ -49,9 +49,12 @@ def megacore_sets(m: dict, nproc: int, log_dir: str) -> list[str]:
             "data.paths": "embedded", "data.tokenizer": "byte", "data.seq": m["seq"], "data.mbs": m["micro_batch"],
             "data.global_batch_size": m["global_batch"],
             "trainer.max_steps": m["steps"], "trainer.val_check_interval": 0, "trainer.recompute": "selective",
-            "trainer.log_interval": 1,
-            "optim.lr_warmup_iters": 2, "checkpoint.save_dir": "", "logging.log_dir": log_dir,
+            "trainer.log_interval": 1, "trainer.generate_tokens": 0,
+            "optim.lr_warmup_iters": 2, "checkpoint.save_dir": "", "checkpoint.save_last": "false",
+            "data.cache_dir": os.path.join(work, "data"), "logging.log_dir": os.path.join(work, "mc_logs"),
             "logging.tensorboard": "false"}
+    if cpu:
+        sets["trainer.precision"] = "auto"  # the CPU path's own precision: this run checks the driver only
     out = []
     for k, v in sets.items():
         out += ["--set", f"{k}={v}"]
@@ -68,7 +71,7 @@ def parameter_counts(sets: list[str], seq: int) -> dict:
     c = mc.model.parameter_count(cfg, 0)
     f = mc.model.flops_per_token(cfg, seq, False)
     return {"total": int(c["total"]), "active": int(c["active"]),
-            "flops_per_token": float(f.total), "flops_per_token_attention": float(f.attention)}
+            "flops_per_token": float(f["total"]), "flops_per_token_attention": float(f["attention"])}
 
 
 def run(cmd: list[str], timeout: float, log: str) -> tuple[int, str]:
@@ -90,7 +93,7 @@ def first_error(tail: str) -> str:
 
 def megacore_part(a, m: dict, work: str) -> dict:
     log_dir = os.path.join(work, "mc_logs")
-    sets = megacore_sets(m, a.nproc, log_dir)
+    sets = megacore_sets(m, a.nproc, work, a.cpu)
     res: dict = {"system": "megacore", "gpus": a.nproc, "layout": f"EP{a.nproc} (DP{a.nproc}, ZeRO-1), TP1",
                  "micro_batch": m["micro_batch"], "seq": m["seq"], "global_batch": m["global_batch"]}
     try:

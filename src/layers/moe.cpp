@@ -27,16 +27,18 @@ ops::RouterTopkOptions router_options(const MoEOptions& o) {
   return r;
 }
 
-std::vector<int64_t> to_host_i64(const Tensor& t) {
-  Tensor c = t.to(Device::cpu()).contiguous();
+// Host reads and writes go through the layer's stream: a kernel or collective on a non-blocking stream is not
+// ordered with the legacy default stream.
+std::vector<int64_t> to_host_i64(const Tensor& t, const Stream& s) {
+  Tensor c = t.to(Device::cpu(), s).contiguous();
   return std::vector<int64_t>(c.data<int64_t>(), c.data<int64_t>() + c.numel());
 }
 
 // A host vector as a tensor on `d` (the communicators' and the layer's device).
 template <class T>
-Tensor on_device(const std::vector<T>& v, Device d) {
+Tensor on_device(const std::vector<T>& v, Device d, const Stream& s) {
   Tensor t = Tensor::from_vector(v, {int64_t(v.size())});
-  return d == Device::cpu() ? t : t.to(d);
+  return d == Device::cpu() ? t : t.to(d, s);
 }
 
 Tensor to_f32(const Tensor& t, const Stream& s) { return t.dtype() == DType::F32 ? t : t.to(DType::F32, s); }
@@ -102,9 +104,9 @@ MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const std::vector<in
   for (int64_t i = 0; i < e; ++i) plan.send_rows[size_t(i / local_experts)] += counts[size_t(i)];
   plan.recv_counts = counts;
   if (p > 1) {
-    Tensor cs = on_device(counts, ep.device()), cr = Tensor::empty({e}, DType::I64, ep.device(), s);
+    Tensor cs = on_device(counts, ep.device(), s), cr = Tensor::empty({e}, DType::I64, ep.device(), s);
     ep.all_to_all(cs, cr, {}, {}, s)->wait_on(s);
-    plan.recv_counts = to_host_i64(cr);
+    plan.recv_counts = to_host_i64(cr, s);
   }
   plan.recv_rows.assign(size_t(p), 0);
   for (int64_t i = 0; i < e; ++i) plan.recv_rows[size_t(i / local_experts)] += plan.recv_counts[size_t(i)];
@@ -293,7 +295,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   Tensor row_map = Tensor::empty({t, k}, DType::I32, dev, s);
   Tensor tpe = Tensor::empty({e}, DType::I64, dev, s);
   ops::moe_permute_map(topk_idx, int(e), row_map, tpe, s);
-  tokens_per_expert_ = to_host_i64(tpe);
+  tokens_per_expert_ = to_host_i64(tpe, s);
   std::vector<int64_t> kept = tokens_per_expert_;
   Tensor idx = topk_idx;
   if (opts_.capacity_factor > 0) {
@@ -301,7 +303,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     idx = topk_idx.clone(s);
     ops::router_apply_capacity(probs, idx, int(e), cap, s);
     ops::moe_permute_map(idx, int(e), row_map, tpe, s);
-    kept = to_host_i64(tpe);
+    kept = to_host_i64(tpe, s);
   }
   if (ctx.training && opts_.enable_expert_bias)
     for (int64_t i = 0; i < e; ++i) bias_counts_[size_t(i)] += double(tokens_per_expert_[size_t(i)]);
@@ -312,7 +314,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   z_loss_ = Tensor::zeros({1}, DType::F32, dev, s);
   if (opts_.aux_loss_coeff > 0) {
     std::vector<float> c(tokens_per_expert_.begin(), tokens_per_expert_.end());
-    tpe_f32 = on_device(c, dev);
+    tpe_f32 = on_device(c, dev, s);
     if (tpn > 1) tp.all_reduce(tpe_f32, comm::ReduceOp::Sum, s)->wait_on(s);
     ops::router_aux_loss(logits, ro.score, tpe_f32, t * tpn, int(k), opts_.aux_loss_coeff, aux_loss_, s);
   }
@@ -338,9 +340,9 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     int chunks = 1;
     pad_rows_ = recv_total_;
     if (etp.size() > 1) {
-      Tensor cs = on_device(recv_counts, etp.device()), cg = Tensor::empty({etp.size() * e}, DType::I64, etp.device(), s);
+      Tensor cs = on_device(recv_counts, etp.device(), s), cg = Tensor::empty({etp.size() * e}, DType::I64, etp.device(), s);
       etp.all_gather(cs, cg, s)->wait_on(s);
-      layout = to_host_i64(cg);
+      layout = to_host_i64(cg, s);
       chunks = etp.size();
       pad_rows_ = 0;
       for (int c = 0; c < chunks; ++c)
@@ -359,7 +361,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
         for (int64_t r = 0; r < layout[size_t(c * e + i)]; ++r) map[size_t(row++)] = int32_t(start[size_t(j)]++);
       }
     }
-    sort_map_ = on_device(map, dev).view({int64_t(map.size()), 1});
+    sort_map_ = on_device(map, dev, s).view({int64_t(map.size()), 1});
     expert_out = from_experts(experts_forward(to_experts(permuted, s), group_sizes_, s), s);
     y = combine(expert_out, row_map, probs, t, s);
   } else {
@@ -369,17 +371,17 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     gathered_probs_ = p > 1 ? parallel::all_gather_along(c, probs, 0, s) : probs;
     Tensor all_idx = p > 1 ? parallel::all_gather_along(c, idx, 0, s) : idx;
     // Keep the slots of this rank's experts (renumbered locally); the others are -1.
-    Tensor hi = all_idx.to(Device::cpu()).contiguous();
+    Tensor hi = all_idx.to(Device::cpu(), s).contiguous();
     std::vector<int32_t> local(size_t(hi.numel()));
     for (size_t i = 0; i < local.size(); ++i) {
       const int64_t gi = hi.data<int32_t>()[i];
       local[i] = gi >= expert_offset_ && gi < expert_offset_ + local_experts_ ? int32_t(gi - expert_offset_) : -1;
     }
-    Tensor local_idx = on_device(local, dev).view(all_idx.shape());
+    Tensor local_idx = on_device(local, dev, s).view(all_idx.shape());
     local_map_ = Tensor::empty(all_idx.shape(), DType::I32, dev, s);
     Tensor lc = Tensor::empty({local_experts_}, DType::I64, dev, s);
     ops::moe_permute_map(local_idx, int(local_experts_), local_map_, lc, s);
-    group_sizes_ = to_host_i64(lc);
+    group_sizes_ = to_host_i64(lc, s);
     const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
     Tensor xs = Tensor::empty({ns, hidden_}, xt.dtype(), dev, s);
     if (ns > 0) ops::moe_permute(gathered_x, local_map_, xs, s);
@@ -475,18 +477,18 @@ void MoELayer::update_expert_bias(comm::Communicator& dp, const Stream& s) {
   std::vector<float> c(bias_counts_.begin(), bias_counts_.end());
   for (comm::Communicator* g : {g_.tp, &dp}) {
     if (g->size() == 1) continue;
-    Tensor t = on_device(c, g->device());
+    Tensor t = on_device(c, g->device(), s);
     g->all_reduce(t, comm::ReduceOp::Sum, s)->wait_on(s);
-    Tensor h = t.to(Device::cpu());
+    Tensor h = t.to(Device::cpu(), s);
     c.assign(h.data<float>(), h.data<float>() + h.numel());
   }
   const double mean = std::accumulate(c.begin(), c.end(), 0.0) / double(c.size());
-  Tensor bias = expert_bias_.to(Device::cpu()).contiguous();
+  Tensor bias = expert_bias_.to(Device::cpu(), s).contiguous();
   for (size_t i = 0; i < c.size(); ++i) {
     const double d = mean - double(c[i]);
     bias.data<float>()[i] += opts_.expert_bias_update_rate * float((d > 0) - (d < 0));
   }
-  expert_bias_.copy_(bias.to(expert_bias_.device()), s);
+  expert_bias_.copy_(bias.to(expert_bias_.device(), s), s);
   std::fill(bias_counts_.begin(), bias_counts_.end(), 0.0);
 }
 
