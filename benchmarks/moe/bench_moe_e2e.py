@@ -8,14 +8,16 @@ GPU (eager, then torch.compile), all in one call. Writes moe_e2e_<card>.json und
 
 Model (full size): h 2048, 16 layers, 16 heads / 8 KV groups, 8 experts of FFN 4096 in every layer, top-2, vocab
 32000, untied; total and active parameter counts come from megacore's TransformerConfig (parameter_count).
-Run: bf16, ZeRO-1 (distributed optimizer) over DP, EP = --nproc, TP = 1, selective recompute, micro-batch 2 × seq
-2048, global batch 32 (4 micro-batches per rank), byte tokens of the embedded corpus, no checkpoints. Steady
+Run: bf16, ZeRO-1 (distributed optimizer) over DP, EP = --nproc, TP = 1, selective recompute, micro-batch 4 × seq
+2048, global batch 32 (2 micro-batches per rank; `megacore plan` estimates 25 GiB per GPU before the experts'
+activations), byte tokens of the embedded corpus, no checkpoints. Steady
 state = mean of steps 4..N of the trainer's metrics.jsonl. tokens/s/GPU = global tokens / step time / GPUs.
 MFU = the trainer's: FLOPs per token = 6 · N_matmul over *active* weights (router, top-k experts) + non-causal
 attention 12 · L · h · s, against the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, as the other
 benchmarks). The peer's tokens/s is for its one GPU (compare per-GPU throughput, not MFU).
 
-A part that fails (OOM, compile error, missing package) is recorded with its reason; the others still run.
+A part that fails (OOM, compile error, missing package) is recorded with its reason; the others still run. A part
+that runs out of GPU memory is run once more at half the micro-batch (its result says so: "retried_after").
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=4096, experts=8, topk=2, vocab=32000, seq=2048,
-            micro_batch=2, global_batch=32, steps=12)
+            micro_batch=4, global_batch=32, steps=12)
 SMALL = dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1024, experts=8, topk=2, vocab=32000, seq=512,
              micro_batch=2, global_batch=16, steps=6)
 
@@ -86,12 +88,28 @@ def run(cmd: list[str], timeout: float, log: str) -> tuple[int, str]:
     return rc, tail
 
 
+def ran_out_of_memory(tail: str) -> bool:
+    t = tail.lower()
+    return "out of memory" in t or "outofmemoryerror" in t
+
+
 def first_error(tail: str) -> str:
     lines = [l for l in tail.splitlines() if any(w in l for w in ("Error", "error", "OOM", "out of memory"))]
     return (lines[-1] if lines else tail.strip().splitlines()[-1] if tail.strip() else "no output")[:400]
 
 
+def with_memory_retry(part, a, m: dict, *args) -> dict:
+    """part(a, m, ...) and, when it ran out of memory, once more at half the micro-batch (same global batch)."""
+    r = part(a, m, *args)
+    if m["micro_batch"] > 1 and r.pop("out_of_memory", False):
+        half = dict(m, micro_batch=m["micro_batch"] // 2)
+        r = dict(part(a, half, *args), retried_after=r["error"])
+    r.pop("out_of_memory", None)
+    return r
+
+
 def megacore_part(a, m: dict, work: str) -> dict:
+    work = tempfile.mkdtemp(prefix=f"megacore_mbs{m['micro_batch']}_", dir=work)
     log_dir = os.path.join(work, "mc_logs")
     sets = megacore_sets(m, a.nproc, work, a.cpu)
     res: dict = {"system": "megacore", "gpus": a.nproc, "layout": f"EP{a.nproc} (DP{a.nproc}, ZeRO-1), TP1",
@@ -114,6 +132,7 @@ def megacore_part(a, m: dict, work: str) -> dict:
     res["loss"] = [s["loss"] for s in steps]
     if rc != 0 or len(steps) < m["steps"]:
         res["error"] = f"exit status {rc}, {len(steps)}/{m['steps']} steps: {first_error(tail)}"
+        res["out_of_memory"] = ran_out_of_memory(tail)
         return res
     steady = steps[3:] if len(steps) > 4 else steps[1:]
     mean = lambda k: sum(float(s[k]) for s in steady) / len(steady)  # noqa: E731
@@ -128,16 +147,17 @@ def megacore_part(a, m: dict, work: str) -> dict:
 
 def peer_part(a, m: dict, work: str, compile_: bool) -> dict:
     name = "hf_compile" if compile_ else "hf_eager"
-    out = os.path.join(work, name + ".json")
+    out = os.path.join(work, f"{name}_mbs{m['micro_batch']}.json")
     cmd = [a.python, os.path.join(HERE, "hf_mixtral_peer.py"), "--hidden", str(m["hidden"]), "--layers", str(m["layers"]),
            "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]), "--ffn", str(m["ffn"]),
            "--experts", str(m["experts"]), "--topk", str(m["topk"]), "--vocab", str(m["vocab"]),
            "--micro-batch", str(m["micro_batch"]), "--seq", str(m["seq"]), "--out", out]
     cmd += ["--iters", "3", "--warmup", "2"] if a.small else []
     cmd += ["--compile"] if compile_ else []
-    rc, tail = run(cmd, a.timeout, os.path.join(work, name + ".log"))
+    rc, tail = run(cmd, a.timeout, os.path.join(work, f"{name}_mbs{m['micro_batch']}.log"))
     if rc != 0 or not os.path.exists(out):
-        return {"system": name, "command": " ".join(cmd), "error": f"exit status {rc}: {first_error(tail)}"}
+        return {"system": name, "micro_batch": m["micro_batch"], "command": " ".join(cmd),
+                "error": f"exit status {rc}: {first_error(tail)}", "out_of_memory": ran_out_of_memory(tail)}
     with open(out) as f:
         r = json.load(f)
     r["system"] = name
@@ -198,11 +218,11 @@ def main() -> int:
     card = card_name(a.cpu)
     work = tempfile.mkdtemp(prefix="moe_e2e_")
     print(f"card: {card}; model {m}; logs in {work}", flush=True)
-    rows = [megacore_part(a, m, work)]
+    rows = [with_memory_retry(megacore_part, a, m, work)]
     print(table(rows), flush=True)
     if not (a.no_peer or a.cpu):
         for c in ([False] if a.no_compile else [False, True]):
-            rows.append(peer_part(a, m, work, c))
+            rows.append(with_memory_retry(peer_part, a, m, work, c))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     mc = rows[0]
     r = {"benchmark": "moe_e2e" + ("_small" if a.small else ""), "card": card, "model": m,
