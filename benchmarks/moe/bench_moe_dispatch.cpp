@@ -13,10 +13,11 @@
 //
 // Algorithm bandwidth = bytes of tokens this rank sends in both directions (dispatch + combine, its own chunk
 // included, as in the peers) / time, averaged over ranks; time is the mean over --iters of the world's step
-// (barriers before and after the loop). Target (issue 22): dispatcher ≥ 85 % of the raw all-to-all with the
+// (barriers before and after the loop), the median of --rounds rounds in which the three are measured in turn. Target (issue 22): dispatcher ≥ 85 % of the raw all-to-all with the
 // same splits.
 //
 // Flags: --tokens T1,T2,... (default 4096,8192,16384), --hidden H, --experts E, --topk K, --iters N, --warmup N,
+// --rounds N (default 3),
 // --quick (one token count, fewer iterations), --out-dir DIR (writes moe_dispatch_ep<N>_<card>.json), --cpu (CPU
 // ranks over MPI: checks the benchmark itself, e.g. --cpu --quick --hidden 64; its times mean nothing).
 #include <mpi.h>
@@ -25,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -43,7 +45,7 @@ namespace {
 
 struct Args {
   std::vector<int64_t> tokens{4096, 8192, 16384};
-  int64_t hidden = 4096, experts = 8, topk = 2, iters = 20, warmup = 5;
+  int64_t hidden = 4096, experts = 8, topk = 2, iters = 20, warmup = 5, rounds = 3;
   std::string out_dir;
   bool cpu = false;
 };
@@ -59,13 +61,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--topk") a.topk = r.integer();
     else if (k == "--iters") a.iters = r.integer();
     else if (k == "--warmup") a.warmup = r.integer();
-    else if (k == "--quick") a.tokens = {8192}, a.iters = 5, a.warmup = 2;
+    else if (k == "--rounds") a.rounds = r.integer();
+    else if (k == "--quick") a.tokens = {8192}, a.iters = 5, a.warmup = 2, a.rounds = 1;
     else if (k == "--out-dir") a.out_dir = r.text();
     else if (k == "--cpu") a.cpu = true;
     else r.unknown();
   }
-  if (a.hidden <= 0 || a.topk < 1 || a.topk > a.experts || a.iters < 1 || a.warmup < 0)
-    throw std::runtime_error("need --hidden > 0, 1 <= --topk <= --experts, --iters >= 1, --warmup >= 0");
+  if (a.hidden <= 0 || a.topk < 1 || a.topk > a.experts || a.iters < 1 || a.warmup < 0 || a.rounds < 1)
+    throw std::runtime_error("need --hidden > 0, 1 <= --topk <= --experts, --iters >= 1, --warmup >= 0, --rounds >= 1");
   for (int64_t t : a.tokens)
     if (t <= 0) throw std::runtime_error("--tokens must be positive");
   return a;
@@ -152,42 +155,57 @@ int main(int argc, char** argv) {
         row["rows_received_max"] = world_max(double(recv));
         const auto bw = [&](double sec) { return mean_bytes / sec / 1e9; };
 
-        // Each measurement on its own: one that fails is recorded with its reason and the rest still run.
-        const auto measure = [&](const char* name, auto&& f) -> double {
-          try {
-            const double sec = bench::time_steps(*mpi, s, a.warmup, a.iters, f);
-            row[name] = {{"ms", sec * 1e3}, {"algbw_GBps", bw(sec)}};
-            return sec;
-          } catch (const std::exception& e) {
-            row[name] = {{"error", e.what()}};
-            return 0.0;
-          }
-        };
         // The dispatcher as the layer runs it: counts, dispatch, combine (the expert outputs have the
         // received tokens' shape; the received tokens stand in for them).
-        const double t_disp = measure("dispatcher", [&] {
+        const auto dispatcher = [&] {
           const layers::MoEExchangePlan p = layers::moe_exchange_counts(*ep, counts, el, s);
           Tensor at_experts = layers::moe_exchange_rows(*ep, permuted, p.send_rows, p.recv_rows, s);
           layers::moe_exchange_rows(*ep, at_experts, p.recv_rows, p.send_rows, s);
-        });
-        // Raw NCCL all-to-all, equal splits: slots rows each way, split evenly over the ranks.
+        };
+        // Raw NCCL all-to-all, equal splits: `slots` rows each way, split evenly over the ranks.
         const int64_t eq_rows = slots / n * n;
         Tensor eq_in = permuted.narrow(0, 0, eq_rows).contiguous(s);
         Tensor eq_out = Tensor::empty(eq_in.shape(), eq_in.dtype(), dev, s);
-        const double t_eq = measure("raw_all_to_all_equal", [&] {
+        const auto raw_equal = [&] {
           ep->all_to_all(eq_in, eq_out, {}, {}, s)->wait_on(s);
           ep->all_to_all(eq_out, eq_in, {}, {}, s)->wait_on(s);
-        });
+        };
         // Raw NCCL all-to-all with the dispatcher's uneven splits, both directions, buffers preallocated.
         std::vector<int64_t> se = plan.send_rows, re = plan.recv_rows;  // in elements
         for (int64_t& v : se) v *= h;
         for (int64_t& v : re) v *= h;
         Tensor un_out = Tensor::empty({recv, h}, DType::BF16, dev, s);
         Tensor un_back = Tensor::empty({slots, h}, DType::BF16, dev, s);
-        const double t_un = measure("raw_all_to_all_uneven", [&] {
+        const auto raw_uneven = [&] {
           ep->all_to_all(permuted, un_out, se, re, s)->wait_on(s);
           ep->all_to_all(un_out, un_back, re, se, s)->wait_on(s);
-        });
+        };
+        // --rounds rounds, the three measured in turn in each (so drift hits all alike); the median round counts.
+        // A measurement that fails is recorded with its reason and the others still run.
+        const char* names[3] = {"dispatcher", "raw_all_to_all_equal", "raw_all_to_all_uneven"};
+        const std::function<void()> bodies[3] = {dispatcher, raw_equal, raw_uneven};
+        std::vector<double> secs[3];
+        std::string errors[3];
+        for (int64_t round = 0; round < a.rounds; ++round)
+          for (int m = 0; m < 3; ++m) {
+            if (!errors[m].empty()) continue;
+            try {
+              secs[m].push_back(bench::time_steps(*mpi, s, a.warmup, a.iters, bodies[m]));
+            } catch (const std::exception& e) {
+              errors[m] = e.what();
+            }
+          }
+        double t[3] = {0, 0, 0};
+        for (int m = 0; m < 3; ++m) {
+          if (!errors[m].empty()) {
+            row[names[m]] = {{"error", errors[m]}};
+            continue;
+          }
+          std::sort(secs[m].begin(), secs[m].end());
+          t[m] = secs[m][secs[m].size() / 2];
+          row[names[m]] = {{"ms", t[m] * 1e3}, {"algbw_GBps", bw(t[m])}, {"ms_rounds", secs[m]}};
+        }
+        const double t_disp = t[0], t_eq = t[1], t_un = t[2];
         const auto pct = [&](double base) { return t_disp > 0 && base > 0 ? base / t_disp : 0.0; };
         row["dispatcher_vs_raw_equal"] = pct(t_eq);
         row["dispatcher_vs_raw_uneven"] = pct(t_un);

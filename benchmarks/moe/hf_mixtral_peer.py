@@ -39,7 +39,10 @@ def main():
                         rms_norm_eps=1e-5, tie_word_embeddings=False, output_router_logits=True,
                         router_aux_loss_coef=0.01, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):  # built in place: a 3.5 B model initialised on the host takes minutes
+        model = MixtralForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     g = torch.Generator(device="cpu").manual_seed(0)
