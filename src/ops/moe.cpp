@@ -142,9 +142,14 @@ void router_topk_cpu(const Tensor& logits, const Tensor& bias, const RouterTopkO
   for (int64_t r = 0; r < t; ++r) {
     const float* z = logits.data<float>() + r * e;
     row_base(z, e, o, sc);
-    sel = sc;
-    if (bias.defined())
+    // Selection score: the logits without a bias (every score function is strictly increasing, so
+    // this is the scores' top-k without their rounding), score + bias with one.
+    if (bias.defined()) {
+      sel = sc;
       for (int i = 0; i < e; ++i) sel[size_t(i)] += bias.data<float>()[i];
+    } else {
+      sel.assign(z, z + e);
+    }
     int32_t* idx = indices.data<int32_t>() + r * k;
     select_topk(sel, k, idx);
     chosen_probs(sc, idx, k, o, p.data());

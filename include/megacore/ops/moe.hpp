@@ -38,7 +38,11 @@ struct RouterTopkOptions {
 /// Top-k routing. logits f32 [T, E] (in). expert_bias f32 [E] or undefined (in): added to the scores
 /// for the *selection only*, so the combine weights stay those of the unbiased scores (aux-loss-free
 /// load balancing). probs f32 [T, k] (out): combine weights. indices i32 [T, k] (out): distinct experts
-/// per row in descending selection score, ties to the lower expert id. On CUDA the router ops (top-k,
+/// per row in descending selection score, ties to the lower expert id. The selection score is the
+/// logit when there is no bias (softmax and sigmoid are strictly increasing, so this is the top-k of
+/// the scores, and CPU and CUDA choose identically), and score + bias with one (the logit + bias for
+/// softmax after top-k); there the CPU computes it in f64 and CUDA in f32 with expf, so experts whose
+/// selection scores lie within about 1e-6 of each other may be ordered differently. On CUDA the router ops (top-k,
 /// its backward, aux and z losses) take E <= 256 (a warp per token holds the row in registers) and k <= 8.
 void router_topk(const Tensor& logits, const Tensor& expert_bias, const RouterTopkOptions& o, Tensor& probs,
                  Tensor& indices, const Stream& s = {});

@@ -32,7 +32,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float sigmoidf(float z) { return 1.f / (1.f + __expf(-z)); }
+/// exp for the router: the fast intrinsic, or (Precise) expf, within 2 ulp, where a score decides the
+/// selection (top-k with an expert bias selects on score + bias, so the score's error moves near-ties).
+template <bool Precise = false>
+__device__ __forceinline__ float router_exp(float x) {
+  if constexpr (Precise) return expf(x);
+  else return __expf(x);
+}
+template <bool Precise = false>
+__device__ __forceinline__ float sigmoidf(float z) { return 1.f / (1.f + router_exp<Precise>(-z)); }
 /// The token of this warp (kRouterWarps tokens per block).
 __device__ __forceinline__ int64_t warp_token() { return int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp; }
 
@@ -43,6 +51,7 @@ struct Row {
   float base[kPerLane];
 };
 
+template <bool Precise = false>
 __device__ void load_row(const float* logits, int64_t t, int e, bool sigmoid, bool softmax_all, Row& r) {
   const int lane = threadIdx.x % kWarp;
   float mx = -INFINITY;
@@ -54,12 +63,12 @@ __device__ void load_row(const float* logits, int64_t t, int e, bool sigmoid, bo
   }
   if (sigmoid) {
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) r.base[i] = lane + i * kWarp < e ? sigmoidf(r.z[i]) : 0.f;
+    for (int i = 0; i < kPerLane; ++i) r.base[i] = lane + i * kWarp < e ? sigmoidf<Precise>(r.z[i]) : 0.f;
   } else if (softmax_all) {
     mx = warp_max(mx);
     float s = 0;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) s += (r.base[i] = lane + i * kWarp < e ? __expf(r.z[i] - mx) : 0.f);
+    for (int i = 0; i < kPerLane; ++i) s += (r.base[i] = lane + i * kWarp < e ? router_exp<Precise>(r.z[i] - mx) : 0.f);
     s = warp_sum(s);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) r.base[i] /= s;
@@ -75,12 +84,14 @@ __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices)
   const int lane = threadIdx.x % kWarp;
   const bool post = !a.sigmoid && !a.pre_softmax;
   Row r;
-  load_row(a.logits, t, a.e, a.sigmoid, !a.sigmoid && a.pre_softmax, r);
+  load_row<true>(a.logits, t, a.e, a.sigmoid, !a.sigmoid && a.pre_softmax, r);
+  // Selection score: the logits without a bias (softmax and sigmoid are strictly increasing, so their
+  // top-k is the logits' top-k, exact and free of rounding ties), score + bias with one.
   float sel[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int c = lane + i * kWarp;
-    sel[i] = c < a.e ? r.base[i] + (a.bias ? a.bias[c] : 0.f) : -INFINITY;
+    sel[i] = c >= a.e ? -INFINITY : a.bias ? r.base[i] + a.bias[c] : r.z[i];
   }
   int chosen[kMoeMaxTopk];
   float cbase[kMoeMaxTopk];
@@ -111,7 +122,7 @@ __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices)
   if (post) {
     for (int j = 0; j < a.k; ++j) mx = fmaxf(mx, cbase[j]);
     norm = 0.f;
-    for (int j = 0; j < a.k; ++j) norm += __expf(cbase[j] - mx);
+    for (int j = 0; j < a.k; ++j) norm += expf(cbase[j] - mx);
   } else if (a.sigmoid && a.k > 1) {
     norm = kSigmoidEps;
     for (int j = 0; j < a.k; ++j) norm += cbase[j];
@@ -120,7 +131,7 @@ __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices)
     float p = 0.f;
 #pragma unroll
     for (int jj = 0; jj < kMoeMaxTopk; ++jj)
-      if (jj == j) p = post ? __expf(cbase[jj] - mx) / norm : cbase[jj] / norm;
+      if (jj == j) p = post ? expf(cbase[jj] - mx) / norm : cbase[jj] / norm;
     int id = 0;
 #pragma unroll
     for (int jj = 0; jj < kMoeMaxTopk; ++jj)
