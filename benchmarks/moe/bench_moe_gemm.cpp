@@ -1,16 +1,21 @@
-// Expert GEMMs of an MoE layer on one GPU: ops::grouped_gemm_* (all experts in one cuBLAS grouped
-// launch) against a per-expert loop of ops::gemm and against one dense ops::gemm of the same FLOPs
-// (all N rows through one weight), in the same run, for fc1 (SwiGLU gate+up, [2*FFN, H] per expert)
-// and fc2 ([H, FFN]): forward, dgrad and wgrad (bf16 inputs, f32 main grad accumulated with beta = 1).
+// Expert GEMMs of an MoE layer on one GPU: ops::grouped_gemm_* on each CUDA path (auto: megacore's
+// default choice; grouped: one cuBLAS grouped launch; loop: one cuBLASLt product per expert) against
+// one dense ops::gemm of the same FLOPs (all N rows through one weight), in the same run, for fc1
+// (SwiGLU gate+up, [2*FFN, H] per expert) and fc2 ([H, FFN]): forward, dgrad and wgrad (bf16 inputs,
+// f32 main grad accumulated with beta = 1).
 //
 //   build/benchmarks/megacore_bench_moe --out-dir benchmarks/results
 //   build/benchmarks/megacore_bench_moe --model mixtral --tokens 4096,16384 --quick
+//   build/benchmarks/megacore_bench_moe --model fine --rows-per-expert 32,128,512
 //
-// Flags: --model mixtral|1b|all (mixtral: H 4096, FFN 14336; 1b: H 2048, FFN 5632; both 8 experts,
-// top-2), --tokens T1,T2,... (tokens per rank; rows N = 2 T), --samples S, --quick (one token count,
-// fewer samples), --out-dir DIR (writes moe_gemm_<card>.json). Splits: "even" (N / 8 rows per
-// expert) and "imbalanced" (fixed-seed random shares from 0.25x to 2.5x of even, one expert empty).
-// Target (issue 22): grouped >= 85 % of dense.
+// Flags: --model mixtral|1b|fine|all (mixtral: H 4096, FFN 14336, 8 experts top-2; 1b: H 2048,
+// FFN 5632, 8 experts top-2; fine: H 2048, FFN 1408, 64 and 128 experts top-8, as Qwen-MoE /
+// DeepSeek-MoE-small), --tokens T1,T2,... (tokens per rank for mixtral/1b; rows N = k T),
+// --rows-per-expert R1,R2,... (fine: tokens = R E / k, so the even split gives R rows per expert),
+// --samples S, --quick (one token count, fewer samples), --out-dir DIR (writes moe_gemm_<card>.json).
+// Splits: "even" (N / E rows per expert) and "imbalanced" (fixed-seed random shares from 0.25x to
+// 2.5x of even, expert 1 empty). The auto column is what a model gets; its path is printed beside it.
+// Target (issue 22): auto >= 85 % of dense and no slower than the faster of grouped and loop.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -38,6 +43,7 @@ struct ModelShape {
 struct Args {
   std::vector<ModelShape> models;
   std::vector<int64_t> tokens{4096, 8192, 16384};
+  std::vector<int64_t> rows_per_expert{32, 64, 128, 256, 512};  // fine-grained models
   int samples = 10;
   bool quick = false;
   std::string out_dir;
@@ -45,6 +51,7 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   const ModelShape mixtral{"mixtral-8x7b", 4096, 14336, 8, 2}, small{"1.1b-moe", 2048, 5632, 8, 2};
+  const ModelShape fine64{"fine-64e", 2048, 1408, 64, 8}, fine128{"fine-128e", 2048, 1408, 128, 8};
   Args a;
   std::string model = "all";
   bench::ArgReader r(argc, argv);
@@ -52,6 +59,7 @@ Args parse(int argc, char** argv) {
     const std::string& k = r.key();
     if (k == "--model") model = r.text();
     else if (k == "--tokens") a.tokens = r.list();
+    else if (k == "--rows-per-expert") a.rows_per_expert = r.list();
     else if (k == "--samples") a.samples = int(r.integer());
     else if (k == "--quick") a.quick = true;
     else if (k == "--out-dir") a.out_dir = r.text();
@@ -59,11 +67,22 @@ Args parse(int argc, char** argv) {
   }
   if (model == "mixtral" || model == "all") a.models.push_back(mixtral);
   if (model == "1b" || model == "all") a.models.push_back(small);
-  if (a.models.empty()) throw std::runtime_error("--model takes mixtral, 1b or all, got '" + model + "'");
-  if (a.quick) a.tokens.resize(1), a.samples = 5;
+  if (model == "fine" || model == "all") a.models.push_back(fine64), a.models.push_back(fine128);
+  if (a.models.empty()) throw std::runtime_error("--model takes mixtral, 1b, fine or all, got '" + model + "'");
+  if (a.quick) a.tokens.resize(1), a.rows_per_expert.resize(1), a.samples = 5;
   for (int64_t t : a.tokens)
     if (t < 1) throw std::runtime_error("--tokens must be positive");
+  for (int64_t t : a.rows_per_expert)
+    if (t < 1) throw std::runtime_error("--rows-per-expert must be positive");
   return a;
+}
+
+/// Token counts to run for model m: --tokens, or for the fine-grained models R E / k per --rows-per-expert R.
+std::vector<int64_t> tokens_for(const Args& a, const ModelShape& m) {
+  if (m.experts <= 8) return a.tokens;
+  std::vector<int64_t> t;
+  for (int64_t r : a.rows_per_expert) t.push_back(std::max<int64_t>(1, r * m.experts / m.topk));
+  return t;
 }
 
 /// Median milliseconds of fn() over `samples` event-timed calls after warm-up.
@@ -124,10 +143,12 @@ int main(int argc, char** argv) {
     const std::string card = cuda_device_name(0);
     json rows = json::array();
     std::printf("card: %s\n", card.c_str());
-    std::printf("%-13s %6s %-10s %-10s %9s %9s %9s %8s %8s\n", "model", "tokens", "split", "op", "grouped", "loop",
-                "dense", "grp/dns", "grp/loop");
+    std::printf("TFLOP/s; auto = megacore's default path (shown beside it)\n");
+    std::printf("%-13s %6s %-10s %-10s %9s %-7s %9s %9s %9s %8s %8s\n", "model", "tokens", "split", "op", "auto", "path",
+                "grouped", "loop", "dense", "auto/dns", "auto/best");
+    const ops::GroupedGemmPath setting = ops::grouped_gemm_path();
     for (const auto& m : a.models)
-      for (int64_t tokens : a.tokens) {
+      for (int64_t tokens : tokens_for(a, m)) {
         const int64_t n = tokens * m.topk;
         const int g = m.experts;
         // fc1: [N, H] -> [N, 2 FFN]; fc2: [N, FFN] -> [N, H].
@@ -144,28 +165,6 @@ int main(int argc, char** argv) {
           const double flops = 2.0 * double(n) * double(l.out_f) * double(l.in_f);
           for (bool imbalanced : {false, true}) {
             const std::vector<int64_t> sizes = split(n, g, imbalanced);
-            std::vector<int64_t> off(sizes.size() + 1, 0);
-            for (size_t e = 0; e < sizes.size(); ++e) off[e + 1] = off[e] + sizes[e];
-            // One ops::gemm per expert with rows (the baseline a grouped launch replaces).
-            auto loop = [&](int which) {
-              for (int e = 0; e < g; ++e) {
-                const int64_t r0 = off[size_t(e)], rows = sizes[size_t(e)];
-                if (rows == 0) continue;
-                ops::GemmOptions o;
-                if (which == 0) {
-                  o.trans_b = true;
-                  Tensor out = y.narrow(0, r0, rows);
-                  ops::gemm(x.narrow(0, r0, rows), w.select(0, e), out, o, s);
-                } else if (which == 1) {
-                  Tensor out = dx.narrow(0, r0, rows);
-                  ops::gemm(dy.narrow(0, r0, rows), w.select(0, e), out, o, s);
-                } else {
-                  o.trans_a = true, o.beta = 1.f;
-                  Tensor out = dw.select(0, e);
-                  ops::gemm(dy.narrow(0, r0, rows), x.narrow(0, r0, rows), out, o, s);
-                }
-              }
-            };
             struct Op {
               const char* name;
               std::function<void()> grouped, dense;
@@ -183,14 +182,26 @@ int main(int argc, char** argv) {
             };
             for (size_t i = 0; i < op_list.size(); ++i) {
               const Op& op = op_list[i];
-              const double t_grouped = time_ms(op.grouped, s, a.samples);
-              const double t_loop = time_ms([&] { loop(int(i)); }, s, a.samples);
+              // The op on one path: the setting in force for the run, then each forced path.
+              auto on_path = [&](ops::GroupedGemmPath p) {
+                ops::set_grouped_gemm_path(p);
+                const double ms = time_ms(op.grouped, s, a.samples);
+                ops::set_grouped_gemm_path(setting);
+                return ms;
+              };
+              const bool wgrad = i == 2;  // bf16 -> f32: no cuBLAS grouped kernel, every path loops
+              const ops::GroupedGemmPath chosen = ops::grouped_gemm_choice(setting, sizes, !wgrad);
+              const double t_auto = on_path(setting);
+              const double t_grouped = on_path(ops::GroupedGemmPath::Grouped);
+              const double t_loop = on_path(ops::GroupedGemmPath::Loop);
               const double t_dense = time_ms(op.dense, s, a.samples);
+              const double t_best = std::min(t_grouped, t_loop);
               auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
               const std::string opname = std::string(l.name) + "_" + op.name;
-              std::printf("%-13s %6lld %-10s %-10s %9.1f %9.1f %9.1f %7.1f%% %7.1f%%\n", m.name, (long long)tokens,
-                          imbalanced ? "imbalanced" : "even", opname.c_str(), tf(t_grouped), tf(t_loop), tf(t_dense),
-                          100.0 * t_dense / t_grouped, 100.0 * t_loop / t_grouped);
+              std::printf("%-13s %6lld %-10s %-10s %9.1f %-7s %9.1f %9.1f %9.1f %7.1f%% %7.1f%%\n", m.name,
+                          (long long)tokens, imbalanced ? "imbalanced" : "even", opname.c_str(), tf(t_auto),
+                          ops::grouped_gemm_path_name(chosen), tf(t_grouped), tf(t_loop), tf(t_dense),
+                          100.0 * t_dense / t_auto, 100.0 * t_best / t_auto);
               rows.push_back({{"model", m.name},
                               {"hidden", m.hidden},
                               {"ffn", m.ffn},
@@ -204,13 +215,19 @@ int main(int argc, char** argv) {
                               {"shape_MxK", std::to_string(l.out_f) + "x" + std::to_string(l.in_f)},
                               {"dtype", i == 2 ? "bf16 -> f32 main grad (beta 1)" : "bf16"},
                               {"flops", flops},
+                              {"rows_per_expert_mean", double(n) / g},
+                              {"path_setting", ops::grouped_gemm_path_name(setting)},
+                              {"auto_path", ops::grouped_gemm_path_name(chosen)},
+                              {"auto_ms", t_auto},
                               {"grouped_ms", t_grouped},
                               {"loop_ms", t_loop},
                               {"dense_ms", t_dense},
+                              {"auto_tflops", tf(t_auto)},
                               {"grouped_tflops", tf(t_grouped)},
                               {"loop_tflops", tf(t_loop)},
                               {"dense_tflops", tf(t_dense)},
-                              {"grouped_vs_dense", t_dense / t_grouped},
+                              {"auto_vs_dense", t_dense / t_auto},
+                              {"auto_vs_best", t_best / t_auto},
                               {"grouped_vs_loop", t_loop / t_grouped},
                               {"card", card}});
             }
@@ -219,10 +236,12 @@ int main(int argc, char** argv) {
       }
     const json result = {{"benchmark", "moe_gemm"},
                          {"card", card},
-                         {"target", "grouped >= 85% of dense (issue 22)"},
-                         {"note", "dense = one ops::gemm over all N rows with expert 0's weight (same FLOPs); wgrad "
-                                  "into the f32 main grad has no cuBLAS grouped kernel (bf16 -> f32), so the grouped "
-                                  "op runs one GEMM per expert there (the run's log says so)"},
+                         {"target", "auto >= 85% of dense and >= the faster of grouped and loop (issue 22)"},
+                         {"note", "auto = the op with megacore's path setting (MEGACORE_MOE_GEMM, default auto; "
+                                  "auto_path says what it chose); grouped / loop = the op forced onto one cuBLAS "
+                                  "grouped launch / one cuBLASLt GEMM per expert; dense = one ops::gemm over all N "
+                                  "rows with expert 0's weight (same FLOPs). wgrad into the f32 main grad has no "
+                                  "cuBLAS grouped kernel (bf16 -> f32), so every path loops there"},
                          {"rows", rows}};
     if (!a.out_dir.empty()) {
       std::string c = card;

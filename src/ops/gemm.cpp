@@ -265,7 +265,7 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   {
     const GemmAutotune tune = gemm_autotune();
     const double gflop = 2.0 * double(m) * double(n) * double(ka) * double(batch) * 1e-9;
-    p.autotune_candidates = tune.enabled && gflop >= tune.min_gflop ? tune.candidates : 0;  // beta != 0: not timed
+    p.autotune_candidates = tune.enabled && opts.autotune && gflop >= tune.min_gflop ? tune.candidates : 0;  // beta != 0: not timed
   }
   if (batch > 1 && (p.stride_a == 0 || p.stride_b == 0)) {
     // A shared operand next to a batched one. When a is the batched one, not transposed and packed,

@@ -1,7 +1,9 @@
 #include "megacore/ops/moe.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -651,14 +653,16 @@ void scale_empty_groups(const std::vector<int64_t>& off, Tensor& dw, float beta,
   }
 }
 
-/// One ops::gemm per group with rows: forward/dgrad write rows [off_g, off_g+1) of out from the rows of
-/// a and weight b[g]; wgrad writes dw[g] (out) from the rows of dy (a) and x (b).
+/// One ops::gemm per group with rows, back to back on stream s: forward/dgrad write rows
+/// [off_g, off_g+1) of out from the rows of a and weight b[g]; wgrad writes dw[g] (out) from the rows
+/// of dy (a) and x (b). The heuristic kernel, untimed: row counts follow the routing.
 void grouped_loop(GroupedKind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>& off, Tensor& out,
                   float beta, const Stream& s) {
   for (size_t g = 0; g + 1 < off.size(); ++g) {
     const int64_t r0 = off[g], rows = off[g + 1] - off[g];
     if (rows == 0) continue;
     GemmOptions o;
+    o.autotune = false;
     if (kind == GroupedKind::Wgrad) {
       o.trans_a = true;
       o.beta = beta;
@@ -717,6 +721,37 @@ bool grouped_cuda(GroupedKind kind, const Tensor& a, const Tensor& b, const std:
 }
 #endif
 
+std::atomic<int>& path_setting() {
+  static std::atomic<int> v{-1};  // -1: not set yet (MEGACORE_MOE_GEMM, else Auto, at first use)
+  return v;
+}
+
+GroupedGemmPath path_from_env() {
+  const char* v = std::getenv("MEGACORE_MOE_GEMM");
+  return v == nullptr || *v == '\0' ? GroupedGemmPath::Auto : parse_grouped_gemm_path(v);
+}
+
+#if MEGACORE_WITH_CUDA
+/// Says once per op and path which CUDA path the grouped GEMM takes and why.
+void log_path_once(const char* op, GroupedGemmPath setting, GroupedGemmPath path, bool supported, DType in,
+                   DType out, std::span<const int64_t> sizes) {
+  const char* name = path == GroupedGemmPath::Grouped ? "one cuBLAS grouped launch" : "one cuBLASLt GEMM per group";
+  std::string why;
+  if (!supported) {
+    why = fmt::format("cuBLAS has no grouped GEMM for {} inputs with {} output", dtype_name(in), dtype_name(out));
+  } else if (setting != GroupedGemmPath::Auto) {
+    why = fmt::format("MEGACORE_MOE_GEMM / set_grouped_gemm_path = {}", grouped_gemm_path_name(setting));
+  } else {
+    int64_t rows = 0, used = 0;
+    for (int64_t r : sizes) rows += r, used += r > 0;
+    why = fmt::format("auto: {} rows over {} groups with rows, {} {} rows per group on average", rows, used,
+                      path == GroupedGemmPath::Grouped ? "fewer than" : "at least", kGroupedGemmMaxMeanRows);
+  }
+  log_once(LogLevel::Info, fmt::format("{}:path:{}:{}", op, grouped_gemm_path_name(path), supported), "ops",
+           fmt::format("{}: {} ({})", op, name, why));
+}
+#endif
+
 void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<const int64_t> sizes, Tensor& out,
                  float beta, const Stream& s) {
   const char* op = grouped_name(kind);
@@ -763,19 +798,63 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
   const std::vector<int64_t> off = group_offsets(sizes, groups, rows, op);
 #if MEGACORE_WITH_CUDA
   if (d.is_cuda()) {
-    if (grouped_cuda(kind, a, b, off, out, beta, s)) {
-      if (wgrad) scale_empty_groups(off, out, beta, s);
-      return;
+    const GroupedGemmPath setting = grouped_gemm_path();
+    // cuBLAS documents grouped kernels for A = B = C only.
+    const bool supported = a.dtype() == out.dtype();
+    const GroupedGemmPath path = grouped_gemm_choice(setting, sizes, supported);
+    log_path_once(op, setting, path, supported, a.dtype(), out.dtype(), sizes);
+    if (path == GroupedGemmPath::Grouped) {
+      if (grouped_cuda(kind, a, b, off, out, beta, s)) {
+        if (wgrad) scale_empty_groups(off, out, beta, s);
+        return;
+      }
+      log_once(LogLevel::Info, fmt::format("{}:unsupported:{}:{}", op, dtype_name(a.dtype()), dtype_name(out.dtype())),
+               "ops",
+               fmt::format("{}: cuBLAS declined the grouped GEMM for {} inputs with {} output; running one GEMM per "
+                           "group",
+                           op, dtype_name(a.dtype()), dtype_name(out.dtype())));
     }
-    log_once(LogLevel::Info, fmt::format("{}:{}:{}", op, dtype_name(a.dtype()), dtype_name(out.dtype())), "ops",
-             fmt::format("{}: cuBLAS has no grouped GEMM for {} inputs with {} output; running one GEMM per group",
-                         op, dtype_name(a.dtype()), dtype_name(out.dtype())));
   }
 #endif
   grouped_loop(kind, a, b, off, out, beta, s);
 }
 
 }  // namespace
+
+const char* grouped_gemm_path_name(GroupedGemmPath path) {
+  switch (path) {
+    case GroupedGemmPath::Loop: return "loop";
+    case GroupedGemmPath::Grouped: return "grouped";
+    default: return "auto";
+  }
+}
+
+GroupedGemmPath parse_grouped_gemm_path(std::string_view name, std::string_view source) {
+  for (GroupedGemmPath p : {GroupedGemmPath::Auto, GroupedGemmPath::Loop, GroupedGemmPath::Grouped})
+    if (name == grouped_gemm_path_name(p)) return p;
+  raise<ConfigError>("{} is '{}'; the grouped GEMM path is auto, loop or grouped", source, name);
+}
+
+GroupedGemmPath grouped_gemm_path() {
+  int v = path_setting().load();
+  if (v < 0) {
+    int unset = -1;
+    path_setting().compare_exchange_strong(unset, int(path_from_env()));
+    v = path_setting().load();
+  }
+  return GroupedGemmPath(v);
+}
+
+void set_grouped_gemm_path(GroupedGemmPath path) { path_setting().store(int(path)); }
+
+GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes,
+                                    bool grouped_supported) {
+  if (!grouped_supported) return GroupedGemmPath::Loop;
+  if (path != GroupedGemmPath::Auto) return path;
+  int64_t rows = 0, used = 0;
+  for (int64_t r : group_sizes) rows += r, used += r > 0;
+  return used > 0 && rows < kGroupedGemmMaxMeanRows * used ? GroupedGemmPath::Grouped : GroupedGemmPath::Loop;
+}
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& y,
                           const Stream& s) {

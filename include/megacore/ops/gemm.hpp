@@ -51,6 +51,10 @@ struct GemmOptions {
   /// a column range of a wider product; it must not overlap out. Saves the copy into out before an
   /// accumulating product (LoRA's fused path adds its low-rank term this way).
   Tensor c;
+  /// false: this product keeps cuBLASLt's heuristic first choice even while autotuning is on (see
+  /// GemmAutotune), for shapes that change from call to call (one product per expert, whose row count
+  /// follows the routing), where timing each new shape would synchronise the stream every time.
+  bool autotune = true;
 };
 
 /// out = alpha * op(a) @ op(b) + beta * out (+ epilogue). out must be allocated with the right shape

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "megacore/core/stream.hpp"
 #include "megacore/core/tensor.hpp"
@@ -111,13 +112,39 @@ void moe_unpermute_backward(const Tensor& dy, const Tensor& permuted, const Tens
 ///   wgrad:   dw_g = beta · dw_g + dy_g^T · x_g  dw [G, M, K], f32 (the main grad) when the inputs are
 ///            16-bit, else their dtype; beta = 1 accumulates; a group with 0 rows leaves beta · dw_g
 ///            (forward/dgrad write nothing for it: it has no rows).
-/// On CUDA all groups run in one cuBLAS grouped-GEMM launch where cuBLAS supports the case, else one
-/// ops::gemm per group (logged once per case); on the CPU one ops::gemm per group.
+/// On CUDA the products run on the path grouped_gemm_path() selects (see GroupedGemmPath); on the CPU
+/// one ops::gemm per group.
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& y,
                           const Stream& s = {});
 void grouped_gemm_dgrad(const Tensor& dy, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& dx,
                         const Stream& s = {});
 void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64_t> group_sizes, Tensor& dw,
                         float beta = 1.f, const Stream& s = {});
+
+/// How the grouped GEMMs run on CUDA.
+///   Loop:    one cuBLASLt product per group with rows, enqueued back to back on the call's stream (no
+///            host sync, no allocation per group beyond ops::gemm's stream-ordered workspace). Products
+///            keep cuBLASLt's heuristic kernel (no timed autotuning: the row counts change every step).
+///   Grouped: all groups in one cublasGemmGroupedBatchedEx launch. cuBLAS has no grouped kernel for
+///            16-bit inputs into an f32 output (wgrad into the main grad): that case runs Loop.
+///   Auto:    Grouped when the groups with rows average fewer than kGroupedGemmMaxMeanRows rows (many
+///            small products, where launching one per group costs more than the grouped kernel loses),
+///            else Loop (the per-group cuBLASLt products reach the dense GEMM's speed; the grouped
+///            kernel reaches 35-46 % of it with 1024+ rows per group on H200).
+/// The first call of each op says once in the log which path it takes and why.
+enum class GroupedGemmPath { Auto, Loop, Grouped };
+inline constexpr int64_t kGroupedGemmMaxMeanRows = 256;
+
+/// The path setting: set_grouped_gemm_path's last value, else MEGACORE_MOE_GEMM (auto, loop or grouped;
+/// read once; another value is a ConfigError naming the accepted ones), else Auto.
+GroupedGemmPath grouped_gemm_path();
+void set_grouped_gemm_path(GroupedGemmPath path);
+/// The path a CUDA call with these group sizes takes under `path` (Auto resolved to Loop or Grouped;
+/// wgrad into an f32 output from 16-bit inputs is always Loop).
+GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes,
+                                    bool grouped_supported = true);
+const char* grouped_gemm_path_name(GroupedGemmPath path);
+/// "auto", "loop" or "grouped" → the path; another value is a ConfigError naming the accepted ones.
+GroupedGemmPath parse_grouped_gemm_path(std::string_view name, std::string_view source = "MEGACORE_MOE_GEMM");
 
 }  // namespace megacore::ops

@@ -566,6 +566,32 @@ TEST_CASE("MoE ops refuse bad input with the problem named", "[ops][moe]") {
   REQUIRE_THROWS_WITH(ops::moe_permute(x, map, perm_small), Catch::Contains("is outside [-1, 2)"));
 }
 
+TEST_CASE("grouped GEMM path: auto takes the grouped launch for small groups only", "[ops][moe]") {
+  using P = ops::GroupedGemmPath;
+  const int64_t lim = ops::kGroupedGemmMaxMeanRows;
+  const std::vector<int64_t> small(64, 128), large(8, 1024), none(4, 0);
+  // Empty groups do not count: the mean is over the groups with rows.
+  const std::vector<int64_t> below{0, lim - 1, 0, lim}, at{0, lim, 0, lim};
+  CHECK(ops::grouped_gemm_choice(P::Auto, small) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Auto, large) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Auto, below) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Auto, at) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Auto, none) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Loop, small) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Grouped, large) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Grouped, small, false) == P::Loop);  // no cuBLAS grouped kernel
+
+  for (P p : {P::Auto, P::Loop, P::Grouped}) CHECK(ops::parse_grouped_gemm_path(ops::grouped_gemm_path_name(p)) == p);
+  REQUIRE_THROWS_AS(ops::parse_grouped_gemm_path("fast"), ConfigError);
+  REQUIRE_THROWS_WITH(ops::parse_grouped_gemm_path("Loop"),
+                      Catch::Contains("MEGACORE_MOE_GEMM is 'Loop'; the grouped GEMM path is auto, loop or grouped"));
+
+  const P before = ops::grouped_gemm_path();
+  ops::set_grouped_gemm_path(P::Grouped);
+  CHECK(ops::grouped_gemm_path() == P::Grouped);
+  ops::set_grouped_gemm_path(before);
+}
+
 // ---- CUDA vs the CPU reference -----------------------------------------------------------------------
 
 namespace {
@@ -721,7 +747,15 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
   MC_REQUIRE_GPU();
   std::vector<GroupedCase> cases = grouped_cases();
   cases.push_back(GroupedCase{{300, 0, 1000, 17, 0, 555, 128, 1}, 256, 192});
-  for (const auto& gc : cases)
-    for (DType dt : {DType::F32, DType::BF16, DType::F16})
-      check_grouped(gc, dt, gpu(), dt == DType::F32 ? 1e-5 : 1e-2);
+  // Many small groups (Auto's grouped launch) next to the large ones (its loop).
+  cases.push_back(GroupedCase{std::vector<int64_t>(40, 24), 128, 64});
+  const ops::GroupedGemmPath before = ops::grouped_gemm_path();
+  for (auto path : {ops::GroupedGemmPath::Loop, ops::GroupedGemmPath::Grouped, ops::GroupedGemmPath::Auto}) {
+    INFO("path " << ops::grouped_gemm_path_name(path));
+    ops::set_grouped_gemm_path(path);
+    for (const auto& gc : cases)
+      for (DType dt : {DType::F32, DType::BF16, DType::F16})
+        check_grouped(gc, dt, gpu(), dt == DType::F32 ? 1e-5 : 1e-2);
+  }
+  ops::set_grouped_gemm_path(before);
 }
