@@ -59,6 +59,13 @@ std::vector<std::string> lora_problems(const LoRAConfig& lora, const Transformer
       if (has(lora.target_modules, n))
         out.push_back(fmt::format("peft.target_modules: '{}' needs a SwiGLU MLP but this model's MLP is GELU; target "
                                   "linear_fc1 instead", n));
+  if (cfg.is_moe())
+    for (const char* n : {"gate_proj", "up_proj", "down_proj", "linear_fc1", "linear_fc2"})
+      if (has(lora.target_modules, n))
+        out.push_back(fmt::format("peft.target_modules: '{}' would adapt the MLPs, but this is a MoE model "
+                                  "(num_moe_experts = {}) and LoRA adapters on experts are not supported; target the "
+                                  "attention only (q_proj, k_proj, v_proj, o_proj)",
+                                  n, cfg.num_moe_experts));
   if (lora.alpha <= 0) out.push_back(fmt::format("peft.alpha is {}; it must be positive (e.g. 32)", lora.alpha));
   if (!(lora.dropout >= 0 && lora.dropout < 1))
     out.push_back(fmt::format("peft.dropout is {}; it must be in [0, 1) (e.g. 0.1)", lora.dropout));

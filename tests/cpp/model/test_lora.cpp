@@ -131,6 +131,16 @@ TEST_CASE("LoRA settings are validated with the fix named", "[lora]") {
   CHECK(problems_of(l, llama).empty());
   l.target_modules = {"gate_proj"};
   CHECK(problems_of(l, gpt2).find("target linear_fc1 instead") != std::string::npos);
+  mdl::TransformerConfig moe = llama;
+  moe.num_moe_experts = 4;
+  moe.moe_router_topk = 2;
+  for (const char* n : {"gate_proj", "down_proj", "linear_fc1"}) {
+    l.target_modules = {"q_proj", n};
+    CHECK(problems_of(l, moe).find("LoRA adapters on experts are not supported; target the attention only") !=
+          std::string::npos);
+  }
+  l.target_modules = {"q_proj", "o_proj"};
+  CHECK(problems_of(l, moe).empty());
   SoloCommunicator tp;
   mdl::GPTModel m(llama, tp);
   l.target_modules = {"nope"};
