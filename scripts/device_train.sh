@@ -28,6 +28,8 @@
 #   cp           context parallelism: the [cp] tests (merge kernels, ring blocks on cuDNN and flash), the CP 2/4
 #                trainer parity test, then megacore_bench_cp at CP = all GPUs (seq 32768 and 65536) and on 1 GPU
 #                (seq 8192), and the torch context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
+#   moe          the MoE ops' [moe] tests (CUDA kernels and the cuBLAS grouped GEMM against the CPU reference), then
+#                megacore_bench_moe (grouped expert GEMMs vs a per-expert loop vs a dense GEMM of the same FLOPs)
 #   OUT_DIR   logs (OUT_DIR/<step>.log) and JSON results (OUT_DIR/json/), default gpu-results/ in the tree
 #   PYTHON    interpreter (default /opt/torch/.venv/bin/python3 when present, else python3)
 #   DEADLINE  seconds for the whole run (default 3600); each step is also cut to what is left of it
@@ -48,6 +50,7 @@ cmake -S . -B $B -G Ninja -DMEGACORE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$PY -DM
 targets=${TARGETS:-"_C megacore_tests megacore_mpi_tests megacore_bench_model megacore_bench_training megacore_bench_pipeline megacore_bench_collectives"}
 has kernels && targets="$targets megacore_bench_kernels"
 has cp && targets="$targets megacore_bench_cp"
+has moe && targets="$targets megacore_bench_moe"
 cmake --build $B -j$(nproc) --target $targets > $OUT_DIR/build.log 2>&1 || { grep -B2 -A8 error $OUT_DIR/build.log | head -60; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s ($(grep -c Building $OUT_DIR/build.log) compiled)"; nvidia-smi -L | head -4
 export PYTHONPATH=$B/python
@@ -276,5 +279,11 @@ if has cp; then
   grep -E "tflops|wrote|error" $OUT_DIR/bench_cp_1gpu.log | head -6
   step peer_cp_1gpu 200 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/cp/torch_cp_peer.py --seq 8192 \
     --out-dir $OUT_DIR/json; grep -E "tflops|error" $OUT_DIR/peer_cp_1gpu.log | head -3
+fi
+
+if has moe; then
+  step moe_tests 300 $B/tests/megacore_tests "[moe]"; tail -2 $OUT_DIR/moe_tests.log
+  grep -B4 -A14 "FAILED" $OUT_DIR/moe_tests.log | head -60
+  step bench_moe 600 $B/benchmarks/megacore_bench_moe --out-dir $OUT_DIR/json; cat $OUT_DIR/bench_moe.log | head -80
 fi
 echo "logs in $OUT_DIR, JSON results in $OUT_DIR/json"

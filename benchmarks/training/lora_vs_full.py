@@ -13,9 +13,16 @@
    tokens. Reported: max |diff| / max |logit|, and the same for the adapter's own effect (peft minus plain HF),
    so the comparison is seen to be sensitive to the adapter.
 
-Writes benchmarks/results/lora_vs_full_<card>.json (card from torch.cuda.get_device_name).
+4. Fused vs unfused LoRA (--part fused runs only this): LoRA r = 16, alpha = 32, dropout 0 on q/k/v/o/gate/up/down
+   twice in the same process, the same steps each: the fused path (base GEMM and x·Aᵀ in one product over the
+   activations, layers/lora.hpp) and MEGACORE_LORA_FUSED=0 (the low-rank path as its own GEMMs). Median tokens/s
+   and step time of each, and their ratio.
+
+Writes benchmarks/results/lora_vs_full_<card>.json, or with --part fused lora_fused_vs_unfused_<card>.json (card
+from torch.cuda.get_device_name).
 
     PYTHONPATH=.gpu-build/python /opt/torch/.venv/bin/python3 benchmarks/training/lora_vs_full.py --work /tmp/lora_bench
+    PYTHONPATH=.gpu-build/python /opt/torch/.venv/bin/python3 benchmarks/training/lora_vs_full.py --part fused
     PYTHONPATH=build/python python3 benchmarks/training/lora_vs_full.py --smoke --out /tmp/smoke.json  # the script on CPU
 """
 
@@ -82,6 +89,24 @@ def summarise(rows, warmup, mb, seq):
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
+def fused_vs_unfused(mc, hf_dir, data, work, steps, warmup, mb, seq, cpu):
+    """LoRA r = 16 on all seven projections, fused and unfused (MEGACORE_LORA_FUSED=0), the same steps each."""
+    lora = mc.peft.LoRA(dim=16, alpha=32, dropout=0.0,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    out = {"lora_settings": {"r": 16, "alpha": 32, "dropout": 0.0, "targets": lora.target_modules}}
+    for name, flag in (("fused", "1"), ("unfused", "0")):
+        os.environ["MEGACORE_LORA_FUSED"] = flag  # read when the adapters are attached
+        try:
+            rows, wall = run(mc, f"lora_{name}", hf_dir, data, work, lora, steps, mb, False, seq, cpu)
+        finally:
+            os.environ.pop("MEGACORE_LORA_FUSED", None)
+        out[name] = dict(summarise(rows, warmup, mb, seq), wall_seconds=wall)
+        print(f"lora {name}: {out[name]}", flush=True)
+    out["tokens_per_s_fused_over_unfused"] = out["fused"]["tokens_per_s"] / out["unfused"]["tokens_per_s"]
+    print(f"fused / unfused tokens/s: {out['tokens_per_s_fused_over_unfused']:.3f}", flush=True)
+    return out
+
+
 def peft_check(mc, hf_dir, lora_ckpt, work, device):
     """(max |megacore merged − peft| / max |logit|, max |peft − plain HF| / max |logit|) in f32."""
     import numpy as np
@@ -125,6 +150,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--out", default=None, help="default benchmarks/results/lora_vs_full_<card>.json")
+    ap.add_argument("--part", choices=("all", "fused"), default="all",
+                    help="fused: only the fused vs unfused LoRA comparison (item 4 above)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script on CPU ranks with a small model (seq 128; needs --out)")
     a = ap.parse_args()
@@ -141,6 +168,18 @@ def main():
     hf_dir, data = os.path.join(a.work, "hf"), os.path.join(a.work, "train.jsonl")
     write_hf_model(hf_dir, "smoke" if a.smoke else "1b")
     write_data(data, (3, 6) if a.smoke else (20, 60))  # rows of at most ~100 / ~750 bytes
+    model_info = dict(SHAPES["smoke" if a.smoke else "1b"], init="random, written by transformers")
+    if a.part == "fused":
+        res = {"card": card, "model": model_info, "precision": "bf16", "seq_length": seq, "micro_batch": a.micro_batch,
+               "steps": a.steps, "warmup_steps_excluded": a.warmup,
+               "fused_vs_unfused": fused_vs_unfused(mc, hf_dir, data, a.work, a.steps, a.warmup, a.micro_batch, seq,
+                                                    a.smoke)}
+        out = a.out or os.path.join(os.path.dirname(__file__), "..", "results",
+                                    f"lora_fused_vs_unfused_{card.replace(' ', '_')}.json")
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {out}")
+        return 0
     lora = mc.peft.LoRA(dim=32, alpha=32, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     res = {"card": card, "model": dict(SHAPES["smoke" if a.smoke else "1b"], init="random, written by transformers"),
            "precision": "bf16", "seq_length": seq, "micro_batch": a.micro_batch,
@@ -152,6 +191,8 @@ def main():
         print(f"{name}: {res[name]}", flush=True)
     res["memory_factor_full_over_lora"] = res["full"]["peak_mem_gib"] / res["lora"]["peak_mem_gib"]
     res["tokens_per_s_lora_over_full"] = res["lora"]["tokens_per_s"] / res["full"]["tokens_per_s"]
+    res["fused_vs_unfused"] = fused_vs_unfused(mc, hf_dir, data, a.work, a.steps, a.warmup, a.micro_batch, seq,
+                                               a.smoke)
     err, effect = peft_check(mc, hf_dir, os.path.join(a.work, "lora", "checkpoints"), a.work,
                              "cpu" if a.smoke else "cuda")
     res["peft_check"] = {"max_abs_diff_over_max_logit": err, "adapter_effect_over_max_logit": effect,

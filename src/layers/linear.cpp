@@ -107,17 +107,6 @@ class OverlappedCollective {
   comm::WorkPtr work_;
 };
 
-// dX = dY W, plus the LoRA path's input gradient when an adapter is attached (its buffer takes the
-// base's product with beta = 1, so no separate add).
-Tensor input_grad(LoRAAdapter* lora, const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2, const Tensor& w) {
-  if (!lora) return ops::matmul(dy2, w, {}, ctx.stream);
-  Tensor dx = lora->backward(ctx, x2, dy2);
-  ops::GemmOptions o;
-  o.beta = 1.f;
-  ops::gemm(dy2, w, dx, o, ctx.stream);
-  return dx;
-}
-
 // The adapter must be of the layer's kind and input width, and each segment's placement must tile the
 // layer's local output features (a segment may cover only part of them: q_proj alone in the fused QKV).
 void check_adapter(const LoRAAdapter& a, LoRAAdapter::Kind kind, int64_t in, int64_t out_local, std::string_view layer) {
@@ -157,11 +146,85 @@ Tensor init_full_weight(int64_t out_features, int64_t in_features, double std, u
   return w.to(dtype, s);
 }
 
+// ---- ParallelLinearBase ------------------------------------------------------------------------------
+
+ParallelLinearBase::ParallelLinearBase(comm::Communicator& tp, LoRAAdapter::Kind kind, int64_t in_features,
+                                       int64_t out_features, std::string_view name)
+    : tp_(tp), in_(in_features), out_(out_features), kind_(kind), name_(name) {}
+
+std::vector<Parameter*> ParallelLinearBase::parameters() {
+  std::vector<Parameter*> p{&weight_};
+  if (bias_.data.defined()) p.push_back(&bias_);
+  return p;
+}
+
+void ParallelLinearBase::zero_grad() {
+  for (Parameter* p : parameters())
+    if (p->main_grad.defined()) p->main_grad.zero_();
+}
+
+void ParallelLinearBase::stash_activations(ActivationStash& s) {
+  s.put(saved_input_);
+  if (lora_) lora_->stash_activations(s);
+}
+
+void ParallelLinearBase::restore_activations(ActivationStash& s) {
+  s.take(saved_input_);
+  if (lora_) lora_->restore_activations(s);
+}
+
+void ParallelLinearBase::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
+  MC_CHECK(adapter != nullptr, "{}.attach_lora: the adapter is null", name_);
+  MC_CHECK(!lora_, "{}.attach_lora: an adapter is already attached; merge_lora first to attach another", name_);
+  check_adapter(*adapter, kind_, in_, weight_.data.size(0), name_);
+  adapter->bind(weight_, name_);
+  lora_ = std::move(adapter);
+}
+
+void ParallelLinearBase::merge_lora(const Stream& s) {
+  if (!lora_) return;
+  lora_->merge_into(weight_.data, s);
+  lora_->unbind(weight_, s);
+  lora_.reset();
+}
+
+void ParallelLinearBase::set_frozen(bool frozen) {
+  frozen_ = frozen;
+  set_grad_buffer(weight_, frozen);
+  set_grad_buffer(bias_, frozen);
+}
+
+Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias) {
+  if (lora_ && lora_->fused_for(weight_.data)) return lora_->forward_fused(ctx, x2, weight_.data, bias);
+  Tensor y2 = Tensor::empty({x2.size(0), weight_.data.size(0)}, weight_.data.dtype(), weight_.data.device(),
+                            ctx.stream);
+  ops::GemmOptions o;
+  o.trans_b = true;
+  if (bias.defined()) {
+    o.epilogue = ops::GemmEpilogue::Bias;
+    o.bias = bias;
+  }
+  ops::gemm(x2, weight_.data, y2, o, ctx.stream);
+  if (lora_) lora_->forward(ctx, x2, y2);
+  return y2;
+}
+
+// The adapter's input gradient buffer takes the base's product with beta = 1, so no separate add.
+Tensor ParallelLinearBase::input_grad(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2) {
+  if (!lora_) return ops::matmul(dy2, weight_.data, {}, ctx.stream);
+  Tensor dx = lora_->backward(ctx, x2, dy2);
+  ops::GemmOptions o;
+  o.beta = 1.f;
+  ops::gemm(dy2, weight_.data, dx, o, ctx.stream);
+  return dx;
+}
+
 // ---- ColumnParallelLinear ---------------------------------------------------------------------------
 
 ColumnParallelLinear::ColumnParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
                                            const ColumnParallelLinearOptions& options)
-    : tp_(tp), in_(in_features), out_(out_features), out_local_(0), opts_(options) {
+    : ParallelLinearBase(tp, LoRAAdapter::Kind::Column, in_features, out_features, "ColumnParallelLinear"),
+      out_local_(0), opts_(options) {
   constexpr std::string_view kName = "ColumnParallelLinear";
   check_features(in_, out_, kName);
   MC_CHECK(out_ % tp.size() == 0,
@@ -188,15 +251,7 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, x, s) : pm::copy_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(total, in_, s);
-  Tensor y2 = Tensor::empty({x2.size(0), out_local_}, opts_.params_dtype, opts_.device, s);
-  ops::GemmOptions o;
-  o.trans_b = true;
-  if (opts_.bias) {
-    o.epilogue = ops::GemmEpilogue::Bias;
-    o.bias = bias_.data;
-  }
-  ops::gemm(x2, weight_.data, y2, o, s);
-  if (lora_) lora_->forward(ctx, x2, y2);
+  Tensor y2 = product(ctx, x2, opts_.bias ? bias_.data : Tensor());
   saved_input_ = ctx.training ? x : Tensor();
   Tensor y = y2.view(with_last(total.shape(), out_local_));
   return opts_.gather_output ? pm::gather_from_tp_forward(tp_, y, s) : y;
@@ -222,7 +277,7 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
            "{}: dy has shape {} but forward's output had {} rows; pass the gradient of forward's output", kName,
            shape_str(dy.shape()), x2.size(0));
   accumulate_weight_grads(dy2, x2, s);
-  Tensor dx = input_grad(lora_.get(), ctx, x2, dy2, weight_.data).view(total.shape());
+  Tensor dx = input_grad(ctx, x2, dy2).view(total.shape());
   saved_input_ = Tensor();
   return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
 }
@@ -281,17 +336,6 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
   return result;
 }
 
-std::vector<Parameter*> ColumnParallelLinear::parameters() {
-  std::vector<Parameter*> p{&weight_};
-  if (opts_.bias) p.push_back(&bias_);
-  return p;
-}
-
-void ColumnParallelLinear::zero_grad() {
-  for (Parameter* p : parameters())
-    if (p->main_grad.defined()) p->main_grad.zero_();
-}
-
 void ColumnParallelLinear::accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s) {
   if (frozen_) return;
   ops::GemmOptions wg;
@@ -301,29 +345,12 @@ void ColumnParallelLinear::accumulate_weight_grads(const Tensor& dy2, const Tens
   if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
 }
 
-void ColumnParallelLinear::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
-  MC_CHECK(adapter != nullptr, "ColumnParallelLinear.attach_lora: the adapter is null");
-  check_adapter(*adapter, LoRAAdapter::Kind::Column, in_, out_local_, "ColumnParallelLinear");
-  lora_ = std::move(adapter);
-}
-
-void ColumnParallelLinear::merge_lora(const Stream& s) {
-  if (!lora_) return;
-  lora_->merge_into(weight_.data, s);
-  lora_.reset();
-}
-
-void ColumnParallelLinear::set_frozen(bool frozen) {
-  frozen_ = frozen;
-  set_grad_buffer(weight_, frozen);
-  set_grad_buffer(bias_, frozen);
-}
-
 // ---- RowParallelLinear ------------------------------------------------------------------------------
 
 RowParallelLinear::RowParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
                                      const RowParallelLinearOptions& options)
-    : tp_(tp), in_(in_features), out_(out_features), in_local_(0), opts_(options) {
+    : ParallelLinearBase(tp, LoRAAdapter::Kind::Row, in_features, out_features, "RowParallelLinear"), in_local_(0),
+      opts_(options) {
   constexpr std::string_view kName = "RowParallelLinear";
   check_features(in_, out_, kName);
   MC_CHECK(in_ % tp.size() == 0,
@@ -357,10 +384,8 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
   Tensor xin = opts_.input_is_parallel ? x : pm::scatter_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(xin, in_local_, s);
-  ops::GemmOptions o;
-  o.trans_b = true;
-  Tensor partial2 = ops::matmul(x2, weight_.data, o, s);
-  if (lora_) lora_->forward(ctx, x2, partial2);  // before the reduction: B is replicated, h a TP-partial sum
+  // The low-rank path joins before the reduction: B is replicated, h a TP-partial sum.
+  Tensor partial2 = product(ctx, x2, Tensor());
   Tensor partial = partial2.view(with_last(xin.shape(), out_));
   Tensor y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
                                      : pm::reduce_from_tp_forward(tp_, partial, s);
@@ -399,38 +424,9 @@ Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) 
     // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
     if (opts_.bias) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
   }
-  Tensor dx = input_grad(lora_.get(), ctx, x2, dy2, weight_.data).view(saved_input_.shape());
+  Tensor dx = input_grad(ctx, x2, dy2).view(saved_input_.shape());
   saved_input_ = Tensor();
   return opts_.input_is_parallel ? dx : pm::scatter_to_tp_backward(tp_, dx, s);
-}
-
-std::vector<Parameter*> RowParallelLinear::parameters() {
-  std::vector<Parameter*> p{&weight_};
-  if (opts_.bias) p.push_back(&bias_);
-  return p;
-}
-
-void RowParallelLinear::zero_grad() {
-  for (Parameter* p : parameters())
-    if (p->main_grad.defined()) p->main_grad.zero_();
-}
-
-void RowParallelLinear::attach_lora(std::unique_ptr<LoRAAdapter> adapter) {
-  MC_CHECK(adapter != nullptr, "RowParallelLinear.attach_lora: the adapter is null");
-  check_adapter(*adapter, LoRAAdapter::Kind::Row, in_, out_, "RowParallelLinear");
-  lora_ = std::move(adapter);
-}
-
-void RowParallelLinear::merge_lora(const Stream& s) {
-  if (!lora_) return;
-  lora_->merge_into(weight_.data, s);
-  lora_.reset();
-}
-
-void RowParallelLinear::set_frozen(bool frozen) {
-  frozen_ = frozen;
-  set_grad_buffer(weight_, frozen);
-  set_grad_buffer(bias_, frozen);
 }
 
 void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector<Parameter*>& params,
@@ -444,21 +440,5 @@ void allreduce_sequence_parallel_grads(comm::Communicator& tp, const std::vector
     }
 }
 
-void ColumnParallelLinear::stash_activations(ActivationStash& s) {
-  s.put(saved_input_);
-  if (lora_) lora_->stash_activations(s);
-}
-void ColumnParallelLinear::restore_activations(ActivationStash& s) {
-  s.take(saved_input_);
-  if (lora_) lora_->restore_activations(s);
-}
-void RowParallelLinear::stash_activations(ActivationStash& s) {
-  s.put(saved_input_);
-  if (lora_) lora_->stash_activations(s);
-}
-void RowParallelLinear::restore_activations(ActivationStash& s) {
-  s.take(saved_input_);
-  if (lora_) lora_->restore_activations(s);
-}
 
 }  // namespace megacore::layers

@@ -1,9 +1,12 @@
 #include "megacore/layers/lora.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
+#include "megacore/core/log.hpp"
 #include "megacore/core/random.hpp"
 #include "megacore/ops/dropout.hpp"
 #include "megacore/ops/gemm.hpp"
@@ -33,6 +36,32 @@ Tensor segment_view(const Tensor& m, const LoRASegment& g) {
 // The segment's rows of a [blocks·block_width, k] weight, as a (strided) [blocks, width, k] view.
 Tensor segment_rows(const Tensor& w, const LoRASegment& g) {
   return w.view({g.blocks, g.block_width, w.size(1)}).narrow(1, g.col0, g.width);
+}
+
+// Segment g's columns of a [rows, blocks·block_width] matrix held with row stride ld in m's storage
+// (starting at m's first element): [rows, width] for one block, else [blocks, rows, width] (a batch of
+// strided matrices, one per block) — GEMM operands without a copy.
+Tensor segment_matrix(const Tensor& m, const LoRASegment& g, int64_t rows, int64_t ld) {
+  if (g.blocks == 1) return Tensor(m.storage(), {rows, g.width}, {ld, 1}, m.dtype(), m.offset() + g.col0);
+  return Tensor(m.storage(), {g.blocks, rows, g.width}, {g.block_width, ld, 1}, m.dtype(), m.offset() + g.col0);
+}
+
+// True when the segments cover each of the out local output features exactly once.
+bool tiles_output(const std::vector<LoRASegment>& segs, int64_t out) {
+  std::vector<int> hits(size_t(out), 0);
+  for (const LoRASegment& g : segs)
+    for (int64_t b = 0; b < g.blocks; ++b)
+      for (int64_t c = g.col0; c < g.col0 + g.width; ++c) {
+        const int64_t i = b * g.block_width + c;
+        if (i >= out) return false;
+        ++hits[size_t(i)];
+      }
+  return std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; });
+}
+
+bool fused_disabled_by_env() {
+  const char* v = std::getenv("MEGACORE_LORA_FUSED");
+  return v != nullptr && std::string_view(v) == "0";
 }
 
 // out = alpha · op(a) op(b) + beta · out.
@@ -140,20 +169,112 @@ Tensor LoRAAdapter::backward(const ForwardContext& ctx, const Tensor& x2, const 
            "{}.backward: nothing saved; call forward with ctx.training = true before backward", kName);
   Tensor xd = opts_.dropout > 0.0 ? dropped(x2, s) : x2;
   const float sc = float(scale());
+  const int64_t rows = dy2.size(0), r = opts_.rank, sum_r = r * int64_t(segs_.size());
   Tensor dx = Tensor::empty(x2.shape(), dtype_, device_, s);
+  // Fused: the dh of every segment side by side, for one dx product with F's stacked A rows.
+  const bool stacked = fused_.defined();
+  Tensor dh_all = stacked ? Tensor::empty({rows, sum_r}, dtype_, device_, s) : Tensor();
+  if (stacked) refresh_fused_a(s);
   for (size_t j = 0; j < segs_.size(); ++j) {
     const LoRASegment& g = segs_[j];
-    Tensor dy = trivial(g) ? dy2 : segment_view(dy2, g).contiguous(s).view({dy2.size(0), g.blocks * g.width});
+    Tensor dy = trivial(g) ? dy2 : segment_view(dy2, g).contiguous(s).view({rows, g.blocks * g.width});
     gemm(dy, true, saved_h_[j], false, b_[j].main_grad, sc, 1.f, s);  // dB += scale · dyᵀ h
-    Tensor dh = Tensor::empty({dy.size(0), opts_.rank}, dtype_, device_, s);
+    Tensor dh = stacked ? dh_all.narrow(1, int64_t(j) * r, r) : Tensor::empty({rows, r}, dtype_, device_, s);
     gemm(dy, false, b_[j].data, false, dh, sc, 0.f, s);                // dh = scale · dy B
     gemm(dh, true, xd, false, a_[j].main_grad, 1.f, 1.f, s);           // dA += dhᵀ xd
-    gemm(dh, false, a_[j].data, false, dx, 1.f, j == 0 ? 0.f : 1.f, s);  // dxd (+)= dh A
+    if (!stacked) gemm(dh, false, a_[j].data, false, dx, 1.f, j == 0 ? 0.f : 1.f, s);  // dxd (+)= dh A
   }
+  if (stacked) gemm(dh_all, false, fused_.narrow(0, fused_.size(0) - sum_r, sum_r), false, dx, 1.f, 0.f, s);
   // Every segment saw the same dropped input: one mask for the summed input gradient.
   if (opts_.dropout > 0.0) ops::dropout_backward(dx, dx, float(opts_.dropout), dropout_seed_, counter_, s);
   saved_h_.clear();
   return dx;
+}
+
+void LoRAAdapter::bind(Parameter& weight, std::string_view layer) {
+  fused_ = Tensor();
+  fused_bias_ = Tensor();
+  if (!opts_.fused || fused_disabled_by_env()) return;
+  if (opts_.dropout > 0.0) {
+    log_once(LogLevel::Info, "lora_dropout_unfused", "LoRA",
+             fmt::format("dropout {} > 0: the adapters' input is dropout(x), not the base's x, so the low-rank path "
+                         "runs unfused (its own GEMM over the activations, e.g. in {}); peft.dropout = 0 fuses it "
+                         "into the base GEMM",
+                         opts_.dropout, layer));
+    return;
+  }
+  const Tensor& w = weight.data;
+  if (!w.defined() || w.dim() != 2 || w.dtype() != dtype_ || w.device() != device_ || !w.is_contiguous() ||
+      w.size(1) != in_local_)
+    return;
+  const int64_t out = w.size(0), r = opts_.rank;
+  fused_tiles_ = tiles_output(segs_, out);
+  Tensor f = Tensor::empty({out + r * int64_t(segs_.size()), in_local_}, dtype_, device_);
+  f.narrow(0, 0, out).copy_(w);
+  for (size_t j = 0; j < a_.size(); ++j) {
+    Tensor rows = f.narrow(0, out + int64_t(j) * r, r);
+    rows.copy_(a_[j].data);
+    a_[j].data = rows;
+  }
+  weight.data = f.narrow(0, 0, out);
+  fused_ = f;
+}
+
+void LoRAAdapter::unbind(Parameter& weight, const Stream& s) {
+  if (!fused_.defined()) return;
+  if (weight.data.defined() && weight.data.storage() == fused_.storage()) weight.data = weight.data.clone(s);
+  fused_ = Tensor();
+  fused_bias_ = Tensor();
+}
+
+bool LoRAAdapter::fused_for(const Tensor& weight) const {
+  const int64_t sum_r = opts_.rank * int64_t(segs_.size());
+  return fused_.defined() && weight.defined() && weight.storage() == fused_.storage() &&
+         weight.offset() == fused_.offset() && weight.size(0) == fused_.size(0) - sum_r && weight.is_contiguous();
+}
+
+void LoRAAdapter::refresh_fused_a(const Stream& s) {
+  const int64_t r = opts_.rank, out = fused_.size(0) - r * int64_t(segs_.size());
+  for (size_t j = 0; j < a_.size(); ++j) {
+    Tensor rows = fused_.narrow(0, out + int64_t(j) * r, r);
+    if (a_[j].data.data_ptr() != rows.data_ptr()) rows.copy_(a_[j].data, s);  // moved by a DDP buffer
+  }
+}
+
+Tensor LoRAAdapter::forward_fused(const ForwardContext& ctx, const Tensor& x2, const Tensor& weight,
+                                  const Tensor& bias) {
+  const Stream& s = ctx.stream;
+  MC_INTERNAL_ASSERT(fused_for(weight), "LoRAAdapter.forward_fused: the weight is not in the fused buffer");
+  refresh_fused_a(s);
+  const int64_t rows = x2.size(0), r = opts_.rank, ldz = fused_.size(0), out = weight.size(0);
+  // Z = x Fᵀ = [x Wᵀ (+ bias) | h_0 | h_1 ..]: one read of x.
+  Tensor z = Tensor::empty({rows, ldz}, dtype_, device_, s);
+  ops::GemmOptions o;
+  o.trans_b = true;
+  if (bias.defined()) {
+    if (!fused_bias_.defined()) fused_bias_ = Tensor::zeros({ldz}, dtype_, device_, s);
+    fused_bias_.narrow(0, 0, out).copy_(bias, s);
+    o.epilogue = ops::GemmEpilogue::Bias;
+    o.bias = fused_bias_;
+  }
+  ops::gemm(x2, fused_, z, o, s);
+  Tensor y2 = Tensor::empty({rows, out}, dtype_, device_, s);
+  if (!fused_tiles_) y2.copy_(Tensor(z.storage(), {rows, out}, {ldz, 1}, dtype_, z.offset()), s);
+  saved_h_.clear();
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    Tensor h(z.storage(), {rows, r}, {ldz, 1}, dtype_, z.offset() + out + int64_t(j) * r);
+    Tensor dst = segment_matrix(y2, g, rows, out);
+    ops::GemmOptions so;
+    so.trans_b = true;
+    so.alpha = float(scale());
+    so.beta = 1.f;
+    if (fused_tiles_) so.c = segment_matrix(z, g, rows, ldz);  // y_j = scale · h_j B_jᵀ + Z's segment columns
+    const Tensor& b = b_[j].data;
+    ops::gemm(h, g.blocks == 1 ? b : b.view({g.blocks, g.width, r}), dst, so, s);
+    if (ctx.training) saved_h_.push_back(h.contiguous(s));
+  }
+  return y2;
 }
 
 void LoRAAdapter::merge_into(Tensor& weight, const Stream& s) const {

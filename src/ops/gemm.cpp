@@ -122,6 +122,10 @@ void gemm_cpu(const Operand& a, const Operand& b, Tensor& out, int64_t m, int64_
   const int64_t ldc = out.stride(-2), sc = out.dim() == 3 ? out.stride(0) : 0;
   const DType odt = out.dtype();
   void* optr = out.data_ptr();
+  // The beta term's source: out itself, or opts.c with its own strides.
+  const bool own_c = opts.c.defined();
+  const void* cptr = own_c ? opts.c.data_ptr() : optr;
+  const int64_t ldci = own_c ? opts.c.stride(-2) : ldc, sci = own_c ? (opts.c.dim() == 3 ? opts.c.stride(0) : 0) : sc;
   std::vector<double> bias_acc;
   for (int64_t bi = 0; bi < batch; ++bi) {
     std::vector<float> av = gather_op(ab, a, a.batch > 1 ? bi : 0, m, k);
@@ -144,7 +148,7 @@ void gemm_cpu(const Operand& a, const Operand& b, Tensor& out, int64_t m, int64_
       for (int64_t j = 0; j < n; ++j) {
         const int64_t idx = bi * sc + i * ldc + j;
         double v = double(opts.alpha) * cv[size_t(i * n + j)];
-        if (opts.beta != 0.f) v += double(opts.beta) * load(odt, optr, idx);
+        if (opts.beta != 0.f) v += double(opts.beta) * load(odt, cptr, bi * sci + i * ldci + j);
         if (needs_bias(opts.epilogue)) v += load(opts.bias.dtype(), opts.bias.data_ptr(), j);
         if (opts.epilogue == GemmEpilogue::Gelu || opts.epilogue == GemmEpilogue::BiasGelu) v = ref::gelu_tanh(v);
         store(odt, optr, idx, v);
@@ -199,6 +203,15 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   MC_CHECK(out.stride(-1) == 1 || n == 1, "{}: out must have contiguous rows (stride(-1) == 1), got strides {}", kOp,
            shape_str(out.strides()));
   MC_CHECK(!batched || batch == 1 || out.stride(0) != 0, "{}: out's batch stride is 0", kOp);
+  if (opts.c.defined()) {
+    MC_CHECK(opts.c.shape() == out.shape() && opts.c.dtype() == out.dtype(),
+             "{}: opts.c is {} {} but out is {} {}; pass the beta term's source in out's shape and dtype", kOp,
+             dtype_name(opts.c.dtype()), shape_str(opts.c.shape()), dtype_name(out.dtype()), shape_str(out.shape()));
+    MC_CHECK(opts.c.stride(-1) == 1 || n == 1, "{}: opts.c must have contiguous rows (stride(-1) == 1), got strides {}",
+             kOp, shape_str(opts.c.strides()));
+    MC_CHECK(!batched || batch == 1 || opts.c.stride(0) != 0, "{}: opts.c's batch stride is 0", kOp);
+    detail::check_same_device(opts.c, dev, kOp, "opts.c");
+  }
 
   if (needs_bias(opts.epilogue) || is_bias_grad(opts.epilogue)) {
     detail::check_defined(opts.bias, kOp, "opts.bias");
@@ -216,6 +229,7 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   if (ka == 0) {
     // An empty sum: only the beta term remains (and a zero bias gradient).
     MC_CHECK(opts.epilogue == GemmEpilogue::None, "{}: K = 0 with an epilogue is not supported", kOp);
+    MC_CHECK(!opts.c.defined(), "{}: K = 0 with a separate beta source (opts.c) is not supported", kOp);
     if (opts.beta == 0.f) out.zero_(s);
     return;
   }
@@ -237,6 +251,11 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   p.c = out.data_ptr();
   p.ldc = m <= 1 ? n : out.stride(-2);
   p.stride_c = batched ? out.stride(0) : 0;
+  if (opts.c.defined()) {
+    p.c_in = opts.c.data_ptr();
+    p.ldc_in = m <= 1 ? n : opts.c.stride(-2);
+    p.stride_c_in = batched ? opts.c.stride(0) : 0;
+  }
   p.alpha = opts.alpha, p.beta = opts.beta;
   p.epilogue = int(opts.epilogue);
   p.bias = opts.bias.defined() ? opts.bias.data_ptr() : nullptr;
@@ -251,10 +270,11 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   if (batch > 1 && (p.stride_a == 0 || p.stride_b == 0)) {
     // A shared operand next to a batched one. When a is the batched one, not transposed and packed,
     // the batch folds into M: one large product instead of many.
-    if (p.stride_b == 0 && !p.trans_a && p.stride_a == m * p.lda && p.stride_c == m * p.ldc) {
+    if (p.stride_b == 0 && !p.trans_a && p.stride_a == m * p.lda && p.stride_c == m * p.ldc &&
+        (!p.c_in || p.stride_c_in == m * p.ldc_in)) {
       p.m = m * batch;
       p.batch = 1;
-      p.stride_a = p.stride_c = 0;
+      p.stride_a = p.stride_c = p.stride_c_in = 0;
       cuda::gemm(p, dev.index, stream);
       return;
     }
@@ -266,7 +286,8 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
       q.a = static_cast<const char*>(p.a) + i * p.stride_a * ea;
       q.b = static_cast<const char*>(p.b) + i * p.stride_b * ea;
       q.c = static_cast<char*>(p.c) + i * p.stride_c * ec;
-      q.stride_a = q.stride_b = q.stride_c = 0;
+      if (p.c_in) q.c_in = static_cast<const char*>(p.c_in) + i * p.stride_c_in * ec;
+      q.stride_a = q.stride_b = q.stride_c = q.stride_c_in = 0;
       cuda::gemm(q, dev.index, stream);
     }
     return;

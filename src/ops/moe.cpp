@@ -67,14 +67,16 @@ std::pair<int64_t, int> slots_shape(const Tensor& t, const char* op, const char*
   return {t.size(0), int(t.size(1))};
 }
 
-/// CPU: every index of a [T, k] i32 tensor lies in [lo, e).
-void check_index_values(const Tensor& indices, int lo, int e, const char* op, const char* name) {
+/// CPU: every index of a [T, k] i32 tensor lies in [lo, e); `hint` ends the message.
+void check_index_values(const Tensor& indices, int lo, int e, const char* op, const char* hint) {
   if (!indices.device().is_cpu()) return;
   const int32_t* p = indices.data<int32_t>();
   for (int64_t i = 0; i < indices.numel(); ++i)
-    MC_CHECK(p[i] >= lo && p[i] < e, "{}: {}[{}, {}] = {} is outside [{}, {}){}", op, name, i / indices.size(1),
-             i % indices.size(1), p[i], lo, e, lo < 0 ? " (-1 marks a dropped slot)" : "");
+    MC_CHECK(p[i] >= lo && p[i] < e, "{}: indices[{}, {}] = {} is outside [{}, {}); {}", op, i / indices.size(1),
+             i % indices.size(1), p[i], lo, e, hint);
 }
+
+constexpr const char* kExpertIdHint = "expert ids are 0..E-1 and -1 marks a dropped slot";
 
 // ---- router: CPU reference (f64) --------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ void router_topk_backward(const Tensor& logits, const Tensor& indices, const Ten
   check_i32(indices, {t, o.topk}, d, op, "indices");
   check_f32(dprobs, {t, o.topk}, d, op, "dprobs");
   check_f32(dlogits, {t, e}, d, op, "dlogits");
-  check_index_values(indices, 0, e, op, "indices (router_topk's output before capacity)");
+  check_index_values(indices, 0, e, op, "pass router_topk's indices from before router_apply_capacity");
   if (d.is_cpu()) return router_topk_backward_cpu(logits, indices, dprobs, o, dlogits, t, e);
   void* stream = detail::launch_stream(s, d, op);
 #if MEGACORE_WITH_CUDA
@@ -271,7 +273,7 @@ void router_apply_capacity(Tensor& probs, Tensor& indices, int num_experts, int6
   MC_CHECK(num_experts >= 1, "{}: num_experts is {}; it must be at least 1", op, num_experts);
   MC_CHECK(capacity >= 1, "{}: capacity is {}; each expert must keep at least one slot (raise the capacity factor)",
            op, capacity);
-  check_index_values(indices, -1, num_experts, op, "indices");
+  check_index_values(indices, -1, num_experts, op, kExpertIdHint);
   if (d.is_cpu()) {
     int32_t* idx = indices.data<int32_t>();
     float* p = probs.data<float>();
@@ -427,7 +429,7 @@ void moe_permute_map(const Tensor& indices, int num_experts, Tensor& row_map, Te
   detail::check_dtype(tokens_per_expert, DType::I64, op, "tokens_per_expert");
   detail::check_shape(tokens_per_expert, {num_experts}, op, "tokens_per_expert");
   detail::check_same_device(tokens_per_expert, d, op, "tokens_per_expert");
-  check_index_values(indices, -1, num_experts, op, "indices");
+  check_index_values(indices, -1, num_experts, op, kExpertIdHint);
   MC_CHECK(t * k <= std::numeric_limits<int32_t>::max(), "{}: {} slots do not fit the i32 row map", op, t * k);
   if (d.is_cpu()) {
     const int32_t* idx = indices.data<int32_t>();

@@ -38,13 +38,16 @@
 // Biases start at zero.
 //
 // LoRA and frozen weights (layers/lora.hpp): attach_lora adds a low-rank path to the layer's GEMM, run on
-// the same input rows and added before the layer's TP reduction; set_frozen(true) skips the weight and
-// bias gradients (the dW GEMM and its main_grad buffer) while still returning the input gradient.
-// With LoRA or frozen weights the non-overlapped backward is used (overlap_grad_comm is ignored).
+// the same input rows and added before the layer's TP reduction; where it can, the adapter fuses with the
+// base GEMM (the weight then lives in the adapter's [W ; A] buffer, weight().data viewing its rows).
+// set_frozen(true) skips the weight and bias gradients (the dW GEMM and its main_grad buffer) while still
+// returning the input gradient. With LoRA or frozen weights the non-overlapped backward is used
+// (overlap_grad_comm is ignored). Both layers share this part (ParallelLinearBase).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
@@ -93,8 +96,63 @@ struct RowParallelLinearOptions {
 Tensor init_full_weight(int64_t out_features, int64_t in_features, double std, uint64_t seed, uint64_t offset,
                         DType dtype = DType::F32, Device device = Device::cpu(), const Stream& s = {});
 
+/// What both parallel linear layers share: the weight and bias parameters, the saved input, an attached
+/// LoRA adapter (fused with the base GEMM where it can be, see layers/lora.hpp) and the frozen flag.
+class ParallelLinearBase {
+ public:
+  /// Column: [out/TP, in], partition_dim 0. Row: [out, in/TP], partition_dim 1.
+  Parameter& weight() { return weight_; }
+  /// Column: [out/TP], partition_dim 0. Row: [out], replicated; with sequence_parallel its main_grad holds
+  /// only this rank's sequence chunk's share (Parameter::sequence_parallel is set) until
+  /// allreduce_sequence_parallel_grads. Undefined without bias.
+  Parameter& bias() { return bias_; }
+  std::vector<Parameter*> parameters();
+  void zero_grad();
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+
+  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
+  /// back from `s`, in a fixed order; see activation_stash.hpp.
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
+
+  /// Attaches a LoRA adapter built for this layer (Kind matching, the layer's full in_features and output
+  /// width) and binds it to the weight (the fused path moves the weight into the adapter's [W ; A] buffer;
+  /// weight().data then views its rows). It runs in every later forward/backward. Throws ValueError when it
+  /// does not fit.
+  void attach_lora(std::unique_ptr<LoRAAdapter> adapter);
+  /// The attached adapter, or nullptr.
+  LoRAAdapter* lora() { return lora_.get(); }
+  /// Adds the adapter's scale · B A into the weight and detaches it (the layer then computes the same
+  /// function without the low-rank path; the weight gets its own storage again).
+  void merge_lora(const Stream& s = {});
+  /// Frozen: backward computes no weight or bias gradient and their main_grad buffers are released
+  /// (unfreezing allocates them again, zeroed).
+  void set_frozen(bool frozen);
+  bool frozen() const { return frozen_; }
+
+ protected:
+  ParallelLinearBase(comm::Communicator& tp, LoRAAdapter::Kind kind, int64_t in_features, int64_t out_features,
+                     std::string_view name);
+  /// x2 [rows, in local] → x2 Wᵀ (+ bias when defined) plus the adapter's low-rank path, [rows, W's rows].
+  Tensor product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias);
+  /// dY W, plus the adapter's input gradient when one is attached (contiguous [rows, in local]).
+  Tensor input_grad(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2);
+
+  comm::Communicator& tp_;
+  int64_t in_, out_;
+  Parameter weight_, bias_;
+  Tensor saved_input_;
+  std::unique_ptr<LoRAAdapter> lora_;
+  bool frozen_ = false;
+
+ private:
+  LoRAAdapter::Kind kind_;
+  std::string_view name_;
+};
+
 /// Y = X W^T + b with W's output features split over the TP group.
-class ColumnParallelLinear {
+class ColumnParallelLinear : public ParallelLinearBase {
  public:
   /// `tp` must outlive the layer. Throws ValueError naming the fix when out_features is not divisible
   /// by TP or the options contradict each other (gather_output with sequence_parallel).
@@ -108,53 +166,25 @@ class ColumnParallelLinear {
   /// the gradient of x (summed over TP; reduce-scattered to [s/TP, ...] with sequence_parallel).
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
 
-  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
-  /// back from `s`, in a fixed order; see activation_stash.hpp.
-  void stash_activations(ActivationStash& s);
-  void restore_activations(ActivationStash& s);
-
-  Parameter& weight() { return weight_; }  ///< [out/TP, in], partition_dim 0
-  Parameter& bias() { return bias_; }      ///< [out/TP], partition_dim 0; undefined without bias
-  std::vector<Parameter*> parameters();
-  void zero_grad();
-  int64_t in_features() const { return in_; }
-  int64_t out_features() const { return out_; }
   int64_t out_features_per_rank() const { return out_local_; }
   const ColumnParallelLinearOptions& options() const { return opts_; }
   /// Turns overlap_grad_comm on or off after construction (a model built from a TransformerConfig
   /// uses it for the layers it does not construct itself).
   void set_overlap_grad_comm(bool on) { opts_.overlap_grad_comm = on; }
 
-  /// Attaches a LoRA adapter built for this layer (Kind matching, the layer's full in_features and output
-  /// width); it runs in every later forward/backward. Throws ValueError when it does not fit.
-  void attach_lora(std::unique_ptr<LoRAAdapter> adapter);
-  /// The attached adapter, or nullptr.
-  LoRAAdapter* lora() { return lora_.get(); }
-  /// Adds the adapter's scale · B A into the weight and detaches it (the layer then computes the same
-  /// function without the low-rank path).
-  void merge_lora(const Stream& s = {});
-  /// Frozen: backward computes no weight or bias gradient and their main_grad buffers are released
-  /// (unfreezing allocates them again, zeroed).
-  void set_frozen(bool frozen);
-  bool frozen() const { return frozen_; }
-
  private:
   Tensor backward_overlapped(const Stream& s, const Tensor& dyl);
   void accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s);
 
-  comm::Communicator& tp_;
-  int64_t in_, out_, out_local_;
+  int64_t out_local_;
   ColumnParallelLinearOptions opts_;
-  Parameter weight_, bias_;
-  Tensor saved_input_;  // x as given (with SP: the local chunk; re-gathered in backward)
   Stream comm_stream_;  // CUDA: created on the first overlapped backward
-  std::unique_ptr<LoRAAdapter> lora_;
-  bool frozen_ = false;
+  // saved_input_: x as given (with SP: the local chunk; re-gathered in backward)
 };
 
 /// Y = X W^T + b with W's input features split over the TP group; the partial products are summed
 /// (all-reduce, or reduce-scatter along the sequence with SP) and the bias is added once after that.
-class RowParallelLinear {
+class RowParallelLinear : public ParallelLinearBase {
  public:
   /// Throws ValueError naming the fix when in_features is not divisible by TP or sequence_parallel
   /// is asked without input_is_parallel.
@@ -167,43 +197,13 @@ class RowParallelLinear {
   /// dy: gradient of forward's output (same shape). Returns the gradient of x in x's layout.
   Tensor backward(const ForwardContext& ctx, const Tensor& dy);
 
-  /// Moves the saved state of the last forward into `s` (the layer is left with nothing saved) /
-  /// back from `s`, in a fixed order; see activation_stash.hpp.
-  void stash_activations(ActivationStash& s);
-  void restore_activations(ActivationStash& s);
-
-  Parameter& weight() { return weight_; }  ///< [out, in/TP], partition_dim 1
-  /// [out], replicated; with sequence_parallel its main_grad holds only this rank's sequence chunk's
-  /// share (Parameter::sequence_parallel is set) until allreduce_sequence_parallel_grads.
-  Parameter& bias() { return bias_; }
-  std::vector<Parameter*> parameters();
-  void zero_grad();
-  int64_t in_features() const { return in_; }
-  int64_t out_features() const { return out_; }
   int64_t in_features_per_rank() const { return in_local_; }
   const RowParallelLinearOptions& options() const { return opts_; }
 
-  /// Attaches a LoRA adapter built for this layer (Kind matching, the layer's full in_features and output
-  /// width); it runs in every later forward/backward. Throws ValueError when it does not fit.
-  void attach_lora(std::unique_ptr<LoRAAdapter> adapter);
-  /// The attached adapter, or nullptr.
-  LoRAAdapter* lora() { return lora_.get(); }
-  /// Adds the adapter's scale · B A into the weight and detaches it (the layer then computes the same
-  /// function without the low-rank path).
-  void merge_lora(const Stream& s = {});
-  /// Frozen: backward computes no weight or bias gradient and their main_grad buffers are released
-  /// (unfreezing allocates them again, zeroed).
-  void set_frozen(bool frozen);
-  bool frozen() const { return frozen_; }
-
  private:
-  comm::Communicator& tp_;
-  int64_t in_, out_, in_local_;
+  int64_t in_local_;
   RowParallelLinearOptions opts_;
-  Parameter weight_, bias_;
-  Tensor saved_input_;  // this rank's [..., in/TP] input
-  std::unique_ptr<LoRAAdapter> lora_;
-  bool frozen_ = false;
+  // saved_input_: this rank's [..., in/TP] input
 };
 
 /// Sums over `tp` the main_grad of every parameter flagged sequence_parallel (once per step, before

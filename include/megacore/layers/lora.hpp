@@ -36,10 +36,37 @@
 //
 // Saved activations: h = dropout(x) Aᵀ per segment ([rows, r], small) and the dropout counter; the
 // input itself is the base layer's saved input, which the base passes back into backward.
+//
+// Fused path (LoRAOptions::fused, on by default; MEGACORE_LORA_FUSED=0 in the environment turns it off
+// for every adapter attached later). attach_lora binds the adapter to its base weight: W [out, in] and the
+// A's of all segments, stacked as rows, move into ONE buffer F = [W ; A_0 ; A_1 ..] of [out + ΣR, in]
+// (ΣR = r · segments; for a row-parallel base the local [out, in/TP] and [r, in/TP], which share the
+// input-column split). The Parameter objects point at their rows of F, so the optimizer, checkpoints,
+// merge and export see the same tensors as before. Then
+//   forward:  Z = x Fᵀ, one GEMM and one read of x, gives [x Wᵀ (+ bias) | h_0 | h_1 ..] ([rows, out + ΣR],
+//             the bias padded with zeros for the h columns); per segment y_j = scale · h_j B_jᵀ + Z's
+//             segment columns, written straight into the contiguous output (GEMM with a separate beta
+//             source, ops::GemmOptions::c; strided-batched over the segment's blocks, so q/k/v of the
+//             grouped QKV need no gather or scatter). A segment set that leaves output columns uncovered
+//             (q_proj alone) first copies Z's output columns.
+//   backward: every segment's dh_j = scale · dy_j B_j is written into one [rows, ΣR] buffer and the input
+//             gradient of the low-rank path is ONE product dh · [A_0 ; A_1 ..] (K = ΣR) with F's A rows,
+//             into which the base's dy W accumulates (beta = 1). dy is not copied beside dh to make it a
+//             single [dy | dh] · F product: that copy moves rows · out elements each way, more than the
+//             one accumulating read of dx (rows · in) it would save for q/k/v and gate/up.
+// A's gradients are TP-partial or exact as in the unfused path; their f32 main_grads and f32 masters are
+// untouched (only A's bf16/f32 data lives in F). When data-parallel buffers move A's data elsewhere
+// (optim::ParamAndGradBuffer re-points every trainable parameter), each forward copies the current A's
+// into F's rows (r · in elements per segment, small beside the activations). If the base weight itself
+// was moved out of F (a trainable base in a DDP buffer), the layer runs the unfused path.
+// Not fused: dropout > 0 (the adapter's input dropout(x) is not the base's x, so one product cannot
+// serve both; said once in the log at attach), a base weight of another dtype or not contiguous.
+// merge_lora adds scale · B A into W's rows of F and then gives W its own storage again.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
@@ -57,6 +84,9 @@ struct LoRAOptions {
   uint64_t seed = 1234;
   /// Philox offset of segment 0's A draw (segment j uses init_offset + j); give every adapter its own range.
   uint64_t init_offset = 0;
+  /// Run the base GEMM and the low-rank path fused (see the header comment); MEGACORE_LORA_FUSED=0 in the
+  /// environment overrides it to false. Both paths give the same results up to rounding.
+  bool fused = true;
 };
 
 /// Where a segment's outputs sit in the base's local output features (see the header comment).
@@ -87,6 +117,18 @@ class LoRAAdapter {
   /// into it (GEMM beta = 1) before its TP reduction.
   Tensor backward(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2);
 
+  /// Binds the adapter to its base weight [out, in] (ColumnParallel/RowParallelLinear::attach_lora calls it):
+  /// with the fused path on and possible, W and the A's move into one buffer and the parameters are
+  /// re-pointed at their rows (see the header comment). `layer` names the layer in the log line.
+  void bind(Parameter& weight, std::string_view layer);
+  /// Gives the weight its own storage again and drops the fused buffer (before the adapter goes away).
+  void unbind(Parameter& weight, const Stream& s = {});
+  /// True when forward_fused can run for this weight: bound, and W still lives in the fused buffer.
+  bool fused_for(const Tensor& weight) const;
+  /// The base product and the low-rank path together: returns y2 = x2 Wᵀ (+ bias) + scale · h Bᵀ
+  /// ([rows, out], contiguous), with one GEMM over x2. Needs fused_for(weight). bias: [out] or undefined.
+  Tensor forward_fused(const ForwardContext& ctx, const Tensor& x2, const Tensor& weight, const Tensor& bias);
+
   void stash_activations(ActivationStash& s);
   void restore_activations(ActivationStash& s);
 
@@ -107,6 +149,7 @@ class LoRAAdapter {
 
  private:
   Tensor dropped(const Tensor& x2, const Stream& s) const;
+  void refresh_fused_a(const Stream& s);  // copies A's that live outside F (a DDP buffer) into F's rows
 
   comm::Communicator& tp_;
   Kind kind_;
@@ -118,6 +161,9 @@ class LoRAAdapter {
   std::vector<Parameter> a_, b_;
   uint64_t dropout_seed_ = 0, next_counter_ = 0, counter_ = 0;
   std::vector<Tensor> saved_h_;
+  Tensor fused_;       // [out + ΣR, in]: W's rows, then each segment's A rows (undefined: unfused)
+  Tensor fused_bias_;  // [out + ΣR]: the base's bias, then zeros (forward_fused with a bias)
+  bool fused_tiles_ = false;  // the segments cover every output column once (Z's columns feed the beta term)
 };
 
 /// The target names a user may give, in the order they are documented.

@@ -46,6 +46,11 @@ struct GemmOptions {
   Tensor bias;
   /// f32 only: let the tensor cores round inputs to tf32.
   bool allow_tf32 = false;
+  /// When defined, the beta term reads this tensor instead of out: out = alpha * op(a) @ op(b) + beta * c
+  /// (+ epilogue). Same shape and dtype as out, last dimension contiguous, any row (and batch) stride, e.g.
+  /// a column range of a wider product; it must not overlap out. Saves the copy into out before an
+  /// accumulating product (LoRA's fused path adds its low-rank term this way).
+  Tensor c;
 };
 
 /// out = alpha * op(a) @ op(b) + beta * out (+ epilogue). out must be allocated with the right shape

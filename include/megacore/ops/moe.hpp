@@ -38,7 +38,8 @@ struct RouterTopkOptions {
 /// Top-k routing. logits f32 [T, E] (in). expert_bias f32 [E] or undefined (in): added to the scores
 /// for the *selection only*, so the combine weights stay those of the unbiased scores (aux-loss-free
 /// load balancing). probs f32 [T, k] (out): combine weights. indices i32 [T, k] (out): distinct experts
-/// per row in descending selection score, ties to the lower expert id. E <= 256 and k <= 8 on CUDA.
+/// per row in descending selection score, ties to the lower expert id. On CUDA the router ops (top-k,
+/// its backward, aux and z losses) take E <= 256 (a warp per token holds the row in registers) and k <= 8.
 void router_topk(const Tensor& logits, const Tensor& expert_bias, const RouterTopkOptions& o, Tensor& probs,
                  Tensor& indices, const Stream& s = {});
 

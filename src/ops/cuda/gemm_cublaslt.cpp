@@ -82,7 +82,7 @@ Handles& handles() {
   return *h;
 }
 
-using PlanKey = std::array<int64_t, 25>;
+using PlanKey = std::array<int64_t, 28>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 1469598103934665603ull;
@@ -92,8 +92,13 @@ struct PlanKeyHash {
 };
 
 struct Layouts {
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our b), B (our a), C/D
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our b), B (our a), D (and C)
+  cublasLtMatrixLayout_t c_in = nullptr;  // C when it is not D (GemmProblem::c_in), else null
+  cublasLtMatrixLayout_t cin() const { return c_in ? c_in : c; }
 };
+
+// The beta term's source: c_in when given (out-of-place, its own leading dimension), else c itself.
+const void* c_source(const GemmProblem& p) { return p.c_in ? p.c_in : p.c; }
 
 struct Plan {
   Layouts layouts;
@@ -204,7 +209,7 @@ size_t fastest_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const La
   MC_CUDA_CHECK(cudaEventCreate(&e0));
   MC_CUDA_CHECK(cudaEventCreate(&e1));
   auto run = [&](const cublasLtMatmulAlgo_t& a) {
-    return cublasLtMatmul(handle, desc, &p.alpha, p.b, l.a, p.a, l.b, &p.beta, p.c, l.c, p.c, l.c, &a, ws,
+    return cublasLtMatmul(handle, desc, &p.alpha, p.b, l.a, p.a, l.b, &p.beta, c_source(p), l.cin(), p.c, l.c, &a, ws,
                           kWorkspaceBytes, cs);
   };
   constexpr int kReps = 3;
@@ -258,7 +263,8 @@ void gemm(const GemmProblem& p, int device, void* stream) {
               p.allow_tf32, alignment_of(p.a), alignment_of(p.b), alignment_of(p.c),
               p.bias ? alignment_of(p.bias) : 0, p.beta != 0.f, sm_target(device, p.sm_margin),
               // Timed plans only where repeating the product is harmless (see ops::GemmAutotune).
-              p.autotune_candidates > 1 && p.beta == 0.f ? p.autotune_candidates : 0};
+              p.autotune_candidates > 1 && p.beta == 0.f ? p.autotune_candidates : 0,
+              p.c_in ? p.ldc_in : 0, p.c_in ? p.stride_c_in : 0, p.c_in ? alignment_of(p.c_in) : 0};
   Plan plan;
   {
     auto& cache = plan_cache();
@@ -280,13 +286,14 @@ void gemm(const GemmProblem& p, int device, void* stream) {
       l.b = p.trans_a ? make_layout(ab_t, p.m, p.k, p.lda, p.batch, p.stride_a)
                       : make_layout(ab_t, p.k, p.m, p.lda, p.batch, p.stride_a);
       l.c = make_layout(c_t, p.n, p.m, p.ldc, p.batch, p.stride_c);
+      if (p.c_in) l.c_in = make_layout(c_t, p.n, p.m, p.ldc_in, p.batch, p.stride_c_in);
 
       cublasLtMatmulPreference_t pref;
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
       size_t ws = kWorkspaceBytes;
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                            sizeof(ws)));
-      uint32_t al[4] = {uint32_t(alignment_of(p.b)), uint32_t(alignment_of(p.a)), uint32_t(alignment_of(p.c)),
+      uint32_t al[4] = {uint32_t(alignment_of(p.b)), uint32_t(alignment_of(p.a)), uint32_t(alignment_of(c_source(p))),
                         uint32_t(alignment_of(p.c))};
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al[0], 4));
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], 4));
@@ -300,7 +307,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
         std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
         int found = 0;
         cublasStatus_t st =
-            cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.c, l.c, pref, want, res.data(), &found);
+            cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.cin(), l.c, pref, want, res.data(), &found);
         if (st != CUBLAS_STATUS_SUCCESS || found <= 0) return false;
         plan.algo = res[0].algo;
         // Only when the first choice sums in one pass too (else no candidate keeps its bits).
@@ -341,8 +348,8 @@ void gemm(const GemmProblem& p, int device, void* stream) {
   Allocator& alloc = Allocator::get(Device::cuda(device));
   Stream s = Stream::from_native(Device::cuda(device), stream);
   void* ws = alloc.allocate(kWorkspaceBytes, s);
-  cublasStatus_t st = cublasLtMatmul(handle, d.d, &p.alpha, p.b, plan.layouts.a, p.a, plan.layouts.b, &p.beta, p.c,
-                                     plan.layouts.c, p.c, plan.layouts.c, &plan.algo, ws, kWorkspaceBytes,
+  cublasStatus_t st = cublasLtMatmul(handle, d.d, &p.alpha, p.b, plan.layouts.a, p.a, plan.layouts.b, &p.beta,
+                                     c_source(p), plan.layouts.cin(), p.c, plan.layouts.c, &plan.algo, ws, kWorkspaceBytes,
                                      static_cast<cudaStream_t>(stream));
   alloc.deallocate(ws);  // stream-ordered: reused only by later work on this stream
   MC_CUBLAS_CHECK(st);

@@ -21,6 +21,8 @@ struct GemmProblem {
   int64_t ldb = 0, stride_b = 0;
   void* c = nullptr;
   int64_t ldc = 0, stride_c = 0;
+  const void* c_in = nullptr;  // the beta term's source when it is not c (GemmOptions::c); same dtype as c
+  int64_t ldc_in = 0, stride_c_in = 0;
   float alpha = 1.f, beta = 0.f;
   int epilogue = 0;  // ops::GemmEpilogue
   void* bias = nullptr;

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/cuda/cuda_check.hpp"
@@ -32,6 +33,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 __device__ __forceinline__ float sigmoidf(float z) { return 1.f / (1.f + __expf(-z)); }
+/// The token of this warp (kRouterWarps tokens per block).
+__device__ __forceinline__ int64_t warp_token() { return int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp; }
 
 // One token's row in registers: z (logits, -inf past E) and base (what the probabilities come from:
 // the logits for softmax-after-top-k, softmax over all E, or the sigmoids).
@@ -67,7 +70,7 @@ __device__ void load_row(const float* logits, int64_t t, int e, bool sigmoid, bo
 }
 
 __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= a.t) return;
   const int lane = threadIdx.x % kWarp;
   const bool post = !a.sigmoid && !a.pre_softmax;
@@ -129,7 +132,7 @@ __global__ void router_topk_kernel(RouterArgs a, float* probs, int32_t* indices)
 
 __global__ void router_topk_backward_kernel(RouterArgs a, const int32_t* indices, const float* dprobs,
                                             float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= a.t) return;
   const int lane = threadIdx.x % kWarp;
   const float* z = a.logits + t * a.e;
@@ -295,7 +298,7 @@ __global__ void capacity_kernel(float* probs, int32_t* indices, int64_t slots, i
 // Per-token terms: aux: sum_e scores[t, e] n_e; z: lse^2.
 __global__ void aux_terms_kernel(const float* logits, bool sigmoid, const float* tpe, int64_t t_rows, int e,
                                  float* work) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
@@ -325,7 +328,7 @@ __device__ float row_lse(const Row& r, int e) {
 }
 
 __global__ void z_terms_kernel(const float* logits, int64_t t_rows, int e, float* work) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   Row r;
   load_row(logits, t, e, false, false, r);
@@ -349,7 +352,7 @@ __global__ void reduce_terms_kernel(const float* work, int64_t n, float scale, f
 
 __global__ void aux_backward_kernel(const float* logits, bool sigmoid, const float* tpe, int64_t t_rows, int e,
                                     float c, float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
@@ -373,7 +376,7 @@ __global__ void aux_backward_kernel(const float* logits, bool sigmoid, const flo
 }
 
 __global__ void z_backward_kernel(const float* logits, int64_t t_rows, int e, float c, float* dlogits) {
-  const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t t = warp_token();
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
@@ -482,6 +485,14 @@ __global__ void unpermute_backward_kernel(const T* dy, const T* permuted, const 
       dprobs[t * k + j] = s;
     }
   }
+}
+
+constexpr int kPointersPerLaunch = 256;  // 2 KiB of kernel arguments
+struct PointerChunk {
+  const void* p[kPointersPerLaunch];
+};
+__global__ void upload_pointers_kernel(PointerChunk chunk, int n, void** dev) {
+  if (int(threadIdx.x) < n) dev[threadIdx.x] = const_cast<void*>(chunk.p[threadIdx.x]);
 }
 
 template <class T>
@@ -631,6 +642,17 @@ void moe_unpermute_backward(DType dt, const void* dy, const void* permuted, cons
                                                               static_cast<T*>(dpermuted), dprobs, k, h);
   });
   MC_CUDA_CHECK_LAUNCH();
+}
+
+void upload_pointers(const void* const* host, int64_t count, void** dev, int device, void* stream) {
+  cuda_impl::DeviceGuard g(device);
+  for (int64_t base = 0; base < count; base += kPointersPerLaunch) {
+    const int n = int(std::min<int64_t>(kPointersPerLaunch, count - base));
+    PointerChunk chunk{};
+    for (int i = 0; i < n; ++i) chunk.p[i] = host[base + i];
+    upload_pointers_kernel<<<1, kPointersPerLaunch, 0, static_cast<cudaStream_t>(stream)>>>(chunk, n, dev + base);
+    MC_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void moe_scale(DType dt, void* x, int64_t n, float alpha, int device, void* stream) {

@@ -46,6 +46,9 @@ void moe_unpermute(DType dt, const void* permuted, const int32_t* row_map, const
 void moe_unpermute_backward(DType dt, const void* dy, const void* permuted, const int32_t* row_map, const float* probs,
                             void* dpermuted, int64_t n_rows, float* dprobs, int64_t t, int k, int64_t h, int device,
                             void* stream);
+/// dev[i] = host[i] for `count` pointers, passed by value as kernel arguments (no pageable host copy,
+/// so nothing waits for the stream).
+void upload_pointers(const void* const* host, int64_t count, void** dev, int device, void* stream);
 /// x[i] *= alpha for n elements of dtype dt.
 void moe_scale(DType dt, void* x, int64_t n, float alpha, int device, void* stream);
 

@@ -4,7 +4,8 @@
 // cuBLAS is column-major; a row-major C = op(A) op(B) runs as the column-major C^T = op(B)^T op(A)^T,
 // so cuBLAS's "A" is our B with m and n swapped (as in gemm_cublaslt.cpp). The grouped API takes
 // its sizes, leading dimensions and scalars from host arrays but the matrix pointers from device
-// arrays, which are uploaded here on the call's stream (one small host-to-device copy per call).
+// arrays, which a small kernel writes on the call's stream (the pointers travel as its arguments,
+// so no host copy waits for the stream).
 // cuBLAS documents grouped kernels for A = B = C in f16 or bf16 (f32 compute) and f32 (a 16-bit
 // product into an f32 C, the main-grad case of wgrad, is not among them: the caller loops over
 // ops::gemm then).
@@ -73,9 +74,7 @@ bool grouped_gemm(const GroupedGemm& g, int device, void* stream) {
   auto cs = static_cast<cudaStream_t>(stream);
   Tensor dev_ptrs =
       Tensor::empty({3 * count}, DType::I64, Device::cuda(device), Stream::from_native(Device::cuda(device), stream));
-  // Pageable source: the copy is staged before the call returns, so `ptrs` may go out of scope.
-  MC_CUDA_CHECK(cudaMemcpyAsync(dev_ptrs.data_ptr(), ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
-                                cs));
+  upload_pointers(ptrs.data(), 3 * count, static_cast<void**>(dev_ptrs.data_ptr()), device, stream);
   auto* d = static_cast<void**>(dev_ptrs.data_ptr());
   const cudaDataType_t ab = cuda_type(g.ab), c = cuda_type(g.c);
   std::lock_guard<std::mutex> lock(blas_handles().mu);

@@ -10,6 +10,7 @@
 // Tolerances as mpi_test_gpt_model.cpp (f32, only the order of additions differs): loss 1e-6, logits
 // and gradients 1e-5 relative. Merging rounds W + s·BA once in f32: logits 1e-5.
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -123,12 +124,23 @@ void compare(comm::Communicator& tp1, comm::Communicator& tp, mdl::TransformerCo
   require_close(model->logits().contiguous(), adapted, kTol, "merged logits");
 }
 
-std::vector<Tensor> lora_grads_with(comm::Communicator& tp, mdl::TransformerConfig cfg, mdl::RecomputeGranularity g) {
+std::vector<Tensor> lora_grads_with(comm::Communicator& tp, mdl::TransformerConfig cfg, mdl::RecomputeGranularity g,
+                                    double dropout = 0.25, double* loss = nullptr, bool fused = true) {
   cfg.recompute_granularity = g;
   const Batch b = make_batch(cfg.vocab_size);
   ly::ForwardContext ctx;
-  auto m = lora_model(cfg, tp, all_targets(0.25));
-  for (int micro = 0; micro < 2; ++micro) {  // the dropout draw advances per forward
+  if (!fused) ::setenv("MEGACORE_LORA_FUSED", "0", 1);
+  auto m = lora_model(cfg, tp, all_targets(dropout));
+  ::unsetenv("MEGACORE_LORA_FUSED");
+  const bool want_fused = fused && dropout == 0.0;
+  auto& qkv = m->layer(0).self_attention().linear_qkv();
+  auto& fc2 = m->layer(0).mlp().fc2();
+  REQUIRE(qkv.lora()->fused_for(qkv.weight().data) == want_fused);
+  REQUIRE(fc2.lora()->fused_for(fc2.weight().data) == want_fused);
+  if (loss) *loss = m->forward(ctx, b.tokens, b.labels, b.mask).item();
+  else m->forward(ctx, b.tokens, b.labels, b.mask);
+  m->backward(ctx);
+  for (int micro = 1; micro < 2; ++micro) {  // the dropout draw advances per forward
     m->forward(ctx, b.tokens, b.labels, b.mask);
     m->backward(ctx);
   }
@@ -163,5 +175,24 @@ TEST_CASE("LoRA dropout: full and selective recompute give bit-identical adapter
     const std::vector<Tensor> got = lora_grads_with(grid.tp(), cfg, g);
     REQUIRE(got.size() == none.size());
     for (size_t i = 0; i < got.size(); ++i) require_equal(got[i], none[i], "adapter gradient");
+  }
+}
+
+TEST_CASE("LoRA fused and unfused paths give the same loss and adapter gradients at TP 2 with SP", "[lora][mpi]") {
+  auto world = world_comm();
+  const int tpn = world->size() % 2 == 0 ? 2 : 1;
+  ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
+  for (mdl::TransformerConfig cfg : {mdl::presets::tiny_llama(), mdl::presets::tiny_gpt2()}) {
+    cfg.sequence_parallel = tpn > 1;
+    for (auto g : {mdl::RecomputeGranularity::None, mdl::RecomputeGranularity::Full}) {
+      INFO("TP " << tpn << " norm " << mdl::norm_type_name(cfg.normalization) << " recompute "
+                 << mdl::recompute_granularity_name(g));
+      double fused_loss = 0, plain_loss = 0;
+      const std::vector<Tensor> fused = lora_grads_with(grid.tp(), cfg, g, 0.0, &fused_loss, true);
+      const std::vector<Tensor> plain = lora_grads_with(grid.tp(), cfg, g, 0.0, &plain_loss, false);
+      CHECK(std::abs(fused_loss - plain_loss) <= kLossTol * std::abs(plain_loss));
+      REQUIRE(fused.size() == plain.size());
+      for (size_t i = 0; i < fused.size(); ++i) require_close(fused[i], plain[i], kTol, "adapter gradient");
+    }
   }
 }

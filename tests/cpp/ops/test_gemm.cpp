@@ -369,3 +369,57 @@ TEST_CASE("gemm gpu: an autotuned plan gives the heuristic plan's bits", "[ops][
     CHECK(got.to_double_vector() == want.to_double_vector());
   }
 }
+
+namespace {
+
+// out = alpha · a bᵀ + beta · c with c a column range of a wider matrix (its own row stride), 2-D and
+// batched over column blocks (a shared 2-D a), against the product accumulated into a contiguous copy of c.
+void check_separate_c(Device d, DType dt, double tol) {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed << " dtype " << dtype_name(dt));
+  const int64_t m = 19, k = 8, wide = 40;
+  Tensor a = mctest::randn({m, k}, dt, seed, 0, 1, d);
+  Tensor z = mctest::randn({m, wide}, dt, seed + 1, 0, 1, d);
+  GemmOptions o;
+  o.trans_b = true;
+  o.alpha = 0.75f;
+  o.beta = 1.f;
+  {  // 2-D: columns [5, 17) of z
+    Tensor b = mctest::randn({12, k}, dt, seed + 2, 0, 1, d);
+    Tensor want = z.narrow(1, 5, 12).contiguous();
+    gemm(a, b, want, o, {});
+    Tensor out = mctest::poisoned({m, 12}, dt, d);
+    o.c = z.narrow(1, 5, 12);
+    gemm(a, b, out, o, {});
+    CHECK(mctest::rel_err_t(out, want) < tol);
+  }
+  {  // batched: 3 blocks of width 10 (block stride 12) starting at column 2 of z, into the same layout of y
+    Tensor b = mctest::randn({3, 10, k}, dt, seed + 3, 0, 1, d);
+    Tensor c3(z.storage(), {3, m, 10}, {12, wide, 1}, dt, z.offset() + 2);
+    Tensor y = mctest::poisoned({m, 36}, dt, d);
+    Tensor out3(y.storage(), {3, m, 10}, {12, 36, 1}, dt, y.offset());
+    o.c = c3;
+    gemm(a, b, out3, o, {});
+    Tensor want = c3.contiguous();
+    o.c = Tensor();
+    gemm(a, b, want, o, {});
+    CHECK(mctest::rel_err_t(out3.contiguous(), want) < tol);
+  }
+  o.c = mctest::randn({m, 11}, dt, seed, 0, 1, d);
+  Tensor out = Tensor::empty({m, 12}, dt, d);
+  Tensor b = mctest::randn({12, k}, dt, seed + 2, 0, 1, d);
+  CHECK_THROWS_WITH(gemm(a, b, out, o, {}), Catch::Contains("opts.c"));
+}
+
+}  // namespace
+
+TEST_CASE("gemm cpu: a separate beta source (opts.c), strided and batched", "[ops][gemm]") {
+  check_separate_c(Device::cpu(), DType::F32, 1e-6);
+  check_separate_c(Device::cpu(), DType::BF16, 1e-2);
+}
+
+TEST_CASE("gemm gpu: a separate beta source (opts.c), strided and batched", "[ops][gemm][gpu]") {
+  MC_REQUIRE_GPU();
+  check_separate_c(mctest::gpu(), DType::BF16, 1e-2);
+  check_separate_c(mctest::gpu(), DType::F32, 3e-3);
+}

@@ -410,6 +410,12 @@ TEST_CASE("permute and unpermute round-trip with empty experts, one expert and d
       }
       CHECK(rel_err(dperm.to_double_vector(), wdp) < tol_for(dt) / 4);
       CHECK(rel_err(dprobs.to_double_vector(), wdpr) < 1e-6);
+
+      // A buffer with spare rows (capacity-padded): rows no slot maps to come back zero.
+      Tensor perm_pad = randn({n + 2, h}, dt, seed + 4), dperm_pad = poisoned({n + 2, h}, dt, Device::cpu());
+      ops::moe_unpermute_backward(dy, perm_pad, map, probs, dperm_pad, dprobs);
+      const auto dpp = dperm_pad.to_double_vector();
+      CHECK(std::vector<double>(dpp.begin() + n * h, dpp.end()) == std::vector<double>(size_t(2 * h), 0.0));
     }
 }
 
@@ -574,13 +580,15 @@ TEST_CASE("CUDA router kernels match the CPU reference", "[ops][moe][gpu]") {
 
 TEST_CASE("CUDA capacity and permutation match the CPU reference", "[ops][moe][gpu]") {
   MC_REQUIRE_GPU();
-  const int64_t t = 3000, h = 518;  // rows of 1036 / 2072 bytes: not a multiple of 16, the narrow path runs
+  const int64_t t = 3000;
   const int e = 16, k = 4;
+  // h 512: 16-byte vectors; h 518 (rows of 1036 / 2072 bytes): the narrow copies.
+  for (int64_t h : {int64_t(512), int64_t(518)})
   for (PermCase pc : {PermCase{"spread", 16, 0.0}, PermCase{"half the experts empty", 8, 0.0},
                       PermCase{"dropped slots", 16, 0.3}})
     for (DType dt : {DType::F32, DType::BF16}) {
       const uint64_t seed = fresh_seed();
-      INFO(pc.name << " " << dtype_name(dt) << " seed " << seed);
+      INFO(pc.name << " " << dtype_name(dt) << " h " << h << " seed " << seed);
       Tensor idx = random_indices(t, k, e, pc.used, pc.drop, seed);
       Tensor map_g;
       const auto cnt = check_permute_map(idx.to(gpu()), e, map_g);

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "megacore/comm/collectives.hpp"
+#include "megacore/data/corpus.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/optim/grad_clip.hpp"
 #include "megacore/train/builder.hpp"
@@ -44,7 +45,7 @@ class RandomTokens : public data::SampleSource {
 tr::RunConfig small_run(int world, int tp, int pp) {
   tr::RunConfig cfg;
   cfg.model = tr::ModelSection::preset("tiny_llama");
-  cfg.model.vocab_size = 128;
+  cfg.model.vocab_size = data::ByteTokenizer::kVocabSize;  // the smallest the run validation accepts
   cfg.model.num_layers = 4;
   cfg.resources.num_gpus_per_node = world;
   cfg.parallel.tensor_model_parallel_size = tp;
