@@ -207,3 +207,40 @@ def test_exported_megacore_moe_model_gives_same_logits_in_transformers(tmp_path,
     assert type(hf).__name__ == "MixtralForCausalLM"
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 12)).astype(np.int64)
     _close(megacore_logits(m, cfg, tokens), hf_logits(hf, tokens))
+
+
+@pytest.mark.skipif(not mc.comm.mpi_available(), reason="built without MPI (the trainer runs on CPU ranks)")
+def test_trained_tiny_moe_at_ep2_exports_as_mixtral(tmp_path, world):
+    """What `megacore train` writes for tiny_moe at EP = 2 (experts sharded over 2 CPU ranks, 3 steps) exports with
+    `megacore convert megacore-to-hf` as a Mixtral whose HF-layout forward (numpy) gives the logits of the trained
+    checkpoint loaded into one process; re-importing the export gives the checkpoint's tensors bit for bit."""
+    from megacore import cli, recipes
+    from test_convert_trained import train_tiny
+
+    r = train_tiny(tmp_path, steps=3, save_interval=0, tp=1, ranks=2, recipe=recipes.tiny_moe,
+                   parallel__expert_model_parallel_size=2)
+    root, out = r.checkpoint.save_dir, str(tmp_path / "hf")
+    assert cli.main(["convert", "megacore-to-hf", root, out]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        hc = json.load(f)
+    assert (hc["model_type"], hc["num_local_experts"], hc["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    assert hc["intermediate_size"] == r.model.moe_ffn_hidden_size and hc["eos_token_id"] == 256
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    t = {}
+    for fn in files:
+        rd = ck.SafetensorsReader(os.path.join(out, fn))
+        t.update({n: rd.get(n) for n in rd.names()})
+    m, cfg = load_into_model(root, world)
+    tokens = np.random.default_rng(2).integers(0, 259, size=(2, 16)).astype(np.int64)
+    m.forward(tokens, tokens, training=False)
+    hf_cfg = {**hc, "rope_theta": hc["rope_parameters"]["rope_theta"]}
+    got, want = np.asarray(m.logits().numpy())[..., :259], hf_llama_numpy(t, hf_cfg, tokens)
+    assert np.abs(got - want).max() <= TOL * np.abs(want).max(), np.abs(got - want).max()
+
+    convert.hf_to_megacore(out, str(tmp_path / "back"))
+    a, _ = ck.load_full_checkpoint(str(tmp_path / "back"))
+    b, _ = ck.load_full_checkpoint(root, names=list(a))
+    convert._strip_vocab_padding(b, convert.config_from_checkpoint(root))  # the export drops padding rows too
+    assert sorted(a) == sorted(b) and "layers.3.mlp.experts.linear_fc1.weight" in a
+    for n in a:
+        assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
