@@ -201,7 +201,8 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
                 "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
                 "position_embedding": "Learned", "rope_theta": 10000.0, "rope_scaling": {"type": "None"},
                 "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
-    raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family and GPT-2 checkpoints")
+    raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family (llama, mistral), "
+                      "Mixtral and GPT-2 checkpoints")
 
 
 def _flavour(c: Mapping[str, Any]) -> str:

@@ -244,3 +244,25 @@ def test_trained_tiny_moe_at_ep2_exports_as_mixtral(tmp_path, world):
     assert sorted(a) == sorted(b) and "layers.3.mlp.experts.linear_fc1.weight" in a
     for n in a:
         assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
+
+
+def test_mixtral_8x7b_config_imports_with_the_preset_shapes():
+    """The config.json of Mixtral-8x7B-v0.1 imports with the shapes of megacore's mixtral_8x7b preset, and the
+    preset exports back to those fields."""
+    real = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+            "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+            "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "vocab_size": 32000}
+    got = convert.config_from_hf(real, "bf16")
+    preset = convert.config_dict(model.mixtral_8x7b())
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+             "norm_eps", "rope_theta", "tie_word_embeddings", "num_moe_experts", "moe_router_topk",
+             "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq", "max_position_embeddings")
+    assert {k: got[k] for k in shape} == {k: preset[k] for k in shape}
+    hc = convert.config_to_hf(preset)
+    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+              "num_key_value_heads", "num_local_experts", "rms_norm_eps", "vocab_size", "tie_word_embeddings"):
+        assert hc[k] == real[k], k
+    assert hc["rope_parameters"]["rope_theta"] == real["rope_theta"] and hc["model_type"] == "mixtral"
