@@ -124,8 +124,8 @@ def _moe_config_from_mixtral(hf: Mapping[str, Any]) -> Dict[str, Any]:
     softmax); the top-k sets agree because softmax is monotonic.
 
     Aux loss: HF's load_balancing_loss_func is coef · E · Σ_i f_i · P_i with f_i = (tokens routed to expert i) / T
-    (so Σ_i f_i = k) and P_i the mean router probability of expert i; megacore's (Megatron-Core's switch loss) divides the same sum
-    by k, so moe_aux_loss_coeff = router_aux_loss_coef · k gives the same loss. (HF adds it only when
+    (so Σ_i f_i = k) and P_i the mean router probability of expert i; megacore's (Megatron-Core's switch loss)
+    divides the same sum by k, so moe_aux_loss_coeff = router_aux_loss_coef · k gives the same loss. (HF adds it only when
     output_router_logits is set; megacore adds it whenever the coefficient is > 0.)"""
     e, k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
     if not 1 <= k <= e:
@@ -539,7 +539,8 @@ def _mixtral_experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: 
     b = p + "block_sparse_moe."
     x = [b + f"experts.{j}." for j in range(e)]
     return {m + "mlp.router.weight": take(b + "gate.weight"),
-            m + "mlp.experts.linear_fc1.weight": _stack([_cat([take(q + "w1.weight"), take(q + "w3.weight")]) for q in x]),
+            m + "mlp.experts.linear_fc1.weight": _stack([_cat([take(q + "w1.weight"), take(q + "w3.weight")])
+                                                         for q in x]),
             m + "mlp.experts.linear_fc2.weight": _stack([take(q + "w2.weight") for q in x])}
 
 
