@@ -125,8 +125,8 @@ def _moe_config_from_mixtral(hf: Mapping[str, Any]) -> Dict[str, Any]:
 
     Aux loss: HF's load_balancing_loss_func is coef · E · Σ_i f_i · P_i with f_i = (tokens routed to expert i) / T
     (so Σ_i f_i = k) and P_i the mean router probability of expert i; megacore's (Megatron-Core's switch loss)
-    divides the same sum by k, so moe_aux_loss_coeff = router_aux_loss_coef · k gives the same loss. (HF adds it only when
-    output_router_logits is set; megacore adds it whenever the coefficient is > 0.)"""
+    divides the same sum by k, so moe_aux_loss_coeff = router_aux_loss_coef · k gives the same loss. (HF adds it
+    only when output_router_logits is set; megacore adds it whenever the coefficient is > 0.)"""
     e, k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
     if not 1 <= k <= e:
         raise ConfigError(f"num_experts_per_tok = {k} must be in [1, num_local_experts = {e}]")
