@@ -309,13 +309,13 @@ def config_dict(cfg) -> Dict[str, Any]:
                          "high_freq_factor": rs.high_freq_factor,
                          "original_max_position_embeddings": rs.original_max_position_embeddings}
     if cfg.num_moe_experts > 0:
-        d.update({k: getattr(cfg, k) for k in _MOE_FIELDS})
+        d.update({k: getattr(cfg, k) for k in MOE_FIELDS})
         d["moe_router_score_function"] = cfg.moe_router_score_function.name
     return d
 
 
 # The TransformerConfig MoE fields that conversion carries (dense models leave them out).
-_MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
+MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
                "moe_z_loss_coeff", "moe_shared_expert_size", "moe_router_score_function", "moe_router_pre_softmax",
                "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias")
 

@@ -266,3 +266,16 @@ def test_mixtral_8x7b_config_imports_with_the_preset_shapes():
               "num_key_value_heads", "num_local_experts", "rms_norm_eps", "vocab_size", "tie_word_embeddings"):
         assert hc[k] == real[k], k
     assert hc["rope_parameters"]["rope_theta"] == real["rope_theta"] and hc["model_type"] == "mixtral"
+
+
+def test_finetune_recipe_from_a_mixtral_directory_keeps_the_experts(tmp_path):
+    """`megacore finetune --model HF_MIXTRAL_DIR` builds its recipe's model from config.json, MoE fields included."""
+    from megacore import finetuning
+
+    write_hf(str(tmp_path / "hf"), HF_CONFIG, hub_state(HF_CONFIG, np.random.default_rng(8)))
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"input": "a", "output": "b"}\n')
+    r = finetuning.finetune_recipe(str(tmp_path / "hf"), str(data), output_path=str(tmp_path / "ft"))
+    m = r.model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.ffn_hidden_size) == (4, 2, 48, 48)
+    assert m.moe_router_pre_softmax is False and m.moe_aux_loss_coeff == pytest.approx(0.04)
