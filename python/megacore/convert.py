@@ -527,9 +527,10 @@ def _read_hf_tensors(hf_dir: str) -> Dict[str, np.ndarray]:
 def _mixtral_experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: str, e: int) -> Dict[str, np.ndarray]:
     """One Mixtral layer's router and experts (HF prefix ``p``) → megacore's MoE tensors (prefix ``m``).
 
-    Hub checkpoints hold ``block_sparse_moe.gate.weight`` [E, H] and per expert ``w1`` (gate) / ``w3`` (up)
-    [F, H] and ``w2`` [H, F]; transformers >= 5 also writes them fused as ``mlp.gate.weight``,
-    ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and ``mlp.experts.down_proj`` [E, H, F].
+    Hub checkpoints (and transformers' save_pretrained) hold ``block_sparse_moe.gate.weight`` [E, H] and per
+    expert ``w1`` (gate) / ``w3`` (up) [F, H] and ``w2`` [H, F]; the modules of transformers >= 5 hold them fused
+    (a raw state_dict has these names): ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows,
+    then up rows) and ``mlp.experts.down_proj`` [E, H, F].
     megacore's ``mlp.experts.linear_fc1.weight`` is [E, 2F, H] with each expert's [gate; up] rows (its SwiGLU
     layout), ``linear_fc2`` [E, H, F]; both layouts map without any arithmetic."""
     if p + "mlp.experts.gate_up_proj" in hf:

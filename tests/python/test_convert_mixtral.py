@@ -189,6 +189,17 @@ def test_transformers_mixtral_imports_with_same_logits(tmp_path, world):
     tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int64)
     _close(megacore_logits(m, cfg, tokens), hf_logits(hf, tokens))
 
+    # The module's own (fused) names, as a raw state_dict saved without transformers' conversion, import the same.
+    fused = {n: p.detach().numpy().copy() for n, p in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    write_hf(str(tmp_path / "fused"), HF_CONFIG, fused)
+    convert.hf_to_megacore(str(tmp_path / "fused"), str(tmp_path / "mc_fused"))
+    a, _ = ck.load_full_checkpoint(str(tmp_path / "mc"))
+    b, _ = ck.load_full_checkpoint(str(tmp_path / "mc_fused"))
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
+
 
 @needs_transformers
 def test_exported_megacore_moe_model_gives_same_logits_in_transformers(tmp_path, world):
