@@ -73,6 +73,15 @@ def write_hf(path, hc, tensors):
     ck.write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
 
 
+def assert_same_tensors(a_ckpt, b_ckpt):
+    """Two megacore checkpoints hold the same tensor names with bit-identical contents."""
+    a, _ = ck.load_full_checkpoint(a_ckpt)
+    b, _ = ck.load_full_checkpoint(b_ckpt)
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_hub_mixtral_round_trips_bit_exactly(tmp_path, dtype):
     src = hub_state(HF_CONFIG, np.random.default_rng(3), dtype)
@@ -113,11 +122,7 @@ def test_sharded_export_reimports_identically(tmp_path):
     convert.megacore_to_hf(str(tmp_path / "mc"), str(tmp_path / "out"), max_shard_size=200_000, log=None)
     assert os.path.isfile(tmp_path / "out" / "model.safetensors.index.json")
     convert.hf_to_megacore(str(tmp_path / "out"), str(tmp_path / "mc2"))
-    a, _ = ck.load_full_checkpoint(str(tmp_path / "mc"))
-    b, _ = ck.load_full_checkpoint(str(tmp_path / "mc2"))
-    assert sorted(a) == sorted(b)
-    for n in a:
-        assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
+    assert_same_tensors(str(tmp_path / "mc"), str(tmp_path / "mc2"))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -194,11 +199,7 @@ def test_transformers_mixtral_imports_with_same_logits(tmp_path, world):
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused
     write_hf(str(tmp_path / "fused"), HF_CONFIG, fused)
     convert.hf_to_megacore(str(tmp_path / "fused"), str(tmp_path / "mc_fused"))
-    a, _ = ck.load_full_checkpoint(str(tmp_path / "mc"))
-    b, _ = ck.load_full_checkpoint(str(tmp_path / "mc_fused"))
-    assert sorted(a) == sorted(b)
-    for n in a:
-        assert np.asarray(a[n]).tobytes() == np.asarray(b[n]).tobytes(), n
+    assert_same_tensors(str(tmp_path / "mc"), str(tmp_path / "mc_fused"))
 
 
 @needs_transformers
