@@ -92,6 +92,14 @@ Tensor scatter_rows(const Tensor& x, const Tensor& map, const Stream& s) {
   return y;
 }
 
+// y [rows, h] = sum over each row's slots of (probs ·) permuted[map]; zeros when nothing was kept.
+Tensor combine(const Tensor& permuted, const Tensor& map, const Tensor& probs, int64_t rows, const Stream& s) {
+  Tensor y = Tensor::empty({rows, permuted.size(1)}, permuted.dtype(), permuted.device(), s);
+  if (permuted.size(0) == 0) return y.zero_(s);
+  ops::moe_unpermute(permuted, map, probs, y, s);
+  return y;
+}
+
 }  // namespace
 
 MoELayer::MoELayer(const MoEGroups& groups, int64_t hidden_size, const MoEOptions& options)
@@ -176,6 +184,20 @@ MoELayer::MoELayer(const MoEGroups& groups, int64_t hidden_size, const MoEOption
   bias_counts_.assign(size_t(e), 0.0);
 }
 
+Tensor MoELayer::to_experts(const Tensor& permuted, const Stream& s) {
+  comm::Communicator& etp = *g_.expert_tp;
+  Tensor recv = exchange_rows(*g_.ep, permuted, send_rows_, recv_rows_, s);
+  if (etp.size() > 1) recv = gather_padded(etp, recv, pad_rows_, s);
+  return gather_rows(recv, sort_map_, std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0}), s);
+}
+
+Tensor MoELayer::from_experts(const Tensor& sorted, const Stream& s) {
+  comm::Communicator& etp = *g_.expert_tp;
+  Tensor back = scatter_rows(sorted, sort_map_, s);
+  if (etp.size() > 1) back = reduce_scatter_trim(etp, back, pad_rows_, recv_total_, s);
+  return exchange_rows(*g_.ep, back, recv_rows_, send_rows_, s);
+}
+
 Tensor MoELayer::experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s) {
   const int64_t n = xs.size(0);
   const DType dt = opts_.params_dtype;
@@ -253,7 +275,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   std::vector<int64_t> kept = tokens_per_expert_;
   Tensor idx = topk_idx;
   if (opts_.capacity_factor > 0) {
-    const auto cap = int64_t(std::ceil(opts_.capacity_factor * double(t) * double(k) / double(e)));
+    const auto cap = std::max<int64_t>(1, int64_t(std::ceil(opts_.capacity_factor * double(t) * double(k) / double(e))));
     idx = topk_idx.clone(s);
     ops::router_apply_capacity(probs, idx, int(e), cap, s);
     ops::moe_permute_map(idx, int(e), row_map, tpe, s);
@@ -295,8 +317,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     }
     recv_rows_.assign(size_t(p), 0);
     for (int64_t i = 0; i < e; ++i) recv_rows_[size_t(i / el)] += recv_counts[size_t(i)];
-    Tensor recv = exchange_rows(ep, permuted, send_rows_, recv_rows_, s);
-    recv_total_ = recv.size(0);
+    recv_total_ = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
     // With expert-TP, every shard of an expert needs all of its tokens: gather over expert-TP (padded).
     std::vector<int64_t> layout = recv_counts;  // per gathered chunk: counts in (source, local expert) order
     int chunks = 1;
@@ -309,14 +330,13 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
       pad_rows_ = 0;
       for (int c = 0; c < chunks; ++c)
         pad_rows_ = std::max(pad_rows_, std::accumulate(layout.begin() + c * e, layout.begin() + (c + 1) * e, int64_t{0}));
-      recv = gather_padded(etp, recv, pad_rows_, s);
     }
     // Sort the received rows by local expert (stable: chunk, source rank, row).
     group_sizes_.assign(size_t(el), 0);
     for (size_t i = 0; i < layout.size(); ++i) group_sizes_[i % size_t(el)] += layout[i];
     std::vector<int64_t> start(size_t(el), 0);
     for (int64_t j = 1; j < el; ++j) start[size_t(j)] = start[size_t(j - 1)] + group_sizes_[size_t(j - 1)];
-    std::vector<int32_t> map(size_t(recv.size(0)), -1);
+    std::vector<int32_t> map(size_t(chunks * pad_rows_), -1);
     for (int c = 0; c < chunks; ++c) {
       int64_t row = c * pad_rows_;
       for (int64_t i = 0; i < e; ++i) {
@@ -325,20 +345,12 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
       }
     }
     sort_map_ = on_device(map, dev).view({int64_t(map.size()), 1});
-    const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
-    Tensor out_sorted = experts_forward(gather_rows(recv, sort_map_, ns, s), group_sizes_, s);
-    Tensor back = scatter_rows(out_sorted, sort_map_, s);
-    if (etp.size() > 1) back = reduce_scatter_trim(etp, back, pad_rows_, recv_total_, s);
-    expert_out = exchange_rows(ep, back, recv_rows_, send_rows_, s);
-    y = Tensor::empty({t, hidden_}, opts_.params_dtype, dev, s);
-    if (n > 0)
-      ops::moe_unpermute(expert_out, row_map, probs, y, s);
-    else
-      y.zero_(s);
+    expert_out = from_experts(experts_forward(to_experts(permuted, s), group_sizes_, s), s);
+    y = combine(expert_out, row_map, probs, t, s);
   } else {
     comm::Communicator& c = *g_.tp_ep;
     const int p = c.size();
-    gathered_x_ = p > 1 ? parallel::all_gather_along(c, xt, 0, s) : xt;
+    Tensor gathered_x = p > 1 ? parallel::all_gather_along(c, xt, 0, s) : xt;
     gathered_probs_ = p > 1 ? parallel::all_gather_along(c, probs, 0, s) : probs;
     Tensor all_idx = p > 1 ? parallel::all_gather_along(c, idx, 0, s) : idx;
     // Keep the slots of this rank's experts (renumbered locally); the others are -1.
@@ -355,13 +367,9 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     group_sizes_ = to_host_i64(lc);
     const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
     Tensor xs = Tensor::empty({ns, hidden_}, xt.dtype(), dev, s);
-    if (ns > 0) ops::moe_permute(gathered_x_, local_map_, xs, s);
+    if (ns > 0) ops::moe_permute(gathered_x, local_map_, xs, s);
     expert_out = experts_forward(xs, group_sizes_, s);
-    Tensor yfull = Tensor::empty({gathered_x_.size(0), hidden_}, opts_.params_dtype, dev, s);
-    if (ns > 0)
-      ops::moe_unpermute(expert_out, local_map_, gathered_probs_, yfull, s);
-    else
-      yfull.zero_(s);
+    Tensor yfull = combine(expert_out, local_map_, gathered_probs_, gathered_x.size(0), s);
     y = p > 1 ? parallel::reduce_scatter_along_first(c, yfull, s) : yfull;
     row_map = Tensor();
   }
@@ -370,7 +378,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     x_tokens_ = xt, logits_ = logits, probs_ = probs, indices_ = topk_idx, row_map_ = row_map, tpe_f32_ = tpe_f32;
     expert_out_ = expert_out;
   } else {
-    xs_ = h_ = a_ = gathered_x_ = gathered_probs_ = local_map_ = sort_map_ = Tensor();
+    xs_ = h_ = a_ = gathered_probs_ = local_map_ = sort_map_ = Tensor();
   }
   Tensor out = split ? parallel::all_gather_along(tp, y, 0, s) : y;
   if (shared_) out = add_in_f32(out, shared_->forward(ctx, x).view(out.shape()), opts_.params_dtype, s);
@@ -393,24 +401,11 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
 
   Tensor dprobs, dx_tokens;
   if (opts_.dispatcher == MoETokenDispatcher::AllToAll) {
-    comm::Communicator& ep = *g_.ep;
-    comm::Communicator& etp = *g_.expert_tp;
     const int64_t n = expert_out_.size(0);
     Tensor dperm = Tensor::empty({n, hidden_}, opts_.params_dtype, dev, s);
     dprobs = Tensor::zeros({t, k}, DType::F32, dev, s);
     if (n > 0) ops::moe_unpermute_backward(dyt, expert_out_, row_map_, probs_, dperm, dprobs, s);
-    Tensor recv = exchange_rows(ep, dperm, send_rows_, recv_rows_, s);
-    if (etp.size() > 1) recv = gather_padded(etp, recv, pad_rows_, s);
-    const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
-    Tensor dxs = experts_backward(gather_rows(recv, sort_map_, ns, s), s);
-    Tensor back = scatter_rows(dxs, sort_map_, s);
-    if (etp.size() > 1) back = reduce_scatter_trim(etp, back, pad_rows_, recv_total_, s);
-    Tensor dpermuted = exchange_rows(ep, back, recv_rows_, send_rows_, s);
-    dx_tokens = Tensor::empty({t, hidden_}, opts_.params_dtype, dev, s);
-    if (n > 0)
-      ops::moe_unpermute(dpermuted, row_map_, Tensor(), dx_tokens, s);
-    else
-      dx_tokens.zero_(s);
+    dx_tokens = combine(from_experts(experts_backward(to_experts(dperm, s), s), s), row_map_, Tensor(), t, s);
   } else {
     comm::Communicator& c = *g_.tp_ep;
     const int p = c.size();
@@ -420,14 +415,10 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
     Tensor dprobs_full = Tensor::zeros(gathered_probs_.shape(), DType::F32, dev, s);
     if (ns > 0) ops::moe_unpermute_backward(dyfull, expert_out_, local_map_, gathered_probs_, dxs_in, dprobs_full, s);
     Tensor dxs = experts_backward(dxs_in, s);
-    Tensor dxfull = Tensor::empty({dyfull.size(0), hidden_}, opts_.params_dtype, dev, s);
-    if (ns > 0)
-      ops::moe_unpermute(dxs, local_map_, Tensor(), dxfull, s);
-    else
-      dxfull.zero_(s);
+    Tensor dxfull = combine(dxs, local_map_, Tensor(), dyfull.size(0), s);
     dx_tokens = p > 1 ? parallel::reduce_scatter_along_first(c, dxfull, s) : dxfull;
     dprobs = p > 1 ? parallel::reduce_scatter_along_first(c, dprobs_full, s) : dprobs_full;
-    gathered_x_ = gathered_probs_ = local_map_ = Tensor();
+    gathered_probs_ = local_map_ = Tensor();
   }
 
   // ---- router: dlogits from the combine weights, the aux loss and the z-loss; then dW_r and dx.
@@ -499,7 +490,7 @@ void MoELayer::zero_grad() {
 void MoELayer::stash_activations(ActivationStash& st) {
   if (shared_) shared_->stash_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
-                    &sort_map_, &gathered_probs_, &local_map_, &gathered_x_})
+                    &sort_map_, &gathered_probs_, &local_map_})
     st.put(*t);
   for (auto* v : {&send_rows_, &recv_rows_, &group_sizes_}) {
     st.put_int(int64_t(v->size()));
@@ -514,7 +505,7 @@ void MoELayer::stash_activations(ActivationStash& st) {
 void MoELayer::restore_activations(ActivationStash& st) {
   if (shared_) shared_->restore_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
-                    &sort_map_, &gathered_probs_, &local_map_, &gathered_x_})
+                    &sort_map_, &gathered_probs_, &local_map_})
     st.take(*t);
   for (auto* v : {&send_rows_, &recv_rows_, &group_sizes_}) {
     v->resize(size_t(st.take_int()));

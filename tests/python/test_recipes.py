@@ -101,6 +101,20 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"model.normalization": "BatchNorm"}, "model.normalization 'BatchNorm' is not one of RMSNorm, LayerNorm"),
     ({"model.num_query_groups": 3}, "model:"),
     ({"checkpoint.resume": "/nonexistent/step_5"}, "is not a checkpoint directory"),
+    ({"model.num_moe_experts": 4, "parallel.ep": 3}, "EP = 3 does not divide DP×CP = 1×1 = 1 .*; set ep to a divisor of 1"),
+    ({"model.num_moe_experts": 4, "resources.num_gpus_per_node": 12, "parallel.ep": 3},
+     "num_moe_experts 4 is not divisible by EP = 3; .* use an EP that divides 4"),
+    ({"model.num_moe_experts": 4, "model.moe_router_topk": 5}, "moe_router_topk is 5; .* set moe_router_topk in \\[1, 4\\]"),
+    ({"model.num_moe_experts": 4, "model.moe_expert_capacity_factor": -1.0},
+     "moe_expert_capacity_factor is -1; set a positive factor .* or 0 for dropless routing"),
+    ({"model.num_moe_experts": 4, "model.moe_layer_freq": 0}, "moe_layer_freq is 0; set it to k >= 1"),
+    ({"model.num_moe_experts": 4, "model.moe_ffn_hidden_size": 33}, "not divisible by expert-TP = 2; round it"),
+    ({"model.moe_aux_loss_coeff": 0.01}, "moe_aux_loss_coeff is 0.01 but num_moe_experts is 0 .* set num_moe_experts"),
+    ({"parallel.ep": 2, "resources.num_gpus_per_node": 8},
+     "expert parallelism \\(EP = 2\\) .* num_moe_experts is 0; set parallel.expert_model_parallel_size \\(ep\\) to 1"),
+    ({"model.moe_router_score_function": "relu"}, "'relu' is not one of softmax, sigmoid"),
+    ({"model.moe_token_dispatcher_type": "flex"}, "'flex' is not one of alltoall, allgather"),
+    ({"parallel.etp": -1}, "expert_tensor_parallel_size: must be a positive integer, or 0 for the TP size"),
 ])
 def test_bad_recipes_fail_before_launch_naming_field_and_fix(changes, needle):
     r = recipes.tiny.pretrain_recipe()
@@ -108,6 +122,25 @@ def test_bad_recipes_fail_before_launch_naming_field_and_fix(changes, needle):
         for k, v in changes.items():
             r.set(k, v)
         r.validate()
+
+
+def test_moe_recipe_fields_validate_and_count_active_parameters():
+    r = recipes.tiny.pretrain_recipe()
+    r.set("resources.num_gpus_per_node", 8)  # TP 2 × PP 2 × DP 2
+    r.set("model.num_moe_experts", 4)
+    r.set("parallel.ep", 2)
+    r.set("parallel.etp", 1)
+    r.set("model.moe_router_score_function", "sigmoid")
+    r.set("model.moe_token_dispatcher_type", "allgather")
+    assert r.validate(check_paths=False) == []
+    assert json.loads(r.to_json())["parallel"]["expert_tensor_parallel_size"] == 1
+    c = r.model.to_transformer_config()
+    assert c.num_moe_experts == 4 and c.moe_router_topk == 2
+    counts = mc.model.parameter_count(c)
+    expert = 3 * c.hidden_size * c.ffn_size  # SwiGLU gate, up, down
+    assert counts["active"] == counts["total"] - c.num_layers * (4 - 2) * expert
+    dense = mc.model.parameter_count(recipes.tiny.pretrain_recipe().model.to_transformer_config())
+    assert counts["total"] == dense["total"] + c.num_layers * (3 * expert + 4 * c.hidden_size)
 
 
 @pytest.mark.parametrize("section,field,value,needle", [

@@ -152,8 +152,9 @@ class MoELayer {
   const MoEOptions& options() const { return opts_; }
 
  private:
-  struct Dispatch;
-  Tensor route(const ForwardContext& ctx, const Tensor& x);
+  // All-to-all dispatcher: this rank's expert-grouped rows → its experts' rows sorted by local expert, and back.
+  Tensor to_experts(const Tensor& permuted, const Stream& s);
+  Tensor from_experts(const Tensor& sorted, const Stream& s);
   Tensor experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s);
   Tensor experts_backward(const Tensor& dys, const Stream& s);
 
@@ -183,7 +184,6 @@ class MoELayer {
   int64_t recv_total_ = 0;
   Tensor gathered_probs_;  // all-gather dispatcher: [P·T, k]
   Tensor local_map_;       // all-gather dispatcher: [P·T, k] i32 row map of the local experts
-  Tensor gathered_x_;      // all-gather dispatcher: [P·T, h]
 
   Tensor aux_loss_, z_loss_;
   std::vector<int64_t> tokens_per_expert_;

@@ -3,8 +3,8 @@
 // and z-losses against central finite differences, capacity dropping, the expert bias update, stash/restore.
 //
 // Tolerances: the layer computes in f32 (the reference in f64 from the same f32 weights), so outputs and
-// gradients agree to a relative error of 1e-5; finite differences in f32 with step 1e-2 on a smooth
-// objective agree to 2e-2.
+// gradients agree to a relative error of 1e-5; finite differences in f32 with steps 1e-3 and 2e-3 on a smooth
+// objective agree to 1e-2.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -176,19 +176,28 @@ TEST_CASE("MoELayer router gradient with aux and z-losses matches finite differe
     m.backward(ctx, dy);
     const std::vector<double> grad = vec(m.router_weight().main_grad);
     Tensor& w = m.router_weight().data;
-    const double eps = 1e-2;
-    std::vector<double> fd, an;
-    for (int64_t i = 0; i < w.numel(); i += 5) {
+    // Central differences at two steps; an entry whose perturbation changes some token's top-k choice (the
+    // objective jumps) gives two disagreeing estimates and is left out. Most entries are smooth.
+    auto central = [&](int64_t i, double eps) {
       const float w0 = w.data<float>()[i];
       w.data<float>()[i] = float(w0 + eps);
       const double lp = objective();
       w.data<float>()[i] = float(w0 - eps);
       const double lm = objective();
       w.data<float>()[i] = w0;
-      fd.push_back((lp - lm) / (2 * eps));
+      return (lp - lm) / (2 * eps);
+    };
+    std::vector<double> fd, an;
+    int64_t tried = 0;
+    for (int64_t i = 0; i < w.numel(); i += 3, ++tried) {
+      const double a = central(i, 2e-3), b = central(i, 1e-3);
+      if (std::abs(a - b) > 1e-2 * (std::abs(b) + 1e-2)) continue;
+      fd.push_back(b);
       an.push_back(grad[size_t(i)]);
     }
-    REQUIRE(mctest::rel_err(an, fd) <= 2e-2);
+    REQUIRE(fd.size() * 4 >= size_t(tried) * 3);
+    for (size_t i = 0; i < an.size(); ++i) UNSCOPED_INFO(an[i] << " vs " << fd[i]);
+    REQUIRE(mctest::rel_err(an, fd) <= 1e-2);
   }
 }
 
