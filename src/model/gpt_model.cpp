@@ -22,12 +22,6 @@ constexpr uint64_t kWordEmbeddingOffset = 0, kPositionEmbeddingOffset = 1, kOutp
 // any allocation.
 const TransformerConfig& validated(const TransformerConfig& cfg, comm::Communicator& tp, const GPTModelOptions& o) {
   validate(cfg, tp.size());
-  // Refused rather than silently trained as a dense model: the MoE layer (layers::MoELayer) is not placed
-  // into the transformer layers by GPTModel.
-  MC_CHECK_AS(ConfigError, !cfg.is_moe(),
-              "GPTModel: num_moe_experts is {} but GPTModel builds dense layers only (layers::MoELayer is the MoE "
-              "block); set num_moe_experts = 0",
-              cfg.num_moe_experts);
   if (o.layer_indices) {
     const std::vector<int64_t>& li = *o.layer_indices;
     for (size_t i = 0; i < li.size(); ++i) {
