@@ -173,17 +173,17 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
         heads = int(hf["num_attention_heads"])
         theta, scaling = _rope_from_hf(hf)
         c = {"num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
-                "num_attention_heads": heads,
-                "num_query_groups": int(hf.get("num_key_value_heads") or heads),
-                "ffn_hidden_size": int(hf["intermediate_size"]),
-                "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                "vocab_size": int(hf["vocab_size"]),
-                "max_position_embeddings": max_pos,
-                "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-                "activation": "SwiGLU", "add_bias_linear": False,
-                "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-                "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
-                "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+             "num_attention_heads": heads,
+             "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+             "ffn_hidden_size": int(hf["intermediate_size"]),
+             "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+             "vocab_size": int(hf["vocab_size"]),
+             "max_position_embeddings": max_pos,
+             "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+             "activation": "SwiGLU", "add_bias_linear": False,
+             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+             "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
+             "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
         if mt == "mixtral":
             c.update(_moe_config_from_mixtral(hf))
         return c
