@@ -316,8 +316,8 @@ def config_dict(cfg) -> Dict[str, Any]:
 
 # The TransformerConfig MoE fields that conversion carries (dense models leave them out).
 MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
-               "moe_z_loss_coeff", "moe_shared_expert_size", "moe_router_score_function", "moe_router_pre_softmax",
-               "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias")
+              "moe_z_loss_coeff", "moe_shared_expert_size", "moe_router_score_function", "moe_router_pre_softmax",
+              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias")
 
 
 def transformer_config(d: Mapping[str, Any]):
@@ -626,6 +626,8 @@ def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> D
 
     out: Dict[str, np.ndarray] = {}
     L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
+    if _is_moe(c):  # before any tensor is looked up: a model with dense layers between MoE ones is refused here
+        _check_mixtral_compatible(c)
     if _flavour(c) in ("llama", "mixtral"):
         out["model.embed_tokens.weight"] = take("embedding.weight")
         f = c["ffn_hidden_size"]
@@ -714,13 +716,14 @@ def _strip_vocab_padding(t: Dict[str, np.ndarray], c: Mapping[str, Any]) -> None
 def _check_shapes(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> None:
     """The layer-0 shapes agree with the config (a wrong config would otherwise split tensors silently wrong)."""
     heads, groups, d, h = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["hidden_size"]
-    f = c["ffn_hidden_size"] * (2 if c["activation"] == "SwiGLU" else 1)
+    gated = 2 if c["activation"] == "SwiGLU" else 1
+    f = c["ffn_hidden_size"] * gated
     want = {"layers.0.self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
             "layers.0.mlp.linear_fc1.weight": (f, h), "embedding.weight": (c["vocab_size"], h)}
     if _is_moe(c):  # layer 0 is a MoE layer whenever the model has any
         e, fm = int(c["num_moe_experts"]), int(c.get("moe_ffn_hidden_size") or 0) or c["ffn_hidden_size"]
         want.update({"layers.0.mlp.router.weight": (e, h),
-                     "layers.0.mlp.experts.linear_fc1.weight": (e, fm * f // c["ffn_hidden_size"], h),
+                     "layers.0.mlp.experts.linear_fc1.weight": (e, fm * gated, h),
                      "layers.0.mlp.experts.linear_fc2.weight": (e, h, fm)})
     for name, shape in want.items():
         if name in t and tuple(t[name].shape) != shape:

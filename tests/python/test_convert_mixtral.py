@@ -152,6 +152,8 @@ def test_export_refuses_what_mixtral_cannot_express(change, match):
     c = {**convert.config_from_hf(HF_CONFIG), **change}
     with pytest.raises(ConfigError, match=match):
         convert.config_to_hf(c)
+    with pytest.raises(ConfigError, match=match):  # before the tensors are mapped (a freq-2 model lacks experts)
+        convert.megacore_state_to_hf({}, c)
 
 
 def test_imported_mixtral_matches_hf_layout_forward(tmp_path, world):
