@@ -405,8 +405,8 @@ def _run_bench(args) -> int:
 def _add_convert(sub):
     p = sub.add_parser(
         "convert", help="convert checkpoints between Hugging Face and megacore formats",
-        description="hf-to-megacore SRC OUT: a Hugging Face model directory (Llama family or GPT-2) into a megacore "
-                    "checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
+        description="hf-to-megacore SRC OUT: a Hugging Face model directory (Llama family, Mixtral or GPT-2) into a "
+                    "megacore checkpoint under OUT (loads into any parallel layout). megacore-to-hf SRC OUT: a megacore "
                     "checkpoint (a step_N directory, or a root such as runs/NAME/checkpoints: its latest), including "
                     "every checkpoint `megacore train` writes, into a Hugging Face model directory (config.json, "
                     "generation_config.json, safetensors and the run's tokenizer files); a LoRA run's checkpoint "

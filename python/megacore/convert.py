@@ -1,4 +1,4 @@
-"""Hugging Face ↔ megacore checkpoint conversion (Llama family and GPT-2), bit-exact in both directions.
+"""Hugging Face ↔ megacore checkpoint conversion (Llama family, Mixtral and GPT-2), bit-exact in both directions.
 
 ``hf_to_megacore(hf_dir, out_root)`` reads a Hugging Face model directory (config.json plus
 model.safetensors, or sharded model-0000k-of-0000n.safetensors with model.safetensors.index.json) and
@@ -19,6 +19,11 @@ Name and layout mapping (docs/checkpoint.md has the table):
   [gate; up]; o/down_proj, norms, embedding and lm_head map one to one. megacore's RoPE rotates halves
   (i, i + d/2) exactly as HF Llama does, so q/k rows need no permutation (only checkpoints in Meta's
   original interleaved layout would). A tied model has no lm_head.weight.
+* Mixtral: attention, norms and embeddings as for Llama; each layer's router ``block_sparse_moe.gate`` [E, H] →
+  ``mlp.router``; the experts' ``w1`` (gate) / ``w3`` (up) [F, H] → ``mlp.experts.linear_fc1`` [E, 2F, H] (each
+  expert's [gate; up]), ``w2`` [H, F] → ``mlp.experts.linear_fc2`` [E, H, F]. HF's routing (softmax over all
+  experts, top-k, renormalised) is megacore's moe_router_pre_softmax = false. Qwen2-MoE and Qwen3-MoE are
+  refused naming what megacore lacks (a gated shared expert and q/k-only biases; per-head q/k norms).
 * GPT-2: Conv1D weights are stored [in, out] and are transposed; c_attn is [q | k | v] along its output,
   fused per head like Llama with groups = heads (bias too).
 """
@@ -73,6 +78,10 @@ def _cat(parts):
     return _keep(np.concatenate([np.asarray(p) for p in parts], axis=0), parts[0])
 
 
+def _stack(parts):
+    return _keep(np.stack([np.asarray(p) for p in parts], axis=0), parts[0])
+
+
 # ----------------------------------------------------------------------------- configs
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> Tuple[float, dict]:
@@ -92,31 +101,92 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> Tuple[float, dict]:
                    "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))}
 
 
+_QWEN_MOE_MISSING = {
+    "qwen2_moe": "Qwen2MoeForCausalLM cannot be converted: it has biases on q/k/v only (megacore's add_bias_linear "
+                 "puts biases on every linear layer or none) and a shared expert scaled by a sigmoid gate "
+                 "(shared_expert_gate), which megacore's shared expert (model.moe_shared_expert_size) does not have",
+    "qwen3_moe": "Qwen3MoeForCausalLM cannot be converted: it normalises queries and keys per head (q_norm / k_norm), "
+                 "which megacore's attention does not have",
+}
+
+# megacore's MoE settings that a Hugging Face MixtralForCausalLM has (anything else has no Mixtral equivalent).
+_MIXTRAL_MOE = {"moe_layer_freq": 1, "moe_shared_expert_size": 0, "moe_router_score_function": "softmax",
+                "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": 1.0,
+                "moe_router_enable_expert_bias": False}
+
+
+def _moe_config_from_mixtral(hf: Mapping[str, Any]) -> Dict[str, Any]:
+    """The MoE fields of a Mixtral config.json.
+
+    Routing: HF Mixtral takes the softmax over all experts, keeps the top k and divides them by their sum.
+    For the chosen set S, exp(z_i)/Σ_all / (Σ_{j∈S} exp(z_j)/Σ_all) = exp(z_i)/Σ_{j∈S} exp(z_j): the softmax over
+    the top-k logits alone, which is megacore's moe_router_pre_softmax = false (top-k on the logits, then
+    softmax); the top-k sets agree because softmax is monotonic.
+
+    Aux loss: HF's load_balancing_loss_func is coef · E · Σ_i f_i · P_i with f_i = (tokens routed to expert i) / T
+    (so Σ_i f_i = k) and P_i the mean router probability of expert i; megacore's (Megatron-Core's switch loss)
+    divides the same sum by k, so moe_aux_loss_coeff = router_aux_loss_coef · k gives the same loss. (HF adds it
+    only when output_router_logits is set; megacore adds it whenever the coefficient is > 0.)"""
+    e, k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
+    if not 1 <= k <= e:
+        raise ConfigError(f"num_experts_per_tok = {k} must be in [1, num_local_experts = {e}]")
+    return {"num_moe_experts": e, "moe_router_topk": k, "moe_ffn_hidden_size": int(hf["intermediate_size"]),
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)) * k, **_MIXTRAL_MOE}
+
+
+def _is_moe(c: Mapping[str, Any]) -> bool:
+    return int(c.get("num_moe_experts", 0) or 0) > 0
+
+
+def _check_mixtral_compatible(c: Mapping[str, Any]) -> None:
+    """Refuses MoE settings that MixtralForCausalLM cannot express."""
+    bad = []
+    for k, want in _MIXTRAL_MOE.items():
+        have = c.get(k, want)
+        same = str(have).lower() == want if isinstance(want, str) else have == want
+        if not same:
+            bad.append(f"{k} = {have} (Mixtral: {want})")
+    if bad:
+        raise ConfigError("this MoE model has no Hugging Face Mixtral equivalent: " + "; ".join(bad) +
+                          ". Only softmax routing with top-k then softmax, every layer MoE, no shared expert and no "
+                          "expert bias export as MixtralForCausalLM")
+
+
 def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str, Any]:
     """A megacore TransformerConfig (as a dict of its fields) from an HF config.json dict."""
     mt = hf.get("model_type")
-    if mt in ("llama", "mistral") or (mt is None and "num_hidden_layers" in hf):
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        raise ConfigError(_QWEN_MOE_MISSING[mt])
+    if mt in ("llama", "mistral", "mixtral") or (mt is None and "num_hidden_layers" in hf):
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act '{hf['hidden_act']}' is not SwiGLU's silu; megacore Llama uses silu")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias Llama variants are not supported (megacore puts biases on "
                               "every linear layer or none)")
-        if hf.get("sliding_window"):
-            raise ConfigError("sliding-window attention is not supported by megacore; use a full-attention model")
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        window = hf.get("sliding_window")
+        if window is not None and int(window) < max_pos:
+            raise ConfigError(f"sliding_window = {window} is shorter than max_position_embeddings = {max_pos}: "
+                              "megacore has no sliding-window attention, so this model's attention would differ on "
+                              "longer sequences; set sliding_window to null (or >= max_position_embeddings) in "
+                              "config.json, or lower max_position_embeddings to at most the window")
         heads = int(hf["num_attention_heads"])
         theta, scaling = _rope_from_hf(hf)
-        return {"num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
-                "num_attention_heads": heads,
-                "num_query_groups": int(hf.get("num_key_value_heads") or heads),
-                "ffn_hidden_size": int(hf["intermediate_size"]),
-                "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                "vocab_size": int(hf["vocab_size"]),
-                "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
-                "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-                "activation": "SwiGLU", "add_bias_linear": False,
-                "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-                "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
-                "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+        c = {"num_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
+             "num_attention_heads": heads,
+             "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+             "ffn_hidden_size": int(hf["intermediate_size"]),
+             "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+             "vocab_size": int(hf["vocab_size"]),
+             "max_position_embeddings": max_pos,
+             "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+             "activation": "SwiGLU", "add_bias_linear": False,
+             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+             "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
+             "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+        if mt == "mixtral":
+            c.update(_moe_config_from_mixtral(hf))
+        return c
     if mt == "gpt2" or (mt is None and "n_embd" in hf):
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -131,7 +201,8 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
                 "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
                 "position_embedding": "Learned", "rope_theta": 10000.0, "rope_scaling": {"type": "None"},
                 "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
-    raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family and GPT-2 checkpoints")
+    raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family (llama, mistral), "
+                      "Mixtral and GPT-2 checkpoints")
 
 
 def _flavour(c: Mapping[str, Any]) -> str:
@@ -140,7 +211,7 @@ def _flavour(c: Mapping[str, Any]) -> str:
     gpt2 = (c["normalization"], c["activation"], c["position_embedding"], c["add_bias_linear"]) == \
         ("LayerNorm", "GELU", "Learned", True)
     if llama:
-        return "llama"
+        return "mixtral" if _is_moe(c) else "llama"
     if gpt2:
         return "gpt2"
     raise ConfigError("this megacore model is neither Llama-shaped (RMSNorm, SwiGLU, RoPE, no bias) nor GPT-2-shaped "
@@ -159,7 +230,8 @@ def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[i
     "pad_token_id"} (None where the tokenizer has no such token)."""
     dt = _TORCH_DTYPE.get(str(c.get("params_dtype", "f32")).lower(), "float32")
     ids = {k: (special or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    if _flavour(c) == "llama":
+    flavour = _flavour(c)
+    if flavour in ("llama", "mixtral"):
         rs = c.get("rope_scaling") or {"type": "None"}
         rope = {"rope_theta": float(c["rope_theta"]), "rope_type": "default"}
         if str(rs.get("type", "None")).lower() == "llama3":
@@ -167,6 +239,8 @@ def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[i
                     "low_freq_factor": float(rs["low_freq_factor"]), "high_freq_factor": float(rs["high_freq_factor"]),
                     "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
         heads = c["num_attention_heads"]
+        if flavour == "mixtral":
+            return _mixtral_config_to_hf(c, rope, ids, dt)
         return {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, **ids,
                 "dtype": dt, "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",
                 "hidden_size": c["hidden_size"], "initializer_range": c.get("init_method_std", 0.02),
@@ -185,6 +259,27 @@ def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[i
             "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
             "tie_word_embeddings": bool(c["tie_word_embeddings"]), "transformers_version": HF_FORMAT_VERSION,
             "use_cache": True, "vocab_size": c["vocab_size"]}
+
+
+def _mixtral_config_to_hf(c: Mapping[str, Any], rope: Mapping[str, Any], ids: Mapping[str, Any], dt: str):
+    """config.json of MixtralForCausalLM (as transformers >= 5 writes it) for a Llama-shaped MoE model."""
+    _check_mixtral_compatible(c)
+    if rope.get("rope_type") != "default":
+        raise ConfigError(f"rope_scaling {c.get('rope_scaling')} has no MixtralForCausalLM equivalent (Mixtral uses "
+                          "plain RoPE); export a model without RoPE scaling")
+    heads, k = c["num_attention_heads"], int(c.get("moe_router_topk", 2))
+    ffn = int(c.get("moe_ffn_hidden_size") or 0) or int(c["ffn_hidden_size"])
+    return {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, **ids, "dtype": dt,
+            "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",
+            "hidden_size": c["hidden_size"], "initializer_range": c.get("init_method_std", 0.02),
+            "intermediate_size": ffn, "max_position_embeddings": c["max_position_embeddings"],
+            "model_type": "mixtral", "num_attention_heads": heads, "num_experts_per_tok": k,
+            "num_hidden_layers": c["num_layers"], "num_key_value_heads": c.get("num_query_groups") or heads,
+            "num_local_experts": int(c["num_moe_experts"]), "output_router_logits": False,
+            "rms_norm_eps": c["norm_eps"], "rope_parameters": dict(rope),
+            "router_aux_loss_coef": float(c.get("moe_aux_loss_coeff", 0.0)) / k, "router_jitter_noise": 0.0,
+            "sliding_window": None, "tie_word_embeddings": bool(c["tie_word_embeddings"]),
+            "transformers_version": HF_FORMAT_VERSION, "use_cache": True, "vocab_size": c["vocab_size"]}
 
 
 def generation_config_to_hf(special: Optional[Mapping[str, Optional[int]]] = None) -> Dict[str, Any]:
@@ -213,7 +308,16 @@ def config_dict(cfg) -> Dict[str, Any]:
     d["rope_scaling"] = {"type": rs.type.name, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                          "high_freq_factor": rs.high_freq_factor,
                          "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if cfg.num_moe_experts > 0:
+        d.update({k: getattr(cfg, k) for k in MOE_FIELDS})
+        d["moe_router_score_function"] = cfg.moe_router_score_function.name
     return d
+
+
+# The TransformerConfig MoE fields that conversion carries (dense models leave them out).
+MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_shared_expert_size", "moe_router_score_function", "moe_router_pre_softmax",
+              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias")
 
 
 def transformer_config(d: Mapping[str, Any]):
@@ -275,7 +379,22 @@ def config_from_recipe(recipe: Mapping[str, Any]) -> Dict[str, Any]:
                              "high_freq_factor": float(g("rope_high_freq_factor", 4.0)),
                              "original_max_position_embeddings": int(g("rope_original_max_position_embeddings", 8192))},
             "init_method_std": float(g("init_method_std", 0.02)), "params_dtype": precision,
-            "seed": int(g("seed", 1234))}
+            "seed": int(g("seed", 1234)), **_moe_config_from_recipe(m)}
+
+
+def _moe_config_from_recipe(m: Mapping[str, Any]) -> Dict[str, Any]:
+    """The MoE fields of a recipe's model section (none for a dense model); recipe defaults where absent."""
+    if int(m.get("num_moe_experts", 0) or 0) <= 0:
+        return {}
+    defaults = {"moe_router_topk": 2, "moe_ffn_hidden_size": 0, "moe_layer_freq": 1, "moe_aux_loss_coeff": 0.0,
+                "moe_z_loss_coeff": 0.0, "moe_shared_expert_size": 0, "moe_router_score_function": "softmax",
+                "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": 1.0,
+                "moe_router_enable_expert_bias": False}
+    out = {"num_moe_experts": int(m["num_moe_experts"])}
+    for k, v in defaults.items():
+        got = m.get(k, v)
+        out[k] = str(got).lower() if isinstance(v, str) else type(v)(got)
+    return out
 
 
 def _checkpoint_meta(ckpt: str) -> Tuple[str, Dict[str, Any]]:
@@ -405,6 +524,44 @@ def _read_hf_tensors(hf_dir: str) -> Dict[str, np.ndarray]:
     return out
 
 
+def _mixtral_experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: str, e: int) -> Dict[str, np.ndarray]:
+    """One Mixtral layer's router and experts (HF prefix ``p``) → megacore's MoE tensors (prefix ``m``).
+
+    Hub checkpoints (and transformers' save_pretrained) hold ``block_sparse_moe.gate.weight`` [E, H] and per
+    expert ``w1`` (gate) / ``w3`` (up) [F, H] and ``w2`` [H, F]; the modules of transformers >= 5 hold them fused
+    (a raw state_dict has these names): ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows,
+    then up rows) and ``mlp.experts.down_proj`` [E, H, F].
+    megacore's ``mlp.experts.linear_fc1.weight`` is [E, 2F, H] with each expert's [gate; up] rows (its SwiGLU
+    layout), ``linear_fc2`` [E, H, F]; both layouts map without any arithmetic."""
+    if p + "mlp.experts.gate_up_proj" in hf:
+        return {m + "mlp.router.weight": take(p + "mlp.gate.weight"),
+                m + "mlp.experts.linear_fc1.weight": take(p + "mlp.experts.gate_up_proj"),
+                m + "mlp.experts.linear_fc2.weight": take(p + "mlp.experts.down_proj")}
+    b = p + "block_sparse_moe."
+    x = [b + f"experts.{j}." for j in range(e)]
+    return {m + "mlp.router.weight": take(b + "gate.weight"),
+            m + "mlp.experts.linear_fc1.weight": _stack([_cat([take(q + "w1.weight"), take(q + "w3.weight")])
+                                                         for q in x]),
+            m + "mlp.experts.linear_fc2.weight": _stack([take(q + "w2.weight") for q in x])}
+
+
+def _mixtral_experts_to_hf(take, p: str, m: str, e: int) -> Dict[str, np.ndarray]:
+    """Inverse of _mixtral_experts_to_megacore, in the hub layout (``block_sparse_moe``, ``w1``/``w2``/``w3``)."""
+    fc1, fc2 = take(m + "mlp.experts.linear_fc1.weight"), take(m + "mlp.experts.linear_fc2.weight")
+    if fc1.shape[0] != e or fc2.shape[0] != e:
+        raise ConfigError(f"'{m}mlp.experts.*' hold {fc1.shape[0]} experts but the model config says {e}")
+    f = fc1.shape[1] // 2
+    b = p + "block_sparse_moe."
+    out = {b + "gate.weight": take(m + "mlp.router.weight")}
+    a1, a2 = np.asarray(fc1), np.asarray(fc2)
+    for j in range(e):
+        q = b + f"experts.{j}."
+        out[q + "w1.weight"] = _keep(np.ascontiguousarray(a1[j, :f]), fc1)
+        out[q + "w2.weight"] = _keep(np.ascontiguousarray(a2[j]), fc2)
+        out[q + "w3.weight"] = _keep(np.ascontiguousarray(a1[j, f:]), fc1)
+    return out
+
+
 def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> Dict[str, np.ndarray]:
     """HF tensor names/layouts → megacore's (whole tensors)."""
     def take(name):
@@ -415,7 +572,7 @@ def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> 
 
     out: Dict[str, np.ndarray] = {}
     L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
-    if _flavour(c) == "llama":
+    if _flavour(c) in ("llama", "mixtral"):
         out["embedding.weight"] = take("model.embed_tokens.weight")
         for i in range(L):
             p, m = f"model.layers.{i}.", f"layers.{i}."
@@ -425,6 +582,9 @@ def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> 
                 take(p + "self_attn.v_proj.weight"), heads, groups)
             out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
             out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+            if _is_moe(c):
+                out.update(_mixtral_experts_to_megacore(take, hf, p, m, int(c["num_moe_experts"])))
+                continue
             out[m + "mlp.linear_fc1.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
         out["final_layernorm.weight"] = take("model.norm.weight")
@@ -466,7 +626,9 @@ def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> D
 
     out: Dict[str, np.ndarray] = {}
     L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
-    if _flavour(c) == "llama":
+    if _is_moe(c):  # before any tensor is looked up: a model with dense layers between MoE ones is refused here
+        _check_mixtral_compatible(c)
+    if _flavour(c) in ("llama", "mixtral"):
         out["model.embed_tokens.weight"] = take("embedding.weight")
         f = c["ffn_hidden_size"]
         for i in range(L):
@@ -477,6 +639,9 @@ def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> D
             out[p + "self_attn.v_proj.weight"] = v
             out[p + "self_attn.o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
             out[p + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+            if _is_moe(c):
+                out.update(_mixtral_experts_to_hf(take, p, m, int(c["num_moe_experts"])))
+                continue
             fc1 = take(m + "mlp.linear_fc1.weight")
             out[p + "mlp.gate_proj.weight"] = _keep(np.ascontiguousarray(fc1[:f]), fc1)
             out[p + "mlp.up_proj.weight"] = _keep(np.ascontiguousarray(fc1[f:]), fc1)
@@ -551,9 +716,15 @@ def _strip_vocab_padding(t: Dict[str, np.ndarray], c: Mapping[str, Any]) -> None
 def _check_shapes(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> None:
     """The layer-0 shapes agree with the config (a wrong config would otherwise split tensors silently wrong)."""
     heads, groups, d, h = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"], c["hidden_size"]
-    f = c["ffn_hidden_size"] * (2 if c["activation"] == "SwiGLU" else 1)
+    gated = 2 if c["activation"] == "SwiGLU" else 1
+    f = c["ffn_hidden_size"] * gated
     want = {"layers.0.self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
             "layers.0.mlp.linear_fc1.weight": (f, h), "embedding.weight": (c["vocab_size"], h)}
+    if _is_moe(c):  # layer 0 is a MoE layer whenever the model has any
+        e, fm = int(c["num_moe_experts"]), int(c.get("moe_ffn_hidden_size") or 0) or c["ffn_hidden_size"]
+        want.update({"layers.0.mlp.router.weight": (e, h),
+                     "layers.0.mlp.experts.linear_fc1.weight": (e, fm * gated, h),
+                     "layers.0.mlp.experts.linear_fc2.weight": (e, h, fm)})
     for name, shape in want.items():
         if name in t and tuple(t[name].shape) != shape:
             raise ConfigError(f"the checkpoint's '{name}' is {list(t[name].shape)} but its model config says "

@@ -87,6 +87,7 @@ def finetune_recipe(model_path: str, data_path: str, peft=None, trainer: Optiona
     ``overrides``: ``--set`` strings applied last. Defaults: TP = PP = 1 (data parallel over the devices),
     sequence length min(2048, the model's), micro-batch 1, global batch 8 × devices, lr 1e-4 with LoRA and
     1e-5 for full fine-tuning, validation on 10 % of the rows every 50 steps."""
+    from .convert import MOE_FIELDS
     from .recipes import tiny
     from .recipes._common import finetune_from
 
@@ -102,8 +103,9 @@ def finetune_recipe(model_path: str, data_path: str, peft=None, trainer: Optiona
     r = finetune_from(tiny.pretrain_recipe(), os.path.abspath(data_path), os.path.abspath(base),
                       lr=1e-4 if lora else 1e-5, dir=output_path, peft=lora)
     r.name = "finetune"
-    for k in _SAME:
-        setattr(r.model, k, c[k])
+    for k in _SAME + MOE_FIELDS:
+        if k in _SAME or k in c:  # MoE fields: only a MoE model's config has them
+            setattr(r.model, k, c[k])
     r.model.name = os.path.basename(os.path.normpath(model_path)) or "model"
     r.model.make_vocab_size_divisible_by = int(c.get("make_vocab_size_divisible_by", 128))
     rs = c.get("rope_scaling") or {"type": "None"}

@@ -200,8 +200,31 @@ def test_cli_convert(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- imported model gives HF logits
 
+def swiglu_numpy(p, gate, up, down, n):
+    g, u = n @ p[gate + "weight"].T, n @ p[up + "weight"].T
+    return (g / (1 + np.exp(-g)) * u) @ p[down + "weight"].T
+
+
+def mixtral_moe_numpy(p, q_, n, c):
+    """HF Mixtral's sparse MoE block: softmax over all experts, the top k kept and renormalised to sum 1."""
+    b = q_ + "block_sparse_moe."
+    logits = n @ p[b + "gate.weight"].T
+    pr = np.exp(logits - logits.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    top = np.argsort(-pr, axis=-1, kind="stable")[..., :c["num_experts_per_tok"]]
+    w = np.take_along_axis(pr, top, -1)
+    w /= w.sum(-1, keepdims=True)
+    out = np.zeros_like(n)
+    for e in range(c["num_local_experts"]):
+        q = b + f"experts.{e}."
+        y = swiglu_numpy(p, q + "w1.", q + "w3.", q + "w2.", n)
+        out += y * ((top == e) * w).sum(-1, keepdims=True)
+    return out
+
+
 def hf_llama_numpy(t, c, tokens):
-    """Logits of a Llama forward written in HF's layout (f64), with llama3 RoPE scaling when configured."""
+    """Logits of a Llama (or, with num_local_experts in ``c``, Mixtral) forward written in HF's layout (f64), with
+    llama3 RoPE scaling when configured."""
     h, H, G, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     eps, theta = c["rms_norm_eps"], c.get("rope_theta", 10000.0)
     p = {k: np.asarray(v, dtype=np.float64) for k, v in t.items()}
@@ -240,8 +263,8 @@ def hf_llama_numpy(t, c, tokens):
         pr /= pr.sum(-1, keepdims=True)
         x = x + np.einsum("bhqk,bkhd->bqhd", pr, v).reshape(b, s, H * d) @ p[q_ + "self_attn.o_proj.weight"].T
         n = norm(x, p[q_ + "post_attention_layernorm.weight"])
-        g, u = n @ p[q_ + "mlp.gate_proj.weight"].T, n @ p[q_ + "mlp.up_proj.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ p[q_ + "mlp.down_proj.weight"].T
+        x = x + (mixtral_moe_numpy(p, q_, n, c) if "num_local_experts" in c else
+                 swiglu_numpy(p, q_ + "mlp.gate_proj.", q_ + "mlp.up_proj.", q_ + "mlp.down_proj.", n))
     x = norm(x, p["model.norm.weight"])
     head = p["model.embed_tokens.weight"] if c["tie_word_embeddings"] else p["lm_head.weight"]
     return x @ head.T

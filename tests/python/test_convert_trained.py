@@ -20,10 +20,11 @@ from megacore import cli, convert, recipes
 needs_mpi = pytest.mark.skipif(not mc.comm.mpi_available(), reason="built without MPI")
 
 
-def train_tiny(tmp_path, name="run", steps=4, save_interval=2, tp=2, **sets):
-    """The tiny recipe on CPU ranks (TP = 2 on 2 ranks) for a few steps; returns the recipe."""
-    r = recipes.tiny.pretrain_recipe(dir=str(tmp_path / name))
-    r.resources.num_gpus_per_node = tp
+def train_tiny(tmp_path, name="run", steps=4, save_interval=2, tp=2, recipe=recipes.tiny, ranks=None, **sets):
+    """The tiny recipe (or ``recipe``) on CPU ranks (TP = 2 on 2 ranks; ``ranks`` CPU ranks when given) for a few
+    steps; returns the recipe."""
+    r = recipe.pretrain_recipe(dir=str(tmp_path / name))
+    r.resources.num_gpus_per_node = ranks or tp
     r.parallel.tensor_model_parallel_size = tp
     r.parallel.pipeline_model_parallel_size = 1
     r.trainer.max_steps = steps
