@@ -170,8 +170,28 @@ struct MpiState {
       for (auto& n : notices) a.notices.push_back(std::move(n));
       return;
     }
+    // Once any communicator of this process has seen an abort, a peer may have sent this one messages
+    // that no receive will match: an abort notice on ctrl, part of a collective on comm. Freeing a
+    // communicator with unmatched incoming messages is erroneous: Open MPI hands them to the next
+    // communicator that reuses the context id (ob1 crashed there, in MPI_Comm_dup). Notices are drained;
+    // collective fragments cannot be (their tags are internal), so comm is then kept, not freed.
+    if (g_any_aborted) drain_notices();
     if (ctrl != MPI_COMM_NULL) MPI_Comm_free(&ctrl);
-    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+    if (comm != MPI_COMM_NULL && !g_any_aborted) MPI_Comm_free(&comm);
+  }
+
+  // Receives and drops the abort notices that have arrived on ctrl.
+  void drain_notices() {
+    if (ctrl == MPI_COMM_NULL) return;
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kAbortTag, ctrl, &flag, &st) != MPI_SUCCESS || !flag) return;
+      int len = 0;
+      MPI_Get_count(&st, MPI_CHAR, &len);
+      std::string sink(size_t(std::max(len, 0)), '\0');
+      if (MPI_Recv(sink.data(), len, MPI_CHAR, st.MPI_SOURCE, kAbortTag, ctrl, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+    }
   }
 
   // Drops orphans that have finished; true when none is left.
