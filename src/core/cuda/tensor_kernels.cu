@@ -1,7 +1,19 @@
 // Elementwise kernels behind Tensor: fill, Philox random draws, strided copy with conversion.
 // All of them walk the logical (row-major) index, so a value depends only on its index, not on the
 // layout in memory or the launch configuration.
+//
+// Copies and fills first collapse the layout (size-1 dims dropped, neighbouring dims merged where both
+// tensors are contiguous across them), then take the cheapest path that is exact for it:
+//   - one contiguous range of the same dtype: cudaMemcpyAsync (fill of zero bits: cudaMemsetAsync);
+//   - the same dtype with a contiguous innermost dim (e.g. q/k/v narrowed out of a fused QKV row): rows of
+//     16/8/4/2/1-byte vectors (the widest that divides the row, every outer stride and both addresses),
+//     with 32-bit index arithmetic when the sizes allow it;
+//   - otherwise the per-element strided walk, in 32-bit index arithmetic when the sizes allow it (64-bit
+//     division is a long instruction sequence on the GPU and dominated the strided copy).
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
 
 #include "core/cuda/cuda_check.hpp"
 #include "core/cuda_backend.hpp"
@@ -10,14 +22,47 @@
 namespace megacore::cuda_impl {
 namespace {
 
-__device__ __forceinline__ int64_t strided_offset(int64_t i, const StridedDesc& d) {
+template <class Idx = int64_t>
+__device__ __forceinline__ int64_t strided_offset(Idx i, const StridedDesc& d) {
   int64_t off = 0;
   for (int k = d.ndim - 1; k >= 0; --k) {
-    int64_t n = d.shape[k];
-    off += (i % n) * d.stride[k];
-    i /= n;
+    const Idx n = Idx(d.shape[k]);
+    const Idx q = i / n;
+    off += int64_t(i - q * n) * d.stride[k];
+    i = q;
   }
   return off;
+}
+
+// Both descs with the same shape, after drop of size-1 dims and merging of dims contiguous in both.
+struct Collapsed {
+  StridedDesc a, b;
+};
+Collapsed collapse(const StridedDesc& a, const StridedDesc& b) {
+  Collapsed c;
+  int n = 0;
+  for (int k = 0; k < a.ndim; ++k) {
+    if (a.shape[k] == 1) continue;
+    if (n > 0 && c.a.stride[n - 1] == a.stride[k] * a.shape[k] && c.b.stride[n - 1] == b.stride[k] * b.shape[k]) {
+      c.a.shape[n - 1] *= a.shape[k], c.b.shape[n - 1] *= a.shape[k];
+      c.a.stride[n - 1] = a.stride[k], c.b.stride[n - 1] = b.stride[k];
+      continue;
+    }
+    c.a.shape[n] = c.b.shape[n] = a.shape[k];
+    c.a.stride[n] = a.stride[k], c.b.stride[n] = b.stride[k];
+    ++n;
+  }
+  if (n == 0) c.a.shape[0] = c.b.shape[0] = 1, c.a.stride[0] = c.b.stride[0] = 1, n = 1;
+  c.a.ndim = c.b.ndim = n;
+  c.a.numel = c.b.numel = a.numel;
+  return c;
+}
+
+// True when every offset the walk can produce, and the element count, fit 32-bit index arithmetic.
+bool fits_u32(const StridedDesc& d) {
+  int64_t span = 1;
+  for (int k = 0; k < d.ndim; ++k) span += (d.shape[k] - 1) * (d.stride[k] < 0 ? -d.stride[k] : d.stride[k]);
+  return d.numel < (int64_t(1) << 31) && span < (int64_t(1) << 31);
 }
 
 template <class D, class S> __device__ __forceinline__ D convert(S v) {
@@ -47,10 +92,26 @@ __global__ void random_kernel(T* data, StridedDesc d, RandomKind kind, uint64_t 
   }
 }
 
-template <class D, class S>
+template <class T>
+__global__ void fill_contiguous_kernel(T* data, int64_t n, T value) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    data[i] = value;
+}
+
+template <class D, class S, class Idx>
 __global__ void copy_kernel(D* dst, StridedDesc dd, const S* src, StridedDesc sd) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dd.numel; i += int64_t(gridDim.x) * blockDim.x)
-    dst[strided_offset(i, dd)] = convert<D, S>(src[strided_offset(i, sd)]);
+  for (Idx i = blockIdx.x * Idx(blockDim.x) + threadIdx.x; i < Idx(dd.numel); i += Idx(gridDim.x) * blockDim.x)
+    dst[strided_offset<Idx>(i, dd)] = convert<D, S>(src[strided_offset<Idx>(i, sd)]);
+}
+
+// Rows of vectors V: the innermost dim (contiguous in both) holds `per_row` vectors; dd/sd describe the outer
+// dims with strides in units of V.
+template <class V, class Idx>
+__global__ void copy_rows_kernel(V* dst, StridedDesc dd, const V* src, StridedDesc sd, Idx per_row, Idx total) {
+  for (Idx i = blockIdx.x * Idx(blockDim.x) + threadIdx.x; i < total; i += Idx(gridDim.x) * blockDim.x) {
+    const Idx row = i / per_row, c = i - row * per_row;
+    dst[strided_offset<Idx>(row, dd) + c] = src[strided_offset<Idx>(row, sd) + c];
+  }
 }
 
 unsigned grid_for(int64_t n) {
@@ -75,12 +136,21 @@ void dispatch(DType dt, F&& f) {
 void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream, int device) {
   if (d.numel == 0) return;
   DeviceGuard g(device);
+  const StridedDesc c = collapse(d, d).a;
+  const bool contiguous = c.ndim == 1 && c.stride[0] == 1;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     T v;
     if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) v = T(float(value));
     else v = static_cast<T>(value);
-    fill_kernel<T><<<grid_for(d.numel), 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<T*>(data), d, v);
+    const T zero{};
+    if (contiguous && std::memcmp(&v, &zero, sizeof(T)) == 0) {
+      MC_CUDA_CHECK(cudaMemsetAsync(data, 0, size_t(d.numel) * sizeof(T), st));
+      return;
+    }
+    if (contiguous) fill_contiguous_kernel<T><<<grid_for(d.numel), 256, 0, st>>>(static_cast<T*>(data), d.numel, v);
+    else fill_kernel<T><<<grid_for(d.numel), 256, 0, st>>>(static_cast<T*>(data), d, v);
   });
   MC_CUDA_CHECK_LAUNCH();
 }
@@ -97,16 +167,80 @@ void random(void* data, DType dt, const StridedDesc& d, RandomKind kind, uint64_
   MC_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+// Same dtype, innermost dim contiguous in both: rows of the widest vector that divides the row bytes, every
+// outer stride's bytes and both addresses. False when the layout does not allow it.
+bool copy_rows(void* dst, const StridedDesc& dd, const void* src, const StridedDesc& sd, int64_t esize,
+               cudaStream_t st) {
+  const int n = dd.ndim;
+  if (dd.stride[n - 1] != 1 || sd.stride[n - 1] != 1) return false;
+  const int64_t row_bytes = dd.shape[n - 1] * esize;
+  auto gcd_ok = [&](int64_t vb) {
+    if (row_bytes % vb || reinterpret_cast<uintptr_t>(dst) % vb || reinterpret_cast<uintptr_t>(src) % vb) return false;
+    for (int k = 0; k + 1 < n; ++k)
+      if ((dd.stride[k] * esize) % vb || (sd.stride[k] * esize) % vb) return false;
+    return true;
+  };
+  int64_t vb = 16;
+  while (vb > 1 && !gcd_ok(vb)) vb /= 2;
+  StridedDesc od = dd, os = sd;  // the outer dims, strides in vectors
+  od.ndim = os.ndim = n - 1;
+  for (int k = 0; k + 1 < n; ++k) od.stride[k] = dd.stride[k] * esize / vb, os.stride[k] = sd.stride[k] * esize / vb;
+  od.numel = os.numel = dd.numel / dd.shape[n - 1];
+  const int64_t per_row = row_bytes / vb, total = od.numel * per_row;
+  auto launch = [&](auto vtag) {
+    using V = decltype(vtag);
+    StridedDesc spanned = od;  // fits_u32 on the vector index space (outer offsets + the row)
+    spanned.ndim = n;
+    spanned.shape[n - 1] = per_row, spanned.stride[n - 1] = 1, spanned.numel = total;
+    StridedDesc spanned_s = spanned;
+    for (int k = 0; k + 1 < n; ++k) spanned_s.stride[k] = os.stride[k];
+    if (fits_u32(spanned) && fits_u32(spanned_s))
+      copy_rows_kernel<V, uint32_t><<<grid_for(total), 256, 0, st>>>(static_cast<V*>(dst), od, static_cast<const V*>(src),
+                                                                     os, uint32_t(per_row), uint32_t(total));
+    else
+      copy_rows_kernel<V, int64_t><<<grid_for(total), 256, 0, st>>>(static_cast<V*>(dst), od, static_cast<const V*>(src),
+                                                                    os, per_row, total);
+  };
+  switch (vb) {
+    case 16: launch(uint4{}); break;
+    case 8: launch(uint2{}); break;
+    case 4: launch(uint32_t{}); break;
+    case 2: launch(uint16_t{}); break;
+    default: launch(uint8_t{}); break;
+  }
+  return true;
+}
+}  // namespace
+
 void copy(void* dst, DType dst_dt, const StridedDesc& dd, const void* src, DType src_dt, const StridedDesc& sd,
           void* stream, int device) {
   if (dd.numel == 0) return;
   DeviceGuard g(device);
+  const Collapsed c = collapse(dd, sd);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (dst_dt == src_dt) {
+    const int64_t esize = dtype_size(dst_dt);
+    if (c.a.ndim == 1 && c.a.stride[0] == 1 && c.b.stride[0] == 1) {
+      MC_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(dd.numel * esize), cudaMemcpyDeviceToDevice, st));
+      return;
+    }
+    if (copy_rows(dst, c.a, src, c.b, esize, st)) {
+      MC_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  const bool small = fits_u32(c.a) && fits_u32(c.b);
   dispatch(dst_dt, [&](auto dtag) {
     using D = decltype(dtag);
     dispatch(src_dt, [&](auto stag) {
       using S = decltype(stag);
-      copy_kernel<D, S><<<grid_for(dd.numel), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<D*>(dst), dd, static_cast<const S*>(src), sd);
+      if (small)
+        copy_kernel<D, S, uint32_t><<<grid_for(dd.numel), 256, 0, st>>>(static_cast<D*>(dst), c.a,
+                                                                          static_cast<const S*>(src), c.b);
+      else
+        copy_kernel<D, S, int64_t><<<grid_for(dd.numel), 256, 0, st>>>(static_cast<D*>(dst), c.a,
+                                                                         static_cast<const S*>(src), c.b);
     });
   });
   MC_CUDA_CHECK_LAUNCH();

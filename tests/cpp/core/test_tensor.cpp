@@ -153,6 +153,55 @@ TEST_CASE("host/device copies, views and casts on the GPU match the CPU", "[gpu]
   for (int i = 0; i < 16; ++i) REQUIRE(zv[i] == ((i % 4 == 1 || i % 4 == 2) ? 2.5 : 0.0));
 }
 
+TEST_CASE("every device copy and fill path (memcpy, vector rows, strided walk) equals the CPU copy", "[gpu][core][tensor]") {
+  MC_REQUIRE_GPU();
+  Device d = Device::cuda(0);
+  Stream s = Stream::create(d);
+  Generator g(12);
+  // A fused-QKV-like buffer [s, b, groups, hpg + 2, dh]: narrowing out q (hpg heads) and selecting k or v gives
+  // rows whose byte length and offsets allow 16-, 8-, 4- or 2-byte vectors depending on dh and the dtype.
+  for (DType dt : {DType::BF16, DType::F32, DType::F16}) {
+    for (int64_t dh : {64, 4, 2, 1, 3, 24}) {
+      Tensor h = Tensor::empty({5, 3, 2, 4, dh});
+      h.normal_(g);
+      h = h.to(dt);
+      Tensor x = h.to(d, s);
+      auto cpu = [&](const Tensor& t) { return t.contiguous().to_double_vector(); };
+      auto gpu = [&](const Tensor& t) { return t.contiguous(s).to(Device::cpu(), s).to_double_vector(); };
+      CHECK(gpu(x.narrow(3, 0, 2)) == cpu(h.narrow(3, 0, 2)));          // q: 2 of 4 heads per group
+      CHECK(gpu(x.select(3, 2)) == cpu(h.select(3, 2)));                  // k
+      CHECK(gpu(x.narrow(3, 1, 3).narrow(4, 0, dh > 1 ? dh - 1 : 1)) ==   // unaligned offset, short rows
+            cpu(h.narrow(3, 1, 3).narrow(4, 0, dh > 1 ? dh - 1 : 1)));
+      CHECK(gpu(x.permute({1, 0, 2, 3, 4})) == cpu(h.permute({1, 0, 2, 3, 4})));  // rows of whole heads
+      CHECK(gpu(x.permute({4, 3, 2, 1, 0})) == cpu(h.permute({4, 3, 2, 1, 0})));  // innermost not contiguous
+      CHECK(gpu(x.slice(0, 1, 5, 2)) == cpu(h.slice(0, 1, 5, 2)));                 // stepped outer dim
+      // strided destination, same dtype and with a conversion
+      Tensor dst = Tensor::full({5, 3, 2, 6, dh}, -3.0, dt, d, s);
+      dst.narrow(3, 1, 4).copy_(x, s);
+      Tensor ref = Tensor::full({5, 3, 2, 6, dh}, -3.0, dt);
+      ref.narrow(3, 1, 4).copy_(h);
+      CHECK(dst.to(Device::cpu(), s).to_double_vector() == ref.to_double_vector());
+      Tensor conv = Tensor::full({5, 3, 2, 6, dh}, -3.0, DType::F32, d, s);
+      conv.narrow(3, 1, 4).copy_(x, s);
+      Tensor cref = Tensor::full({5, 3, 2, 6, dh}, -3.0, DType::F32);
+      cref.narrow(3, 1, 4).copy_(h);
+      CHECK(conv.to(Device::cpu(), s).to_double_vector() == cref.to_double_vector());
+      // contiguous copies (one range) and fills: zero (memset), non-zero contiguous, strided
+      CHECK(gpu(x.view({5 * 3, 2 * 4 * dh}).narrow(0, 2, 7)) == cpu(h.view({5 * 3, 2 * 4 * dh}).narrow(0, 2, 7)));
+      Tensor f = Tensor::full({7, 2 * dh}, 5.0, dt, d, s);
+      f.narrow(0, 1, 3).fill_(0.0, s);
+      f.narrow(1, 0, dh).fill_(-1.5, s);
+      f.narrow(0, 5, 2).fill_(2.0, s);
+      auto fv = f.to(Device::cpu(), s).to_double_vector();
+      for (int64_t r = 0; r < 7; ++r)
+        for (int64_t c = 0; c < 2 * dh; ++c) {
+          const double want = r >= 5 ? 2.0 : c < dh ? -1.5 : (r >= 1 && r <= 3) ? 0.0 : 5.0;
+          CHECK(fv[size_t(r * 2 * dh + c)] == want);
+        }
+    }
+  }
+}
+
 TEST_CASE("the CUDA caching allocator reuses blocks and keeps statistics", "[gpu][core][allocator]") {
   MC_REQUIRE_GPU();
   Device d = Device::cuda(0);
