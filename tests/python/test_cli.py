@@ -32,6 +32,27 @@ def test_plan_numbers():
     assert not cli.plan("llama3_8b", world_size=1, gpu_memory_gib=80)["fits"]
 
 
+def test_plan_counts_the_optimizer_state_precision(capsys):
+    f32 = cli.plan("llama32_1b", world_size=4, zero=True)
+    b16 = cli.plan("llama32_1b", world_size=4, zero=True, main_params_dtype="bf16", main_grads_dtype="bf16",
+                   exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    n = f32["stage_params"][0]
+    # 4 + 4 + 4 bytes of state per parameter against 0 + 2 + 2, both over DP 4; main grads 4 against 2
+    assert f32["memory_bytes"]["optimizer"] == 12 * n / 4 and b16["memory_bytes"]["optimizer"] == 4 * n / 4
+    assert f32["memory_bytes"]["main_grads"] == 4 * n and b16["memory_bytes"]["main_grads"] == 2 * n
+    # bf16 grads are reduce-scattered in bf16 into a bf16 shard
+    assert b16["memory_bytes"]["grad_reduce"] == f32["memory_bytes"]["grad_reduce"] / 2
+    moments = cli.plan("llama32_1b", world_size=4, exp_avg_dtype="bf16")
+    assert moments["memory_bytes"]["optimizer"] == 10 * n
+    # The recipe's fields reach `megacore plan`.
+    assert cli.main(["plan", "--recipe", "llama32_1b", "--set", "optim.main_params_dtype=bf16", "--set",
+                     "optim.exp_avg_dtype=bf16", "--set", "optim.exp_avg_sq_dtype=bf16", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer" in out
+    with pytest.raises(mc.ValueError, match="exp_avg_dtype"):
+        cli.plan("llama32_1b", world_size=1, exp_avg_dtype="f16")
+
+
 def test_plan_balances_stages_for_the_head(capsys):
     even = cli.plan("llama32_1b", world_size=4, pp=4)
     assert even["stage_layers"] == [4, 4, 4, 4]
