@@ -112,6 +112,9 @@ def _add_plan(sub):
     p.add_argument("--headroom-gib", type=float, default=None,
                    help="memory per GPU kept for what the estimate does not count (CUDA context, NCCL and library "
                         "workspaces, allocator fragmentation); default max(4, 12 %% of --gpu-memory-gib)")
+    p.add_argument("--fit", action="store_true",
+                   help="pick the layout: the fastest TP/PP/ZeRO/recompute whose estimate fits --gpu-memory-gib "
+                        "(ignores --tp/--pp/--zero/--sequence-parallel)")
     p.add_argument("--no-table", dest="table", action="store_false", help="omit the per-rank table")
     p.set_defaults(func=_run_plan, parser=p)
 
@@ -243,6 +246,57 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
                     if cfg.num_moe_experts > 0 else None)}
 
 
+def fit_layout(model, world_size, gpu_memory_gib=80.0, seq_length=2048, micro_batch_size=1, headroom_gib=None,
+               **plan_kwargs):
+    """The first layout, in order of expected speed, whose `plan` fits the GPUs: TP × PP from 1 up (TP before PP at
+    the same degree; each dividing what it splits), sequence parallelism whenever TP > 1, ZeRO-1 whenever DP > 1,
+    selective recompute before full. Returns ``{"tp", "pp", "sequence_parallel",
+    "zero", "recompute", "plan"}``; ConfigError naming the smallest estimate when none fits."""
+    from .errors import ConfigError
+
+    # Least model parallelism first (more DP), TP before PP at the same degree (no pipeline bubble), selective
+    # recompute before full (a third more compute).
+    candidates = sorted(((tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if world_size % (tp * pp) == 0),
+                        key=lambda c: (c[0] * c[1], c[1]))
+    best = None
+    for recompute in ("selective", "full"):
+        for tp, pp in candidates:
+            dp = world_size // (tp * pp)
+            if isinstance(model, str):
+                cfg = _preset_with_recompute(model, recompute)
+            else:
+                cfg = model.copy()
+                cfg.recompute_granularity = recompute
+            try:
+                r = plan(cfg, world_size, tp=tp, pp=pp, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         sequence_parallel=tp > 1, zero=dp > 1, gpu_memory_gib=gpu_memory_gib,
+                         headroom_gib=headroom_gib, **plan_kwargs)
+            except ValueError:  # TP not dividing the heads, PP not dividing the layers, ...
+                continue
+            if best is None or r["total_bytes"] < best["total_bytes"]:
+                best = r
+            if r["fits"]:
+                return {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "zero": dp > 1, "recompute": recompute,
+                        "plan": r}
+    why = (f"the smallest estimate is {best['total_bytes'] / 2**30:.1f} GiB per GPU" if best
+           else "no TP × PP layout is valid for this model")
+    raise ConfigError(f"no layout of {world_size} GPUs fits {gpu_memory_gib:g} GiB each at seq {seq_length} × "
+                      f"micro-batch {micro_batch_size}: {why}; use more GPUs, shorter sequences, or bf16 optimizer "
+                      f"state (optim.main_params_dtype and friends)")
+
+
+def _preset_with_recompute(name, recompute):
+    from . import model as m
+
+    presets = {"tiny_llama": m.tiny_llama, "tiny_gpt2": m.tiny_gpt2, "llama32_1b": m.llama32_1b,
+               "llama3_8b": m.llama3_8b, "gpt2_124m": m.gpt2_124m, "mixtral_8x7b": m.mixtral_8x7b}
+    if name not in presets:
+        return name  # plan() names the known presets
+    cfg = presets[name]()
+    cfg.recompute_granularity = recompute
+    return cfg
+
+
 _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "etp": "parallel.etp",
                "vp": "parallel.vp",
                "head_cost": "parallel.pipeline_head_cost", "seq_length": "data.seq_length",
@@ -274,6 +328,19 @@ def _run_plan(args) -> int:
         r = plan(args.model, args.world_size, v["tp"], v["pp"], v["cp"], v["ep"], v["vp"], v["seq_length"],
                  v["micro_batch_size"], v["sequence_parallel"], v["zero"], args.gpu_memory_gib,
                  pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib, etp=v["etp"])
+    if args.fit:
+        kw = {}
+        if args.recipe:
+            o = rec.optim
+            kw = dict(main_params_dtype=o.main_params_dtype, main_grads_dtype=o.main_grads_dtype,
+                      exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
+        f = fit_layout(r["config"] if args.recipe else args.model, args.world_size, args.gpu_memory_gib,
+                       r["seq_length"], rec.data.micro_batch_size if args.recipe else v["micro_batch_size"],
+                       args.headroom_gib, **kw)
+        r = f["plan"]
+        print(f"fitting layout for {args.gpu_memory_gib:g} GiB GPUs: --set parallel.tp={f['tp']} --set "
+              f"parallel.pp={f['pp']} --set parallel.sp={str(f['sequence_parallel']).lower()} --set "
+              f"parallel.zero={str(f['zero']).lower()} --set trainer.recompute={f['recompute']}")
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "

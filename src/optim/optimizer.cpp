@@ -61,7 +61,8 @@ Optimizer::Optimizer(std::vector<Parameter*> params, bool separate_masters)
     MC_CHECK(p->main_grad.defined() && (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
                  p->main_grad.is_contiguous() && p->main_grad.shape() == p->data.shape() &&
                  p->main_grad.device() == p->data.device(),
-             "optimizer: parameter '{}' needs a contiguous f32 or bf16 main_grad of its data's shape and device",
+             "optimizer: parameter '{}' needs a contiguous f32 main_grad (or bf16: bf16 main grads) of its data's "
+             "shape and device",
              p->name);
     MC_CHECK(separate_masters_ || p->data.dtype() != DType::F16,
              "optimizer: parameter '{}' is f16, which needs f32 master weights (its range is too small to take the "

@@ -39,8 +39,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Parameter*> params, const Buf
     MC_CHECK(p->main_grad.defined() && (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
                  p->main_grad.is_contiguous() && p->main_grad.shape() == p->data.shape() &&
                  p->main_grad.device() == p->data.device(),
-             "{}: parameter '{}' needs a contiguous f32 or bf16 main_grad of its data's shape and device", who,
-             p->name);
+             "{}: parameter '{}' needs a contiguous f32 main_grad (or bf16: bf16 main grads) of its data's shape "
+             "and device",
+             who, p->name);
     auto [git, gfresh] = seen_grad.emplace(p->main_grad.data_ptr(), i);
     MC_CHECK(gfresh,
              "{}: parameters '{}' and '{}' share one main_grad (a tied weight?); register the shared weight once and "

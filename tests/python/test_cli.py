@@ -141,6 +141,27 @@ def test_plan_counts_the_logits_on_the_last_stage_and_keeps_headroom():
     assert cli.plan("llama3_8b", world_size=4, tp=4, seq_length=8192, sequence_parallel=True, zero=True)["fits"]
 
 
+def test_fit_layout_picks_the_least_model_parallelism_that_fits(capsys):
+    four = cli.fit_layout("llama3_8b", 4, 80.0, seq_length=8192)
+    assert four["plan"]["fits"] and (four["tp"], four["pp"]) == (4, 1)  # TP 2 + ZeRO over DP 2 does not fit
+    eight = cli.fit_layout("llama3_8b", 8, 80.0, seq_length=8192)
+    assert eight["plan"]["fits"] and (eight["tp"], eight["pp"], eight["zero"]) == (2, 1, True)
+    assert cli.fit_layout("tiny_llama", 1, 80.0)["tp"] == 1
+    with pytest.raises(mc.ConfigError, match="no layout of 1 GPUs fits 24 GiB"):
+        cli.fit_layout("llama3_8b", 1, 24.0, seq_length=8192)
+    # The 8B recipe's default layout is the fitting one for its GPU count.
+    for gpus in (4, 8):
+        rec = mc.recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=gpus)
+        p = rec.parallel
+        r = cli.plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), gpus,
+                     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seq_length=rec.data.seq_length,
+                     sequence_parallel=p.sequence_parallel, zero=p.use_distributed_optimizer, gpu_memory_gib=80.0)
+        assert r["fits"], (gpus, r["total_bytes"] / 2**30)
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--set", "parallel.tp=2",
+                     "--fit", "--no-table"]) == 0
+    assert "--set parallel.tp=4" in capsys.readouterr().out
+
+
 def test_plan_layout_flags_override_a_recipe(capsys):
     assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--tp", "4", "--seq-length", "4096",
                      "--no-table"]) == 0

@@ -344,8 +344,8 @@ TEST_CASE("ZeRO-1 gathered state equals AdamW's and reloads at another DP size",
 // bf16 states under ZeRO-1: DP 2 against DP 1 of the same precision (both ZeRO-1 over bf16 weights, grads
 // and moments). They differ by the bf16 rounding of the gradient reduction (DP 2 sums two bf16 halves, each
 // scaled by 1/2 first) and of the two micro-batches' accumulation, which Adam then amplifies. Measured at -np
-// 2 and 4 over 5 steps: first gradient norm 1.2e-3 relative, norms <= 6e-3, parameters <= 2.3e-2
-// (max over parameters of ||a - b|| / ||b||); we hold them to 5e-3, 2e-2 and 6e-2.
+// 2 and 4 over 5 steps: first gradient norm 1.8e-5 relative, norms <= 9.2e-4, parameters <= 1.4e-2
+// (max over parameters of ||a - b|| / ||b||); we hold them to 2e-4, 5e-3 and 4e-2.
 TEST_CASE("ZeRO-1 with bf16 states at DP 2 equals DP 1 with bf16 states", "[optim][ddp][mpi][bf16_states]") {
   auto world = world_comm();
   constexpr int steps = 5;
@@ -366,14 +366,13 @@ TEST_CASE("ZeRO-1 with bf16 states at DP 2 equals DP 1 with bf16 states", "[opti
   make_run(two, *world, l2);
   train(two, l2, 0, steps);
   CHECK(two.dopt->state_bytes() == 4 * two.dopt->shard_numel());
-  CHECK(two.dopt->shard_numel() * 2 == one.dopt->shard_numel());
   double worst_norm = 0;
   for (int s = 0; s < steps; ++s) {
     const double e = std::abs(two.norms[size_t(s)] - one.norms[size_t(s)]) / one.norms[size_t(s)];
-    CHECK(e <= (s == 0 ? 5e-3 : 2e-2));
+    CHECK(e <= (s == 0 ? 2e-4 : 5e-3));
     worst_norm = std::max(worst_norm, e);
   }
-  const double worst = check_params(two, want, l2, 6e-2);
+  const double worst = check_params(two, want, l2, 4e-2);
   if (std::getenv("MEGACORE_TEST_VERBOSE") && world->rank() == 0)
     std::printf("bf16 states DP 2 vs DP 1: params max rel err %.3g, grad norms %.3g (step 0: %.3g)\n", worst,
                 worst_norm, std::abs(two.norms[0] - one.norms[0]) / one.norms[0]);
