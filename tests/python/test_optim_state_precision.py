@@ -65,7 +65,7 @@ def test_bf16_states_resume_bit_exact_and_convert_an_f32_state_checkpoint(tmp_pa
     f32 = _zero_tiny(tmp_path, "conv", 8, trainer__stop_after_steps=4)
     _train(f32, tmp_path, "conv_f32")
     f32_ref, _ = _metrics(f32.logging.log_dir)
-    to_b16 = _zero_tiny(tmp_path, "conv", 8, trainer__stop_after_steps=6, **BF16_STATES)
+    to_b16 = _zero_tiny(tmp_path, "conv", 8, trainer__stop_after_steps=2, **BF16_STATES)  # steps 5 and 6
     out = _train(to_b16, tmp_path, "conv_b16")
     assert "resumed at step 4" in out
     back = _zero_tiny(tmp_path, "conv", 8)  # the step-6 checkpoint (bf16 state) back into f32 state
