@@ -112,18 +112,24 @@ def _add_plan(sub):
     p.add_argument("--headroom-gib", type=float, default=None,
                    help="memory per GPU kept for what the estimate does not count (CUDA context, NCCL and library "
                         "workspaces, allocator fragmentation); default max(4, 12 %% of --gpu-memory-gib)")
+    p.add_argument("--fit", action="store_true",
+                   help="pick the layout: the fastest TP/PP/ZeRO/recompute whose estimate fits --gpu-memory-gib "
+                        "(ignores --tp/--pp/--zero/--sequence-parallel)")
     p.add_argument("--no-table", dest="table", action="store_false", help="omit the per-rank table")
     p.set_defaults(func=_run_plan, parser=p)
 
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
          sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
-         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0):
+         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0, main_params_dtype="f32",
+         main_grads_dtype="f32", exp_avg_dtype="f32", exp_avg_sq_dtype="f32"):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
-    Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), f32 main grads (4/param),
-    AdamW f32 master weights and two moments (12/param, divided by DP×CP with ZeRO-1), the gradient reduction's
-    buffers (ZeRO-1: each bucket's reduce-scatter output, 4/param/DP in f32; bf16 reduction: a bf16 copy of the
+    Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), main grads (4/param in
+    f32, 2 with ``main_grads_dtype`` bf16), AdamW master weights and two moments (4 + 4 + 4 per param with f32 state;
+    ``main_params_dtype`` bf16 keeps no masters, ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` bf16 take 2 each: 4 per param
+    with all-bf16 state; divided by DP×CP with ZeRO-1), the gradient reduction's buffers (ZeRO-1: each bucket's
+    reduce-scatter output, per param/DP 4 in f32 or 2 in bf16; bf16 reduction of f32 grads: a bf16 copy of the
     gradients, 2/param, and a bf16 output shard), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
     model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute, times the PP
@@ -194,18 +200,30 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     # dQ acc f32 + block dQ bf16; dK, dV f32 held + in flight; K, V bf16 received; block dK, dV bf16.
     cp_ring = (4 + 2) * q_elems + (2 * 2 * 4 + 2 * 2 + 2 * 2) * kv_elems if cp > 1 else 0.0
 
+    for name, v in (("main_params_dtype", main_params_dtype), ("main_grads_dtype", main_grads_dtype),
+                    ("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+        if v not in ("f32", "bf16"):
+            raise McValueError(f"{name} '{v}' is not f32 or bf16")
+    size = {"f32": 4, "bf16": 2}
+    grad_bytes = size[main_grads_dtype]
+    # Optimizer state per parameter: f32 masters (none with bf16 main params: the bf16 weights are updated in place)
+    # and the two moments at their dtypes.
+    state_bytes = (4 if main_params_dtype == "f32" else 0) + size[exp_avg_dtype] + size[exp_avg_sq_dtype]
+    bf16_reduce = grad_reduce_in_bf16 or main_grads_dtype == "bf16"
+    staging = grad_reduce_in_bf16 and main_grads_dtype == "f32"  # bf16 grads are reduced in place
+
     def reduce_bytes(n):
         # DistributedDataParallel: ZeRO reduce-scatters each bucket into a shard buffer of the reduction dtype;
-        # bf16 reduction first copies the f32 gradients into a bf16 staging buffer.
-        shard = (2 if grad_reduce_in_bf16 else 4) * n / dp_cp if zero and dp_cp > 1 else 0.0
-        return shard + (2 * n if grad_reduce_in_bf16 and dp_cp > 1 else 0.0)
+        # bf16 reduction of f32 gradients first copies them into a bf16 staging buffer.
+        shard = (2 if bf16_reduce else 4) * n / dp_cp if zero and dp_cp > 1 else 0.0
+        return shard + (2 * n if staging and dp_cp > 1 else 0.0)
 
     def rank_memory(r):
         # 1F1B: pipeline rank r holds up to PP − r micro-batches' activations of its layers.
         return {
             "weights": 2 * stage_params[r],
-            "main_grads": 4 * stage_params[r],
-            "optimizer": 12 * ((stage_params[r] - expert_params[r]) / (dp_cp if zero else 1)
+            "main_grads": grad_bytes * stage_params[r],
+            "optimizer": state_bytes * ((stage_params[r] - expert_params[r]) / (dp_cp if zero else 1)
                                + expert_params[r] / (edp if zero else 1)),
             "grad_reduce": reduce_bytes(stage_params[r]),
             "activations": act_layer * rank_layers[r] * (pp - r),
@@ -228,6 +246,57 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
                     if cfg.num_moe_experts > 0 else None)}
 
 
+def fit_layout(model, world_size, gpu_memory_gib=80.0, seq_length=2048, micro_batch_size=1, headroom_gib=None,
+               **plan_kwargs):
+    """The first layout, in order of expected speed, whose `plan` fits the GPUs: TP × PP from 1 up (TP before PP at
+    the same degree; each dividing what it splits), sequence parallelism whenever TP > 1, ZeRO-1 whenever DP > 1,
+    selective recompute before full. Returns ``{"tp", "pp", "sequence_parallel",
+    "zero", "recompute", "plan"}``; ConfigError naming the smallest estimate when none fits."""
+    from .errors import ConfigError
+
+    # Least model parallelism first (more DP), TP before PP at the same degree (no pipeline bubble), selective
+    # recompute before full (a third more compute).
+    candidates = sorted(((tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if world_size % (tp * pp) == 0),
+                        key=lambda c: (c[0] * c[1], c[1]))
+    best = None
+    for recompute in ("selective", "full"):
+        for tp, pp in candidates:
+            dp = world_size // (tp * pp)
+            if isinstance(model, str):
+                cfg = _preset_with_recompute(model, recompute)
+            else:
+                cfg = model.copy()
+                cfg.recompute_granularity = recompute
+            try:
+                r = plan(cfg, world_size, tp=tp, pp=pp, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                         sequence_parallel=tp > 1, zero=dp > 1, gpu_memory_gib=gpu_memory_gib,
+                         headroom_gib=headroom_gib, **plan_kwargs)
+            except ValueError:  # TP not dividing the heads, PP not dividing the layers, ...
+                continue
+            if best is None or r["total_bytes"] < best["total_bytes"]:
+                best = r
+            if r["fits"]:
+                return {"tp": tp, "pp": pp, "sequence_parallel": tp > 1, "zero": dp > 1, "recompute": recompute,
+                        "plan": r}
+    why = (f"the smallest estimate is {best['total_bytes'] / 2**30:.1f} GiB per GPU" if best
+           else "no TP × PP layout is valid for this model")
+    raise ConfigError(f"no layout of {world_size} GPUs fits {gpu_memory_gib:g} GiB each at seq {seq_length} × "
+                      f"micro-batch {micro_batch_size}: {why}; use more GPUs, shorter sequences, or bf16 optimizer "
+                      f"state (optim.main_params_dtype and friends)")
+
+
+def _preset_with_recompute(name, recompute):
+    from . import model as m
+
+    presets = {"tiny_llama": m.tiny_llama, "tiny_gpt2": m.tiny_gpt2, "llama32_1b": m.llama32_1b,
+               "llama3_8b": m.llama3_8b, "gpt2_124m": m.gpt2_124m, "mixtral_8x7b": m.mixtral_8x7b}
+    if name not in presets:
+        return name  # plan() names the known presets
+    cfg = presets[name]()
+    cfg.recompute_granularity = recompute
+    return cfg
+
+
 _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "etp": "parallel.etp",
                "vp": "parallel.vp",
                "head_cost": "parallel.pipeline_head_cost", "seq_length": "data.seq_length",
@@ -247,7 +316,8 @@ def _run_plan(args) -> int:
                  p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
                  rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
                  p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib,
-                 p.grad_reduce_in_bf16, p.expert_tensor_parallel_size)
+                 p.grad_reduce_in_bf16, p.expert_tensor_parallel_size, rec.optim.main_params_dtype,
+                 rec.optim.main_grads_dtype, rec.optim.exp_avg_dtype, rec.optim.exp_avg_sq_dtype)
     else:
         if args.world_size is None:
             from .errors import ConfigError
@@ -258,6 +328,19 @@ def _run_plan(args) -> int:
         r = plan(args.model, args.world_size, v["tp"], v["pp"], v["cp"], v["ep"], v["vp"], v["seq_length"],
                  v["micro_batch_size"], v["sequence_parallel"], v["zero"], args.gpu_memory_gib,
                  pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib, etp=v["etp"])
+    if args.fit:
+        kw = {}
+        if args.recipe:
+            o = rec.optim
+            kw = dict(main_params_dtype=o.main_params_dtype, main_grads_dtype=o.main_grads_dtype,
+                      exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
+        f = fit_layout(r["config"] if args.recipe else args.model, args.world_size, args.gpu_memory_gib,
+                       r["seq_length"], rec.data.micro_batch_size if args.recipe else v["micro_batch_size"],
+                       args.headroom_gib, **kw)
+        r = f["plan"]
+        print(f"fitting layout for {args.gpu_memory_gib:g} GiB GPUs: --set parallel.tp={f['tp']} --set "
+              f"parallel.pp={f['pp']} --set parallel.sp={str(f['sequence_parallel']).lower()} --set "
+              f"parallel.zero={str(f['zero']).lower()} --set trainer.recompute={f['recompute']}")
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "

@@ -681,7 +681,8 @@ void CheckpointReader::load(ShardedTensor& target) {
     raise<IOError>("checkpoint '{}': tensor '{}' has global shape {} but the model expects {}; the checkpoint is of "
                    "a different model configuration",
                    dir_, target.name, shape_str(m.global_shape), shape_str(target.global_shape));
-  if (m.dtype != target.dtype)
+  const auto is_float = [](DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; };
+  if (m.dtype != target.dtype && !(target.convert_dtype && is_float(m.dtype) && is_float(target.dtype)))
     raise<IOError>("checkpoint '{}': tensor '{}' is stored as {} but the model expects {}; load into a model with "
                    "params_dtype {} (or convert the checkpoint)",
                    dir_, target.name, dtype_name(m.dtype), dtype_name(target.dtype), dtype_name(m.dtype));
@@ -703,6 +704,7 @@ void CheckpointReader::load(ShardedTensor& target) {
       one.name = target.name;
       one.global_shape = target.global_shape;
       one.dtype = target.dtype;
+      one.convert_dtype = target.convert_dtype;
       one.local = p.data;
       one.pieces.push_back({Shape(p.shape.size(), 0), p.global_offsets, p.shape, Tensor()});
       load(one);

@@ -211,6 +211,7 @@ std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedT
     st.name = prefix + nt.name;
     st.dtype = nt.tensor.dtype();
     st.local = nt.tensor;
+    st.convert_dtype = true;
     out.push_back(std::move(st));
   }
   return out;
@@ -278,8 +279,9 @@ std::vector<ShardedTensor> shard_zero_state(const optim::DistributedOptimizer& o
       ShardedTensor& st = out[3 * i + size_t(k)];
       st.name = prefix + p.name + "." + kinds[k];
       st.global_shape = desc.global_shape;
-      st.dtype = DType::F32;
+      st.dtype = k == 0 ? opt.master_dtype(i) : k == 1 ? opt.config().exp_avg_dtype : opt.config().exp_avg_sq_dtype;
       st.write = tp_writer && !tied_copy;
+      st.convert_dtype = true;
     }
   }
   for (const optim::DistributedOptimizer::OwnedRange& r : opt.owned_ranges()) {

@@ -45,11 +45,13 @@ void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tens
   if (master.empty()) return;
   const Device d = master[0].device();
   const size_t k = master.size();
-  check_list(master, k, op, "master", d, {DType::F32});
+  check_list(master, k, op, "master", d, {DType::F32, DType::BF16});
   check_list(grads, k, op, "grads", d, {DType::F32, DType::BF16}, &master);
-  check_list(exp_avg, k, op, "exp_avg", d, {DType::F32}, &master);
-  check_list(exp_avg_sq, k, op, "exp_avg_sq", d, {DType::F32}, &master);
+  check_list(exp_avg, k, op, "exp_avg", d, {DType::F32, DType::BF16}, &master);
+  check_list(exp_avg_sq, k, op, "exp_avg_sq", d, {DType::F32, DType::BF16}, &master);
   if (!params_out.empty()) check_list(params_out, k, op, "params_out", d, {DType::F32, DType::BF16, DType::F16}, &master);
+  MC_CHECK(master[0].dtype() == DType::F32 || params_out.empty(),
+           "{}: master weights are bf16 (the parameters updated in place), so params_out must be empty", op);
   MC_CHECK(h.step >= 1, "{}: step must be >= 1 (1-based), got {}", op, h.step);
   MC_CHECK(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, "{}: betas must be in [0, 1), got ({}, {})", op,
            h.beta1, h.beta2);
@@ -73,30 +75,49 @@ void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tens
                  params_out.empty() ? nullptr : params_out[i].data_ptr()};
       n[i] = master[i].numel();
     }
-    cuda::adamw(grads[0].dtype(), params_out.empty() ? DType::F32 : params_out[0].dtype(), ptrs, n, a, d.index, stream);
+    cuda::adamw({grads[0].dtype(), master[0].dtype(), exp_avg[0].dtype(), exp_avg_sq[0].dtype(),
+                 params_out.empty() ? DType::F32 : params_out[0].dtype()},
+                ptrs, n, a, d.index, stream);
 #else
     (void)stream;
 #endif
     return;
   }
   const double gs = double(h.grad_scale) * (gst.defined() ? double(gst.data<float>()[0]) : 1.0);
+  // Computed in double; each stored value is rounded once to its tensor's dtype (16-bit through f32, as the
+  // kernels round), and the weight update uses the new moments before their rounding, as the kernels do.
+  auto update = [&](auto gtag, auto wtag, auto mtag, auto vtag, size_t i) {
+    using G = decltype(gtag);
+    using W = decltype(wtag);
+    using M = decltype(mtag);
+    using V = decltype(vtag);
+    const G* g = grads[i].data<G>();
+    W* w = master[i].data<W>();
+    M* m1 = exp_avg[i].data<M>();
+    V* m2 = exp_avg_sq[i].data<V>();
+    for (int64_t j = 0; j < master[i].numel(); ++j) {
+      const double gv = ld(g[j]) * gs;
+      double wv = ld(w[j]) * (1.0 - double(h.lr) * double(h.weight_decay));
+      const double mv = double(h.beta1) * ld(m1[j]) + (1.0 - double(h.beta1)) * gv;
+      const double vv = double(h.beta2) * ld(m2[j]) + (1.0 - double(h.beta2)) * gv * gv;
+      wv -= double(h.lr) / bc1 * mv / (std::sqrt(vv) / std::sqrt(bc2) + double(h.eps));
+      w[j] = st<W>(wv);
+      m1[j] = st<M>(mv);
+      m2[j] = st<V>(vv);
+    }
+  };
+  // f32 or bf16 for the weights and each moment.
+  auto f32_or_bf16 = [](DType dt, auto&& f) {
+    if (dt == DType::BF16) f(bfloat16{});
+    else f(float{});
+  };
   for (size_t i = 0; i < k; ++i) {
-    float* w = master[i].data<float>();
-    float* m1 = exp_avg[i].data<float>();
-    float* m2 = exp_avg_sq[i].data<float>();
     cpu::dispatch_float(grads[i].dtype(), [&](auto gtag) {
-      using G = decltype(gtag);
-      const G* g = grads[i].data<G>();
-      for (int64_t j = 0; j < master[i].numel(); ++j) {
-        const double gv = ld(g[j]) * gs;
-        double wv = double(w[j]) * (1.0 - double(h.lr) * double(h.weight_decay));
-        const double mv = double(h.beta1) * m1[j] + (1.0 - double(h.beta1)) * gv;
-        const double vv = double(h.beta2) * m2[j] + (1.0 - double(h.beta2)) * gv * gv;
-        wv -= double(h.lr) / bc1 * mv / (std::sqrt(vv) / std::sqrt(bc2) + double(h.eps));
-        w[j] = float(wv);
-        m1[j] = float(mv);
-        m2[j] = float(vv);
-      }
+      f32_or_bf16(master[i].dtype(), [&](auto wtag) {
+        f32_or_bf16(exp_avg[i].dtype(), [&](auto mtag) {
+          f32_or_bf16(exp_avg_sq[i].dtype(), [&](auto vtag) { update(gtag, wtag, mtag, vtag, i); });
+        });
+      });
     });
     if (!params_out.empty()) {
       Tensor po = params_out[i];

@@ -14,6 +14,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Parameter*> params,
   bc.bucket_size = cfg.bucket_size;
   bc.dp_size = dp_cp.size();
   bc.param_align = cfg.param_align;
+  bc.grad_dtype = cfg.grad_dtype;
   owned_ = std::make_unique<ParamAndGradBuffer>(std::move(params), bc, cfg.shared_copies);
   buffer_ = owned_.get();
   init();
@@ -100,7 +101,11 @@ void DistributedDataParallel::launch(int b, bool from_notify) {
   if (cuda) comm_stream_.wait(cfg_.compute_stream);
   Tensor src = buffer_->bucket_grads(b);
   comm::ReduceOp op = cfg_.average && divisor == n ? comm::ReduceOp::Avg : comm::ReduceOp::Sum;
-  if (cfg_.reduce_dtype == DType::BF16) {
+  if (src.dtype() == DType::BF16) {
+    // A bf16 grad buffer: scaled in place, then summed in bf16 (as the bf16 staging copy below is).
+    if (cfg_.average) ops::multi_tensor_scale({src}, {src}, 1.f / float(divisor), {}, comm_stream_);
+    op = comm::ReduceOp::Sum;
+  } else if (cfg_.reduce_dtype == DType::BF16) {
     Tensor& st = staging_[size_t(b)];
     if (!st.defined()) st = Tensor::empty({src.numel()}, DType::BF16, src.device(), comm_stream_);
     ops::multi_tensor_scale({src}, {st}, cfg_.average ? 1.f / float(divisor) : 1.f, {}, comm_stream_);
@@ -158,7 +163,7 @@ void DistributedDataParallel::finish_grad_sync() {
       if (cfg_.use_distributed_optimizer) {
         Tensor dst = grads.narrow(0, shard_begin(int(b)), shard_size(int(b)));
         ops::multi_tensor_scale({shard_out_[b]}, {dst}, 1.f, {}, comm_stream_);
-      } else if (cfg_.reduce_dtype == DType::BF16) {
+      } else if (cfg_.reduce_dtype == DType::BF16 && grads.dtype() != DType::BF16) {
         ops::multi_tensor_scale({staging_[b]}, {grads}, 1.f, {}, comm_stream_);
       }
     }

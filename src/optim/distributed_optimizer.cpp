@@ -34,6 +34,7 @@ DistributedOptimizer::DistributedOptimizer(std::vector<DistributedDataParallel*>
            who, cfg.beta1, cfg.beta2);
   MC_CHECK(cfg.eps > 0, "{}: eps = {} must be > 0 (1e-8 is usual)", who, cfg.eps);
   MC_CHECK(cfg.weight_decay >= 0, "{}: weight_decay = {} must be >= 0", who, cfg.weight_decay);
+  check_state_dtypes(cfg, who);
   for (size_t k = 0; k < ddps_.size(); ++k) {
     const ParamAndGradBuffer& buf = ddps_[k]->buffer();
     param_base_.push_back(params_.size());
@@ -45,6 +46,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<DistributedDataParallel*>
                "are reduced over different groups, so give each its own DDP (split_expert_parameters)",
                who, ddps_[k]->group().name(), expert ? "expert" : "dense", ps.front()->name,
                p->expert ? "expert" : "dense", p->name);
+      MC_CHECK(separate_masters() || p->data.dtype() != DType::F16,
+               "{}: parameter '{}' is f16, which needs f32 master weights (its range is too small to take the updates "
+               "in place); set optim.main_params_dtype = f32 or train in bf16",
+               who, p->name);
       for (size_t j = 0; j < k; ++j)
         MC_CHECK(!ddps_[j]->buffer().contains(p), "{}: parameter '{}' is held by two of the DDPs; register it once",
                  who, p->name);
@@ -66,12 +71,17 @@ DistributedOptimizer::DistributedOptimizer(std::vector<DistributedDataParallel*>
         const int64_t s = std::max(rs, l.offset), e = std::min(re, l.offset + l.numel);
         if (s < e) segments_.push_back({param_base_[k] + i, k, slot, s - rs, s - l.offset, e - s, s});
       }
-      // Masters start as this rank's range of the parameters (padding: zeros).
-      Tensor m = Tensor::empty({shard}, DType::F32, buf.device());
-      m.copy_(buf.bucket_params(b.index).narrow(0, ddp.shard_begin(b.index), shard));
-      master_.push_back(m);
-      exp_avg_.push_back(Tensor::zeros({shard}, DType::F32, buf.device()));
-      exp_avg_sq_.push_back(Tensor::zeros({shard}, DType::F32, buf.device()));
+      // Masters start as this rank's range of the parameters (padding: zeros), or are that range itself.
+      Tensor range = buf.bucket_params(b.index).narrow(0, ddp.shard_begin(b.index), shard);
+      if (separate_masters()) {
+        Tensor m = Tensor::empty({shard}, DType::F32, buf.device());
+        m.copy_(range);
+        master_.push_back(m);
+      } else {
+        master_.push_back(range);
+      }
+      exp_avg_.push_back(Tensor::zeros({shard}, cfg.exp_avg_dtype, buf.device()));
+      exp_avg_sq_.push_back(Tensor::zeros({shard}, cfg.exp_avg_sq_dtype, buf.device()));
     }
   }
   gather_.assign(slots_.size(), nullptr);
@@ -106,7 +116,7 @@ void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_s
     gr.w.push_back(master_[s.slot].narrow(0, s.shard_off, s.len));
     gr.m.push_back(exp_avg_[s.slot].narrow(0, s.shard_off, s.len));
     gr.v.push_back(exp_avg_sq_[s.slot].narrow(0, s.shard_off, s.len));
-    gr.out.push_back(buf.param_buffer(l.group).narrow(0, s.buf_off, s.len));
+    if (separate_masters()) gr.out.push_back(buf.param_buffer(l.group).narrow(0, s.buf_off, s.len));
   }
   const Stream& cs = compute_stream();
   for (auto& [key, gr] : groups)
@@ -172,7 +182,18 @@ int64_t DistributedOptimizer::shard_numel() const {
   return n;
 }
 
-int64_t DistributedOptimizer::state_bytes() const { return 3 * int64_t(sizeof(float)) * shard_numel(); }
+int64_t DistributedOptimizer::state_bytes() const {
+  int64_t n = 0;
+  for (size_t slot = 0; slot < slots_.size(); ++slot) {
+    if (separate_masters()) n += master_[slot].nbytes();
+    n += exp_avg_[slot].nbytes() + exp_avg_sq_[slot].nbytes();
+  }
+  return n;
+}
+
+DType DistributedOptimizer::master_dtype(size_t i) const {
+  return separate_masters() ? DType::F32 : params_.at(i)->data.dtype();
+}
 
 GradNormResult DistributedOptimizer::grad_norm(const GradNormGroups& groups) const {
   std::vector<Tensor> dense, expert;
@@ -307,7 +328,7 @@ std::vector<NamedTensor> DistributedOptimizer::gathered_state() const {
       const DistributedDataParallel& ddp = *ddps_[slots_[slot].ddp];
       comm::Communicator& dp = ddp.group();
       const Tensor& shard = (*kinds[k])[slot];
-      Tensor f = Tensor::empty({ddp.buffer().buckets()[size_t(slots_[slot].bucket)].numel}, DType::F32,
+      Tensor f = Tensor::empty({ddp.buffer().buckets()[size_t(slots_[slot].bucket)].numel}, shard.dtype(),
                                ddp.buffer().device(), cs);
       if (dp.size() == 1) f.copy_(shard, cs);
       else dp.all_gather(shard, f, cs)->wait();
@@ -392,6 +413,7 @@ void DistributedOptimizer::write_masters_to_params() {
   // The state was copied in on the legacy default stream (loads are rare: a full sync is fine).
   if (dev.is_cuda()) synchronize_device(dev);
   for (const Segment& s : segments_) {
+    if (!separate_masters()) break;  // the masters are the param buffer's own ranges
     const ParamAndGradBuffer& buf = buffer_of(s);
     Tensor dst = buf.param_buffer(buf.location(s.param - param_base_[s.ddp]).group).narrow(0, s.buf_off, s.len);
     dst.copy_(master_[s.slot].narrow(0, s.shard_off, s.len), compute_stream());

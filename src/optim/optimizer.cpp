@@ -1,5 +1,6 @@
 #include "megacore/optim/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <unordered_map>
@@ -38,7 +39,15 @@ Tensor f32_copy(const Tensor& t) {
 
 }  // namespace
 
-Optimizer::Optimizer(std::vector<Parameter*> params) : params_(std::move(params)) {
+void check_state_dtypes(const AdamWConfig& cfg, const char* who) {
+  for (const auto& [name, dt] : {std::pair{"main_params_dtype", cfg.main_params_dtype},
+                                 std::pair{"exp_avg_dtype", cfg.exp_avg_dtype},
+                                 std::pair{"exp_avg_sq_dtype", cfg.exp_avg_sq_dtype}})
+    MC_CHECK(dt == DType::F32 || dt == DType::BF16, "{}: {} is {}; use f32 or bf16", who, name, dtype_name(dt));
+}
+
+Optimizer::Optimizer(std::vector<Parameter*> params, bool separate_masters)
+    : params_(std::move(params)), separate_masters_(separate_masters) {
   std::unordered_map<const Parameter*, size_t> seen;
   std::unordered_map<const void*, size_t> seen_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -49,15 +58,33 @@ Optimizer::Optimizer(std::vector<Parameter*> params) : params_(std::move(params)
              p->name, it->second, i);
     MC_CHECK(p->data.defined() && p->data.is_contiguous(),
              "optimizer: parameter '{}' needs a defined, contiguous data tensor", p->name);
-    MC_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 && p->main_grad.is_contiguous() &&
-                 p->main_grad.shape() == p->data.shape() && p->main_grad.device() == p->data.device(),
-             "optimizer: parameter '{}' needs a contiguous f32 main_grad of its data's shape and device", p->name);
+    MC_CHECK(p->main_grad.defined() && (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
+                 p->main_grad.is_contiguous() && p->main_grad.shape() == p->data.shape() &&
+                 p->main_grad.device() == p->data.device(),
+             "optimizer: parameter '{}' needs a contiguous f32 main_grad (or bf16: bf16 main grads) of its data's "
+             "shape and device",
+             p->name);
+    MC_CHECK(separate_masters_ || p->data.dtype() != DType::F16,
+             "optimizer: parameter '{}' is f16, which needs f32 master weights (its range is too small to take the "
+             "updates in place); set optim.main_params_dtype = f32 or train in bf16",
+             p->name);
     auto [git, gfresh] = seen_grad.emplace(p->main_grad.data_ptr(), i);
     MC_CHECK(gfresh,
              "optimizer: parameters '{}' and '{}' share one main_grad (a tied weight?); list the shared weight once",
              params_[git->second]->name, p->name);
-    master_.push_back(f32_copy(p->data));
+    master_.push_back(separate_masters_ ? f32_copy(p->data) : p->data);
   }
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t n = 0;
+  for (const NamedTensor& t : state()) {
+    const bool is_param = std::any_of(params_.begin(), params_.end(), [&](const Parameter* p) {
+      return p->data.data_ptr() == t.tensor.data_ptr();
+    });
+    if (!is_param) n += t.tensor.nbytes();
+  }
+  return n;
 }
 
 void Optimizer::init_decay(const NoDecayRule& rule) {
@@ -70,6 +97,7 @@ void Optimizer::zero_grad() {
 }
 
 void Optimizer::write_back() {
+  if (!separate_masters_) return;  // the masters are the parameters
   for (size_t i = 0; i < params_.size(); ++i) params_[i]->data.copy_(master_[i]);
 }
 
@@ -98,15 +126,17 @@ void Optimizer::load_state(const std::vector<NamedTensor>& st, int64_t step_coun
 
 // ---- AdamW ------------------------------------------------------------------------------------
 
-AdamW::AdamW(std::vector<Parameter*> params, const AdamWConfig& cfg) : Optimizer(std::move(params)), cfg_(cfg) {
+AdamW::AdamW(std::vector<Parameter*> params, const AdamWConfig& cfg)
+    : Optimizer(std::move(params), cfg.main_params_dtype == DType::F32), cfg_(cfg) {
+  check_state_dtypes(cfg, "AdamW");
   MC_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1 && cfg.beta2 >= 0 && cfg.beta2 < 1,
            "AdamW: betas ({}, {}) must lie in [0, 1)", cfg.beta1, cfg.beta2);
   MC_CHECK(cfg.eps > 0, "AdamW: eps = {} must be > 0 (1e-8 is usual)", cfg.eps);
   MC_CHECK(cfg.weight_decay >= 0, "AdamW: weight_decay = {} must be >= 0", cfg.weight_decay);
   init_decay(cfg.no_decay);
   for (const Tensor& m : master_) {
-    exp_avg_.push_back(Tensor::zeros(m.shape(), DType::F32, m.device()));
-    exp_avg_sq_.push_back(Tensor::zeros(m.shape(), DType::F32, m.device()));
+    exp_avg_.push_back(Tensor::zeros(m.shape(), cfg.exp_avg_dtype, m.device()));
+    exp_avg_sq_.push_back(Tensor::zeros(m.shape(), cfg.exp_avg_sq_dtype, m.device()));
   }
 }
 
@@ -124,7 +154,7 @@ void AdamW::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
     gr.w.push_back(master_[i]);
     gr.m.push_back(exp_avg_[i]);
     gr.v.push_back(exp_avg_sq_[i]);
-    gr.out.push_back(params_[i]->data);
+    if (separate_masters_) gr.out.push_back(params_[i]->data);
   }
   for (auto& [key, gr] : groups)
     ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, adamw_hyper(cfg_, lr, key.first, step_, grad_scale),

@@ -22,6 +22,8 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Parameter*> params, const Buf
   const char* who = "ParamAndGradBuffer";
   MC_CHECK(cfg.dp_size >= 1, "{}: dp_size {} must be >= 1 (the size of the data-parallel group)", who, cfg.dp_size);
   MC_CHECK(cfg.param_align >= 1, "{}: param_align {} must be >= 1 (64 is usual)", who, cfg.param_align);
+  MC_CHECK(cfg.grad_dtype == DType::F32 || cfg.grad_dtype == DType::BF16,
+           "{}: grad_dtype {} is not supported; use f32 or bf16", who, dtype_name(cfg.grad_dtype));
   MC_CHECK(!params_.empty(), "{}: no parameters given; pass the model's parameters()", who);
   bucket_size_ = cfg.bucket_size == 0 ? default_bucket_size(cfg.dp_size) : cfg.bucket_size;
 
@@ -34,9 +36,12 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Parameter*> params, const Buf
              it->second, i);
     MC_CHECK(p->data.defined() && p->data.is_contiguous(), "{}: parameter '{}' needs a defined, contiguous data tensor",
              who, p->name);
-    MC_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 && p->main_grad.is_contiguous() &&
-                 p->main_grad.shape() == p->data.shape() && p->main_grad.device() == p->data.device(),
-             "{}: parameter '{}' needs a contiguous f32 main_grad of its data's shape and device", who, p->name);
+    MC_CHECK(p->main_grad.defined() && (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
+                 p->main_grad.is_contiguous() && p->main_grad.shape() == p->data.shape() &&
+                 p->main_grad.device() == p->data.device(),
+             "{}: parameter '{}' needs a contiguous f32 main_grad (or bf16: bf16 main grads) of its data's shape "
+             "and device",
+             who, p->name);
     auto [git, gfresh] = seen_grad.emplace(p->main_grad.data_ptr(), i);
     MC_CHECK(gfresh,
              "{}: parameters '{}' and '{}' share one main_grad (a tied weight?); register the shared weight once and "
@@ -98,7 +103,7 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Parameter*> params, const Buf
       if (bucket_size_ > 0 && pos - cur.offset >= bucket_size_) close();
     }
     close();
-    Group gr{dtypes[g], Tensor::zeros({pos}, dtypes[g], device_), Tensor::zeros({pos}, DType::F32, device_)};
+    Group gr{dtypes[g], Tensor::zeros({pos}, dtypes[g], device_), Tensor::zeros({pos}, cfg.grad_dtype, device_)};
     groups_.push_back(std::move(gr));
   }
 

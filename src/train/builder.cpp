@@ -231,6 +231,15 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
   dc.overlap_grad_reduce = ps.overlap_grad_reduce;
   dc.use_distributed_optimizer = ps.use_distributed_optimizer;
   dc.reduce_dtype = ps.grad_reduce_in_bf16 ? DType::BF16 : DType::F32;
+  const auto state_dtype = [](const std::string& s) { return s == "bf16" ? DType::BF16 : DType::F32; };
+  dc.grad_dtype = state_dtype(os.main_grads_dtype);
+  // "auto" precision resolves to the device only here: bf16 states need bf16 weights (validate() refused an
+  // explicit f32/f16 precision already).
+  MC_CHECK_AS(ConfigError,
+              m.params_dtype == DType::BF16 || (os.main_params_dtype != "bf16" && os.main_grads_dtype != "bf16"),
+              "optim.main_params_dtype / main_grads_dtype = bf16 need bf16 parameters, but this run's parameters are "
+              "{} (trainer.precision = {}); set trainer.precision = bf16",
+              dtype_name(m.params_dtype), cfg.trainer.precision);
   dc.compute_stream = stream;
   for (auto& ch : chunks)
     if (ch->post_process() && ch->pre_process() && m.tie_word_embeddings && !ch->has_lora())
@@ -240,6 +249,9 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
   ac.beta2 = float(os.adam_beta2);
   ac.eps = float(os.adam_eps);
   ac.weight_decay = float(os.weight_decay);
+  ac.main_params_dtype = state_dtype(os.main_params_dtype);
+  ac.exp_avg_dtype = state_dtype(os.exp_avg_dtype);
+  ac.exp_avg_sq_dtype = state_dtype(os.exp_avg_sq_dtype);
   for (ParameterGroup& pg : groups) {
     OptimizerGroup g;
     g.group = std::move(pg);

@@ -652,6 +652,25 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
         fmt::format("the decay ends at step {} (lr_decay_iters, or trainer.max_steps when 0), not after the {} warmup "
                     "steps; raise lr_decay_iters / max_steps or shorten lr_warmup_iters",
                     decay, o.lr_warmup_iters));
+  // State precision: bf16 masters replace f32 ones only where the parameters are bf16 (f32 parameters would
+  // lose precision to no purpose, f16 ones lack the range to take the updates in place).
+  if (o.main_params_dtype == "bf16" && t.precision != "bf16" && t.precision != "auto")
+    err("optim.main_params_dtype",
+        fmt::format("bf16 (no f32 master weights) needs bf16 parameters, but trainer.precision is {}; set "
+                    "trainer.precision = bf16, or keep main_params_dtype = f32",
+                    t.precision));
+  if (o.main_grads_dtype == "bf16" && t.precision != "bf16" && t.precision != "auto")
+    err("optim.main_grads_dtype",
+        fmt::format("bf16 main gradients need bf16 parameters, but trainer.precision is {}; set trainer.precision = "
+                    "bf16, or keep main_grads_dtype = f32",
+                    t.precision));
+  if (o.optimizer != "adamw")
+    for (const auto& [name, v] : {std::pair<const char*, const std::string&>{"optim.main_params_dtype", o.main_params_dtype},
+                                  {"optim.exp_avg_dtype", o.exp_avg_dtype},
+                                  {"optim.exp_avg_sq_dtype", o.exp_avg_sq_dtype}})
+      if (v != "f32")
+        err(name, fmt::format("is {}, but only AdamW keeps its state in bf16; set optim.optimizer = adamw or {} = f32",
+                              v, name));
   if (o.clip_grad < 0) err("optim.clip_grad", fmt::format("must be >= 0 (0 disables clipping), got {}", o.clip_grad));
   if (o.lr_wsd_decay_iters < 0 || o.lr_decay_iters < 0)
     err("optim", "lr_decay_iters and lr_wsd_decay_iters must be >= 0");

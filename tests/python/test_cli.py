@@ -32,6 +32,27 @@ def test_plan_numbers():
     assert not cli.plan("llama3_8b", world_size=1, gpu_memory_gib=80)["fits"]
 
 
+def test_plan_counts_the_optimizer_state_precision(capsys):
+    f32 = cli.plan("llama32_1b", world_size=4, zero=True)
+    b16 = cli.plan("llama32_1b", world_size=4, zero=True, main_params_dtype="bf16", main_grads_dtype="bf16",
+                   exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    n = f32["stage_params"][0]
+    # 4 + 4 + 4 bytes of state per parameter against 0 + 2 + 2, both over DP 4; main grads 4 against 2
+    assert f32["memory_bytes"]["optimizer"] == 12 * n / 4 and b16["memory_bytes"]["optimizer"] == 4 * n / 4
+    assert f32["memory_bytes"]["main_grads"] == 4 * n and b16["memory_bytes"]["main_grads"] == 2 * n
+    # bf16 grads are reduce-scattered in bf16 into a bf16 shard
+    assert b16["memory_bytes"]["grad_reduce"] == f32["memory_bytes"]["grad_reduce"] / 2
+    moments = cli.plan("llama32_1b", world_size=4, exp_avg_dtype="bf16")
+    assert moments["memory_bytes"]["optimizer"] == 10 * n
+    # The recipe's fields reach `megacore plan`.
+    assert cli.main(["plan", "--recipe", "llama32_1b", "--set", "optim.main_params_dtype=bf16", "--set",
+                     "optim.exp_avg_dtype=bf16", "--set", "optim.exp_avg_sq_dtype=bf16", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer" in out
+    with pytest.raises(mc.ValueError, match="exp_avg_dtype"):
+        cli.plan("llama32_1b", world_size=1, exp_avg_dtype="f16")
+
+
 def test_plan_balances_stages_for_the_head(capsys):
     even = cli.plan("llama32_1b", world_size=4, pp=4)
     assert even["stage_layers"] == [4, 4, 4, 4]
@@ -118,6 +139,27 @@ def test_plan_counts_the_logits_on_the_last_stage_and_keeps_headroom():
     # what it does not count (default max(4 GiB, 12 %)) must say so.
     assert r["headroom_gib"] == 9.6 and 70 < r["total_bytes"] / 2**30 < 75 and not r["fits"]
     assert cli.plan("llama3_8b", world_size=4, tp=4, seq_length=8192, sequence_parallel=True, zero=True)["fits"]
+
+
+def test_fit_layout_picks_the_least_model_parallelism_that_fits(capsys):
+    four = cli.fit_layout("llama3_8b", 4, 80.0, seq_length=8192)
+    assert four["plan"]["fits"] and (four["tp"], four["pp"]) == (4, 1)  # TP 2 + ZeRO over DP 2 does not fit
+    eight = cli.fit_layout("llama3_8b", 8, 80.0, seq_length=8192)
+    assert eight["plan"]["fits"] and (eight["tp"], eight["pp"], eight["zero"]) == (2, 1, True)
+    assert cli.fit_layout("tiny_llama", 1, 80.0)["tp"] == 1
+    with pytest.raises(mc.ConfigError, match="no layout of 1 GPUs fits 24 GiB"):
+        cli.fit_layout("llama3_8b", 1, 24.0, seq_length=8192)
+    # The 8B recipe's default layout is the fitting one for its GPU count.
+    for gpus in (4, 8):
+        rec = mc.recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=gpus)
+        p = rec.parallel
+        r = cli.plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), gpus,
+                     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seq_length=rec.data.seq_length,
+                     sequence_parallel=p.sequence_parallel, zero=p.use_distributed_optimizer, gpu_memory_gib=80.0)
+        assert r["fits"], (gpus, r["total_bytes"] / 2**30)
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--set", "parallel.tp=2",
+                     "--fit", "--no-table"]) == 0
+    assert "--set parallel.tp=4" in capsys.readouterr().out
 
 
 def test_plan_layout_flags_override_a_recipe(capsys):

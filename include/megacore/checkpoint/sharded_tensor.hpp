@@ -63,6 +63,9 @@ struct ShardedTensor {
   bool write = true;
   /// A tied embedding's copy on a stage other than the first (shard_model): never written, by any rank.
   bool tied_copy = false;
+  /// Loading accepts another floating dtype in the checkpoint and converts it (optimizer state, so a run
+  /// can resume with another state precision); false: a dtype mismatch is an IOError (model weights).
+  bool convert_dtype = false;
 };
 
 /// Where this rank sits for sharding purposes.
@@ -100,7 +103,7 @@ std::vector<ShardedTensor> shard_model(const model::GPTModel& model, const Shard
 
 /// Optimizer state ("<param>.<kind>", e.g. AdamW::state() or a ZeRO gathered state) mapped like its
 /// parameter, whose description must be in `params`; names get `prefix` ("optimizer." by default).
-/// ValueError when a state tensor's parameter is unknown or its shape differs from the parameter's.
+/// The tensors keep their dtypes and convert on load (convert_dtype). ValueError when a state tensor's parameter is unknown or its shape differs from the parameter's.
 std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedTensor>& state,
                                                  const std::vector<ShardedTensor>& params,
                                                  const std::string& prefix = "optimizer.");
@@ -108,7 +111,7 @@ std::vector<ShardedTensor> shard_optimizer_state(const std::vector<optim::NamedT
 /// A ZeRO-1 optimizer's state as this rank's own pieces, named like shard_optimizer_state
 /// ("optimizer.<param>.master", ".exp_avg", ".exp_avg_sq"): for every parameter, the flat range this
 /// rank owns of its TP-local shard (DistributedOptimizer::owned_ranges), cut into boxes of the global
-/// tensor whose `data` are views of the live state. Every rank of the DDP group writes its own pieces
+/// tensor whose `data` are views of the live state (in the state's dtypes, converted on load). Every rank of the DDP group writes its own pieces
 /// (no gather; TP-replicated parameters on TP rank 0 only, a tied copy never), and loading into them
 /// writes the state in place — call opt.finish_load(step) afterwards. The pieces of all ranks tile each
 /// tensor like shard_optimizer_state's do, so checkpoints of either kind load into any layout.

@@ -1,5 +1,6 @@
 // Optimizer kernels over lists of tensors ("multi-tensor": one launch covers many parameters):
-// AdamW and SGD with f32 master weights that also write the 16-bit model weights in the same pass, the global
+// AdamW (f32 master weights that also write the 16-bit model weights in the same pass, or bf16 weights and
+// moments updated in place) and SGD with f32 master weights, the global
 // L2 norm (for gradient clipping), and scaling. All lists hold contiguous tensors on one device.
 #pragma once
 
@@ -21,10 +22,16 @@ struct AdamWHyper {
   float grad_scale = 1.f;      ///< gradients are multiplied by this (1 / loss scale, clip coefficient)
 };
 
-/// One AdamW step for every i: master[i], exp_avg[i], exp_avg_sq[i] are f32 and updated in place;
-/// grads[i] are f32 or bf16; params_out (empty, or one per tensor, bf16/f16/f32) receive the new
-/// master weights rounded to their dtype. grad_scale_tensor (optional f32 [1] on the device)
-/// multiplies the gradients as well, so a clip coefficient computed on the GPU needs no host sync.
+/// One AdamW step for every i, computed in f32 (CPU: f64) whatever the storage dtypes:
+///   master[i]      f32, or bf16/f32 when it is the parameter itself (no separate master weights: then
+///                  params_out must be empty); updated in place, rounded to nearest even when bf16;
+///   exp_avg[i], exp_avg_sq[i]  f32 or bf16 (one dtype per list), updated in place, rounded to nearest
+///                  even when bf16 (the update itself uses the unrounded new moments);
+///   grads[i]       f32 or bf16;
+///   params_out     empty, or one per tensor (bf16/f16/f32) receiving the new master weights rounded
+///                  to their dtype.
+/// grad_scale_tensor (optional f32 [1] on the device) multiplies the gradients as well, so a clip
+/// coefficient computed on the GPU needs no host sync.
 void multi_tensor_adamw(const std::vector<Tensor>& grads, const std::vector<Tensor>& master,
                         const std::vector<Tensor>& exp_avg, const std::vector<Tensor>& exp_avg_sq,
                         const std::vector<Tensor>& params_out, const AdamWHyper& h,

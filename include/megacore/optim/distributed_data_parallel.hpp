@@ -18,7 +18,9 @@
 // Parameters never notified are still reduced: finish_grad_sync launches every bucket not yet started.
 //
 // Gradients are averaged over the group (Σ / size). With reduce_dtype BF16 the bucket is cast to bf16
-// (scaled by 1/size first), summed in bf16 and cast back — half the bytes, bf16 rounding. With
+// (scaled by 1/size first), summed in bf16 and cast back — half the bytes, bf16 rounding. With grad_dtype
+// BF16 the grad buffer itself is bf16 (the main gradients accumulate in bf16: half the gradient memory)
+// and is reduced in place in bf16, scaled by 1/size first. With
 // use_distributed_optimizer each rank ends with the reduced gradient of its own shard of each bucket
 // (the range [rank·n/size, (rank+1)·n/size) of the bucket) written into the grad buffer; the rest of the
 // grad buffer then holds this rank's unreduced gradients and must not be used.
@@ -46,8 +48,10 @@ struct DDPConfig {
   bool overlap_grad_reduce = true;
   /// Reduce-scatter instead of all-reduce (for DistributedOptimizer, ZeRO-1).
   bool use_distributed_optimizer = false;
-  /// F32 or BF16 (the dtype of the collective; the grad buffer stays f32).
+  /// F32 or BF16 (the dtype of the collective for an f32 grad buffer; a bf16 one is always reduced in bf16).
   DType reduce_dtype = DType::F32;
+  /// The grad buffer's (main gradients') dtype: F32 or BF16 (BufferConfig::grad_dtype).
+  DType grad_dtype = DType::F32;
   /// Divide the sum by the group size (gradients averaged over DP × CP).
   bool average = true;
   /// With `average`: divide the sum by this many ranks instead of the group's size; 0 = the group's size.

@@ -1,5 +1,7 @@
-// DistributedOptimizer (ZeRO-1): AdamW whose f32 master weights and moments are sharded over the
-// data-parallel group.
+// DistributedOptimizer (ZeRO-1): AdamW whose master weights and moments are sharded over the
+// data-parallel group. The state's precision follows AdamWConfig (f32 masters and moments by default;
+// main_params_dtype = BF16: no masters, this rank's range of the param buffer is updated in place before
+// the all-gather; exp_avg_dtype / exp_avg_sq_dtype = BF16: bf16 moments).
 //
 // It works on a DistributedDataParallel built with use_distributed_optimizer = true. Each bucket of
 // the ParamAndGradBuffer (length n, a multiple of DP) is split evenly: DP rank r owns the contiguous
@@ -85,8 +87,14 @@ class DistributedOptimizer {
   void finish_param_gather();
   bool param_gather_pending() const;
 
-  /// Bytes of optimizer state on this rank: master weights, exp_avg, exp_avg_sq (f32, shard only).
+  /// Bytes of optimizer state on this rank: master weights (when separate), exp_avg, exp_avg_sq, at their
+  /// dtypes, shard only.
   int64_t state_bytes() const;
+  /// Whether the master weights are f32 copies (false: this rank's range of the param buffer itself).
+  bool separate_masters() const { return cfg_.main_params_dtype == DType::F32; }
+  /// Dtype of parameters()[i]'s master weights (f32, or the parameter's own dtype without separate masters);
+  /// the moments' are config().exp_avg_dtype / exp_avg_sq_dtype.
+  DType master_dtype(size_t i) const;
   /// Elements this rank owns (padding included).
   int64_t shard_numel() const;
 
@@ -97,8 +105,8 @@ class DistributedOptimizer {
   /// different DP size or bucket layout: use gathered_state / load_gathered_state to reshard).
   void load_state(const std::vector<NamedTensor>& state, int64_t step_count);
   /// Collective over DP: per parameter, in parameters() order, "<param>.master", "<param>.exp_avg",
-  /// "<param>.exp_avg_sq" as full TP-local f32 tensors of the parameter's shape (on its device) — the
-  /// names, shapes and order of AdamW::state().
+  /// "<param>.exp_avg_sq" as full TP-local tensors of the parameter's shape (on its device, in the
+  /// state's dtypes) — the names, shapes and order of AdamW::state().
   std::vector<NamedTensor> gathered_state() const;
   /// Collective over DP: keeps this rank's range of each tensor (names and shapes must match
   /// gathered_state() exactly, ValueError naming the first difference), sets the step count and

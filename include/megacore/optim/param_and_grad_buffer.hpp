@@ -1,9 +1,9 @@
-// ParamAndGradBuffer: the parameters and their f32 main_grads laid out in contiguous buffers, split
+// ParamAndGradBuffer: the parameters and their main_grads (f32, or bf16) laid out in contiguous buffers, split
 // into buckets, so data-parallel reduction is one collective per bucket instead of one per tensor.
 //
 // Layout (Megatron-Core's _ParamAndGradBuffer, re-derived):
 //   - one group per parameter dtype; each group owns a param buffer (that dtype) and a grad buffer
-//     (f32) of the same length and layout;
+//     (BufferConfig::grad_dtype: f32, or bf16 as Megatron-Core's main_grads_dtype) of the same length and layout;
 //   - parameters are placed in the REVERSE of the order given: GPTModel::parameters() runs from the
 //     embedding to the output layer, backward produces gradients from the output layer back, so the
 //     first bucket is the first one whose gradients are all final;
@@ -37,6 +37,8 @@ struct BufferConfig {
   int dp_size = 1;
   /// Every parameter starts at a multiple of this many elements (>= 1).
   int64_t param_align = 64;
+  /// The main gradients' dtype: F32 or BF16 (every backward accumulates into them in this dtype).
+  DType grad_dtype = DType::F32;
 };
 
 /// One bucket: a contiguous range [offset, offset + numel) of its group's buffers.
@@ -59,7 +61,7 @@ struct ParamLocation {
 
 class ParamAndGradBuffer {
  public:
-  /// `params` (each once, all on one device, contiguous data and an f32 main_grad of the same shape)
+  /// `params` (each once, all on one device, contiguous data and an f32/bf16 main_grad of the same shape)
   /// must outlive the buffer. ValueError for a null, duplicated or grad-sharing parameter, a shared copy
   /// that aliases no registered parameter, or a bad config.
   ParamAndGradBuffer(std::vector<layers::Parameter*> params, const BufferConfig& cfg = {},
@@ -76,7 +78,7 @@ class ParamAndGradBuffer {
 
   int num_groups() const { return int(groups_.size()); }
   DType group_dtype(int g) const { return groups_.at(size_t(g)).dtype; }
-  /// The whole param buffer of a group (1-D, the group's dtype) and its grad buffer (1-D f32).
+  /// The whole param buffer of a group (1-D, the group's dtype) and its grad buffer (1-D, grad_dtype).
   const Tensor& param_buffer(int g) const { return groups_.at(size_t(g)).params; }
   const Tensor& grad_buffer(int g) const { return groups_.at(size_t(g)).grads; }
 

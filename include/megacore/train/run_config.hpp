@@ -180,6 +180,10 @@ struct OptimSection {
   int64_t lr_wsd_decay_iters = 0;
   double initial_loss_scale = 65536.0;
   bool skip_nonfinite_steps = true;
+  std::string main_params_dtype = "f32";
+  std::string main_grads_dtype = "f32";
+  std::string exp_avg_dtype = "f32";
+  std::string exp_avg_sq_dtype = "f32";
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -206,6 +210,23 @@ struct OptimSection {
             "Skip the update when a gradient is NaN or Inf (false applies it anyway: debugging only). What the run "
             "then does is trainer.on_nonfinite."},
       s.skip_nonfinite_steps);
+    f(Field{"main_params_dtype",
+            "Master weights. f32: an f32 copy of the parameters that AdamW updates (12 bytes of state per parameter "
+            "with f32 moments). bf16: no copy; AdamW updates the bf16 parameters in place, rounding to nearest even "
+            "(the precision of torch's AdamW on bf16 weights). bf16 needs trainer.precision = bf16 and adamw.",
+            "f32|bf16"},
+      s.main_params_dtype);
+    f(Field{"main_grads_dtype",
+            "Main gradients (the DDP grad buffer): f32, or bf16 (accumulated and data-parallel-reduced in bf16; half "
+            "the gradient memory). bf16 needs trainer.precision = bf16.",
+            "f32|bf16"},
+      s.main_grads_dtype);
+    f(Field{"exp_avg_dtype", "AdamW first moment's storage (computed in f32 either way; bf16 rounds to nearest).",
+            "f32|bf16"},
+      s.exp_avg_dtype);
+    f(Field{"exp_avg_sq_dtype", "AdamW second moment's storage (computed in f32 either way; bf16 rounds to nearest).",
+            "f32|bf16"},
+      s.exp_avg_sq_dtype);
   }
 };
 

@@ -57,15 +57,18 @@ void for_each_launch(const std::vector<std::array<void*, NP>>& ptrs, const std::
   if (b > 0) launch(m, b);
 }
 
-template <class G, class P>
+// W: the weights updated in place (f32 masters, or the bf16 parameters themselves); M, V: the moments' storage.
+// Everything is computed in f32; bf16 stores round to nearest even (no stochastic rounding, as torch's bf16
+// AdamW state does).
+template <class G, class P, class W, class M, class V>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(Meta<5> m, AdamWArgs a) {
   const int t = m.tensor[blockIdx.x];
   const int64_t base = int64_t(m.chunk[blockIdx.x]) * kChunk;
   const int64_t len = min(kChunk, m.n[t] - base);
   const G* g = static_cast<const G*>(m.p[0][t]) + base;
-  float* w = static_cast<float*>(m.p[1][t]) + base;
-  float* m1 = static_cast<float*>(m.p[2][t]) + base;
-  float* m2 = static_cast<float*>(m.p[3][t]) + base;
+  W* w = static_cast<W*>(m.p[1][t]) + base;
+  M* m1 = static_cast<M*>(m.p[2][t]) + base;
+  V* m2 = static_cast<V*>(m.p[3][t]) + base;
   P* po = static_cast<P*>(m.p[4][t]);
   if (po) po += base;
   const float gs = a.grad_scale * (a.grad_scale_ptr ? *a.grad_scale_ptr : 1.f);
@@ -77,33 +80,33 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(Meta<5> m, AdamWArgs a)
     vv = a.beta2 * vv + (1.f - a.beta2) * gv * gv;
     wv -= step * mv / (sqrtf(vv) / bc2s + a.eps);
   };
-  const bool vec = aligned16(w) && aligned16(m1) && aligned16(m2) &&
-                   (reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G))) == 0 &&
-                   (!po || (reinterpret_cast<uintptr_t>(po) % (4 * sizeof(P))) == 0);
+  auto al = [](const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0; };
+  const bool vec = al(w, 4 * sizeof(W)) && al(m1, 4 * sizeof(M)) && al(m2, 4 * sizeof(V)) && al(g, 4 * sizeof(G)) &&
+                   (!po || al(po, 4 * sizeof(P)));
   int64_t i0 = 0;
   if (vec) {
     const int64_t nv = len / 4;
     for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
       float gv[4], wv[4], mv[4], vv[4];
       load_f32_stream<G, 4>(g + 4 * i, gv);
-      load_f32_stream<float, 4>(w + 4 * i, wv);
-      load_f32_stream<float, 4>(m1 + 4 * i, mv);
-      load_f32_stream<float, 4>(m2 + 4 * i, vv);
+      load_f32_stream<W, 4>(w + 4 * i, wv);
+      load_f32_stream<M, 4>(m1 + 4 * i, mv);
+      load_f32_stream<V, 4>(m2 + 4 * i, vv);
 #pragma unroll
       for (int k = 0; k < 4; ++k) update(gv[k], wv[k], mv[k], vv[k]);
-      store_f32_stream<float, 4>(w + 4 * i, wv);
-      store_f32_stream<float, 4>(m1 + 4 * i, mv);
-      store_f32_stream<float, 4>(m2 + 4 * i, vv);
+      store_f32_stream<W, 4>(w + 4 * i, wv);
+      store_f32_stream<M, 4>(m1 + 4 * i, mv);
+      store_f32_stream<V, 4>(m2 + 4 * i, vv);
       if (po) store_f32_stream<P, 4>(po + 4 * i, wv);
     }
     i0 = nv * 4;
   }
   for (int64_t i = i0 + threadIdx.x; i < len; i += blockDim.x) {
-    float wv = w[i], mv = m1[i], vv = m2[i];
+    float wv = to_f32(w[i]), mv = to_f32(m1[i]), vv = to_f32(m2[i]);
     update(to_f32(g[i]), wv, mv, vv);
-    w[i] = wv;
-    m1[i] = mv;
-    m2[i] = vv;
+    w[i] = from_f32<W>(wv);
+    m1[i] = from_f32<M>(mv);
+    m2[i] = from_f32<V>(vv);
     if (po) po[i] = from_f32<P>(wv);
   }
 }
@@ -219,30 +222,39 @@ __global__ void clip_kernel(const float* norm, float max_norm, float* coef) {
 
 }  // namespace
 
-void adamw(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
+void adamw(const AdamWDTypes& dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
            const AdamWArgs& a, int device, void* stream) {
   cuda_impl::DeviceGuard guard(device);
   cudaStream_t s = as_stream(stream);
   std::vector<std::array<void*, 5>> p(ptrs.size());
   for (size_t i = 0; i < ptrs.size(); ++i)
     for (int k = 0; k < 5; ++k) p[i][k] = ptrs[i][size_t(k)];
-  auto go = [&](auto gtag, auto ptag) {
-    using G = decltype(gtag);
-    using P = decltype(ptag);
+  auto go = [&](auto gtag, auto ptag, auto wtag, auto mtag, auto vtag) {
     for_each_launch<5>(p, n, [&](const Meta<5>& m, int blocks) {
-      adamw_kernel<G, P><<<unsigned(blocks), kThreads, 0, s>>>(m, a);
+      adamw_kernel<decltype(gtag), decltype(ptag), decltype(wtag), decltype(mtag), decltype(vtag)>
+          <<<unsigned(blocks), kThreads, 0, s>>>(m, a);
       MC_CUDA_CHECK_LAUNCH();
     });
   };
-  auto with_param = [&](auto gtag) {
-    switch (param_dt) {
-      case DType::BF16: go(gtag, bfloat16{}); break;
-      case DType::F16: go(gtag, float16{}); break;
-      default: go(gtag, float{}); break;  // f32 params_out, or none
-    }
+  auto f32_or_bf16 = [](DType t, auto&& f) {
+    if (t == DType::BF16) f(bfloat16{});
+    else f(float{});
   };
-  if (grad_dt == DType::BF16) with_param(bfloat16{});
-  else with_param(float{});
+  f32_or_bf16(dt.grad, [&](auto gtag) {
+    f32_or_bf16(dt.exp_avg, [&](auto mtag) {
+      f32_or_bf16(dt.exp_avg_sq, [&](auto vtag) {
+        if (dt.master == DType::BF16) {  // the bf16 parameters themselves: no param_out
+          go(gtag, bfloat16{}, bfloat16{}, mtag, vtag);
+          return;
+        }
+        switch (dt.param) {
+          case DType::BF16: go(gtag, bfloat16{}, float{}, mtag, vtag); break;
+          case DType::F16: go(gtag, float16{}, float{}, mtag, vtag); break;
+          default: go(gtag, float{}, float{}, mtag, vtag); break;  // f32 params_out, or none
+        }
+      });
+    });
+  });
 }
 
 void sgd(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,

@@ -13,8 +13,13 @@ struct AdamWArgs {
   float bias_corr1, bias_corr2;  // 1 - beta^step
   const float* grad_scale_ptr;   // optional
 };
+/// Storage dtypes of one AdamW launch: grad f32/bf16; master f32, or bf16 with no param_out; exp_avg and
+/// exp_avg_sq f32/bf16; param (of param_out) bf16/f16/f32.
+struct AdamWDTypes {
+  DType grad, master, exp_avg, exp_avg_sq, param;
+};
 /// ptrs[i] = {grad, master, exp_avg, exp_avg_sq, param_out (or nullptr)}.
-void adamw(DType grad_dt, DType param_dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
+void adamw(const AdamWDTypes& dt, const std::vector<std::vector<void*>>& ptrs, const std::vector<int64_t>& n,
            const AdamWArgs& a, int device, void* stream);
 
 struct SGDArgs {

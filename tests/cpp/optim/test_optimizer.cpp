@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "megacore/optim/optimizer.hpp"
+#include "optim/optimizer_test_util.hpp"
 #include "test_helpers.hpp"
 
 using namespace megacore;
@@ -16,22 +17,7 @@ namespace ly = megacore::layers;
 
 namespace {
 
-struct Model {
-  std::vector<std::unique_ptr<ly::Parameter>> owned;
-  std::vector<ly::Parameter*> params;
-  void add(const std::string& name, const Shape& shape, DType dt, double offset) {
-    auto p = std::make_unique<ly::Parameter>();
-    p->name = name;
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
-    std::vector<float> v;
-    for (int64_t k = 0; k < n; ++k) v.push_back(float(std::sin(0.37 * double(k) + offset) * 0.8 + 0.1));
-    p->data = Tensor::from_vector(v, shape).to(dt);
-    p->main_grad = Tensor::zeros(shape);
-    params.push_back(p.get());
-    owned.push_back(std::move(p));
-  }
-};
+using optim_test::Model;
 
 Model make_model(double offset = 0.0) {
   Model m;
