@@ -5,6 +5,7 @@
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 0,8,16          # DP comm CTA limits
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --overlap-param-gather --grad-accum 4
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 16 --gemm-sm-margin 0,16 --cta-policy 0,1
+//   mpirun -np 1 build/benchmarks/megacore_bench_training --single --bf16-states   # the torch peer's precision
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -63,6 +64,7 @@ struct Args : bench::ShapeArgs {
   int64_t grad_accum = 1, breakdown_iters = 3;
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
+  bool bf16_states = false;  // bf16 main grads, no f32 masters, bf16 AdamW moments (the torch peer's precision)
   bool overlap_param_gather = false;  // ZeRO: all-gathers left running after the step, waited per layer in forward
   int comm_priority = 0;  // DDPConfig::comm_stream_priority
   double peak_tflops = 989.0;
@@ -92,6 +94,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--overlap-param-gather") a.overlap_param_gather = true;
     else if (k == "--single") a.single = true;
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
+    else if (k == "--bf16-states") a.bf16_states = true;
     else if (k == "--no-overlap") a.no_overlap = true;
     else if (k == "--comm-priority") a.comm_priority = int(r.integer());
     else if (k == "--peak-tflops") a.peak_tflops = r.number();
@@ -123,9 +126,16 @@ struct Trainer {
     c.bucket_size = a.bucket_size;
     c.use_distributed_optimizer = a.zero;
     c.reduce_dtype = a.bf16_reduce ? DType::BF16 : DType::F32;
+    c.grad_dtype = a.bf16_states ? DType::BF16 : DType::F32;
     c.overlap_grad_reduce = !a.no_overlap;
     c.compute_stream = s;
     c.comm_stream_priority = a.comm_priority;
+    return c;
+  }
+
+  static op::AdamWConfig adamw_config(const Args& a) {
+    op::AdamWConfig c;
+    if (a.bf16_states) c.main_params_dtype = c.exp_avg_dtype = c.exp_avg_sq_dtype = DType::BF16;
     return c;
   }
 
@@ -134,13 +144,13 @@ struct Trainer {
       : model(cfg, tp, mdl::GPTModelOptions{.device = dev}), ddp(model.parameters(), dp, ddp_config(a, s, sm_margin)) {
     ctx.stream = s;
     if (a.zero) {
-      dopt = std::make_unique<op::DistributedOptimizer>(ddp, op::AdamWConfig{}, a.overlap_param_gather);
+      dopt = std::make_unique<op::DistributedOptimizer>(ddp, adamw_config(a), a.overlap_param_gather);
       if (a.overlap_param_gather)
         model.set_pre_forward_callback(
             [d = dopt.get()](const std::vector<ly::Parameter*>& ps) { d->wait_param_gather(ps); });
       groups.reduce = {&dp};
     } else {
-      adamw = std::make_unique<op::AdamW>(model.parameters(), op::AdamWConfig{});
+      adamw = std::make_unique<op::AdamW>(model.parameters(), adamw_config(a));
     }
     model.set_grad_ready_callback(ddp.grad_ready_hook());
     // Different data on every rank (what DP does), fixed over steps.
@@ -231,7 +241,8 @@ int main(int argc, char** argv) {
     json r = {{"benchmark", "ddp_training"},
               {"card", cuda_device_name(dev.index)},
               {"model", "llama-1.1b (h2048 L16 a32 g8 ffn8192 v32000, untied)"},
-              {"dtype", "bf16 params, f32 grads and AdamW state"},
+              {"dtype", a.bf16_states ? "bf16 params, grads and AdamW moments (no f32 masters)"
+                                      : "bf16 params, f32 grads and AdamW state"},
               {"optimizer", a.zero ? "DistributedOptimizer (ZeRO-1 AdamW)" : "AdamW (replicated)"},
               {"overlap_param_gather", a.zero && a.overlap_param_gather},
               {"grad_reduce_dtype", a.bf16_reduce ? "bf16" : "f32"},
