@@ -5,6 +5,7 @@
 
 #include "bindings.hpp"
 #include "megacore/comm/communicator.hpp"
+#include "megacore/core/host_sync.hpp"
 #include "megacore/core/log.hpp"
 
 namespace megacore::py {
@@ -181,6 +182,11 @@ void bind_core(pyb::module_& m) {
   }, pyb::arg("device") = "cuda:0");
   m.def("reset_peak_memory_stats", [](const pyb::object& d) { Allocator::get(device_arg(d)).reset_peak_stats(); },
         pyb::arg("device") = "cuda:0");
+  m.def("host_sync_count", &host_sync_count,
+        "Host synchronisations (stream/event/device synchronize, device-to-host reads, host waits on a "
+        "collective) counted in this process since start-up or reset_host_syncs(); counted on CPU too.");
+  m.def("host_sync_counts", &host_sync_counts, "host_sync_count() split by reason: {reason: count}.");
+  m.def("reset_host_syncs", &reset_host_syncs, "Sets the host-sync counters to zero.");
   m.def("empty_cache", [](const pyb::object& d) { Allocator::get(device_arg(d)).empty_cache(); }, pyb::arg("device") = "cuda:0");
   m.def("set_memory_limit", [](const pyb::object& d, int64_t b) { Allocator::get(device_arg(d)).set_memory_limit(b); },
         pyb::arg("device"), pyb::arg("bytes"));

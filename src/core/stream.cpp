@@ -2,6 +2,7 @@
 
 #include "core/cuda_backend.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/core/host_sync.hpp"
 
 namespace megacore {
 
@@ -30,6 +31,7 @@ Stream Stream::from_native(Device d, void* cuda_stream) {
 }
 
 void Stream::synchronize() const {
+  note_host_sync(HostSyncReason::current("stream_synchronize"));
   if (device_.is_cuda()) cuda_impl::stream_synchronize(handle_, device_.index);
 }
 bool Stream::query() const { return device_.is_cpu() || cuda_impl::stream_query(handle_, device_.index); }
@@ -54,6 +56,7 @@ void Event::record(const Stream& s) {
   cuda_impl::event_record(handle_.get(), s.native(), device_.index);
 }
 void Event::synchronize() const {
+  note_host_sync(HostSyncReason::current("event_synchronize"));
   if (handle_) cuda_impl::event_synchronize(handle_.get());
 }
 bool Event::query() const { return !handle_ || cuda_impl::event_query(handle_.get()); }
@@ -64,6 +67,7 @@ float Event::elapsed_ms(const Event& end) const {
 }
 
 void synchronize_device(Device d) {
+  note_host_sync(HostSyncReason::current("device_synchronize"));
   if (d.is_cuda()) {
     check_device(d);
     cuda_impl::device_synchronize(d.index);

@@ -1,4 +1,5 @@
 #include "megacore/core/tensor.hpp"
+#include "megacore/core/host_sync.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -408,6 +409,7 @@ Tensor& Tensor::copy_(const Tensor& src, const Stream& s) {
   }
   // device -> host: the host reads the result, so this waits for the stream.
   check_stream_device(s, sd, "copy_");
+  note_host_sync(HostSyncReason::current("copy_to_host"));
   Tensor ds = src.contiguous(s);
   if (is_contiguous() && dtype_ == ds.dtype()) {
     cuda_impl::memcpy_async(data_ptr(), ds.data_ptr(), size_t(nbytes()), cuda_impl::CopyKind::DeviceToHost,

@@ -50,7 +50,21 @@ struct ReadyBatch {
   int64_t max_seqlen;
   std::vector<int64_t> samples;
   int64_t step, micro;
+  double loss_tokens = 0;
 };
+
+// Loss tokens of one row of `len` positions, over this CP rank's chunks when cp > 1.
+double count_row_tokens(const int64_t* labels, const float* mask, int64_t len, int cp, int cp_rank) {
+  auto count = [&](int64_t from, int64_t to) {
+    double n = 0;
+    for (int64_t i = from; i < to; ++i)
+      if (labels[i] != -100) n += mask[i];
+    return n;
+  };
+  if (cp <= 1) return count(0, len);
+  const int64_t c = len / (2 * cp), late = 2 * int64_t(cp) - 1 - cp_rank;
+  return count(cp_rank * c, (cp_rank + 1) * c) + count(late * c, (late + 1) * c);
+}
 
 }  // namespace
 
@@ -190,6 +204,7 @@ DataLoader::DataLoader(std::shared_ptr<const SampleSource> source, LoaderConfig 
             rb.max_seqlen = std::max(rb.max_seqlen, end - starts[k]);
           }
           rb.cu_seqlens.push_back(int32_t((j + 1) * S));
+          rb.loss_tokens += count_row_tokens(row.labels, row.loss_mask, S, cfg_.cp_size, cfg_.cp_rank);
         }
         double dt = seconds_since(t0);
         {
@@ -307,6 +322,7 @@ std::optional<Batch> DataLoader::next(const Stream& s) {
   b.sample_indices = std::move(rb.samples);
   b.step = rb.step;
   b.micro_step = rb.micro;
+  b.loss_tokens = rb.loss_tokens;
   if (cfg_.device.is_cuda()) {
     b.tokens = b.tokens.to(cfg_.device, s);
     b.labels = b.labels.to(cfg_.device, s);

@@ -153,8 +153,10 @@ void DistributedDataParallel::finish_grad_sync() {
   const size_t nb = buffer_->buckets().size();
   for (size_t b = 0; b < nb; ++b)
     if (!launched_[b]) launch(int(b), false);
+  // Stream-ordered: the reductions ran on comm_stream_, where the copies below and the compute stream's
+  // wait follow them (MPI finishes them here, on the host).
   for (auto& w : work_)
-    if (w) w->wait();
+    if (w) w->wait_on(comm_stream_);
   const int n = dp_.size();
   const bool cuda = buffer_->device().is_cuda();
   if (n > 1) {

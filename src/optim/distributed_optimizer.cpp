@@ -102,7 +102,7 @@ DistributedOptimizer::~DistributedOptimizer() {
 }
 
 void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
-  finish_param_gather();
+  order_param_gather();
   ++step_;
   struct Group {
     std::vector<Tensor> g, w, m, v, out;
@@ -123,7 +123,16 @@ void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_s
     ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, adamw_hyper(cfg_, lr, key.first, step_, grad_scale),
                             grad_scale_tensor, cs);
   start_param_gather();
-  if (!overlap_param_gather_) finish_param_gather();
+  if (!overlap_param_gather_) order_param_gather();
+}
+
+void DistributedOptimizer::order_param_gather() {
+  for (auto& w : gather_)
+    if (w) {
+      w->wait_on(compute_stream());
+      w = nullptr;
+    }
+  gemm_margin_.release();
 }
 
 void DistributedOptimizer::start_param_gather() {

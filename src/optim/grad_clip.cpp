@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "megacore/core/error.hpp"
+#include "megacore/core/host_sync.hpp"
 #include "megacore/ops/optimizer.hpp"
 #include "megacore/parallel/process_grid.hpp"
 
@@ -44,14 +45,15 @@ Tensor sum_of_squares(const std::vector<Tensor>& ts, Device device, const Stream
 void all_reduce_over(Tensor& sq, const std::vector<comm::Communicator*>& groups, const Stream& s, const char* who) {
   for (comm::Communicator* c : groups) {
     MC_CHECK(c != nullptr, "{}: a reduce group is null", who);
-    if (c->size() > 1) c->all_reduce(sq, comm::ReduceOp::Sum, s)->wait();
+    if (c->size() > 1) c->all_reduce(sq, comm::ReduceOp::Sum, s)->wait_on(s);
   }
 }
 
 }  // namespace
 
 GradNormResult combine_grad_norm(const std::vector<Tensor>& dense, const std::vector<Tensor>& expert,
-                                 const GradNormGroups& groups, Device device, const Stream& s, const char* who) {
+                                 const GradNormGroups& groups, Device device, const Stream& s, const char* who,
+                                 const std::vector<Tensor>& read_along) {
   const bool apart = !groups.expert_reduce.empty();
   // Without expert groups the expert part can only be right where nothing is reduced (one process).
   MC_CHECK(apart || expert.empty() || groups.reduce.empty(),
@@ -63,13 +65,25 @@ GradNormResult combine_grad_norm(const std::vector<Tensor>& dense, const std::ve
   if (!apart) together.insert(together.end(), expert.begin(), expert.end());
   Tensor sq = sum_of_squares(together, device, s);
   all_reduce_over(sq, groups.reduce, s, who);
-  double total = sq.item();
+  // [dense Σ‖g‖², expert Σ‖g‖², read_along...] packed on the device and read back at once.
+  const int64_t n = 2 + int64_t(read_along.size());
+  Tensor pack = Tensor::zeros({n}, DType::F32, device, s);
+  pack.narrow(0, 0, 1).copy_(sq, s);
   if (apart) {
     Tensor esq = sum_of_squares(expert, device, s);
     all_reduce_over(esq, groups.expert_reduce, s, who);
-    total += esq.item();
+    pack.narrow(0, 1, 1).copy_(esq, s);
   }
+  for (size_t i = 0; i < read_along.size(); ++i) {
+    const Tensor& t = read_along[i];
+    MC_CHECK(t.defined() && t.numel() == 1 && t.device() == device,
+             "{}: read_along tensor {} must be one element on {}", who, i, device.str());
+    pack.narrow(0, 2 + int64_t(i), 1).copy_(t.view({1}), s);
+  }
+  const std::vector<double> h = read_to_host(pack, s, "grad_norm").to_double_vector();
+  const double total = h[0] + h[1];
   GradNormResult r;
+  r.values.assign(h.begin() + 2, h.end());
   r.norm = std::sqrt(total);
   r.finite = std::isfinite(r.norm);
   return r;

@@ -56,20 +56,22 @@ namespace {
 // Shared logic: n is the norm of main_grad as it is (loss scale and grad_scale included).
 template <class Step>
 StepResult finish_checked(GradNormResult n, double lr, const CheckedStepOptions& o, Step&& step) {
-  MC_CHECK(o.grad_scale > 0 && std::isfinite(o.grad_scale), "checked_step: grad_scale {} must be finite and > 0",
-           o.grad_scale);
+  const double grad_scale = o.grad_scale * (o.grad_scale_from_values ? o.grad_scale_from_values(n.values) : 1.0);
+  MC_CHECK(grad_scale > 0 && std::isfinite(grad_scale), "checked_step: grad_scale {} must be finite and > 0",
+           grad_scale);
   StepResult r;
+  r.values = std::move(n.values);
   r.lr = lr;
   r.loss_scale = o.scaler ? o.scaler->scale() : 1.0;
   r.found_inf = !n.finite;
-  r.grad_norm = n.norm * o.grad_scale / r.loss_scale;
+  r.grad_norm = n.norm * grad_scale / r.loss_scale;
   if (o.scaler) o.scaler->update(r.found_inf);
   if (r.found_inf && o.skip_nonfinite) {
     r.skipped = true;
     return r;
   }
   if (o.max_norm > 0 && !r.found_inf) r.clip_coef = std::min(1.0, o.max_norm / (r.grad_norm + 1e-6));
-  step(float(lr), float(r.clip_coef * o.grad_scale / r.loss_scale));
+  step(float(lr), float(r.clip_coef * grad_scale / r.loss_scale));
   return r;
 }
 
@@ -104,7 +106,7 @@ StepResult checked_step(const std::vector<OptimizerPart>& parts, double lr, cons
       if (i == 0 && !p.opt->parameters().empty()) device = p.opt->parameters().front()->main_grad.device();
     }
   }
-  const GradNormResult n = combine_grad_norm(dense, expert, groups, device, stream, "checked_step");
+  GradNormResult n = combine_grad_norm(dense, expert, groups, device, stream, "checked_step", o.read_along);
   return finish_checked(n, lr, o, [&](float l, float gs) {
     for (const OptimizerPart& p : parts) p.zero ? p.zero->step(l, gs) : p.opt->step(l, gs);
   });

@@ -8,6 +8,9 @@
 #include <utility>
 
 #include "megacore/core/error.hpp"
+#include "megacore/core/host_sync.hpp"
+#include "megacore/model/transformer_layer.hpp"
+#include "megacore/ops/optimizer.hpp"
 #include "megacore/pipeline/p2p.hpp"
 
 namespace megacore::pipeline {
@@ -153,28 +156,41 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
              "step must have one [batch, seq] shape (pad them)", i,
              mbs[size_t(i)].labels.defined() ? shape_str(mbs[size_t(i)].labels.shape()) : std::string("undefined"),
              shape_str(mbs[0].labels.shape()));
-  {
+  // Shapes agreed over the pipeline when this rank's differ from the last agreed ones (the first step,
+  // then only on a change; a run with fixed shapes pays this host read once).
+  const std::array<int64_t, 3> shape{b, s, m};
+  if (pp_.size() > 1 && shape != agreed_shape_) {
     Tensor agree = Tensor::from_vector<int64_t>({b, s, m, -b, -s, -m}, {6}).to(dev, st);
-    pp_.all_reduce(agree, comm::ReduceOp::Max, st)->wait();
-    const std::vector<double> a = agree.to(Device::cpu(), st).to_double_vector();
+    pp_.all_reduce(agree, comm::ReduceOp::Max, st)->wait_on(st);
+    const std::vector<double> a = read_to_host(agree, st, "pipeline_shape_agreement").to_double_vector();
     MC_CHECK(a[0] == -a[3] && a[1] == -a[4] && a[2] == -a[5],
              "PipelineEngine.step: the pipeline stages disagree on the step's shape (this rank: {} micro-batches of "
              "[{}, {}]); give every rank of a pipeline the same micro-batch list", m, b, s);
+    agreed_shape_ = shape;
   }
 
-  // Loss weighting: token counts, all-reduced over DP.
+  // Loss weighting: token counts (from the host when the caller gives them), all-reduced over DP.
   std::vector<double> tokens(static_cast<size_t>(m));
   double local_tokens = 0;
+  bool host_counts = true;
   for (int64_t i = 0; i < m; ++i) {
-    tokens[size_t(i)] = model::count_loss_tokens(mbs[size_t(i)].labels, mbs[size_t(i)].loss_mask, -100, st);
+    const MicroBatch& mb = mbs[size_t(i)];
+    host_counts &= mb.loss_tokens >= 0;
+    tokens[size_t(i)] = mb.loss_tokens >= 0 ? mb.loss_tokens : model::count_loss_tokens(mb.labels, mb.loss_mask, -100, st);
     local_tokens += tokens[size_t(i)];
   }
+  const bool defer = opts_.defer_reads;
+  MC_CHECK(!defer || host_counts, "PipelineEngine.step: defer_reads needs every MicroBatch::loss_tokens (the host "
+           "count of its loss tokens); set them (the DataLoader's Batch::loss_tokens) or turn defer_reads off");
   double total_tokens = local_tokens;
   const int dp_size = opts_.dp ? opts_.dp->size() : 1;
-  if (opts_.dp && dp_size > 1) {
+  if (defer) {
+    // The same constant on every rank; the caller rescales by nominal / global count after its one read.
+    total_tokens = double(dp_size) * double(m) * double(b) * double(s);
+  } else if (opts_.dp && dp_size > 1) {
     Tensor t = Tensor::from_vector<float>({float(local_tokens)}, {1}).to(dev, st);
-    opts_.dp->all_reduce(t, comm::ReduceOp::Sum, st)->wait();
-    total_tokens = t.to(Device::cpu(), st).item();
+    opts_.dp->all_reduce(t, comm::ReduceOp::Sum, st)->wait_on(st);
+    total_tokens = read_scalar(t, st, "loss_token_count");
   }
 
   const Shape act = chunks_[0]->activation_shape(b, s);
@@ -264,15 +280,30 @@ StepResult PipelineEngine::step(const ly::ForwardContext& ctx, const std::vector
       c->allreduce_tied_embedding_grads(*opts_.embedding, st);
 
   // The reported loss: Σ loss_i · tokens_i over micro-batches (last stage) and DP, / N, on every rank.
+  // [Σ loss_i · tokens_i, Σ tokens_i] summed on the device, reduced over DP on the last stage and sent to
+  // the other stages, all stream-ordered: nothing here waits for the device.
   const bool last = pp_.rank() == pp_.size() - 1;
-  double sum = 0;
-  if (last)
-    for (int64_t i = 0; i < m; ++i) sum += losses[size_t(i)].to(Device::cpu(), st).item() * tokens[size_t(i)];
-  Tensor lt = Tensor::from_vector<float>({float(sum)}, {1}).to(dev, st);
-  if (last && opts_.dp && dp_size > 1) opts_.dp->all_reduce(lt, comm::ReduceOp::Sum, st)->wait();
-  if (pp_.size() > 1) pp_.broadcast(lt, pp_.size() - 1, st)->wait();
+  Tensor sums = Tensor::zeros({2}, DType::F32, dev, st);
+  if (last) {
+    Tensor acc = sums.narrow(0, 0, 1);
+    for (int64_t i = 0; i < m; ++i) {
+      Tensor w = Tensor::empty({1}, DType::F32, dev, st);
+      ops::multi_tensor_scale({losses[size_t(i)].view({1})}, {w}, float(tokens[size_t(i)]), {}, st);
+      acc.copy_(model::add(acc, w, st), st);
+    }
+  }
+  sums.narrow(0, 1, 1).fill_(local_tokens, st);
+  if (last && opts_.dp && dp_size > 1) opts_.dp->all_reduce(sums, comm::ReduceOp::Sum, st)->wait_on(st);
+  if (pp_.size() > 1) pp_.broadcast(sums, pp_.size() - 1, st)->wait_on(st);
+  r.device_sums = sums;
+  if (defer) {
+    r.nominal_tokens = total_tokens;
+    if (!dev.is_cuda()) r.busy_seconds = busy.seconds();  // host clock; on GPUs it would read events back
+    r.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    return r;
+  }
   r.tokens = total_tokens;
-  r.loss = total_tokens > 0 ? lt.to(Device::cpu(), st).item() / total_tokens : 0.0;
+  r.loss = total_tokens > 0 ? read_to_host(sums, st, "loss").to_double_vector()[0] / total_tokens : 0.0;
 
   r.busy_seconds = busy.seconds();
   r.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();

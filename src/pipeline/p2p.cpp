@@ -82,7 +82,7 @@ void StageP2P::flush() {
     std::vector<comm::P2POp> sends, recvs;
     for (auto& op : ops) (op.kind == comm::P2POp::Send ? sends : recvs).push_back(op);
     if (!sends.empty()) sends_.push_back(pp_.batch_send_recv(sends, compute_));  // isend: waited in finish()
-    if (!recvs.empty()) pp_.batch_send_recv(recvs, compute_)->wait();
+    if (!recvs.empty()) pp_.batch_send_recv(recvs, compute_)->wait_on(compute_);
   }
   wait_s_ += seconds_since(t0);
 }
@@ -90,7 +90,9 @@ void StageP2P::flush() {
 void StageP2P::finish() {
   flush();
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : sends_) w->wait();
+  // Stream-ordered on CUDA (the compute stream waits for the send channels below; the watchdog enforces the
+  // timeout); MPI's isends finish here.
+  for (auto& w : sends_) w->wait_on(compute_);
   sends_.clear();
   if (cuda_)
     for (auto& [edge, ch] : channels_) compute_.wait(ch.stream);  // sent buffers may be reused after this

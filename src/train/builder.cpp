@@ -310,9 +310,10 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
 std::unique_ptr<pipeline::PipelineEngine> build_engine(const RunConfig& cfg, const mdl::TransformerConfig& m,
                                                        parallel::ProcessGrid& grid,
                                                        const pipeline::PipelineLayout& layout, ModelChunks& chunks,
-                                                       OptimizerParts& optimizer) {
+                                                       OptimizerParts& optimizer, bool defer_reads) {
   pipeline::PipelineEngineOptions eo;
   eo.dp = &grid.dp_cp();
+  eo.defer_reads = defer_reads;
   // Tied embeddings on two stages are summed over the embedding group (LoRA leaves them frozen).
   if (m.tie_word_embeddings && grid.layout().pp_size() > 1 && cfg.peft.scheme != "lora")
     eo.embedding = &grid.embedding();
@@ -336,6 +337,8 @@ data::LoaderConfig loader_config(const RunConfig& cfg, const mdl::TransformerCon
   lc.device = device;
   lc.prefetch = prefetch;
   lc.vocab_size = m.vocab_size;
+  lc.cp_size = grid.layout().cp_size();
+  lc.cp_rank = grid.cp_rank();
   return lc;
 }
 
@@ -410,6 +413,7 @@ std::vector<pipeline::MicroBatch> next_micro_batches(data::DataLoader& loader, c
     MC_CHECK_AS(ValueError, b.has_value(), "the data loader ran out after {} micro-batches; the dataset is too small",
                 mbs.size());
     pipeline::MicroBatch mb{b->tokens, b->labels, b->loss_mask};
+    mb.loss_tokens = b->loss_tokens;  // counted by the loader on the host: no read-back in the step
     // Packed rows (more segments than rows): attention must stay within segments and positions restart.
     if (b->cu_seqlens.defined() && b->cu_seqlens.size(0) - 1 > b->tokens.size(0)) {
       mb.cu_seqlens = b->cu_seqlens, mb.max_seqlen = b->max_seqlen, mb.position_ids = b->position_ids;
@@ -446,7 +450,7 @@ TrainingParts build_training_parts(const RunConfig& cfg, comm::Communicator& wor
   if (options.before_optimizer) options.before_optimizer(p);
   p.optimizer = build_optimizer(p.cfg, p.model, p.chunks, parameter_groups(p.chunks, *p.grid), p.placement.stream);
   const int64_t consumed = options.after_optimizer ? options.after_optimizer(p) : 0;
-  p.engine = build_engine(p.cfg, p.model, *p.grid, *p.layout, p.chunks, p.optimizer);
+  p.engine = build_engine(p.cfg, p.model, *p.grid, *p.layout, p.chunks, p.optimizer, options.defer_step_reads);
   p.loader = build_train_loader(p.cfg, p.model, *p.grid, p.placement.device, std::move(train), valid.get(), consumed,
                                 print);
   return p;

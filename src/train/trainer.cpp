@@ -21,6 +21,7 @@
 #include "megacore/checkpoint/sharded_tensor.hpp"
 #include "megacore/core/allocator.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/core/host_sync.hpp"
 #include "megacore/data/loader.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/distributed_data_parallel.hpp"
@@ -130,7 +131,8 @@ struct Trainer::Impl {
   void check_numerics(StepMetrics& m);
   /// Gathers every rank's compute time and reports the stragglers (trainer.straggler_factor). Collective.
   void check_stragglers(StepMetrics& m);
-  /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective.
+  /// The largest stop signal any rank has seen (0: none), by an all-reduce over the world. Collective; one
+  /// host sync (the host decides on the checkpoint and the stop).
   int agree_stop();
   double evaluate(int64_t max_batches);
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
@@ -220,6 +222,7 @@ void Trainer::Impl::build() {
     }
     return state.consumed_samples;
   };
+  bo.defer_step_reads = true;
   parts = build_training_parts(cfg, world, train_src, valid_src, bo);
   cfg = parts.cfg;
   ctx.stream = parts.placement.stream;
@@ -291,11 +294,19 @@ StepMetrics Trainer::Impl::train_step() {
   co.max_norm = cfg.optim.clip_grad;
   co.scaler = op.scaler.get();
   co.skip_nonfinite = cfg.optim.skip_nonfinite_steps;
+  // The step's one host sync: the gradient norm's read also brings the loss and the global token count
+  // (the engine weighted the backward by a nominal count, corrected here through grad_scale), which the
+  // clip and skip decisions, on_nonfinite, the loss-spike report and the log then use on the host
+  // (docs/performance.md).
+  co.read_along = {sr.device_sums.narrow(0, 0, 1), sr.device_sums.narrow(0, 1, 1)};
+  const double nominal = sr.nominal_tokens;
+  co.grad_scale_from_values = [nominal](const std::vector<double>& v) { return v[1] > 0 ? nominal / v[1] : 1.0; };
   const double lr = op.sched->lr();
   // Every group (dense, and expert for MoE) in one checked step: one norm, one clip, one skip decision.
   std::vector<optim::OptimizerPart> opt_parts;
   for (OptimizerGroup& g : op.groups) opt_parts.push_back({g.opt.get(), g.zero.get()});
   const optim::StepResult st = optim::checked_step(opt_parts, lr, groups, co);
+  const double loss_sum = st.values[0], tokens_sum = st.values[1];
   if (mcfg().is_moe()) {
     // Aux-loss-free balancing moves the expert biases after the update (a no-op unless enabled).
     if (!st.skipped)
@@ -320,11 +331,12 @@ StepMetrics Trainer::Impl::train_step() {
   if (!st.skipped) op.sched->step();  // as Megatron-Core: a skipped step does not advance the schedule
   ++state.step;
   state.consumed_samples += cfg.data.global_batch_size;
-  if (is_cuda()) ctx.stream.synchronize();
+  // The compute events were recorded before the norm's read, which waited for them. The step's time is
+  // the host's: the optimizer's kernels may still run, and the next step's read waits for them.
   if (time_compute && is_cuda()) compute_s = ev_begin.elapsed_ms(ev_compute) / 1e3;
   m.compute_seconds = compute_s;
   m.step = state.step;
-  m.loss = sr.loss;
+  m.loss = tokens_sum > 0 ? loss_sum / tokens_sum : 0.0;
   m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = double(cfg.data.global_batch_size * cfg.data.seq_length);
   m.tokens_per_s = tokens / m.step_seconds;
@@ -436,8 +448,8 @@ void Trainer::Impl::check_stragglers(StepMetrics& m) {
 
 int Trainer::Impl::agree_stop() {
   Tensor t = Tensor::from_vector<float>({float(stop_requested())}, {1}).to(device(), ctx.stream);
-  world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait();
-  return int(t.to(Device::cpu(), ctx.stream).to_double_vector()[0]);
+  world.all_reduce(t, comm::ReduceOp::Max, ctx.stream)->wait_on(ctx.stream);
+  return int(read_scalar(t, ctx.stream, "stop_agreement"));
 }
 
 double Trainer::Impl::evaluate(int64_t max_batches) {

@@ -32,6 +32,9 @@ struct Batch {
   std::vector<int64_t> sample_indices;  ///< global (dataset) index of each row
   int64_t step = 0;                     ///< optimizer step this micro-batch belongs to
   int64_t micro_step = 0;               ///< index of the micro-batch within the step
+  /// Loss tokens of the rows (label != -100, weighted by loss_mask), of this rank's context-parallel
+  /// chunks when cp_size > 1: counted on the host, so the training step need not read them back.
+  double loss_tokens = 0;
 };
 
 /// Options of a DataLoader.
@@ -60,6 +63,10 @@ struct LoaderConfig {
   /// id. (On GPUs the embedding and cross-entropy kernels cannot stop on a bad id without a host sync;
   /// they would give NaN.) The Trainer sets it to model.vocab_size.
   int64_t vocab_size = 0;
+  /// Context parallelism of the consumer: Batch::loss_tokens counts this CP rank's two sequence chunks
+  /// (rank r holds chunks r and 2·cp_size−1−r of 2·cp_size).
+  int cp_size = 1;
+  int cp_rank = 0;
 };
 
 /// Counters of a DataLoader; wait time is how long next() blocked, i.e. the consumer's stall.

@@ -83,7 +83,7 @@ class DistributedOptimizer {
   /// enqueuing the forward while the gathers run. A gather that fails or times out is reported by the
   /// NCCL watchdog, which aborts the communicator, and by the next operation on it (CommError).
   void wait_param_gather(const std::vector<layers::Parameter*>& params);
-  /// Waits for every pending param all-gather.
+  /// Waits (on the host) for every pending param all-gather: before the host reads the parameters.
   void finish_param_gather();
   bool param_gather_pending() const;
 
@@ -154,6 +154,8 @@ class DistributedOptimizer {
     int bucket;
   };
   void start_param_gather();
+  /// Orders the compute stream after every pending param all-gather without blocking the host.
+  void order_param_gather();
   void write_masters_to_params();
   std::vector<int64_t> layout() const;
   const ParamAndGradBuffer& buffer_of(const Segment& s) const { return ddps_[s.ddp]->buffer(); }

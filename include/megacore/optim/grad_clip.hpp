@@ -63,6 +63,7 @@ struct GradNormResult {
   double norm = 0.0;        ///< global L2 norm of the gradients (before clipping); NaN/Inf when not finite
   bool finite = true;       ///< false when any gradient holds NaN or Inf: skip the step
   double clip_coef = 1.0;   ///< min(1, max_norm / (norm + 1e-6)); 1 when not finite (nothing scaled)
+  std::vector<double> values;  ///< the host values of combine_grad_norm's `read_along` tensors
 };
 
 /// The global gradient norm over `params` (each rank passes its own list). Collective over every
@@ -77,9 +78,13 @@ void counted_grads(const std::vector<layers::Parameter*>& params, const GradNorm
 
 /// The norm from this rank's counted gradients: Σ‖g‖² of `dense` summed over groups.reduce plus Σ‖g‖² of
 /// `expert` summed over groups.expert_reduce (see GradNormGroups). Collective over both lists of groups;
-/// the sums live on `device` and are ordered on `stream`. `who` names the caller in errors.
+/// the sums live on `device` and are ordered on `stream`. `who` names the caller in errors. The sums
+/// reach the host in one device→host copy (one host sync), which also carries the one-element f32
+/// tensors of `read_along` (device values the caller needs this step, e.g. the loss), returned in
+/// GradNormResult::values in their order.
 GradNormResult combine_grad_norm(const std::vector<Tensor>& dense, const std::vector<Tensor>& expert,
-                                 const GradNormGroups& groups, Device device, const Stream& stream, const char* who);
+                                 const GradNormGroups& groups, Device device, const Stream& stream, const char* who,
+                                 const std::vector<Tensor>& read_along = {});
 
 /// global_grad_norm, then, when finite and above max_norm, multiplies every main_grad by clip_coef
 /// (all of this rank's parameters, also those skipped in the count: their copies must stay equal).

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "megacore/optim/distributed_optimizer.hpp"
@@ -66,6 +67,7 @@ struct StepResult {
   double clip_coef = 1.0;   ///< applied through grad_scale (1 when not clipped or skipped)
   double loss_scale = 1.0;  ///< the scale the gradients carried (1 without a scaler)
   double lr = 0.0;
+  std::vector<double> values;  ///< host values of CheckedStepOptions::read_along (parts overload)
 };
 
 struct CheckedStepOptions {
@@ -75,6 +77,12 @@ struct CheckedStepOptions {
   double grad_scale = 1.0;
   DynamicLossScaler* scaler = nullptr; ///< gradients carry scaler->scale(); updated after the check
   bool skip_nonfinite = true;          ///< false: step even with NaN/Inf (reported in found_inf)
+  /// One-element f32 device tensors read in the norm's one device→host copy (the parts overload), so a
+  /// step that needs device values on the host (the loss) pays one host sync in all.
+  std::vector<Tensor> read_along;
+  /// When set, called with those values after the read; grad_scale is multiplied by what it returns (a
+  /// normalisation only the device knows before the read, e.g. a token count summed over ranks).
+  std::function<double(const std::vector<double>&)> grad_scale_from_values;
 };
 
 /// For a replicated-grad optimizer (AdamW/SGD after DDP all-reduce or without DP): the norm over

@@ -29,6 +29,8 @@
 // is idle. StepResult reports the measured idle fraction next to theoretical_bubble_fraction().
 #pragma once
 
+#include <array>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -54,6 +56,10 @@ struct MicroBatch {
   /// stage's attention and RoPE use them (layers::ForwardContext).
   Tensor cu_seqlens, position_ids;
   int64_t max_seqlen = 0;
+  /// The micro-batch's loss-token count (model::count_loss_tokens of labels and mask) when the caller knows
+  /// it on the host (the DataLoader's Batch::loss_tokens); < 0: the engine counts it from the labels, a
+  /// device→host read when they live on a GPU.
+  double loss_tokens = -1;
 };
 
 struct PipelineEngineOptions {
@@ -66,6 +72,13 @@ struct PipelineEngineOptions {
   bool record_ops = false;
   /// Called before each Backward with (chunk, micro-batch, is the chunk's last backward of the step).
   std::function<void(int chunk, int64_t microbatch, bool last)> before_backward;
+  /// No host sync in step() (with every MicroBatch::loss_tokens given): the loss and the token count stay
+  /// on the device (StepResult::device_sums) and backward weights micro-batch i by
+  /// loss_tokens_i / StepResult::nominal_tokens instead of / the global token count, so the caller
+  /// multiplies the gradients by nominal_tokens / device_sums[1] once it reads the sums (the trainer does it
+  /// through checked_step's grad_scale, in the step's one read). StepResult::loss, tokens and (on GPUs)
+  /// busy_seconds are then 0.
+  bool defer_reads = false;
 };
 
 struct StepResult {
@@ -80,6 +93,11 @@ struct StepResult {
   double theoretical_bubble = 0;  ///< theoretical_bubble_fraction() of the schedule
   int64_t max_in_flight = 0;      ///< most micro-batch forwards stashed at once on this rank
   std::vector<Op> executed;       ///< with record_ops
+  /// f32 [2] on the model's device, ordered on the step's stream, the same on every rank:
+  /// [Σ loss_i · tokens_i, Σ tokens_i] over micro-batches and DP ranks (what `loss` is read from).
+  Tensor device_sums;
+  /// With defer_reads: the constant backward divided by in place of the token count (DP × m × b × s).
+  double nominal_tokens = 0;
 };
 
 class PipelineEngine {
@@ -117,6 +135,8 @@ class PipelineEngine {
   std::vector<model::GPTModel*> chunks_;
   PipelineEngineOptions opts_;
   std::unique_ptr<StageP2P> p2p_;
+  /// The (b, s, m) the pipeline stages last agreed on: agreed again only when this rank's changes.
+  std::array<int64_t, 3> agreed_shape_{-1, -1, -1};
 };
 
 }  // namespace megacore::pipeline

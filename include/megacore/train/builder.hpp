@@ -136,11 +136,11 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const model::TransformerCon
 
 /// The pipeline engine over this rank's chunks (no pipelining, 1F1B or interleaved 1F1B from PP and VP);
 /// it tells every group's DDP which backward is the last of the step, and sums tied embeddings over the
-/// embedding group.
+/// embedding group. `defer_reads`: PipelineEngineOptions::defer_reads.
 std::unique_ptr<pipeline::PipelineEngine> build_engine(const RunConfig& cfg, const model::TransformerConfig& m,
                                                        parallel::ProcessGrid& grid,
                                                        const pipeline::PipelineLayout& layout, ModelChunks& chunks,
-                                                       OptimizerParts& optimizer);
+                                                       OptimizerParts& optimizer, bool defer_reads = false);
 
 /// The loader settings the training and validation loaders share: this rank's DP place, the device, the
 /// batch sizes and the vocabulary check.
@@ -186,6 +186,9 @@ struct BuildOptions {
   /// Called after the optimizer, schedule and scaler are built, before the engine and the loader (load
   /// their state here); returns the samples already consumed, where the loader starts.
   std::function<int64_t(TrainingParts&)> after_optimizer;
+  /// The engine leaves the loss and token count on the device (PipelineEngineOptions::defer_reads): the
+  /// Trainer's mode, which reads them with the gradient norm, one host sync per step.
+  bool defer_step_reads = false;
 };
 
 /// ConfigError unless `train` is given and its rows are data.seq_length long.

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "comm/comm_detail.hpp"
+#include "megacore/core/host_sync.hpp"
 
 namespace megacore::comm {
 namespace {
@@ -261,7 +262,17 @@ class MpiWork final : public Work {
     return done_;
   }
 
+  // The host blocks on a collective: counted as a host sync (the same control flow as NCCL's wait()).
   void wait() override {
+    note_host_sync(HostSyncReason::current("collective_wait"));
+    block();
+  }
+  // MPI progresses on the host, so stream order means finishing here; not a sync the stream-ordered path
+  // would have on a GPU, so not counted.
+  void wait_on(const Stream&) override { block(); }
+
+ private:
+  void block() {
     auto backoff = std::chrono::microseconds(0);
     while (!step()) {
       if (st_->poll_notices()) fail(fmt::format("{} failed: {}", context_, st_->abort_reason));
@@ -281,7 +292,6 @@ class MpiWork final : public Work {
     if (!error_.empty()) throw CommError(error_);
   }
 
- private:
   // Tests the requests; runs the finishing step once. True once done (successfully or not).
   bool step() {
     if (done_) return true;

@@ -21,6 +21,7 @@
 
 #include "comm/comm_detail.hpp"
 #include "megacore/core/allocator.hpp"
+#include "megacore/core/host_sync.hpp"
 #include "core/cuda/cuda_check.hpp"
 
 namespace megacore::comm {
@@ -575,6 +576,7 @@ class NcclWork final : public Work {
   }
 
   void wait() override {
+    note_host_sync(HostSyncReason::current("collective_wait"));
     Backoff backoff;
     while (!poll()) {
       double elapsed = seconds_since(op_->start);

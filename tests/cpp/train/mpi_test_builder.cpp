@@ -12,35 +12,14 @@
 #include "megacore/train/builder.hpp"
 #include "megacore/train/trainer.hpp"
 #include "layers/layers_test_util.hpp"
+#include "train/random_rows.hpp"
 
 using namespace megacore;
 namespace tr = megacore::train;
 
 namespace {
 
-// Rows of random tokens, the same on every rank for one seed; each row is one sequence.
-class RandomTokens : public data::SampleSource {
- public:
-  RandomTokens(int64_t rows, int64_t seq, int64_t vocab, uint64_t seed) : rows_(rows), seq_(seq), vocab_(vocab), seed_(seed) {}
-  int64_t size() const override { return rows_; }
-  int64_t seq_length() const override { return seq_; }
-  void get(int64_t i, const data::RowView& out) const override {
-    std::mt19937_64 g(seed_ * 1000003u + uint64_t(i));
-    std::vector<int64_t> t(size_t(seq_ + 1));
-    for (int64_t& v : t) v = int64_t(g() % uint64_t(vocab_));
-    for (int64_t j = 0; j < seq_; ++j) {
-      out.tokens[j] = t[size_t(j)];
-      out.labels[j] = t[size_t(j + 1)];
-      out.loss_mask[j] = 1.0f;
-      out.position_ids[j] = j;
-    }
-    *out.seq_starts = {0};
-  }
-
- private:
-  int64_t rows_, seq_, vocab_;
-  uint64_t seed_;
-};
+using RandomTokens = train_test::RandomRows;
 
 tr::RunConfig small_run(int world, int tp, int pp) {
   tr::RunConfig cfg;
@@ -79,12 +58,7 @@ Losses train_from_parts(tr::TrainingParts& p) {
     const pipeline::StepResult sr = p.engine->step(ctx, mbs, 1.0f);
     op.notify_tied_grads();
     op.finish_grad_sync();
-    optim::GradNormGroups groups = optim::grad_norm_groups(*p.grid, g.zero != nullptr);
-    groups.skip = [&](const layers::Parameter& prm) {
-      for (const auto& ch : p.chunks)
-        if (ch->is_tied_copy(prm)) return true;
-      return false;
-    };
+    const optim::GradNormGroups groups = train_test::trainer_norm_groups(p);
     optim::CheckedStepOptions co;
     co.max_norm = p.cfg.optim.clip_grad;
     const double lr = op.sched->lr();
