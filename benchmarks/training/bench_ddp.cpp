@@ -6,6 +6,8 @@
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --zero --overlap-param-gather --grad-accum 4
 //   mpirun -np 4 build/benchmarks/megacore_bench_training --max-ctas 16 --gemm-sm-margin 0,16 --cta-policy 0,1
 //   mpirun -np 1 build/benchmarks/megacore_bench_training --single --bf16-states   # the torch peer's precision
+//   mpirun -np 1 -x MEGACORE_PROFILE_OUT=p.json -x MEGACORE_PROFILE_STEPS=10 \
+//     -x LD_PRELOAD=build/benchmarks/libmegacore_step_profile.so build/benchmarks/megacore_bench_training --single --profile-steps 10
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -41,6 +43,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bench_common.hpp"
+#include "core/cuda_backend.hpp"
 
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
@@ -62,6 +65,7 @@ namespace {
 struct Args : bench::ShapeArgs {
   Args() : ShapeArgs{.micro_batch = 4, .seq = 2048, .iters = 10, .warmup = 3} {}
   int64_t grad_accum = 1, breakdown_iters = 3;
+  int64_t profile_steps = 0;  // steps between cudaProfilerStart/Stop after the single phase (step profile)
   int64_t bucket_size = 0;  // 0: DDP's default
   bool zero = false, single = false, bf16_reduce = false, no_overlap = false;
   bool bf16_states = false;  // bf16 main grads, no f32 masters, bf16 AdamW moments (the torch peer's precision)
@@ -95,6 +99,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--single") a.single = true;
     else if (k == "--bf16-reduce") a.bf16_reduce = true;
     else if (k == "--bf16-states") a.bf16_states = true;
+    else if (k == "--profile-steps") a.profile_steps = r.integer();
     else if (k == "--no-overlap") a.no_overlap = true;
     else if (k == "--comm-priority") a.comm_priority = int(r.integer());
     else if (k == "--peak-tflops") a.peak_tflops = r.number();
@@ -236,6 +241,12 @@ int main(int argc, char** argv) {
       s.synchronize();
       single_sec = mean_over(*mpi, std::chrono::duration<double>(Clock::now() - t1).count() / double(a.iters));
       single_peak_gib = double(al.stats().peak_allocated) / (1 << 30);
+      if (a.profile_steps > 0) {  // a range for benchmarks/tools/step_profile (or nsys --capture-range=cudaProfilerApi)
+        cuda_impl::profiler_range(true);
+        for (int64_t i = 0; i < a.profile_steps; ++i) t.step(a, false);
+        s.synchronize();
+        cuda_impl::profiler_range(false);
+      }
     }
     const double single_tps = tokens_per_step / single_sec;
     json r = {{"benchmark", "ddp_training"},

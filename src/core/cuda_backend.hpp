@@ -50,6 +50,9 @@ void event_synchronize(void* e);
 bool event_query(void* e);
 float event_elapsed_ms(void* start, void* end);
 void device_synchronize(int device);
+/// cudaProfilerStart / cudaProfilerStop: bracket a range for a profiler that honours them (nsys
+/// --capture-range=cudaProfilerApi, benchmarks/tools/step_profile).
+void profiler_range(bool start);
 
 // Kernels (src/core/cuda/tensor_kernels.cu).
 void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream, int device);

@@ -22,6 +22,7 @@ int pointer_device(const void*) { return -1; }
 void memcpy_async(void*, const void*, size_t, CopyKind, void*, int) { no_cuda(); }
 void* stream_create(int, bool, int) { no_cuda(); }
 void stream_destroy(void*) {}
+void profiler_range(bool) {}
 void stream_synchronize(void*, int) { no_cuda(); }
 bool stream_query(void*, int) { no_cuda(); }
 void stream_wait_event(void*, void*, int) { no_cuda(); }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +33,7 @@
 #include "megacore/parallel/context_parallel.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/pipeline/engine.hpp"
+#include "core/cuda_backend.hpp"
 #include "megacore/pipeline/layout.hpp"
 #include "megacore/train/stop_signal.hpp"
 #include "megacore/train/watchdog.hpp"
@@ -204,7 +206,7 @@ void Trainer::Impl::build() {
       resumed.emplace(load_model_weights(*p.grid, p.chunks, *resume_dir));
     } else if (!cks.pretrained_checkpoint.empty() && !lora) {
       // Fine-tuning: the weights of another run (or of a converted Hugging Face model); everything else fresh.
-      load_model_weights(*p.grid, p.chunks, cks.pretrained_checkpoint);
+      load_model_weights(*p.grid, p.chunks, cks.pretrained_checkpoint, /*convert_dtype=*/true);
       if (root) {
         std::printf("megacore: weights from %s (step, optimizer, schedule and data start fresh)\n",
                     cks.pretrained_checkpoint.c_str());
@@ -564,10 +566,26 @@ TrainResult Trainer::fit() {
     ~Unwatch() { i.watch(WatchPhase::Idle, i.state.step); }
   } unwatch{I};
   bool first = true;
+  // MEGACORE_PROFILE_RANGE=first:last (steps, inclusive) brackets those steps with cudaProfilerStart/Stop for a
+  // profiler that honours them (benchmarks/tools/step_profile, nsys --capture-range=cudaProfilerApi); the device
+  // is synchronised at both ends so the range holds exactly those steps' work.
+  int64_t prof_first = 0, prof_last = -1;
+  if (const char* pr = std::getenv("MEGACORE_PROFILE_RANGE"); pr && I.is_cuda())
+    MC_CHECK_AS(ConfigError, std::sscanf(pr, "%lld:%lld", reinterpret_cast<long long*>(&prof_first),
+                                         reinterpret_cast<long long*>(&prof_last)) == 2 && prof_first <= prof_last,
+                "MEGACORE_PROFILE_RANGE is '{}'; give first:last steps, e.g. 10:19", pr);
   while (I.state.step < end) {
     I.watch(first ? WatchPhase::FirstStep : WatchPhase::Step, I.state.step + 1);
     first = false;
+    if (I.state.step + 1 == prof_first) {
+      synchronize_device(I.device());
+      cuda_impl::profiler_range(true);
+    }
     StepMetrics m = I.train_step();
+    if (I.state.step == prof_last) {
+      synchronize_device(I.device());
+      cuda_impl::profiler_range(false);
+    }
     if (I.watchdog) I.watchdog->beat();
     I.check_numerics(m);
     if (ts.straggler_factor > 0) I.check_stragglers(m);

@@ -1,4 +1,5 @@
 // The CUDA runtime half of core: devices, memory, streams and events.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "core/cuda/cuda_check.hpp"
@@ -123,5 +124,7 @@ void device_synchronize(int device) {
   DeviceGuard g(device);
   MC_CUDA_CHECK(cudaDeviceSynchronize());
 }
+
+void profiler_range(bool start) { MC_CUDA_CHECK(start ? cudaProfilerStart() : cudaProfilerStop()); }
 
 }  // namespace megacore::cuda_impl
