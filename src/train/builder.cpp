@@ -71,10 +71,11 @@ std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid
 }
 
 checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& grid, const ModelChunks& chunks,
-                                                const std::string& path) {
+                                                const std::string& path, bool convert_dtype) {
   std::optional<std::string> dir = checkpoint::resolve_checkpoint(path);
   MC_CHECK_AS(IOError, dir.has_value(), "no complete checkpoint at '{}'", path);
   std::vector<checkpoint::ShardedTensor> targets = model_tensors(grid, chunks);
+  for (checkpoint::ShardedTensor& t : targets) t.convert_dtype = convert_dtype;
   return checkpoint::load_checkpoint(&grid.world(), *dir, targets);
 }
 
@@ -127,7 +128,7 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfi
   if (cfg.peft.scheme == "lora") {
     // The frozen base first (its full weights), then the adapters: from here on the model's parameters(),
     // and so DDP, the optimizer and checkpoints, are the adapters only.
-    load_model_weights(grid, chunks, cfg.checkpoint.pretrained_checkpoint);
+    load_model_weights(grid, chunks, cfg.checkpoint.pretrained_checkpoint, /*convert_dtype=*/true);
     for (auto& ch : chunks) ch->apply_lora(cfg.peft.lora(m.seed));
     log_trainable_parameters(cfg, grid, chunks, placement);
   }

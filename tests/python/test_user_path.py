@@ -74,6 +74,30 @@ def test_pretrain_then_finetune_from_the_cli_into_a_new_run_dir(tmp_path):
 
 
 @needs_mpi
+def test_a_bf16_run_starts_from_f32_pretrained_weights(tmp_path):
+    """Weights-only starts convert the stored precision (an f32 pretraining run or Hugging Face import into bf16
+    parameters); a resume stays exact and is not converted."""
+    pre = ["train", "--recipe", "tiny", "--cpu", "--set", "trainer.max_steps=4", "--set", "trainer.generate_tokens=0",
+           "--set", "trainer.val_check_interval=0", "--set", "data.embedded_documents=200",
+           "--set", "trainer.precision=f32"]
+    rc, out, err = _cli(pre, tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    base = tmp_path / "runs" / "tiny_pretrain" / "checkpoints"
+    meta = json.loads((base / "step_4" / "metadata.json").read_text())
+    assert "f32" in json.dumps(meta).lower()
+    ft = ["train", "--recipe", "tiny", "--cpu", "--set", "trainer.max_steps=3", "--set", "trainer.generate_tokens=0",
+          "--set", "trainer.val_check_interval=0", "--set", "data.embedded_documents=200",
+          "--set", "trainer.precision=bf16", "--set", f"checkpoint.pretrained_checkpoint={base}",
+          "--set", f"checkpoint.save_dir={tmp_path / 'bf16_run'}", "--set", f"logging.log_dir={tmp_path / 'bf16_logs'}"]
+    rc, out, err = _cli(ft, tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert f"weights from {base}" in out
+    steps, _ = _rows(tmp_path / "bf16_logs")
+    # the pretrained weights, not a fresh init (ln 259 = 5.56 for a fresh model)
+    assert steps[0]["loss"] < 5.3, steps[0]
+
+
+@needs_mpi
 def test_finetune_recipe_needs_its_data_and_base_named_before_launch(tmp_path):
     rc, out, err = _cli(["train", "--recipe", "tiny_finetune", "--cpu"], tmp_path)
     assert rc == 1

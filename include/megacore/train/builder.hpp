@@ -84,8 +84,10 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const model::TransformerCon
 std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks);
 /// Loads the chunks' parameters from a checkpoint directory or root (its latest), whatever layout wrote it;
 /// the returned reader serves the rest of the checkpoint. IOError when none is complete there. Collective.
+/// convert_dtype: floating-point weights stored in another precision are converted (a pretrained f32 model
+/// into bf16 parameters, rounded to nearest even); false (a resume) refuses any dtype difference.
 checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& grid, const ModelChunks& chunks,
-                                                const std::string& path);
+                                                const std::string& path, bool convert_dtype = false);
 
 /// Parameters whose gradients are reduced over one data-parallel communicator.
 struct ParameterGroup {

@@ -343,7 +343,8 @@ struct CheckpointSection {
     f(Field{"pretrained_checkpoint",
             "Weights to start from when there is nothing to resume (fine-tuning): a megacore checkpoint (directory "
             "or root with 'latest', trainer-written or converted from Hugging Face). Weights only: step, optimizer, "
-            "schedule and data start fresh. Once the run has saved, resume ('auto') continues from its own "
+            "schedule and data start fresh; weights stored in another float precision are converted (f32 into bf16 "
+            "parameters rounds to nearest even). Once the run has saved, resume ('auto') continues from its own "
             "checkpoints."},
       s.pretrained_checkpoint);
     f(Field{"async_save", "Write checkpoints in the background while training goes on."}, s.async_save);
