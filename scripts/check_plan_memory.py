@@ -39,6 +39,7 @@ def run_one(name, bf16_states, steps, workdir):
     c = CONFIGS[name]
     sets = [f"resources.gpus={c['gpus']}", "data.paths=[\"embedded\"]", "data.tokenizer=byte",
             f"trainer.max_steps={steps}", "trainer.generate_tokens=0", "trainer.val_check_interval=0",
+            "optim.lr_warmup_iters=0", "optim.lr_warmup_fraction=0", "optim.lr_decay_iters=0",
             "checkpoint.save_interval=0", f"logging.log_dir={workdir}/{name}/logs",
             f"checkpoint.save_dir={workdir}/{name}/ckpt"] + c["sets"] + (BF16_STATES if bf16_states else [])
     if name == "llama8b":  # the 4-GPU default of the recipe, not the 8-GPU one with resources.gpus overridden
