@@ -146,8 +146,10 @@ std::vector<ParameterGroup> parameter_groups(const ModelChunks& chunks, parallel
   ParameterGroup expert{"expert", {}, &grid.expert_dp(), grid.dp_cp().size()};
   for (const auto& ch : chunks)
     for (ly::Parameter* p : ch->parameters()) (p->expert ? expert : dense).params.push_back(p);
+  // LoRA on experts only leaves the dense group empty: it is left out (when nothing is trainable at all, the
+  // empty dense group stays, and building its buffer says so).
   std::vector<ParameterGroup> groups;
-  groups.push_back(std::move(dense));
+  if (!dense.params.empty() || expert.params.empty()) groups.push_back(std::move(dense));
   if (!expert.params.empty()) groups.push_back(std::move(expert));
   return groups;
 }
