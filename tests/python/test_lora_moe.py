@@ -30,6 +30,7 @@ from megacore import cli, convert, peft
 
 from test_convert import hf_llama_numpy, load_into_model
 from test_convert_mixtral import HF_CONFIG, hub_state, write_hf
+from test_peft import peft_library_vs_megacore, save_adapter
 from test_user_path import _cli, _rows
 
 TARGETS = ["q_proj", "w1", "w3", "w2"]
@@ -51,12 +52,6 @@ def expert_adapter(c, r, rng):
     return t
 
 
-def save_adapter(root, tensors, r, alpha, base, targets=TARGETS):
-    blob = {"scheme": "lora", "dim": r, "alpha": alpha, "dropout": 0.0, "target_modules": list(targets),
-            "pretrained_checkpoint": str(base)}
-    return ck.save_full_checkpoint(str(root), 0, tensors, {"peft": blob})
-
-
 @pytest.fixture
 def base(tmp_path):
     """An imported hub-layout Mixtral (2 layers, 4 experts, top-2, GQA) with weights of a trained scale."""
@@ -74,7 +69,7 @@ def test_expert_adapter_peft_round_trip_is_exact(tmp_path, base):
     root, _ = base
     c = convert.config_from_checkpoint(str(root))
     a = expert_adapter(c, 4, np.random.default_rng(0))
-    save_adapter(tmp_path / "ad", a, 4, 8.0, root)
+    save_adapter(tmp_path / "ad", a, 4, 8.0, root, TARGETS)
     out = peft.export_peft(str(tmp_path / "ad"), str(tmp_path / "peft"), base_model_name_or_path="org/tiny-mixtral")
     cfg = json.load(open(tmp_path / "peft" / "adapter_config.json"))
     assert sorted(cfg["target_modules"]) == ["q_proj", "w1", "w2", "w3"]
@@ -103,7 +98,7 @@ def test_merged_mixtral_export_and_megacore_lora_forward_equal_the_merged_model(
     root, t = base
     c = convert.config_from_checkpoint(str(root))
     a = expert_adapter(c, 4, np.random.default_rng(4))
-    save_adapter(tmp_path / "ad", a, 4, 8.0, root)
+    save_adapter(tmp_path / "ad", a, 4, 8.0, root, TARGETS)
     scale = 2.0
 
     # The merged HF export: every targeted weight is W + scale · B A in HF's layout, per expert.
@@ -163,7 +158,7 @@ def test_bad_expert_adapters_are_clear_errors(tmp_path, base):
     with pytest.raises(mc.ConfigError, match="router, which stays frozen"):
         m.apply_lora(4, 8.0, 0.0, ["q_proj", "router"])
     c = convert.config_from_checkpoint(str(root))
-    save_adapter(tmp_path / "ad", expert_adapter(c, 4, np.random.default_rng(0)), 4, 8.0, root)
+    save_adapter(tmp_path / "ad", expert_adapter(c, 4, np.random.default_rng(0)), 4, 8.0, root, TARGETS)
     peft.export_peft(str(tmp_path / "ad"), str(tmp_path / "p"))
     st = ck.read_safetensors(str(tmp_path / "p" / "adapter_model.safetensors"))
     ck.write_safetensors(str(tmp_path / "p" / "adapter_model.safetensors"),
@@ -211,7 +206,6 @@ def test_peft_library_loads_the_exported_mixtral_expert_adapter(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft_lib = pytest.importorskip("peft")
-    world = mc.comm.init_from_env("cpu")
     torch.manual_seed(0)
     hc = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=8,
@@ -221,24 +215,8 @@ def test_peft_library_loads_the_exported_mixtral_expert_adapter(tmp_path):
     if not any(n.endswith("experts.0.w1") for n, _ in hf.named_modules()):
         pytest.skip(f"transformers {transformers.__version__} holds Mixtral's experts fused (no experts.E.w1 "
                     "modules), so PEFT cannot attach per-expert LoRA modules to them")
-    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
-    convert.hf_to_megacore(str(tmp_path / "hf"), str(tmp_path / "base"))
-    c = convert.config_from_checkpoint(str(tmp_path / "base"))
-    save_adapter(tmp_path / "ad", expert_adapter(c, 8, np.random.default_rng(7)), 8, 16.0, tmp_path / "base")
-    peft.export_peft(str(tmp_path / "ad"), str(tmp_path / "peft"))
-    pm = peft_lib.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
-    peft.merge(str(tmp_path / "ad"), str(tmp_path / "merged"))
-    m, _ = load_into_model(str(tmp_path / "merged"), world)
-    tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int64)
-    m.forward(tokens, tokens, training=False)
-    got = np.asarray(m.logits().numpy())[..., :256].astype(np.float64)
-    b, _ = load_into_model(str(tmp_path / "base"), world)
-    b.forward(tokens, tokens, training=False)
-    base_logits = np.asarray(b.logits().numpy())[..., :256].astype(np.float64)
-    with torch.no_grad():
-        want = pm(torch.from_numpy(tokens)).logits.double().numpy()
-    err = np.abs(got - want).max() / np.abs(want).max()
-    effect = np.abs(base_logits - want).max() / np.abs(want).max()
+    err, effect = peft_library_vs_megacore(tmp_path, torch, peft_lib, hf,
+                                           lambda c: (expert_adapter(c, 8, np.random.default_rng(7)), TARGETS), 8, 16.0)
     print(f"peft vs megacore merged (Mixtral experts): max |diff| / max |logit| = {err:.3g} (effect {effect:.3g})")
     assert effect > 0.01
     assert err <= 1e-4
