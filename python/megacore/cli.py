@@ -549,7 +549,8 @@ def _add_finetune(sub):
     p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
     p.add_argument("--target-modules", nargs="+", default=None, metavar="NAME",
                    help="modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj or linear_qkv "
-                        "linear_proj linear_fc1 linear_fc2 (default: all four linear_*)")
+                        "linear_proj linear_fc1 linear_fc2; on MoE models the MLP names adapt every expert (also "
+                        "Mixtral's w1 w3 w2) (default: all four linear_*)")
     p.add_argument("--devices", type=int, default=1, help="ranks on this machine (GPUs, or CPU ranks with --cpu)")
     p.add_argument("--max-epochs", type=int, default=None, help="passes over the training rows")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (when --max-epochs is not given)")

@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .errors import IOError as IOError_
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "linear_qkv",
-                  "linear_proj", "linear_fc1", "linear_fc2")
+                  "linear_proj", "linear_fc1", "linear_fc2", "w1", "w2", "w3")
 
 
 @dataclasses.dataclass
@@ -72,10 +72,17 @@ _LLAMA_MODULES = {("self_attention.linear_qkv", "q_proj"): "self_attn.q_proj",
                   ("mlp.linear_fc1", "up_proj"): "mlp.up_proj",
                   ("mlp.linear_fc2", ""): "mlp.down_proj"}
 _HF_MODULES = {v: k for k, v in _LLAMA_MODULES.items()}
+# (megacore expert linear, segment) ↔ the Mixtral expert module (per expert e: block_sparse_moe.experts.<e>.<w>).
+_MIXTRAL_EXPERTS = {("mlp.experts.linear_fc1", "gate_proj"): "w1", ("mlp.experts.linear_fc1", "up_proj"): "w3",
+                    ("mlp.experts.linear_fc2", ""): "w2"}
+_HF_EXPERTS = {v: k for k, v in _MIXTRAL_EXPERTS.items()}
 _MC_NAME = re.compile(r"^layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"
-                      r"mlp\.linear_fc2)\.(?:(q_proj|k_proj|v_proj|gate_proj|up_proj)\.)?lora_([AB])\.weight$")
+                      r"mlp\.linear_fc2|mlp\.experts\.linear_fc1|mlp\.experts\.linear_fc2|"
+                      r"mlp\.shared_experts\.linear_fc1|mlp\.shared_experts\.linear_fc2)\."
+                      r"(?:(q_proj|k_proj|v_proj|gate_proj|up_proj)\.)?lora_([AB])\.weight$")
 _HF_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.gate_proj|"
-                      r"mlp\.up_proj|mlp\.down_proj)\.lora_([AB])(?:\.default)?\.weight$")
+                      r"mlp\.up_proj|mlp\.down_proj|block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3))"
+                      r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
 @dataclasses.dataclass
@@ -180,25 +187,43 @@ def _base_dir(adapter: Adapter) -> str:
     return d
 
 
-def check_adapter(adapter: Adapter, c) -> None:
-    """ConfigError when an adapter tensor's shape does not fit the model ``c`` (a config dict): another base."""
+def _io(c) -> dict:
+    """{(linear, segment): (fan_in, fan_out, experts or None)} of the model ``c`` (a config dict)."""
     heads, groups, h = c["num_attention_heads"], c["num_query_groups"], c["hidden_size"]
     d, f = c["kv_channels"], c["ffn_hidden_size"]
     io = {("self_attention.linear_qkv", "q_proj"): (h, heads * d), ("self_attention.linear_qkv", "k_proj"): (h, groups * d),
-          ("self_attention.linear_qkv", "v_proj"): (h, groups * d), ("self_attention.linear_proj", ""): (heads * d, h),
-          ("mlp.linear_fc1", "gate_proj"): (h, f), ("mlp.linear_fc1", "up_proj"): (h, f), ("mlp.linear_fc1", ""): (h, f),
-          ("mlp.linear_fc2", ""): (f, h)}
+          ("self_attention.linear_qkv", "v_proj"): (h, groups * d), ("self_attention.linear_proj", ""): (heads * d, h)}
+    widths = [("mlp", f, None)]
+    e = int(c.get("num_moe_experts", 0) or 0)
+    if e > 0:
+        widths.append(("mlp.experts", int(c.get("moe_ffn_hidden_size") or 0) or f, e))
+        if int(c.get("moe_shared_expert_size", 0) or 0) > 0:
+            widths.append(("mlp.shared_experts", int(c["moe_shared_expert_size"]), None))
+    out = {k: v + (None,) for k, v in io.items()}
+    for pre, w, n in widths:
+        out.update({(pre + ".linear_fc1", "gate_proj"): (h, w, n), (pre + ".linear_fc1", "up_proj"): (h, w, n),
+                    (pre + ".linear_fc1", ""): (h, w, n), (pre + ".linear_fc2", ""): (w, h, n)})
+    return out
+
+
+def check_adapter(adapter: Adapter, c) -> None:
+    """ConfigError when an adapter tensor's shape does not fit the model ``c`` (a config dict): another base."""
+    io = _io(c)
     r = adapter.lora.dim
     for (layer, linear, seg), (a, b) in adapter.modules().items():
         where = f"layer {layer} {linear}{'.' + seg if seg else ''}"
         if layer >= c["num_layers"]:
             raise ConfigError(f"{where}: the base model has only {c['num_layers']} layers; the adapter was made for "
                               "another model")
-        fan_in, fan_out = io[(linear, seg)]
-        if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+        if (linear, seg) not in io:
+            raise ConfigError(f"{where}: the base model has no such linear (a MoE adapter on a dense model, or the "
+                              "reverse); the adapter was made for another model")
+        fan_in, fan_out, experts = io[(linear, seg)]
+        lead = () if experts is None else (experts,)
+        if tuple(a.shape) != lead + (r, fan_in) or tuple(b.shape) != lead + (fan_out, r):
             raise ConfigError(f"{where}: adapter A {list(a.shape)} / B {list(b.shape)} do not fit this base model "
-                              f"(expected A [{r}, {fan_in}], B [{fan_out}, {r}] for r = {r}); the adapter was made for "
-                              "another model")
+                              f"(expected A {list(lead + (r, fan_in))}, B {list(lead + (fan_out, r))} for r = {r}); the "
+                              "adapter was made for another model")
 
 
 def merge_state(tensors: dict, adapter: Adapter, c) -> dict:
@@ -208,7 +233,7 @@ def merge_state(tensors: dict, adapter: Adapter, c) -> dict:
 
     check_adapter(adapter, c)
     out = dict(tensors)
-    heads, groups, f = c["num_attention_heads"], c["num_query_groups"], c["ffn_hidden_size"]
+    heads, groups = c["num_attention_heads"], c["num_query_groups"]
     by_linear = {}
     for (layer, linear, seg), (a, b) in adapter.modules().items():
         by_linear.setdefault((layer, linear), {})[seg] = adapter.scale * (_f32(b) @ _f32(a))
@@ -224,11 +249,12 @@ def merge_state(tensors: dict, adapter: Adapter, c) -> dict:
                  "v_proj": np.zeros((groups * d, h), np.float32)}
             z.update(parts)
             w += fuse_qkv(z["q_proj"], z["k_proj"], z["v_proj"], heads, groups)
-        elif linear == "mlp.linear_fc1" and "" not in parts:
+        elif linear.endswith("linear_fc1") and "" not in parts:  # [gate; up] rows (per expert: dim 1)
+            half = w.shape[-2] // 2
             if "gate_proj" in parts:
-                w[:f] += parts["gate_proj"]
+                w[..., :half, :] += parts["gate_proj"]
             if "up_proj" in parts:
-                w[f:] += parts["up_proj"]
+                w[..., half:, :] += parts["up_proj"]
         else:
             w += parts[""]
         out[name] = _like(w, out[name])
@@ -270,23 +296,44 @@ def merge(ckpt: str, out_root: str, base: str | None = None, dtype: str | None =
 def _llama_only(c, what: str) -> None:
     from .convert import _flavour
 
-    if c is not None and _flavour(c) != "llama":
-        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family models only; GPT-2's "
+    if c is not None and _flavour(c) not in ("llama", "mixtral"):
+        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family (and Mixtral) models only; GPT-2's "
                           "c_attn fuses q, k and v into one Conv1D whose single LoRA pair cannot hold megacore's "
                           "separate q/k/v adapters (export the merged model with `megacore convert megacore-to-hf`)")
 
 
+def _peft_module_names(adapter: Adapter) -> list:
+    """The PEFT target_modules (leaf names) of the adapter's modules."""
+    out = set()
+    for (_, lin, seg) in adapter.modules():
+        out.add(_MIXTRAL_EXPERTS[(lin, seg)] if (lin, seg) in _MIXTRAL_EXPERTS else _LLAMA_MODULES[(lin, seg)].split(".")[1])
+    return sorted(out)
+
+
 def to_peft_tensors(adapter: Adapter) -> dict:
-    """{PEFT tensor name: array}: base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight [r, in], ..."""
+    """{PEFT tensor name: array}: base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight [r, in], ...;
+    expert adapters one pair per expert: ...layers.<i>.block_sparse_moe.experts.<e>.w1.lora_A.weight."""
     out = {}
     for (layer, linear, seg), (a, b) in sorted(adapter.modules().items()):
+        w = _MIXTRAL_EXPERTS.get((linear, seg))
+        if w is not None:
+            for e in range(a.shape[0]):
+                p = f"{PEFT_PREFIX}model.layers.{layer}.block_sparse_moe.experts.{e}.{w}."
+                out[p + "lora_A.weight"], out[p + "lora_B.weight"] = _expert(a, e), _expert(b, e)
+            continue
         mod = _LLAMA_MODULES.get((linear, seg))
         if mod is None:
-            raise ConfigError(f"layer {layer}: an adapter on the whole {linear} (a GELU MLP) has no Hugging Face Llama "
-                              "module; PEFT export needs a Llama-shaped model")
+            raise ConfigError(f"layer {layer}: an adapter on {linear}{'.' + seg if seg else ''} (a GELU MLP's whole "
+                              "fc1, or a shared expert) has no Hugging Face Llama/Mixtral module; PEFT export needs a "
+                              "Llama- or Mixtral-shaped model")
         p = f"{PEFT_PREFIX}model.layers.{layer}.{mod}."
         out[p + "lora_A.weight"], out[p + "lora_B.weight"] = a, b
     return out
+
+
+def _expert(a, e: int):
+    """Expert e's [r, in] / [out, r] slice of a stacked [E, ...] adapter tensor (copy keeps a BF16Array's type)."""
+    return a[e].copy()
 
 
 def save_peft(adapter: Adapter, out_dir: str, base_model_name_or_path: str = "") -> str:
@@ -296,7 +343,7 @@ def save_peft(adapter: Adapter, out_dir: str, base_model_name_or_path: str = "")
 
     _llama_only(adapter.config, "PEFT export")
     tensors = to_peft_tensors(adapter)
-    modules = sorted({_LLAMA_MODULES[(lin, seg)].split(".")[1] for (_, lin, seg) in adapter.modules()})
+    modules = _peft_module_names(adapter)
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path or None,
            "r": int(adapter.lora.dim), "lora_alpha": float(adapter.lora.alpha),
            "lora_dropout": float(adapter.lora.dropout), "target_modules": modules, "bias": "none",
@@ -352,16 +399,27 @@ def load_peft(peft_dir: str) -> Adapter:
             cfg.get("alpha_pattern"):
         raise ConfigError(f"{peft_dir}: bias training, modules_to_save and per-module rank/alpha patterns are not "
                           "supported; megacore LoRA has one r and alpha and trains no biases")
-    tensors = {}
+    tensors, experts = {}, {}
     for name, a in read_safetensors(st).items():
         m = _HF_NAME.match(name)
-        if m is None or m.group(2) not in _HF_MODULES:
+        if m is None or (m.group(3) is None and m.group(2) not in _HF_MODULES):
             raise ConfigError(f"{peft_dir}: tensor '{name}' is not a LoRA weight of a Llama attention or MLP projection "
-                              f"(supported modules: {', '.join(m.split('.')[1] for m in _HF_MODULES)})")
+                              f"or a Mixtral expert (supported modules: "
+                              f"{', '.join([m.split('.')[1] for m in _HF_MODULES] + sorted(_HF_EXPERTS))})")
+        if m.group(3) is not None:  # a Mixtral expert: stacked over the experts below
+            linear, seg = _HF_EXPERTS[m.group(4)]
+            key = f"layers.{m.group(1)}.{linear}.{seg + '.' if seg else ''}lora_{m.group(5)}.weight"
+            experts.setdefault(key, {})[int(m.group(3))] = np.array(a)
+            continue
         linear, seg = _HF_MODULES[m.group(2)]
-        tensors[f"layers.{m.group(1)}.{linear}.{seg + '.' if seg else ''}lora_{m.group(3)}.weight"] = np.array(a)
-    modules = sorted({_LLAMA_MODULES[(lin, seg)].split(".")[1] for (_, lin, seg) in
-                      Adapter(LoRA(), tensors).modules()})
+        tensors[f"layers.{m.group(1)}.{linear}.{seg + '.' if seg else ''}lora_{m.group(5)}.weight"] = np.array(a)
+    for key, per in experts.items():
+        if sorted(per) != list(range(len(per))):
+            missing = sorted(set(range(max(per) + 1)) - set(per))
+            raise ConfigError(f"{peft_dir}: {key} lacks the adapters of experts {missing}; megacore adapts every "
+                              "expert of a layer (target w1/w2/w3 for all of them)")
+        tensors[key] = np.stack([per[e] for e in range(len(per))])
+    modules = _peft_module_names(Adapter(LoRA(), tensors))
     lora = LoRA(dim=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])),
                 dropout=float(cfg.get("lora_dropout", 0.0)), target_modules=modules)
     return Adapter(lora, tensors, "", None)

@@ -64,98 +64,148 @@ bool fused_disabled_by_env() {
   return v != nullptr && std::string_view(v) == "0";
 }
 
-// out = alpha · op(a) op(b) + beta · out.
-void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& out, float alpha, float beta, const Stream& s) {
+
+}  // namespace
+
+void lora_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& out, float alpha, float beta,
+               const Stream& s, bool autotune) {
   ops::GemmOptions o;
   o.trans_a = ta;
   o.trans_b = tb;
   o.alpha = alpha;
   o.beta = beta;
+  o.autotune = autotune;
   ops::gemm(a, b, out, o, s);
 }
-
-}  // namespace
 
 const std::vector<std::string>& lora_target_names() {
   static const std::vector<std::string> names{"q_proj",     "k_proj",      "v_proj",     "o_proj",    "gate_proj",
                                               "up_proj",    "down_proj",   "linear_qkv", "linear_proj",
-                                              "linear_fc1", "linear_fc2"};
+                                              "linear_fc1", "linear_fc2", "w1",
+                                              "w2",         "w3"};
   return names;
 }
 
-LoRAAdapter::LoRAAdapter(comm::Communicator& tp, Kind kind, int64_t in_features, std::vector<LoRASegment> segments,
-                         const LoRAOptions& options, DType dtype, Device device)
-    : tp_(tp), kind_(kind), in_(in_features), in_local_(in_features), segs_(std::move(segments)), opts_(options),
-      dtype_(dtype), device_(device) {
-  const int64_t n = tp.size(), r = opts_.rank;
-  MC_CHECK(!segs_.empty(), "{}: no segments; give at least one (the whole layer)", kName);
+LoRABase::LoRABase(std::string_view who, std::vector<LoRASegment> segments, const LoRAOptions& options, DType dtype,
+                   Device device)
+    : segs_(std::move(segments)), opts_(options), dtype_(dtype), device_(device) {
+  MC_CHECK(!segs_.empty(), "{}: no segments; give at least one (the whole layer)", who);
   MC_CHECK(opts_.dropout >= 0.0 && opts_.dropout < 1.0, "{}: dropout {} must be in [0, 1); set peft.dropout to e.g. 0.1",
-           kName, opts_.dropout);
+           who, opts_.dropout);
   MC_CHECK(opts_.alpha > 0.0, "{}: alpha {} must be positive (the scale is alpha / r); set peft.alpha to e.g. 32",
-           kName, opts_.alpha);
-  if (kind_ == Kind::Row) {
-    MC_CHECK(segs_.size() == 1 && trivial(segs_[0]),
-             "{}: a row-parallel base takes one segment covering its whole output", kName);
-    MC_CHECK(in_ % n == 0, "{}: in_features {} is not divisible by the TP size {}", kName, in_, n);
-    in_local_ = in_ / n;
-  }
-  for (const LoRASegment& g : segs_) {
-    const std::string what = g.name.empty() ? std::string("the layer") : g.name;
-    MC_CHECK(r > 0 && r <= std::min(in_, g.out_features),
-             "{}: rank r = {} for {} must be in [1, min(in, out)] = [1, {}] (in {}, out {}); set peft.dim in that range",
-             kName, r, what, std::min(in_, g.out_features), in_, g.out_features);
-    const int64_t out_local = kind_ == Kind::Column ? g.out_features / n : g.out_features;
-    MC_CHECK(g.blocks > 0 && g.width > 0 && g.col0 >= 0 && g.col0 + g.width <= g.block_width &&
-                 g.blocks * g.width == out_local,
-             "{}: the placement of {} (blocks {}, block_width {}, col0 {}, width {}) does not hold its {} local outputs",
-             kName, what, g.blocks, g.block_width, g.col0, g.width, out_local);
-  }
-  const double bound = 1.0 / std::sqrt(double(in_));
-  for (size_t j = 0; j < segs_.size(); ++j) {
-    const LoRASegment& g = segs_[j];
-    Tensor full_a = Tensor::empty({r, in_}, DType::F32, device_);
-    Generator gen(opts_.seed, opts_.init_offset + j);
-    full_a.uniform_(gen, -bound, bound);
-    full_a = full_a.to(dtype_);
-    const std::string pre = g.name.empty() ? std::string() : g.name + ".";
-    if (kind_ == Kind::Column) {
-      a_.push_back(make_param(pre + "lora_A.weight", full_a, -1, /*tp_partial_grad=*/n > 1));
-      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features / n, r}, dtype_, device_), 0, false));
-    } else {
-      a_.push_back(make_param(pre + "lora_A.weight", full_a.narrow(1, tp.rank() * in_local_, in_local_).contiguous(), 1,
-                              false));
-      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features, r}, dtype_, device_), -1, n > 1));
-    }
-  }
+           who, opts_.alpha);
   // Dropout draws: a seed stream of its own per adapter (the init offsets are unique per adapter).
   dropout_seed_ = opts_.seed ^ (0x9E3779B97F4A7C15ull * (opts_.init_offset + 1));
 }
 
-Tensor LoRAAdapter::dropped(const Tensor& x2, const Stream& s) const {
-  if (opts_.dropout <= 0.0) return x2;
-  Tensor y = Tensor::empty(x2.shape(), x2.dtype(), x2.device(), s);
-  ops::dropout_forward(x2, y, float(opts_.dropout), dropout_seed_, counter_, s);
-  return y;
-}
-
-void LoRAAdapter::forward(const ForwardContext& ctx, const Tensor& x2, Tensor& y2) {
-  const Stream& s = ctx.stream;
+bool LoRABase::begin_forward(const ForwardContext& ctx) {
   using RP = ForwardContext::RecomputePass;
   const bool train_like = ctx.training || ctx.recompute_pass == RP::Discarded;
   const bool drop = train_like && opts_.dropout > 0.0;
   if (drop && ctx.recompute_pass != RP::Replay) counter_ = next_counter_++;  // Replay reuses the saved counter
-  Tensor xd = drop ? dropped(x2, s) : x2;
   saved_h_.clear();
+  return drop;
+}
+
+Tensor LoRABase::dropped(const Tensor& x, const Stream& s) const {
+  if (opts_.dropout <= 0.0 || x.size(0) == 0) return x;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device(), s);
+  ops::dropout_forward(x, y, float(opts_.dropout), dropout_seed_, counter_, s);
+  return y;
+}
+
+Tensor LoRABase::dropout_grad(Tensor dx, const Stream& s) const {
+  if (opts_.dropout > 0.0 && dx.size(0) > 0) ops::dropout_backward(dx, dx, float(opts_.dropout), dropout_seed_, counter_, s);
+  return dx;
+}
+
+int64_t LoRABase::check_layout(std::string_view who, std::string_view group, bool row, int64_t in, int n) const {
+  const int64_t r = opts_.rank;
+  if (row) {
+    MC_CHECK(segs_.size() == 1 && trivial(segs_[0]), "{}: a row-parallel base takes one segment covering its whole output",
+             who);
+    MC_CHECK(in % n == 0, "{}: in_features {} is not divisible by the {} size {}", who, in, group, n);
+  }
+  for (const LoRASegment& g : segs_) {
+    const std::string what = g.name.empty() ? std::string("the layer") : g.name;
+    MC_CHECK(r > 0 && r <= std::min(in, g.out_features),
+             "{}: rank r = {} for {} must be in [1, min(in, out)] = [1, {}] (in {}, out {}); set peft.dim in that range",
+             who, r, what, std::min(in, g.out_features), in, g.out_features);
+    const int64_t out_local = row ? g.out_features : g.out_features / n;
+    MC_CHECK(g.blocks > 0 && g.width > 0 && g.col0 >= 0 && g.col0 + g.width <= g.block_width &&
+                 g.blocks * g.width == out_local,
+             "{}: the placement of {} (blocks {}, block_width {}, col0 {}, width {}) does not hold its {} local outputs",
+             who, what, g.blocks, g.block_width, g.col0, g.width, out_local);
+  }
+  return row ? in / n : in;
+}
+
+Tensor LoRABase::init_a(uint64_t offset, int64_t in, int64_t in_local, int rank) const {
+  Tensor full = Tensor::empty({opts_.rank, in}, DType::F32, device_);
+  Generator gen(opts_.seed, offset);
+  full.uniform_(gen, -1.0 / std::sqrt(double(in)), 1.0 / std::sqrt(double(in)));
+  if (in_local != in) full = full.narrow(1, int64_t(rank) * in_local, in_local).contiguous();
+  return full.to(dtype_);
+}
+
+std::vector<std::pair<std::string, Parameter*>> LoRABase::named_parameters() {
+  // Leaf names from the segments, not Parameter::name: a model overwrites that with the full path.
+  std::vector<std::pair<std::string, Parameter*>> out;
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const std::string pre = segs_[j].name.empty() ? std::string() : segs_[j].name + ".";
+    out.emplace_back(pre + "lora_A.weight", &a_[j]);
+    out.emplace_back(pre + "lora_B.weight", &b_[j]);
+  }
+  return out;
+}
+
+void LoRABase::stash_activations(ActivationStash& s) {
+  s.put_int(int64_t(saved_h_.size()));
+  for (Tensor& h : saved_h_) s.put(h);
+  saved_h_.clear();
+  s.put_int(int64_t(counter_));
+}
+
+void LoRABase::restore_activations(ActivationStash& s) {
+  saved_h_.assign(size_t(s.take_int()), Tensor());
+  for (Tensor& h : saved_h_) s.take(h);
+  counter_ = uint64_t(s.take_int());
+}
+
+LoRAAdapter::LoRAAdapter(comm::Communicator& tp, Kind kind, int64_t in_features, std::vector<LoRASegment> segments,
+                         const LoRAOptions& options, DType dtype, Device device)
+    : LoRABase(kName, std::move(segments), options, dtype, device), tp_(tp), kind_(kind), in_(in_features),
+      in_local_(in_features) {
+  const int64_t n = tp.size(), r = opts_.rank;
+  in_local_ = check_layout(kName, "TP", kind_ == Kind::Row, in_, tp.size());
+  for (size_t j = 0; j < segs_.size(); ++j) {
+    const LoRASegment& g = segs_[j];
+    const std::string pre = g.name.empty() ? std::string() : g.name + ".";
+    if (kind_ == Kind::Column) {
+      a_.push_back(make_param(pre + "lora_A.weight", init_a(opts_.init_offset + j, in_, in_, 0), -1,
+                              /*tp_partial_grad=*/n > 1));
+      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features / n, r}, dtype_, device_), 0, false));
+    } else {
+      a_.push_back(make_param(pre + "lora_A.weight", init_a(opts_.init_offset + j, in_, in_local_, tp.rank()), 1,
+                              false));
+      b_.push_back(make_param(pre + "lora_B.weight", Tensor::zeros({g.out_features, r}, dtype_, device_), -1, n > 1));
+    }
+  }
+}
+
+void LoRAAdapter::forward(const ForwardContext& ctx, const Tensor& x2, Tensor& y2) {
+  const Stream& s = ctx.stream;
+  Tensor xd = begin_forward(ctx) ? dropped(x2, s) : x2;
   for (size_t j = 0; j < segs_.size(); ++j) {
     const LoRASegment& g = segs_[j];
     Tensor h = Tensor::empty({x2.size(0), opts_.rank}, dtype_, device_, s);
-    gemm(xd, false, a_[j].data, true, h, 1.f, 0.f, s);  // h = xd Aᵀ
+    lora_gemm(xd, false, a_[j].data, true, h, 1.f, 0.f, s);  // h = xd Aᵀ
     if (trivial(g)) {
-      gemm(h, false, b_[j].data, true, y2, float(scale()), 1.f, s);  // y += scale · h Bᵀ
+      lora_gemm(h, false, b_[j].data, true, y2, float(scale()), 1.f, s);  // y += scale · h Bᵀ
     } else {
       Tensor view = segment_view(y2, g);
       Tensor acc = view.contiguous(s).view({x2.size(0), g.blocks * g.width});
-      gemm(h, false, b_[j].data, true, acc, float(scale()), 1.f, s);
+      lora_gemm(h, false, b_[j].data, true, acc, float(scale()), 1.f, s);
       view.copy_(acc.view({x2.size(0), g.blocks, g.width}), s);
     }
     if (ctx.training) saved_h_.push_back(h);
@@ -178,17 +228,16 @@ Tensor LoRAAdapter::backward(const ForwardContext& ctx, const Tensor& x2, const 
   for (size_t j = 0; j < segs_.size(); ++j) {
     const LoRASegment& g = segs_[j];
     Tensor dy = trivial(g) ? dy2 : segment_view(dy2, g).contiguous(s).view({rows, g.blocks * g.width});
-    gemm(dy, true, saved_h_[j], false, b_[j].main_grad, sc, 1.f, s);  // dB += scale · dyᵀ h
+    lora_gemm(dy, true, saved_h_[j], false, b_[j].main_grad, sc, 1.f, s);  // dB += scale · dyᵀ h
     Tensor dh = stacked ? dh_all.narrow(1, int64_t(j) * r, r) : Tensor::empty({rows, r}, dtype_, device_, s);
-    gemm(dy, false, b_[j].data, false, dh, sc, 0.f, s);                // dh = scale · dy B
-    gemm(dh, true, xd, false, a_[j].main_grad, 1.f, 1.f, s);           // dA += dhᵀ xd
-    if (!stacked) gemm(dh, false, a_[j].data, false, dx, 1.f, j == 0 ? 0.f : 1.f, s);  // dxd (+)= dh A
+    lora_gemm(dy, false, b_[j].data, false, dh, sc, 0.f, s);                // dh = scale · dy B
+    lora_gemm(dh, true, xd, false, a_[j].main_grad, 1.f, 1.f, s);           // dA += dhᵀ xd
+    if (!stacked) lora_gemm(dh, false, a_[j].data, false, dx, 1.f, j == 0 ? 0.f : 1.f, s);  // dxd (+)= dh A
   }
-  if (stacked) gemm(dh_all, false, fused_.narrow(0, fused_.size(0) - sum_r, sum_r), false, dx, 1.f, 0.f, s);
+  if (stacked) lora_gemm(dh_all, false, fused_.narrow(0, fused_.size(0) - sum_r, sum_r), false, dx, 1.f, 0.f, s);
   // Every segment saw the same dropped input: one mask for the summed input gradient.
-  if (opts_.dropout > 0.0) ops::dropout_backward(dx, dx, float(opts_.dropout), dropout_seed_, counter_, s);
   saved_h_.clear();
-  return dx;
+  return dropout_grad(dx, s);
 }
 
 void LoRAAdapter::bind(Parameter& weight, std::string_view layer) {
@@ -284,34 +333,10 @@ void LoRAAdapter::merge_into(Tensor& weight, const Stream& s) const {
     Tensor rows = trivial(g) ? weight : segment_rows(weight, g);
     Tensor acc = rows.contiguous(s).to(DType::F32, s).contiguous(s).view({b_[j].data.size(0), k});
     Tensor bf = b_[j].data.to(DType::F32, s), af = a_[j].data.to(DType::F32, s);
-    gemm(bf, false, af, false, acc, float(scale()), 1.f, s);  // W + scale · B A, in f32
+    lora_gemm(bf, false, af, false, acc, float(scale()), 1.f, s);  // W + scale · B A, in f32
     Tensor merged = acc.to(weight.dtype(), s);
     rows.copy_(trivial(g) ? merged : merged.view({g.blocks, g.width, k}), s);
   }
-}
-
-std::vector<std::pair<std::string, Parameter*>> LoRAAdapter::named_parameters() {
-  // Leaf names from the segments, not Parameter::name: a model overwrites that with the full path.
-  std::vector<std::pair<std::string, Parameter*>> out;
-  for (size_t j = 0; j < segs_.size(); ++j) {
-    const std::string pre = segs_[j].name.empty() ? std::string() : segs_[j].name + ".";
-    out.emplace_back(pre + "lora_A.weight", &a_[j]);
-    out.emplace_back(pre + "lora_B.weight", &b_[j]);
-  }
-  return out;
-}
-
-void LoRAAdapter::stash_activations(ActivationStash& s) {
-  s.put_int(int64_t(saved_h_.size()));
-  for (Tensor& h : saved_h_) s.put(h);
-  saved_h_.clear();
-  s.put_int(int64_t(counter_));
-}
-
-void LoRAAdapter::restore_activations(ActivationStash& s) {
-  saved_h_.assign(size_t(s.take_int()), Tensor());
-  for (Tensor& h : saved_h_) s.take(h);
-  counter_ = uint64_t(s.take_int());
 }
 
 }  // namespace megacore::layers

@@ -222,7 +222,8 @@ Tensor MoELayer::from_experts(const Tensor& sorted, const Stream& s) {
   return moe_exchange_rows(*g_.ep, back, recv_rows_, send_rows_, s);
 }
 
-Tensor MoELayer::experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s) {
+Tensor MoELayer::experts_forward(const ForwardContext& ctx, const Tensor& xs, const std::vector<int64_t>& sizes) {
+  const Stream& s = ctx.stream;
   const int64_t n = xs.size(0);
   const DType dt = opts_.params_dtype;
   Tensor h = Tensor::empty({n, fc1_w_.data.size(1)}, dt, xs.device(), s);
@@ -230,31 +231,54 @@ Tensor MoELayer::experts_forward(const Tensor& xs, const std::vector<int64_t>& s
   Tensor o = Tensor::empty({n, hidden_}, dt, xs.device(), s);
   if (n > 0) {
     ops::grouped_gemm_forward(xs, fc1_w_.data, sizes, h, s);
+    if (fc1_lora_) fc1_lora_->forward(ctx, xs, sizes, h);
     if (is_swiglu(opts_))
       ops::swiglu_forward(h, a, s);
     else
       ops::activation_forward(ops::Activation::GeluTanh, h, a, s);
     ops::grouped_gemm_forward(a, fc2_w_.data, sizes, o, s);
+    if (fc2_lora_) fc2_lora_->forward(ctx, a, sizes, o);
   }
   xs_ = xs, h_ = h, a_ = a;
   return o;
 }
 
-Tensor MoELayer::experts_backward(const Tensor& dys, const Stream& s) {
+namespace {
+
+// The input gradient of one expert linear: with an adapter its low-rank term first, then the base's dgrad
+// accumulated into it per expert (beta = 1); without, the grouped dgrad.
+Tensor expert_dgrad(ExpertLoRAAdapter* lora, const ForwardContext& ctx, const Tensor& x, const Tensor& dy,
+                    const Tensor& w, const std::vector<int64_t>& sizes) {
+  const Stream& s = ctx.stream;
+  if (lora) {
+    Tensor dx = lora->backward(ctx, x, sizes, dy);
+    looped_gemm(dy, w, sizes, dx, /*trans_w=*/false, 1.f, 1.f, s);
+    return dx;
+  }
+  Tensor dx = Tensor::empty(x.shape(), dy.dtype(), dy.device(), s);
+  ops::grouped_gemm_dgrad(dy, w, sizes, dx, s);
+  return dx;
+}
+
+}  // namespace
+
+Tensor MoELayer::experts_backward(const ForwardContext& ctx, const Tensor& dys) {
+  const Stream& s = ctx.stream;
   const int64_t n = dys.size(0);
   Tensor dxs = Tensor::empty({n, hidden_}, opts_.params_dtype, dys.device(), s);
   if (n > 0) {
-    Tensor da = Tensor::empty(a_.shape(), a_.dtype(), a_.device(), s);
-    ops::grouped_gemm_dgrad(dys, fc2_w_.data, group_sizes_, da, s);
-    ops::grouped_gemm_wgrad(dys, a_, group_sizes_, fc2_w_.main_grad, 1.f, s);
+    Tensor da = expert_dgrad(fc2_lora_.get(), ctx, a_, dys, fc2_w_.data, group_sizes_);
+    if (!frozen_) ops::grouped_gemm_wgrad(dys, a_, group_sizes_, fc2_w_.main_grad, 1.f, s);
     Tensor dh = Tensor::empty(h_.shape(), h_.dtype(), h_.device(), s);
     if (is_swiglu(opts_))
       ops::swiglu_backward(da, h_, dh, s);
     else
       ops::activation_backward(ops::Activation::GeluTanh, da, h_, dh, s);
-    ops::grouped_gemm_dgrad(dh, fc1_w_.data, group_sizes_, dxs, s);
-    ops::grouped_gemm_wgrad(dh, xs_, group_sizes_, fc1_w_.main_grad, 1.f, s);
+    dxs = expert_dgrad(fc1_lora_.get(), ctx, xs_, dh, fc1_w_.data, group_sizes_);
+    if (!frozen_) ops::grouped_gemm_wgrad(dh, xs_, group_sizes_, fc1_w_.main_grad, 1.f, s);
   }
+  // No rows: the adapters ran no forward either. Every expert-TP rank holds the same rows (the dispatchers
+  // gather them), so their expert-TP gradient sums are skipped on all of the group together.
   xs_ = h_ = a_ = Tensor();
   return dxs;
 }
@@ -362,7 +386,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
       }
     }
     sort_map_ = on_device(map, dev, s).view({int64_t(map.size()), 1});
-    expert_out = from_experts(experts_forward(to_experts(permuted, s), group_sizes_, s), s);
+    expert_out = from_experts(experts_forward(ctx, to_experts(permuted, s), group_sizes_), s);
     y = combine(expert_out, row_map, probs, t, s);
   } else {
     comm::Communicator& c = *g_.tp_ep;
@@ -385,7 +409,7 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
     const int64_t ns = std::accumulate(group_sizes_.begin(), group_sizes_.end(), int64_t{0});
     Tensor xs = Tensor::empty({ns, hidden_}, xt.dtype(), dev, s);
     if (ns > 0) ops::moe_permute(gathered_x, local_map_, xs, s);
-    expert_out = experts_forward(xs, group_sizes_, s);
+    expert_out = experts_forward(ctx, xs, group_sizes_);
     Tensor yfull = combine(expert_out, local_map_, gathered_probs_, gathered_x.size(0), s);
     y = p > 1 ? parallel::reduce_scatter_along_first(c, yfull, s) : yfull;
     row_map = Tensor();
@@ -422,7 +446,7 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
     Tensor dperm = Tensor::empty({n, hidden_}, opts_.params_dtype, dev, s);
     dprobs = Tensor::zeros({t, k}, DType::F32, dev, s);
     if (n > 0) ops::moe_unpermute_backward(dyt, expert_out_, row_map_, probs_, dperm, dprobs, s);
-    dx_tokens = combine(from_experts(experts_backward(to_experts(dperm, s), s), s), row_map_, Tensor(), t, s);
+    dx_tokens = combine(from_experts(experts_backward(ctx, to_experts(dperm, s)), s), row_map_, Tensor(), t, s);
   } else {
     comm::Communicator& c = *g_.tp_ep;
     const int p = c.size();
@@ -431,7 +455,7 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
     Tensor dxs_in = Tensor::empty({ns, hidden_}, opts_.params_dtype, dev, s);
     Tensor dprobs_full = Tensor::zeros(gathered_probs_.shape(), DType::F32, dev, s);
     if (ns > 0) ops::moe_unpermute_backward(dyfull, expert_out_, local_map_, gathered_probs_, dxs_in, dprobs_full, s);
-    Tensor dxs = experts_backward(dxs_in, s);
+    Tensor dxs = experts_backward(ctx, dxs_in);
     Tensor dxfull = combine(dxs, local_map_, Tensor(), dyfull.size(0), s);
     dx_tokens = p > 1 ? parallel::reduce_scatter_along_first(c, dxfull, s) : dxfull;
     dprobs = p > 1 ? parallel::reduce_scatter_along_first(c, dprobs_full, s) : dprobs_full;
@@ -451,7 +475,7 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
   ops::GemmOptions tn;
   tn.trans_a = true;
   tn.beta = 1.f;
-  ops::gemm(dlogits, x32, router_w_.main_grad, tn, s);  // [E, h] += dlogits^T x
+  if (!frozen_) ops::gemm(dlogits, x32, router_w_.main_grad, tn, s);  // [E, h] += dlogits^T x
   dx_tokens = to_f32(dx_tokens, s);
   ops::GemmOptions nn;
   nn.beta = 1.f;
@@ -492,20 +516,70 @@ void MoELayer::update_expert_bias(comm::Communicator& dp, const Stream& s) {
   std::fill(bias_counts_.begin(), bias_counts_.end(), 0.0);
 }
 
+void MoELayer::attach_lora(const std::vector<std::string>& fc1_segments, bool fc1_whole, bool fc2,
+                           const LoRAOptions& options) {
+  MC_CHECK(!fc1_lora_ && !fc2_lora_, "{}.attach_lora: adapters are already attached; merge_lora first", kName);
+  MC_CHECK(fc1_segments.empty() || is_swiglu(opts_),
+           "{}.attach_lora: gate_proj/up_proj adapters need SwiGLU experts; adapt the whole fc1 (linear_fc1)", kName);
+  using K = ExpertLoRAAdapter::Kind;
+  comm::Communicator& etp = *g_.expert_tp;
+  const int64_t f = opts_.ffn_hidden_size, fl = ffn_local_, e = opts_.num_experts;
+  std::vector<LoRASegment> segs;
+  if (fc1_whole) segs.push_back({.name = {}, .out_features = f, .block_width = fl, .width = fl});
+  for (const std::string& name : fc1_segments) {
+    MC_CHECK(name == "gate_proj" || name == "up_proj", "{}.attach_lora: unknown fc1 segment '{}' (gate_proj, up_proj)",
+             kName, name);
+    segs.push_back({.name = name, .out_features = f, .block_width = 2 * fl, .col0 = name == "gate_proj" ? 0 : fl,
+                    .width = fl});
+  }
+  const DType dt = opts_.params_dtype;
+  if (!segs.empty())
+    fc1_lora_ = std::make_unique<ExpertLoRAAdapter>(etp, K::Column, local_experts_, expert_offset_, e, hidden_, segs,
+                                                    options, dt, opts_.device);
+  if (fc2) {
+    LoRAOptions o2 = options;
+    o2.init_offset += 2;
+    fc2_lora_ = std::make_unique<ExpertLoRAAdapter>(
+        etp, K::Row, local_experts_, expert_offset_, e, f,
+        std::vector<LoRASegment>{{.name = {}, .out_features = hidden_, .block_width = hidden_, .width = hidden_}}, o2, dt,
+        opts_.device);
+  }
+}
+
+void MoELayer::merge_lora(const Stream& s) {
+  if (fc1_lora_) fc1_lora_->merge_into(fc1_w_.data, s);
+  if (fc2_lora_) fc2_lora_->merge_into(fc2_w_.data, s);
+  fc1_lora_.reset();
+  fc2_lora_.reset();
+}
+
+void MoELayer::set_frozen(bool frozen) {
+  frozen_ = frozen;
+  for (Parameter* p : {&router_w_, &fc1_w_, &fc2_w_})
+    p->main_grad = frozen ? Tensor() : Tensor::zeros(p->data.shape(), DType::F32, p->data.device());
+}
+
 std::vector<Parameter*> MoELayer::parameters() {
-  std::vector<Parameter*> p{&router_w_, &fc1_w_, &fc2_w_};
+  std::vector<Parameter*> p;
+  if (!frozen_) p = {&router_w_, &fc1_w_, &fc2_w_};
+  for (ExpertLoRAAdapter* l : {fc1_lora_.get(), fc2_lora_.get()})
+    if (l)
+      for (auto& [name, q] : l->named_parameters()) p.push_back(q);
   if (shared_)
     for (Parameter* q : shared_->parameters()) p.push_back(q);
   return p;
 }
 
 void MoELayer::zero_grad() {
-  for (Parameter* p : {&router_w_, &fc1_w_, &fc2_w_}) p->main_grad.zero_();
+  for (Parameter* p : parameters())
+    if (p->main_grad.defined()) p->main_grad.zero_();
   if (shared_) shared_->zero_grad();
 }
 
 void MoELayer::stash_activations(ActivationStash& st) {
   if (shared_) shared_->stash_activations(st);
+  for (ExpertLoRAAdapter* l : {fc1_lora_.get(), fc2_lora_.get()})
+    if (l) l->stash_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
                     &sort_map_, &gathered_probs_, &local_map_})
     st.put(*t);
@@ -521,6 +595,8 @@ void MoELayer::stash_activations(ActivationStash& st) {
 
 void MoELayer::restore_activations(ActivationStash& st) {
   if (shared_) shared_->restore_activations(st);
+  for (ExpertLoRAAdapter* l : {fc1_lora_.get(), fc2_lora_.get()})
+    if (l) l->restore_activations(st);
   for (Tensor* t : {&x_tokens_, &logits_, &probs_, &indices_, &row_map_, &tpe_f32_, &expert_out_, &xs_, &h_, &a_,
                     &sort_map_, &gathered_probs_, &local_map_})
     st.take(*t);

@@ -245,11 +245,17 @@ std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_para
   if (mlp_) {
     linear("mlp.linear_fc1.", mlp_->fc1());
     linear("mlp.linear_fc2.", mlp_->fc2());
-  } else if (!lora_) {
+  } else {
     // Megatron-Core's names: mlp.router, mlp.experts (grouped), mlp.shared_experts.
-    out.emplace_back("mlp.router.weight", &moe_->router_weight());
-    out.emplace_back("mlp.experts.linear_fc1.weight", &moe_->fc1_weight());
-    out.emplace_back("mlp.experts.linear_fc2.weight", &moe_->fc2_weight());
+    if (!moe_->frozen()) {
+      out.emplace_back("mlp.router.weight", &moe_->router_weight());
+      out.emplace_back("mlp.experts.linear_fc1.weight", &moe_->fc1_weight());
+      out.emplace_back("mlp.experts.linear_fc2.weight", &moe_->fc2_weight());
+    }
+    for (auto [prefix, a] : {std::pair{"mlp.experts.linear_fc1.", moe_->fc1_lora()},
+                             std::pair{"mlp.experts.linear_fc2.", moe_->fc2_lora()}})
+      if (a)
+        for (auto& [leaf, p] : a->named_parameters()) out.emplace_back(prefix + leaf, p);
     if (ly::MLP* se = moe_->shared_expert()) {
       linear("mlp.shared_experts.linear_fc1.", se->fc1());
       linear("mlp.shared_experts.linear_fc2.", se->fc2());
@@ -262,10 +268,6 @@ void TransformerLayer::apply_lora(comm::Communicator& tp, const LoRAConfig& lora
   MC_CHECK(!lora_, "TransformerLayer {}.apply_lora: adapters are already attached; merge_lora first to attach new ones",
            opts_.layer_number);
   const LoRATargets t = resolve_lora_targets(lora.target_modules, cfg_);
-  MC_CHECK(!moe_ || (t.fc1.empty() && !t.fc1_whole && !t.fc2),
-           "TransformerLayer {} is a MoE layer: LoRA adapters on its experts are not supported; target the attention "
-           "only (peft.target_modules = q_proj, k_proj, v_proj, o_proj)",
-           opts_.layer_number);
   const uint64_t base = kLoRAInitBase + uint64_t(opts_.layer_number) * kLoRALayerStride;
   auto options = [&](uint64_t linear) {
     return ly::LoRAOptions{.rank = lora.dim, .alpha = lora.alpha, .dropout = lora.dropout, .seed = lora.seed,
@@ -294,34 +296,53 @@ void TransformerLayer::apply_lora(comm::Communicator& tp, const LoRAConfig& lora
         std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}}, options(1),
         cfg_.params_dtype, opts_.device));
   }
-  if (!t.fc1.empty() || t.fc1_whole) {
-    std::vector<ly::LoRASegment> segs;
-    const int64_t fl = ffn / n;
-    if (t.fc1_whole) segs.push_back({.out_features = ffn, .block_width = fl, .width = fl});
-    for (const std::string& name : t.fc1)
-      segs.push_back({.name = name, .out_features = ffn, .block_width = 2 * fl, .col0 = name == "gate_proj" ? 0 : fl,
-                      .width = fl});
-    mlp_->fc1().attach_lora(
-        std::make_unique<ly::LoRAAdapter>(tp, K::Column, h, segs, options(2), cfg_.params_dtype, opts_.device));
+  // A dense MLP, or a MoE layer's shared expert: the MLP targets on its fc1 / fc2.
+  auto mlp_lora = [&](ly::MLP& m, int64_t width) {
+    if (!t.fc1.empty() || t.fc1_whole) {
+      std::vector<ly::LoRASegment> segs;
+      const int64_t fl = width / n;
+      if (t.fc1_whole) segs.push_back({.out_features = width, .block_width = fl, .width = fl});
+      for (const std::string& name : t.fc1)
+        segs.push_back({.name = name, .out_features = width, .block_width = 2 * fl,
+                        .col0 = name == "gate_proj" ? 0 : fl, .width = fl});
+      m.fc1().attach_lora(
+          std::make_unique<ly::LoRAAdapter>(tp, K::Column, h, segs, options(2), cfg_.params_dtype, opts_.device));
+    }
+    if (t.fc2)
+      m.fc2().attach_lora(std::make_unique<ly::LoRAAdapter>(
+          tp, K::Row, width, std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}},
+          options(3), cfg_.params_dtype, opts_.device));
+    m.fc1().set_frozen(true), m.fc2().set_frozen(true);
+  };
+  if (mlp_) mlp_lora(*mlp_, ffn);
+  if (moe_) {
+    if (ly::MLP* se = moe_->shared_expert()) mlp_lora(*se, cfg_.moe_shared_expert_size);
+    // Routed experts: their own Philox range per layer (kExpertLoRAStride per global expert and linear pair).
+    ly::LoRAOptions eo = options(0);
+    eo.init_offset = kLoRAExpertInitBase + uint64_t(opts_.layer_number) * uint64_t(cfg_.num_moe_experts) *
+                                               ly::kExpertLoRAStride;
+    if (!t.fc1.empty() || t.fc1_whole || t.fc2) moe_->attach_lora(t.fc1, t.fc1_whole, t.fc2, eo);
+    moe_->set_frozen(true);
   }
-  if (t.fc2)
-    mlp_->fc2().attach_lora(std::make_unique<ly::LoRAAdapter>(
-        tp, K::Row, ffn, std::vector<ly::LoRASegment>{{.out_features = h, .block_width = h, .width = h}}, options(3),
-        cfg_.params_dtype, opts_.device));
   attention_.linear_qkv().set_frozen(true);
   attention_.linear_proj().set_frozen(true);
-  if (mlp_) mlp_->fc1().set_frozen(true), mlp_->fc2().set_frozen(true);
   lora_ = true;
 }
 
 void TransformerLayer::merge_lora() {
   if (!lora_) return;
-  attention_.linear_qkv().merge_lora();
-  attention_.linear_proj().merge_lora();
-  if (mlp_) mlp_->fc1().merge_lora(), mlp_->fc2().merge_lora();
-  attention_.linear_qkv().set_frozen(false);
-  attention_.linear_proj().set_frozen(false);
-  if (mlp_) mlp_->fc1().set_frozen(false), mlp_->fc2().set_frozen(false);
+  auto merge = [](auto& l) {
+    l.merge_lora();
+    l.set_frozen(false);
+  };
+  merge(attention_.linear_qkv());
+  merge(attention_.linear_proj());
+  if (mlp_) merge(mlp_->fc1()), merge(mlp_->fc2());
+  if (moe_) {
+    moe_->merge_lora();
+    moe_->set_frozen(false);
+    if (ly::MLP* se = moe_->shared_expert()) merge(se->fc1()), merge(se->fc2());
+  }
   lora_ = false;
 }
 

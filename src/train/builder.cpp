@@ -84,16 +84,23 @@ namespace {
 // Prints "trainable of total parameters" (model-wide: summed over TP and PP, replicated ones once). Collective.
 void log_trainable_parameters(const RunConfig& cfg, const parallel::ProcessGrid& grid, const ModelChunks& chunks,
                               const Placement& placement) {
-  // One copy of the model is spread over the TP × PP ranks of DP rank 0 / CP rank 0; a TP-replicated
-  // tensor is counted on TP rank 0 only.
+  // One copy of the dense weights is spread over the TP × PP ranks of DP rank 0 / CP rank 0; a TP-replicated
+  // tensor is counted on TP rank 0 only. Experts (and their adapters) are spread over the expert-TP × EP × PP
+  // ranks of expert-DP rank 0; an expert-TP-replicated one is counted on expert-TP rank 0.
+  const auto& lay = grid.layout();
+  const bool dense_copy = grid.dp_rank() == 0 && grid.cp_rank() == 0;
+  const bool expert_copy = lay.expert_dp_rank(grid.rank()) == 0;
+  auto counted = [&](const ly::Parameter* p) {
+    if (p->expert) return expert_copy && (p->partition_dim >= 0 || lay.expert_tp_rank(grid.rank()) == 0);
+    return dense_copy && (p->partition_dim >= 0 || grid.tp_rank() == 0);
+  };
   int64_t counts[2] = {0, 0};
-  if (grid.dp_rank() == 0 && grid.cp_rank() == 0)
-    for (const auto& ch : chunks) {
-      for (ly::Parameter* p : ch->all_parameters())
-        if (p->partition_dim >= 0 || grid.tp_rank() == 0) counts[1] += p->data.numel();
-      for (ly::Parameter* p : ch->parameters())
-        if (p->partition_dim >= 0 || grid.tp_rank() == 0) counts[0] += p->data.numel();
-    }
+  for (const auto& ch : chunks) {
+    for (ly::Parameter* p : ch->all_parameters())
+      if (counted(p)) counts[1] += p->data.numel();
+    for (ly::Parameter* p : ch->parameters())
+      if (counted(p)) counts[0] += p->data.numel();
+  }
   const Stream& s = placement.stream;
   Tensor t = Tensor::from_vector<int64_t>({counts[0], counts[1]}, {2}).to(placement.device, s);
   grid.world().all_reduce(t, comm::ReduceOp::Sum, s)->wait();
@@ -140,8 +147,10 @@ std::vector<ParameterGroup> parameter_groups(const ModelChunks& chunks, parallel
   ParameterGroup expert{"expert", {}, &grid.expert_dp(), grid.dp_cp().size()};
   for (const auto& ch : chunks)
     for (ly::Parameter* p : ch->parameters()) (p->expert ? expert : dense).params.push_back(p);
+  // LoRA on experts only leaves the dense group empty: it is left out (when nothing is trainable at all, the
+  // empty dense group stays, and building its buffer says so).
   std::vector<ParameterGroup> groups;
-  groups.push_back(std::move(dense));
+  if (!dense.params.empty() || expert.params.empty()) groups.push_back(std::move(dense));
   if (!expert.params.empty()) groups.push_back(std::move(expert));
   return groups;
 }

@@ -193,34 +193,42 @@ def test_bad_adapters_are_clear_errors(tmp_path, base):
     assert not (tmp_path / "imp").exists()
 
 
+def peft_library_vs_megacore(tmp_path, torch, peft_lib, hf, make_adapter, r, alpha, vocab=256):
+    """Saves the transformers model ``hf``, imports it, puts the adapter ``make_adapter(config dict)`` on it, exports
+    it as PEFT and loads that with ``peft`` onto ``hf``. Returns (max |megacore merged − peft logits|, max |base −
+    peft logits|), each over the largest peft logit."""
+    world = mc.comm.init_from_env("cpu")
+    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    convert.hf_to_megacore(str(tmp_path / "hf"), str(tmp_path / "base"))
+    c = convert.config_from_checkpoint(str(tmp_path / "base"))
+    tensors, targets = make_adapter(c)
+    save_adapter(tmp_path / "ad", tensors, r, alpha, tmp_path / "base", targets)
+    peft.export_peft(str(tmp_path / "ad"), str(tmp_path / "peft"))
+    pm = peft_lib.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    peft.merge(str(tmp_path / "ad"), str(tmp_path / "merged"))
+    tokens = np.random.default_rng(1).integers(0, vocab, size=(2, 12)).astype(np.int64)
+    logits = {}
+    for name in ("merged", "base"):
+        m, _ = load_into_model(str(tmp_path / name), world)
+        m.forward(tokens, tokens, training=False)
+        logits[name] = np.asarray(m.logits().numpy())[..., :vocab].astype(np.float64)
+    with torch.no_grad():
+        want = pm(torch.from_numpy(tokens)).logits.double().numpy()
+    top = np.abs(want).max()
+    return np.abs(logits["merged"] - want).max() / top, np.abs(logits["base"] - want).max() / top
+
+
 def test_peft_library_loads_the_exported_adapter_with_megacore_logits(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft_lib = pytest.importorskip("peft")
-    world = mc.comm.init_from_env("cpu")
     torch.manual_seed(0)
     hc = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                                   rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False)
     hf = transformers.LlamaForCausalLM(hc).float().eval()
-    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
-    convert.hf_to_megacore(str(tmp_path / "hf"), str(tmp_path / "base"))
-    c = convert.config_from_checkpoint(str(tmp_path / "base"))
-    save_adapter(tmp_path / "ad", random_adapter(c, 8, np.random.default_rng(7)), 8, 16.0, tmp_path / "base")
-    peft.export_peft(str(tmp_path / "ad"), str(tmp_path / "peft"))
-    pm = peft_lib.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
-    peft.merge(str(tmp_path / "ad"), str(tmp_path / "merged"))
-    m, cfg = load_into_model(str(tmp_path / "merged"), world)
-    tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int64)
-    m.forward(tokens, tokens, training=False)
-    got = np.asarray(m.logits().numpy())[..., :256].astype(np.float64)
-    b, _ = load_into_model(str(tmp_path / "base"), world)
-    b.forward(tokens, tokens, training=False)
-    base_logits = np.asarray(b.logits().numpy())[..., :256].astype(np.float64)
-    with torch.no_grad():
-        want = pm(torch.from_numpy(tokens)).logits.double().numpy()
-    err = np.abs(got - want).max() / np.abs(want).max()
-    effect = np.abs(base_logits - want).max() / np.abs(want).max()
+    err, effect = peft_library_vs_megacore(tmp_path, torch, peft_lib, hf,
+                                           lambda c: (random_adapter(c, 8, np.random.default_rng(7)), TARGETS), 8, 16.0)
     print(f"peft vs megacore merged: max |diff| / max |logit| = {err:.3g} (the adapter's effect: {effect:.3g})")
     assert effect > 0.01  # the adapter changes the logits, so a dropped or misplaced adapter would fail
     assert err <= 1e-4

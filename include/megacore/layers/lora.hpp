@@ -96,8 +96,57 @@ struct LoRASegment {
   int64_t blocks = 1, block_width = 0, col0 = 0, width = 0;  ///< local placement; width · blocks = out/TP
 };
 
+/// What every LoRA adapter keeps (the dense LoRAAdapter here, ExpertLoRAAdapter on MoE experts,
+/// layers/moe_lora.hpp): the settings, the (A, B) pair of each segment, the dropout draw state and the saved
+/// low-rank activations h, with the naming, stashing and dropout logic they share.
+class LoRABase {
+ public:
+  /// (name suffix, parameter) pairs: "<segment>.lora_A.weight", "<segment>.lora_B.weight" per segment
+  /// (without the "<segment>." for an unnamed one).
+  std::vector<std::pair<std::string, Parameter*>> named_parameters();
+  void stash_activations(ActivationStash& s);
+  void restore_activations(ActivationStash& s);
+  const std::vector<LoRASegment>& segments() const { return segs_; }
+  const LoRAOptions& options() const { return opts_; }
+  double scale() const { return opts_.alpha / double(opts_.rank); }
+  /// A and B of segment j.
+  Parameter& lora_a(size_t j) { return a_.at(j); }
+  Parameter& lora_b(size_t j) { return b_.at(j); }
+
+ protected:
+  /// Checks the settings every adapter shares (segments given, dropout in [0, 1), alpha > 0), naming `who`
+  /// in the error; derives the adapter's own dropout seed stream from (seed, init_offset).
+  LoRABase(std::string_view who, std::vector<LoRASegment> segments, const LoRAOptions& options, DType dtype,
+           Device device);
+  /// Called at the start of a forward: advances the dropout counter for a training (or discarded recompute)
+  /// pass that drops, keeps the saved one on a replay pass; returns whether this forward drops its input.
+  bool begin_forward(const ForwardContext& ctx);
+  /// dropout(x) with the current counter (x itself without dropout or rows).
+  Tensor dropped(const Tensor& x, const Stream& s) const;
+  /// The input gradient through the dropout of the last forward (in place; unchanged without dropout).
+  Tensor dropout_grad(Tensor dx, const Stream& s) const;
+  /// Checks the segments against a base of `in` full input features split over `n` ranks (row-parallel: by
+  /// input, one segment covering the output; column-parallel: by output) and the rank against each segment's
+  /// min(in, out), naming `who` and `group` (e.g. "TP") in the errors; returns the local input features.
+  int64_t check_layout(std::string_view who, std::string_view group, bool row, int64_t in, int n) const;
+  /// A of one segment as PEFT initialises it: uniform in ±1/sqrt(in), drawn in full [r, in] (f32, Philox
+  /// (seed, offset)) so it does not depend on the split, then cut to input columns [rank · in_local, + in_local)
+  /// and cast to the adapter's dtype.
+  Tensor init_a(uint64_t offset, int64_t in, int64_t in_local, int rank) const;
+
+  std::vector<LoRASegment> segs_;
+  LoRAOptions opts_;
+  DType dtype_;
+  Device device_;
+  std::vector<Parameter> a_, b_;
+  std::vector<Tensor> saved_h_;  // per segment [rows, r]
+
+ private:
+  uint64_t dropout_seed_ = 0, next_counter_ = 0, counter_ = 0;
+};
+
 /// The low-rank path of one ColumnParallelLinear (Kind::Column) or RowParallelLinear (Kind::Row).
-class LoRAAdapter {
+class LoRAAdapter : public LoRABase {
  public:
   enum class Kind { Column, Row };
 
@@ -129,42 +178,27 @@ class LoRAAdapter {
   /// ([rows, out], contiguous), with one GEMM over x2. Needs fused_for(weight). bias: [out] or undefined.
   Tensor forward_fused(const ForwardContext& ctx, const Tensor& x2, const Tensor& weight, const Tensor& bias);
 
-  void stash_activations(ActivationStash& s);
-  void restore_activations(ActivationStash& s);
-
   /// Adds scale · B A of every segment into `weight` (the base's local shard, [out/TP, in] or [out, in/TP]).
   void merge_into(Tensor& weight, const Stream& s = {}) const;
 
-  /// (name suffix, parameter) pairs: "<segment>.lora_A.weight", "<segment>.lora_B.weight" per segment
-  /// (without the "<segment>." for an unnamed one).
-  std::vector<std::pair<std::string, Parameter*>> named_parameters();
   Kind kind() const { return kind_; }
   int64_t in_features() const { return in_; }
-  const std::vector<LoRASegment>& segments() const { return segs_; }
-  const LoRAOptions& options() const { return opts_; }
-  double scale() const { return opts_.alpha / double(opts_.rank); }
-  /// A and B of segment j.
-  Parameter& lora_a(size_t j) { return a_.at(j); }
-  Parameter& lora_b(size_t j) { return b_.at(j); }
 
  private:
-  Tensor dropped(const Tensor& x2, const Stream& s) const;
   void refresh_fused_a(const Stream& s);  // copies A's that live outside F (a DDP buffer) into F's rows
 
   comm::Communicator& tp_;
   Kind kind_;
   int64_t in_, in_local_;
-  std::vector<LoRASegment> segs_;
-  LoRAOptions opts_;
-  DType dtype_;
-  Device device_;
-  std::vector<Parameter> a_, b_;
-  uint64_t dropout_seed_ = 0, next_counter_ = 0, counter_ = 0;
-  std::vector<Tensor> saved_h_;
   Tensor fused_;       // [out + ΣR, in]: W's rows, then each segment's A rows (undefined: unfused)
   Tensor fused_bias_;  // [out + ΣR]: the base's bias, then zeros (forward_fused with a bias)
   bool fused_tiles_ = false;  // the segments cover every output column once (Z's columns feed the beta term)
 };
+
+/// out = alpha · op(a) op(b) + beta · out (ops::gemm; op transposes where ta / tb). autotune: as
+/// ops::GemmOptions::autotune (false for products whose shape follows the routing).
+void lora_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& out, float alpha, float beta,
+               const Stream& s = {}, bool autotune = true);
 
 /// The target names a user may give, in the order they are documented.
 const std::vector<std::string>& lora_target_names();

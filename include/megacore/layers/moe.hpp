@@ -44,6 +44,12 @@
 // are reduced over expert-DP, not DP×CP. partition_dim refers to the expert-TP split. The shared expert's
 // parameters are ordinary dense ones ("shared_expert.fc1.weight", ...).
 //
+// LoRA (layers/moe_lora.hpp): attach_lora puts low-rank adapters on every local expert's fc1 (gate_proj /
+// up_proj segments with SwiGLU, the whole fc1 with GELU) and/or fc2, run per expert beside the grouped GEMMs.
+// set_frozen(true) freezes the router and the experts' base weights: no weight gradients (the wgrad GEMMs and
+// their main_grad buffers are skipped), while the input gradient (through the router too) is still computed.
+// The shared expert is an ordinary MLP: its adapters are attached to its linears directly.
+//
 // Initialisation is deterministic and independent of EP and expert-TP: the router uses Philox offset
 // init_offset, global expert g offsets init_offset + 1 + 3g (gate, up, fc2 — GELU's fc1 uses the first),
 // the shared expert the three after the experts (moe_init_offsets()).
@@ -59,6 +65,7 @@
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/layer_types.hpp"
 #include "megacore/layers/mlp.hpp"
+#include "megacore/layers/moe_lora.hpp"
 #include "megacore/layers/parameter.hpp"
 
 namespace megacore::layers {
@@ -139,6 +146,7 @@ class MoELayer {
   void stash_activations(ActivationStash& s);
   void restore_activations(ActivationStash& s);
 
+  /// The trainable parameters: router and experts (unless frozen), the expert adapters, the shared expert's.
   std::vector<Parameter*> parameters();
   void zero_grad();
 
@@ -162,6 +170,20 @@ class MoELayer {
   /// The expert bias, f32 [E] (undefined unless enable_expert_bias).
   Tensor& expert_bias() { return expert_bias_; }
 
+  /// Attaches LoRA adapters (layers/moe_lora.hpp) to every local expert: on fc1 the segments named in
+  /// `fc1_segments` ("gate_proj", "up_proj"; SwiGLU only) or, with fc1_whole, one adapter on the whole fc1;
+  /// on fc2 when `fc2`. The fc1 adapter draws from options.init_offset, the fc2 adapter from init_offset + 2
+  /// (kExpertLoRAStride per global expert each). Throws ValueError when adapters are already attached or a
+  /// segment name does not fit the activation.
+  void attach_lora(const std::vector<std::string>& fc1_segments, bool fc1_whole, bool fc2, const LoRAOptions& options);
+  ExpertLoRAAdapter* fc1_lora() { return fc1_lora_.get(); }
+  ExpertLoRAAdapter* fc2_lora() { return fc2_lora_.get(); }
+  /// Folds the adapters into the experts' weights (W_e += alpha/r · B_e A_e) and drops them.
+  void merge_lora(const Stream& s = {});
+  /// Freezes (or thaws) the router and the experts' base weights (see the header comment).
+  void set_frozen(bool frozen);
+  bool frozen() const { return frozen_; }
+
   Parameter& router_weight() { return router_w_; }
   Parameter& fc1_weight() { return fc1_w_; }
   Parameter& fc2_weight() { return fc2_w_; }
@@ -175,8 +197,8 @@ class MoELayer {
   // All-to-all dispatcher: this rank's expert-grouped rows → its experts' rows sorted by local expert, and back.
   Tensor to_experts(const Tensor& permuted, const Stream& s);
   Tensor from_experts(const Tensor& sorted, const Stream& s);
-  Tensor experts_forward(const Tensor& xs, const std::vector<int64_t>& sizes, const Stream& s);
-  Tensor experts_backward(const Tensor& dys, const Stream& s);
+  Tensor experts_forward(const ForwardContext& ctx, const Tensor& xs, const std::vector<int64_t>& sizes);
+  Tensor experts_backward(const ForwardContext& ctx, const Tensor& dys);
 
   MoEGroups g_;
   int64_t hidden_;
@@ -185,6 +207,8 @@ class MoELayer {
   Parameter router_w_, fc1_w_, fc2_w_;
   Tensor expert_bias_;
   std::unique_ptr<MLP> shared_;
+  std::unique_ptr<ExpertLoRAAdapter> fc1_lora_, fc2_lora_;
+  bool frozen_ = false;
   float aux_grad_scale_ = 1.f;
 
   // Saved by forward for backward.

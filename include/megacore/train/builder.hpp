@@ -100,7 +100,8 @@ struct ParameterGroup {
 
 /// The chunks' trainable parameters (chunk order) as a "dense" group over grid.dp_cp() and, when this rank
 /// holds MoE expert weights (Parameter::expert), an "expert" group over grid.expert_dp() whose gradient sum
-/// is divided by DP × CP (Megatron-Core's scaling of expert gradients).
+/// is divided by DP × CP (Megatron-Core's scaling of expert gradients). The dense group is left out when it
+/// would be empty beside a non-empty expert group (LoRA on the experts only).
 std::vector<ParameterGroup> parameter_groups(const ModelChunks& chunks, parallel::ProcessGrid& grid);
 
 /// One parameter group with its gradient reduction and its optimizer (`opt`, or `zero` for ZeRO-1).

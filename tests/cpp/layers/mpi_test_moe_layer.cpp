@@ -7,8 +7,9 @@
 // Every rank builds that reference itself. Replica d (the DP coordinate) feeds its own [s, b, h] input; the
 // reference runs forward/backward once per replica, accumulating its gradients, so its expert gradients are
 // the sum over all tokens, as expert-DP reduction makes them, and its router gradient the sum over replicas
-// (the DP reduction of a replicated parameter). Tolerance: only the order of f32 additions differs, 1e-5
-// relative error.
+// (the DP reduction of a replicated parameter). With LoRA on the experts (base frozen), the adapters' gradients
+// are compared the same way (layers/moe_lora.hpp: fc1's A and fc2's B summed over expert-TP inside the layer).
+// Tolerance: only the order of f32 additions differs, 1e-5 relative error.
 #include <fmt/format.h>
 
 #include "layers_test_util.hpp"
@@ -35,11 +36,12 @@ struct Case {
   bool losses = false;
   bool shared = false;
   bool imbalanced = false;
+  bool lora = false;  // LoRA on every expert's fc1 (gate, up) and fc2, base frozen: compare the adapters' gradients
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("TP {} SP {} EP {} ETP {} {} capacity {} losses {} shared {} imbalanced {}", c.tp, c.sp, c.ep,
-                     c.etp, enum_name(c.dispatcher), c.capacity, c.losses, c.shared, c.imbalanced);
+  return fmt::format("TP {} SP {} EP {} ETP {} {} capacity {} losses {} shared {} imbalanced {} lora {}", c.tp, c.sp,
+                     c.ep, c.etp, enum_name(c.dispatcher), c.capacity, c.losses, c.shared, c.imbalanced, c.lora);
 }
 
 ly::MoEOptions options(const Case& c) {
@@ -80,6 +82,41 @@ Tensor fc1_shard(const Tensor& full, int etp, int r) {
   return out;
 }
 
+// LoRA on the experts (layers/moe_lora.hpp): B drawn in full [E, out, r] and sliced like the adapters (this
+// rank's experts; fc1's B rows by expert-TP, fc2's B replicated), so every gradient path is non-zero.
+void attach_lora(ly::MoELayer& m, int etpn, int er) {
+  m.attach_lora({"gate_proj", "up_proj"}, false, true, ly::LoRAOptions{.rank = 3, .alpha = 6, .seed = 9});
+  m.set_frozen(true);
+  const int64_t off = m.expert_offset(), el = m.num_local_experts(), fl = kF / etpn;
+  for (size_t j = 0; j < 2; ++j)
+    m.fc1_lora()->lora_b(j).data.copy_(
+        scaled(randn({kE, kF, 3}, 300 + j), 0.5).narrow(0, off, el).narrow(1, er * fl, fl).contiguous());
+  m.fc2_lora()->lora_b(0).data.copy_(scaled(randn({kE, kH, 3}, 310), 0.5).narrow(0, off, el).contiguous());
+}
+
+// The expert adapters' gradients (reduced over expert-DP) = the single-rank layer's, sliced like the adapters.
+void check_lora_grads(ProcessGrid& grid, ly::MoELayer& moe, ly::MoELayer& ref) {
+  const int etpn = grid.expert_tp().size(), er = grid.expert_tp().rank();
+  const int64_t off = moe.expert_offset(), el = moe.num_local_experts(), fl = kF / etpn;
+  auto mine = [&](const Tensor& full) { return full.narrow(0, off, el).contiguous(); };
+  REQUIRE_FALSE(moe.fc1_weight().main_grad.defined());
+  ly::ExpertLoRAAdapter& a1 = *moe.fc1_lora();
+  ly::ExpertLoRAAdapter& r1 = *ref.fc1_lora();
+  for (size_t j = 0; j < 2; ++j) {
+    REQUIRE(a1.lora_a(j).expert);
+    require_close(summed(grid.expert_dp(), a1.lora_a(j).main_grad), mine(r1.lora_a(j).main_grad), kTol,
+                  "fc1 lora_A gradient");
+    require_close(summed(grid.expert_dp(), a1.lora_b(j).main_grad),
+                  mine(r1.lora_b(j).main_grad).narrow(1, er * fl, fl).contiguous(), kTol, "fc1 lora_B gradient");
+  }
+  ly::ExpertLoRAAdapter& a2 = *moe.fc2_lora();
+  ly::ExpertLoRAAdapter& r2 = *ref.fc2_lora();
+  require_close(summed(grid.expert_dp(), a2.lora_a(0).main_grad),
+                mine(r2.lora_a(0).main_grad).narrow(2, er * fl, fl).contiguous(), kTol, "fc2 lora_A gradient");
+  require_close(summed(grid.expert_dp(), a2.lora_b(0).main_grad), mine(r2.lora_b(0).main_grad), kTol,
+                "fc2 lora_B gradient");
+}
+
 void run_case(comm::Communicator& world, const Case& c) {
   INFO(describe(c));
   ProcessGrid grid(world, ParallelConfig{.tensor = c.tp, .expert = c.ep, .expert_tensor = c.etp},
@@ -92,6 +129,7 @@ void run_case(comm::Communicator& world, const Case& c) {
   NoCommCommunicator solo(0, 1);
   ly::MoELayer ref({&solo, &solo, &solo, &solo}, kH, o);
   if (c.imbalanced) force_two_experts(moe), force_two_experts(ref);
+  if (c.lora) attach_lora(moe, etpn, er), attach_lora(ref, 1, 0);
 
   ly::ForwardContext ctx;
   Tensor ref_y, ref_dx;
@@ -113,6 +151,7 @@ void run_case(comm::Communicator& world, const Case& c) {
     REQUIRE(std::abs(summed(grid.tp(), moe.aux_loss()).item() - ref_aux) <= 1e-5 * std::abs(ref_aux));
     REQUIRE(std::abs(summed(grid.tp(), moe.z_loss()).item() - ref_z) <= 1e-5 * std::abs(ref_z));
   }
+  if (c.lora) return check_lora_grads(grid, moe, ref);
   require_close(summed(world, moe.router_weight().main_grad), ref.router_weight().main_grad, kTol, "router gradient");
   const int64_t off = moe.expert_offset(), el = moe.num_local_experts(), fl = kF / etpn;
   REQUIRE(el == kE / c.ep);
@@ -179,6 +218,17 @@ TEST_CASE("MoELayer with capacity dropping and with every token on two experts e
              {.ep = 4, .imbalanced = true},
              {.ep = 4, .dispatcher = D::AllGather, .imbalanced = true},
              {.tp = 2, .sp = true, .ep = 2, .etp = 1, .imbalanced = true}});
+}
+
+TEST_CASE("LoRA on MoE experts over EP = 1, 2, 4 and expert-TP = 2 equals the single-rank layer",
+          "[layers][mpi][moe][lora]") {
+  run_cases({{.ep = 1, .lora = true},
+             {.ep = 2, .lora = true},
+             {.ep = 4, .losses = true, .lora = true},
+             {.ep = 2, .dispatcher = D::AllGather, .lora = true},
+             {.tp = 1, .ep = 2, .etp = 2, .lora = true},
+             {.tp = 1, .ep = 2, .etp = 2, .dispatcher = D::AllGather, .lora = true},
+             {.tp = 2, .sp = true, .ep = 2, .shared = true, .lora = true}});
 }
 
 TEST_CASE("moe_exchange_counts and moe_exchange_rows: the dispatcher's exchange, uneven and with empty peers",

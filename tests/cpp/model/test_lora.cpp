@@ -1,5 +1,5 @@
-// LoRA on one rank: the adapter parameter count (checked against the real model, then applied to Llama
-// shapes), the frozen base (no base parameter listed or given a gradient buffer), the adapter's
+// LoRA on one rank: the adapter parameter count (checked against the real model, dense and MoE, then applied
+// to Llama shapes), the frozen base (no base parameter listed or given a gradient buffer), the adapter's
 // TP = 1 arithmetic against a direct f64 computation of y = x Wᵀ + s·x Aᵀ Bᵀ and its gradients, and the
 // errors for bad settings.
 #include <cmath>
@@ -63,6 +63,50 @@ TEST_CASE("LoRA trains only the adapters; their count matches the formula and is
     const double frac = double(mdl::lora_parameter_count(l, llama)) / double(mdl::parameter_count(llama).total);
     INFO("trainable fraction " << frac);
     CHECK(frac < 0.01);
+  }
+}
+
+TEST_CASE("LoRA on a MoE model: experts, shared expert and dense layers adapted; count matches the formula",
+          "[lora][moe]") {
+  SoloCommunicator tp;
+  mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+  cfg.num_layers = 3;
+  cfg.num_moe_experts = 4;
+  cfg.moe_router_topk = 2;
+  cfg.moe_layer_freq = 2;  // layers 0 and 2 are MoE, layer 1 dense
+  cfg.moe_ffn_hidden_size = 24;
+  cfg.moe_shared_expert_size = 16;
+  for (const std::vector<std::string>& targets :
+       {std::vector<std::string>{"gate_proj", "up_proj", "down_proj"}, std::vector<std::string>{"q_proj", "w1", "w3", "w2"},
+        std::vector<std::string>{"o_proj", "linear_fc1", "linear_fc2"}, std::vector<std::string>{"w2"}}) {
+    mdl::LoRAConfig l;
+    l.dim = 4;
+    l.target_modules = targets;
+    mdl::GPTModel m(cfg, tp);
+    const size_t all = m.all_parameters().size();
+    m.apply_lora(l);
+    CHECK(trainable(m) == mdl::lora_parameter_count(l, cfg));
+    int experts = 0;
+    for (ly::Parameter* p : m.parameters()) {
+      CHECK(p->name.find(".lora_") != std::string::npos);
+      if (p->name.find(".mlp.experts.") != std::string::npos) {
+        ++experts;
+        CHECK(p->expert);
+        CHECK(p->data.size(0) == 4);
+      }
+    }
+    // Per MoE layer (2 of them): A and B of gate, up and down, or of down alone.
+    CHECK(experts == (targets == std::vector<std::string>{"w2"} ? 4 : 12));
+    ly::MoELayer& moe = *m.layer(0).moe();
+    CHECK(moe.frozen());
+    CHECK_FALSE(moe.router_weight().main_grad.defined());
+    CHECK_FALSE(moe.shared_expert()->fc1().weight().main_grad.defined());
+    CHECK(m.all_parameters().size() == all + m.parameters().size());
+    m.merge_lora();
+    CHECK_FALSE(moe.frozen());
+    CHECK(moe.fc1_lora() == nullptr);
+    CHECK(moe.router_weight().main_grad.defined());
+    CHECK(m.parameters().size() == all);
   }
 }
 
@@ -134,11 +178,20 @@ TEST_CASE("LoRA settings are validated with the fix named", "[lora]") {
   mdl::TransformerConfig moe = llama;
   moe.num_moe_experts = 4;
   moe.moe_router_topk = 2;
-  for (const char* n : {"gate_proj", "down_proj", "linear_fc1"}) {
+  for (const char* n : {"gate_proj", "down_proj", "linear_fc1", "w1", "w2", "w3"}) {
     l.target_modules = {"q_proj", n};
-    CHECK(problems_of(l, moe).find("LoRA adapters on experts are not supported; target the attention only") !=
-          std::string::npos);
+    CHECK(problems_of(l, moe).empty());
   }
+  for (const char* n : {"router", "gate"}) {
+    l.target_modules = {"q_proj", n};
+    CHECK(problems_of(l, moe).find("stays frozen and never gets a LoRA adapter") != std::string::npos);
+  }
+  l.target_modules = {"w1"};
+  CHECK(problems_of(l, llama).find("has no MoE layers") != std::string::npos);
+  moe.moe_ffn_hidden_size = 4;
+  l.target_modules = {"w2"};
+  CHECK(problems_of(l, moe).find("the experts' down_proj's smallest dimension 4") != std::string::npos);
+  moe.moe_ffn_hidden_size = 0;
   l.target_modules = {"q_proj", "o_proj"};
   CHECK(problems_of(l, moe).empty());
   SoloCommunicator tp;
