@@ -199,6 +199,18 @@ void bind_config(pyb::module_& m) {
      pyb::arg("recompute") = RecomputeGranularity::Selective,
      "Saved-activation bytes of one layer on one TP rank, counted tensor by tensor (Korthikanti et al.'s method "
      "for megacore's layer; include/megacore/model/memory.hpp).");
+  m.def("moe_activation_bytes_per_layer", [](const C& c, int64_t seq_len, int64_t micro_batch, int tp, bool sp,
+                                             int act_bytes, RecomputeGranularity rc, int etp) {
+    MoEActivationEstimate e = moe_activation_bytes_per_layer(c, seq_len, micro_batch, tp, sp, act_bytes, rc, etp);
+    pyb::dict d;
+    d["saved"] = e.saved;
+    d["dispatch"] = e.dispatch;
+    return d;
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("micro_batch"), pyb::arg("tp_size") = 1,
+     pyb::arg("sequence_parallel") = false, pyb::arg("act_bytes") = 2,
+     pyb::arg("recompute") = RecomputeGranularity::Selective, pyb::arg("expert_tp_size") = 1,
+     "A MoE layer on one rank (dict): 'saved' activation bytes and the dispatcher's transient 'dispatch' bytes "
+     "(include/megacore/model/memory.hpp).");
 
   pyb::module_ p = m.def_submodule("presets", "Ready-made configs.");
   p.def("tiny_llama", &presets::tiny_llama);

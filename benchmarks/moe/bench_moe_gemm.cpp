@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
                 return ms;
               };
               const bool wgrad = i == 2;  // bf16 -> f32: no cuBLAS grouped kernel, every path loops
-              const ops::GroupedGemmPath chosen = ops::grouped_gemm_choice(setting, sizes, !wgrad);
+              const ops::GroupedGemmPath chosen = ops::grouped_gemm_choice(setting, sizes, l.out_f * l.in_f, !wgrad);
               const double t_auto = on_path(setting);
               const double t_grouped = on_path(ops::GroupedGemmPath::Grouped);
               const double t_loop = on_path(ops::GroupedGemmPath::Loop);

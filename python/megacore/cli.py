@@ -147,9 +147,12 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     MoE models (``num_moe_experts`` > 0): a MoE layer's routed experts are split over EP × expert-TP (``etp``, 0 =
     TP) instead of TP, so a rank holds 1/(EP·expert-TP) of them, and ZeRO-1 shards their optimizer state over
     expert-DP; the rest of the layer (attention, norms, router, shared expert) is counted like a dense layer's.
-    Activations of a MoE layer are counted as a dense layer's (the routed tokens' expert activations, about top-k ×
-    the expert FFN width per token, are not added). The result adds ``moe`` (EP, expert-TP, expert-DP, total and
-    active parameters, expert parameters per GPU).
+    A MoE layer's activations are model.moe_activation_bytes_per_layer's: the attention part as a dense layer's, plus
+    the router's logits and top-k, the routed rows the experts keep (top-k × tokens rows of the input, fc1 output and
+    activation; with a capacity factor c, c × that bound), the expert outputs and the shared expert; ``moe_dispatch``
+    adds the dispatcher's transient buffers once (permuted tokens, the all-to-all receive buffer, expert-TP gathered
+    rows). The result adds ``moe`` (EP, expert-TP, expert-DP, total and active parameters, expert parameters per
+    GPU).
     """
     from . import model as m
     from . import parallel as par
@@ -194,6 +197,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     s, b = seq_length // cp, micro_batch_size
     rc = cfg.recompute_granularity if str(cfg.recompute_granularity).lower().endswith("full") else "selective"
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
+    moe_act = (m.moe_activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc, etp_size)
+               if cfg.num_moe_experts > 0 else {"saved": 0.0, "dispatch": 0.0})
     logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
     q_elems = s * b * cfg.num_attention_heads / tp * cfg.head_dim
     kv_elems = s * b * cfg.query_groups / tp * cfg.head_dim
@@ -226,7 +231,9 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "optimizer": state_bytes * ((stage_params[r] - expert_params[r]) / (dp_cp if zero else 1)
                                + expert_params[r] / (edp if zero else 1)),
             "grad_reduce": reduce_bytes(stage_params[r]),
-            "activations": act_layer * rank_layers[r] * (pp - r),
+            "activations": (act_layer * (rank_layers[r] - rank_moe_layers[r]) + moe_act["saved"] * rank_moe_layers[r])
+                           * (pp - r),
+            "moe_dispatch": moe_act["dispatch"] if rank_moe_layers[r] > 0 else 0.0,
             "logits": logits if r == pp - 1 else 0.0,
             "cp_ring": cp_ring,
         }

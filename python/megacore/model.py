@@ -21,6 +21,7 @@ padded_vocab_size = _m.padded_vocab_size
 parameter_count = _m.parameter_count
 flops_per_token = _m.flops_per_token
 activation_bytes_per_layer = _m.activation_bytes_per_layer
+moe_activation_bytes_per_layer = _m.moe_activation_bytes_per_layer
 presets = _m.presets
 tiny_llama = _m.tiny_llama
 tiny_gpt2 = _m.tiny_gpt2
@@ -32,5 +33,5 @@ mixtral_8x7b = _m.mixtral_8x7b
 __all__ = [
     "TransformerConfig", "RopeScaling", "NormType", "ActivationType", "PositionEmbeddingType",
     "RecomputeGranularity", "RopeScalingType", "GPTModel", "validate", "padded_vocab_size", "parameter_count",
-    "flops_per_token", "activation_bytes_per_layer", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m", "mixtral_8x7b",
+    "flops_per_token", "activation_bytes_per_layer", "moe_activation_bytes_per_layer", "presets", "tiny_llama", "tiny_gpt2", "llama32_1b", "llama3_8b", "gpt2_124m", "mixtral_8x7b",
 ]

@@ -91,26 +91,56 @@ Tensor combine(const Tensor& permuted, const Tensor& map, const Tensor& probs, i
 
 }  // namespace
 
+MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const Tensor& counts, int64_t local_experts,
+                                    comm::Communicator* expert_tp, const Tensor& also, const Stream& s) {
+  const int p = ep.size();
+  const int64_t e = counts.numel();
+  MC_CHECK(local_experts > 0 && e == local_experts * p && counts.dtype() == DType::I64,
+           "moe_exchange_counts: {} expert counts ({}) do not match {} local experts x EP = {}; pass one i64 count per "
+           "global expert",
+           e, dtype_name(counts.dtype()), local_experts, p);
+  const Device dev = counts.device();
+  Tensor recv = counts.contiguous(s);
+  if (p > 1) {
+    recv = Tensor::empty({e}, DType::I64, dev, s);
+    ep.all_to_all(counts.contiguous(s), recv, {}, {}, s)->wait_on(s);
+  }
+  const int chunks = expert_tp ? expert_tp->size() : 1;
+  Tensor layout = recv;
+  if (chunks > 1) {
+    layout = Tensor::empty({chunks * e}, DType::I64, dev, s);
+    expert_tp->all_gather(recv, layout, s)->wait_on(s);
+  }
+  // One transfer to the host: [sent counts ; layout ; also].
+  const int64_t n_also = also.defined() ? also.numel() : 0;
+  Tensor pack = Tensor::empty({e + chunks * e + n_also}, DType::I64, dev, s);
+  pack.narrow(0, 0, e).copy_(counts.contiguous(s).view({e}), s);
+  pack.narrow(0, e, chunks * e).copy_(layout, s);
+  if (n_also > 0) pack.narrow(0, e + chunks * e, n_also).copy_(also.contiguous(s).view({n_also}), s);
+  const std::vector<int64_t> host = to_host_i64(pack, s);
+  MoEExchangePlan plan;
+  plan.send_counts.assign(host.begin(), host.begin() + e);
+  plan.layout.assign(host.begin() + e, host.begin() + e + chunks * e);
+  plan.also.assign(host.begin() + e + chunks * e, host.end());
+  plan.layout_device = layout;
+  const int me = chunks > 1 ? expert_tp->rank() : 0;
+  plan.recv_counts.assign(plan.layout.begin() + me * e, plan.layout.begin() + (me + 1) * e);
+  plan.send_rows.assign(size_t(p), 0);
+  plan.recv_rows.assign(size_t(p), 0);
+  for (int64_t i = 0; i < e; ++i) {
+    plan.send_rows[size_t(i / local_experts)] += plan.send_counts[size_t(i)];
+    plan.recv_rows[size_t(i / local_experts)] += plan.recv_counts[size_t(i)];
+  }
+  return plan;
+}
+
 MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const std::vector<int64_t>& counts, int64_t local_experts,
                                     const Stream& s) {
-  const int p = ep.size();
-  const auto e = int64_t(counts.size());
-  MC_CHECK(local_experts > 0 && e == local_experts * p,
+  MC_CHECK(local_experts > 0 && int64_t(counts.size()) == local_experts * ep.size(),
            "moe_exchange_counts: {} expert counts do not match {} local experts x EP = {}; pass one count per global "
            "expert",
-           e, local_experts, p);
-  MoEExchangePlan plan;
-  plan.send_rows.assign(size_t(p), 0);
-  for (int64_t i = 0; i < e; ++i) plan.send_rows[size_t(i / local_experts)] += counts[size_t(i)];
-  plan.recv_counts = counts;
-  if (p > 1) {
-    Tensor cs = on_device(counts, ep.device(), s), cr = Tensor::empty({e}, DType::I64, ep.device(), s);
-    ep.all_to_all(cs, cr, {}, {}, s)->wait_on(s);
-    plan.recv_counts = to_host_i64(cr, s);
-  }
-  plan.recv_rows.assign(size_t(p), 0);
-  for (int64_t i = 0; i < e; ++i) plan.recv_rows[size_t(i / local_experts)] += plan.recv_counts[size_t(i)];
-  return plan;
+           counts.size(), local_experts, ep.size());
+  return moe_exchange_counts(ep, on_device(counts, ep.device(), s), local_experts, nullptr, Tensor(), s);
 }
 
 // Uneven all-to-all of [rows, h] tensors: `send[p]` rows go to peer p, `recv[p]` rows come from p.
@@ -206,6 +236,7 @@ MoELayer::MoELayer(const MoEGroups& groups, int64_t hidden_size, const MoEOption
   aux_loss_ = Tensor::zeros({1}, DType::F32, dev);
   z_loss_ = Tensor::zeros({1}, DType::F32, dev);
   bias_counts_.assign(size_t(e), 0.0);
+  reset_step_stats();
 }
 
 Tensor MoELayer::to_experts(const Tensor& permuted, const Stream& s) {
@@ -319,73 +350,72 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   Tensor row_map = Tensor::empty({t, k}, DType::I32, dev, s);
   Tensor tpe = Tensor::empty({e}, DType::I64, dev, s);
   ops::moe_permute_map(topk_idx, int(e), row_map, tpe, s);
-  tokens_per_expert_ = to_host_i64(tpe, s);
-  std::vector<int64_t> kept = tokens_per_expert_;
-  Tensor idx = topk_idx;
+  Tensor kept_dev = tpe, idx = topk_idx;  // after capacity: the slots kept and their counts
   if (opts_.capacity_factor > 0) {
     const auto cap = std::max<int64_t>(1, int64_t(std::ceil(opts_.capacity_factor * double(t) * double(k) / double(e))));
     idx = topk_idx.clone(s);
     ops::router_apply_capacity(probs, idx, int(e), cap, s);
-    ops::moe_permute_map(idx, int(e), row_map, tpe, s);
-    kept = to_host_i64(tpe, s);
+    kept_dev = Tensor::empty({e}, DType::I64, dev, s);
+    ops::moe_permute_map(idx, int(e), row_map, kept_dev, s);
   }
-  if (ctx.training && opts_.enable_expert_bias)
-    for (int64_t i = 0; i < e; ++i) bias_counts_[size_t(i)] += double(tokens_per_expert_[size_t(i)]);
 
-  // ---- losses (local; see the header comment)
+  // ---- losses (local; see the header comment), from the device counts
   Tensor tpe_f32;
   aux_loss_ = Tensor::zeros({1}, DType::F32, dev, s);
   z_loss_ = Tensor::zeros({1}, DType::F32, dev, s);
   if (opts_.aux_loss_coeff > 0) {
-    std::vector<float> c(tokens_per_expert_.begin(), tokens_per_expert_.end());
-    tpe_f32 = on_device(c, dev, s);
+    tpe_f32 = tpe.to(DType::F32, s);
     if (tpn > 1) tp.all_reduce(tpe_f32, comm::ReduceOp::Sum, s)->wait_on(s);
     ops::router_aux_loss(logits, ro.score, tpe_f32, t * tpn, int(k), opts_.aux_loss_coeff, aux_loss_, s);
   }
   if (opts_.z_loss_coeff > 0) ops::router_z_loss(logits, opts_.z_loss_coeff / float(tpn), z_loss_, s);
+  if (ctx.training) {
+    ops::accumulate_f32(step_loss_sum_, aux_loss_, s);
+    ops::accumulate_f32(step_loss_sum_, z_loss_, s);
+  }
 
   // ---- dispatch, experts, combine
+  const bool dropping = opts_.capacity_factor > 0;
+  std::vector<int64_t> kept;
+  MoEExchangePlan plan;
+  if (opts_.dispatcher == MoETokenDispatcher::AllToAll) {
+    // Per-expert counts first (recv_counts[q·El + j] = rows of local expert j from EP rank q), gathered over
+    // expert-TP, with the router's counts: the dispatcher's one host sync.
+    comm::Communicator& etp = *g_.expert_tp;
+    plan = moe_exchange_counts(*g_.ep, kept_dev, local_experts_, etp.size() > 1 ? &etp : nullptr,
+                               dropping ? tpe : Tensor(), s);
+    kept = plan.send_counts;
+    tokens_per_expert_ = dropping ? plan.also : plan.send_counts;
+  } else {
+    tokens_per_expert_ = to_host_i64(tpe, s);
+    kept = dropping ? to_host_i64(kept_dev, s) : tokens_per_expert_;
+  }
+  if (ctx.training) {
+    for (int64_t i = 0; i < e; ++i) step_tokens_[size_t(i)] += tokens_per_expert_[size_t(i)];
+    if (opts_.enable_expert_bias)
+      for (int64_t i = 0; i < e; ++i) bias_counts_[size_t(i)] += double(tokens_per_expert_[size_t(i)]);
+  }
   const int64_t n = std::accumulate(kept.begin(), kept.end(), int64_t{0});
   Tensor permuted = Tensor::empty({n, hidden_}, xt.dtype(), dev, s);
   if (n > 0) ops::moe_permute(xt, row_map, permuted, s);
   Tensor expert_out, y;
   if (opts_.dispatcher == MoETokenDispatcher::AllToAll) {
-    comm::Communicator& ep = *g_.ep;
-    comm::Communicator& etp = *g_.expert_tp;
     const int64_t el = local_experts_;
-    // Per-expert counts first: recv_counts[q·El + j] = rows of local expert j coming from EP rank q.
-    MoEExchangePlan plan = moe_exchange_counts(ep, kept, el, s);
     send_rows_ = std::move(plan.send_rows);
     recv_rows_ = std::move(plan.recv_rows);
-    const std::vector<int64_t>& recv_counts = plan.recv_counts;
     recv_total_ = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
-    // With expert-TP, every shard of an expert needs all of its tokens: gather over expert-TP (padded).
-    std::vector<int64_t> layout = recv_counts;  // per gathered chunk: counts in (source, local expert) order
-    int chunks = 1;
-    pad_rows_ = recv_total_;
-    if (etp.size() > 1) {
-      Tensor cs = on_device(recv_counts, etp.device(), s), cg = Tensor::empty({etp.size() * e}, DType::I64, etp.device(), s);
-      etp.all_gather(cs, cg, s)->wait_on(s);
-      layout = to_host_i64(cg, s);
-      chunks = etp.size();
-      pad_rows_ = 0;
-      for (int c = 0; c < chunks; ++c)
-        pad_rows_ = std::max(pad_rows_, std::accumulate(layout.begin() + c * e, layout.begin() + (c + 1) * e, int64_t{0}));
-    }
-    // Sort the received rows by local expert (stable: chunk, source rank, row).
+    // With expert-TP every shard of an expert needs all of its tokens: the rows are gathered over expert-TP,
+    // each rank's padded to the largest rank's count. layout holds the counts per gathered chunk.
+    const std::vector<int64_t>& layout = plan.layout;
+    const auto chunks = int64_t(layout.size()) / e;
+    pad_rows_ = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+      pad_rows_ = std::max(pad_rows_, std::accumulate(layout.begin() + c * e, layout.begin() + (c + 1) * e, int64_t{}));
     group_sizes_.assign(size_t(el), 0);
     for (size_t i = 0; i < layout.size(); ++i) group_sizes_[i % size_t(el)] += layout[i];
-    std::vector<int64_t> start(size_t(el), 0);
-    for (int64_t j = 1; j < el; ++j) start[size_t(j)] = start[size_t(j - 1)] + group_sizes_[size_t(j - 1)];
-    std::vector<int32_t> map(size_t(chunks * pad_rows_), -1);
-    for (int c = 0; c < chunks; ++c) {
-      int64_t row = c * pad_rows_;
-      for (int64_t i = 0; i < e; ++i) {
-        const int64_t j = i % el;
-        for (int64_t r = 0; r < layout[size_t(c * e + i)]; ++r) map[size_t(row++)] = int32_t(start[size_t(j)]++);
-      }
-    }
-    sort_map_ = on_device(map, dev, s).view({int64_t(map.size()), 1});
+    // Received rows → sorted by local expert, built on the device from the device layout (no host copy).
+    sort_map_ = Tensor::empty({chunks * pad_rows_, 1}, DType::I32, dev, s);
+    ops::moe_sort_map(plan.layout_device, el, pad_rows_, sort_map_, s);
     expert_out = from_experts(experts_forward(ctx, to_experts(permuted, s), group_sizes_), s);
     y = combine(expert_out, row_map, probs, t, s);
   } else {
@@ -494,6 +524,11 @@ double MoELayer::load_imbalance() const {
   if (total == 0) return 0.0;
   const double mx = double(*std::max_element(tokens_per_expert_.begin(), tokens_per_expert_.end()));
   return mx / (total / double(tokens_per_expert_.size()));
+}
+
+void MoELayer::reset_step_stats(const Stream& s) {
+  step_loss_sum_ = Tensor::zeros({1}, DType::F32, opts_.device, s);
+  step_tokens_.assign(size_t(opts_.num_experts), 0);
 }
 
 void MoELayer::update_expert_bias(comm::Communicator& dp, const Stream& s) {

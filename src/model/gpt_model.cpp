@@ -540,10 +540,55 @@ double GPTModel::moe_aux_loss() const {
   return sum;
 }
 
-double GPTModel::moe_load_imbalance() const {
-  double worst = 0;
-  for (ly::MoELayer* m : const_cast<GPTModel*>(this)->moe_layers()) worst = std::max(worst, m->load_imbalance());
-  return worst;
+void GPTModel::reset_moe_step_stats(const Stream& s) {
+  for (ly::MoELayer* m : moe_layers()) m->reset_step_stats(s);
+}
+
+MoEStepMetrics moe_step_metrics(const std::vector<GPTModel*>& chunks, const parallel::ProcessGrid& grid,
+                                int64_t micro_batches, const Stream& s) {
+  MoEStepMetrics out;
+  if (chunks.empty() || !chunks.front()->config().is_moe()) return out;
+  const TransformerConfig& cfg = chunks.front()->config();
+  MC_CHECK(micro_batches > 0, "moe_step_metrics: micro_batches is {}; pass the step's forwards per chunk (>= 1)",
+           micro_batches);
+  // Slot of each global MoE layer: every rank fills the layers it holds, zeros elsewhere, and the sums over
+  // the world add every stage's layers and every rank's tokens (each rank routes its own tokens).
+  std::vector<int64_t> slot(size_t(cfg.num_layers), -1);
+  int64_t layers = 0;
+  for (int64_t i = 0; i < cfg.num_layers; ++i)
+    if (cfg.is_moe_layer(i)) slot[size_t(i)] = layers++;
+  const int64_t e = cfg.num_moe_experts;
+  comm::Communicator& world = grid.world();
+  const Device dev = world.device();
+  Tensor loss = Tensor::zeros({layers}, DType::F32, dev, s);
+  std::vector<int64_t> counts(size_t(layers * e), 0);
+  for (GPTModel* ch : chunks) {
+    const std::vector<int64_t>& idx = ch->layer_indices();
+    for (size_t j = 0; j < idx.size(); ++j) {
+      ly::MoELayer* m = ch->layer(int64_t(j)).moe();
+      if (!m) continue;
+      const int64_t l = slot[size_t(idx[j])];
+      loss.narrow(0, l, 1).copy_(m->step_loss_sum().to(dev, s), s);
+      const std::vector<int64_t>& c = m->step_tokens_per_expert();
+      std::copy(c.begin(), c.end(), counts.begin() + l * e);
+    }
+  }
+  Tensor ct = Tensor::from_vector(counts, {layers * e});
+  if (dev != Device::cpu()) ct = ct.to(dev, s);
+  world.all_reduce(loss, comm::ReduceOp::Sum, s)->wait_on(s);
+  world.all_reduce(ct, comm::ReduceOp::Sum, s)->wait_on(s);
+  const std::vector<double> lh = loss.to(Device::cpu(), s).to_double_vector();
+  const std::vector<double> ch = ct.to(Device::cpu(), s).to_double_vector();
+  // Σ over the world of a layer's loss sums = Σ over DP×CP replicas and micro-batches of the loss of the
+  // micro-batch's tokens (a TP group's local losses add up to its tokens' loss).
+  const double per = double(micro_batches) * double(grid.dp_cp().size());
+  for (int64_t l = 0; l < layers; ++l) {
+    out.aux_loss += lh[size_t(l)] / per / double(layers);
+    double total = 0, mx = 0;
+    for (int64_t i = 0; i < e; ++i) total += ch[size_t(l * e + i)], mx = std::max(mx, ch[size_t(l * e + i)]);
+    if (total > 0) out.load_imbalance = std::max(out.load_imbalance, mx / (total / double(e)));
+  }
+  return out;
 }
 
 void GPTModel::set_moe_aux_loss_grad_scale(float s) {

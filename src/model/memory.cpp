@@ -1,5 +1,7 @@
 #include "megacore/model/memory.hpp"
 
+#include <algorithm>
+
 namespace megacore::model {
 
 ActivationEstimate activation_bytes_per_layer(const TransformerConfig& cfg, int64_t seq_len, int64_t micro_batch,
@@ -23,6 +25,33 @@ ActivationEstimate activation_bytes_per_layer(const TransformerConfig& cfg, int6
     e.sharded = head_terms + lse + (sequence_parallel ? seq_terms / t : 0);
   }
   e.total = e.replicated + e.sharded;
+  return e;
+}
+
+MoEActivationEstimate moe_activation_bytes_per_layer(const TransformerConfig& cfg, int64_t seq_len, int64_t micro_batch,
+                                                     int tp_size, bool sequence_parallel, int act_bytes,
+                                                     RecomputeGranularity recompute, int expert_tp_size) {
+  const ActivationEstimate dense =
+      activation_bytes_per_layer(cfg, seq_len, micro_batch, tp_size, sequence_parallel, act_bytes, recompute);
+  MoEActivationEstimate e;
+  const double tokens = double(seq_len) * double(micro_batch), t = tp_size, a = act_bytes, h = double(cfg.hidden_size);
+  const double k = double(cfg.moe_router_topk), experts = double(cfg.num_moe_experts), etp = expert_tp_size;
+  const double routed = tokens / t;  // each TP rank routes its share
+  const double load = cfg.moe_expert_capacity_factor > 0 ? cfg.moe_expert_capacity_factor : 1.0;
+  const double sent = routed * k * std::min(1.0, load), recv = routed * k * load;
+  e.dispatch = (sent + recv + (etp > 1 ? recv * etp : 0)) * h * a;
+  if (recompute == RecomputeGranularity::Full) {
+    e.saved = dense.total;
+    return e;
+  }
+  const bool swiglu = cfg.activation == ActivationType::SwiGLU;
+  const double f = double(cfg.ffn_size()), fe = double(cfg.moe_ffn_size()), fs = double(cfg.moe_shared_expert_size);
+  const double mlp = tokens * ((swiglu ? 2 * f : f) + f) * a / t;  // the dense MLP's fc1 output and fc2 input
+  const double router = routed * experts * 4 + 3 * routed * k * 4;
+  const double experts_b = recv * etp * h * a + recv * ((swiglu ? 2 * fe : fe) + fe) * a + recv * etp * 4;
+  const double combine = sent * h * a + (t > 1 && !sequence_parallel ? routed * h * a : 0);
+  const double shared = tokens * ((swiglu ? 2 * fs : fs) + fs) * a / t;
+  e.saved = dense.total - mlp + router + experts_b + combine + shared;
   return e;
 }
 

@@ -459,6 +459,55 @@ void moe_permute_map(const Tensor& indices, int num_experts, Tensor& row_map, Te
 #endif
 }
 
+void moe_sort_map(const Tensor& layout, int64_t local_experts, int64_t pad_rows, Tensor& map, const Stream& s) {
+  constexpr const char* op = "moe_sort_map";
+  const Device d = layout.device();
+  detail::check_dtype(layout, DType::I64, op, "layout");
+  detail::check_contiguous(layout, op, "layout");
+  MC_CHECK(layout.dim() == 1 && layout.numel() > 0, "{}: layout must be [chunks · experts], got shape {}", op,
+           shape_str(layout.shape()));
+  MC_CHECK(local_experts >= 1 && pad_rows >= 0, "{}: local_experts {} must be >= 1 and pad_rows {} >= 0", op,
+           local_experts, pad_rows);
+  MC_CHECK(map.defined() && map.dim() == 2 && map.size(1) == 1, "{}: map must be [chunks · pad_rows, 1], got {}", op,
+           map.defined() ? shape_str(map.shape()) : std::string("undefined"));
+  const int64_t n = layout.numel(), rows = map.size(0);
+  const int64_t chunks = pad_rows > 0 ? rows / pad_rows : 1;
+  MC_CHECK(pad_rows > 0 ? rows % pad_rows == 0 && chunks > 0 && n % chunks == 0 : rows == 0,
+           "{}: map has {} rows; it must be chunks · pad_rows ({} per chunk), chunks dividing the {} layout entries",
+           op, rows, pad_rows, n);
+  const int64_t e = n / chunks;
+  MC_CHECK(e % local_experts == 0, "{}: {} experts per chunk are not a multiple of {} local experts", op, e,
+           local_experts);
+  check_i32(map, {rows, 1}, d, op, "map");
+  MC_CHECK(rows <= std::numeric_limits<int32_t>::max(), "{}: {} rows do not fit the i32 map", op, rows);
+  if (rows == 0) return;
+  if (d.is_cpu()) {
+    const int64_t* lay = layout.data<int64_t>();
+    int32_t* out = map.data<int32_t>();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t held = std::accumulate(lay + c * e, lay + (c + 1) * e, int64_t{0});
+      MC_CHECK(held <= pad_rows, "{}: chunk {} holds {} rows, more than pad_rows {}", op, c, held, pad_rows);
+    }
+    std::fill(out, out + rows, -1);
+    // Start of each local expert in the sorted rows, then the rows in (chunk, source, row) order.
+    std::vector<int64_t> next(size_t(local_experts), 0);
+    for (int64_t i = 0; i < n; ++i) next[size_t(i % local_experts)] += lay[i];
+    std::exclusive_scan(next.begin(), next.end(), next.begin(), int64_t{0});
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t row = c * pad_rows;
+      for (int64_t i = 0; i < e; ++i)
+        for (int64_t r = 0; r < lay[c * e + i]; ++r) out[row++] = int32_t(next[size_t(i % local_experts)]++);
+    }
+    return;
+  }
+  void* stream = detail::launch_stream(s, d, op);
+#if MEGACORE_WITH_CUDA
+  cuda::moe_sort_map(layout.data<int64_t>(), chunks, e, local_experts, pad_rows, map.data<int32_t>(), d.index, stream);
+#else
+  (void)stream;
+#endif
+}
+
 namespace {
 
 /// Checks a [T, k] row map against x [T, H] and a permuted [N, H] of x's dtype; returns (T, k, H, N).
@@ -734,7 +783,7 @@ GroupedGemmPath path_from_env() {
 #if MEGACORE_WITH_CUDA
 /// Says once per op and path which CUDA path the grouped GEMM takes and why.
 void log_path_once(const char* op, GroupedGemmPath setting, GroupedGemmPath path, bool supported, DType in,
-                   DType out, std::span<const int64_t> sizes) {
+                   DType out, std::span<const int64_t> sizes, int64_t macs_per_row) {
   const char* name = path == GroupedGemmPath::Grouped ? "one cuBLAS grouped launch" : "one cuBLASLt GEMM per group";
   std::string why;
   if (!supported) {
@@ -744,8 +793,9 @@ void log_path_once(const char* op, GroupedGemmPath setting, GroupedGemmPath path
   } else {
     int64_t rows = 0, used = 0;
     for (int64_t r : sizes) rows += r, used += r > 0;
-    why = fmt::format("auto: {} rows over {} groups with rows, {} {} rows per group on average", rows, used,
-                      path == GroupedGemmPath::Grouped ? "fewer than" : "at least", kGroupedGemmMaxMeanRows);
+    why = fmt::format("auto: {} rows of {} multiply-adds over {} groups with rows, {} 2^30 multiply-adds per group "
+                      "on average",
+                      rows, macs_per_row, used, path == GroupedGemmPath::Grouped ? "fewer than" : "at least");
   }
   log_once(LogLevel::Info, fmt::format("{}:path:{}:{}", op, grouped_gemm_path_name(path), supported), "ops",
            fmt::format("{}: {} ({})", op, name, why));
@@ -801,8 +851,10 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
     const GroupedGemmPath setting = grouped_gemm_path();
     // cuBLAS documents grouped kernels for A = B = C only.
     const bool supported = a.dtype() == out.dtype();
-    const GroupedGemmPath path = grouped_gemm_choice(setting, sizes, supported);
-    log_path_once(op, setting, path, supported, a.dtype(), out.dtype(), sizes);
+    // Multiply-adds per row: forward/dgrad a's features × the output's, wgrad dy's × x's.
+    const int64_t macs_per_row = a.size(1) * (wgrad ? b.size(1) : out.size(1));
+    const GroupedGemmPath path = grouped_gemm_choice(setting, sizes, macs_per_row, supported);
+    log_path_once(op, setting, path, supported, a.dtype(), out.dtype(), sizes, macs_per_row);
     if (path == GroupedGemmPath::Grouped) {
       if (grouped_cuda(kind, a, b, off, out, beta, s)) {
         if (wgrad) scale_empty_groups(off, out, beta, s);
@@ -847,13 +899,16 @@ GroupedGemmPath grouped_gemm_path() {
 
 void set_grouped_gemm_path(GroupedGemmPath path) { path_setting().store(int(path)); }
 
-GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes,
+GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes, int64_t macs_per_row,
                                     bool grouped_supported) {
   if (!grouped_supported) return GroupedGemmPath::Loop;
   if (path != GroupedGemmPath::Auto) return path;
   int64_t rows = 0, used = 0;
   for (int64_t r : group_sizes) rows += r, used += r > 0;
-  return used > 0 && rows < kGroupedGemmMaxMeanRows * used ? GroupedGemmPath::Grouped : GroupedGemmPath::Loop;
+  // Mean multiply-adds per group with rows < the bound, in doubles (rows · M · K overflows nothing there).
+  return used > 0 && double(rows) * double(macs_per_row) < double(kGroupedGemmMaxMeanMacs) * double(used)
+             ? GroupedGemmPath::Grouped
+             : GroupedGemmPath::Loop;
 }
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& y,

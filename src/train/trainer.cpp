@@ -275,7 +275,10 @@ StepMetrics Trainer::Impl::train_step() {
   Event ev_begin(true), ev_compute(true);
   if (time_compute && is_cuda()) ev_begin.record(ctx.stream);
   // The MoE aux/z-loss gradients carry the LM loss's scaling: the loss scale over the micro-batches.
-  for (auto& ch : parts.chunks) ch->set_moe_aux_loss_grad_scale(float(loss_scale / double(mbs.size())));
+  for (auto& ch : parts.chunks) {
+    ch->set_moe_aux_loss_grad_scale(float(loss_scale / double(mbs.size())));
+    ch->reset_moe_step_stats(ctx.stream);
+  }
   pipeline::StepResult sr = parts.engine->step(ctx, mbs, float(loss_scale));
   op.notify_tied_grads();
   double compute_s = 0;
@@ -313,15 +316,12 @@ StepMetrics Trainer::Impl::train_step() {
     // Aux-loss-free balancing moves the expert biases after the update (a no-op unless enabled).
     if (!st.skipped)
       for (auto& ch : parts.chunks) ch->update_expert_bias(grid().dp_cp(), ctx.stream);
-    // The step's aux loss (Σ over TP and stages, mean over DP × CP) and the worst load imbalance.
-    double aux = 0, imbalance = 0;
-    for (auto& ch : parts.chunks) aux += ch->moe_aux_loss(), imbalance = std::max(imbalance, ch->moe_load_imbalance());
-    Tensor a = Tensor::from_vector<float>({float(aux / double(grid().dp_cp().size()))}, {1}).to(device(), ctx.stream);
-    Tensor b = Tensor::from_vector<float>({float(imbalance)}, {1}).to(device(), ctx.stream);
-    world.all_reduce(a, comm::ReduceOp::Sum, ctx.stream)->wait();
-    world.all_reduce(b, comm::ReduceOp::Max, ctx.stream)->wait();
-    moe_aux_loss = a.to(Device::cpu(), ctx.stream).item();
-    moe_imbalance = b.to(Device::cpu(), ctx.stream).item();
+    // The step's aux loss per MoE layer (mean over layers, micro-batches and DP × CP) and load imbalance.
+    std::vector<mdl::GPTModel*> chunks;
+    for (auto& ch : parts.chunks) chunks.push_back(ch.get());
+    const mdl::MoEStepMetrics mm = mdl::moe_step_metrics(chunks, grid(), int64_t(mbs.size()), ctx.stream);
+    moe_aux_loss = mm.aux_loss;
+    moe_imbalance = mm.load_imbalance;
   }
   StepMetrics m;
   m.moe_aux_loss = moe_aux_loss;

@@ -1,6 +1,8 @@
 """MoE training on CPU ranks: the acceptance command `megacore train --recipe tiny_moe --cpu --set parallel.ep=2`
 trains (the loss falls, the step log shows the aux loss and the load imbalance) and its first losses equal the
-same recipe at EP = 1; the mixtral_8x7b preset has Mixtral-8x7B's shapes.
+same recipe at EP = 1; so does PP 2 × EP 2 (4 ranks: 2 stages, DP 2, experts over 2 EP ranks), whose logged aux
+loss and load imbalance also equal EP 1's (both are over the step's micro-batches, which are the same sample groups
+at DP 4 and DP 2, and over every stage's MoE layers); the mixtral_8x7b preset has Mixtral-8x7B's shapes.
 
 Tolerance: EP = 2 computes the EP = 1 model's f32 math in another order (tokens exchanged by all-to-all and
 grouped per expert, expert gradients summed over expert-DP instead of DP), so the losses agree to f32
@@ -47,7 +49,7 @@ def _run(tmp_path, name, steps, *sets, gpus=0):
 
 
 @needs_mpi
-def test_tiny_moe_ep2_trains_and_matches_ep1(tmp_path):
+def test_tiny_moe_ep2_and_pp2_ep2_train_and_match_ep1(tmp_path):
     # The same length for both: the sample order and the LR schedule depend on trainer.max_steps.
     out2, rows2 = _run(tmp_path, "ep2", STEPS, "--set", "parallel.ep=2")
     assert "aux loss" in out2 and "load max/mean" in out2
@@ -62,6 +64,10 @@ def test_tiny_moe_ep2_trains_and_matches_ep1(tmp_path):
         assert abs(a - b) <= REL_TOL * abs(b), (losses2, losses1)
     assert [r["grad_norm"] for r in rows2] == pytest.approx([r["grad_norm"] for r in rows1], rel=REL_TOL)
     print("tiny_moe losses, EP 2:", losses2, "EP 1:", losses1)
+    _, rows_pp = _run(tmp_path, "pp2ep2", STEPS, "--set", "parallel.pp=2", "--set", "parallel.ep=2")
+    assert len(rows_pp) == STEPS
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_imbalance"):
+        assert [r[key] for r in rows_pp] == pytest.approx([r[key] for r in rows1], rel=REL_TOL), key
 
 
 GPU_REL_TOL = 2e-2
@@ -107,6 +113,16 @@ def test_plan_shows_expert_groups_and_moe_memory(capsys):
     dense_part = 32 * (c["per_moe_layer"] - c["per_moe_layer_experts"]) / 2
     assert abs(r["stage_params"][0] - dense_part - e["expert_params_per_gpu"][0]
                - (c["embedding"] + c["output_layer"] + c["final_norm"]) / 2) < 1
+    # Every Mixtral layer is a MoE layer: its activations are the MoE count (router, routed rows through the experts,
+    # expert outputs), well above a dense layer's, and the dispatcher's transient buffers are added once.
+    from megacore import model as mm
+    rc = r["config"].recompute_granularity
+    rc = rc if str(rc).lower().endswith("full") else "selective"  # what plan counts with
+    moe = mm.moe_activation_bytes_per_layer(r["config"], 4096, 1, 2, True, 2, rc, 2)
+    dense = mm.activation_bytes_per_layer(r["config"], 4096, 1, 2, True, 2, rc)
+    assert r["memory_bytes"]["activations"] == pytest.approx(32 * moe["saved"])
+    assert moe["saved"] > 1.3 * dense["total"]
+    assert r["memory_bytes"]["moe_dispatch"] == moe["dispatch"] > 0
     assert cli.main(["plan", "--recipe", "tiny_moe", "--set", "parallel.ep=2", "--no-table"]) == 0
     out = capsys.readouterr().out
     assert "expert groups EP 2 × expert-TP 1 × expert-DP 2" in out and "B active per token" in out

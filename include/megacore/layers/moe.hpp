@@ -113,15 +113,32 @@ struct MoEGroups {
 
 /// The all-to-all dispatcher's plan for one forward: rows this rank sends to and receives from each EP peer.
 struct MoEExchangePlan {
+  /// [E]: rows this rank sends to each global expert (the counts passed in, on the host).
+  std::vector<int64_t> send_counts;
   /// [E]: recv_counts[q·El + j] = rows of local expert j coming from EP rank q (El = local experts).
   std::vector<int64_t> recv_counts;
   /// [EP]: rows sent to / received from each EP rank (the forward token all-to-all's splits; backward reverses them).
   std::vector<int64_t> send_rows, recv_rows;
+  /// With an expert-TP group: [ETP·E], every expert-TP rank's recv_counts in rank order (the layout of the rows
+  /// gathered over expert-TP); without one, recv_counts. `layout_device` holds it on the counts' device (for
+  /// ops::moe_sort_map).
+  std::vector<int64_t> layout;
+  Tensor layout_device;
+  /// The `also` tensor's values (copied to the host with the counts).
+  std::vector<int64_t> also;
 };
 
-/// The dispatcher's count exchange, as MoELayer runs it: `counts` [E] are this rank's rows per global expert
-/// (expert i lives on EP rank i / local_experts); an all-to-all of E integers over `ep`, waited on the host.
-/// Collective over ep. Throws ValueError when counts.size() != local_experts · EP.
+/// The dispatcher's count exchange, as MoELayer runs it: `counts` i64 [E] on ep's device are this rank's rows
+/// per global expert (expert i lives on EP rank i / local_experts). An all-to-all of E integers over `ep`,
+/// then (with `expert_tp` of more than one rank) an all-gather of the received counts over it, all on the
+/// device; then ONE host copy of the sent counts, the layout and `also` (optional i64 values the caller needs
+/// on the host too) — the dispatcher's only host synchronisation: the uneven all-to-all needs its splits on
+/// the host, as in Megatron-Core. Collective over ep (and expert_tp). Throws ValueError when counts has not
+/// local_experts · EP entries.
+MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const Tensor& counts, int64_t local_experts,
+                                    comm::Communicator* expert_tp = nullptr, const Tensor& also = {},
+                                    const Stream& s = {});
+/// The same from host counts (uploaded first).
 MoEExchangePlan moe_exchange_counts(comm::Communicator& ep, const std::vector<int64_t>& counts, int64_t local_experts,
                                     const Stream& s = {});
 
@@ -158,6 +175,14 @@ class MoELayer {
   const std::vector<int64_t>& tokens_per_expert() const { return tokens_per_expert_; }
   /// max/mean of tokens_per_expert (1 = perfectly balanced); 0 before the first forward.
   double load_imbalance() const;
+  /// Sum of aux_loss() + z_loss() over the training forwards since the last reset_step_stats(), f32 [1] on
+  /// the layer's device (added on the stream, no host sync); under full recompute each micro-batch counts once.
+  const Tensor& step_loss_sum() const { return step_loss_sum_; }
+  /// Tokens routed to each global expert (before dropping) by this rank's training forwards since the last
+  /// reset_step_stats(), [E].
+  const std::vector<int64_t>& step_tokens_per_expert() const { return step_tokens_; }
+  /// Starts a new step's sums (the trainer calls it before each step's micro-batches).
+  void reset_step_stats(const Stream& s = {});
   /// Multiplies the aux/z-loss gradients in backward (e.g. 1 / micro-batches when the main loss is averaged
   /// over them, as Megatron-Core's MoEAuxLossAutoScaler).
   void set_aux_loss_grad_scale(float s) { aux_grad_scale_ = s; }
@@ -231,6 +256,8 @@ class MoELayer {
 
   Tensor aux_loss_, z_loss_;
   std::vector<int64_t> tokens_per_expert_;
+  Tensor step_loss_sum_;            // f32 [1]: Σ (aux + z) over the step's training forwards
+  std::vector<int64_t> step_tokens_;  // [E]: tokens per expert over the step's training forwards
   std::vector<double> bias_counts_;  // tokens per expert since the last update_expert_bias
 };
 

@@ -199,9 +199,8 @@ class GPTModel {
   /// their coefficients); 0 without MoE layers. Summed over TP (and averaged over DP) they are the
   /// model's auxiliary losses; their gradients are added by each MoE layer's backward.
   double moe_aux_loss() const;
-  /// max/mean tokens per expert of the last forward, the largest over this chunk's MoE layers (1 =
-  /// balanced; 0 without MoE layers).
-  double moe_load_imbalance() const;
+  /// Starts a new step's MoE statistics (MoELayer::reset_step_stats of every MoE layer; see moe_step_metrics).
+  void reset_moe_step_stats(const Stream& s = {});
   /// Scales the aux/z-loss gradients of every MoE layer (loss scale / micro-batches, as the LM loss's).
   void set_moe_aux_loss_grad_scale(float s);
   /// After the optimizer step: every MoE layer's expert-bias update (collective over TP and `dp`).
@@ -268,5 +267,22 @@ class GPTModel {
   double loss_tokens_ = 0;
   bool has_forward_ = false;
 };
+
+/// A training step's MoE metrics, the same on every rank (the step log's "aux loss" and "load max/mean").
+struct MoEStepMetrics {
+  /// Switch aux loss + z-loss (coefficients applied) of one MoE layer, as Megatron-Core logs
+  /// load_balancing_loss: the mean over the model's MoE layers (every pipeline stage's), over the step's
+  /// micro-batches and over the DP×CP replicas, of the loss of a micro-batch's tokens.
+  double aux_loss = 0;
+  /// max/mean tokens per expert, the tokens being every token routed in the step (all micro-batches, all
+  /// ranks) before dropping; the largest over the MoE layers (1 = balanced).
+  double load_imbalance = 0;
+};
+
+/// The MoE metrics of the training forwards since the chunks' last reset_moe_step_stats(), from every
+/// rank's MoE layers (`chunks`: this rank's model chunks, `micro_batches`: forwards per chunk in the step).
+/// Collective over grid.world() (two all-reduces and a host copy); all zero for a dense model.
+MoEStepMetrics moe_step_metrics(const std::vector<GPTModel*>& chunks, const parallel::ProcessGrid& grid,
+                                int64_t micro_batches, const Stream& s = {});
 
 }  // namespace megacore::model

@@ -38,4 +38,35 @@ ActivationEstimate activation_bytes_per_layer(const TransformerConfig& cfg, int6
                                               int tp_size, bool sequence_parallel, int act_bytes,
                                               RecomputeGranularity recompute);
 
+/// A MoE layer (layers::MoELayer in place of the MLP) on one rank: `saved` the bytes kept for backward,
+/// `dispatch` the dispatcher's transient buffers during its forward (freed before the next layer runs;
+/// count them once, not per layer or micro-batch).
+///
+/// Saved, besides the attention and norm terms of the dense count (activation_bytes_per_layer without
+/// its fc1 output and fc2 input): with T tokens routed on this rank (s·b, divided by TP when TP > 1: with
+/// or without SP each TP rank routes its share), k = top-k, E experts, F the expert FFN width, expert-TP
+/// `etp`, N = T·k dispatched rows and R = T·k·load rows received by this rank's experts:
+///   router logits             T·E, f32
+///   top-k probs, indices, row map  3·T·k × 4 bytes
+///   expert inputs (sorted)    R·etp rows of h (expert-TP gathers every shard's rows)
+///   fc1 output                R·2F (SwiGLU) or R·F   (each of R·etp rows holds fc1/etp)
+///   activation (fc2 input)    R·F
+///   sort map                  R·etp × 4 bytes
+///   expert outputs            N rows of h (the combine's input)
+///   routed tokens copy        T rows of h when TP > 1 without SP (the split of the replicated input)
+///   shared expert             its fc1 output and activation, as a dense MLP of that width over TP
+/// load = 1 for dropless routing (the expected rows with balanced experts; a rank can receive up to EP
+/// times more under full imbalance); with a capacity factor c > 0 the rows a rank receives are at most
+/// E·ceil(c·T·k/E) ≈ c·T·k, so load = c (and N ≤ T·k). Full recompute keeps only the layer input, as for
+/// a dense layer.
+/// Dispatch (transient): the permuted tokens (N rows of h), the all-to-all receive buffer (R rows) and,
+/// with etp > 1, the expert-TP gathered rows (R·etp).
+struct MoEActivationEstimate {
+  double saved = 0;
+  double dispatch = 0;
+};
+MoEActivationEstimate moe_activation_bytes_per_layer(const TransformerConfig& cfg, int64_t seq_len, int64_t micro_batch,
+                                                     int tp_size, bool sequence_parallel, int act_bytes,
+                                                     RecomputeGranularity recompute, int expert_tp_size = 1);
+
 }  // namespace megacore::model

@@ -87,6 +87,16 @@ void router_z_loss_backward(const Tensor& logits, float coeff, float dloss, Tens
 void moe_permute_map(const Tensor& indices, int num_experts, Tensor& row_map, Tensor& tokens_per_expert,
                      const Stream& s = {});
 
+/// The all-to-all dispatcher's sort map, built where the layout lives (a kernel on CUDA, no host copy).
+/// Received rows come in `chunks` blocks of `pad_rows` rows (one block per expert-TP rank after the
+/// gather; one block without expert-TP); inside block c the rows are grouped by source EP rank q, then
+/// local expert j: layout i64 [chunks · E] (in), layout[c·E + q·El + j] = rows of local expert j from q
+/// in block c (E = EP · El, El = `local_experts`), the block's rows first, padding after. map i32
+/// [chunks · pad_rows, 1] (out): the row's position once sorted by local expert (stable: block, source,
+/// row order kept inside an expert), -1 for padding rows. The caller knows pad_rows (>= every block's
+/// row count) from its host copy of the counts.
+void moe_sort_map(const Tensor& layout, int64_t local_experts, int64_t pad_rows, Tensor& map, const Stream& s = {});
+
 /// permuted[row_map[t, j]] = x[t]. x [T, H] (in), permuted [N, H] (out, x's dtype, N = kept slots),
 /// any float dtype. Rows of permuted that no slot maps to are left as they are.
 void moe_permute(const Tensor& x, const Tensor& row_map, Tensor& permuted, const Stream& s = {});
@@ -127,21 +137,26 @@ void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64
 ///            keep cuBLASLt's heuristic kernel (no timed autotuning: the row counts change every step).
 ///   Grouped: all groups in one cublasGemmGroupedBatchedEx launch. cuBLAS has no grouped kernel for
 ///            16-bit inputs into an f32 output (wgrad into the main grad): that case runs Loop.
-///   Auto:    Grouped when the groups with rows average fewer than kGroupedGemmMaxMeanRows rows (many
-///            small products, where launching one per group costs more than the grouped kernel loses),
-///            else Loop (the per-group cuBLASLt products reach the dense GEMM's speed; the grouped
-///            kernel reaches 35-46 % of it with 1024+ rows per group on H200).
+///   Auto:    Grouped when the groups with rows average fewer than kGroupedGemmMaxMeanMacs multiply-adds
+///            (rows · M · K per group: many small products, where launching one per group costs more than
+///            the grouped kernel loses), else Loop (the per-group cuBLASLt products reach the dense GEMM's
+///            speed; the grouped kernel reaches 35-46 % of it with 1024+ rows per group on H200). The
+///            work per group, not its rows, decides: on H200 (benchmarks/results/moe_gemm_NVIDIA_H200.json)
+///            256 rows of a 2048×1408 product (0.74 G MACs) ran 1.4-1.6× faster grouped, 256 rows of
+///            2816×2048 (1.48 G) 1.1× faster looped; the bound sits between them.
 /// The first call of each op says once in the log which path it takes and why.
 enum class GroupedGemmPath { Auto, Loop, Grouped };
-inline constexpr int64_t kGroupedGemmMaxMeanRows = 256;
+inline constexpr int64_t kGroupedGemmMaxMeanMacs = int64_t(1) << 30;
 
 /// The path setting: set_grouped_gemm_path's last value, else MEGACORE_MOE_GEMM (auto, loop or grouped;
 /// read once; another value is a ConfigError naming the accepted ones), else Auto.
 GroupedGemmPath grouped_gemm_path();
 void set_grouped_gemm_path(GroupedGemmPath path);
 /// The path a CUDA call with these group sizes takes under `path` (Auto resolved to Loop or Grouped;
-/// wgrad into an f32 output from 16-bit inputs is always Loop).
-GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes,
+/// wgrad into an f32 output from 16-bit inputs is always Loop). `macs_per_row` is M · K, the multiply-adds
+/// one row of a group costs (forward: out × in features of w; dgrad the same product; wgrad dy's × x's
+/// features).
+GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes, int64_t macs_per_row,
                                     bool grouped_supported = true);
 const char* grouped_gemm_path_name(GroupedGemmPath path);
 /// "auto", "loop" or "grouped" → the path; another value is a ConfigError naming the accepted ones.

@@ -39,9 +39,10 @@ struct StepMetrics {
   double mem_allocated_gib = 0;
   double mem_peak_gib = 0;
   double consumed_samples = 0;
-  /// MoE models: the last micro-batch's router aux loss + z-loss (with their coefficients; summed over
-  /// layers, mean over DP × CP ranks) and its load imbalance (max/mean tokens per expert, the worst
-  /// layer of any rank; 1 = balanced). 0 for dense models.
+  /// MoE models (model::moe_step_metrics): the step's router aux loss + z-loss of a MoE layer (with their
+  /// coefficients; mean over the MoE layers of every stage, the micro-batches and DP × CP) and its load
+  /// imbalance (max/mean tokens per expert over every token routed in the step, the worst layer; 1 =
+  /// balanced). 0 for dense models.
   double moe_aux_loss = 0;
   double moe_load_imbalance = 0;
 };

@@ -306,23 +306,32 @@ __global__ void capacity_kernel(float* probs, int32_t* indices, int64_t slots, i
 
 // ---- losses ----------------------------------------------------------------------------------------
 
+// The aux loss's row prologue, shared by its forward and backward: token t's scores (softmax, or sigmoid)
+// into r.base, and over the warp dot = sum_e scores[t, e] n_e and norm = sum_e scores[t, e] + kSigmoidEps
+// (the sigmoid scores' normaliser).
+struct AuxSums {
+  float dot, norm;
+};
+__device__ AuxSums aux_row(const float* logits, bool sigmoid, const float* tpe, int64_t t, int e, Row& r) {
+  const int lane = threadIdx.x % kWarp;
+  load_row(logits, t, e, sigmoid, true, r);
+  float dot = 0, norm = 0;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int col = lane + i * kWarp;
+    if (col < e) dot += r.base[i] * tpe[col], norm += r.base[i];
+  }
+  return {warp_sum(dot), warp_sum(norm) + kSigmoidEps};
+}
+
 // Per-token terms: aux: sum_e scores[t, e] n_e; z: lse^2.
 __global__ void aux_terms_kernel(const float* logits, bool sigmoid, const float* tpe, int64_t t_rows, int e,
                                  float* work) {
   const int64_t t = warp_token();
   if (t >= t_rows) return;
-  const int lane = threadIdx.x % kWarp;
   Row r;
-  load_row(logits, t, e, sigmoid, true, r);
-  float s = 0, norm = 0;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int c = lane + i * kWarp;
-    if (c < e) s += r.base[i] * tpe[c], norm += r.base[i];
-  }
-  s = warp_sum(s);
-  norm = warp_sum(norm);
-  if (lane == 0) work[t] = sigmoid ? s / (norm + kSigmoidEps) : s;
+  const AuxSums a = aux_row(logits, sigmoid, tpe, t, e, r);
+  if (threadIdx.x % kWarp == 0) work[t] = sigmoid ? a.dot / a.norm : a.dot;
 }
 
 __device__ float row_lse(const Row& r, int e) {
@@ -367,15 +376,7 @@ __global__ void aux_backward_kernel(const float* logits, bool sigmoid, const flo
   if (t >= t_rows) return;
   const int lane = threadIdx.x % kWarp;
   Row r;
-  load_row(logits, t, e, sigmoid, true, r);
-  float dot = 0, norm = 0;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = lane + i * kWarp;
-    if (col < e) dot += r.base[i] * tpe[col], norm += r.base[i];
-  }
-  dot = warp_sum(dot);
-  norm = warp_sum(norm) + kSigmoidEps;
+  const auto [dot, norm] = aux_row(logits, sigmoid, tpe, t, e, r);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int col = lane + i * kWarp;
@@ -593,6 +594,43 @@ void moe_permute_map(const int32_t* indices, int64_t slots, int e, int32_t* row_
   cuda_impl::DeviceGuard g(device);
   permute_map_kernel<<<unsigned(e), kScanThreads, 0, static_cast<cudaStream_t>(stream)>>>(indices, slots, e, row_map,
                                                                                           counts);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+// One block per segment (block c, source-and-expert i): thread 0 finds where the segment's rows sit in the
+// received buffer (rows of the earlier segments of block c) and where they go (the start of local expert
+// j = i mod El plus the rows of j in earlier segments, in (block, source) order); the block's threads then
+// write the segment's consecutive targets. Segments number chunks · E (a few thousand at most), so the
+// O(chunks · E) prefix per block is cheap next to a host round trip.
+__global__ void sort_map_kernel(const int64_t* layout, int64_t chunks, int64_t e, int64_t el, int64_t pad_rows,
+                                int32_t* map) {
+  __shared__ long long src, dst;
+  const int64_t seg = blockIdx.x, c = seg / e, i = seg % e, j = i % el;
+  if (threadIdx.x == 0) {
+    long long so = 0, d = 0;
+    for (int64_t q = 0; q < i; ++q) so += layout[c * e + q];
+    for (int64_t x = 0; x < chunks * e; ++x) {
+      const int64_t jx = (x % e) % el;
+      if (jx < j || (jx == j && x < seg)) d += layout[x];
+    }
+    src = c * pad_rows + so;
+    dst = d;
+  }
+  __syncthreads();
+  const int64_t rows = layout[seg];
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) map[src + r] = int32_t(dst + r);
+}
+
+}  // namespace
+
+void moe_sort_map(const int64_t* layout, int64_t chunks, int64_t e, int64_t local_experts, int64_t pad_rows,
+                  int32_t* map, int device, void* stream) {
+  cuda_impl::DeviceGuard g(device);
+  auto cs = static_cast<cudaStream_t>(stream);
+  MC_CUDA_CHECK(cudaMemsetAsync(map, 0xff, size_t(chunks * pad_rows) * sizeof(int32_t), cs));  // -1: padding
+  sort_map_kernel<<<unsigned(chunks * e), 256, 0, cs>>>(layout, chunks, e, local_experts, pad_rows, map);
   MC_CUDA_CHECK_LAUNCH();
 }
 

@@ -37,6 +37,9 @@ void router_z_loss_backward(const float* logits, int64_t t, int e, float scale, 
 
 void moe_permute_map(const int32_t* indices, int64_t slots, int e, int32_t* row_map, int64_t* counts, int device,
                      void* stream);
+/// ops::moe_sort_map: layout [chunks · e] (e = experts per block), map [chunks · pad_rows] (-1 = padding).
+void moe_sort_map(const int64_t* layout, int64_t chunks, int64_t e, int64_t local_experts, int64_t pad_rows,
+                  int32_t* map, int device, void* stream);
 /// permuted[row_map[t, j]] = x[t], rows of `row_bytes` bytes.
 void moe_permute(const void* x, const int32_t* row_map, void* permuted, int64_t t, int k, int64_t row_bytes,
                  int device, void* stream);

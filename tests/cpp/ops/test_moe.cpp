@@ -3,9 +3,15 @@
 #include "megacore/ops/moe.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include "megacore/ops/gemm.hpp"
+#include <nlohmann/json.hpp>
 #include "ops/ops_test_util.hpp"
 
 using namespace megacore;
@@ -520,6 +526,67 @@ std::vector<GroupedCase> grouped_cases() {
 
 }  // namespace
 
+namespace {
+
+// A random dispatcher layout: `chunks` blocks of ep · el counts (about a quarter 0, the rest below max_rows),
+// pad_rows = the largest block's rows + extra_pad.
+struct SortCase {
+  std::vector<int64_t> layout;
+  int64_t chunks, el, pad;
+};
+SortCase sort_case(int64_t chunks, int64_t ep, int64_t el, int64_t max_rows, int64_t extra_pad, uint64_t seed) {
+  const int64_t e = ep * el;
+  Tensor u = Tensor::empty({chunks * e});
+  Generator g(seed, 0);
+  u.uniform_(g);
+  SortCase c{{}, chunks, el, 0};
+  for (double x : u.to_double_vector()) c.layout.push_back(x < 0.25 ? 0 : int64_t(x * double(max_rows)));
+  for (int64_t k = 0; k < chunks; ++k)
+    c.pad = std::max(c.pad, std::accumulate(c.layout.begin() + k * e, c.layout.begin() + (k + 1) * e, int64_t{0}));
+  c.pad += extra_pad;
+  return c;
+}
+
+// Reference: every received row as (local expert, chunk, position in the chunk), sorted; row r of the received
+// buffer goes to its rank in that order.
+std::vector<int32_t> sort_map_reference(const std::vector<int64_t>& lay, int64_t chunks, int64_t el, int64_t pad) {
+  const auto e = int64_t(lay.size()) / chunks;
+  std::vector<std::array<int64_t, 3>> rows;  // (expert, chunk, buffer row)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t row = c * pad;
+    for (int64_t i = 0; i < e; ++i)
+      for (int64_t r = 0; r < lay[size_t(c * e + i)]; ++r) rows.push_back({i % el, c, row++});
+  }
+  std::sort(rows.begin(), rows.end());
+  std::vector<int32_t> map(size_t(chunks * pad), -1);
+  for (size_t k = 0; k < rows.size(); ++k) map[size_t(rows[k][2])] = int32_t(k);
+  return map;
+}
+
+}  // namespace
+
+TEST_CASE("moe_sort_map orders received rows by local expert, padding -1", "[ops][moe]") {
+  struct Case {
+    int64_t chunks, ep, el, max_rows;
+  };
+  for (Case c : {Case{1, 1, 4, 9}, Case{1, 4, 2, 7}, Case{2, 2, 3, 5}, Case{4, 2, 1, 6}, Case{2, 4, 4, 0}}) {
+    const uint64_t seed = fresh_seed();
+    INFO("chunks " << c.chunks << " EP " << c.ep << " local experts " << c.el << " seed " << seed);
+    // Padding rows past the largest chunk too.
+    const SortCase sc = sort_case(c.chunks, c.ep, c.el, c.max_rows, int64_t(seed % 3), seed);
+    Tensor map = Tensor::empty({c.chunks * sc.pad, 1}, DType::I32);
+    ops::moe_sort_map(Tensor::from_vector(sc.layout, {int64_t(sc.layout.size())}), c.el, sc.pad, map);
+    CHECK(i32_vec(map) == sort_map_reference(sc.layout, c.chunks, c.el, sc.pad));
+  }
+  Tensor lay = Tensor::from_vector(std::vector<int64_t>{3, 1, 2, 0}, {4});
+  Tensor small = Tensor::empty({2, 1}, DType::I32), wrong = Tensor::empty({7, 1}, DType::I32);
+  Tensor six = Tensor::empty({6, 1}, DType::I32);
+  REQUIRE_THROWS_WITH(ops::moe_sort_map(lay, 2, 2, small),
+                      Catch::Contains("chunk 0 holds 6 rows, more than pad_rows 2"));
+  REQUIRE_THROWS_WITH(ops::moe_sort_map(lay, 2, 4, wrong), Catch::Contains("map has 7 rows"));
+  REQUIRE_THROWS_WITH(ops::moe_sort_map(lay, 3, 6, six), Catch::Contains("not a multiple of 3 local experts"));
+}
+
 TEST_CASE("grouped GEMM matches per-group products, groups of 0 rows included", "[ops][moe]") {
   for (const auto& gc : grouped_cases())
     for (DType dt : {DType::F32, DType::BF16}) check_grouped(gc, dt, Device::cpu(), dt == DType::F32 ? 1e-5 : 1e-2);
@@ -566,20 +633,23 @@ TEST_CASE("MoE ops refuse bad input with the problem named", "[ops][moe]") {
   REQUIRE_THROWS_WITH(ops::moe_permute(x, map, perm_small), Catch::Contains("is outside [-1, 2)"));
 }
 
-TEST_CASE("grouped GEMM path: auto takes the grouped launch for small groups only", "[ops][moe]") {
+TEST_CASE("grouped GEMM path: auto takes the grouped launch for groups of little work only", "[ops][moe]") {
   using P = ops::GroupedGemmPath;
-  const int64_t lim = ops::kGroupedGemmMaxMeanRows;
+  const int64_t lim = ops::kGroupedGemmMaxMeanMacs, k = 1024;  // k multiply-adds per row: lim / k rows per group
   const std::vector<int64_t> small(64, 128), large(8, 1024), none(4, 0);
   // Empty groups do not count: the mean is over the groups with rows.
-  const std::vector<int64_t> below{0, lim - 1, 0, lim}, at{0, lim, 0, lim};
-  CHECK(ops::grouped_gemm_choice(P::Auto, small) == P::Grouped);
-  CHECK(ops::grouped_gemm_choice(P::Auto, large) == P::Loop);
-  CHECK(ops::grouped_gemm_choice(P::Auto, below) == P::Grouped);
-  CHECK(ops::grouped_gemm_choice(P::Auto, at) == P::Loop);
-  CHECK(ops::grouped_gemm_choice(P::Auto, none) == P::Loop);
-  CHECK(ops::grouped_gemm_choice(P::Loop, small) == P::Loop);
-  CHECK(ops::grouped_gemm_choice(P::Grouped, large) == P::Grouped);
-  CHECK(ops::grouped_gemm_choice(P::Grouped, small, false) == P::Loop);  // no cuBLAS grouped kernel
+  const std::vector<int64_t> below{0, lim / k - 1, 0, lim / k}, at{0, lim / k, 0, lim / k};
+  CHECK(ops::grouped_gemm_choice(P::Auto, small, k) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Auto, large, k * k) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Auto, below, k) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Auto, at, k) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Auto, none, k) == P::Loop);
+  // The same rows decide differently with the width of the product.
+  CHECK(ops::grouped_gemm_choice(P::Auto, small, lim / 256) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Auto, small, lim / 64) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Loop, small, k) == P::Loop);
+  CHECK(ops::grouped_gemm_choice(P::Grouped, large, k) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Grouped, small, k, false) == P::Loop);  // no cuBLAS grouped kernel
 
   for (P p : {P::Auto, P::Loop, P::Grouped}) CHECK(ops::parse_grouped_gemm_path(ops::grouped_gemm_path_name(p)) == p);
   REQUIRE_THROWS_AS(ops::parse_grouped_gemm_path("fast"), ConfigError);
@@ -590,6 +660,48 @@ TEST_CASE("grouped GEMM path: auto takes the grouped launch for small groups onl
   ops::set_grouped_gemm_path(P::Grouped);
   CHECK(ops::grouped_gemm_path() == P::Grouped);
   ops::set_grouped_gemm_path(before);
+}
+
+// The auto rule against the measured benchmark: every shape of benchmarks/results/moe_gemm_NVIDIA_H200.json
+// (Mixtral, 1.1B-MoE and fine-grained 64/128-expert layers; fc1/fc2 forward, dgrad, wgrad; even and
+// imbalanced routing) must get the faster of the grouped launch and the loop, except where the two were
+// within 5 % of each other.
+TEST_CASE("grouped GEMM auto rule picks the faster measured path on every H200 shape", "[ops][moe]") {
+  const char* root = std::getenv("MEGACORE_SOURCE_DIR");
+  const std::filesystem::path rel = "benchmarks/results/moe_gemm_NVIDIA_H200.json";
+  std::filesystem::path file = root ? std::filesystem::path(root) / rel : rel;
+  for (std::filesystem::path d = std::filesystem::current_path(); !root && !std::filesystem::exists(file) &&
+                                                                  d.has_relative_path();
+       d = d.parent_path())
+    file = d / rel;
+  INFO("set MEGACORE_SOURCE_DIR to the source tree; looked for " << file.string());
+  std::ifstream in(file);
+  REQUIRE(in.good());
+  const nlohmann::json j = nlohmann::json::parse(in);
+  using P = ops::GroupedGemmPath;
+  int decided = 0, close = 0, grouped_wins = 0;
+  for (const nlohmann::json& r : j.at("rows")) {
+    const std::string op = r.at("op");
+    const bool fc1 = op.rfind("fc1", 0) == 0, wgrad = op.find("wgrad") != std::string::npos;
+    const int64_t ffn = r.at("ffn"), hidden = r.at("hidden");
+    const int64_t macs = (fc1 ? 2 * ffn : ffn) * hidden;
+    const std::vector<int64_t> sizes = r.at("group_sizes").get<std::vector<int64_t>>();
+    const double g = r.at("grouped_ms"), l = r.at("loop_ms");
+    const P choice = ops::grouped_gemm_choice(P::Auto, sizes, macs, !wgrad);
+    INFO(r.at("model").get<std::string>() << " " << op << " rows " << r.at("rows") << " " << r.at("split")
+                                          << ": grouped " << g << " ms, loop " << l << " ms");
+    if (std::abs(g / l - 1) <= 0.05) {
+      ++close;
+      continue;
+    }
+    ++decided;
+    grouped_wins += g < l;
+    CHECK(choice == (g < l ? P::Grouped : P::Loop));
+  }
+  // The file holds both kinds of shapes, so the rule was tested on each side of its bound.
+  CHECK(decided >= 100);
+  CHECK(grouped_wins >= 20);
+  CHECK(decided - grouped_wins >= 20);
 }
 
 // ---- CUDA vs the CPU reference -----------------------------------------------------------------------
@@ -741,6 +853,25 @@ TEST_CASE("CUDA capacity and permutation match the CPU reference", "[ops][moe][g
   Tensor map = Tensor::empty({2, 2}, DType::I32, gpu()), cnt = Tensor::empty({4}, DType::I64, gpu());
   ops::moe_permute_map(bad, 4, map, cnt);
   CHECK(cnt.to(Device::cpu()).to_double_vector() == std::vector<double>{-1, -1, -1, -1});
+}
+
+TEST_CASE("CUDA moe_sort_map matches the CPU op", "[ops][moe][gpu]") {
+  MC_REQUIRE_GPU();
+  struct Case {
+    int64_t chunks, ep, el, max_rows;
+  };
+  for (Case c : {Case{1, 8, 1, 3000}, Case{2, 4, 8, 900}, Case{8, 8, 32, 40}, Case{1, 1, 256, 100}, Case{2, 2, 2, 0}}) {
+    const uint64_t seed = fresh_seed();
+    INFO("chunks " << c.chunks << " EP " << c.ep << " local experts " << c.el << " seed " << seed);
+    const SortCase sc = sort_case(c.chunks, c.ep, c.el, c.max_rows, 5, seed);
+    const int64_t pad = sc.pad;
+    Tensor lt = Tensor::from_vector(sc.layout, {int64_t(sc.layout.size())});
+    Tensor map = Tensor::empty({c.chunks * pad, 1}, DType::I32);
+    Tensor map_g = poisoned({c.chunks * pad, 1}, DType::I32, gpu());
+    ops::moe_sort_map(lt, c.el, pad, map);
+    ops::moe_sort_map(lt.to(gpu()), c.el, pad, map_g);
+    CHECK(i32_vec(map_g) == i32_vec(map));
+  }
 }
 
 TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][gpu]") {
