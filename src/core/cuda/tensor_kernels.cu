@@ -21,9 +21,9 @@ __device__ __forceinline__ int64_t strided_offset(int64_t i, const StridedDesc& 
 }
 
 template <class D, class S> __device__ __forceinline__ D convert(S v) {
-  if constexpr (std::is_same_v<S, bfloat16> || std::is_same_v<S, float16>) {
+  if constexpr (is_narrow_float_v<S>) {
     return convert<D, float>(float(v));
-  } else if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
+  } else if constexpr (is_narrow_float_v<D>) {
     return D(float(v));
   } else {
     return static_cast<D>(v);
@@ -67,6 +67,8 @@ void dispatch(DType dt, F&& f) {
     case DType::I32: f(int32_t{}); break;
     case DType::I64: f(int64_t{}); break;
     case DType::U8: f(uint8_t{}); break;
+    case DType::F8E4M3: f(float8_e4m3{}); break;
+    case DType::F8E5M2: f(float8_e5m2{}); break;
   }
 }
 
@@ -78,7 +80,7 @@ void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     T v;
-    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) v = T(float(value));
+    if constexpr (is_narrow_float_v<T>) v = T(float(value));
     else v = static_cast<T>(value);
     fill_kernel<T><<<grid_for(d.numel), 256, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<T*>(data), d, v);
   });
