@@ -352,22 +352,26 @@ StepMetrics Trainer::Impl::train_step() {
 
 namespace {
 // FP8 scaling state in checkpoints: every rank's own (amaxes differ over TP until their reduction at the next
-// step, and over DP always), stored as [world, ...] with this rank's entry at its world rank, so a resume on
-// the same layout continues exactly.
-std::vector<checkpoint::ShardedTensor> fp8_tensors(const ModelChunks& chunks, int rank, int world) {
+// step, and over DP always). A layer lives on the world / PP ranks of one pipeline stage, so each tensor is
+// stored as [world / PP, ...] with this rank's entry at its index within the stage (the rank order puts PP
+// outermost), and a resume on the same layout continues exactly.
+std::vector<checkpoint::ShardedTensor> fp8_tensors(const ModelChunks& chunks, const parallel::ProcessGrid& grid) {
+  const int per_stage = grid.world().size() / grid.layout().pp_size(), index = grid.rank() % per_stage;
+  MC_INTERNAL_ASSERT(grid.rank() / per_stage == grid.pp_rank(), "pipeline rank {} of world rank {} is not outermost",
+                     grid.pp_rank(), grid.rank());
   std::vector<checkpoint::ShardedTensor> out;
   for (const auto& ch : chunks)
     for (auto& [name, t] : mdl::fp8_state(*ch)) {
       checkpoint::ShardedTensor st;
       st.name = "fp8_state." + name;
       st.global_shape = t.shape();
-      st.global_shape.insert(st.global_shape.begin(), world);
+      st.global_shape.insert(st.global_shape.begin(), per_stage);
       st.dtype = t.dtype();
       st.local = t.unsqueeze(0);
       checkpoint::ShardPiece p;
       p.local_offsets = Shape(st.local.shape().size(), 0);
       p.global_offsets = p.local_offsets;
-      p.global_offsets[0] = rank;
+      p.global_offsets[0] = index;
       p.shape = st.local.shape();
       st.pieces.push_back(p);
       out.push_back(std::move(st));
@@ -533,7 +537,7 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
   }
   state.scheduler_steps = parts.optimizer.sched->num_steps();
   state.loss_scaler = parts.optimizer.scaler ? std::optional(parts.optimizer.scaler->state()) : std::nullopt;
-  for (auto& t : fp8_tensors(parts.chunks, world.rank(), world.size())) st.tensors.push_back(std::move(t));
+  for (auto& t : fp8_tensors(parts.chunks, grid())) st.tensors.push_back(std::move(t));
   state.write(st.json);
   st.json["recipe"] = to_json(cfg);
   ckpt->save(st);
@@ -562,7 +566,7 @@ void Trainer::Impl::load_training_state(TrainingParts& p, checkpoint::Checkpoint
       checkpoint::load_optimizer_state(reader, *g.opt, targets);
     }
   }
-  std::vector<checkpoint::ShardedTensor> fp8 = fp8_tensors(p.chunks, world.rank(), world.size());
+  std::vector<checkpoint::ShardedTensor> fp8 = fp8_tensors(p.chunks, *p.grid);
   const bool fp8_saved = std::all_of(fp8.begin(), fp8.end(), [&](const checkpoint::ShardedTensor& t) {
     return reader.has_tensor(t.name) && reader.meta(t.name).global_shape == t.global_shape;
   });
