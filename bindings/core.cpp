@@ -22,6 +22,8 @@ const char* buffer_format(DType dt) {
     case DType::I64: return "q";
     case DType::U8: return "B";
     case DType::BF16: return nullptr;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return nullptr;
   }
   return nullptr;
 }
@@ -42,7 +44,8 @@ void check_numpy_compatible(const Tensor& x) {
   MC_CHECK(x.device().is_cpu(), "a {} tensor cannot be viewed by numpy; copy it first with t.to('cpu')",
            x.device().str());
   MC_CHECK(buffer_format(x.dtype()) != nullptr,
-           "bf16 has no numpy dtype; convert with t.to('f32'), or share it with torch through DLPack");
+           "{} has no numpy dtype; convert with t.to('f32') (or view FP8 bits with t.view_as_dtype('u8')), or share it "
+           "with torch through DLPack", dtype_name(x.dtype()));
 }
 
 // numpy view of a tensor; checks first because numpy turns a refused buffer into a vague error.
@@ -257,6 +260,8 @@ void bind_core(pyb::module_& m) {
         Device d = device_arg(target);
         return x.to(d, stream_arg(st, d.is_cuda() ? d : x.device()));
       }, pyb::arg("target"), pyb::arg("stream") = pyb::none(), "Copy to a device ('cpu', 'cuda:0') or dtype ('bf16').")
+      .def("view_as_dtype", [](const Tensor& x, const std::string& dtype) { return x.view_as_dtype(dtype_from_name(dtype)); },
+           pyb::arg("dtype"), "The same bytes seen as another dtype of the same size (e.g. FP8 codes as 'u8').")
       .def("copy_", [](Tensor& x, const Tensor& src, const pyb::object& st) -> Tensor& {
         Device d = x.device().is_cuda() ? x.device() : src.device();
         return x.copy_(src, stream_arg(st, d));

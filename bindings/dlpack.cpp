@@ -16,6 +16,8 @@ dl::DataType to_dl(DType dt) {
     case DType::I32: return {dl::kInt, 32, 1};
     case DType::I64: return {dl::kInt, 64, 1};
     case DType::U8: return {dl::kUInt, 8, 1};
+    case DType::F8E4M3: return {dl::kFloat8_e4m3fn, 8, 1};
+    case DType::F8E5M2: return {dl::kFloat8_e5m2, 8, 1};
   }
   return {dl::kFloat, 32, 1};
 }
@@ -28,6 +30,8 @@ DType from_dl(dl::DataType t) {
   if (t.code == dl::kInt && t.bits == 32) return DType::I32;
   if (t.code == dl::kInt && t.bits == 64) return DType::I64;
   if (t.code == dl::kUInt && t.bits == 8) return DType::U8;
+  if (t.code == dl::kFloat8_e4m3fn && t.bits == 8) return DType::F8E4M3;
+  if (t.code == dl::kFloat8_e5m2 && t.bits == 8) return DType::F8E5M2;
   raise("DLPack dtype (code {}, {} bits) has no megacore equivalent; megacore supports f32, bf16, f16, i32, i64 and "
         "u8: convert the tensor first",
         int(t.code), int(t.bits));

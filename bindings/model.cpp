@@ -11,6 +11,7 @@
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/layers/parameter.hpp"
+#include "megacore/model/fp8.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/model/memory.hpp"
 #include "megacore/model/transformer_config.hpp"
@@ -287,6 +288,34 @@ void bind_gpt(pyb::module_& m) {
         g.merge_lora();
       }, "Folds every adapter into its base weight (W += alpha/r · B A) and unfreezes the model.")
       .def_property_readonly("has_lora", &GPTModel::has_lora)
+      .def("enable_fp8", [](GPTModel& g, const std::string& scaling, int64_t amax_history_len,
+                            const std::string& amax_compute_algo, int margin, const std::string& format,
+                            int64_t bf16_layers) {
+        MC_CHECK_AS(ConfigError, amax_compute_algo == "max" || amax_compute_algo == "most_recent",
+                    "enable_fp8: amax_compute_algo '{}' is not max or most_recent", amax_compute_algo);
+        MC_CHECK_AS(ConfigError, format == "hybrid" || format == "e4m3", "enable_fp8: format '{}' is not hybrid or e4m3",
+                    format);
+        ly::Fp8Recipe r;
+        r.scaling = ly::fp8_scaling_from_name(scaling);
+        r.amax_history_len = amax_history_len;
+        r.amax_compute_algo = amax_compute_algo == "max" ? ops::Fp8AmaxAlgo::Max : ops::Fp8AmaxAlgo::MostRecent;
+        r.margin = margin;
+        r.grad_dtype = format == "e4m3" ? DType::F8E4M3 : DType::F8E5M2;
+        return model::enable_fp8(g, r, bf16_layers);
+      }, pyb::arg("scaling") = "delayed", pyb::kw_only(), pyb::arg("amax_history_len") = 1024,
+         pyb::arg("amax_compute_algo") = "max", pyb::arg("margin") = 0, pyb::arg("format") = "hybrid",
+         pyb::arg("bf16_layers") = 0,
+         "Runs the transformer layers' linears in FP8 (docs/fp8.md); returns how many. Call fp8_begin_step() once per "
+         "optimizer step, before its first forward.")
+      .def("fp8_begin_step", [](GPTModel& g) { model::fp8_begin_step(g); },
+           "Start of an optimizer step for FP8: drops the FP8 weight copies and, with delayed scaling, updates the "
+           "scales from the last step's amaxes (reduced over TP).")
+      .def("fp8_state", [](GPTModel& g) {
+        pyb::dict d;
+        for (auto& [name, t] : model::fp8_state(g)) d[pyb::str(name)] = t;
+        return d;
+      }, "{'<linear>.fp8.<amax_history|scale|scale_inv|counts>': Tensor}: the live FP8 scaling state (slots: input, "
+         "weight, output gradient).")
       .def("all_parameters", [](GPTModel& g) {
         pyb::dict d;
         for (const ly::Parameter* p : g.all_parameters()) d[pyb::str(p->name)] = param_tuple(*p);

@@ -9,6 +9,8 @@
 #include <string>
 
 #include "megacore/ops/attention.hpp"
+#include "megacore/ops/fp8.hpp"
+#include "megacore/ops/gemm_fp8.hpp"
 
 namespace megacore::py {
 
@@ -115,6 +117,55 @@ void bind_ops(pyb::module_& root) {
         "cuDNN SDPA plan choice: on, the first call of a shape times every plan cuDNN offers and keeps the "
         "fastest (synchronises the device once per shape); off (the default), the heuristic's first plan.");
   m.def("cudnn_attention_autotune", &cudnn_attention_autotune);
+
+  // ---- FP8 (ops/fp8.hpp, ops/gemm_fp8.hpp): FP8 tensors are megacore.Tensor (no numpy dtype; read their
+  // codes with t.view_as_dtype('u8')).
+  auto opt = [](const pyb::object& o, const char* what) { return o.is_none() ? Tensor() : share_arg(o, what); };
+  m.def(
+      "fp8_cast",
+      [opt](const pyb::object& x, const pyb::object& scale, const pyb::object& out, const pyb::object& amax,
+            const pyb::object& counts) {
+        Tensor tx = share_arg(x, "x"), to = share_arg(out, "out");
+        fp8_cast(tx, share_arg(scale, "scale"), to, opt(amax, "amax"), opt(counts, "counts"),
+                 stream_arg(pyb::none(), tx.device()));
+      },
+      pyb::arg("x"), pyb::arg("scale"), pyb::arg("out"), pyb::arg("amax") = pyb::none(), pyb::arg("counts") = pyb::none(),
+      "out (f8e4m3/f8e5m2) = fp8(x * scale), nearest even, saturating; amax (f32 [1]) = max(amax, max|x|); counts "
+      "(i64 [2]) += (saturated, flushed to zero).");
+  m.def(
+      "fp8_amax", [](const pyb::object& x, const pyb::object& amax) { fp8_amax(share_arg(x, "x"), share_arg(amax, "amax")); },
+      pyb::arg("x"), pyb::arg("amax"), "amax (f32 [1]) = max(amax, max|x|).");
+  m.def(
+      "fp8_dequant",
+      [](const pyb::object& q, const pyb::object& scale_inv, const pyb::object& out) {
+        Tensor to = share_arg(out, "out");
+        fp8_dequant(share_arg(q, "q"), share_arg(scale_inv, "scale_inv"), to);
+      },
+      pyb::arg("q"), pyb::arg("scale_inv"), pyb::arg("out"), "out = float(q) * scale_inv.");
+  m.def(
+      "fp8_update_scales",
+      [](const pyb::object& history, const pyb::object& scale, const pyb::object& scale_inv, const pyb::object& fp8_max,
+         const std::string& algo, int margin, bool roll) {
+        MC_CHECK(algo == "max" || algo == "most_recent", "ops.fp8_update_scales: algo '{}' is not max or most_recent",
+                 algo);
+        fp8_update_scales(share_arg(history, "history"), share_arg(scale, "scale"), share_arg(scale_inv, "scale_inv"),
+                          share_arg(fp8_max, "fp8_max"), algo == "max" ? Fp8AmaxAlgo::Max : Fp8AmaxAlgo::MostRecent,
+                          margin, roll);
+      },
+      pyb::arg("history"), pyb::arg("scale"), pyb::arg("scale_inv"), pyb::arg("fp8_max"), pyb::kw_only(),
+      pyb::arg("algo") = "max", pyb::arg("margin") = 0, pyb::arg("roll") = true,
+      "Delayed-scaling update of n tensors: history f32 [L, n] (row 0 = this step), scale/scale_inv/fp8_max f32 [n].");
+  m.def(
+      "gemm_fp8",
+      [](const pyb::object& a, const pyb::object& b, const pyb::object& out, const pyb::object& sa,
+         const pyb::object& sb, float beta, bool fast_accum) {
+        Tensor ta = share_arg(a, "a"), to = share_arg(out, "out");
+        gemm_fp8(ta, share_arg(b, "b"), to, share_arg(sa, "scale_inv_a"), share_arg(sb, "scale_inv_b"),
+                 {.beta = beta, .fast_accum = fast_accum}, stream_arg(pyb::none(), ta.device()));
+      },
+      pyb::arg("a"), pyb::arg("b"), pyb::arg("out"), pyb::arg("scale_inv_a"), pyb::arg("scale_inv_b"), pyb::kw_only(),
+      pyb::arg("beta") = 0.f, pyb::arg("fast_accum") = false,
+      "out [M, N] = scale_inv_a * scale_inv_b * a [M, K] @ b [N, K]^T + beta * out (FP8 a, b; bf16/f32 out).");
 }
 
 }  // namespace megacore::py

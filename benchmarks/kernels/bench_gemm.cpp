@@ -128,3 +128,62 @@ MC_BENCHMARK("gemm", 10) {
   }
   cublasDestroy(handle);
 }
+
+// FP8 (ops::gemm_fp8: cuBLASLt E4M3/E5M2 with per-tensor scales) against bf16 (ops::gemm) on the same
+// operands, at the linear layers of the reference Llama-1.1B (hidden 2048, GQA 32/8 heads of 64, FFN 8192,
+// as benchmarks/training/bench_ddp.cpp) and Llama-3-8B (hidden 4096, GQA 32/8 of 128, FFN 14336) at 8192 tokens. Forward products
+// use fast accumulation and E4M3 × E4M3; input-gradient products E5M2 × E4M3 without it (the FP8 layers'
+// recipe). The FP8 operands are the bf16 ones cast with scale 1 (values are N(0, 1): no saturation).
+MC_BENCHMARK("gemm_fp8", 10) {
+  struct Fp8Shape {
+    const char* name;
+    int64_t m, n, k;
+    bool grad;  // dgrad: E5M2 a, no fast accumulation
+  };
+  std::vector<Fp8Shape> shapes{
+      {"1b_qkv_fwd", 8192, 3072, 2048, false},  {"1b_proj_fwd", 8192, 2048, 2048, false},
+      {"1b_fc1_fwd", 8192, 16384, 2048, false}, {"1b_fc2_fwd", 8192, 2048, 8192, false},
+      {"1b_fc2_dgrad", 8192, 8192, 2048, true}, {"8b_qkv_fwd", 8192, 6144, 4096, false},
+      {"8b_proj_fwd", 8192, 4096, 4096, false}, {"8b_fc1_fwd", 8192, 28672, 4096, false},
+      {"8b_fc2_fwd", 8192, 4096, 14336, false}, {"8b_fc2_dgrad", 8192, 14336, 4096, true},
+  };
+  if (ctx.quick) shapes.resize(4);
+  const int samples = ctx.quick ? 10 : 30;
+  const Device dev = Device::cuda(0);
+  std::printf("  %-14s %-20s %9s %9s %9s %9s %8s\n", "shape", "m x n x k", "bf16 ms", "TFLOP/s", "fp8 ms", "TFLOP/s",
+              "speedup");
+  for (const auto& s : shapes) {
+    Tensor a = dev_rand({s.m, s.k}, 1), b = dev_rand({s.n, s.k}, 2);
+    Tensor c = Tensor::empty({s.m, s.n}, DType::BF16, dev);
+    Tensor one = Tensor::full({1}, 1.0, DType::F32, dev);
+    Tensor a8 = Tensor::empty(a.shape(), s.grad ? DType::F8E5M2 : DType::F8E4M3, dev);
+    Tensor b8 = Tensor::empty(b.shape(), DType::F8E4M3, dev);
+    ops::fp8_cast(a, one, a8);
+    ops::fp8_cast(b, one, b8);
+    ops::GemmOptions o;
+    o.trans_b = true;
+    auto bf16 = [&] { ops::gemm(a, b, c, o); };
+    auto fp8 = [&] { ops::gemm_fp8(a8, b8, c, one, one, {.fast_accum = !s.grad}); };
+    const double t1 = mcbench::time_ms(bf16, 5, samples), t2 = mcbench::time_ms(fp8, 5, samples);
+    const double t3 = mcbench::time_ms(bf16, 2, samples), t4 = mcbench::time_ms(fp8, 2, samples);
+    const double ms16 = std::min(t1, t3), ms8 = std::min(t2, t4);
+    const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
+    const double tf16 = flops / (ms16 * 1e-3) / 1e12, tf8 = flops / (ms8 * 1e-3) / 1e12;
+    const std::string shape = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+    std::printf("  %-14s %-20s %9.4f %9.1f %9.4f %9.1f %7.2fx\n", s.name, shape.c_str(), ms16, tf16, ms8, tf8,
+                ms16 / ms8);
+    ctx.record({{"op", std::string("gemm_fp8_") + s.name},
+                {"shape", shape},
+                {"dtype", s.grad ? "e5m2 x e4m3 -> bf16" : "e4m3 x e4m3 -> bf16 (fast accum)"},
+                {"ms", ms8},
+                {"ms_rounds", {t2, t4}},
+                {"tflops", tf8},
+                {"flops", flops},
+                {"peer", "megacore bf16 gemm (same shape, same run)"},
+                {"peer_ms", ms16},
+                {"peer_ms_rounds", {t1, t3}},
+                {"peer_tflops", tf16},
+                {"vs_peer", ms16 / ms8},
+                {"card", ctx.card}});
+  }
+}

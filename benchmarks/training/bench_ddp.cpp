@@ -8,6 +8,7 @@
 //   mpirun -np 1 build/benchmarks/megacore_bench_training --single --bf16-states   # the torch peer's precision
 //   mpirun -np 1 -x MEGACORE_PROFILE_OUT=p.json -x MEGACORE_PROFILE_STEPS=10 \
 //     -x LD_PRELOAD=build/benchmarks/libmegacore_step_profile.so build/benchmarks/megacore_bench_training --single --profile-steps 10
+//   mpirun -np 1 build/benchmarks/megacore_bench_training --single --fp8 delayed   # FP8 linears (docs/fp8.md)
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups,
 // FFN 8192, vocab 32000, untied), bf16 parameters, f32 main grads and AdamW masters, sequence 2048,
 // micro-batch 4 by default, --grad-accum micro-batches per step. Each step: zero_grad, forward/backward
@@ -49,6 +50,7 @@
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
 #include "megacore/core/allocator.hpp"
+#include "megacore/model/fp8.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
 #include "megacore/optim/loss_scaler.hpp"
@@ -73,6 +75,7 @@ struct Args : bench::ShapeArgs {
   int comm_priority = 0;  // DDPConfig::comm_stream_priority
   double peak_tflops = 989.0;
   std::vector<int> max_ctas{0}, cta_policy{0}, gemm_sm_margin{0};
+  std::string fp8 = "none";  // FP8 linears (docs/fp8.md): none, delayed or current
   std::string out;
 };
 
@@ -106,6 +109,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--max-ctas") a.max_ctas = ints(0, INT32_MAX, "CTA counts >= 0 (0 = NCCL's choice)");
     else if (k == "--cta-policy") a.cta_policy = ints(0, 2, "0 (default), 1 (efficiency) or 2 (zero)");
     else if (k == "--gemm-sm-margin") a.gemm_sm_margin = ints(0, INT32_MAX, "SM counts >= 0 (0 = off)");
+    else if (k == "--fp8") a.fp8 = r.text();
     else if (k == "--out") a.out = r.text();
     else r.unknown();
   }
@@ -158,6 +162,11 @@ struct Trainer {
       adamw = std::make_unique<op::AdamW>(model.parameters(), adamw_config(a));
     }
     model.set_grad_ready_callback(ddp.grad_ready_hook());
+    if (a.fp8 != "none") {
+      ly::Fp8Recipe r;
+      r.scaling = ly::fp8_scaling_from_name(a.fp8);
+      mdl::enable_fp8(model, r);
+    }
     // Different data on every rank (what DP does), fixed over steps.
     std::vector<int64_t> tok(size_t(a.micro_batch * a.seq)), lab(tok.size());
     for (size_t i = 0; i < tok.size(); ++i) {
@@ -173,6 +182,7 @@ struct Trainer {
   std::pair<double, double> step(const Args& a, bool timing) {
     const auto t0 = Clock::now();
     ddp.zero_grad();
+    mdl::fp8_begin_step(model, ctx.stream);  // no-op without FP8
     for (int64_t m = 0; m < a.grad_accum; ++m) {
       ddp.set_is_last_microbatch(m == a.grad_accum - 1);
       model.forward(ctx, tokens, labels);
@@ -262,6 +272,7 @@ int main(int argc, char** argv) {
               {"micro_batch", a.micro_batch},
               {"seq", a.seq},
               {"grad_accum", a.grad_accum},
+              {"fp8", a.fp8},
               {"flops_convention", "6N_matmul + 12*L*h*s (non-causal)"},
               {"single", {{"ms_per_step", single_sec * 1e3},
                           {"tokens_per_s", single_tps},

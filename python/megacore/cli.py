@@ -380,6 +380,13 @@ def _run_plan(args) -> int:
               f"{r['headroom_gib']:g} GiB of headroom (context, NCCL and library workspaces, fragmentation) on a "
               f"{args.gpu_memory_gib:g} GiB GPU; raise TP or PP, enable sequence parallelism or ZeRO, use selective "
               f"recompute, or lower the micro-batch size")
+    if args.recipe and rec.trainer.fp8 != "none":
+        t = rec.trainer
+        kept = f", first/last {t.fp8_bf16_layers} layers bf16" if t.fp8_bf16_layers else ""
+        print(f"fp8: {t.fp8} scaling, {t.fp8_format} (E4M3 forward, "
+              f"{'E5M2' if t.fp8_format == 'hybrid' else 'E4M3'} gradients), amax history {t.fp8_amax_history_len} "
+              f"({t.fp8_amax_compute_algo}), margin {t.fp8_margin}{kept}; QKV, projection, FC1 and FC2 in FP8, "
+              f"weight gradients, embedding, norms, attention and output layer in bf16")
     if args.table:
         print(L.table())
     return 0

@@ -102,14 +102,16 @@ std::string_view safetensors_dtype_name(DType dtype) {
     case DType::I64: return "I64";
     case DType::I32: return "I32";
     case DType::U8: return "U8";
+    case DType::F8E4M3: return "F8_E4M3";
+    case DType::F8E5M2: return "F8_E5M2";
   }
   raise<ValueError>("safetensors: dtype code {} has no safetensors name", int(dtype));
 }
 
 DType safetensors_dtype_from_name(std::string_view name) {
-  for (DType d : {DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::U8})
+  for (DType d : {DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::U8, DType::F8E4M3, DType::F8E5M2})
     if (safetensors_dtype_name(d) == name) return d;
-  raise<IOError>("safetensors: unsupported dtype '{}'; megacore reads F32, F16, BF16, I64, I32 and U8 "
+  raise<IOError>("safetensors: unsupported dtype '{}'; megacore reads F32, F16, BF16, I64, I32, U8, F8_E4M3 and F8_E5M2 "
                  "(convert the tensor to one of these before saving)",
                  name);
 }

@@ -23,6 +23,8 @@ struct StridedDesc {
 
 int device_count();
 std::string device_name(int device);
+/// major * 10 + minor (90 for Hopper).
+int compute_capability(int device);
 void set_device(int device);
 int current_device();
 void mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);

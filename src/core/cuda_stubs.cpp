@@ -13,6 +13,7 @@ namespace {
 }  // namespace
 int device_count() { return 0; }
 std::string device_name(int) { no_cuda(); }
+int compute_capability(int) { no_cuda(); }
 void set_device(int) { no_cuda(); }
 int current_device() { no_cuda(); }
 void mem_get_info(int, size_t*, size_t*) { no_cuda(); }

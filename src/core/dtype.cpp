@@ -12,6 +12,8 @@ std::string_view dtype_name(DType t) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::U8: return "u8";
+    case DType::F8E4M3: return "f8e4m3";
+    case DType::F8E5M2: return "f8e5m2";
   }
   return "?";
 }
@@ -23,7 +25,9 @@ DType dtype_from_name(std::string_view n) {
   if (n == "i32" || n == "int32") return DType::I32;
   if (n == "i64" || n == "int64") return DType::I64;
   if (n == "u8" || n == "uint8") return DType::U8;
-  raise("unknown dtype '{}'; use one of f32, bf16, f16, i32, i64, u8", n);
+  if (n == "f8e4m3" || n == "float8_e4m3fn" || n == "e4m3") return DType::F8E4M3;
+  if (n == "f8e5m2" || n == "float8_e5m2" || n == "e5m2") return DType::F8E5M2;
+  raise("unknown dtype '{}'; use one of f32, bf16, f16, i32, i64, u8, f8e4m3, f8e5m2", n);
 }
 
 }  // namespace megacore

@@ -111,9 +111,9 @@ void for_each_offset(const Shape& shape, const Shape& strides, int64_t base, F&&
 
 template <class D, class S>
 D convert(S v) {
-  if constexpr (std::is_same_v<S, bfloat16> || std::is_same_v<S, float16>) {
+  if constexpr (is_narrow_float_v<S>) {
     return convert<D, float>(float(v));
-  } else if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
+  } else if constexpr (is_narrow_float_v<D>) {
     return D(float(v));
   } else {
     return static_cast<D>(v);

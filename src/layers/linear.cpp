@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include "megacore/core/log.hpp"
 #include "megacore/ops/gemm.hpp"
+#include "megacore/ops/gemm_fp8.hpp"
 #include "megacore/parallel/mappings.hpp"
 
 namespace megacore::layers {
@@ -194,8 +196,51 @@ void ParallelLinearBase::set_frozen(bool frozen) {
   set_grad_buffer(bias_, frozen);
 }
 
+bool ParallelLinearBase::enable_fp8(const Fp8Recipe& recipe, std::string_view name) {
+  const Tensor& w = weight_.data;
+  MC_CHECK(w.dtype() == DType::BF16 || w.dtype() == DType::F32,
+           "{}.enable_fp8: the weight is {}; FP8 layers need bf16 (or f32) parameters (set trainer.precision = bf16)",
+           name_, dtype_name(w.dtype()));
+  if (recipe.scaling == Fp8Scaling::None) {
+    fp8_.reset();
+    return false;
+  }
+  if (w.size(0) % 16 != 0 || w.size(1) % 16 != 0) {
+    log_line(LogLevel::Info, "fp8",
+             fmt::format("{} {}: weight shard {} has a dimension that is not a multiple of 16; this layer stays in {}",
+                         name_, name, shape_str(w.shape()), dtype_name(w.dtype())));
+    fp8_.reset();
+    return false;
+  }
+  fp8_ = std::make_unique<Fp8LinearState>(recipe, w.device());
+  return true;
+}
+
+void ParallelLinearBase::fp8_begin_step(const Stream& s) {
+  if (fp8_) fp8_->begin_step(tp_, s);
+}
+
+bool ParallelLinearBase::fp8_applies(int64_t rows) {
+  if (!fp8_ || lora_) return false;
+  if (rows % 16 == 0 && rows > 0) return true;
+  log_once(LogLevel::Info, fmt::format("fp8-rows-{}-{}", name_, rows), "fp8",
+           fmt::format("{}: {} rows are not a multiple of 16; products of this size run in {}", name_, rows,
+                       dtype_name(weight_.data.dtype())));
+  return false;
+}
+
 Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias) {
   if (lora_ && lora_->fused_for(weight_.data)) return lora_->forward_fused(ctx, x2, weight_.data, bias);
+  if (fp8_applies(x2.size(0))) {
+    const Stream& s = ctx.stream;
+    Tensor xq = fp8_->cast(tp_, Fp8LinearState::kInput, x2, s);
+    const Tensor& wq = fp8_->weight(tp_, weight_.data, s);
+    Tensor y2 = Tensor::empty({x2.size(0), wq.size(0)}, weight_.data.dtype(), weight_.data.device(), s);
+    ops::gemm_fp8(xq, wq, y2, fp8_->scale_inv(Fp8LinearState::kInput), fp8_->scale_inv(Fp8LinearState::kWeight),
+                  {.fast_accum = true}, s);
+    if (bias.defined()) add_bias_rows(y2, bias, s);
+    return y2;
+  }
   Tensor y2 = Tensor::empty({x2.size(0), weight_.data.size(0)}, weight_.data.dtype(), weight_.data.device(),
                             ctx.stream);
   ops::GemmOptions o;
@@ -211,6 +256,15 @@ Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, 
 
 // The adapter's input gradient buffer takes the base's product with beta = 1, so no separate add.
 Tensor ParallelLinearBase::input_grad(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2) {
+  if (fp8_applies(dy2.size(0))) {
+    const Stream& s = ctx.stream;
+    Tensor dyq = fp8_->cast(tp_, Fp8LinearState::kGradOutput, dy2.contiguous(s), s);
+    const Tensor& wt = fp8_->weight_t(tp_, weight_.data, s);
+    Tensor dx = Tensor::empty({dy2.size(0), wt.size(0)}, weight_.data.dtype(), weight_.data.device(), s);
+    ops::gemm_fp8(dyq, wt, dx, fp8_->scale_inv(Fp8LinearState::kGradOutput), fp8_->scale_inv(Fp8LinearState::kWeight),
+                  {}, s);
+    return dx;
+  }
   if (!lora_) return ops::matmul(dy2, weight_.data, {}, ctx.stream);
   Tensor dx = lora_->backward(ctx, x2, dy2);
   ops::GemmOptions o;
@@ -268,7 +322,7 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   check_activation(dy, dy_features, opts_.params_dtype, opts_.device, kName, "dy",
                    "pass the gradient of forward's output, which has the same shape");
   Tensor dyl = opts_.gather_output ? pm::gather_from_tp_backward(tp_, dy, s) : dy;
-  if (opts_.overlap_grad_comm && tp_.size() > 1 && !lora_ && !frozen_) return backward_overlapped(s, dyl);
+  if (opts_.overlap_grad_comm && tp_.size() > 1 && !lora_ && !frozen_ && !fp8_) return backward_overlapped(s, dyl);
   // With SP the input is re-gathered here instead of being kept whole since forward.
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
   Tensor x2 = as_rows(total, in_, s);

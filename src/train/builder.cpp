@@ -3,9 +3,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+
+#include <fmt/format.h>
 #include <unordered_map>
 
+#include "core/cuda_backend.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/model/fp8.hpp"
 #include "megacore/core/tensor.hpp"
 #include "megacore/parallel/context_parallel.hpp"
 #include "megacore/pipeline/schedule.hpp"
@@ -115,6 +119,45 @@ void log_trainable_parameters(const RunConfig& cfg, const parallel::ProcessGrid&
   }
 }
 
+// FP8 where the run asks for it, after refusing what cannot run it (the config's own checks ran in validate).
+void enable_fp8(const RunConfig& cfg, const mdl::TransformerConfig& m, const Placement& placement, ModelChunks& chunks,
+                bool print) {
+  const TrainerSection& t = cfg.trainer;
+  if (t.fp8 == "none") return;
+  const Device dev = placement.device;
+  if (dev.is_cpu()) {
+    MC_CHECK_AS(ConfigError, t.fp8_emulation,
+                "trainer.fp8 = {} on CPU ranks: FP8 on the CPU is an emulation for tests and debugging; set "
+                "trainer.fp8_emulation = true, or train on GPUs of compute capability 8.9+",
+                t.fp8);
+  } else {
+    const int cc = cuda_impl::compute_capability(dev.index);
+    MC_CHECK_AS(ConfigError, cc >= 89,
+                "trainer.fp8 = {}: {} (compute capability {}.{}) has no FP8 tensor cores; FP8 needs 8.9+ (Ada, Hopper "
+                "or newer): set trainer.fp8 = none",
+                t.fp8, cuda_device_name(dev.index), cc / 10, cc % 10);
+  }
+  MC_CHECK_AS(ConfigError, m.params_dtype == DType::BF16,
+              "trainer.fp8 = {} with {} parameters: FP8 training keeps bf16 parameters and activations; set "
+              "trainer.precision = bf16",
+              t.fp8, dtype_name(m.params_dtype));
+  ly::Fp8Recipe r;
+  r.scaling = ly::fp8_scaling_from_name(t.fp8);
+  r.amax_history_len = t.fp8_amax_history_len;
+  r.amax_compute_algo = t.fp8_amax_compute_algo == "most_recent" ? ops::Fp8AmaxAlgo::MostRecent : ops::Fp8AmaxAlgo::Max;
+  r.margin = int(t.fp8_margin);
+  r.grad_dtype = t.fp8_format == "e4m3" ? DType::F8E4M3 : DType::F8E5M2;
+  int64_t on = 0;
+  for (auto& ch : chunks) on += mdl::enable_fp8(*ch, r, t.fp8_bf16_layers);
+  if (print) {
+    const std::string kept = t.fp8_bf16_layers > 0 ? fmt::format(", first/last {} layers bf16", t.fp8_bf16_layers) : "";
+    std::printf("megacore: FP8 %s scaling (%s, amax history %lld, %s, margin %lld)%s on %lld linears of this stage%s\n",
+                t.fp8.c_str(), t.fp8_format.c_str(), (long long)t.fp8_amax_history_len, t.fp8_amax_compute_algo.c_str(),
+                (long long)t.fp8_margin, kept.c_str(), (long long)on, dev.is_cpu() ? " (CPU emulation)" : "");
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfig& m, parallel::ProcessGrid& grid,
@@ -139,6 +182,7 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfi
     for (auto& ch : chunks) ch->apply_lora(cfg.peft.lora(m.seed));
     log_trainable_parameters(cfg, grid, chunks, placement);
   }
+  enable_fp8(cfg, m, placement, chunks, grid.rank() == 0);
   return chunks;
 }
 

@@ -166,6 +166,12 @@ std::string to_json(const StepMetrics& m) {
     j["moe_aux_loss"] = m.moe_aux_loss;
     j["moe_load_imbalance"] = m.moe_load_imbalance;
   }
+  if (!m.fp8_counts.empty()) {
+    nlohmann::json sat = nlohmann::json::object(), flu = nlohmann::json::object();
+    for (const auto& c : m.fp8_counts) sat[c.name] = c.saturated, flu[c.name] = c.flushed;
+    j["fp8_saturated"] = sat;
+    j["fp8_flushed"] = flu;
+  }
   if (!m.rank_compute_seconds.empty()) {
     j["compute_seconds"] = m.compute_seconds;
     j["stragglers"] = m.stragglers;

@@ -696,6 +696,28 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
   if (t.max_restarts < 0) err("trainer.max_restarts", "must be >= 0 (0 = a failure ends the job)");
   if (t.on_nonfinite != "skip" && t.on_nonfinite != "stop")
     err("trainer.on_nonfinite", fmt::format("'{}' is not skip or stop", t.on_nonfinite));
+  if (t.fp8 != "none" && t.fp8 != "delayed" && t.fp8 != "current")
+    err("trainer.fp8", fmt::format("'{}' is not none, delayed or current", t.fp8));
+  if (t.fp8 != "none") {
+    if (t.precision != "bf16" && t.precision != "auto")
+      err("trainer.precision", fmt::format("is {}; FP8 training (trainer.fp8 = {}) keeps bf16 parameters and "
+                                           "activations: set trainer.precision = bf16", t.precision, t.fp8));
+    if (t.device == "cpu" && !t.fp8_emulation)
+      err("trainer.fp8", "FP8 on CPU ranks runs only as an emulation (tests and debugging): set "
+                         "trainer.fp8_emulation = true, or train on GPUs of compute capability 8.9+");
+    if (t.fp8_amax_history_len < 1) err("trainer.fp8_amax_history_len", "must be >= 1 (1024)");
+    if (t.fp8_amax_compute_algo != "max" && t.fp8_amax_compute_algo != "most_recent")
+      err("trainer.fp8_amax_compute_algo", fmt::format("'{}' is not max or most_recent", t.fp8_amax_compute_algo));
+    if (t.fp8_margin < 0 || t.fp8_margin > 32) err("trainer.fp8_margin", "must be in 0..32 (0)");
+    if (t.fp8_format != "hybrid" && t.fp8_format != "e4m3")
+      err("trainer.fp8_format", fmt::format("'{}' is not hybrid or e4m3", t.fp8_format));
+    if (t.fp8_bf16_layers < 0 || 2 * t.fp8_bf16_layers >= r.model.num_layers)
+      err("trainer.fp8_bf16_layers", fmt::format("is {}; it must be >= 0 and leave layers in FP8 (2 x {} < "
+                                                 "num_layers {})", t.fp8_bf16_layers, t.fp8_bf16_layers,
+                                                 r.model.num_layers));
+    if (r.peft.scheme == "lora")
+      err("trainer.fp8", "LoRA runs keep their adapted layers in bf16; set trainer.fp8 = none for peft.scheme = lora");
+  }
   if (!(t.loss_spike_factor == 0 || t.loss_spike_factor > 1))
     err("trainer.loss_spike_factor", "must be 0 (off) or a factor above 1, e.g. 3");
   if (!(t.straggler_factor == 0 || t.straggler_factor > 1))

@@ -24,6 +24,8 @@
 #include "megacore/core/error.hpp"
 #include "megacore/core/host_sync.hpp"
 #include "megacore/data/loader.hpp"
+#include "megacore/core/log.hpp"
+#include "megacore/model/fp8.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/distributed_data_parallel.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
@@ -268,6 +270,10 @@ StepMetrics Trainer::Impl::train_step() {
   OptimizerParts& op = parts.optimizer;
   if (is_cuda()) Allocator::get(device()).reset_peak_stats();
   op.zero_grad();
+  // FP8: the optimizer has changed the weights (drop their FP8 copies) and, with delayed scaling, the
+  // last step's amaxes give this step's scales.
+  if (cfg.trainer.fp8 != "none")
+    for (auto& ch : parts.chunks) mdl::fp8_begin_step(*ch, ctx.stream);
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*parts.loader, grid(), ctx.stream);
   const double loss_scale = op.scaler ? op.scaler->scale() : 1.0;
   // Compute time for straggler reports: on GPUs by events (no host sync inside the step), on CPU by the clock.
@@ -349,8 +355,52 @@ StepMetrics Trainer::Impl::train_step() {
   m.mem_allocated_gib = double(ms.allocated) / double(1 << 30);
   m.mem_peak_gib = double(ms.peak_allocated) / double(1 << 30);
   m.consumed_samples = double(state.consumed_samples);
+  if (cfg.trainer.fp8 != "none" && root &&
+      (state.step % cfg.trainer.log_interval == 0 || state.step == cfg.trainer.max_steps))
+    for (auto& ch : parts.chunks)
+      for (const mdl::Fp8LayerCounts& c : mdl::fp8_counts(*ch))
+        m.fp8_counts.push_back({c.name, c.saturated[0] + c.saturated[1] + c.saturated[2],
+                                c.flushed[0] + c.flushed[1] + c.flushed[2]});
   return m;
 }
+
+namespace {
+// FP8 scaling state in checkpoints: every rank's own (amaxes differ over TP until their reduction at the next
+// step, and over DP always). A layer lives on the world / PP ranks of one pipeline stage, so each tensor is
+// stored as [world / PP, ...] with this rank's entry at its index within the stage (the rank order puts PP
+// outermost), and a resume on the same layout continues exactly.
+std::vector<checkpoint::ShardedTensor> fp8_tensors(const ModelChunks& chunks, const parallel::ProcessGrid& grid) {
+  const int per_stage = grid.world().size() / grid.layout().pp_size(), index = grid.rank() % per_stage;
+  MC_INTERNAL_ASSERT(grid.rank() / per_stage == grid.pp_rank(), "pipeline rank {} of world rank {} is not outermost",
+                     grid.pp_rank(), grid.rank());
+  std::vector<checkpoint::ShardedTensor> out;
+  for (const auto& ch : chunks)
+    for (auto& [name, t] : mdl::fp8_state(*ch)) {
+      checkpoint::ShardedTensor st;
+      st.name = "fp8_state." + name;
+      st.global_shape = t.shape();
+      st.global_shape.insert(st.global_shape.begin(), per_stage);
+      st.dtype = t.dtype();
+      st.local = t.unsqueeze(0);
+      checkpoint::ShardPiece p;
+      p.local_offsets = Shape(st.local.shape().size(), 0);
+      p.global_offsets = p.local_offsets;
+      p.global_offsets[0] = index;
+      p.shape = st.local.shape();
+      st.pieces.push_back(p);
+      out.push_back(std::move(st));
+    }
+  return out;
+}
+
+// " | fp8 delayed: saturated N, flushed M" over rank 0's FP8 linears (empty without FP8 counts).
+std::string fp8_summary(const StepMetrics& m) {
+  if (m.fp8_counts.empty()) return {};
+  int64_t sat = 0, flu = 0;
+  for (const auto& c : m.fp8_counts) sat += c.saturated, flu += c.flushed;
+  return fmt::format(" | fp8 saturated {} flushed {}", sat, flu);
+}
+}  // namespace
 
 void Trainer::Impl::log(const StepMetrics& m) {
   if (!root) return;
@@ -372,7 +422,8 @@ void Trainer::Impl::log(const StepMetrics& m) {
       (m.skipped ? " | SKIPPED (non-finite gradients)" : "") +
           (parts.optimizer.scaler ? fmt::format(" | loss scale {:g}", m.loss_scale) : std::string()) +
           (mcfg().is_moe() ? fmt::format(" | aux loss {:.4f} | load max/mean {:.2f}", m.moe_aux_loss, m.moe_load_imbalance)
-                           : std::string()));
+                           : std::string()) +
+          fp8_summary(m));
   if (bar) {
     const int width = 20, done = int(width * m.step / std::max<int64_t>(1, cfg.trainer.max_steps));
     line += " [" + std::string(size_t(done), '#') + std::string(size_t(width - done), '.') + "]";
@@ -500,6 +551,7 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
   }
   state.scheduler_steps = parts.optimizer.sched->num_steps();
   state.loss_scaler = parts.optimizer.scaler ? std::optional(parts.optimizer.scaler->state()) : std::nullopt;
+  for (auto& t : fp8_tensors(parts.chunks, grid())) st.tensors.push_back(std::move(t));
   state.write(st.json);
   st.json["recipe"] = to_json(cfg);
   ckpt->save(st);
@@ -527,6 +579,17 @@ void Trainer::Impl::load_training_state(TrainingParts& p, checkpoint::Checkpoint
     } else {
       checkpoint::load_optimizer_state(reader, *g.opt, targets);
     }
+  }
+  std::vector<checkpoint::ShardedTensor> fp8 = fp8_tensors(p.chunks, *p.grid);
+  const bool fp8_saved = std::all_of(fp8.begin(), fp8.end(), [&](const checkpoint::ShardedTensor& t) {
+    return reader.has_tensor(t.name) && reader.meta(t.name).global_shape == t.global_shape;
+  });
+  if (fp8_saved) {
+    for (auto& t : fp8) reader.load(t);  // into the live state; the next step's begin_step goes on from it
+  } else if (!fp8.empty() && world.rank() == 0) {
+    log_line(LogLevel::Warning, "fp8",
+             "the checkpoint has no FP8 scaling state for this layout (a bf16 run, or another world size or "
+             "amax history length): the scales start again from 1");
   }
   state = TrainingState::read(reader.json());
   p.optimizer.sched->set_num_steps(state.scheduler_steps);

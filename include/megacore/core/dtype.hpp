@@ -1,10 +1,11 @@
-// Element types, and the 16-bit float formats as plain host/device structs.
+// Element types, and the 16-bit and 8-bit float formats as plain host/device structs.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MC_HOST_DEVICE __host__ __device__ __forceinline__
@@ -15,9 +16,10 @@
 namespace megacore {
 
 /// Element type of a tensor.
-enum class DType : uint8_t { F32 = 0, BF16 = 1, F16 = 2, I32 = 3, I64 = 4, U8 = 5 };
+/// F8E4M3 and F8E5M2 are the FP8 formats of FP8 training (see float8_e4m3 / float8_e5m2 below).
+enum class DType : uint8_t { F32 = 0, BF16 = 1, F16 = 2, I32 = 3, I64 = 4, U8 = 5, F8E4M3 = 6, F8E5M2 = 7 };
 
-inline constexpr int kNumDTypes = 6;
+inline constexpr int kNumDTypes = 8;
 
 /// Bytes per element.
 constexpr int64_t dtype_size(DType t) {
@@ -25,16 +27,19 @@ constexpr int64_t dtype_size(DType t) {
     case DType::F32: case DType::I32: return 4;
     case DType::BF16: case DType::F16: return 2;
     case DType::I64: return 8;
-    case DType::U8: return 1;
+    case DType::U8: case DType::F8E4M3: case DType::F8E5M2: return 1;
   }
   return 0;
 }
+/// The float types arithmetic runs on (f32, bf16, f16); the FP8 formats are storage for scaled GEMM
+/// operands only (is_fp8) and are not "floating" in this sense.
 constexpr bool is_floating(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+constexpr bool is_fp8(DType t) { return t == DType::F8E4M3 || t == DType::F8E5M2; }
 
-/// Short lower-case name ("f32", "bf16", ...), as used in messages and file formats.
+/// Short lower-case name ("f32", "bf16", "f8e4m3", ...), as used in messages and file formats.
 std::string_view dtype_name(DType t);
-/// Parses a name (f32/float32, bf16/bfloat16, f16/float16/half, i32/int32, i64/int64, u8/uint8);
-/// throws ValueError listing the accepted names.
+/// Parses a name (f32/float32, bf16/bfloat16, f16/float16/half, i32/int32, i64/int64, u8/uint8,
+/// f8e4m3/float8_e4m3fn, f8e5m2/float8_e5m2); throws ValueError listing the accepted names.
 DType dtype_from_name(std::string_view name);
 
 // ---- 16-bit floats: conversions round to nearest even, identical on host and device ------------
@@ -97,6 +102,95 @@ struct float16 {
   }
 };
 
+// ---- 8-bit floats (FP8) ------------------------------------------------------------------------------
+//
+// E4M3 is the "fn" variant of the OCP FP8 spec (Transformer Engine's and CUDA's __nv_fp8_e4m3): bias 7,
+// no infinities, 0x7f/0xff are NaN, largest finite value 448, smallest subnormal 2^-9. E5M2 is IEEE-like:
+// bias 15, infinities 0x7c/0xfc, NaNs above them, largest finite 57344, smallest subnormal 2^-16.
+//
+// float → FP8 rounds to nearest even and SATURATES: every value whose magnitude is at least the largest
+// finite value, infinities included, becomes ±max (CUDA's __NV_SATFINITE conversion, which Transformer
+// Engine's casts use); NaN stays NaN (sign kept). Values below half the smallest subnormal become ±0.
+// The same integer code runs on host and device, so a CPU cast and a GPU cast give the same bits.
+
+namespace fp8_detail {
+/// Rounds |f| (finite, below the format's max) to the code of an FP8 format with `man` mantissa bits and
+/// exponent bias `bias`, sign not included. Normal and subnormal values share one formula: with
+/// e = max(exponent of f, 1 - bias) the quantum is 2^(e - man) and the code is ((e + bias - 1) << man) + n,
+/// n = |f| / quantum rounded to nearest even (n = 2^(man+1) carries into the next exponent by itself).
+MC_HOST_DEVICE uint32_t round_magnitude(uint32_t ax, int man, int bias) {
+  const int e32 = int(ax >> 23);
+  if (e32 == 0) return 0;  // zero and f32 subnormals (< 2^-126) round to zero in both formats
+  const int e = e32 - 127 < 1 - bias ? 1 - bias : e32 - 127;
+  const uint32_t m24 = (ax & 0x7fffffu) | 0x800000u;
+  const int shift = 23 - man + (e - (e32 - 127));
+  if (shift >= 25) return 0;  // below half the smallest subnormal
+  uint32_t r = m24 >> shift;
+  const uint32_t rem = m24 & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (r & 1u))) ++r;
+  return (uint32_t(e + bias - 1) << man) + r;
+}
+/// Decodes a finite code's magnitude (sign not included) exactly.
+MC_HOST_DEVICE float decode_magnitude(uint32_t code, int man, int bias) {
+  const uint32_t exp = code >> man, m = code & ((1u << man) - 1u);
+  if (exp == 0) return float(m) * bits_f32(uint32_t(127 + 1 - bias - man) << 23);  // m * 2^(1-bias-man), exact
+  return bits_f32(((exp - uint32_t(bias) + 127u) << 23) | (m << (23 - man)));
+}
+}  // namespace fp8_detail
+
+/// FP8 E4M3 (fn) storage: max 448, no infinity, NaN 0x7f / 0xff.
+struct float8_e4m3 {
+  uint8_t bits = 0;
+  static constexpr float kMax = 448.f;
+  static constexpr uint8_t kMaxCode = 0x7e;
+  float8_e4m3() = default;
+  MC_HOST_DEVICE explicit float8_e4m3(float f) : bits(from_float(f)) {}
+  MC_HOST_DEVICE operator float() const { return to_float(bits); }
+  MC_HOST_DEVICE static uint8_t from_float(float f) {
+    const uint32_t u = f32_bits(f), sign = (u >> 24) & 0x80u, ax = u & 0x7fffffffu;
+    if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);
+    if (ax >= 0x43e00000u) return uint8_t(sign | kMaxCode);  // |f| >= 448 (and inf): saturate
+    return uint8_t(sign | fp8_detail::round_magnitude(ax, 3, 7));
+  }
+  MC_HOST_DEVICE static float to_float(uint8_t b) {
+    const uint32_t sign = uint32_t(b & 0x80u) << 24;
+    if ((b & 0x7fu) == 0x7fu) return bits_f32(sign | 0x7fc00000u);
+    return bits_f32(sign | f32_bits(fp8_detail::decode_magnitude(b & 0x7fu, 3, 7)));
+  }
+};
+
+/// FP8 E5M2 storage: max 57344, ±inf 0x7c / 0xfc, NaN above.
+struct float8_e5m2 {
+  uint8_t bits = 0;
+  static constexpr float kMax = 57344.f;
+  static constexpr uint8_t kMaxCode = 0x7b;
+  float8_e5m2() = default;
+  MC_HOST_DEVICE explicit float8_e5m2(float f) : bits(from_float(f)) {}
+  MC_HOST_DEVICE operator float() const { return to_float(bits); }
+  MC_HOST_DEVICE static uint8_t from_float(float f) {
+    const uint32_t u = f32_bits(f), sign = (u >> 24) & 0x80u, ax = u & 0x7fffffffu;
+    if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);
+    if (ax >= 0x47600000u) return uint8_t(sign | kMaxCode);  // |f| >= 57344 (and inf): saturate
+    return uint8_t(sign | fp8_detail::round_magnitude(ax, 2, 15));
+  }
+  MC_HOST_DEVICE static float to_float(uint8_t b) {
+    const uint32_t sign = uint32_t(b & 0x80u) << 24, mag = b & 0x7fu;
+    if (mag == 0x7cu) return bits_f32(sign | 0x7f800000u);
+    if (mag > 0x7cu) return bits_f32(sign | 0x7fc00000u);
+    return bits_f32(sign | f32_bits(fp8_detail::decode_magnitude(mag, 2, 15)));
+  }
+};
+
+/// The largest finite value of an FP8 dtype (448 or 57344); 0 for other dtypes.
+constexpr float fp8_max(DType t) {
+  return t == DType::F8E4M3 ? float8_e4m3::kMax : t == DType::F8E5M2 ? float8_e5m2::kMax : 0.f;
+}
+
+/// The reduced-precision float storage types (bf16, f16, the FP8 formats): converted through f32.
+template <class T>
+inline constexpr bool is_narrow_float_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16> ||
+                                          std::is_same_v<T, float8_e4m3> || std::is_same_v<T, float8_e5m2>;
+
 /// Maps a C++ element type to its DType.
 template <class T> struct dtype_of;
 template <> struct dtype_of<float> { static constexpr DType value = DType::F32; };
@@ -105,6 +199,8 @@ template <> struct dtype_of<float16> { static constexpr DType value = DType::F16
 template <> struct dtype_of<int32_t> { static constexpr DType value = DType::I32; };
 template <> struct dtype_of<int64_t> { static constexpr DType value = DType::I64; };
 template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::U8; };
+template <> struct dtype_of<float8_e4m3> { static constexpr DType value = DType::F8E4M3; };
+template <> struct dtype_of<float8_e5m2> { static constexpr DType value = DType::F8E5M2; };
 template <class T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
 /// Calls f(T{}) with T the C++ type of dt.
@@ -117,6 +213,8 @@ decltype(auto) dispatch_dtype(DType dt, F&& f) {
     case DType::I32: return f(int32_t{});
     case DType::I64: return f(int64_t{});
     case DType::U8: return f(uint8_t{});
+    case DType::F8E4M3: return f(float8_e4m3{});
+    case DType::F8E5M2: return f(float8_e5m2{});
   }
   return f(float{});
 }

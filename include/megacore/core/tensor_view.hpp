@@ -37,6 +37,8 @@ std::string tensor_view_name() {
     case DType::I32: n += "int32_t"; break;
     case DType::I64: n += "int64_t"; break;
     case DType::U8: n += "uint8_t"; break;
+    case DType::F8E4M3: n += "float8_e4m3"; break;
+    case DType::F8E5M2: n += "float8_e5m2"; break;
   }
   return fmt::format("TensorView<{}, {}>", n, Rank);
 }
@@ -49,6 +51,8 @@ inline std::string_view dtype_enum_name(DType d) {
     case DType::I32: return "I32";
     case DType::I64: return "I64";
     case DType::U8: return "U8";
+    case DType::F8E4M3: return "F8E4M3";
+    case DType::F8E5M2: return "F8E5M2";
   }
   return "?";
 }
@@ -61,6 +65,8 @@ inline std::string_view cpp_type_name(DType d) {
     case DType::I32: return "int32_t";
     case DType::I64: return "int64_t";
     case DType::U8: return "uint8_t";
+    case DType::F8E4M3: return "float8_e4m3";
+    case DType::F8E5M2: return "float8_e5m2";
   }
   return "?";
 }

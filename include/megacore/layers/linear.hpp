@@ -43,6 +43,10 @@
 // set_frozen(true) skips the weight and bias gradients (the dW GEMM and its main_grad buffer) while still
 // returning the input gradient. With LoRA or frozen weights the non-overlapped backward is used
 // (overlap_grad_comm is ignored). Both layers share this part (ParallelLinearBase).
+//
+// FP8 (layers/fp8.hpp): enable_fp8 runs the forward and input-gradient GEMMs in FP8 with per-tensor
+// scales agreed over the TP group; the weight gradient stays in the layer's dtype. With FP8 on, the
+// non-overlapped backward is used, and a LoRA adapter keeps the layer in its own dtype.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +57,7 @@
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
 #include "megacore/layers/activation_stash.hpp"
+#include "megacore/layers/fp8.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/lora.hpp"
 #include "megacore/layers/parameter.hpp"
@@ -131,6 +136,15 @@ class ParallelLinearBase {
   void set_frozen(bool frozen);
   bool frozen() const { return frozen_; }
 
+  /// Runs this layer's forward and input-gradient GEMMs in FP8 with `recipe` (layers/fp8.hpp). The
+  /// weight must be bf16 or f32. Returns false, with one log line, when the weight's dimensions are not
+  /// multiples of 16 (the layer then stays in its dtype).
+  bool enable_fp8(const Fp8Recipe& recipe, std::string_view name = {});
+  /// The FP8 state, or nullptr when FP8 is off.
+  Fp8LinearState* fp8() { return fp8_.get(); }
+  /// Once per optimizer step, before the first forward of the step (see Fp8LinearState::begin_step).
+  void fp8_begin_step(const Stream& s = {});
+
  protected:
   ParallelLinearBase(comm::Communicator& tp, LoRAAdapter::Kind kind, int64_t in_features, int64_t out_features,
                      std::string_view name);
@@ -145,8 +159,12 @@ class ParallelLinearBase {
   Tensor saved_input_;
   std::unique_ptr<LoRAAdapter> lora_;
   bool frozen_ = false;
+  std::unique_ptr<Fp8LinearState> fp8_;
 
  private:
+  /// FP8 applies to a product of `rows` rows (no adapter, every dimension a multiple of 16).
+  bool fp8_applies(int64_t rows);
+
   LoRAAdapter::Kind kind_;
   std::string_view name_;
 };

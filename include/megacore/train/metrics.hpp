@@ -45,6 +45,13 @@ struct StepMetrics {
   /// balanced). 0 for dense models.
   double moe_aux_loss = 0;
   double moe_load_imbalance = 0;
+  /// FP8 runs, at log steps: per FP8 linear of rank 0 ("layers.3.mlp.linear_fc1"), the elements its casts
+  /// (input, weight, output gradient) saturated at the format's max and flushed to zero since the start.
+  struct Fp8Counts {
+    std::string name;
+    int64_t saturated = 0, flushed = 0;
+  };
+  std::vector<Fp8Counts> fp8_counts;
 };
 
 /// Dense bf16 tensor-core peak in TFLOP/s of a card by name (H100/H200 SXM 989, H100 PCIe 756, A100 312);

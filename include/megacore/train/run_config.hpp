@@ -253,6 +253,13 @@ struct TrainerSection {
   double first_step_timeout_s = 1800;
   double step_timeout_s = 600;
   double save_timeout_s = 1800;
+  std::string fp8 = "none";
+  int64_t fp8_amax_history_len = 1024;
+  std::string fp8_amax_compute_algo = "max";
+  int64_t fp8_margin = 0;
+  std::string fp8_format = "hybrid";
+  int64_t fp8_bf16_layers = 0;
+  bool fp8_emulation = false;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -318,6 +325,26 @@ struct TrainerSection {
             "not watched. Below comm_timeout_s it reports a hang before the collective's own timeout does."},
       s.step_timeout_s);
     f(Field{"save_timeout_s", "Watchdog: seconds a checkpoint save may take; 0 = not watched."}, s.save_timeout_s);
+    f(Field{"fp8",
+            "FP8 linear layers (QKV, output projection, FC1, FC2; docs/fp8.md): none, delayed (scales from an amax "
+            "history, Transformer Engine's DelayedScaling) or current (each tensor's own amax). Needs precision "
+            "bf16 and a GPU of compute capability 8.9+ (or fp8_emulation on CPU ranks).",
+            "none|delayed|current"},
+      s.fp8);
+    f(Field{"fp8_amax_history_len", "Delayed scaling: steps of amax history per tensor."}, s.fp8_amax_history_len);
+    f(Field{"fp8_amax_compute_algo", "Delayed scaling: the history's max, or its most recent amax.",
+            "max|most_recent"},
+      s.fp8_amax_compute_algo);
+    f(Field{"fp8_margin", "scale = fp8_max / amax / 2^margin."}, s.fp8_margin);
+    f(Field{"fp8_format",
+            "hybrid = E4M3 forward (activations, weights), E5M2 output gradients; e4m3 = E4M3 everywhere.",
+            "hybrid|e4m3"},
+      s.fp8_format);
+    f(Field{"fp8_bf16_layers", "The first and the last this many transformer layers stay in bf16."},
+      s.fp8_bf16_layers);
+    f(Field{"fp8_emulation",
+            "Allow fp8 on CPU ranks, emulated (decode to f32, f32 GEMM): for tests and debugging, not speed."},
+      s.fp8_emulation);
   }
 };
 

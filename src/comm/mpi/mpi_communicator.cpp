@@ -51,7 +51,9 @@ MPI_Datatype mpi_type(DType d) {
     case DType::F16: return MPI_UINT16_T;  // moved as raw bits; reductions use the ops below
     case DType::I32: return MPI_INT32_T;
     case DType::I64: return MPI_INT64_T;
-    case DType::U8: return MPI_UINT8_T;
+    case DType::U8:
+    case DType::F8E4M3:
+    case DType::F8E5M2: return MPI_UINT8_T;  // FP8 moves as raw bytes; mpi_op refuses reductions
   }
   return MPI_BYTE;
 }
@@ -85,6 +87,8 @@ struct HalfOps {
 
 MPI_Op mpi_op(DType d, ReduceOp r) {
   int k = r == ReduceOp::Max ? 1 : r == ReduceOp::Min ? 2 : 0;  // Avg is Sum, then a division
+  MC_CHECK(!is_fp8(d), "reductions of {} tensors are not supported (FP8 is a storage format); reduce in f32 or "
+           "bf16 and cast afterwards", dtype_name(d));
   if (d == DType::BF16 || d == DType::F16) {
     // Process-wide constants, created once after MPI_Init and released by MPI_Finalize.
     static const HalfOps ops;

@@ -50,7 +50,9 @@ ncclDataType_t nccl_type(DType d) {
     case DType::F16: return ncclFloat16;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
-    case DType::U8: return ncclUint8;
+    case DType::U8:
+    case DType::F8E4M3:
+    case DType::F8E5M2: return ncclUint8;  // FP8 moves as raw bytes (reductions are refused before)
   }
   return ncclUint8;
 }

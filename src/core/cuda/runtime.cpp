@@ -22,6 +22,13 @@ std::string device_name(int device) {
   return p.name;
 }
 
+int compute_capability(int device) {
+  int major = 0, minor = 0;
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MC_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major * 10 + minor;
+}
+
 void set_device(int device) { MC_CUDA_CHECK(cudaSetDevice(device)); }
 int current_device() {
   int d = 0;

@@ -66,9 +66,9 @@ bool fits_u32(const StridedDesc& d) {
 }
 
 template <class D, class S> __device__ __forceinline__ D convert(S v) {
-  if constexpr (std::is_same_v<S, bfloat16> || std::is_same_v<S, float16>) {
+  if constexpr (is_narrow_float_v<S>) {
     return convert<D, float>(float(v));
-  } else if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
+  } else if constexpr (is_narrow_float_v<D>) {
     return D(float(v));
   } else {
     return static_cast<D>(v);
@@ -128,6 +128,8 @@ void dispatch(DType dt, F&& f) {
     case DType::I32: f(int32_t{}); break;
     case DType::I64: f(int64_t{}); break;
     case DType::U8: f(uint8_t{}); break;
+    case DType::F8E4M3: f(float8_e4m3{}); break;
+    case DType::F8E5M2: f(float8_e5m2{}); break;
   }
 }
 
@@ -142,7 +144,7 @@ void fill(void* data, DType dt, const StridedDesc& d, double value, void* stream
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     T v;
-    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) v = T(float(value));
+    if constexpr (is_narrow_float_v<T>) v = T(float(value));
     else v = static_cast<T>(value);
     const T zero{};
     if (contiguous && std::memcmp(&v, &zero, sizeof(T)) == 0) {

@@ -36,6 +36,8 @@ cudaDataType_t cuda_type(DType dt) {
     case DType::F32: return CUDA_R_32F;
     case DType::BF16: return CUDA_R_16BF;
     case DType::F16: return CUDA_R_16F;
+    case DType::F8E4M3: return CUDA_R_8F_E4M3;
+    case DType::F8E5M2: return CUDA_R_8F_E5M2;
     default: raise("gemm: dtype {} is not supported", dtype_name(dt));
   }
 }
@@ -84,7 +86,8 @@ Handles& handles() {
 
 using PlanKey = std::array<int64_t, 28>;
 struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const {
+  template <size_t N>
+  size_t operator()(const std::array<int64_t, N>& k) const {
     size_t h = 1469598103934665603ull;
     for (int64_t v : k) h = (h ^ size_t(v)) * 1099511628211ull;
     return h;
@@ -364,6 +367,95 @@ void gemm(const GemmProblem& p, int device, void* stream) {
                        p.bias, stream);
     }
   }
+}
+
+// ---- FP8 -------------------------------------------------------------------------------------------
+//
+// Row-major out[M, N] = a[M, K] b[N, K]ᵀ is the column-major D[N, M] = op(A) op(B) with A = b stored
+// [K, N] (ld ldb) taken transposed and B = a stored [K, M] (ld lda) as is: the "TN" layout, the only one
+// cuBLASLt's FP8 kernels take. cuBLASLt's A scale is therefore b's and its B scale a's. C (the beta term)
+// has out's type: bf16 with bf16 out, f32 with f32 out.
+
+namespace {
+
+using Fp8Key = std::array<int64_t, 16>;
+struct Fp8Plan {
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+struct Fp8PlanCache {
+  std::mutex mu;
+  std::unordered_map<Fp8Key, Fp8Plan, PlanKeyHash> plans;
+};
+
+void make_fp8_desc(DescGuard& g, const GemmFp8Problem& p, int sm_count) {
+  MC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&g.d, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const int8_t fast = p.fast_accum ? 1 : 0;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  // Null while planning: the heuristic needs only to know scales are used.
+  const void* sa = p.scale_inv_b;
+  const void* sb = p.scale_inv_a;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  if (sm_count > 0) {
+    int32_t t = sm_count;
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &t, sizeof(t)));
+  }
+}
+
+}  // namespace
+
+void gemm_fp8(const GemmFp8Problem& p, int device, void* stream) {
+  cuda_impl::DeviceGuard guard(device);
+  cublasLtHandle_t handle = handles().get(device);
+  static Fp8PlanCache* cache = new Fp8PlanCache();
+  const int sm = sm_target(device, p.sm_margin);
+  const Fp8Key key{device, int64_t(p.a_dtype), int64_t(p.b_dtype), int64_t(p.out_dtype), p.m, p.n, p.k, p.lda,
+                   p.ldb, p.ldc, p.beta != 0.f, p.fast_accum, alignment_of(p.a), alignment_of(p.b),
+                   alignment_of(p.c), sm};
+  Fp8Plan plan;
+  {
+    std::lock_guard<std::mutex> lock(cache->mu);
+    auto it = cache->plans.find(key);
+    if (it != cache->plans.end()) {
+      plan = it->second;
+    } else {
+      plan.a = make_layout(cuda_type(p.b_dtype), p.k, p.n, p.ldb, 1, 0);
+      plan.b = make_layout(cuda_type(p.a_dtype), p.k, p.m, p.lda, 1, 0);
+      plan.c = make_layout(cuda_type(p.out_dtype), p.n, p.m, p.ldc, 1, 0);
+      cublasLtMatmulPreference_t pref;
+      MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t ws = kWorkspaceBytes;
+      MC_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      DescGuard d;
+      make_fp8_desc(d, p, sm);
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      const cublasStatus_t st =
+          cublasLtMatmulAlgoGetHeuristic(handle, d.d, plan.a, plan.b, plan.c, plan.c, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      MC_CHECK_AS(CudaError, st == CUBLAS_STATUS_SUCCESS && found > 0,
+                  "gemm_fp8: cuBLASLt found no FP8 algorithm for m={} n={} k={} ({} x {} -> {}); FP8 GEMMs need a GPU "
+                  "of compute capability 8.9 or newer and cuBLASLt 12.x",
+                  p.m, p.n, p.k, dtype_name(p.a_dtype), dtype_name(p.b_dtype), dtype_name(p.out_dtype));
+      plan.algo = res.algo;
+      cache->plans.emplace(key, plan);
+    }
+  }
+  DescGuard d;
+  make_fp8_desc(d, p, sm);
+  Allocator& alloc = Allocator::get(Device::cuda(device));
+  Stream s = Stream::from_native(Device::cuda(device), stream);
+  void* ws = alloc.allocate(kWorkspaceBytes, s);
+  const float alpha = 1.f;
+  const cublasStatus_t st = cublasLtMatmul(handle, d.d, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c,
+                                           plan.c, &plan.algo, ws, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+  alloc.deallocate(ws);
+  MC_CUBLAS_CHECK(st);
 }
 
 }  // namespace megacore::ops::cuda

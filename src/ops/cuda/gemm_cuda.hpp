@@ -43,3 +43,26 @@ int64_t gemm_plan_cache_size();
 int64_t gemm_autotuned_plan_count();
 
 }  // namespace megacore::ops::cuda
+
+namespace megacore::ops::cuda {
+
+/// ops::gemm_fp8 on device pointers: out[M, N] (ld ldc) = sa · sb · a[M, K] (ld lda) · b[N, K]ᵀ (ld ldb)
+/// + beta · out, a and b FP8, out bf16 or f32, sa/sb device f32 scalars.
+struct GemmFp8Problem {
+  DType a_dtype = DType::F8E4M3, b_dtype = DType::F8E4M3, out_dtype = DType::BF16;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* c = nullptr;
+  int64_t ldc = 0;
+  const float* scale_inv_a = nullptr;
+  const float* scale_inv_b = nullptr;
+  float beta = 0.f;
+  bool fast_accum = false;
+  int sm_margin = 0;
+};
+void gemm_fp8(const GemmFp8Problem& p, int device, void* stream);
+
+}  // namespace megacore::ops::cuda

@@ -1,0 +1,84 @@
+// FP8 execution of a tensor-parallel linear layer (Transformer Engine's recipe on megacore's layers).
+//
+// With FP8 on, a linear layer runs two of its three GEMMs in FP8 (ops::gemm_fp8):
+//   forward  y  = x W^T       x → E4M3 (scale from the recipe), W → E4M3 (cast once per step, cached)
+//   dgrad    dx = dy W        dy → E5M2 ("hybrid") or E4M3, times the cached transposed FP8 weight
+//   wgrad    dW += dyᵀ x      in the layer's dtype (bf16) from the saved bf16 input, accumulated in f32
+// The forward product uses fast accumulation, the gradient product does not (as Transformer Engine).
+// Keeping wgrad in bf16 costs FP8's speed-up on a third of the FLOPs and keeps the weight gradient exact
+// to bf16; it also spares the FP8 transposes of x and dy.
+//
+// Scaling state: three tensors per layer (input, weight, output gradient), each with an amax history
+// column (f32 [L, 3]), a scale and scale_inv (f32 [3]) and saturation / flush-to-zero counts (i64 [3, 2]),
+// all on the layer's device. Every rank of the TP group uses the same scales: the amaxes are reduced
+// (max) over the TP group before a scale is computed from them.
+//   delayed: casts reduce |x| into history row 0; begin_step() (once per optimizer step, before the first
+//            micro-batch) reduces row 0 over TP, computes the scales and rolls the history.
+//   current: each cast first computes the tensor's amax, reduces it over TP, derives the scale
+//            (margin applied), then casts (one extra pass and one small all-reduce per cast).
+// begin_step() also drops the cached FP8 weight (the optimizer has changed W). A layer used on its own
+// must call it after each optimizer step; GPTModel::fp8_begin_step does it for a model.
+//
+// Products whose dimensions are not multiples of 16 run in the layer's dtype (the layer's features are
+// checked when FP8 is enabled, the row count per call), each case reported once in the log.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megacore/comm/communicator.hpp"
+#include "megacore/core/tensor.hpp"
+#include "megacore/ops/fp8.hpp"
+
+namespace megacore::layers {
+
+enum class Fp8Scaling { None, Delayed, Current };
+
+/// Parses none | delayed | current (ConfigError otherwise) and names it back.
+Fp8Scaling fp8_scaling_from_name(std::string_view name);
+std::string_view fp8_scaling_name(Fp8Scaling s);
+
+/// The recipe (trainer.fp8* in the run config).
+struct Fp8Recipe {
+  Fp8Scaling scaling = Fp8Scaling::Delayed;
+  int64_t amax_history_len = 1024;
+  ops::Fp8AmaxAlgo amax_compute_algo = ops::Fp8AmaxAlgo::Max;
+  int margin = 0;
+  /// Output gradients' format: F8E5M2 (Transformer Engine's "hybrid") or F8E4M3.
+  DType grad_dtype = DType::F8E5M2;
+};
+
+/// One linear layer's FP8 scaling state and weight cache.
+class Fp8LinearState {
+ public:
+  enum Slot : int { kInput = 0, kWeight = 1, kGradOutput = 2 };
+  static constexpr int kSlots = 3;
+
+  Fp8LinearState(const Fp8Recipe& recipe, Device device);
+
+  const Fp8Recipe& recipe() const { return recipe_; }
+  /// Casts x (contiguous, f32/bf16/f16) into the slot's format with the slot's scale; the amax goes
+  /// where the recipe wants it (see the header comment). Returns the FP8 tensor.
+  Tensor cast(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
+  /// The weight in E4M3 [rows, cols] and its transpose [cols, rows], cast on the first call of a step.
+  const Tensor& weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
+  const Tensor& weight_t(comm::Communicator& tp, const Tensor& w, const Stream& s);
+  /// The slot's scale_inv as a one-element view (for ops::gemm_fp8).
+  Tensor scale_inv(int slot) const { return scale_inv_.narrow(0, slot, 1); }
+  /// Start of an optimizer step: drop the FP8 weight, and with delayed scaling reduce the last step's
+  /// amaxes over TP and update the scales.
+  void begin_step(comm::Communicator& tp, const Stream& s);
+
+  /// The scaling state: the live tensors ("amax_history" [L, 3], "scale" [3], "scale_inv" [3], "counts"
+  /// [3, 2]) in the slot order input, weight, output gradient; checkpoints save and load them in place.
+  std::vector<std::pair<std::string, Tensor>> state();
+
+ private:
+  void cast_weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
+
+  Fp8Recipe recipe_;
+  Tensor history_, scale_, scale_inv_, fp8_max_, counts_;
+  Tensor w_fp8_, wt_fp8_;
+};
+
+}  // namespace megacore::layers

@@ -1,0 +1,145 @@
+// CUDA kernels of the FP8 casts and scale update (ops/fp8.hpp). The cast is a grid-stride loop; each
+// block reduces its amax (as f32 bits, so an integer max orders NaN above every number) and its
+// saturation / flush counts, then one thread per block folds them into the global results with atomics.
+// The element math is fp8_math's, the same code as the CPU path, so the two give the same bits.
+#include "ops/cuda/fp8_cuda.hpp"
+#include "ops/cuda/memops_common.cuh"
+#include "ops/fp8_math.hpp"
+
+namespace megacore::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ unsigned long long warp_sum(unsigned long long v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide reduction of (amax bits, overflow, underflow) into the global results (thread 0).
+__device__ void fold_block(uint32_t m, unsigned long long over, unsigned long long under, float* amax,
+                           int64_t* counts) {
+  __shared__ uint32_t sm[kThreads / 32];
+  __shared__ unsigned long long so[kThreads / 32], su[kThreads / 32];
+  m = warp_max(m);
+  over = warp_sum(over);
+  under = warp_sum(under);
+  const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (lane == 0) sm[w] = m, so[w] = over, su[w] = under;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kThreads / 32; ++i) m = max(m, sm[i]), over += so[i], under += su[i];
+    if (amax) atomicMax(reinterpret_cast<unsigned int*>(amax), m);  // amax >= 0: its bits order like |x|
+    if (counts) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts), over);
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + 1), under);
+    }
+  }
+}
+
+template <class T, class Q>
+__global__ void cast_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
+                            uint8_t* __restrict__ out, float* amax, int64_t* counts) {
+  const float sc = *scale;
+  uint32_t m = 0;
+  unsigned long long over = 0, under = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = to_f32(x[i]);
+    bool o, u;
+    out[i] = fp8_math::quantize<Q>(v, sc, o, u);
+    m = max(m, fp8_math::abs_bits(v));
+    over += o;
+    under += u;
+  }
+  if (amax || counts) fold_block(m, over, under, amax, counts);
+}
+
+template <class T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* amax) {
+  uint32_t m = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    m = max(m, fp8_math::abs_bits(to_f32(x[i])));
+  fold_block(m, 0, 0, amax, nullptr);
+}
+
+template <class Q, class T>
+__global__ void dequant_kernel(const uint8_t* __restrict__ q, int64_t n, const float* __restrict__ scale_inv,
+                               T* __restrict__ out) {
+  const float si = *scale_inv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_f32<T>(Q::to_float(q[i]) * si);
+}
+
+__global__ void update_kernel(float* history, int64_t len, int64_t n, float* scale, float* scale_inv,
+                              const float* fp8_max, bool amax_max, int margin, bool roll) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j < n)
+    fp8_math::update_column(history + j, len, n, scale + j, scale_inv + j, fp8_max[j], amax_max, margin, roll);
+}
+
+template <class F>
+void dispatch_fp8(DType dt, F&& f) {
+  if (dt == DType::F8E4M3) f(float8_e4m3{});
+  else f(float8_e5m2{});
+}
+
+}  // namespace
+
+void fp8_cast(DType in_dt, const void* x, int64_t n, const float* scale, DType out_dt, void* out, float* amax,
+              int64_t* counts, int device, void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  const unsigned blocks = elementwise_blocks(n, kThreads, device, 8);
+  dispatch_float(in_dt, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(out_dt, [&](auto qtag) {
+      using Q = decltype(qtag);
+      cast_kernel<T, Q><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), n, scale,
+                                                                   static_cast<uint8_t*>(out), amax, counts);
+      MC_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void fp8_amax(DType in_dt, const void* x, int64_t n, float* amax, int device, void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  const unsigned blocks = elementwise_blocks(n, kThreads, device, 8);
+  dispatch_float(in_dt, [&](auto tag) {
+    using T = decltype(tag);
+    amax_kernel<T><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), n, amax);
+    MC_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void fp8_dequant(DType q_dt, const void* q, int64_t n, const float* scale_inv, DType out_dt, void* out, int device,
+                 void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  const unsigned blocks = elementwise_blocks(n, kThreads, device);
+  dispatch_float(out_dt, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(q_dt, [&](auto qtag) {
+      using Q = decltype(qtag);
+      dequant_kernel<Q, T><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const uint8_t*>(q), n, scale_inv,
+                                                                      static_cast<T*>(out));
+      MC_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void fp8_update_scales(float* history, int64_t len, int64_t n, float* scale, float* scale_inv, const float* fp8_max,
+                       bool amax_max, int margin, bool roll, int device, void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  const unsigned blocks = unsigned((n + 127) / 128);
+  update_kernel<<<blocks, 128, 0, as_stream(stream)>>>(history, len, n, scale, scale_inv, fp8_max, amax_max, margin,
+                                                       roll);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace megacore::ops::cuda
