@@ -8,7 +8,7 @@ writes benchmarks/results/e2e_<config>_<card>.json:
     {"card", "config", "date", "flops_convention", "runs": [{"system", "tokens_per_s_per_gpu", "tflops_6n_per_gpu",
      "mfu", "peak_mem_gib", "step_ms", ...}], "not_run": [{"system", "reason"}]}
 A peer that fails to import or run is listed under not_run with the last lines of its error; the others go on.
-megacore variants are the same benchmark binary with extra flags: --variant NAME="--flag ..." (repeatable).
+megacore variants are the same benchmark binary with extra flags: --variant NAME="--flag value" (or --flag,value; repeatable).
 """
 
 import argparse
@@ -103,7 +103,7 @@ def main():
     variants = [v.split("=", 1) for v in a.variant]
     for s in systems + [v[0] for v in variants]:
         if s == "megacore" or s in dict(variants):
-            flags = dict(variants).get(s, "").split()
+            flags = dict(variants).get(s, "").replace(",", " ").split()
             r, err = megacore_run(s, a.megacore_bin, flags, c, a)
         else:
             r, err = peer_run(s, c, a)
