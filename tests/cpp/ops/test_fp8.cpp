@@ -338,8 +338,10 @@ TEST_CASE("gemm_fp8 gpu: cuBLASLt equals the CPU emulation up to f32 summation o
           gemm_fp8(a, b, ref, scalar(1.f / 80), scalar(1.f / 40), {.beta = beta});
           gemm_fp8(a.to(mctest::gpu()), b.to(mctest::gpu()), got, scalar(1.f / 80, mctest::gpu()),
                    scalar(1.f / 40, mctest::gpu()), {.beta = beta, .fast_accum = fast});
-          // f32 sums of exact products in another order (fast accumulation: Hopper's partial sums).
-          const double tol = odt == DType::BF16 ? 1e-2 : (fast ? 2e-3 : 1e-5);
+          // f32 sums of exact products in another order. Hopper's FP8 tensor cores keep their partial sums below
+          // f32 precision in both modes: without fast accumulation cuBLASLt promotes them to f32 every few k-blocks
+          // (measured up to 1.3e-4 relative on an H200 at k = 2048, 2026-11-27), with it only at the end.
+          const double tol = odt == DType::BF16 ? 1e-2 : (fast ? 2e-3 : 5e-4);
           CHECK(mctest::rel_err_t(got.to(Device::cpu()), ref) < tol);
         }
       }
