@@ -89,8 +89,8 @@ void bind_checkpoint(pyb::module_& root) {
            }),
            pyb::arg("world"), pyb::arg("verify") = false, pyb::arg("threads") = 0,
            pyb::arg("host_memory_limit") = int64_t(-1), pyb::keep_alive<1, 2>(),
-           "host_memory_limit: bytes the snapshot may take beyond the buffers already held (-1: 90% of "
-           "MemAvailable); a save that does not fit is written synchronously.")
+           "host_memory_limit: bytes the snapshot may take beyond the buffers already held (-1: this rank's share "
+           "of 90% of MemAvailable); a save that does not fit is written synchronously.")
       .def("save", [](AsyncCheckpointSaver& s, const std::string& root, int64_t step, const pyb::object& tensors,
                       const std::map<std::string, std::string>& json, const pyb::object& extra_tensors,
                       std::optional<double> val_loss) {

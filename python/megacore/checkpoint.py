@@ -59,7 +59,8 @@ def async_saver(world, verify=False, threads=0, host_memory_limit=-1):
     once the tensors are snapshotted in host memory (reused buffers; page-locked for GPU tensors) and writes in
     a background thread; ``saver.wait()`` (or the next save) commits, collectively. The snapshot needs host
     memory for one copy of this rank's tensors; when it does not fit ``host_memory_limit`` (-1: 90% of
-    MemAvailable) the save is written synchronously instead (``saver.last_save_was_synchronous``)."""
+    MemAvailable, shared among the ranks on the host) the save is written synchronously instead
+    (``saver.last_save_was_synchronous``)."""
     return _need_c().AsyncSaver(world, verify, threads, host_memory_limit)
 
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -438,6 +439,16 @@ int64_t host_memory_available() {
   return -1;
 }
 
+// Processes of this job on this host, from the launcher's environment (torchrun, Open MPI, Slurm); 1 when
+// none says. Ranks on one host share its memory, and each checks its snapshot against its share.
+int64_t local_ranks() {
+  for (const char* v : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    const char* s = std::getenv(v);
+    if (s != nullptr && std::atoll(s) > 0) return std::atoll(s);
+  }
+  return 1;
+}
+
 // A host buffer for a snapshot of `like`: page-locked when the source is on a GPU (so the copy runs at
 // the link's speed and the buffer can be reused without re-pinning), pageable otherwise or when pinning fails.
 Tensor snapshot_buffer(const Tensor& like) {
@@ -525,13 +536,14 @@ void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& 
     int64_t limit = opts.async_host_memory_limit;
     if (limit < 0) {
       const int64_t avail = host_memory_available();
-      limit = avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9;
+      limit = avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
     }
     if (need - held > limit) {
       // Does not fit: write from the live tensors now (like save_checkpoint), commit at wait() as usual.
       std::fprintf(stderr,
-                   "[rank %d] checkpoint: an async save of step %lld needs %.2f GB of host memory for its snapshot "
-                   "but %.2f GB may be used (SaveOptions::async_host_memory_limit, or 90%% of MemAvailable); "
+                   "[rank %d] checkpoint: an async save of step %lld needs %.3g GB of host memory for its snapshot "
+                   "but %.3g GB may be used (SaveOptions::async_host_memory_limit, or this rank's share of 90%% of "
+                   "MemAvailable); "
                    "writing it synchronously instead\n",
                    rank, static_cast<long long>(j->step), double(need) / 1e9, (double(limit) + double(held)) / 1e9);
       buffers_.clear();

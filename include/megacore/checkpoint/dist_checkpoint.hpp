@@ -67,7 +67,8 @@ struct SaveOptions {
   /// (0 = min(8, hardware threads)).
   int threads = 0;
   /// Host memory an async save may take for its snapshot beyond the buffers it already holds, in bytes:
-  /// -1 = what /proc/meminfo calls MemAvailable, less 10 % (other uses need some). A save whose snapshot
+  /// -1 = 90 % of what /proc/meminfo calls MemAvailable, divided among the ranks on this host (from
+  /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS or SLURM_NTASKS_PER_NODE). A save whose snapshot
   /// does not fit is written synchronously instead (from the live tensors, no copy), with a line on
   /// stderr saying so.
   int64_t async_host_memory_limit = -1;

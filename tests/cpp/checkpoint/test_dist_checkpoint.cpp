@@ -449,6 +449,16 @@ struct TinyTraining {
     params = {replicated_tensor("w", w.data), replicated_tensor("b", b.data)};
     opt->step(1e-3f);  // non-zero moments
   }
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    for (const ShardedTensor& t : state(0).tensors)
+      for (const ShardPiece& p : t.pieces) {
+        int64_t v = dtype_size(t.dtype);
+        for (int64_t d : p.shape) v *= d;
+        n += v;
+      }
+    return n;
+  }
   CheckpointState state(int64_t step) const {
     CheckpointState st;
     st.step = step;
@@ -474,14 +484,15 @@ TEST_CASE("an async save blocks only for its snapshot: training steps run while 
   std::shared_future<void> step_done_f = step_done.get_future().share();
   SaveOptions o;
   o.fault_hook = [step_done_f](const std::string& point) {
-    if (point == "shard_written") step_done_f.wait();
+    // Bounded, so a failing check below cannot leave the writer (and the test) waiting forever.
+    if (point == "shard_written") step_done_f.wait_for(std::chrono::seconds(60));
   };
   AsyncCheckpointSaver saver(w, o);
   saver.save(async_root.path, tr.state(1));
   REQUIRE(saver.pending());
   REQUIRE_FALSE(saver.last_save_was_synchronous());
   const int64_t snapshot = saver.snapshot_bytes();
-  REQUIRE(snapshot == 300 * 70 * 4 * 3 + 70 * 4 * 3);  // parameters and two moments, f32
+  REQUIRE(snapshot == tr.state_bytes());  // one copy of everything saved
   const Tensor before = tr.w.data.clone();
   tr.opt->step(1e-3f);  // a training step changes the live state in place
   REQUIRE(tr.w.data.to_double_vector() != before.to_double_vector());
@@ -509,7 +520,7 @@ TEST_CASE("an async save whose snapshot does not fit the host memory limit is wr
   SoloWorld w;
   TinyTraining tr;
   save_checkpoint(w, sync_root.path, tr.state(3));
-  const int64_t bytes = 300 * 70 * 4 * 3 + 70 * 4 * 3;
+  const int64_t bytes = tr.state_bytes();
   SaveOptions o;
   o.async_host_memory_limit = bytes - 1;
   AsyncCheckpointSaver small(w, o);
