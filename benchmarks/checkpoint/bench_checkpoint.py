@@ -184,6 +184,8 @@ def main():
         res["mc_save"].append(timed(lambda: ck.save(world, mc_root, rep, mc_tensors, verify=args.verify_save)))
         if args.async_save:
             block, total = async_save(rep)
+            if rank == 0:  # disk space: keep one checkpoint of each kind at a time (8B: ~112 GB each)
+                shutil.rmtree(os.path.join(async_root, f"step_{rep}"), ignore_errors=True)
             res["mc_async_block"].append(block)
             res["mc_async_total"].append(total)
         res["torch_save"].append(timed(lambda: torch.save(torch_state, torch_file)))
@@ -200,6 +202,9 @@ def main():
             evicted &= evict(mc_files)
         res["mc_load_noverify"].append(timed(lambda: ck.load(world, mc_root, dst, verify=False)))
         del dst
+        world.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(mc_root, f"step_{rep}"), ignore_errors=True)
         res["torch_load"].append(timed(lambda: torch.load(torch_file, map_location=dev)))
     if rank == 0:
         best = {k: min(v) for k, v in res.items()}
