@@ -31,6 +31,7 @@ shows the cost. The JSON records the card name, world size, bytes and every timi
 """
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -176,7 +177,7 @@ def main():
         saver.wait()
         world.barrier()
         total = time.perf_counter() - t0
-        b = mc.from_numpy(np.array([block], dtype=np.float64))
+        b = mc.from_numpy(np.array([block], dtype=np.float32))
         world.all_reduce(b, "max")
         return float(np.asarray(b.numpy())[0]), total
     evicted = True
@@ -184,6 +185,10 @@ def main():
         res["mc_save"].append(timed(lambda: ck.save(world, mc_root, rep, mc_tensors, verify=args.verify_save)))
         if args.async_save:
             block, total = async_save(rep)
+            if rep == 0:  # the async save wrote exactly what the synchronous one did
+                shard = f"step_0/shard_{rank:05d}.safetensors"
+                assert filecmp.cmp(os.path.join(mc_root, shard), os.path.join(async_root, shard), shallow=False)
+                world.barrier()
             if rank == 0:  # disk space: keep one checkpoint of each kind at a time (8B: ~112 GB each)
                 shutil.rmtree(os.path.join(async_root, f"step_{rep}"), ignore_errors=True)
             res["mc_async_block"].append(block)
