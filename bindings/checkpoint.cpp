@@ -74,9 +74,37 @@ void bind_checkpoint(pyb::module_& root) {
     return save_checkpoint(world, path, st, o);
   }, pyb::arg("world"), pyb::arg("root"), pyb::arg("step"), pyb::arg("tensors"),
      pyb::arg("json") = std::map<std::string, std::string>{}, pyb::arg("extra_tensors") = pyb::none(),
-     pyb::arg("val_loss") = pyb::none(), pyb::arg("verify") = true, pyb::arg("threads") = 0,
+     pyb::arg("val_loss") = pyb::none(), pyb::arg("verify") = false, pyb::arg("threads") = 0,
      "Collective save into root/step_<step>; returns the directory. tensors: {name: tensor} (whole) or a list of "
      "(name, local, global_shape, global_offsets[, write]).");
+  pyb::class_<AsyncCheckpointSaver>(m, "AsyncSaver",
+                                    "Async saves: save() returns once this rank's pieces are snapshotted in host "
+                                    "memory; a background thread writes them; the next save() or wait() commits.")
+      .def(pyb::init([](comm::Communicator& world, bool verify, int threads, int64_t host_memory_limit) {
+             SaveOptions o;
+             o.verify = verify;
+             o.threads = threads;
+             o.async_host_memory_limit = host_memory_limit;
+             return std::make_unique<AsyncCheckpointSaver>(world, o);
+           }),
+           pyb::arg("world"), pyb::arg("verify") = false, pyb::arg("threads") = 0,
+           pyb::arg("host_memory_limit") = int64_t(-1), pyb::keep_alive<1, 2>(),
+           "host_memory_limit: bytes the snapshot may take beyond the buffers already held (-1: this rank's share "
+           "of 90% of MemAvailable); a save that does not fit is written synchronously.")
+      .def("save", [](AsyncCheckpointSaver& s, const std::string& root, int64_t step, const pyb::object& tensors,
+                      const std::map<std::string, std::string>& json, const pyb::object& extra_tensors,
+                      std::optional<double> val_loss) {
+        CheckpointState st = state_arg(step, tensors, json, extra_tensors, val_loss);
+        pyb::gil_scoped_release nogil;
+        s.save(root, st);
+      }, pyb::arg("root"), pyb::arg("step"), pyb::arg("tensors"),
+         pyb::arg("json") = std::map<std::string, std::string>{}, pyb::arg("extra_tensors") = pyb::none(),
+         pyb::arg("val_loss") = pyb::none(), "Commits the previous save, snapshots these tensors and starts writing.")
+      .def("wait", &AsyncCheckpointSaver::wait, pyb::call_guard<pyb::gil_scoped_release>(),
+           "Waits for the writer and commits (collective); returns the directory, '' when nothing was pending.")
+      .def_property_readonly("pending", &AsyncCheckpointSaver::pending)
+      .def_property_readonly("last_save_was_synchronous", &AsyncCheckpointSaver::last_save_was_synchronous)
+      .def_property_readonly("snapshot_bytes", &AsyncCheckpointSaver::snapshot_bytes);
   m.def("load", [](comm::Communicator* world, const std::string& path, const pyb::object& tensors, bool verify,
                    bool allow_missing, int threads) {
     std::vector<ShardedTensor> targets = sharded_arg(tensors);
@@ -147,6 +175,16 @@ void bind_checkpoint(pyb::module_& root) {
     std::string_view s = b;
     return crc32(s.data(), s.size(), crc);
   }, pyb::arg("data"), pyb::arg("crc") = 0u);
+  m.def("crc32c", [](const pyb::buffer& b, uint32_t crc) {
+    pyb::buffer_info info = b.request();
+    bool contiguous = true;
+    for (pyb::ssize_t d = info.ndim - 1, step = info.itemsize; d >= 0; step *= info.shape[size_t(d)], --d)
+      contiguous &= info.shape[size_t(d)] <= 1 || info.strides[size_t(d)] == step;
+    MC_CHECK(contiguous, "crc32c: pass a C-contiguous buffer (bytes, memoryview, numpy array)");
+    const size_t n = size_t(info.size) * size_t(info.itemsize);
+    pyb::gil_scoped_release nogil;
+    return crc32c(info.ptr, n, crc);
+  }, pyb::arg("data"), pyb::arg("crc") = 0u, "CRC-32C of a contiguous buffer (what format-2 checkpoints carry).");
 }
 
 }  // namespace megacore::py

@@ -35,6 +35,8 @@ except Exception:  # pragma: no cover - only without the extension
     _ck = None
 
 FORMAT = "megacore-distributed-checkpoint"
+# The numpy writer writes format 1 (a CRC-32 per entry, zlib's); the compiled saver writes format 2 (CRC-32C).
+# The readers of both halves read both.
 VERSION = 1
 
 # ----------------------------------------------------------------------------- compiled API
@@ -45,10 +47,21 @@ def _need_c():
     return _ck
 
 
-def save(world, root, step, tensors, json=None, extra_tensors=None, val_loss=None, verify=True, threads=0):
+def save(world, root, step, tensors, json=None, extra_tensors=None, val_loss=None, verify=False, threads=0):
     """Collective save to ``root/step_<step>``. ``tensors``: ``{name: tensor}`` (whole tensors, written once)
-    or a list of ``(name, local, global_shape, global_offsets[, write])``. ``json``: ``{name: JSON text}``."""
+    or a list of ``(name, local, global_shape, global_offsets[, write])``. ``json``: ``{name: JSON text}``.
+    ``verify``: also re-read the written files and check their CRCs (the loader checks them either way)."""
     return _need_c().save(world, root, step, tensors, json or {}, extra_tensors, val_loss, verify, threads)
+
+
+def async_saver(world, verify=False, threads=0, host_memory_limit=-1):
+    """An async saver: ``saver.save(root, step, tensors, json=None, extra_tensors=None, val_loss=None)`` returns
+    once the tensors are snapshotted in host memory (reused buffers; page-locked for GPU tensors) and writes in
+    a background thread; ``saver.wait()`` (or the next save) commits, collectively. The snapshot needs host
+    memory for one copy of this rank's tensors; when it does not fit ``host_memory_limit`` (-1: 90% of
+    MemAvailable, shared among the ranks on the host) the save is written synchronously instead
+    (``saver.last_save_was_synchronous``)."""
+    return _need_c().AsyncSaver(world, verify, threads, host_memory_limit)
 
 
 def load(world, path, tensors, verify=True, allow_missing=False, threads=0):
@@ -205,6 +218,16 @@ class SafetensorsReader:
         return _array_of(e["dtype"], self.raw(name), tuple(e["shape"]))
 
 
+def _entry_crc(shard: dict, raw) -> int:
+    """The checksum a metadata.json shard entry carries, of ``raw``: CRC-32C (format 2) or CRC-32 (format 1)."""
+    if "crc32c" in shard:
+        if _ck is None:
+            raise ImportError("checking a format-2 checkpoint's CRC-32C needs megacore._C; build it, or pass "
+                              "verify=False")
+        return _ck.crc32c(raw)
+    return zlib.crc32(raw)
+
+
 def read_safetensors(path: str) -> Dict[str, np.ndarray]:
     r = SafetensorsReader(path)
     return {n: r.get(n) for n in r.names()}
@@ -294,8 +317,8 @@ def load_full_checkpoint(path: str, names=None, verify: bool = True) -> Tuple[Di
                 r = readers[s["file"]] = SafetensorsReader(os.path.join(d, s["file"]))
             if s["key"] not in r.entries:
                 raise MegacoreIOError(f"{d}: {s['file']} lacks entry '{s['key']}' listed in metadata.json")
-            if verify and zlib.crc32(r.raw(s["key"])) != s["crc32"]:
-                raise MegacoreIOError(f"{d}: entry '{s['key']}' of {s['file']} fails its CRC-32 check; the file is "
+            if verify and _entry_crc(s, r.raw(s["key"])) != s.get("crc32c", s.get("crc32")):
+                raise MegacoreIOError(f"{d}: entry '{s['key']}' of {s['file']} fails its CRC check; the file is "
                                       "corrupt")
             piece = r.get(s["key"])
             if full is None:
@@ -314,5 +337,5 @@ def load_full_checkpoint(path: str, names=None, verify: bool = True) -> Tuple[Di
     return out, meta
 
 
-__all__ = ["save", "load", "resolve", "read_full", "BF16Array", "write_safetensors", "read_safetensors",
+__all__ = ["save", "async_saver", "load", "resolve", "read_full", "BF16Array", "write_safetensors", "read_safetensors",
            "SafetensorsReader", "resolve_checkpoint", "save_full_checkpoint", "load_full_checkpoint", "FORMAT"]

@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -17,6 +19,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/parallel_io.hpp"
+#include "data/pinned_memory.hpp"
+#include "megacore/build_config.hpp"
 #include "megacore/checkpoint/safetensors.hpp"
 #include "megacore/core/error.hpp"
 #include "megacore/optim/optimizer.hpp"
@@ -29,7 +34,8 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kFormat = "megacore-distributed-checkpoint";
-constexpr int kVersion = 1;
+// 1: CRC-32 per shard entry ("crc32"); 2: CRC-32C ("crc32c"). Both load.
+constexpr int kVersion = 2;
 constexpr const char* kMetadataFile = "metadata.json";
 constexpr const char* kLatestFile = "latest";
 
@@ -106,33 +112,7 @@ int64_t volume(const Shape& s) {
   return v;
 }
 
-// Runs fn(i) for i in [0, n) on up to `threads` threads; the first exception is rethrown.
-void parallel_for(size_t n, int threads, const std::function<void(size_t)>& fn) {
-  if (threads <= 0) threads = int(std::min<unsigned>(8, std::max(1u, std::thread::hardware_concurrency())));
-  threads = int(std::min<size_t>(size_t(threads), n));
-  if (threads <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  std::exception_ptr err;
-  std::mutex mu;
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&] {
-      for (size_t i; (i = next.fetch_add(1)) < n;) {
-        try {
-          fn(i);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (!err) err = std::current_exception();
-          next = n;
-        }
-      }
-    });
-  for (auto& th : pool) th.join();
-  if (err) std::rethrow_exception(err);
-}
+using detail::parallel_for;
 
 // Every rank learns whether any rank failed; the failing ranks rethrow their own error, the others an
 // IOError naming the lowest failing rank. Acts as a barrier.
@@ -163,7 +143,7 @@ struct Entry {
 
 json entry_json(const Entry& e) {
   return {{"name", e.name},     {"key", e.key},     {"dtype", std::string(safetensors_dtype_name(e.dtype))},
-          {"global_shape", e.global_shape}, {"offsets", e.offsets}, {"shape", e.shape}, {"crc32", e.crc}};
+          {"global_shape", e.global_shape}, {"offsets", e.offsets}, {"shape", e.shape}, {"crc32c", e.crc}};
 }
 
 bool boxes_overlap(const Shape& ao, const Shape& as, const Shape& bo, const Shape& bs) {
@@ -244,13 +224,14 @@ struct AsyncCheckpointSaver::Job {
 
 namespace {
 
-// Phase 1: rank 0 prepares the temporary directory; each rank validates and copies its pieces to host.
+// Phase 1: rank 0 prepares the temporary directory; each rank validates its pieces and, unless
+// `keep_views` (the async saver snapshots them itself), stages them as contiguous host tensors.
 void hook(const SaveOptions& o, const char* point) {
   if (o.fault_hook) o.fault_hook(point);
 }
 
 std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, const std::string& root,
-                                                   const CheckpointState& state, bool copy_always,
+                                                   const CheckpointState& state, bool keep_views,
                                                    const SaveOptions& options) {
   auto job = std::make_unique<AsyncCheckpointSaver::Job>();
   job->root = root;
@@ -289,10 +270,7 @@ std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, co
       e.offsets = offs;
       e.shape = view.shape();
       e.dtype = dt;
-      Tensor h = view.to(Device::cpu()).contiguous();
-      // A host tensor may still share memory with the live one; async writes need their own copy.
-      if (copy_always && h.storage() == view.storage()) h = h.clone();
-      e.host = std::move(h);
+      e.host = keep_views ? view : view.to(Device::cpu()).contiguous();
       job->entries.push_back(std::move(e));
     };
     for (const ShardedTensor& t : state.tensors) {
@@ -335,12 +313,9 @@ std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, co
   return job;
 }
 
-// Phase 2: CRCs, the shard file, verification and the fragment. Runs on any thread; no collectives.
+// Phase 2: the shard file (with the CRCs of the bytes written), verification and the fragment. Runs on
+// any thread; no collectives.
 void write_shards(AsyncCheckpointSaver::Job& job, int rank, const SaveOptions& options) {
-  parallel_for(job.entries.size(), options.threads, [&](size_t i) {
-    Entry& e = job.entries[i];
-    e.crc = crc32(e.host.data_ptr(), size_t(e.host.nbytes()));
-  });
   json frag = {{"rank", rank}, {"file", nullptr}, {"entries", json::array()}};
   if (!job.entries.empty()) {
     const std::string file = shard_file_name(rank);
@@ -348,7 +323,9 @@ void write_shards(AsyncCheckpointSaver::Job& job, int rank, const SaveOptions& o
     std::vector<std::pair<std::string, Tensor>> tensors;
     tensors.reserve(job.entries.size());
     for (const Entry& e : job.entries) tensors.emplace_back(e.key, e.host);
-    save_safetensors(path, tensors, {{"format", kFormat}, {"rank", std::to_string(rank)}});
+    const std::vector<uint32_t> crcs =
+        save_safetensors_crc32c(path, tensors, {{"format", kFormat}, {"rank", std::to_string(rank)}}, options.threads);
+    for (size_t i = 0; i < job.entries.size(); ++i) job.entries[i].crc = crcs[i];
     hook(options, "shard_written");
     if (options.verify) {
       SafetensorsFile f(path);
@@ -356,7 +333,7 @@ void write_shards(AsyncCheckpointSaver::Job& job, int rank, const SaveOptions& o
         const Entry& e = job.entries[i];
         const SafetensorsInfo& info = f.info(e.key);
         Tensor t = f.tensor(e.key);
-        if (info.shape != e.shape || info.dtype != e.dtype || crc32(t.data_ptr(), size_t(t.nbytes())) != e.crc)
+        if (info.shape != e.shape || info.dtype != e.dtype || crc32c(t.data_ptr(), size_t(t.nbytes())) != e.crc)
           raise<IOError>("save_checkpoint: entry '{}' of '{}' reads back differently from what was written (shape, "
                          "dtype or CRC); the storage is corrupting data",
                          e.key, path);
@@ -365,7 +342,8 @@ void write_shards(AsyncCheckpointSaver::Job& job, int rank, const SaveOptions& o
     frag["file"] = file;
     for (const Entry& e : job.entries) frag["entries"].push_back(entry_json(e));
   }
-  // The host copies are no longer needed; free them before the commit.
+  // Drop this job's references to the host copies (staged ones are freed; an async saver keeps its
+  // snapshot buffers for the next save).
   for (Entry& e : job.entries) e.host = Tensor();
   write_file_atomic((fs::path(job.tmp_dir) / fragment_file_name(rank)).string(), frag.dump());
   hook(options, "fragment_written");
@@ -399,9 +377,9 @@ void commit(AsyncCheckpointSaver::Job& job, int world_size, const SaveOptions& o
                              {"key", e.at("key")},
                              {"offsets", e.at("offsets")},
                              {"shape", e.at("shape")},
-                             {"crc32", e.at("crc32")}});
+                             {"crc32c", e.at("crc32c")}});
       shards[name].push_back({frag.at("file").get<std::string>(), e.at("key").get<std::string>(),
-                              e.at("offsets").get<Shape>(), e.at("shape").get<Shape>(), e.at("crc32").get<uint32_t>()});
+                              e.at("offsets").get<Shape>(), e.at("shape").get<Shape>(), e.at("crc32c").get<uint32_t>(), true});
     }
   }
   for (const auto& [name, s] : shards) check_tiling("save_checkpoint", name, shapes[name], s);
@@ -446,13 +424,143 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
 
 bool AsyncCheckpointSaver::pending() const { return job_ != nullptr; }
 
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes; -1 when unknown (then no limit applies).
+int64_t host_memory_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+// Processes of this job on this host, from the launcher's environment (torchrun, Open MPI, Slurm); 1 when
+// none says. Ranks on one host share its memory, and each checks its snapshot against its share.
+int64_t local_ranks() {
+  for (const char* v : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    const char* s = std::getenv(v);
+    if (s != nullptr && std::atoll(s) > 0) return std::atoll(s);
+  }
+  return 1;
+}
+
+// A host buffer for a snapshot of `like`: page-locked when the source is on a GPU (so the copy runs at
+// the link's speed and the buffer can be reused without re-pinning), pageable otherwise or when pinning fails.
+Tensor snapshot_buffer(const Tensor& like) {
+#if MEGACORE_WITH_CUDA
+  if (!like.device().is_cpu() && like.nbytes() > 0) {
+    try {
+      void* p = data::detail::pinned_alloc(size_t(like.nbytes()));
+      return Tensor::from_blob(p, like.shape(), contiguous_strides(like.shape()), like.dtype(), Device::cpu(),
+                               [p] { data::detail::pinned_free(p); });
+    } catch (const std::exception&) {
+      // fall through to pageable memory: slower copies, same result
+    }
+  }
+#endif
+  return Tensor::empty(like.shape(), like.dtype());
+}
+
+bool same_layout(const Tensor& buffer, const Tensor& like) {
+  return buffer.defined() && buffer.shape() == like.shape() && buffer.dtype() == like.dtype();
+}
+
+// Copies each entry's live view into its buffer. Host sources: contiguous ones in chunks on `threads`
+// threads (memcpy), strided ones one per task; device sources on the calling thread (device→host copies).
+void copy_snapshot(std::vector<Entry>& entries, const std::vector<Tensor>& buffers, int threads) {
+  constexpr int64_t kChunk = int64_t(16) << 20;
+  struct Task {
+    size_t entry;
+    int64_t begin, length;  // bytes; length < 0: the whole entry through copy_
+  };
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Tensor& src = entries[i].host;
+    if (!src.device().is_cpu()) {
+      Tensor(buffers[i]).copy_(src.contiguous());
+    } else if (src.is_contiguous()) {
+      for (int64_t b = 0; b < src.nbytes(); b += kChunk) tasks.push_back({i, b, std::min(kChunk, src.nbytes() - b)});
+    } else {
+      tasks.push_back({i, 0, -1});
+    }
+  }
+  parallel_for(tasks.size(), threads, [&](size_t k) {
+    const Task& t = tasks[k];
+    const Tensor& src = entries[t.entry].host;
+    const Tensor& dst = buffers[t.entry];
+    if (t.length < 0) {
+      Tensor(dst).copy_(src);
+    } else {
+      std::memcpy(static_cast<uint8_t*>(dst.data_ptr()) + t.begin,
+                  static_cast<const uint8_t*>(src.data_ptr()) + t.begin, size_t(t.length));
+    }
+  });
+  for (size_t i = 0; i < entries.size(); ++i) entries[i].host = buffers[i];
+}
+
+}  // namespace
+
+int64_t AsyncCheckpointSaver::snapshot_bytes() const {
+  int64_t n = 0;
+  for (const Tensor& b : buffers_) n += b.nbytes();
+  return n;
+}
+
 void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& state) {
   wait();
-  auto job = prepare(world_, root, state, /*copy_always=*/true, options_);
+  auto job = prepare(world_, root, state, /*keep_views=*/true, options_);
   Job* j = job.get();
   const int rank = world_.rank();
   const SaveOptions opts = options_;
   job_ = std::move(job);
+  last_sync_ = false;
+  // Snapshot: reuse the previous save's buffers where the shapes match; the rest must fit in host memory.
+  try {
+    std::vector<Tensor> buffers(j->entries.size());
+    int64_t reused = 0, need = 0;
+    for (size_t i = 0; i < j->entries.size(); ++i) {
+      const Tensor& live = j->entries[i].host;
+      if (i < buffers_.size() && same_layout(buffers_[i], live)) {
+        buffers[i] = buffers_[i];
+        reused += live.nbytes();
+      } else {
+        need += live.nbytes();
+      }
+    }
+    const int64_t held = snapshot_bytes() - reused;  // freed before the new buffers are allocated
+    int64_t limit = opts.async_host_memory_limit;
+    if (limit < 0) {
+      const int64_t avail = host_memory_available();
+      limit = avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
+    }
+    if (need - held > limit) {
+      // Does not fit: write from the live tensors now (like save_checkpoint), commit at wait() as usual.
+      std::fprintf(stderr,
+                   "[rank %d] checkpoint: an async save of step %lld needs %.3g GB of host memory for its snapshot "
+                   "but %.3g GB may be used (SaveOptions::async_host_memory_limit, or this rank's share of 90%% of "
+                   "MemAvailable); "
+                   "writing it synchronously instead\n",
+                   rank, static_cast<long long>(j->step), double(need) / 1e9, (double(limit) + double(held)) / 1e9);
+      buffers_.clear();
+      last_sync_ = true;
+      for (Entry& e : j->entries) e.host = e.host.to(Device::cpu()).contiguous();
+      write_shards(*j, rank, opts);
+      return;
+    }
+    buffers_.clear();  // drops the buffers not reused before allocating new ones
+    for (size_t i = 0; i < j->entries.size(); ++i)
+      if (!buffers[i].defined()) buffers[i] = snapshot_buffer(j->entries[i].host);
+    copy_snapshot(j->entries, buffers, opts.threads);
+    buffers_ = std::move(buffers);
+  } catch (...) {
+    j->error = std::current_exception();  // reported (on every rank) by wait()
+    return;
+  }
   j->thread = std::thread([j, rank, opts] {
     try {
       write_shards(*j, rank, opts);
@@ -482,7 +590,7 @@ std::string AsyncCheckpointSaver::wait() {
 
 std::string save_checkpoint(comm::Communicator& world, const std::string& root, const CheckpointState& state,
                             const SaveOptions& options) {
-  auto job = prepare(world, root, state, /*copy_always=*/false, options);
+  auto job = prepare(world, root, state, /*keep_views=*/false, options);
   std::exception_ptr err;
   try {
     write_shards(*job, world.rank(), options);
@@ -631,9 +739,12 @@ CheckpointReader::CheckpointReader(const std::string& path, const LoadOptions& o
       tm.name = name;
       tm.global_shape = t.at("shape").get<Shape>();
       tm.dtype = safetensors_dtype_from_name(t.at("dtype").get<std::string>());
-      for (const nlohmann::json& s : t.at("shards"))
+      for (const nlohmann::json& s : t.at("shards")) {
+        const bool castagnoli = s.contains("crc32c");  // format 2; format 1 has "crc32"
         tm.shards.push_back({s.at("file").get<std::string>(), s.at("key").get<std::string>(),
-                             s.at("offsets").get<Shape>(), s.at("shape").get<Shape>(), s.at("crc32").get<uint32_t>()});
+                             s.at("offsets").get<Shape>(), s.at("shape").get<Shape>(),
+                             s.at(castagnoli ? "crc32c" : "crc32").get<uint32_t>(), castagnoli});
+      }
       check_tiling("checkpoint '" + mp + "'", name, tm.global_shape, tm.shards);
       tensors_[name] = std::move(tm);
     }
@@ -741,21 +852,52 @@ void CheckpointReader::load(ShardedTensor& target) {
         raise<IOError>("checkpoint '{}': entry '{}' of {} is {} {} but metadata.json says {} {}; the file is corrupt",
                        dir_, s.key, s.file, dtype_name(info.dtype), shape_str(info.shape), dtype_name(m.dtype),
                        shape_str(s.shape));
-      Tensor src = f->tensor(s.key);
-      if (options_.verify_checksums && !files_->is_verified(s.file, s.key)) {
-        if (crc32(src.data_ptr(), size_t(src.nbytes())) == s.crc32) {
-          files_->set_verified(s.file, s.key);
-        } else {
-          raise<IOError>("checkpoint '{}': entry '{}' of {} fails its CRC-32 check; the file is corrupt — load an "
-                         "earlier checkpoint",
-                         dir_, s.key, s.file);
-        }
-      }
       Tensor dst = host;
+      bool whole = true;  // the piece needs the entire entry
       for (size_t d = 0; d < p.shape.size(); ++d) {
-        src = src.narrow(int64_t(d), lo[d] - s.offsets[d], hi[d] - lo[d]);
         dst = dst.narrow(int64_t(d), lo[d] - p.global_offsets[d] + p.local_offsets[d], hi[d] - lo[d]);
+        whole &= lo[d] == s.offsets[d] && hi[d] == s.offsets[d] + s.shape[d];
       }
+      const bool check = options_.verify_checksums && !files_->is_verified(s.file, s.key);
+      auto checksum = [&s](const void* data, size_t n, uint32_t crc) {
+        return s.crc32c ? crc32c(data, n, crc) : crc32(data, n, crc);
+      };
+      auto crc_failed = [&] {
+        raise<IOError>("checkpoint '{}': entry '{}' of {} fails its {} check; the file is corrupt — load an earlier "
+                       "checkpoint",
+                       dir_, s.key, s.file, s.crc32c ? "CRC-32C" : "CRC-32");
+      };
+      if (whole && dst.is_contiguous()) {
+        // Same layout as the save: read straight into the destination, checksumming each block as it lands.
+        // A large CRC-32C entry is read in chunks on several threads and the chunks' CRCs are combined.
+        constexpr int64_t kChunk = int64_t(32) << 20;
+        const int64_t chunks = s.crc32c ? std::max<int64_t>(1, (info.nbytes + kChunk - 1) / kChunk) : 1;
+        std::vector<uint32_t> crcs(size_t(chunks), 0);
+        auto* out = static_cast<uint8_t*>(dst.data_ptr());
+        parallel_for(size_t(chunks), chunks > 1 ? options_.threads : 1, [&](size_t c) {
+          const int64_t begin = int64_t(c) * kChunk;
+          const int64_t len = chunks == 1 ? info.nbytes : std::min(kChunk, info.nbytes - begin);
+          std::function<void(const uint8_t*, size_t)> on_block;
+          if (check) on_block = [&crcs, c, &checksum](const uint8_t* b, size_t n) { crcs[c] = checksum(b, n, crcs[c]); };
+          f->read_into(s.key, begin, len, out + begin, on_block);
+        });
+        if (check) {
+          uint32_t crc = crcs[0];
+          for (int64_t c = 1; c < chunks; ++c)
+            crc = crc32c_combine(crc, crcs[size_t(c)], uint64_t(std::min(kChunk, info.nbytes - c * kChunk)));
+          if (crc != s.crc) crc_failed();
+          files_->set_verified(s.file, s.key);
+        }
+        filled += dst.numel();
+        files_->bytes_read += info.nbytes;
+        continue;
+      }
+      Tensor src = f->tensor(s.key);
+      if (check) {
+        if (checksum(src.data_ptr(), size_t(src.nbytes()), 0) != s.crc) crc_failed();
+        files_->set_verified(s.file, s.key);
+      }
+      for (size_t d = 0; d < p.shape.size(); ++d) src = src.narrow(int64_t(d), lo[d] - s.offsets[d], hi[d] - lo[d]);
       dst.copy_(src);
       filled += volume(src.shape());
       files_->bytes_read += src.nbytes();

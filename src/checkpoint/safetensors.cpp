@@ -15,6 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/parallel_io.hpp"
+#include "megacore/checkpoint/sharded_tensor.hpp"
+
 namespace megacore::checkpoint {
 
 namespace {
@@ -28,22 +31,6 @@ constexpr uint64_t kMaxHeaderBytes = uint64_t(100) << 20;
 constexpr const char* kMetadataKey = "__metadata__";
 
 std::string errno_str() { return std::strerror(errno); }
-
-/// Writes all of buf to fd, retrying on short writes and EINTR.
-void write_all(int fd, const void* buf, size_t n, const std::string& what) {
-  const auto* p = static_cast<const uint8_t*>(buf);
-  while (n > 0) {
-    // Large writes are split because some kernels cap a single write at about 2 GiB.
-    ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t(1) << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      raise<IOError>("safetensors: writing {} failed: {} (check free disk space and permissions)", what,
-                     errno_str());
-    }
-    p += w;
-    n -= size_t(w);
-  }
-}
 
 /// Owns the temporary file until it is renamed, so every exit path without a rename removes it.
 class TempFile {
@@ -118,8 +105,29 @@ DType safetensors_dtype_from_name(std::string_view name) {
 
 // ---- writer -------------------------------------------------------------------------------------
 
-void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-                      const SafetensorsMetadata& metadata) {
+namespace {
+
+constexpr size_t kWriteChunk = size_t(32) << 20;  // bytes per work item of the parallel writer
+constexpr size_t kWriteBlock = size_t(1) << 20;   // bytes checksummed and then written while in cache
+
+/// Writes all of buf at `offset` of fd, retrying on short writes and EINTR.
+void pwrite_all(int fd, const uint8_t* p, size_t n, int64_t offset, const std::string& what) {
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, std::min<size_t>(n, size_t(1) << 30), off_t(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      raise<IOError>("safetensors: writing {} failed: {} (check free disk space and permissions)", what,
+                     errno_str());
+    }
+    p += w;
+    n -= size_t(w);
+    offset += w;
+  }
+}
+
+// The writer behind both entry points; `crcs` (when given) receives each tensor's CRC-32C.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const SafetensorsMetadata& metadata, int threads, std::vector<uint32_t>* crcs) {
   // Validate and stage everything before the temporary file exists, so argument errors leave no trace.
   std::set<std::string> seen;
   std::vector<Tensor> host;
@@ -147,15 +155,63 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   // Padding keeps the data section 8-byte aligned, so mmapped tensors of every dtype are aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
   uint64_t n = text.size();
-  uint8_t len_le[8];
-  for (int i = 0; i < 8; ++i) len_le[i] = uint8_t(n >> (8 * i));
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[size_t(i)] = char(uint8_t(n >> (8 * i)));
+  head += text;
 
   TempFile tmp(path);
-  write_all(tmp.fd(), len_le, 8, "'" + tmp.path() + "'");
-  write_all(tmp.fd(), text.data(), text.size(), "'" + tmp.path() + "'");
-  for (const Tensor& h : host)
-    if (h.nbytes() > 0) write_all(tmp.fd(), h.data_ptr(), size_t(h.nbytes()), "'" + tmp.path() + "'");
+  const std::string what = "'" + tmp.path() + "'";
+  pwrite_all(tmp.fd(), reinterpret_cast<const uint8_t*>(head.data()), head.size(), 0, what);
+  // Work items of at most kWriteChunk bytes, so one large tensor spreads over every thread; each item is
+  // checksummed and written one cache-sized block at a time, so the bytes are read from memory once.
+  struct Item {
+    size_t tensor;
+    int64_t begin, length, file_offset;
+    uint32_t crc = 0;
+  };
+  std::vector<Item> items;
+  int64_t file_offset = int64_t(head.size());
+  for (size_t i = 0; i < host.size(); ++i) {
+    const int64_t nb = host[i].nbytes();
+    for (int64_t b = 0; b < nb; b += int64_t(kWriteChunk))
+      items.push_back({i, b, std::min<int64_t>(int64_t(kWriteChunk), nb - b), file_offset + b, 0});
+    file_offset += nb;
+  }
+  detail::parallel_for(items.size(), threads, [&](size_t k) {
+    Item& it = items[k];
+    const auto* base = static_cast<const uint8_t*>(host[it.tensor].data_ptr()) + it.begin;
+    for (int64_t b = 0; b < it.length; b += int64_t(kWriteBlock)) {
+      const size_t len = size_t(std::min<int64_t>(int64_t(kWriteBlock), it.length - b));
+      if (crcs) it.crc = crc32c(base + b, len, it.crc);
+      pwrite_all(tmp.fd(), base + b, len, it.file_offset + b, what);
+    }
+#ifdef __linux__
+    // Start the write-back of this item now, so the disk works while later items are copied and the
+    // final fsync has little left to do. Advisory: a failure here shows up in that fsync.
+    ::sync_file_range(tmp.fd(), off_t(it.file_offset), off_t(it.length), SYNC_FILE_RANGE_WRITE);
+#endif
+  });
+  if (crcs) {
+    crcs->assign(host.size(), crc32c(nullptr, 0));
+    for (const Item& it : items)
+      (*crcs)[it.tensor] = it.begin == 0 ? it.crc : crc32c_combine((*crcs)[it.tensor], it.crc, uint64_t(it.length));
+  }
   tmp.commit(path);
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                      const SafetensorsMetadata& metadata) {
+  write_safetensors(path, tensors, metadata, 1, nullptr);
+}
+
+std::vector<uint32_t> save_safetensors_crc32c(const std::string& path,
+                                              const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                              const SafetensorsMetadata& metadata, int threads) {
+  std::vector<uint32_t> crcs;
+  write_safetensors(path, tensors, metadata, threads, &crcs);
+  return crcs;
 }
 
 // ---- reader -------------------------------------------------------------------------------------
@@ -163,8 +219,10 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
 struct SafetensorsFile::Mapping {
   void* addr = nullptr;
   size_t size = 0;
+  int fd = -1;  // kept open for read_into
   ~Mapping() {
     if (addr) ::munmap(addr, size);
+    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -192,7 +250,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   // keeps those writes out of the file, and pages are only read from disk when first touched.
   void* addr = ::mmap(nullptr, file_size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   int map_errno = errno;
-  ::close(fd);  // the mapping keeps the file referenced
+  mapping_->fd = fd;
   if (addr == MAP_FAILED) fail(std::string("cannot mmap: ") + std::strerror(map_errno));
   mapping_->addr = addr;
   mapping_->size = file_size;
@@ -351,6 +409,32 @@ void SafetensorsFile::read_bytes(const std::string& name, int64_t begin, int64_t
            "read_bytes('{}'): range [{}, {}) is outside the tensor's {} bytes", name, begin, begin + length,
            info.nbytes);
   if (length > 0) std::memcpy(dst, data_ptr(info) + begin, size_t(length));
+}
+
+void SafetensorsFile::read_into(const std::string& name, int64_t begin, int64_t length, void* dst,
+                                const std::function<void(const uint8_t*, size_t)>& on_block) const {
+  const SafetensorsInfo& info = find(name);
+  MC_CHECK(begin >= 0 && length >= 0 && begin <= info.nbytes && length <= info.nbytes - begin,
+           "read_into('{}'): range [{}, {}) is outside the tensor's {} bytes", name, begin, begin + length,
+           info.nbytes);
+  constexpr int64_t kBlock = int64_t(4) << 20;
+  auto* out = static_cast<uint8_t*>(dst);
+  const int64_t start = data_start_ + info.data_begin + begin;
+  for (int64_t done = 0; done < length;) {
+    const int64_t want = std::min(kBlock, length - done);
+    int64_t got = 0;
+    while (got < want) {
+      ssize_t r = ::pread(mapping_->fd, out + done + got, size_t(want - got), off_t(start + done + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) raise<IOError>("safetensors file '{}': reading tensor '{}' failed: {}", path_, name, errno_str());
+      if (r == 0)
+        raise<IOError>("safetensors file '{}': tensor '{}' ends early (the file shrank after it was opened)", path_,
+                       name);
+      got += r;
+    }
+    if (on_block) on_block(out + done, size_t(want));
+    done += want;
+  }
 }
 
 }  // namespace megacore::checkpoint

@@ -1,10 +1,7 @@
-// Sharded tensor descriptions (see sharded_tensor.hpp) and the CRC-32 the checkpoint files carry.
+// Sharded tensor descriptions (see sharded_tensor.hpp).
 #include "megacore/checkpoint/sharded_tensor.hpp"
 
 #include <algorithm>
-#include <array>
-#include <bit>
-#include <cstring>
 
 #include "megacore/core/error.hpp"
 #include "megacore/model/gpt_model.hpp"
@@ -16,52 +13,9 @@ namespace megacore::checkpoint {
 
 namespace {
 
-// Slicing-by-8 tables for the reflected polynomial 0xEDB88320 (zlib's crc32): table[k][b] is the CRC of
-// byte b followed by k zero bytes, so eight input bytes fold into the state with eight lookups.
-struct CrcTables {
-  std::array<std::array<uint32_t, 256>, 8> t{};
-  CrcTables() {
-    for (uint32_t b = 0; b < 256; ++b) {
-      uint32_t c = b;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
-      t[0][b] = c;
-    }
-    for (uint32_t b = 0; b < 256; ++b)
-      for (int k = 1; k < 8; ++k) t[k][b] = (t[k - 1][b] >> 8) ^ t[0][t[k - 1][b] & 0xFF];
-  }
-};
-
-const CrcTables& crc_tables() {
-  static const CrcTables tables;
-  return tables;
-}
-
 std::string shape_text(const Shape& s) { return shape_str(s); }
 
 }  // namespace
-
-uint32_t crc32(const void* data, size_t n, uint32_t crc) {
-  const auto& t = crc_tables().t;
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t c = ~crc;
-  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0) {
-    c = (c >> 8) ^ t[0][(c ^ *p++) & 0xFF];
-    --n;
-  }
-  while (n >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;  // little-endian hosts only (static_assert below)
-    c = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^ t[3][hi & 0xFF] ^
-        t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
-    p += 8;
-    n -= 8;
-  }
-  while (n-- > 0) c = (c >> 8) ^ t[0][(c ^ *p++) & 0xFF];
-  return ~c;
-}
-static_assert(std::endian::native == std::endian::little, "the checkpoint CRC and safetensors assume little-endian");
 
 ShardLayout shard_layout(const parallel::ProcessGrid& grid) {
   ShardLayout l;

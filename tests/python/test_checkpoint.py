@@ -26,6 +26,43 @@ def test_crc32_matches_zlib():
         assert mc._C.checkpoint.crc32(data[:n]) == zlib.crc32(data[:n])
 
 
+def test_crc32c_check_value_and_buffers():
+    assert mc._C.checkpoint.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    a = np.random.default_rng(1).integers(0, 2**31, 1000, dtype=np.int64)
+    whole = mc._C.checkpoint.crc32c(a)
+    assert whole == mc._C.checkpoint.crc32c(a.tobytes())
+    assert mc._C.checkpoint.crc32c(a[500:], mc._C.checkpoint.crc32c(a[:500])) == whole
+    with pytest.raises(mc.ValueError, match="contiguous"):
+        mc._C.checkpoint.crc32c(a[::2])
+
+
+def _dir_bytes(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+def test_async_save_snapshots_and_matches_the_synchronous_files(tmp_path, world):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 33)).astype(np.float32)
+    m = rng.standard_normal((64, 33)).astype(np.float32)
+    tensors = [("w", mc.from_numpy(w), [64, 33], [0, 0]), ("opt.m", mc.from_numpy(m), [64, 33], [0, 0])]
+    sync_dir = ck.save(world, str(tmp_path / "sync"), 5, tensors, json={"data": '{"pos": 3}'})
+    saver = ck.async_saver(world)
+    saver.save(str(tmp_path / "async"), 5, tensors, json={"data": '{"pos": 3}'})
+    assert not saver.last_save_was_synchronous and saver.snapshot_bytes == w.nbytes + m.nbytes
+    w += 1.0  # a training step: the live arrays change while the save may still be written
+    m *= 0.5
+    assert saver.wait() == str(tmp_path / "async" / "step_5")
+    assert not saver.pending
+    assert _dir_bytes(sync_dir) == _dir_bytes(str(tmp_path / "async" / "step_5"))
+    # A snapshot larger than the host-memory limit is written synchronously (from the live arrays).
+    small = ck.async_saver(world, host_memory_limit=w.nbytes)
+    small.save(str(tmp_path / "small"), 6, tensors)
+    assert small.last_save_was_synchronous and small.snapshot_bytes == 0
+    small.wait()
+    t, _ = ck.load_full_checkpoint(str(tmp_path / "small"))
+    assert np.array_equal(t["w"], w) and np.array_equal(t["opt.m"], m)
+
+
 def test_compiled_save_reads_back_with_numpy_and_reshards(tmp_path, world):
     rng = np.random.default_rng(0)
     full = rng.standard_normal((6, 4)).astype(np.float32)

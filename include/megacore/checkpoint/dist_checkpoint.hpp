@@ -4,15 +4,18 @@
 //   shard_<rank>.safetensors  the pieces this rank wrote, one entry per piece, keyed "<name>[o0,o1,..]"
 //                             (global offsets); only ranks with something to write have one
 //   metadata.json             written by rank 0 last: format/version, step, every tensor's global shape,
-//                             dtype and shards (file, key, global offsets, shape, CRC-32), the caller's
-//                             JSON blobs and the validation loss
+//                             dtype and shards (file, key, global offsets, shape, CRC-32C; format 1
+//                             carried a CRC-32 instead, and still loads), the caller's JSON blobs and the
+//                             validation loss
 // and `<root>/latest` names the newest complete checkpoint ("step_<N>\n").
 //
 // Save protocol (collective over `world`; all ranks must see the same file system):
 //   1. rank 0 removes leftovers of interrupted saves (.tmp.* / .trash.* in root) and creates
-//      root/.tmp.step_<N>; every rank copies its pieces to host memory;
-//   2. each rank writes shard_<rank>.safetensors (temporary name, fsync, rename), re-reads it and checks
-//      every CRC (verify), and writes its fragment shard_<rank>.json — in a background thread when async;
+//      root/.tmp.step_<N>; every rank stages its pieces in host memory (device pieces are copied down;
+//      an async save snapshots host pieces too, into buffers it reuses from save to save);
+//   2. each rank writes shard_<rank>.safetensors on several threads (temporary name, pwrite at offsets,
+//      fsync, rename), checksumming each block of memory right before it is written, optionally re-reads
+//      it (verify), and writes its fragment shard_<rank>.json — in a background thread when async;
 //   3. finalize: the ranks agree that every write succeeded; rank 0 merges the fragments into
 //      metadata.json, checks that every tensor's shards tile it exactly, fsyncs the directory, renames it
 //      to step_<N> (fsync root), then writes `latest` (temporary file, fsync, rename, fsync root).
@@ -56,10 +59,19 @@ struct CheckpointState {
 };
 
 struct SaveOptions {
-  /// Re-read each written file and check every entry's CRC before committing.
-  bool verify = true;
-  /// Threads computing and checking CRCs (0 = min(8, hardware threads)).
+  /// Also re-read each written file and check every entry's CRC before committing. Off by default: the
+  /// CRCs are computed from the memory being written, the loader checks them, and a re-read right after
+  /// the write is served from the page cache, so it checks the kernel's copy rather than the disk's.
+  bool verify = false;
+  /// Threads checksumming and writing a rank's shard file, and copying an async save's snapshot
+  /// (0 = min(8, hardware threads)).
   int threads = 0;
+  /// Host memory an async save may take for its snapshot beyond the buffers it already holds, in bytes:
+  /// -1 = 90 % of what /proc/meminfo calls MemAvailable, divided among the ranks on this host (from
+  /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS or SLURM_NTASKS_PER_NODE). A save whose snapshot
+  /// does not fit is written synchronously instead (from the live tensors, no copy), with a line on
+  /// stderr saying so.
+  int64_t async_host_memory_limit = -1;
   /// Fault injection for tests: called at the protocol's points ("prepared" on rank 0 after the temporary
   /// directory exists, "shard_written", "fragment_written", and on rank 0 "metadata_written" (before the
   /// rename) and "renamed" (before `latest` is updated)). Leave empty.
@@ -75,11 +87,13 @@ std::string checkpoint_dir(const std::string& root, int64_t step);
 std::string save_checkpoint(comm::Communicator& world, const std::string& root, const CheckpointState& state,
                             const SaveOptions& options = {});
 
-/// Async save: save() copies this rank's pieces to host memory (the only work on the caller's time,
-/// besides waiting for the previous save) and returns; a background thread writes them. Only one save is
-/// in flight, so host memory is bounded by one copy of this rank's shards. The commit (step 3) is
-/// collective and happens in the next wait() or save(), or in finalize_if_done() once every rank's
-/// writer is done; errors of the background writer surface there as IOError (on every rank).
+/// Async save: save() snapshots this rank's pieces into host buffers (device→host copies, or multi-
+/// threaded memcpy for host tensors: the only work on the caller's time, besides waiting for the previous
+/// save) and returns; a background thread checksums, writes and fsyncs them. Only one save is in flight,
+/// and the snapshot buffers are kept and reused by the next save of the same shapes, so an async save
+/// needs host memory for one copy of this rank's pieces (SaveOptions::async_host_memory_limit; a save
+/// that does not fit is written synchronously, logged). The commit (step 3) is collective and happens in
+/// the next wait() or save(); errors of the background writer surface there as IOError (on every rank).
 class AsyncCheckpointSaver {
  public:
   /// `world` must outlive the saver.
@@ -90,8 +104,12 @@ class AsyncCheckpointSaver {
   AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
   AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
 
-  /// Commits the previous save (wait()), copies `state` to host and starts writing it. Collective.
+  /// Commits the previous save (wait()), snapshots `state` and starts writing it. Collective.
   void save(const std::string& root, const CheckpointState& state);
+  /// True when the last save() fell back to writing synchronously (its snapshot did not fit in host memory).
+  bool last_save_was_synchronous() const { return last_sync_; }
+  /// Bytes of host buffers held for snapshots (reused by the next save).
+  int64_t snapshot_bytes() const;
   /// Waits for the writer and commits. Collective; returns the committed directory ("" if none pending).
   std::string wait();
   /// True while a save is written or waits for its commit.
@@ -106,6 +124,8 @@ class AsyncCheckpointSaver {
   comm::Communicator& world_;
   SaveOptions options_;
   std::unique_ptr<Job> job_;
+  std::vector<Tensor> buffers_;  // snapshot buffers of the previous save, reused when shapes match
+  bool last_sync_ = false;
   std::function<void(const std::string&, int64_t)> on_commit_;
 };
 
@@ -125,6 +145,9 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& root);
 
 struct LoadOptions {
   /// Check the CRC of every shard entry read from (reads the whole entry, not just the needed bytes).
+  /// An entry read whole into a contiguous destination (the same layout as the save) is read straight
+  /// into it with pread and checksummed block by block as it lands; other entries are read through the
+  /// file's mapping and checksummed once.
   bool verify_checksums = true;
   /// Skip targets the checkpoint does not have instead of failing.
   bool allow_missing = false;
@@ -141,7 +164,8 @@ struct TensorMeta {
   struct Shard {
     std::string file, key;
     Shape offsets, shape;
-    uint32_t crc32 = 0;
+    uint32_t crc = 0;
+    bool crc32c = true;  ///< CRC-32C (format 2); false: CRC-32 (format 1)
   };
   std::vector<Shard> shards;
 };

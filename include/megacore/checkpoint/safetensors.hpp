@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,6 +38,14 @@ using SafetensorsMetadata = std::map<std::string, std::string>;
 /// and IOError when the file system fails; the temporary file is removed on every failure.
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const SafetensorsMetadata& metadata = {});
+
+/// save_safetensors on `threads` threads (0: min(8, hardware threads)) writing at offsets, returning each
+/// tensor's CRC-32C (in the order given). The checksums are computed from the very memory handed to the
+/// file system, one cache-sized block at a time just before that block is written, so the bytes are read
+/// from memory once; write-back to the disk starts while later tensors are still being copied.
+std::vector<uint32_t> save_safetensors_crc32c(const std::string& path,
+                                              const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                              const SafetensorsMetadata& metadata = {}, int threads = 0);
 
 /// What the header says about one tensor.
 struct SafetensorsInfo {
@@ -74,6 +83,12 @@ class SafetensorsFile {
   Tensor load(const std::string& name, Device device = Device::cpu()) const;
   /// Copies `length` bytes starting `begin` bytes into tensor `name` to `dst`; touches only those pages.
   void read_bytes(const std::string& name, int64_t begin, int64_t length, void* dst) const;
+  /// Copies `length` bytes starting `begin` bytes into tensor `name` to `dst` with pread() from the file
+  /// rather than through the mapping (large reads of a cold file run at the disk's speed instead of
+  /// one page fault per readahead window), in blocks of a few MiB; on_block(p, n) is called on each block
+  /// once it has landed in `dst` (while it is still in cache), e.g. to checksum it.
+  void read_into(const std::string& name, int64_t begin, int64_t length, void* dst,
+                 const std::function<void(const uint8_t*, size_t)>& on_block = {}) const;
 
  private:
   struct Mapping;

@@ -1,24 +1,31 @@
-// Distributed checkpoints on one process: CRC-32 against a bitwise reference, the sharding of
+// Distributed checkpoints on one process: CRC-32 and CRC-32C against bitwise references, the sharding of
 // parameters (partition_chunks, vocabulary padding), save/load round trips of every dtype with JSON
 // blobs and extra tensors, crash safety (a forked writer SIGKILLed at every point of the protocol:
 // the previous checkpoint still loads, the partial one is ignored and cleaned up by the next save),
 // corrupt / truncated / mismatched checkpoints (IOError naming the problem), async saves (including a
-// background failure surfacing on wait()) and the CheckpointManager's retention policies.
+// background failure surfacing on wait(), a training step during an async save, the equality of async
+// and synchronous files, the host-memory fallback), format-1 checkpoints and the CheckpointManager's
+// retention policies.
 // Resharding across layouts is tested under mpirun (mpi_test_dist_checkpoint.cpp).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "megacore/checkpoint/checkpoint_manager.hpp"
 #include "megacore/checkpoint/dist_checkpoint.hpp"
 #include "megacore/checkpoint/safetensors.hpp"
 #include "megacore/core/error.hpp"
 #include "megacore/core/random.hpp"
+#include "megacore/optim/optimizer.hpp"
 #include "test_helpers.hpp"
 
 using namespace megacore;
@@ -58,6 +65,34 @@ uint32_t crc32_bitwise(const uint8_t* p, size_t n) {
     for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
   }
   return ~c;
+}
+
+uint32_t crc32c_bitwise(const uint8_t* p, size_t n, uint32_t crc = 0) {
+  uint32_t c = ~crc;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return ~c;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Every file of two checkpoint directories, byte for byte.
+void require_same_files(const std::string& a, const std::string& b) {
+  std::vector<std::string> na, nb;
+  for (const auto& de : fs::directory_iterator(a)) na.push_back(de.path().filename().string());
+  for (const auto& de : fs::directory_iterator(b)) nb.push_back(de.path().filename().string());
+  std::sort(na.begin(), na.end());
+  std::sort(nb.begin(), nb.end());
+  REQUIRE(na == nb);
+  for (const std::string& n : na) {
+    INFO(n);
+    REQUIRE(file_bytes(a + "/" + n) == file_bytes(b + "/" + n));
+  }
 }
 
 void require_same(const Tensor& a, const Tensor& b) {
@@ -112,6 +147,29 @@ TEST_CASE("crc32 matches a bitwise CRC-32 at every length and alignment", "[chec
     for (size_t n : {0, 1, 7, 8, 9, 63, 64, 200}) REQUIRE(crc32(buf.data() + off, n) == crc32_bitwise(buf.data() + off, n));
   // Incremental use continues the same CRC.
   REQUIRE(crc32(buf.data() + 100, 50, crc32(buf.data(), 100)) == crc32_bitwise(buf.data(), 150));
+}
+
+TEST_CASE("crc32c matches a bitwise CRC-32C on both paths, at every length and alignment, and combines", "[checkpoint]") {
+  const char* check = "123456789";
+  REQUIRE(crc32c(check, 9) == 0xE3069283u);  // the standard CRC-32C check value
+  REQUIRE(checkpoint::detail::crc32c_software(check, 9) == 0xE3069283u);
+  // Longer than three 8 KiB streams, so the interleaved hardware path and its join are exercised.
+  std::vector<uint8_t> buf(100000);
+  uint32_t x = 777;
+  for (auto& b : buf) b = uint8_t((x = x * 1103515245u + 12345u) >> 16);
+  for (size_t off : {0, 1, 3, 7})
+    for (size_t n : {0, 1, 7, 8, 9, 63, 64, 200, 24575, 24576, 24577, 49160, 99000}) {
+      INFO("offset " << off << " length " << n);
+      const uint32_t want = crc32c_bitwise(buf.data() + off, n);
+      REQUIRE(crc32c(buf.data() + off, n) == want);
+      REQUIRE(checkpoint::detail::crc32c_software(buf.data() + off, n) == want);
+    }
+  REQUIRE(crc32c(buf.data() + 100, 50000, crc32c(buf.data(), 100)) == crc32c_bitwise(buf.data(), 50100));
+  for (size_t split : {0, 1, 5, 8, 4096, 30001, 100000}) {
+    INFO("split at " << split);
+    REQUIRE(crc32c_combine(crc32c(buf.data(), split), crc32c(buf.data() + split, buf.size() - split),
+                           buf.size() - split) == crc32c_bitwise(buf.data(), buf.size()));
+  }
 }
 
 TEST_CASE("flat_range_boxes covers a flat range in order with contiguous boxes", "[checkpoint]") {
@@ -371,6 +429,144 @@ TEST_CASE("async saves copy first, write in the background and surface backgroun
   REQUIRE(resolve_checkpoint(tmp.path) == checkpoint_dir(tmp.path, 5));
   // The error was reported once; the saver is usable again.
   REQUIRE(saver.wait().empty());
+}
+
+namespace {
+
+// A model's training state that an AdamW step changes in place: two parameters and their moments.
+struct TinyTraining {
+  layers::Parameter w, b;
+  std::unique_ptr<optim::AdamW> opt;
+  std::vector<ShardedTensor> params;
+  TinyTraining() {
+    w.name = "w";
+    w.data = randn({300, 70}, 1);
+    w.main_grad = randn({300, 70}, 2);
+    b.name = "b";
+    b.data = randn({70}, 3);
+    b.main_grad = randn({70}, 4);
+    opt = std::make_unique<optim::AdamW>(std::vector<layers::Parameter*>{&w, &b});
+    params = {replicated_tensor("w", w.data), replicated_tensor("b", b.data)};
+    opt->step(1e-3f);  // non-zero moments
+  }
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    for (const ShardedTensor& t : state(0).tensors)
+      for (const ShardPiece& p : t.pieces) {
+        int64_t v = dtype_size(t.dtype);
+        for (int64_t d : p.shape) v *= d;
+        n += v;
+      }
+    return n;
+  }
+  CheckpointState state(int64_t step) const {
+    CheckpointState st;
+    st.step = step;
+    st.tensors = params;
+    add_optimizer_state(st, *opt, params);
+    st.json["data"] = R"({"position":17})";
+    return st;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an async save blocks only for its snapshot: training steps run while it is written, and its files equal "
+          "the synchronous save's bit for bit", "[checkpoint]") {
+  TempDir sync_root, async_root;
+  SoloWorld w;
+  TinyTraining tr;
+  save_checkpoint(w, sync_root.path, tr.state(1));
+
+  // The background writer stops after writing the shard until the training step below is done, so the
+  // step provably runs while the save is in flight.
+  std::promise<void> step_done;
+  std::shared_future<void> step_done_f = step_done.get_future().share();
+  SaveOptions o;
+  o.fault_hook = [step_done_f](const std::string& point) {
+    // Bounded, so a failing check below cannot leave the writer (and the test) waiting forever.
+    if (point == "shard_written") step_done_f.wait_for(std::chrono::seconds(60));
+  };
+  AsyncCheckpointSaver saver(w, o);
+  saver.save(async_root.path, tr.state(1));
+  REQUIRE(saver.pending());
+  REQUIRE_FALSE(saver.last_save_was_synchronous());
+  const int64_t snapshot = saver.snapshot_bytes();
+  REQUIRE(snapshot == tr.state_bytes());  // one copy of everything saved
+  const Tensor before = tr.w.data.clone();
+  tr.opt->step(1e-3f);  // a training step changes the live state in place
+  REQUIRE(tr.w.data.to_double_vector() != before.to_double_vector());
+
+  // A second save waits for the first: it cannot return while the first's writer is held.
+  auto second = std::async(std::launch::async, [&] { saver.save(async_root.path, tr.state(2)); });
+  REQUIRE(second.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);
+  REQUIRE_FALSE(resolve_checkpoint(async_root.path).has_value());
+  step_done.set_value();
+  second.get();
+  // The first was committed before the second started; the second reused the first's buffers.
+  REQUIRE(list_checkpoints(async_root.path).size() == 1);
+  REQUIRE(saver.snapshot_bytes() == snapshot);
+  REQUIRE(saver.wait() == checkpoint_dir(async_root.path, 2));
+  require_same_files(checkpoint_dir(sync_root.path, 1), checkpoint_dir(async_root.path, 1));
+
+  // The second save holds the state after the step.
+  TempDir sync2;
+  save_checkpoint(w, sync2.path, tr.state(2));
+  require_same_files(checkpoint_dir(sync2.path, 2), checkpoint_dir(async_root.path, 2));
+}
+
+TEST_CASE("an async save whose snapshot does not fit the host memory limit is written synchronously", "[checkpoint]") {
+  TempDir sync_root, root;
+  SoloWorld w;
+  TinyTraining tr;
+  save_checkpoint(w, sync_root.path, tr.state(3));
+  const int64_t bytes = tr.state_bytes();
+  SaveOptions o;
+  o.async_host_memory_limit = bytes - 1;
+  AsyncCheckpointSaver small(w, o);
+  small.save(root.path, tr.state(3));
+  REQUIRE(small.last_save_was_synchronous());
+  REQUIRE(small.snapshot_bytes() == 0);
+  REQUIRE(small.wait() == checkpoint_dir(root.path, 3));
+  require_same_files(checkpoint_dir(sync_root.path, 3), checkpoint_dir(root.path, 3));
+
+  o.async_host_memory_limit = bytes;  // just fits
+  AsyncCheckpointSaver fits(w, o);
+  fits.save(root.path, tr.state(4));
+  REQUIRE_FALSE(fits.last_save_was_synchronous());
+  REQUIRE(fits.snapshot_bytes() == bytes);
+  fits.wait();
+}
+
+TEST_CASE("format-1 checkpoints (CRC-32 per entry) still load and are checked; newer formats are refused",
+          "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  CheckpointState st = sample_state(4, 30);
+  const std::string dir = save_checkpoint(w, tmp.path, st);
+  const std::string mp = dir + "/metadata.json";
+  nlohmann::json meta = nlohmann::json::parse(file_bytes(mp));
+  REQUIRE(meta["version"] == 2);
+  // Rewrite it as format 1 wrote it: a CRC-32 instead of the CRC-32C.
+  SafetensorsFile f(dir + "/shard_00000.safetensors");
+  meta["version"] = 1;
+  for (auto& [name, t] : meta["tensors"].items())
+    for (auto& sh : t["shards"]) {
+      Tensor bytes = f.tensor(sh["key"].get<std::string>());
+      sh["crc32"] = crc32(bytes.data_ptr(), size_t(bytes.nbytes()));
+      sh.erase("crc32c");
+    }
+  std::ofstream(mp, std::ios::trunc) << meta.dump(1);
+  check_loads_as(tmp.path, st);
+
+  meta["tensors"]["w"]["shards"][0]["crc32"] = meta["tensors"]["w"]["shards"][0]["crc32"].get<uint32_t>() ^ 1u;
+  std::ofstream(mp, std::ios::trunc) << meta.dump(1);
+  std::vector<ShardedTensor> targets = fresh_targets(st);
+  CHECK_THROWS_WITH(load_checkpoint(&w, tmp.path, targets), Catch::Contains("CRC-32 check"));
+
+  meta["version"] = 3;
+  std::ofstream(mp, std::ios::trunc) << meta.dump(1);
+  CHECK_THROWS_WITH(CheckpointReader(dir), Catch::Contains("format version 3 is newer"));
 }
 
 TEST_CASE("CheckpointManager: save every N, keep last k and top-k by validation loss, resume", "[checkpoint]") {

@@ -1,6 +1,7 @@
 // safetensors writer and reader: round trips, files built byte by byte, every kind of corruption, and
 // the writer's crash-safety promise (no temporary file left behind).
 #include "megacore/checkpoint/safetensors.hpp"
+#include "megacore/checkpoint/sharded_tensor.hpp"
 
 #include <unistd.h>
 
@@ -336,4 +337,44 @@ TEST_CASE("safetensors writer leaves no temporary file behind", "[checkpoint]") 
   CHECK(fs::is_empty(dir.path / "taken"));
   // The good file is still intact.
   CHECK(SafetensorsFile(dir.file("ok.safetensors")).tensor("t").to_double_vector() == std::vector<double>{1, 1, 1});
+}
+
+TEST_CASE("the parallel writer's CRC-32C of each tensor is that of its bytes, across chunk boundaries; read_into "
+          "reads them back", "[checkpoint]") {
+  TmpDir dir;
+  // 40 MiB spans two 32 MiB write chunks (joined with crc32c_combine); odd sizes shift every later offset.
+  std::vector<uint32_t> big_raw(10 << 20);
+  std::mt19937 rng(99);
+  for (auto& v : big_raw) v = rng();
+  Tensor big = Tensor::from_vector<int32_t>(std::vector<int32_t>(big_raw.begin(), big_raw.end()),
+                                            {int64_t(big_raw.size())});
+  Tensor odd = Tensor::from_vector<uint8_t>({1, 2, 3, 4, 5}, {5});
+  Tensor empty = Tensor::empty({0, 3});
+  Tensor strided = Tensor::from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3}).narrow(1, 1, 2);  // not contiguous
+  const std::string path = dir.file("x.safetensors");
+  const std::vector<uint32_t> crcs =
+      save_safetensors_crc32c(path, {{"odd", odd}, {"big", big}, {"empty", empty}, {"strided", strided}}, {}, 3);
+  REQUIRE(crcs.size() == 4);
+  CHECK(crcs[0] == crc32c(odd.data_ptr(), 5));
+  CHECK(crcs[1] == crc32c(big.data_ptr(), size_t(big.nbytes())));
+  CHECK(crcs[2] == crc32c(nullptr, 0));
+  const Tensor sc = strided.contiguous();
+  CHECK(crcs[3] == crc32c(sc.data_ptr(), size_t(sc.nbytes())));
+
+  SafetensorsFile f(path);
+  std::vector<int32_t> back(big_raw.size());
+  uint32_t crc = 0;
+  size_t blocks = 0;
+  f.read_into("big", 0, big.nbytes(), back.data(), [&](const uint8_t* p, size_t n) {
+    crc = crc32c(p, n, crc);
+    ++blocks;
+  });
+  CHECK(blocks > 1);
+  CHECK(crc == crcs[1]);
+  CHECK(std::memcmp(back.data(), big.data_ptr(), size_t(big.nbytes())) == 0);
+  float two[2];
+  f.read_into("strided", 4, 8, two);
+  CHECK(two[0] == 3.f);
+  CHECK(two[1] == 5.f);
+  CHECK_THROWS_AS(f.read_into("strided", 4, 16, two), ValueError);
 }
