@@ -867,8 +867,9 @@ void CheckpointReader::load(ShardedTensor& target) {
                        "checkpoint",
                        dir_, s.key, s.file, s.crc32c ? "CRC-32C" : "CRC-32");
       };
-      if (whole && dst.is_contiguous()) {
-        // Same layout as the save: read straight into the destination, checksumming each block as it lands.
+      if (whole && dst.is_contiguous() && dst.dtype() == info.dtype) {
+        // Same layout and dtype as the save: read straight into the destination, checksumming each block as it
+        // lands. (A converting load, e.g. f32 optimizer state into bf16 state, goes through the mapped entry.)
         // A large CRC-32C entry is read in chunks on several threads and the chunks' CRCs are combined.
         constexpr int64_t kChunk = int64_t(32) << 20;
         const int64_t chunks = s.crc32c ? std::max<int64_t>(1, (info.nbytes + kChunk - 1) / kChunk) : 1;
