@@ -79,7 +79,7 @@ def test_a_bf16_run_starts_from_f32_pretrained_weights(tmp_path):
     parameters); a resume stays exact and is not converted."""
     pre = ["train", "--recipe", "tiny", "--cpu", "--set", "trainer.max_steps=4", "--set", "trainer.generate_tokens=0",
            "--set", "trainer.val_check_interval=0", "--set", "data.embedded_documents=200",
-           "--set", "trainer.precision=f32"]
+           "--set", "trainer.precision=f32", "--set", "optim.lr_warmup_iters=0"]
     rc, out, err = _cli(pre, tmp_path)
     assert rc == 0, out[-3000:] + err[-3000:]
     base = tmp_path / "runs" / "tiny_pretrain" / "checkpoints"
@@ -87,7 +87,8 @@ def test_a_bf16_run_starts_from_f32_pretrained_weights(tmp_path):
     assert "f32" in json.dumps(meta).lower()
     ft = ["train", "--recipe", "tiny", "--cpu", "--set", "trainer.max_steps=3", "--set", "trainer.generate_tokens=0",
           "--set", "trainer.val_check_interval=0", "--set", "data.embedded_documents=200",
-          "--set", "trainer.precision=bf16", "--set", f"checkpoint.pretrained_checkpoint={base}",
+          "--set", "trainer.precision=bf16", "--set", "optim.lr_warmup_iters=0",
+          "--set", f"checkpoint.pretrained_checkpoint={base}",
           "--set", f"checkpoint.save_dir={tmp_path / 'bf16_run'}", "--set", f"logging.log_dir={tmp_path / 'bf16_logs'}"]
     rc, out, err = _cli(ft, tmp_path)
     assert rc == 0, out[-3000:] + err[-3000:]
