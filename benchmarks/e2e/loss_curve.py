@@ -23,19 +23,11 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from e2e_common import CONFIGS  # noqa: E402
+from e2e_common import CONFIGS, hf_llama_config  # noqa: E402
 
 LC_CONFIGS = dict(CONFIGS)
 LC_CONFIGS["tiny"] = dict(h=64, layers=2, heads=4, kv=2, ffn=128, vocab=512, seq=64, micro_batch=2, rope_theta=10000.0)
 HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
-
-
-def hf_config(c):
-    from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=c["h"], intermediate_size=c["ffn"], num_hidden_layers=c["layers"],
-                       num_attention_heads=c["heads"], num_key_value_heads=c["kv"], vocab_size=c["vocab"],
-                       max_position_embeddings=c["seq"], rms_norm_eps=1e-5, rope_theta=c["rope_theta"],
-                       tie_word_embeddings=False, attn_implementation="sdpa")
 
 
 def recipe(a, c):
@@ -75,7 +67,7 @@ def side_init(a, c):
     import torch
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    LlamaForCausalLM(hf_config(c)).save_pretrained(os.path.join(a.work, "hf"), safe_serialization=True)
+    LlamaForCausalLM(hf_llama_config(c)).save_pretrained(os.path.join(a.work, "hf"), safe_serialization=True)
     from megacore.convert import hf_to_megacore
     hf_to_megacore(os.path.join(a.work, "hf"), os.path.join(a.work, "mc_init"))
 

@@ -13,7 +13,8 @@ Systems (each in its own process, so one's memory and compile caches do not touc
   torchtitan     torchtitan's Llama3 model (varlen attention, fused QKV) under torch.compile, torch fused AdamW
   torchao_fp8    hf_compile with torchao's float8 training (tensorwise scaling) on the linear layers
 
-run_e2e.py runs them all and megacore beside them; rates use one FLOPs convention (e2e_common.flops_per_token).
+run_e2e.py runs them all and megacore beside them and turns each step time into rates with one FLOPs convention
+(e2e_common.result).
 """
 
 import argparse
@@ -25,17 +26,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_common import CONFIGS, result  # noqa: E402
+from e2e_common import CONFIGS, hf_llama_config  # noqa: E402
 
 
 def hf_model(c, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=c["h"], intermediate_size=c["ffn"], num_hidden_layers=c["layers"],
-                      num_attention_heads=c["heads"], num_key_value_heads=c["kv"], vocab_size=c["vocab"],
-                      max_position_embeddings=c["seq"], rms_norm_eps=1e-5, rope_theta=c["rope_theta"],
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    m = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).train()
+    m = LlamaForCausalLM(hf_llama_config(c)).to(device=device, dtype=torch.bfloat16).train()
 
     def loss_fn(ids, labels):
         return m(input_ids=ids, labels=labels).loss
@@ -158,7 +155,6 @@ def main():
     ap.add_argument("--config", default="llama1b", choices=sorted(CONFIGS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--out")
     a = ap.parse_args()
     c = CONFIGS[a.config]
@@ -191,9 +187,10 @@ def main():
         loss = step()
     torch.cuda.synchronize()
     sec = (time.perf_counter() - t1) / a.iters
-    r = result(a.system, c, sec, torch.cuda.max_memory_allocated(device) / 2**30, a.peak_tflops)
-    r.update(loss=float(loss), note=note, warmup_s=round(warm_s, 1), build_s=round(t0 - t_build, 1),
-             torch=torch.__version__)
+    # The measurement only; run_e2e.py turns it into rates (e2e_common.result: megacore's FLOPs convention).
+    r = dict(system=a.system, step_s=sec, peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+             tokens_per_s=c["micro_batch"] * c["seq"] / sec, loss=float(loss), note=note, warmup_s=round(warm_s, 1),
+             build_s=round(t0 - t_build, 1), torch=torch.__version__)
     print("E2E_RESULT " + json.dumps(r), flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -71,13 +71,14 @@ def megacore_run(name, binary, flags, c, a):
 
 def peer_run(system, c, a):
     cmd = [sys.executable, os.path.join(HERE, "peers.py"), "--system", system, "--config", a.config,
-           "--iters", str(a.iters), "--warmup", str(a.warmup), "--peak-tflops", str(a.peak_tflops)]
+           "--iters", str(a.iters), "--warmup", str(a.warmup)]
     rc, out, wall = run(cmd, a.timeout)
     line = [ln for ln in out.splitlines() if ln.startswith("E2E_RESULT ")]
     if rc != 0 or not line:
         return None, f"exit {rc}: {tail(out)}"
-    r = json.loads(line[-1][len("E2E_RESULT "):])
-    r["wall_s"] = round(wall, 1)
+    m = json.loads(line[-1][len("E2E_RESULT "):])
+    r = result(system, c, m.pop("step_s"), m.pop("peak_mem_gib"), a.peak_tflops)
+    r.update({k: v for k, v in m.items() if k not in ("system", "tokens_per_s")}, wall_s=round(wall, 1))
     return r, None
 
 
