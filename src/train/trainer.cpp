@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -634,8 +635,8 @@ TrainResult Trainer::fit() {
   // is synchronised at both ends so the range holds exactly those steps' work.
   int64_t prof_first = 0, prof_last = -1;
   if (const char* pr = std::getenv("MEGACORE_PROFILE_RANGE"); pr && I.is_cuda())
-    MC_CHECK_AS(ConfigError, std::sscanf(pr, "%lld:%lld", reinterpret_cast<long long*>(&prof_first),
-                                         reinterpret_cast<long long*>(&prof_last)) == 2 && prof_first <= prof_last,
+    MC_CHECK_AS(ConfigError, std::sscanf(pr, "%" SCNd64 ":%" SCNd64, &prof_first, &prof_last) == 2 &&
+                                 prof_first <= prof_last,
                 "MEGACORE_PROFILE_RANGE is '{}'; give first:last steps, e.g. 10:19", pr);
   while (I.state.step < end) {
     I.watch(first ? WatchPhase::FirstStep : WatchPhase::Step, I.state.step + 1);
