@@ -9,8 +9,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "layers_test_util.hpp"
-#include "megacore/layers/moe.hpp"
+#include "moe_test_util.hpp"
 
 using namespace megacore;
 using namespace layers_test;
@@ -19,11 +18,6 @@ namespace ly = megacore::layers;
 namespace {
 
 constexpr int64_t kH = 16, kF = 24, kE = 4, kT = 12;
-
-struct Solo {
-  NoCommCommunicator c{0, 1};
-  ly::MoEGroups groups() { return {&c, &c, &c, &c}; }
-};
 
 ly::MoEOptions base_options() {
   ly::MoEOptions o;
@@ -125,7 +119,7 @@ void require_close_v(const Tensor& got, const std::vector<double>& want, double 
 }  // namespace
 
 TEST_CASE("MoELayer forward and backward equal a per-token reference over the chosen experts", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoELayer m(solo.groups(), kH, base_options());
   REQUIRE(m.num_local_experts() == kE);
   const Tensor x = randn({kT / 2, 2, kH}, 1), dy = randn({kT / 2, 2, kH}, 2);
@@ -151,7 +145,7 @@ TEST_CASE("MoELayer forward and backward equal a per-token reference over the ch
 }
 
 TEST_CASE("MoELayer router gradient with aux and z-losses matches finite differences", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   for (bool sigmoid : {false, true}) {
     INFO("sigmoid " << sigmoid);
     ly::MoEOptions o = base_options();
@@ -202,7 +196,7 @@ TEST_CASE("MoELayer router gradient with aux and z-losses matches finite differe
 }
 
 TEST_CASE("MoELayer capacity drops the least probable slots beyond each expert's capacity", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoEOptions o = base_options();
   o.capacity_factor = 0.5;  // ceil(0.5 · 12 · 2 / 4) = 3 slots per expert, 12 of 24 kept at most
   ly::MoELayer dropping(solo.groups(), kH, o);
@@ -221,7 +215,7 @@ TEST_CASE("MoELayer capacity drops the least probable slots beyond each expert's
 }
 
 TEST_CASE("MoELayer expert bias steers selection and moves towards even load", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoEOptions o = base_options();
   o.enable_expert_bias = true;
   o.expert_bias_update_rate = 0.25f;
@@ -242,7 +236,7 @@ TEST_CASE("MoELayer expert bias steers selection and moves towards even load", "
 }
 
 TEST_CASE("MoELayer stash and restore keep one micro-batch's state while another runs", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoEOptions o = base_options();
   o.shared_expert_size = 8;
   ly::MoELayer a(solo.groups(), kH, o), b(solo.groups(), kH, o);
@@ -267,7 +261,7 @@ TEST_CASE("MoELayer stash and restore keep one micro-batch's state while another
 }
 
 TEST_CASE("MoELayer refuses layouts it cannot split, naming the fix", "[layers][moe]") {
-  Solo solo;
+  SoloMoEGroups solo;
   NoCommCommunicator ep3(0, 3);
   ly::MoEOptions o = base_options();
   REQUIRE_THROWS_WITH(ly::MoELayer({&solo.c, &ep3, &solo.c, nullptr}, kH, o),

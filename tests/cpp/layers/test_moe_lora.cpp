@@ -6,8 +6,7 @@
 // fc1 for gate / up). Only f32 rounding differs (relative error 1e-5). B is drawn at random (PEFT initialises it
 // to zero, which would make every check trivial). The CUDA test runs the adapter layer on the GPU and compares
 // with the CPU run.
-#include "layers_test_util.hpp"
-#include "megacore/layers/moe.hpp"
+#include "moe_test_util.hpp"
 #include "megacore/ops/gemm.hpp"
 
 using namespace megacore;
@@ -17,11 +16,6 @@ namespace ly = megacore::layers;
 namespace {
 
 constexpr int64_t kH = 16, kF = 12, kE = 4, kR = 3;
-
-struct Solo {
-  NoCommCommunicator c{0, 1};
-  ly::MoEGroups groups() { return {&c, &c, &c, &c}; }
-};
 
 ly::MoEOptions options(bool swiglu, DType dt, Device dev) {
   ly::MoEOptions o;
@@ -55,7 +49,7 @@ struct Run {
 };
 
 Run run_adapters(bool swiglu, DType dt, Device dev) {
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoELayer m(solo.groups(), kH, options(swiglu, dt, dev));
   attach(m, swiglu);
   m.set_frozen(true);
@@ -80,7 +74,7 @@ Tensor mm(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 void check_against_merged(bool swiglu) {
   INFO((swiglu ? "SwiGLU" : "GELU"));
   const Run got = run_adapters(swiglu, DType::F32, Device::cpu());
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoELayer ref(solo.groups(), kH, options(swiglu, DType::F32, Device::cpu()));
   attach(ref, swiglu);
   // Keep A and B before merging for the chain rule.
@@ -149,7 +143,7 @@ TEST_CASE("LoRA on MoE experts: init independent of the expert placement; dropou
                                         ly::LoRAOptions{.rank = kH + 1}, DType::F32, Device::cpu()),
                   ValueError);
   // Dropout: training draws differ from eval; eval equals the adapter-free path plus the exact low-rank term.
-  Solo solo;
+  SoloMoEGroups solo;
   ly::MoELayer m(solo.groups(), kH, options(true, DType::F32, Device::cpu()));
   m.attach_lora({"gate_proj"}, false, true, ly::LoRAOptions{.rank = kR, .alpha = 6, .dropout = 0.5, .seed = 5});
   CHECK_THROWS_AS(m.attach_lora({"up_proj"}, false, false, ly::LoRAOptions{}), ValueError);
