@@ -37,6 +37,7 @@ Fp8LinearState::Fp8LinearState(const Fp8Recipe& recipe, Device device) : recipe_
   history_ = Tensor::zeros({len, kSlots}, DType::F32, device);
   scale_ = Tensor::full({kSlots}, 1.0, DType::F32, device);
   scale_inv_ = Tensor::full({kSlots}, 1.0, DType::F32, device);
+  gemm_scale_inv_ = Tensor::full({kSlots, 4}, 1.0, DType::F32, device);
   std::vector<float> mx;
   for (int i = 0; i < kSlots; ++i) mx.push_back(fp8_max(slot_dtype(recipe, i)));
   fp8_max_ = Tensor::from_vector<float>(mx, {kSlots}).to(device);
@@ -55,6 +56,7 @@ Tensor Fp8LinearState::cast(comm::Communicator& tp, int slot, const Tensor& x, c
     if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
     ops::fp8_update_scales(amax.view({1, 1}), sc, scale_inv_.narrow(0, slot, 1), fp8_max_.narrow(0, slot, 1),
                            ops::Fp8AmaxAlgo::MostRecent, recipe_.margin, /*roll=*/false, s);
+    gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
   }
   ops::fp8_cast(x, sc, q, amax, counts_.select(0, slot), s);
   return q;
@@ -82,6 +84,7 @@ void Fp8LinearState::begin_step(comm::Communicator& tp, const Stream& s) {
   Tensor row0 = history_.select(0, 0);
   if (tp.size() > 1) tp.all_reduce(row0, comm::ReduceOp::Max, s)->wait_on(s);
   ops::fp8_update_scales(history_, scale_, scale_inv_, fp8_max_, recipe_.amax_compute_algo, recipe_.margin, true, s);
+  gemm_scale_inv_.narrow(1, 0, 1).copy_(scale_inv_.view({kSlots, 1}), s);
 }
 
 std::vector<std::pair<std::string, Tensor>> Fp8LinearState::state() {

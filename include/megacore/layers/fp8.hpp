@@ -63,8 +63,10 @@ class Fp8LinearState {
   /// The weight in E4M3 [rows, cols] and its transpose [cols, rows], cast on the first call of a step.
   const Tensor& weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
   const Tensor& weight_t(comm::Communicator& tp, const Tensor& w, const Stream& s);
-  /// The slot's scale_inv as a one-element view (for ops::gemm_fp8).
-  Tensor scale_inv(int slot) const { return scale_inv_.narrow(0, slot, 1); }
+  /// The slot's scale_inv as a one-element view for ops::gemm_fp8: a copy of scale_inv()[slot] kept 16 bytes
+  /// apart from the other slots' (cuBLASLt's FP8 kernels take only 16-byte aligned scale pointers), refreshed
+  /// whenever the scales change.
+  Tensor scale_inv(int slot) const { return gemm_scale_inv_.select(0, slot).narrow(0, 0, 1); }
   /// Start of an optimizer step: drop the FP8 weight, and with delayed scaling reduce the last step's
   /// amaxes over TP and update the scales.
   void begin_step(comm::Communicator& tp, const Stream& s);
@@ -78,6 +80,7 @@ class Fp8LinearState {
 
   Fp8Recipe recipe_;
   Tensor history_, scale_, scale_inv_, fp8_max_, counts_;
+  Tensor gemm_scale_inv_;  // [kSlots, 4] f32: scale_inv_ in column 0, one 16-byte row per slot
   Tensor w_fp8_, wt_fp8_;
 };
 

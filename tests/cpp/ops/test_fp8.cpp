@@ -348,3 +348,26 @@ TEST_CASE("gemm_fp8 gpu: cuBLASLt equals the CPU emulation up to f32 summation o
     }
   }
 }
+
+TEST_CASE("gemm_fp8 gpu: scales given as slots of one packed array", "[ops][fp8][gemm][gpu]") {
+  // The FP8 linears keep their scales as one [3] array and pass slots of it: pointers 4 and 8 bytes past an
+  // allocation's start.
+  MC_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const int64_t m = 256, n = 384, k = 512;
+  Tensor a = random_fp8({m, k}, DType::F8E4M3, seed, 80.f), b = random_fp8({n, k}, DType::F8E4M3, seed + 1, 40.f);
+  Tensor packed = Tensor::empty({3}, DType::F32);
+  float* pv = static_cast<float*>(packed.data_ptr());
+  pv[0] = 0.5f, pv[1] = 1.f / 80, pv[2] = 1.f / 40;
+  Tensor ref = Tensor::empty({m, n}, DType::BF16);
+  gemm_fp8(a, b, ref, scalar(1.f / 80), scalar(1.f / 40), {});
+  Tensor pg = packed.to(mctest::gpu());
+  for (bool fast : {false, true}) {
+    INFO("fast_accum=" << fast);
+    Tensor got = Tensor::empty({m, n}, DType::BF16, mctest::gpu());
+    gemm_fp8(a.to(mctest::gpu()), b.to(mctest::gpu()), got, pg.narrow(0, 1, 1), pg.narrow(0, 2, 1),
+             {.fast_accum = fast});
+    CHECK(mctest::rel_err_t(got.to(Device::cpu()), ref) < 1e-2);
+  }
+}
