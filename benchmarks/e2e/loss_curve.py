@@ -12,6 +12,11 @@ every step side by side, so the speed comparison of run_e2e.py is known to be fo
    weight decay on the same parameters: not on 1-D ones), global-norm clipping 1.0, f32 weights and bf16 autocast
    on a GPU (megacore: bf16 weights with f32 master weights); f32 throughout on CPU.
 The JSON holds both curves, the per-step relative difference and its maximum over the last 10 steps.
+
+With --fp8 delayed|current the comparison is megacore's FP8 linears against megacore in bf16 (step 3 is skipped):
+the same initial weights and batches, megacore trained twice (GPU only).
+
+    python3 benchmarks/e2e/loss_curve.py --config llama1b --steps 300 --fp8 delayed --out loss_curve_fp8.json
 """
 
 import argparse
@@ -57,6 +62,8 @@ def recipe(a, c):
     r.trainer.generate_tokens = 0
     r.trainer.device = a.device
     r.trainer.precision = "bf16" if a.device == "cuda" else "f32"
+    if a.side == "megacore_fp8":
+        r.trainer.fp8 = a.fp8
     r.checkpoint.pretrained_checkpoint = os.path.join(a.work, "mc_init")
     r.checkpoint.save_dir = ""
     r.checkpoint.save_last = False
@@ -129,12 +136,15 @@ def main():
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--work", default="/tmp/megacore_loss_curve")
-    ap.add_argument("--side", choices=["init", "megacore", "hf"], help="(internal) run one side in this process")
+    ap.add_argument("--fp8", default="none", choices=["none", "delayed", "current"],
+                    help="compare megacore with FP8 linears against megacore in bf16 instead of against HF")
+    ap.add_argument("--side", choices=["init", "megacore", "megacore_fp8", "hf"],
+                    help="(internal) run one side in this process")
     ap.add_argument("--out")
     a = ap.parse_args()
     c = LC_CONFIGS[a.config]
     if a.side:
-        fn = {"init": side_init, "megacore": side_megacore, "hf": side_hf}[a.side]
+        fn = {"init": side_init, "megacore": side_megacore, "megacore_fp8": side_megacore, "hf": side_hf}[a.side]
         res = fn(a, c)
         if res is not None:
             with open(os.path.join(a.work, f"{a.side}.json"), "w") as f:
@@ -142,24 +152,31 @@ def main():
         return
     os.makedirs(a.work, exist_ok=True)
     base = [sys.executable, os.path.abspath(__file__), "--config", a.config, "--steps", str(a.steps), "--grad-accum",
-            str(a.grad_accum), "--device", a.device, "--work", a.work]
-    for side in ("init", "megacore", "hf"):  # separate processes: each side has the GPU to itself
+            str(a.grad_accum), "--device", a.device, "--work", a.work, "--fp8", a.fp8]
+    other = "megacore_fp8" if a.fp8 != "none" else "hf"
+    for side in ("init", "megacore", other):  # separate processes: each side has the GPU to itself
         subprocess.run(base + ["--side", side], check=True)
     mc = json.load(open(os.path.join(a.work, "megacore.json")))
-    hf = json.load(open(os.path.join(a.work, "hf.json")))
+    hf = json.load(open(os.path.join(a.work, f"{other}.json")))
     rel = [abs(m - h) / h for m, h in zip(mc, hf)]
     last = rel[-10:]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     doc = {"config": dict(name=a.config, **c), "device": a.device, "steps": a.steps, "grad_accum": a.grad_accum,
-           "hyper_parameters": HP, "megacore": mc, "hf": hf, "rel_diff": rel,
+           "hyper_parameters": HP, "megacore": mc, other: hf, "rel_diff": rel,
            "max_rel_diff_last10": max(last), "mean_rel_diff_last10": sum(last) / len(last),
-           "loss_first_last": {"megacore": [mc[0], mc[-1]], "hf": [hf[0], hf[-1]]}}
+           "rel_diff_of_last10_means": abs(mean(mc[-10:]) - mean(hf[-10:])) / mean(hf[-10:]),
+           "loss_first_last": {"megacore": [mc[0], mc[-1]], other: [hf[0], hf[-1]]}}
+    if a.fp8 != "none":
+        doc["fp8"] = a.fp8
+        doc["compared"] = "megacore trainer.fp8=" + a.fp8 + " (megacore_fp8) against megacore bf16 (megacore)"
     if a.device == "cuda":
         import torch
         doc["card"] = torch.cuda.get_device_name(0)
     for i in sorted(set([0, 1, 2, 4, 9] + list(range(19, a.steps, 20)) + [a.steps - 1])):
         if i < len(mc):
-            print(f"step {i + 1:4d}  megacore {mc[i]:.4f}  hf {hf[i]:.4f}  rel {rel[i]:.2e}")
-    print(f"max relative difference over the last 10 steps: {doc['max_rel_diff_last10']:.3e}")
+            print(f"step {i + 1:4d}  megacore {mc[i]:.4f}  {other} {hf[i]:.4f}  rel {rel[i]:.2e}")
+    print(f"max relative difference over the last 10 steps: {doc['max_rel_diff_last10']:.3e}; of their means: "
+          f"{doc['rel_diff_of_last10_means']:.3e}")
     assert all(math.isfinite(x) for x in mc + hf)
     if a.out:
         with open(a.out, "w") as f:
