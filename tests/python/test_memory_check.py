@@ -130,3 +130,35 @@ def test_gpu_memory_size_from_the_environment(monkeypatch):
         assert cli.gpu_memory_gib([0]) == mc.cuda_device_total_memory(0) / 2**30 > 1
     else:
         assert cli.gpu_memory_gib() is None
+
+
+def test_finetune_is_refused_before_the_import_writes_anything(no_ranks, monkeypatch):
+    import json
+
+    hf = no_ranks / "hf"
+    hf.mkdir()
+    # Llama-3-8B's shapes (no weights: the refusal comes before they would be read).
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0}))
+    data = no_ranks / "train.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(8)))
+    monkeypatch.setenv(cli.GPU_MEMORY_ENV, "80")
+    out = no_ranks / "out"
+    # Full fine-tuning of 8B parameters on one 80 GiB GPU: ~150 GiB of weights, gradients and AdamW state.
+    with pytest.raises(mc.ConfigError, match="no layout of 1 GPUs fits"):
+        mc.finetune(str(hf), str(data), peft=None, trainer={"devices": 1, "device": "cuda"}, output_path=str(out))
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_real_gpu_memory_refuses_an_8b_tp1_layout(no_ranks, monkeypatch, capsys):
+    monkeypatch.delenv(cli.GPU_MEMORY_ENV, raising=False)
+    gib = mc.cuda_device_total_memory(0) / 2**30
+    assert 8 < gib < 1024
+    if gib > 200:
+        pytest.skip(f"a {gib:.0f} GiB GPU holds the TP 1 layout")
+    assert cli.main(["train"] + TP1 + ["--nproc-per-node", "1"]) == 1
+    assert f"GPU's {gib:.1f} GiB" in capsys.readouterr().err
+    assert list(no_ranks.iterdir()) == []
