@@ -413,12 +413,14 @@ def check_memory(rec, gpu_gib, headroom_gib=None) -> dict:
 
 def enforce_memory_check(rec, gpu_gib, warn=None):
     """Applies ``trainer.memory_check`` for GPUs of ``gpu_gib`` GiB (None: no GPU, nothing checked): ``error``
-    raises ConfigError when the layout does not fit and warns when it is tight, ``warn`` only warns, ``off`` skips.
-    Warnings go to ``warn`` (default: one line on stderr). Returns `check_memory`'s dict, or None when not checked."""
+    raises ConfigError when the layout does not fit and warns when it is tight, ``warn`` only warns, ``off`` skips (as
+    do LoRA runs, whose frozen base weights plan does not model). Warnings go to ``warn`` (default: one line on stderr). Returns `check_memory`'s dict, or None when not checked."""
     from .errors import ConfigError
 
     mode = rec.trainer.memory_check
-    if mode == "off" or gpu_gib is None:
+    # plan counts gradients and optimizer state for every weight; a LoRA run keeps them for its adapters alone, so
+    # the estimate would refuse runs that fit.
+    if mode == "off" or gpu_gib is None or rec.peft.scheme == "lora":
         return None
     c = check_memory(rec, gpu_gib)
     if not c["fits"] and mode == "error":

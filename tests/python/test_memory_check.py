@@ -162,3 +162,12 @@ def test_real_gpu_memory_refuses_an_8b_tp1_layout(no_ranks, monkeypatch, capsys)
     assert cli.main(["train"] + TP1 + ["--nproc-per-node", "1"]) == 1
     assert f"GPU's {gib:.1f} GiB" in capsys.readouterr().err
     assert list(no_ranks.iterdir()) == []
+
+
+def test_lora_runs_are_not_checked():
+    # plan counts gradients and AdamW state for all 8B weights; a LoRA run keeps them for its adapters only.
+    r = _recipe(TP1 + GPU)
+    with pytest.raises(mc.ConfigError, match="needs an estimated"):
+        cli.enforce_memory_check(r, 80.0)
+    r.peft.scheme = "lora"
+    assert cli.enforce_memory_check(r, 80.0) is None

@@ -287,7 +287,8 @@ struct TrainerSection {
             "Before GPU ranks start, the busiest rank's memory as `megacore plan` estimates it for this recipe is "
             "compared with the GPU's memory (docs/performance.md). error = a layout whose estimate exceeds the GPU's "
             "memory less plan's headroom is refused with the layout `megacore plan --fit` picks, and one that fits "
-            "with little to spare gets a warning; warn = both only warn; off = no check. CPU ranks are not checked.",
+            "with little to spare gets a warning; warn = both only warn; off = no check. CPU ranks and LoRA runs (plan does not model frozen base weights) are "
+            "not checked.",
             "error|warn|off"},
       s.memory_check);
     f(Field{"recompute", "Activation recompute in backward: none, selective (core attention) or full (layer)."},
