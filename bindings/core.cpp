@@ -5,6 +5,7 @@
 
 #include "bindings.hpp"
 #include "megacore/comm/communicator.hpp"
+#include "megacore/core/device_memory.hpp"
 #include "megacore/core/host_sync.hpp"
 #include "megacore/core/log.hpp"
 
@@ -115,6 +116,8 @@ void bind_core(pyb::module_& m) {
   m.def("cuda_available", &cuda_available, "True when this build has CUDA and a device is visible.");
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_name", &cuda_device_name, pyb::arg("index") = 0);
+  m.def("cuda_device_total_memory", &cuda_device_total_memory, pyb::arg("index") = 0,
+        "Total memory of a CUDA device in bytes, read from its properties (no CUDA context is created on it).");
   m.def("log_level", [] {
     static const char* names[] = {"debug", "info", "warning", "error", "off"};
     return std::string(names[int(log_level())]);

@@ -15,6 +15,7 @@ from ._C import (
     cuda_available,
     cuda_device_count,
     cuda_device_name,
+    cuda_device_total_memory,
     current_stream,
     empty,
     empty_cache,
@@ -71,7 +72,7 @@ def tensor(array, dtype=None, device="cpu"):
 __all__ = [
     "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "InternalError", "errors",
     "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
-    "cuda_available", "cuda_device_count", "cuda_device_name", "current_stream", "stream", "synchronize",
+    "cuda_available", "cuda_device_count", "cuda_device_name", "cuda_device_total_memory", "current_stream", "stream", "synchronize",
     "memory_stats", "reset_peak_memory_stats", "host_sync_count", "host_sync_counts", "reset_host_syncs", "empty_cache", "set_memory_limit", "build_info", "log_level",
     "set_log_level", "comm", "data", "parallel",
     "model", "layers", "optim", "pipeline", "checkpoint", "convert", "recipes", "run", "LocalExecutor", "SlurmExecutor", "KubernetesExecutor",

@@ -304,6 +304,132 @@ def _preset_with_recompute(name, recompute):
     return cfg
 
 
+def plan_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
+    """`plan` of a recipe: its model with its recompute, layout, GPU count, sequence, micro-batch, gradient reduction
+    and optimizer state dtypes."""
+    p, o = rec.parallel, rec.optim
+    return plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), rec.world_size,
+                p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
+                rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, gpu_memory_gib,
+                p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, headroom_gib,
+                p.grad_reduce_in_bf16, p.expert_tensor_parallel_size, o.main_params_dtype, o.main_grads_dtype,
+                o.exp_avg_dtype, o.exp_avg_sq_dtype)
+
+
+def fit_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
+    """`fit_layout` for a recipe: the TP/PP/SP/ZeRO/recompute that fits its model, GPU count, sequence, micro-batch,
+    CP/EP and optimizer state on GPUs of ``gpu_memory_gib``."""
+    p, o = rec.parallel, rec.optim
+    return fit_layout(rec.model.to_transformer_config("bf16", False, rec.trainer.recompute), rec.world_size,
+                      gpu_memory_gib, rec.data.seq_length, rec.data.micro_batch_size, headroom_gib,
+                      cp=p.context_parallel_size, ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                      grad_reduce_in_bf16=p.grad_reduce_in_bf16, main_params_dtype=o.main_params_dtype,
+                      main_grads_dtype=o.main_grads_dtype, exp_avg_dtype=o.exp_avg_dtype,
+                      exp_avg_sq_dtype=o.exp_avg_sq_dtype)
+
+
+def fit_flags(f) -> str:
+    """A `fit_layout` result as the --set flags that select it."""
+    return (f"--set parallel.tp={f['tp']} --set parallel.pp={f['pp']} --set "
+            f"parallel.sp={str(f['sequence_parallel']).lower()} --set parallel.zero={str(f['zero']).lower()} "
+            f"--set trainer.recompute={f['recompute']}")
+
+
+#: A layout whose estimate fits but leaves less than this fraction of the GPU's memory beyond plan's headroom gets a
+#: warning: the headroom is itself an estimate (8.9 GiB went to uncounted memory in the 8B run it was set from).
+TIGHT_FRACTION = 0.05
+
+#: Set to a size in GiB, the GPU memory the memory check assumes instead of asking the device (tests; a submit host
+#: whose cluster nodes have other GPUs than its own).
+GPU_MEMORY_ENV = "MEGACORE_GPU_MEMORY_GIB"
+
+#: Set by an executor that checked the layout against these GPUs before starting the ranks.
+MEMORY_CHECKED_ENV = "MEGACORE_MEMORY_CHECKED"
+
+
+def gpu_memory_gib(indices=None):
+    """Memory of one GPU that ranks here would use, in GiB: ``MEGACORE_GPU_MEMORY_GIB`` when set, else the smallest
+    of the visible GPUs ``indices`` (default: all), read from their properties so that no CUDA context is created in
+    this process; None when no GPU is visible."""
+    import os
+
+    from .errors import ConfigError
+
+    env = os.environ.get(GPU_MEMORY_ENV, "")
+    if env:
+        try:
+            v = float(env)
+        except ValueError:
+            v = 0.0
+        if not v > 0:
+            raise ConfigError(f"{GPU_MEMORY_ENV}='{env}' is not a positive size in GiB; unset it to use the GPU's own")
+        return v
+    import megacore
+
+    n = megacore.cuda_device_count()
+    if n == 0:
+        return None
+    return min(megacore.cuda_device_total_memory(i % n) for i in (indices or range(n))) / 2**30
+
+
+def check_memory(rec, gpu_gib, headroom_gib=None) -> dict:
+    """How the recipe's layout fits GPUs of ``gpu_gib`` GiB by its `plan` estimate (the busiest rank): ``{"plan",
+    "gpu_gib", "usable_gib" (less plan's headroom), "fits" (estimate <= usable), "tight" (fits with less than
+    TIGHT_FRACTION of the GPU to spare), "summary" (one line: the estimate beside the GPU's memory), "problem" (what
+    does not fit and the layout that does, or "")}``. Raises nothing for a layout that does not fit
+    (`enforce_memory_check` does)."""
+    gib = 2**30
+    r = plan_recipe(rec, gpu_gib, headroom_gib)
+    est, usable = r["total_bytes"] / gib, gpu_gib - r["headroom_gib"]
+    fits, tight = r["fits"], r["fits"] and usable - est < TIGHT_FRACTION * gpu_gib
+    summary = (f"memory per GPU: plan estimates {est:.1f} GiB (pipeline rank {r['busiest_rank']}, the busiest) of the "
+               f"GPU's {gpu_gib:.1f} GiB, {usable:.1f} GiB usable after {r['headroom_gib']:.1f} GiB headroom; the "
+               f"step log's mem allocated/peak GiB is measured")
+    problem = ""
+    if not fits or tight:
+        p = rec.parallel
+        layout = (f"TP {p.tensor_model_parallel_size} × PP {p.pipeline_model_parallel_size}"
+                  f"{' + SP' if p.sequence_parallel else ''}{' + ZeRO-1' if p.use_distributed_optimizer else ''}, "
+                  f"recompute {rec.trainer.recompute}, seq {rec.data.seq_length} × micro-batch "
+                  f"{rec.data.micro_batch_size} on {rec.world_size} GPUs")
+        try:
+            f = fit_recipe(rec, gpu_gib, headroom_gib)
+            fix = (f"the layout `megacore plan --fit` picks ({f['plan']['total_bytes'] / gib:.1f} GiB): {fit_flags(f)}"
+                   if (f["plan"]["total_bytes"] < r["total_bytes"]) else "")
+        except ValueError as e:  # ConfigError: no layout of these GPUs fits
+            fix = str(e)
+        if not fits:
+            problem = (f"{rec.name}: {layout} needs an estimated {est:.1f} GiB per GPU, more than the {usable:.1f} GiB "
+                       f"usable of the GPU's {gpu_gib:.1f} GiB ({r['headroom_gib']:.1f} GiB headroom for the CUDA "
+                       f"context, NCCL and library workspaces and fragmentation); use {fix or 'more GPUs'}")
+        else:
+            problem = (f"{rec.name}: {layout} fits with {usable - est:.1f} GiB to spare beyond the "
+                       f"{r['headroom_gib']:.1f} GiB headroom of the GPU's {gpu_gib:.1f} GiB"
+                       + (f"; if it runs out of memory, use {fix}" if fix else ""))
+    return {"plan": r, "gpu_gib": gpu_gib, "usable_gib": usable, "fits": fits, "tight": tight, "summary": summary,
+            "problem": problem}
+
+
+def enforce_memory_check(rec, gpu_gib, warn=None):
+    """Applies ``trainer.memory_check`` for GPUs of ``gpu_gib`` GiB (None: no GPU, nothing checked): ``error``
+    raises ConfigError when the layout does not fit and warns when it is tight, ``warn`` only warns, ``off`` skips (as
+    do LoRA runs, whose frozen base weights plan does not model). Warnings go to ``warn`` (default: one line on stderr). Returns `check_memory`'s dict, or None when not checked."""
+    from .errors import ConfigError
+
+    mode = rec.trainer.memory_check
+    # plan counts gradients and optimizer state for every weight; a LoRA run keeps them for its adapters alone, so
+    # the estimate would refuse runs that fit.
+    if mode == "off" or gpu_gib is None or rec.peft.scheme == "lora":
+        return None
+    c = check_memory(rec, gpu_gib)
+    if not c["fits"] and mode == "error":
+        raise ConfigError(f"{c['problem']}; or set trainer.memory_check=warn to launch anyway")
+    if c["problem"]:
+        (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(f"megacore: warning: {c['problem']}")
+    return c
+
+
 _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep", "etp": "parallel.etp",
                "vp": "parallel.vp",
                "head_cost": "parallel.pipeline_head_cost", "seq_length": "data.seq_length",
@@ -315,16 +441,9 @@ def _run_plan(args) -> int:
         flags = [f"{key}={getattr(args, a)}" for a, key in _PLAN_FLAGS.items() if getattr(args, a) is not None]
         rec = load_recipe(args.recipe, None, list(args.set) + flags)
         rec.validate(check_paths=False)
-        p = rec.parallel
         args.model = rec.name
         args.world_size = rec.world_size
-        r = plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), rec.world_size,
-                 p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-                 p.expert_model_parallel_size, p.virtual_pipeline_model_parallel_size, rec.data.seq_length,
-                 rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, args.gpu_memory_gib,
-                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, args.headroom_gib,
-                 p.grad_reduce_in_bf16, p.expert_tensor_parallel_size, rec.optim.main_params_dtype,
-                 rec.optim.main_grads_dtype, rec.optim.exp_avg_dtype, rec.optim.exp_avg_sq_dtype)
+        r = plan_recipe(rec, args.gpu_memory_gib, args.headroom_gib)
     else:
         if args.world_size is None:
             from .errors import ConfigError
@@ -336,18 +455,11 @@ def _run_plan(args) -> int:
                  v["micro_batch_size"], v["sequence_parallel"], v["zero"], args.gpu_memory_gib,
                  pipeline_head_cost=v["head_cost"], headroom_gib=args.headroom_gib, etp=v["etp"])
     if args.fit:
-        kw = {}
-        if args.recipe:
-            o = rec.optim
-            kw = dict(main_params_dtype=o.main_params_dtype, main_grads_dtype=o.main_grads_dtype,
-                      exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
-        f = fit_layout(r["config"] if args.recipe else args.model, args.world_size, args.gpu_memory_gib,
-                       r["seq_length"], rec.data.micro_batch_size if args.recipe else v["micro_batch_size"],
-                       args.headroom_gib, **kw)
+        f = (fit_recipe(rec, args.gpu_memory_gib, args.headroom_gib) if args.recipe
+             else fit_layout(args.model, args.world_size, args.gpu_memory_gib, r["seq_length"], v["micro_batch_size"],
+                             args.headroom_gib))
         r = f["plan"]
-        print(f"fitting layout for {args.gpu_memory_gib:g} GiB GPUs: --set parallel.tp={f['tp']} --set "
-              f"parallel.pp={f['pp']} --set parallel.sp={str(f['sequence_parallel']).lower()} --set "
-              f"parallel.zero={str(f['zero']).lower()} --set trainer.recompute={f['recompute']}")
+        print(f"fitting layout for {args.gpu_memory_gib:g} GiB GPUs: {fit_flags(f)}")
     L, cfg, gib = r["layout"], r["config"], 2**30
     sz = L.sizes
     print(f"model {args.model}: {r['parameters']['total'] / 1e9:.3f} B parameters, {cfg.num_layers} layers, "

@@ -12,8 +12,10 @@ Every rank of a job gets the same ``MEGACORE_STORE_TOKEN``, the secret rank 0's 
 connection (docs/comm.md): ``megacore.launch`` makes it for local runs, the Slurm script makes it when the job
 starts (so it is in no file), and the Kubernetes executor puts a fresh one in a Secret of the job.
 
-Every executor validates the recipe first (``Recipe.validate``), writes it as JSON next to the run's logs and
-hands each rank ``python -m megacore.train --config <that file>``, so a run is reproducible from its config.
+Every executor validates the recipe first (``Recipe.validate``) and checks that its layout fits the GPUs by
+`megacore plan`'s memory estimate (``trainer.memory_check``: the local GPUs, or for Slurm and Kubernetes a size given
+in MEGACORE_GPU_MEMORY_GIB; each GPU rank also checks its own GPU as it starts), then writes it as JSON next to the
+run's logs and hands each rank ``python -m megacore.train --config <that file>``, so a run is reproducible from its config.
 
 ``run(recipe, executor)`` is ``megacore.run``.
 """
@@ -55,6 +57,28 @@ def _config_path(recipe, base_dir: str | None = None) -> str:
     return os.path.join(d, "recipe.json")
 
 
+def _check_memory(recipe, local: bool, nproc: int = 0, warn=None) -> bool:
+    """``trainer.memory_check`` before GPU ranks start (cli.enforce_memory_check): refuses a layout whose `plan`
+    estimate does not fit the GPUs, warns when it is tight. ``local``: the ranks use this machine's GPUs (the
+    recipe's device is cuda, or auto with GPUs visible); otherwise (cluster nodes) only a size given in
+    MEGACORE_GPU_MEMORY_GIB is checked here, and each rank checks its own GPU when it starts (megacore.train).
+    Returns whether it checked."""
+    from . import cli
+
+    if recipe.trainer.device == "cpu" or recipe.trainer.memory_check == "off":
+        return False
+    if local:
+        if recipe.trainer.device == "auto":
+            from .launch import _gpu_count
+
+            if _gpu_count() == 0:
+                return False  # CPU ranks
+        gib = cli.gpu_memory_gib(range(nproc))
+    else:
+        gib = cli.gpu_memory_gib() if os.environ.get(cli.GPU_MEMORY_ENV) else None
+    return cli.enforce_memory_check(recipe, gib, warn) is not None
+
+
 def _cpu_ranks(recipe, who: str):
     """CPU ranks train on the CPU even where GPUs are visible: trainer.device becomes cpu."""
     if recipe.trainer.device == "cuda":
@@ -72,13 +96,24 @@ class LocalExecutor:
     cpu: bool = False
     env: dict = field(default_factory=dict)
 
-    def launch(self, recipe, dryrun: bool = False) -> int:
+    def _prepare(self, recipe):
         recipe = _sized(recipe, 1, self.nproc_per_node or 0)  # one node: this one
         if self.cpu:
             _cpu_ranks(recipe, "LocalExecutor(cpu=True)")
+        return recipe
+
+    def check_memory(self, recipe, warn=None) -> bool:
+        """``trainer.memory_check`` for this machine's GPUs alone (``launch`` does it too): raises ConfigError when
+        the layout does not fit; returns whether GPUs were checked."""
+        recipe = self._prepare(recipe)
+        return _check_memory(recipe, local=not self.cpu, nproc=recipe.resources.num_gpus_per_node, warn=warn)
+
+    def launch(self, recipe, dryrun: bool = False) -> int:
+        recipe = self._prepare(recipe)
         n = recipe.resources.num_gpus_per_node
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
+        checked = _check_memory(recipe, local=not self.cpu, nproc=n)
         cfg = os.path.abspath(_config_path(recipe))
         cmd = [sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(n)] + (["--cpu"] if self.cpu else []) \
             + (["--max-restarts", str(recipe.trainer.max_restarts)] if recipe.trainer.max_restarts else []) \
@@ -92,7 +127,12 @@ class LocalExecutor:
             return 0
         # The launcher (and through it mpirun and the ranks) is passed this process's SIGTERM/SIGINT/SIGUSR1 and
         # dies with it: stopping `megacore train` stops the whole job.
-        return _proc.call(cmd, env=dict(os.environ, **{k: str(v) for k, v in self.env.items()}))
+        from .cli import MEMORY_CHECKED_ENV
+
+        env = dict(os.environ, **{k: str(v) for k, v in self.env.items()})
+        if checked:
+            env[MEMORY_CHECKED_ENV] = "1"  # the ranks print the estimate without repeating the warning
+        return _proc.call(cmd, env=env)
 
 
 @dataclass
@@ -194,6 +234,7 @@ class SlurmExecutor:
         recipe = self._prepare(recipe)
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
+        _check_memory(recipe, local=False)
         text = self.script(recipe)
         job_dir = self._job_dir(recipe)
         os.makedirs(job_dir, exist_ok=True)
@@ -218,6 +259,7 @@ class SlurmExecutor:
             recipe = self._prepare(recipe)
             for w in recipe.validate(check_paths=False):
                 print(f"megacore: warning: {w}", file=sys.stderr)
+            _check_memory(recipe, local=False)
             print(self.script(recipe), end="")
             return 0
         job = self.submit(recipe)
@@ -303,6 +345,7 @@ class KubernetesExecutor:
         recipe = _sized(recipe, self.nodes, self.gpus_per_node)
         for w in recipe.validate(check_paths=False):
             print(f"megacore: warning: {w}", file=sys.stderr)
+        _check_memory(recipe, local=False)
         text = self.render(recipe)
         if self.dryrun if dryrun is None else dryrun:
             print(text, end="")

@@ -152,11 +152,13 @@ def finetune(model_path: str, data_path: str, peft=None, trainer: Optional[dict]
     from .executors import LocalExecutor
 
     r = finetune_recipe(model_path, data_path, peft, trainer, output_path, overrides)
-    if _is_hf_dir(model_path):  # the whole recipe is checked before the import writes anything
+    ex = LocalExecutor(nproc_per_node=r.resources.num_gpus_per_node, cpu=cpu)
+    if _is_hf_dir(model_path):  # the whole recipe, and whether it fits the GPUs, is checked before the import writes
         for w in r.validate(check_paths=False):
             log(f"megacore: warning: {w}")
+        ex.check_memory(r, warn=lambda m: None)  # a refusal; the launch below warns
         _import_hf(model_path, output_path, log)
-    rc = LocalExecutor(nproc_per_node=r.resources.num_gpus_per_node, cpu=cpu).launch(r)
+    rc = ex.launch(r)
     if rc != 0:
         raise Error(f"the training run failed (exit status {rc}); its output above names the "
                     "failure")

@@ -80,6 +80,8 @@ def run(recipe, world=None, on_step=None, on_world=None) -> dict:
         raise ConfigError(f"the recipe is for {recipe.world_size} ranks (resources: {recipe.resources.num_nodes} × "
                           f"{recipe.resources.num_gpus_per_node}) but {world.size} were started; launch "
                           f"{recipe.world_size} ranks or change resources")
+    if world.backend == "nccl":
+        _check_gpu_memory(recipe, world)
     if world.rank == 0 and recipe.logging.log_dir:
         os.makedirs(recipe.logging.log_dir, exist_ok=True)
         recipe.to_json(os.path.join(recipe.logging.log_dir, "recipe.json"))
@@ -126,6 +128,22 @@ def run(recipe, world=None, on_step=None, on_world=None) -> dict:
         if world.rank == 0:
             print(f"sample: {recipe.trainer.generate_prompt!r} -> {tok.decode(ids)!r}", flush=True)
     return result
+
+
+def _check_gpu_memory(recipe, world) -> None:
+    """trainer.memory_check against this rank's GPU, before anything is built (on cluster nodes the first look at
+    their GPUs; a local launcher has already checked); rank 0 prints plan's estimate beside the GPU's memory, to be
+    compared with the step log's measured peak. Every rank reaches the same verdict, so all of them fail together."""
+    from . import _C, cli
+
+    if recipe.trainer.memory_check == "off":
+        return
+    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or 0)
+    quiet = world.rank != 0 or os.environ.get(cli.MEMORY_CHECKED_ENV) == "1"
+    c = cli.enforce_memory_check(recipe, cli.gpu_memory_gib([local % max(1, _C.cuda_device_count())]),
+                                 warn=(lambda m: None) if quiet else None)
+    if c is not None and world.rank == 0:
+        print(f"megacore: {c['summary']}", flush=True)
 
 
 def _restart_resume(recipe) -> None:

@@ -28,6 +28,8 @@ int compute_capability(int device);
 void set_device(int device);
 int current_device();
 void mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
+/// cudaDeviceProp::totalGlobalMem (creates no context, unlike mem_get_info).
+size_t device_total_memory(int device);
 
 /// cudaMalloc on device; nullptr when the device is out of memory (the error is cleared).
 void* raw_malloc(size_t nbytes, int device);

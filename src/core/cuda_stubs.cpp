@@ -17,6 +17,7 @@ int compute_capability(int) { no_cuda(); }
 void set_device(int) { no_cuda(); }
 int current_device() { no_cuda(); }
 void mem_get_info(int, size_t*, size_t*) { no_cuda(); }
+size_t device_total_memory(int) { no_cuda(); }
 void* raw_malloc(size_t, int) { no_cuda(); }
 void raw_free(void*, int) { no_cuda(); }
 int pointer_device(const void*) { return -1; }

@@ -1,4 +1,5 @@
 #include "megacore/core/device.hpp"
+#include "megacore/core/device_memory.hpp"
 
 #include <charconv>
 
@@ -31,6 +32,11 @@ bool cuda_available() { return cuda_device_count() > 0; }
 std::string cuda_device_name(int index) {
   check_device(Device::cuda(index));
   return cuda_impl::device_name(index);
+}
+
+int64_t cuda_device_total_memory(int index) {
+  check_device(Device::cuda(index));
+  return int64_t(cuda_impl::device_total_memory(index));
 }
 
 void check_device(Device d) {

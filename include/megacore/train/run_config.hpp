@@ -239,6 +239,7 @@ struct TrainerSection {
   int64_t log_interval = 1;
   std::string precision = "auto";
   std::string device = "auto";
+  std::string memory_check = "error";
   model::RecomputeGranularity recompute = model::RecomputeGranularity::None;
   uint64_t seed = 1234;
   double peak_tflops = 0;
@@ -282,6 +283,14 @@ struct TrainerSection {
             "auto|f32|bf16|f16"},
       s.precision);
     f(Field{"device", "auto (GPUs when present), cpu or cuda.", "auto|cpu|cuda"}, s.device);
+    f(Field{"memory_check",
+            "Before GPU ranks start, the busiest rank's memory as `megacore plan` estimates it for this recipe is "
+            "compared with the GPU's memory (docs/performance.md). error = a layout whose estimate exceeds the GPU's "
+            "memory less plan's headroom is refused with the layout `megacore plan --fit` picks, and one that fits "
+            "with little to spare gets a warning; warn = both only warn; off = no check. CPU ranks and LoRA runs (plan does not model frozen base weights) are "
+            "not checked.",
+            "error|warn|off"},
+      s.memory_check);
     f(Field{"recompute", "Activation recompute in backward: none, selective (core attention) or full (layer)."},
       s.recompute);
     f(Field{"seed", "Seed of the run (kept for reproducibility; the model's init uses model.seed)."}, s.seed);

@@ -22,6 +22,12 @@ std::string device_name(int device) {
   return p.name;
 }
 
+size_t device_total_memory(int device) {
+  cudaDeviceProp p{};
+  MC_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  return p.totalGlobalMem;
+}
+
 int compute_capability(int device) {
   int major = 0, minor = 0;
   MC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
