@@ -97,6 +97,31 @@ def test_cast_rounds_random_values_and_counts(fmt):
     assert np.array_equal(back[ok], (ref_decode(fmt, want).astype(np.float32) * np.float32(1 / scale))[ok])
 
 
+@pytest.mark.parametrize("fmt", ["f8e4m3", "f8e5m2"])
+def test_cast_transpose_gives_the_cast_and_its_transpose(fmt):
+    """One pass: the codes of ``fp8_cast`` (checked against the numpy nearest-code search) and their transpose,
+    with the same amax and counters; the transposed copy alone when ``out`` is None."""
+    rng = np.random.default_rng()
+    f = FORMATS[fmt]
+    rows, cols = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+    x = (np.exp2(rng.uniform(-24, np.log2(f["max"]) + 2, (rows, cols))) * rng.choice([-1, 1], (rows, cols)))
+    x = x.astype(np.float32)
+    scale = np.array([rng.uniform(0.5, 2.0)], np.float32)
+    q, qt = mc.empty([rows, cols], dtype=fmt), mc.empty([cols, rows], dtype=fmt)
+    amax, counts = np.zeros(1, np.float32), np.zeros(2, np.int64)
+    mc.ops.fp8_cast_transpose(x, scale, q, qt, amax=amax, counts=counts)
+    want = ref_encode(fmt, (x * scale[0]).astype(np.float32).ravel()).reshape(rows, cols)
+    assert np.array_equal(codes_of(q), want)
+    assert np.array_equal(codes_of(qt), want.T)
+    assert amax[0] == np.abs(x).max()
+    y = (x * scale[0]).astype(np.float32)
+    flushed = int(((y != 0) & (ref_decode(fmt, want) == 0)).sum())
+    assert counts.tolist() == [int((np.abs(y) > f["max"]).sum()), flushed]
+    only = mc.empty([cols, rows], dtype=fmt)
+    mc.ops.fp8_cast_transpose(x, scale, None, only)
+    assert np.array_equal(codes_of(only), want.T)
+
+
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 1])
 def test_delayed_scaling_history_matches_numpy(algo, margin):
@@ -212,3 +237,7 @@ def test_fp8_settings_are_checked_before_launch_and_planned(capsys):
                      "--set", "trainer.fp8_bf16_layers=1"]) == 0
     out = capsys.readouterr().out
     assert "fp8: current scaling, hybrid (E4M3 forward, E5M2 gradients)" in out and "first/last 1 layers bf16" in out
+    assert "(forward, input and weight gradients)" in out
+    assert cli.main(["plan", "--recipe", "tiny", "--no-table", "--set", "trainer.fp8=delayed",
+                     "--set", "trainer.fp8_wgrad=false"]) == 0
+    assert "weight gradients in bf16" in capsys.readouterr().out
