@@ -133,6 +133,18 @@ void bind_ops(pyb::module_& root) {
       "out (f8e4m3/f8e5m2) = fp8(x * scale), nearest even, saturating; amax (f32 [1]) = max(amax, max|x|); counts "
       "(i64 [2]) += (saturated, flushed to zero).");
   m.def(
+      "fp8_cast_transpose",
+      [opt](const pyb::object& x, const pyb::object& scale, const pyb::object& out, const pyb::object& out_t,
+            const pyb::object& amax, const pyb::object& counts) {
+        Tensor tx = share_arg(x, "x");
+        fp8_cast_transpose(tx, share_arg(scale, "scale"), opt(out, "out"), share_arg(out_t, "out_t"), opt(amax, "amax"),
+                           opt(counts, "counts"), stream_arg(pyb::none(), tx.device()));
+      },
+      pyb::arg("x"), pyb::arg("scale"), pyb::arg("out"), pyb::arg("out_t"), pyb::arg("amax") = pyb::none(),
+      pyb::arg("counts") = pyb::none(),
+      "One pass over x [rows, cols]: out (or None) = fp8_cast's codes, out_t [cols, rows] = their transpose; amax and "
+      "counts as fp8_cast.");
+  m.def(
       "fp8_amax", [](const pyb::object& x, const pyb::object& amax) { fp8_amax(share_arg(x, "x"), share_arg(amax, "amax")); },
       pyb::arg("x"), pyb::arg("amax"), "amax (f32 [1]) = max(amax, max|x|).");
   m.def(

@@ -497,8 +497,9 @@ def _run_plan(args) -> int:
         kept = f", first/last {t.fp8_bf16_layers} layers bf16" if t.fp8_bf16_layers else ""
         print(f"fp8: {t.fp8} scaling, {t.fp8_format} (E4M3 forward, "
               f"{'E5M2' if t.fp8_format == 'hybrid' else 'E4M3'} gradients), amax history {t.fp8_amax_history_len} "
-              f"({t.fp8_amax_compute_algo}), margin {t.fp8_margin}{kept}; QKV, projection, FC1 and FC2 in FP8, "
-              f"weight gradients, embedding, norms, attention and output layer in bf16")
+              f"({t.fp8_amax_compute_algo}), margin {t.fp8_margin}{kept}; QKV, projection, FC1 and FC2 in FP8 "
+              f"({'forward, input and weight gradients' if t.fp8_wgrad else 'forward and input gradients; weight gradients in bf16'}), "
+              f"embedding, norms, attention and output layer in bf16")
     if args.table:
         print(L.table())
     return 0

@@ -16,8 +16,8 @@ Bad shapes, dtypes, head dims or backends raise ``megacore.ValueError`` naming t
 Where the build contains cuDNN's SDPA, Auto uses it (``attention_cudnn_built()``);
 ``set_cudnn_attention_enabled(False)`` turns it off for the process (Auto then runs megacore's flash kernel).
 
-FP8 (docs/fp8.md): ``fp8_cast``, ``fp8_amax``, ``fp8_dequant``, ``fp8_update_scales`` (Transformer Engine's
-delayed scaling) and ``gemm_fp8``; FP8 tensors are ``megacore.Tensor`` of dtype ``f8e4m3``/``f8e5m2``
+FP8 (docs/fp8.md): ``fp8_cast``, ``fp8_cast_transpose``, ``fp8_amax``, ``fp8_dequant``, ``fp8_update_scales``
+(Transformer Engine's delayed scaling) and ``gemm_fp8``; FP8 tensors are ``megacore.Tensor`` of dtype ``f8e4m3``/``f8e5m2``
 (``t.view_as_dtype('u8').numpy()`` shows their codes).
 """
 
@@ -33,6 +33,7 @@ cudnn_attention_enabled = _o.cudnn_attention_enabled
 set_cudnn_attention_autotune = _o.set_cudnn_attention_autotune
 cudnn_attention_autotune = _o.cudnn_attention_autotune
 fp8_cast = _o.fp8_cast
+fp8_cast_transpose = _o.fp8_cast_transpose
 fp8_amax = _o.fp8_amax
 fp8_dequant = _o.fp8_dequant
 fp8_update_scales = _o.fp8_update_scales
@@ -40,5 +41,5 @@ gemm_fp8 = _o.gemm_fp8
 
 __all__ = ["attention_forward", "attention_backward", "attention_resolve_backend", "attention_cudnn_available",
            "attention_cudnn_built", "set_cudnn_attention_enabled", "cudnn_attention_enabled",
-           "set_cudnn_attention_autotune", "cudnn_attention_autotune", "fp8_cast", "fp8_amax", "fp8_dequant",
-           "fp8_update_scales", "gemm_fp8"]
+           "set_cudnn_attention_autotune", "cudnn_attention_autotune", "fp8_cast", "fp8_cast_transpose", "fp8_amax",
+           "fp8_dequant", "fp8_update_scales", "gemm_fp8"]

@@ -44,27 +44,42 @@ Fp8LinearState::Fp8LinearState(const Fp8Recipe& recipe, Device device) : recipe_
   counts_ = Tensor::zeros({kSlots, 2}, DType::I64, device);
 }
 
+void Fp8LinearState::current_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
+  // The tensor's own amax, agreed over TP, then its scale; a recording cast reduces into it again (a no-op:
+  // the same values).
+  Tensor amax = history_.select(0, 0).narrow(0, slot, 1);
+  amax.zero_(s);
+  ops::fp8_amax(x, amax, s);
+  if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
+  ops::fp8_update_scales(amax.view({1, 1}), scale_.narrow(0, slot, 1), scale_inv_.narrow(0, slot, 1),
+                         fp8_max_.narrow(0, slot, 1), ops::Fp8AmaxAlgo::MostRecent, recipe_.margin, /*roll=*/false, s);
+  gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
+}
+
 Tensor Fp8LinearState::cast(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
   Tensor q = Tensor::empty(x.shape(), slot_dtype(recipe_, slot), x.device(), s);
-  Tensor amax = history_.select(0, 0).narrow(0, slot, 1);
-  Tensor sc = scale_.narrow(0, slot, 1);
-  if (recipe_.scaling == Fp8Scaling::Current) {
-    // This tensor's own amax, agreed over TP, then its scale; the cast below reduces into it again
-    // (a no-op: the same values).
-    amax.zero_(s);
-    ops::fp8_amax(x, amax, s);
-    if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
-    ops::fp8_update_scales(amax.view({1, 1}), sc, scale_inv_.narrow(0, slot, 1), fp8_max_.narrow(0, slot, 1),
-                           ops::Fp8AmaxAlgo::MostRecent, recipe_.margin, /*roll=*/false, s);
-    gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
-  }
-  ops::fp8_cast(x, sc, q, amax, counts_.select(0, slot), s);
+  if (recipe_.scaling == Fp8Scaling::Current) current_scale(tp, slot, x, s);
+  ops::fp8_cast(x, scale_.narrow(0, slot, 1), q, history_.select(0, 0).narrow(0, slot, 1), counts_.select(0, slot), s);
   return q;
 }
 
+Fp8Pair Fp8LinearState::cast_transpose(comm::Communicator& tp, int slot, const Tensor& x, bool want_q, bool record,
+                                       const Stream& s) {
+  const DType dt = slot_dtype(recipe_, slot);
+  Fp8Pair p;
+  if (want_q) p.q = Tensor::empty(x.shape(), dt, x.device(), s);
+  p.qt = Tensor::empty({x.size(1), x.size(0)}, dt, x.device(), s);
+  if (recipe_.scaling == Fp8Scaling::Current) current_scale(tp, slot, x, s);
+  ops::fp8_cast_transpose(x, scale_.narrow(0, slot, 1), p.q, p.qt,
+                          record ? history_.select(0, 0).narrow(0, slot, 1) : Tensor(),
+                          record ? counts_.select(0, slot) : Tensor(), s);
+  return p;
+}
+
 void Fp8LinearState::cast_weight(comm::Communicator& tp, const Tensor& w, const Stream& s) {
-  w_fp8_ = cast(tp, kWeight, w.contiguous(s), s);
-  wt_fp8_ = w_fp8_.transpose(0, 1).contiguous(s);
+  Fp8Pair p = cast_transpose(tp, kWeight, w.contiguous(s), /*want_q=*/true, /*record=*/true, s);
+  w_fp8_ = std::move(p.q);
+  wt_fp8_ = std::move(p.qt);
 }
 
 const Tensor& Fp8LinearState::weight(comm::Communicator& tp, const Tensor& w, const Stream& s) {
@@ -78,17 +93,42 @@ const Tensor& Fp8LinearState::weight_t(comm::Communicator& tp, const Tensor& w, 
 }
 
 void Fp8LinearState::begin_step(comm::Communicator& tp, const Stream& s) {
+  if (recipe_.scaling == Fp8Scaling::Delayed && tp.size() > 1) {
+    Tensor row0 = amax_row();
+    tp.all_reduce(row0, comm::ReduceOp::Max, s)->wait_on(s);
+  }
+  begin_step_reduced(s);
+}
+
+void Fp8LinearState::begin_step_reduced(const Stream& s) {
   w_fp8_ = Tensor();
   wt_fp8_ = Tensor();
   if (recipe_.scaling != Fp8Scaling::Delayed) return;
-  Tensor row0 = history_.select(0, 0);
-  if (tp.size() > 1) tp.all_reduce(row0, comm::ReduceOp::Max, s)->wait_on(s);
   ops::fp8_update_scales(history_, scale_, scale_inv_, fp8_max_, recipe_.amax_compute_algo, recipe_.margin, true, s);
   gemm_scale_inv_.narrow(1, 0, 1).copy_(scale_inv_.view({kSlots, 1}), s);
 }
 
 std::vector<std::pair<std::string, Tensor>> Fp8LinearState::state() {
   return {{"amax_history", history_}, {"scale", scale_}, {"scale_inv", scale_inv_}, {"counts", counts_}};
+}
+
+void fp8_begin_step(const std::vector<Fp8LinearState*>& states, comm::Communicator& group, const Stream& s) {
+  std::vector<Fp8LinearState*> delayed;
+  for (Fp8LinearState* st : states)
+    if (st && st->recipe().scaling == Fp8Scaling::Delayed) delayed.push_back(st);
+  if (group.size() > 1 && !delayed.empty()) {
+    constexpr int64_t k = Fp8LinearState::kSlots;
+    const Device dev = delayed.front()->amax_row().device();
+    Tensor packed = Tensor::empty({int64_t(delayed.size()) * k}, DType::F32, dev, s);
+    for (size_t i = 0; i < delayed.size(); ++i) packed.narrow(0, int64_t(i) * k, k).copy_(delayed[i]->amax_row(), s);
+    group.all_reduce(packed, comm::ReduceOp::Max, s)->wait_on(s);
+    for (size_t i = 0; i < delayed.size(); ++i) {
+      Tensor row = delayed[i]->amax_row();
+      row.copy_(packed.narrow(0, int64_t(i) * k, k), s);
+    }
+  }
+  for (Fp8LinearState* st : states)
+    if (st) st->begin_step_reduced(s);
 }
 
 }  // namespace megacore::layers

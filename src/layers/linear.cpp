@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <utility>
+
 #include "megacore/core/log.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/ops/gemm_fp8.hpp"
@@ -167,11 +169,17 @@ void ParallelLinearBase::zero_grad() {
 
 void ParallelLinearBase::stash_activations(ActivationStash& s) {
   s.put(saved_input_);
+  s.put(saved_input_t_);
+  s.put(saved_input_t_scale_inv_);
+  s.put_shape(std::exchange(saved_shape_, Shape{}));
   if (lora_) lora_->stash_activations(s);
 }
 
 void ParallelLinearBase::restore_activations(ActivationStash& s) {
   s.take(saved_input_);
+  s.take(saved_input_t_);
+  s.take(saved_input_t_scale_inv_);
+  saved_shape_ = s.take_shape();
   if (lora_) lora_->restore_activations(s);
 }
 
@@ -229,11 +237,23 @@ bool ParallelLinearBase::fp8_applies(int64_t rows) {
   return false;
 }
 
-Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias) {
+Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias,
+                                   bool keep_fp8_input) {
+  saved_input_t_ = Tensor();
+  saved_input_t_scale_inv_ = Tensor();
   if (lora_ && lora_->fused_for(weight_.data)) return lora_->forward_fused(ctx, x2, weight_.data, bias);
   if (fp8_applies(x2.size(0))) {
     const Stream& s = ctx.stream;
-    Tensor xq = fp8_->cast(tp_, Fp8LinearState::kInput, x2, s);
+    Tensor xq;
+    if (ctx.training && keep_fp8_input && fp8_->recipe().wgrad && !frozen_) {
+      // One pass gives the forward's codes and the weight gradient's transposed ones.
+      Fp8Pair p = fp8_->cast_transpose(tp_, Fp8LinearState::kInput, x2, /*want_q=*/true, /*record=*/true, s);
+      xq = std::move(p.q);
+      saved_input_t_ = std::move(p.qt);
+      saved_input_t_scale_inv_ = fp8_->scale_inv(Fp8LinearState::kInput).clone(s);
+    } else {
+      xq = fp8_->cast(tp_, Fp8LinearState::kInput, x2, s);
+    }
     const Tensor& wq = fp8_->weight(tp_, weight_.data, s);
     Tensor y2 = Tensor::empty({x2.size(0), wq.size(0)}, weight_.data.dtype(), weight_.data.device(), s);
     ops::gemm_fp8(xq, wq, y2, fp8_->scale_inv(Fp8LinearState::kInput), fp8_->scale_inv(Fp8LinearState::kWeight),
@@ -255,21 +275,46 @@ Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, 
 }
 
 // The adapter's input gradient buffer takes the base's product with beta = 1, so no separate add.
-Tensor ParallelLinearBase::input_grad(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2) {
+Tensor ParallelLinearBase::backward_products(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2) {
+  const Stream& s = ctx.stream;
+  Tensor xt = std::exchange(saved_input_t_, Tensor()), xt_scale_inv = std::exchange(saved_input_t_scale_inv_, Tensor());
+  const auto bf16_wgrad = [&] {
+    MC_CHECK(x2.defined(), "{}.backward: forward kept only the FP8 input for an FP8 weight gradient, but FP8 no longer "
+             "applies (an adapter was attached in between); run forward again", name_);
+    ops::GemmOptions wg;
+    wg.trans_a = true;
+    wg.beta = 1.f;
+    ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
+  };
   if (fp8_applies(dy2.size(0))) {
-    const Stream& s = ctx.stream;
-    Tensor dyq = fp8_->cast(tp_, Fp8LinearState::kGradOutput, dy2.contiguous(s), s);
+    using St = Fp8LinearState;
+    const bool wgrad8 = !frozen_ && fp8_->recipe().wgrad;
+    Tensor dy = dy2.contiguous(s);
+    Fp8Pair dyq;
+    if (wgrad8) dyq = fp8_->cast_transpose(tp_, St::kGradOutput, dy, /*want_q=*/true, /*record=*/true, s);
+    else dyq.q = fp8_->cast(tp_, St::kGradOutput, dy, s);
+    if (wgrad8) {
+      if (!xt.defined()) {
+        // The input was kept in its dtype (the sequence-parallel column layer's chunk): cast it again, counted once.
+        xt = fp8_->cast_transpose(tp_, St::kInput, x2, /*want_q=*/false, /*record=*/false, s).qt;
+        xt_scale_inv = fp8_->scale_inv(St::kInput);
+      }
+      // dW += dYᵀ X with both operands K(= rows)-contiguous, f32 (or the grad buffer's dtype) accumulated.
+      ops::gemm_fp8(dyq.qt, xt, weight_.main_grad, fp8_->scale_inv(St::kGradOutput), xt_scale_inv, {.beta = 1.f}, s);
+    } else if (!frozen_) {
+      bf16_wgrad();
+    }
     const Tensor& wt = fp8_->weight_t(tp_, weight_.data, s);
     Tensor dx = Tensor::empty({dy2.size(0), wt.size(0)}, weight_.data.dtype(), weight_.data.device(), s);
-    ops::gemm_fp8(dyq, wt, dx, fp8_->scale_inv(Fp8LinearState::kGradOutput), fp8_->scale_inv(Fp8LinearState::kWeight),
-                  {}, s);
+    ops::gemm_fp8(dyq.q, wt, dx, fp8_->scale_inv(St::kGradOutput), fp8_->scale_inv(St::kWeight), {}, s);
     return dx;
   }
-  if (!lora_) return ops::matmul(dy2, weight_.data, {}, ctx.stream);
+  if (!frozen_) bf16_wgrad();
+  if (!lora_) return ops::matmul(dy2, weight_.data, {}, s);
   Tensor dx = lora_->backward(ctx, x2, dy2);
   ops::GemmOptions o;
   o.beta = 1.f;
-  ops::gemm(dy2, weight_.data, dx, o, ctx.stream);
+  ops::gemm(dy2, weight_.data, dx, o, s);
   return dx;
 }
 
@@ -305,8 +350,10 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, x, s) : pm::copy_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(total, in_, s);
-  Tensor y2 = product(ctx, x2, opts_.bias ? bias_.data : Tensor());
-  saved_input_ = ctx.training ? x : Tensor();
+  // With SP the bf16 chunk is smaller than the gathered input's FP8 codes (TP > 2) and is kept.
+  Tensor y2 = product(ctx, x2, opts_.bias ? bias_.data : Tensor(), !opts_.sequence_parallel);
+  saved_input_ = ctx.training && !saved_input_t_.defined() ? x : Tensor();
+  saved_shape_ = x.shape();
   Tensor y = y2.view(with_last(total.shape(), out_local_));
   return opts_.gather_output ? pm::gather_from_tp_forward(tp_, y, s) : y;
 }
@@ -314,7 +361,7 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
 Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) {
   constexpr std::string_view kName = "ColumnParallelLinear.backward";
   const Stream& s = ctx.stream;
-  MC_CHECK(saved_input_.defined(),
+  MC_CHECK(has_saved_input(),
            "{}: no saved input; call forward with ctx.training = true before backward (each forward allows one "
            "backward)",
            kName);
@@ -325,13 +372,15 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   if (opts_.overlap_grad_comm && tp_.size() > 1 && !lora_ && !frozen_ && !fp8_) return backward_overlapped(s, dyl);
   // With SP the input is re-gathered here instead of being kept whole since forward.
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
-  Tensor x2 = as_rows(total, in_, s);
+  const Shape total_shape = total.defined() ? total.shape() : saved_shape_;
+  Tensor x2 = total.defined() ? as_rows(total, in_, s) : Tensor();
+  const int64_t rows = x2.defined() ? x2.size(0) : saved_input_t_.size(1);
   Tensor dy2 = as_rows(dyl, out_local_, s);
-  MC_CHECK(dy2.size(0) == x2.size(0),
+  MC_CHECK(dy2.size(0) == rows,
            "{}: dy has shape {} but forward's output had {} rows; pass the gradient of forward's output", kName,
-           shape_str(dy.shape()), x2.size(0));
-  accumulate_weight_grads(dy2, x2, s);
-  Tensor dx = input_grad(ctx, x2, dy2).view(total.shape());
+           shape_str(dy.shape()), rows);
+  if (opts_.bias && !frozen_) accumulate_bias_grad(bias_.main_grad, dy2, s);
+  Tensor dx = backward_products(ctx, x2, dy2).view(total_shape);
   saved_input_ = Tensor();
   return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
 }
@@ -390,15 +439,6 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
   return result;
 }
 
-void ColumnParallelLinear::accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s) {
-  if (frozen_) return;
-  ops::GemmOptions wg;
-  wg.trans_a = true;
-  wg.beta = 1.f;
-  ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
-  if (opts_.bias) accumulate_bias_grad(bias_.main_grad, dy2, s);
-}
-
 // ---- RowParallelLinear ------------------------------------------------------------------------------
 
 RowParallelLinear::RowParallelLinear(comm::Communicator& tp, int64_t in_features, int64_t out_features,
@@ -439,7 +479,7 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
   Tensor xin = opts_.input_is_parallel ? x : pm::scatter_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(xin, in_local_, s);
   // The low-rank path joins before the reduction: B is replicated, h a TP-partial sum.
-  Tensor partial2 = product(ctx, x2, Tensor());
+  Tensor partial2 = product(ctx, x2, Tensor(), /*keep_fp8_input=*/true);
   Tensor partial = partial2.view(with_last(xin.shape(), out_));
   Tensor y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
                                      : pm::reduce_from_tp_forward(tp_, partial, s);
@@ -448,14 +488,15 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
     Tensor y2 = y.view({y.numel() / out_, out_});
     add_bias_rows(y2, bias_.data, s);
   }
-  saved_input_ = ctx.training ? xin : Tensor();
+  saved_input_ = ctx.training && !saved_input_t_.defined() ? xin : Tensor();
+  saved_shape_ = xin.shape();
   return y;
 }
 
 Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) {
   constexpr std::string_view kName = "RowParallelLinear.backward";
   const Stream& s = ctx.stream;
-  MC_CHECK(saved_input_.defined(),
+  MC_CHECK(has_saved_input(),
            "{}: no saved input; call forward with ctx.training = true before backward (each forward allows one "
            "backward)",
            kName);
@@ -464,21 +505,17 @@ Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) 
   if (opts_.sequence_parallel) check_sequence_chunk(dy, kName, "dy");
   Tensor dy_total = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_backward(tp_, dy, s)
                                             : pm::reduce_from_tp_backward(tp_, dy, s);
-  Tensor x2 = as_rows(saved_input_, in_local_, s);
+  Tensor x2 = saved_input_.defined() ? as_rows(saved_input_, in_local_, s) : Tensor();
+  const int64_t rows = x2.defined() ? x2.size(0) : saved_input_t_.size(1);
   Tensor dy2 = as_rows(dy_total, out_, s);
-  MC_CHECK(dy2.size(0) == x2.size(0),
+  MC_CHECK(dy2.size(0) == rows,
            "{}: dy has shape {} but forward's output had {} rows{}; pass the gradient of forward's output", kName,
-           shape_str(dy.shape()), x2.size(0) / (opts_.sequence_parallel ? tp_.size() : 1),
+           shape_str(dy.shape()), rows / (opts_.sequence_parallel ? tp_.size() : 1),
            opts_.sequence_parallel ? " on this rank" : "");
-  if (!frozen_) {
-    ops::GemmOptions wg;
-    wg.trans_a = true;
-    wg.beta = 1.f;
-    ops::gemm(dy2, x2, weight_.main_grad, wg, s);  // dW += dY^T X
-    // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
-    if (opts_.bias) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
-  }
-  Tensor dx = input_grad(ctx, x2, dy2).view(saved_input_.shape());
+  // With SP each rank sees only its sequence chunk's dy: a partial bias gradient (flagged on the param).
+  if (opts_.bias && !frozen_) accumulate_bias_grad(bias_.main_grad, as_rows(dy, out_, s), s);
+  const Shape in_shape = saved_input_.defined() ? saved_input_.shape() : saved_shape_;
+  Tensor dx = backward_products(ctx, x2, dy2).view(in_shape);
   saved_input_ = Tensor();
   return opts_.input_is_parallel ? dx : pm::scatter_to_tp_backward(tp_, dx, s);
 }

@@ -43,6 +43,14 @@ void fp8_begin_step(GPTModel& m, const Stream& s) {
   for (NamedLinear& nl : transformer_linears(m)) nl.linear->fp8_begin_step(s);
 }
 
+void fp8_begin_step(const std::vector<GPTModel*>& chunks, comm::Communicator& amax_group, const Stream& s) {
+  std::vector<layers::Fp8LinearState*> states;
+  for (GPTModel* m : chunks)
+    for (NamedLinear& nl : transformer_linears(*m))
+      if (layers::Fp8LinearState* st = nl.linear->fp8()) states.push_back(st);
+  layers::fp8_begin_step(states, amax_group, s);
+}
+
 std::vector<std::pair<std::string, Tensor>> fp8_state(GPTModel& m) {
   std::vector<std::pair<std::string, Tensor>> out;
   for (NamedLinear& nl : transformer_linears(m))

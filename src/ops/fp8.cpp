@@ -31,6 +31,25 @@ void check_fp8(const Tensor& t, std::string_view op, std::string_view name) {
 }
 #endif
 
+// The optional amax / counts outputs of the casts.
+void check_amax_counts(const Tensor& amax, const Tensor& counts, Device dev, std::string_view op) {
+  if (amax.defined()) check_scalar_f32(amax, dev, op, "amax");
+  if (counts.defined()) {
+    detail::check_dtype(counts, DType::I64, op, "counts");
+    MC_CHECK(counts.numel() == 2 && counts.is_contiguous(),
+             "{}: counts must be a contiguous i64 tensor of 2 elements (saturated, flushed to zero), got shape {}", op,
+             shape_str(counts.shape()));
+    detail::check_same_device(counts, dev, op, "counts");
+  }
+}
+
+void add_counts(const Tensor& counts, int64_t over, int64_t under) {
+  if (!counts.defined()) return;
+  auto* c = static_cast<int64_t*>(counts.data_ptr());
+  c[0] += over;
+  c[1] += under;
+}
+
 template <class F>
 void dispatch_fp8(DType dt, F&& f) {
   if (dt == DType::F8E4M3) f(float8_e4m3{});
@@ -44,6 +63,37 @@ float max_abs_cpu(const T* x, int64_t n, float start) {
   return bits_f32(m);
 }
 
+// The CPU casts of x read as [rows, cols]: the codes go to `out` (row-major) and / or `out_t` (transposed),
+// either may be null; amax and counts as fp8_cast's.
+void cast_cpu(const Tensor& x, const Tensor& scale, int64_t rows, int64_t cols, DType q_dt, uint8_t* out,
+              uint8_t* out_t, const Tensor& amax, const Tensor& counts) {
+  const float sc = *static_cast<const float*>(scale.data_ptr());
+  int64_t over = 0, under = 0;
+  dispatch_dtype(x.dtype(), [&](auto xtag) {
+    using T = decltype(xtag);
+    if constexpr (is_floating(dtype_of_v<T>)) {
+      const T* xp = static_cast<const T*>(x.data_ptr());
+      dispatch_fp8(q_dt, [&](auto qtag) {
+        using Q = decltype(qtag);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j) {
+            bool o = false, u = false;
+            const uint8_t q = fp8_math::quantize<Q>(float(xp[i * cols + j]), sc, o, u);
+            if (out) out[i * cols + j] = q;
+            if (out_t) out_t[j * rows + i] = q;
+            over += o;
+            under += u;
+          }
+      });
+      if (amax.defined()) {
+        auto* a = static_cast<float*>(amax.data_ptr());
+        *a = max_abs_cpu(xp, rows * cols, *a);
+      }
+    }
+  });
+  add_counts(counts, over, under);
+}
+
 }  // namespace
 
 void fp8_cast(const Tensor& x, const Tensor& scale, Tensor& out, const Tensor& amax, const Tensor& counts,
@@ -55,43 +105,10 @@ void fp8_cast(const Tensor& x, const Tensor& scale, Tensor& out, const Tensor& a
   check_fp8(out, kOp, "out");
   detail::check_shape(out, x.shape(), kOp, "out");
   detail::check_same_device(out, dev, kOp, "out");
-  if (amax.defined()) check_scalar_f32(amax, dev, kOp, "amax");
-  if (counts.defined()) {
-    detail::check_dtype(counts, DType::I64, kOp, "counts");
-    MC_CHECK(counts.numel() == 2 && counts.is_contiguous(),
-             "{}: counts must be a contiguous i64 tensor of 2 elements (saturated, flushed to zero), got shape {}", kOp,
-             shape_str(counts.shape()));
-    detail::check_same_device(counts, dev, kOp, "counts");
-  }
+  check_amax_counts(amax, counts, dev, kOp);
   const int64_t n = x.numel();
   if (dev.is_cpu()) {
-    const float sc = *static_cast<const float*>(scale.data_ptr());
-    int64_t over = 0, under = 0;
-    dispatch_dtype(x.dtype(), [&](auto xtag) {
-      using T = decltype(xtag);
-      if constexpr (is_floating(dtype_of_v<T>)) {
-        const T* xp = static_cast<const T*>(x.data_ptr());
-        auto* op = static_cast<uint8_t*>(out.data_ptr());
-        dispatch_fp8(out.dtype(), [&](auto qtag) {
-          using Q = decltype(qtag);
-          for (int64_t i = 0; i < n; ++i) {
-            bool o = false, u = false;
-            op[i] = fp8_math::quantize<Q>(float(xp[i]), sc, o, u);
-            over += o;
-            under += u;
-          }
-        });
-        if (amax.defined()) {
-          auto* a = static_cast<float*>(amax.data_ptr());
-          *a = max_abs_cpu(xp, n, *a);
-        }
-      }
-    });
-    if (counts.defined()) {
-      auto* c = static_cast<int64_t*>(counts.data_ptr());
-      c[0] += over;
-      c[1] += under;
-    }
+    cast_cpu(x, scale, 1, n, out.dtype(), static_cast<uint8_t*>(out.data_ptr()), nullptr, amax, counts);
     return;
   }
 #if MEGACORE_WITH_CUDA
@@ -99,6 +116,43 @@ void fp8_cast(const Tensor& x, const Tensor& scale, Tensor& out, const Tensor& a
   cuda::fp8_cast(x.dtype(), x.data_ptr(), n, static_cast<const float*>(scale.data_ptr()), out.dtype(), out.data_ptr(),
                  amax.defined() ? static_cast<float*>(amax.data_ptr()) : nullptr,
                  counts.defined() ? static_cast<int64_t*>(counts.data_ptr()) : nullptr, dev.index, stream);
+#else
+  (void)s;
+  no_cuda(kOp, dev);
+#endif
+}
+
+void fp8_cast_transpose(const Tensor& x, const Tensor& scale, const Tensor& out, const Tensor& out_t,
+                        const Tensor& amax, const Tensor& counts, const Stream& s) {
+  constexpr std::string_view kOp = "fp8_cast_transpose";
+  detail::check_float_input(x, kOp, "x");
+  MC_CHECK(x.dim() == 2, "{}: x must be a 2-D matrix [rows, cols], got shape {}; view it as rows first", kOp,
+           shape_str(x.shape()));
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_scalar_f32(scale, dev, kOp, "scale");
+  check_fp8(out_t, kOp, "out_t");
+  detail::check_shape(out_t, Shape{cols, rows}, kOp, "out_t");
+  detail::check_same_device(out_t, dev, kOp, "out_t");
+  if (out.defined()) {
+    check_fp8(out, kOp, "out");
+    detail::check_shape(out, x.shape(), kOp, "out");
+    detail::check_same_device(out, dev, kOp, "out");
+    MC_CHECK(out.dtype() == out_t.dtype(), "{}: out is {} but out_t is {}; give both the same FP8 dtype", kOp,
+             dtype_name(out.dtype()), dtype_name(out_t.dtype()));
+  }
+  check_amax_counts(amax, counts, dev, kOp);
+  if (dev.is_cpu()) {
+    cast_cpu(x, scale, rows, cols, out_t.dtype(), out.defined() ? static_cast<uint8_t*>(out.data_ptr()) : nullptr,
+             static_cast<uint8_t*>(out_t.data_ptr()), amax, counts);
+    return;
+  }
+#if MEGACORE_WITH_CUDA
+  cuda::fp8_cast_transpose(x.dtype(), x.data_ptr(), rows, cols, static_cast<const float*>(scale.data_ptr()),
+                           out_t.dtype(), out.defined() ? out.data_ptr() : nullptr, out_t.data_ptr(),
+                           amax.defined() ? static_cast<float*>(amax.data_ptr()) : nullptr,
+                           counts.defined() ? static_cast<int64_t*>(counts.data_ptr()) : nullptr, dev.index,
+                           detail::launch_stream(s, dev, kOp));
 #else
   (void)s;
   no_cuda(kOp, dev);

@@ -147,13 +147,15 @@ void enable_fp8(const RunConfig& cfg, const mdl::TransformerConfig& m, const Pla
   r.amax_compute_algo = t.fp8_amax_compute_algo == "most_recent" ? ops::Fp8AmaxAlgo::MostRecent : ops::Fp8AmaxAlgo::Max;
   r.margin = int(t.fp8_margin);
   r.grad_dtype = t.fp8_format == "e4m3" ? DType::F8E4M3 : DType::F8E5M2;
+  r.wgrad = t.fp8_wgrad;
   int64_t on = 0;
   for (auto& ch : chunks) on += mdl::enable_fp8(*ch, r, t.fp8_bf16_layers);
   if (print) {
     const std::string kept = t.fp8_bf16_layers > 0 ? fmt::format(", first/last {} layers bf16", t.fp8_bf16_layers) : "";
-    std::printf("megacore: FP8 %s scaling (%s, amax history %lld, %s, margin %lld)%s on %lld linears of this stage%s\n",
+    std::printf("megacore: FP8 %s scaling (%s, amax history %lld, %s, margin %lld)%s on %lld linears of this stage%s%s\n",
                 t.fp8.c_str(), t.fp8_format.c_str(), (long long)t.fp8_amax_history_len, t.fp8_amax_compute_algo.c_str(),
-                (long long)t.fp8_margin, kept.c_str(), (long long)on, dev.is_cpu() ? " (CPU emulation)" : "");
+                (long long)t.fp8_margin, kept.c_str(), (long long)on, t.fp8_wgrad ? "" : ", weight gradients in bf16",
+                dev.is_cpu() ? " (CPU emulation)" : "");
     std::fflush(stdout);
   }
 }

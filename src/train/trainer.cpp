@@ -272,9 +272,12 @@ StepMetrics Trainer::Impl::train_step() {
   if (is_cuda()) Allocator::get(device()).reset_peak_stats();
   op.zero_grad();
   // FP8: the optimizer has changed the weights (drop their FP8 copies) and, with delayed scaling, the
-  // last step's amaxes give this step's scales.
-  if (cfg.trainer.fp8 != "none")
-    for (auto& ch : parts.chunks) mdl::fp8_begin_step(*ch, ctx.stream);
+  // last step's amaxes, reduced over the stage's TP × CP × DP ranks in one all-reduce, give this step's scales.
+  if (cfg.trainer.fp8 != "none") {
+    std::vector<mdl::GPTModel*> chunks;
+    for (auto& ch : parts.chunks) chunks.push_back(ch.get());
+    mdl::fp8_begin_step(chunks, grid().group(parallel::GroupKind::TpDpCp), ctx.stream);
+  }
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*parts.loader, grid(), ctx.stream);
   const double loss_scale = op.scaler ? op.scaler->scale() : 1.0;
   // Compute time for straggler reports: on GPUs by events (no host sync inside the step), on CPU by the clock.

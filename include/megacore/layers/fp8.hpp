@@ -1,19 +1,25 @@
 // FP8 execution of a tensor-parallel linear layer (Transformer Engine's recipe on megacore's layers).
 //
-// With FP8 on, a linear layer runs two of its three GEMMs in FP8 (ops::gemm_fp8):
-//   forward  y  = x W^T       x → E4M3 (scale from the recipe), W → E4M3 (cast once per step, cached)
-//   dgrad    dx = dy W        dy → E5M2 ("hybrid") or E4M3, times the cached transposed FP8 weight
-//   wgrad    dW += dyᵀ x      in the layer's dtype (bf16) from the saved bf16 input, accumulated in f32
-// The forward product uses fast accumulation, the gradient product does not (as Transformer Engine).
-// Keeping wgrad in bf16 costs FP8's speed-up on a third of the FLOPs and keeps the weight gradient exact
-// to bf16; it also spares the FP8 transposes of x and dy.
+// With FP8 on, a linear layer runs its three GEMMs in FP8 (ops::gemm_fp8, which takes only K-contiguous
+// operands, "TN"):
+//   forward  y  = x Wᵀ       x → E4M3 (scale from the recipe), W → E4M3 (cast once per step, cached)
+//   dgrad    dx = dy W       dy → E5M2 ("hybrid") or E4M3, times the cached transposed FP8 weight
+//   wgrad    dW += dyᵀ x     dyᵀ and xᵀ as FP8 copies, f32 out accumulated into the main gradient
+// The FP8 copies with the other dimension contiguous come from the same pass as the plain cast
+// (ops::fp8_cast_transpose): the weight's transpose when it is cast, xᵀ in the forward (kept for backward in
+// place of the bf16 input), dyᵀ with dy's cast in backward. Recipe::wgrad = false keeps the weight gradient
+// in the layer's dtype. The forward product uses fast accumulation, the gradient products do not (as
+// Transformer Engine).
 //
 // Scaling state: three tensors per layer (input, weight, output gradient), each with an amax history
 // column (f32 [L, 3]), a scale and scale_inv (f32 [3]) and saturation / flush-to-zero counts (i64 [3, 2]),
 // all on the layer's device. Every rank of the TP group uses the same scales: the amaxes are reduced
 // (max) over the TP group before a scale is computed from them.
 //   delayed: casts reduce |x| into history row 0; begin_step() (once per optimizer step, before the first
-//            micro-batch) reduces row 0 over TP, computes the scales and rolls the history.
+//            micro-batch) reduces row 0 over TP, computes the scales and rolls the history. A model
+//            reduces all its layers' rows at once over the whole TP × CP × DP group of its stage
+//            (fp8_begin_step over many states: one all-reduce per step), so data-parallel replicas also
+//            agree on every scale.
 //   current: each cast first computes the tensor's amax, reduces it over TP, derives the scale
 //            (margin applied), then casts (one extra pass and one small all-reduce per cast).
 // begin_step() also drops the cached FP8 weight (the optimizer has changed W). A layer used on its own
@@ -25,6 +31,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "megacore/comm/communicator.hpp"
 #include "megacore/core/tensor.hpp"
@@ -46,6 +53,13 @@ struct Fp8Recipe {
   int margin = 0;
   /// Output gradients' format: F8E5M2 (Transformer Engine's "hybrid") or F8E4M3.
   DType grad_dtype = DType::F8E5M2;
+  /// Run the weight gradient in FP8 too (else in the layer's dtype from its saved input).
+  bool wgrad = true;
+};
+
+/// A matrix's FP8 codes and their transpose (either may be undefined when not asked for).
+struct Fp8Pair {
+  Tensor q, qt;
 };
 
 /// One linear layer's FP8 scaling state and weight cache.
@@ -60,6 +74,12 @@ class Fp8LinearState {
   /// Casts x (contiguous, f32/bf16/f16) into the slot's format with the slot's scale; the amax goes
   /// where the recipe wants it (see the header comment). Returns the FP8 tensor.
   Tensor cast(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
+  /// One pass over a matrix x [rows, cols]: the slot's codes (with `want_q`) and their transpose [cols, rows]
+  /// (ops::fp8_cast_transpose). With `record` false the cast adds nothing to the slot's amax history or
+  /// counters (a second cast of a tensor already cast and counted; with current scaling its amax is still
+  /// computed, as the scale needs it).
+  Fp8Pair cast_transpose(comm::Communicator& tp, int slot, const Tensor& x, bool want_q, bool record,
+                         const Stream& s);
   /// The weight in E4M3 [rows, cols] and its transpose [cols, rows], cast on the first call of a step.
   const Tensor& weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
   const Tensor& weight_t(comm::Communicator& tp, const Tensor& w, const Stream& s);
@@ -70,6 +90,10 @@ class Fp8LinearState {
   /// Start of an optimizer step: drop the FP8 weight, and with delayed scaling reduce the last step's
   /// amaxes over TP and update the scales.
   void begin_step(comm::Communicator& tp, const Stream& s);
+  /// This step's amaxes (history row 0, f32 [3]: input, weight, output gradient; a view into the state).
+  Tensor amax_row() const { return history_.select(0, 0); }
+  /// begin_step once the caller has reduced amax_row() over a group containing the TP group.
+  void begin_step_reduced(const Stream& s);
 
   /// The scaling state: the live tensors ("amax_history" [L, 3], "scale" [3], "scale_inv" [3], "counts"
   /// [3, 2]) in the slot order input, weight, output gradient; checkpoints save and load them in place.
@@ -77,11 +101,20 @@ class Fp8LinearState {
 
  private:
   void cast_weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
+  /// Current scaling: the slot's scale from x's own amax (reduced over TP), written into history row 0.
+  void current_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
 
   Fp8Recipe recipe_;
   Tensor history_, scale_, scale_inv_, fp8_max_, counts_;
   Tensor gemm_scale_inv_;  // [kSlots, 4] f32: scale_inv_ in column 0, one 16-byte row per slot
   Tensor w_fp8_, wt_fp8_;
 };
+
+/// begin_step of many layers with one collective: with delayed scaling their amax rows are packed into one
+/// buffer, all-reduced (max) over `group` and unpacked, then each layer's scales are updated. `group` must
+/// contain each layer's TP group (the TP × CP × DP ranks of a pipeline stage), so every rank in it ends
+/// with the same scales. Every rank of `group` must pass its states in the same order (its chunks' FP8
+/// linears); states with current scaling only drop their FP8 weights.
+void fp8_begin_step(const std::vector<Fp8LinearState*>& states, comm::Communicator& group, const Stream& s = {});
 
 }  // namespace megacore::layers

@@ -44,9 +44,12 @@
 // returning the input gradient. With LoRA or frozen weights the non-overlapped backward is used
 // (overlap_grad_comm is ignored). Both layers share this part (ParallelLinearBase).
 //
-// FP8 (layers/fp8.hpp): enable_fp8 runs the forward and input-gradient GEMMs in FP8 with per-tensor
-// scales agreed over the TP group; the weight gradient stays in the layer's dtype. With FP8 on, the
-// non-overlapped backward is used, and a LoRA adapter keeps the layer in its own dtype.
+// FP8 (layers/fp8.hpp): enable_fp8 runs the forward, input-gradient and (Fp8Recipe::wgrad) weight-gradient
+// GEMMs in FP8 with per-tensor scales agreed over the TP group. The forward then keeps its input's
+// transposed FP8 codes (half the bytes of bf16) for the weight gradient instead of the input itself,
+// except the sequence-parallel column layer, which keeps its bf16 sequence chunk (re-gathered and cast
+// again in backward). With FP8 on, the non-overlapped backward is used, and a LoRA adapter keeps the
+// layer in its own dtype.
 #pragma once
 
 #include <cstdint>
@@ -136,7 +139,7 @@ class ParallelLinearBase {
   void set_frozen(bool frozen);
   bool frozen() const { return frozen_; }
 
-  /// Runs this layer's forward and input-gradient GEMMs in FP8 with `recipe` (layers/fp8.hpp). The
+  /// Runs this layer's GEMMs in FP8 with `recipe` (layers/fp8.hpp; the weight gradient too with recipe.wgrad). The
   /// weight must be bf16 or f32. Returns false, with one log line, when the weight's dimensions are not
   /// multiples of 16 (the layer then stays in its dtype).
   bool enable_fp8(const Fp8Recipe& recipe, std::string_view name = {});
@@ -149,14 +152,24 @@ class ParallelLinearBase {
   ParallelLinearBase(comm::Communicator& tp, LoRAAdapter::Kind kind, int64_t in_features, int64_t out_features,
                      std::string_view name);
   /// x2 [rows, in local] → x2 Wᵀ (+ bias when defined) plus the adapter's low-rank path, [rows, W's rows].
-  Tensor product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias);
-  /// dY W, plus the adapter's input gradient when one is attached (contiguous [rows, in local]).
-  Tensor input_grad(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2);
+  /// With FP8 in training and `keep_fp8_input`, x2's transposed FP8 codes go to saved_input_t_ for the
+  /// weight gradient (the caller then does not keep x2); otherwise saved_input_t_ is left undefined.
+  Tensor product(const ForwardContext& ctx, const Tensor& x2, const Tensor& bias, bool keep_fp8_input);
+  /// Backward's products for dY [rows, W's rows]: dW += dYᵀ X into the weight's main_grad (unless frozen)
+  /// and the returned input gradient dY W (plus the adapter's), contiguous [rows, in local]; in FP8 where it
+  /// applies. x2: the saved input's rows, undefined when forward kept only saved_input_t_ (consumed here).
+  Tensor backward_products(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2);
+  bool has_saved_input() const { return saved_input_.defined() || saved_input_t_.defined(); }
 
   comm::Communicator& tp_;
   int64_t in_, out_;
   Parameter weight_, bias_;
   Tensor saved_input_;
+  /// FP8 weight gradient: forward's input codes transposed ([in local, rows]) and the scale_inv they were
+  /// cast with (current scaling changes the slot's scale with every cast), kept instead of saved_input_;
+  /// saved_shape_ is then the input's shape.
+  Tensor saved_input_t_, saved_input_t_scale_inv_;
+  Shape saved_shape_;
   std::unique_ptr<LoRAAdapter> lora_;
   bool frozen_ = false;
   std::unique_ptr<Fp8LinearState> fp8_;
@@ -192,7 +205,6 @@ class ColumnParallelLinear : public ParallelLinearBase {
 
  private:
   Tensor backward_overlapped(const Stream& s, const Tensor& dyl);
-  void accumulate_weight_grads(const Tensor& dy2, const Tensor& x2, const Stream& s);
 
   int64_t out_local_;
   ColumnParallelLinearOptions opts_;

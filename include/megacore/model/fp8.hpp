@@ -29,8 +29,13 @@ std::vector<NamedLinear> transformer_linears(GPTModel& m);
 /// `bf16_layers` of cfg.num_layers; returns how many run in FP8 (the others log why once).
 int64_t enable_fp8(GPTModel& m, const layers::Fp8Recipe& recipe, int64_t bf16_layers = 0);
 
-/// Once per optimizer step, before the first micro-batch: every FP8 linear's begin_step.
+/// Once per optimizer step, before the first micro-batch: every FP8 linear's begin_step (amaxes reduced over
+/// each layer's TP group, one all-reduce per layer with delayed scaling).
 void fp8_begin_step(GPTModel& m, const Stream& s = {});
+/// The same for the chunks of a pipeline stage with one all-reduce in all (layers::fp8_begin_step): the
+/// delayed-scaling amaxes of every FP8 linear are reduced together over `amax_group`, which must contain the
+/// TP group (the trainer passes the stage's TP × CP × DP group, so data-parallel replicas agree on the scales).
+void fp8_begin_step(const std::vector<GPTModel*>& chunks, comm::Communicator& amax_group, const Stream& s = {});
 
 /// Every FP8 linear's scaling state, named "<linear>.fp8.<amax_history|scale|scale_inv|counts>" (the
 /// tensors themselves: a checkpoint saves them, load copies into them).

@@ -32,6 +32,19 @@ namespace megacore::ops {
 void fp8_cast(const Tensor& x, const Tensor& scale, Tensor& out, const Tensor& amax = {}, const Tensor& counts = {},
               const Stream& s = {});
 
+/// One pass over a matrix giving its FP8 codes and their transpose: the weight-gradient GEMM dW = dyᵀ x
+/// needs dyᵀ and xᵀ K-contiguous (ops::gemm_fp8 takes only that layout), and the forward / input-gradient
+/// products need the untransposed codes, so both come from one read of x (Transformer Engine's
+/// cast-transpose).
+///   x       f32, bf16 or f16 [rows, cols], contiguous (in)
+///   scale   f32, one element, x's device (in)
+///   out     optional F8E4M3 or F8E5M2 [rows, cols], contiguous (out): fp8_cast's codes; undefined to skip
+///   out_t   F8E4M3 or F8E5M2 (out's dtype when out is given) [cols, rows], contiguous (out):
+///           out_t[j, i] = out[i, j]
+///   amax, counts   as fp8_cast's (each element counted once)
+void fp8_cast_transpose(const Tensor& x, const Tensor& scale, const Tensor& out, const Tensor& out_t,
+                        const Tensor& amax = {}, const Tensor& counts = {}, const Stream& s = {});
+
 /// amax = max(amax, max |x|) without a cast (current scaling's first pass). x f32/bf16/f16 contiguous;
 /// amax f32, one element, >= 0 before the call.
 void fp8_amax(const Tensor& x, const Tensor& amax, const Stream& s = {});

@@ -260,6 +260,7 @@ struct TrainerSection {
   int64_t fp8_margin = 0;
   std::string fp8_format = "hybrid";
   int64_t fp8_bf16_layers = 0;
+  bool fp8_wgrad = true;
   bool fp8_emulation = false;
 
   template <class Self, class F>
@@ -351,6 +352,10 @@ struct TrainerSection {
       s.fp8_format);
     f(Field{"fp8_bf16_layers", "The first and the last this many transformer layers stay in bf16."},
       s.fp8_bf16_layers);
+    f(Field{"fp8_wgrad",
+            "Run the weight-gradient GEMM (dW = dyᵀ x) in FP8 too, as Transformer Engine; false keeps it in bf16 "
+            "from the saved bf16 input."},
+      s.fp8_wgrad);
     f(Field{"fp8_emulation",
             "Allow fp8 on CPU ranks, emulated (decode to f32, f32 GEMM): for tests and debugging, not speed."},
       s.fp8_emulation);

@@ -2,6 +2,13 @@
 // block reduces its amax (as f32 bits, so an integer max orders NaN above every number) and its
 // saturation / flush counts, then one thread per block folds them into the global results with atomics.
 // The element math is fp8_math's, the same code as the CPU path, so the two give the same bits.
+//
+// The cast-transpose works on 32 × 32 tiles with 32 × 8 threads: each warp reads a tile row (consecutive
+// elements of x), writes its codes to `out` in the same order and into a shared-memory tile, and after a
+// barrier reads a tile column to write a row of `out_t`, so both the read and the two writes touch
+// consecutive addresses within a warp instead of striding by a row.
+#include <algorithm>
+
 #include "ops/cuda/fp8_cuda.hpp"
 #include "ops/cuda/memops_common.cuh"
 #include "ops/fp8_math.hpp"
@@ -28,10 +35,11 @@ __device__ void fold_block(uint32_t m, unsigned long long over, unsigned long lo
   m = warp_max(m);
   over = warp_sum(over);
   under = warp_sum(under);
-  const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int t = threadIdx.y * blockDim.x + threadIdx.x;  // 1-D (casts) or 32 × 8 (cast-transpose) blocks
+  const int w = t / 32, lane = t & 31;
   if (lane == 0) sm[w] = m, so[w] = over, su[w] = under;
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (t == 0) {
     for (int i = 1; i < kThreads / 32; ++i) m = max(m, sm[i]), over += so[i], under += su[i];
     if (amax) atomicMax(reinterpret_cast<unsigned int*>(amax), m);  // amax >= 0: its bits order like |x|
     if (counts) {
@@ -54,6 +62,42 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t n, const float* __r
     m = max(m, fp8_math::abs_bits(v));
     over += o;
     under += u;
+  }
+  if (amax || counts) fold_block(m, over, under, amax, counts);
+}
+
+constexpr int kTile = 32, kTileRows = kThreads / kTile;
+
+template <class T, class Q>
+__global__ void cast_transpose_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                      const float* __restrict__ scale, uint8_t* __restrict__ out,
+                                      uint8_t* __restrict__ out_t, float* amax, int64_t* counts) {
+  __shared__ uint8_t tile[kTile][kTile + 4];  // padded: a column read hits different banks
+  const float sc = *scale;
+  const int64_t tiles_c = (cols + kTile - 1) / kTile, tiles = ((rows + kTile - 1) / kTile) * tiles_c;
+  uint32_t m = 0;
+  unsigned long long over = 0, under = 0;
+  for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
+    const int64_t r0 = (tl / tiles_c) * kTile, c0 = (tl % tiles_c) * kTile;
+    for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+      const int64_t r = r0 + i, c = c0 + threadIdx.x;
+      if (r < rows && c < cols) {
+        const float v = to_f32(x[r * cols + c]);
+        bool o, u;
+        const uint8_t q = fp8_math::quantize<Q>(v, sc, o, u);
+        if (out) out[r * cols + c] = q;
+        tile[i][threadIdx.x] = q;
+        m = max(m, fp8_math::abs_bits(v));
+        over += o;
+        under += u;
+      }
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+      const int64_t c = c0 + j, r = r0 + threadIdx.x;
+      if (c < cols && r < rows) out_t[c * rows + r] = tile[threadIdx.x][j];
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
   }
   if (amax || counts) fold_block(m, over, under, amax, counts);
 }
@@ -100,6 +144,24 @@ void fp8_cast(DType in_dt, const void* x, int64_t n, const float* scale, DType o
       using Q = decltype(qtag);
       cast_kernel<T, Q><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), n, scale,
                                                                    static_cast<uint8_t*>(out), amax, counts);
+      MC_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void fp8_cast_transpose(DType in_dt, const void* x, int64_t rows, int64_t cols, const float* scale, DType out_dt,
+                        void* out, void* out_t, float* amax, int64_t* counts, int device, void* stream) {
+  if (rows == 0 || cols == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const unsigned blocks = unsigned(std::min<int64_t>(tiles, elementwise_blocks(rows * cols, kThreads, device, 8)));
+  dispatch_float(in_dt, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_fp8(out_dt, [&](auto qtag) {
+      using Q = decltype(qtag);
+      cast_transpose_kernel<T, Q><<<blocks, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(
+          static_cast<const T*>(x), rows, cols, scale, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), amax,
+          counts);
       MC_CUDA_CHECK_LAUNCH();
     });
   });

@@ -10,6 +10,9 @@ namespace megacore::ops::cuda {
 /// ops::fp8_cast on device pointers (amax, counts may be null).
 void fp8_cast(DType in_dt, const void* x, int64_t n, const float* scale, DType out_dt, void* out, float* amax,
               int64_t* counts, int device, void* stream);
+/// ops::fp8_cast_transpose: x [rows, cols] row-major; out may be null, out_t [cols, rows].
+void fp8_cast_transpose(DType in_dt, const void* x, int64_t rows, int64_t cols, const float* scale, DType out_dt,
+                        void* out, void* out_t, float* amax, int64_t* counts, int device, void* stream);
 /// ops::fp8_amax.
 void fp8_amax(DType in_dt, const void* x, int64_t n, float* amax, int device, void* stream);
 /// ops::fp8_dequant.

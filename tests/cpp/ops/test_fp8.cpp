@@ -63,6 +63,20 @@ int ref_encode(const Format& f, double x) {
 
 Tensor scalar(float v, Device d = Device::cpu()) { return Tensor::full({1}, v, DType::F32).to(d); }
 
+struct Shp {
+  int64_t r, c;
+};
+// body(shape, input dtype, FP8 dtype) over the shapes × {f32, bf16} × {E4M3, E5M2}.
+template <class F>
+void for_cast_transpose_cases(std::initializer_list<Shp> shapes, F&& body) {
+  for (Shp sh : shapes)
+    for (DType in : {DType::F32, DType::BF16})
+      for (DType q : {DType::F8E4M3, DType::F8E5M2}) {
+        INFO(sh.r << "x" << sh.c << " " << dtype_name(in) << " -> " << dtype_name(q));
+        body(sh, in, q);
+      }
+}
+
 }  // namespace
 
 TEST_CASE("fp8 formats: every code decodes like the bit-field reference and round-trips", "[ops][fp8]") {
@@ -285,6 +299,41 @@ TEST_CASE("gemm_fp8 CPU emulation: decoded f64 reference, beta, bf16 out, refusa
   CHECK_FALSE(gemm_fp8_supported(16, 40, 4096));
 }
 
+TEST_CASE("fp8_cast_transpose: fp8_cast's codes and their transpose, amax and counts (CPU)", "[ops][fp8]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  for_cast_transpose_cases({{1, 1}, {37, 50}, {64, 16}, {5, 130}}, [&](Shp sh, DType in, DType q) {
+    // Wide values so some saturate and some flush to zero.
+    Tensor x = mctest::randn({sh.r, sh.c}, in, seed + uint64_t(sh.r * 1000 + sh.c), 0.0, 40.0);
+    const float scale = q == DType::F8E4M3 ? 9.f : 1200.f;
+    Tensor ref_q = Tensor::empty(x.shape(), q), ref_a = scalar(0.5f), ref_c = Tensor::zeros({2}, DType::I64);
+    fp8_cast(x, scalar(scale), ref_q, ref_a, ref_c);
+    const std::vector<double> codes = ref_q.view_as_dtype(DType::U8).to_double_vector();
+    std::vector<double> codes_t(codes.size());
+    for (int64_t i = 0; i < sh.r; ++i)
+      for (int64_t j = 0; j < sh.c; ++j) codes_t[size_t(j * sh.r + i)] = codes[size_t(i * sh.c + j)];
+
+    Tensor got_q = Tensor::empty(x.shape(), q), got_t = Tensor::empty({sh.c, sh.r}, q);
+    Tensor got_a = scalar(0.5f), got_c = Tensor::zeros({2}, DType::I64);
+    fp8_cast_transpose(x, scalar(scale), got_q, got_t, got_a, got_c);
+    CHECK(got_q.view_as_dtype(DType::U8).to_double_vector() == codes);
+    CHECK(got_t.view_as_dtype(DType::U8).to_double_vector() == codes_t);
+    CHECK(got_a.item() == ref_a.item());
+    CHECK(got_c.to_double_vector() == ref_c.to_double_vector());
+    // The transposed copy alone, nothing recorded.
+    Tensor only_t = Tensor::empty({sh.c, sh.r}, q);
+    fp8_cast_transpose(x, scalar(scale), Tensor(), only_t);
+    CHECK(only_t.view_as_dtype(DType::U8).to_double_vector() == codes_t);
+  });
+  Tensor x = mctest::randn({32, 48}, DType::F32, seed);
+  Tensor t_bad = Tensor::empty({32, 48}, DType::F8E4M3);
+  REQUIRE_THROWS_WITH(fp8_cast_transpose(x, scalar(1.f), Tensor(), t_bad), Catch::Contains("out_t"));
+  Tensor t = Tensor::empty({48, 32}, DType::F8E4M3), q5 = Tensor::empty({32, 48}, DType::F8E5M2);
+  REQUIRE_THROWS_WITH(fp8_cast_transpose(x, scalar(1.f), q5, t), Catch::Contains("give both the same FP8 dtype"));
+  REQUIRE_THROWS_WITH(fp8_cast_transpose(x.view({32, 4, 12}), scalar(1.f), Tensor(), t),
+                      Catch::Contains("2-D matrix"));
+}
+
 // ---- CUDA against the CPU path -----------------------------------------------------------------------
 
 TEST_CASE("fp8 gpu: casts, amax and counts equal the CPU path bit for bit", "[ops][fp8][gpu]") {
@@ -370,4 +419,32 @@ TEST_CASE("gemm_fp8 gpu: scales given as slots of one packed array", "[ops][fp8]
              {.fast_accum = fast});
     CHECK(mctest::rel_err_t(got.to(Device::cpu()), ref) < 1e-2);
   }
+}
+
+TEST_CASE("fp8_cast_transpose gpu: codes, transpose, amax and counts equal the CPU path bit for bit",
+          "[ops][fp8][gpu]") {
+  MC_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  // Edge tiles in both dimensions, one tile, and more tiles than the grid holds blocks.
+  for_cast_transpose_cases({{33, 70}, {32, 32}, {1000, 48}, {4096, 2080}}, [&](Shp sh, DType in, DType q) {
+    Tensor x = mctest::randn({sh.r, sh.c}, in, seed, 0.0, 5.0);
+    const float scale = q == DType::F8E4M3 ? 30.f : 3000.f;
+    Tensor q_cpu = Tensor::empty(x.shape(), q), t_cpu = Tensor::empty({sh.c, sh.r}, q);
+    Tensor q_gpu = Tensor::empty(x.shape(), q, mctest::gpu()), t_gpu = Tensor::empty({sh.c, sh.r}, q, mctest::gpu());
+    Tensor a_cpu = scalar(0.f), a_gpu = scalar(0.f, mctest::gpu());
+    Tensor c_cpu = Tensor::zeros({2}, DType::I64), c_gpu = Tensor::zeros({2}, DType::I64, mctest::gpu());
+    fp8_cast_transpose(x, scalar(scale), q_cpu, t_cpu, a_cpu, c_cpu);
+    fp8_cast_transpose(x.to(mctest::gpu()), scalar(scale, mctest::gpu()), q_gpu, t_gpu, a_gpu, c_gpu);
+    CHECK(q_gpu.to(Device::cpu()).view_as_dtype(DType::U8).to_double_vector() ==
+          q_cpu.view_as_dtype(DType::U8).to_double_vector());
+    CHECK(t_gpu.to(Device::cpu()).view_as_dtype(DType::U8).to_double_vector() ==
+          t_cpu.view_as_dtype(DType::U8).to_double_vector());
+    CHECK(a_gpu.item() == a_cpu.item());
+    CHECK(c_gpu.to_double_vector() == c_cpu.to_double_vector());
+    Tensor only_t = Tensor::empty({sh.c, sh.r}, q, mctest::gpu());
+    fp8_cast_transpose(x.to(mctest::gpu()), scalar(scale, mctest::gpu()), Tensor(), only_t);
+    CHECK(only_t.to(Device::cpu()).view_as_dtype(DType::U8).to_double_vector() ==
+          t_cpu.view_as_dtype(DType::U8).to_double_vector());
+  });
 }
