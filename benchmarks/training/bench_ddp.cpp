@@ -76,6 +76,7 @@ struct Args : bench::ShapeArgs {
   double peak_tflops = 989.0;
   std::vector<int> max_ctas{0}, cta_policy{0}, gemm_sm_margin{0};
   std::string fp8 = "none";  // FP8 linears (docs/fp8.md): none, delayed or current
+  bool fp8_bf16_wgrad = false;  // --fp8-bf16-wgrad: weight gradients in bf16 (Fp8Recipe::wgrad = false)
   std::string out;
 };
 
@@ -110,6 +111,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--cta-policy") a.cta_policy = ints(0, 2, "0 (default), 1 (efficiency) or 2 (zero)");
     else if (k == "--gemm-sm-margin") a.gemm_sm_margin = ints(0, INT32_MAX, "SM counts >= 0 (0 = off)");
     else if (k == "--fp8") a.fp8 = r.text();
+    else if (k == "--fp8-bf16-wgrad") a.fp8_bf16_wgrad = true;
     else if (k == "--out") a.out = r.text();
     else r.unknown();
   }
@@ -165,6 +167,7 @@ struct Trainer {
     if (a.fp8 != "none") {
       ly::Fp8Recipe r;
       r.scaling = ly::fp8_scaling_from_name(a.fp8);
+      r.wgrad = !a.fp8_bf16_wgrad;
       mdl::enable_fp8(model, r);
     }
     // Different data on every rank (what DP does), fixed over steps.
@@ -273,6 +276,7 @@ int main(int argc, char** argv) {
               {"seq", a.seq},
               {"grad_accum", a.grad_accum},
               {"fp8", a.fp8},
+              {"fp8_wgrad", a.fp8 != "none" && !a.fp8_bf16_wgrad},
               {"flops_convention", "6N_matmul + 12*L*h*s (non-causal)"},
               {"single", {{"ms_per_step", single_sec * 1e3},
                           {"tokens_per_s", single_tps},
