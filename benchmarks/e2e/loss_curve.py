@@ -64,6 +64,11 @@ def recipe(a, c):
     r.trainer.precision = "bf16" if a.device == "cuda" else "f32"
     if a.side == "megacore_fp8":
         r.trainer.fp8 = a.fp8
+        for kv in a.fp8_set:  # section.field=value, e.g. trainer.fp8_amax_history_len=1
+            key, val = kv.split("=", 1)
+            sec, field = key.split(".", 1)
+            cur = getattr(getattr(r, sec), field)
+            setattr(getattr(r, sec), field, type(cur)(val) if not isinstance(cur, bool) else val == "true")
     r.checkpoint.pretrained_checkpoint = os.path.join(a.work, "mc_init")
     r.checkpoint.save_dir = ""
     r.checkpoint.save_last = False
@@ -138,8 +143,12 @@ def main():
     ap.add_argument("--work", default="/tmp/megacore_loss_curve")
     ap.add_argument("--fp8", default="none", choices=["none", "delayed", "current"],
                     help="compare megacore with FP8 linears against megacore in bf16 instead of against HF")
+    ap.add_argument("--fp8-set", action="append", default=[],
+                    help="section.field=value for the FP8 run only (e.g. trainer.fp8_amax_history_len=16)")
     ap.add_argument("--side", choices=["init", "megacore", "megacore_fp8", "hf"],
                     help="(internal) run one side in this process")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep --work's initial weights and megacore bf16 curve when they have --steps steps")
     ap.add_argument("--out")
     a = ap.parse_args()
     c = LC_CONFIGS[a.config]
@@ -152,9 +161,13 @@ def main():
         return
     os.makedirs(a.work, exist_ok=True)
     base = [sys.executable, os.path.abspath(__file__), "--config", a.config, "--steps", str(a.steps), "--grad-accum",
-            str(a.grad_accum), "--device", a.device, "--work", a.work, "--fp8", a.fp8]
+            str(a.grad_accum), "--device", a.device, "--work", a.work, "--fp8", a.fp8] + \
+        [x for kv in a.fp8_set for x in ("--fp8-set", kv)]
     other = "megacore_fp8" if a.fp8 != "none" else "hf"
     for side in ("init", "megacore", other):  # separate processes: each side has the GPU to itself
+        done = os.path.join(a.work, "megacore.json")
+        if a.reuse and side in ("init", "megacore") and os.path.exists(done) and len(json.load(open(done))) == a.steps:
+            continue  # the same weights and bf16 curve as the last run in --work
         subprocess.run(base + ["--side", side], check=True)
     mc = json.load(open(os.path.join(a.work, "megacore.json")))
     hf = json.load(open(os.path.join(a.work, f"{other}.json")))
@@ -168,6 +181,7 @@ def main():
            "loss_first_last": {"megacore": [mc[0], mc[-1]], other: [hf[0], hf[-1]]}}
     if a.fp8 != "none":
         doc["fp8"] = a.fp8
+        doc["fp8_sets"] = a.fp8_set
         doc["compared"] = "megacore trainer.fp8=" + a.fp8 + " (megacore_fp8) against megacore bf16 (megacore)"
     if a.device == "cuda":
         import torch

@@ -3,10 +3,16 @@
 // saturation / flush counts, then one thread per block folds them into the global results with atomics.
 // The element math is fp8_math's, the same code as the CPU path, so the two give the same bits.
 //
-// The cast-transpose works on 32 × 32 tiles with 32 × 8 threads: each warp reads a tile row (consecutive
-// elements of x), writes its codes to `out` in the same order and into a shared-memory tile, and after a
-// barrier reads a tile column to write a row of `out_t`, so both the read and the two writes touch
-// consecutive addresses within a warp instead of striding by a row.
+// The cast-transpose works on 64 × 64 tiles with 256 threads when rows and columns are multiples of 8 (every
+// FP8 GEMM operand): a thread reads 8 consecutive elements of a row in one access, writes their 8 codes to
+// `out` as one 8-byte store and scatters them into a transposed shared-memory tile; after a barrier each
+// thread reads 8 consecutive codes of a tile column and writes them to `out_t` as one 8-byte store. Other
+// shapes take a 32 × 32-tile kernel with one element per thread and access. The plain cast likewise moves
+// 8 elements per access when it can.
+//
+// The scale update runs one block per history column: the amax over the history is a block reduction of
+// (|h| bits, first index) pairs — the sequential loop's answer — and the roll shifts the column a block-width
+// chunk at a time from its end, each chunk read before any of it is written.
 #include <algorithm>
 
 #include "ops/cuda/fp8_cuda.hpp"
@@ -66,6 +72,77 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t n, const float* __r
   if (amax || counts) fold_block(m, over, under, amax, counts);
 }
 
+template <class T, class Q>
+__global__ void cast_vec_kernel(const T* __restrict__ x, int64_t n8, const float* __restrict__ scale,
+                                uint8_t* __restrict__ out, float* amax, int64_t* counts) {
+  const float sc = *scale;
+  uint32_t m = 0;
+  unsigned long long over = 0, under = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n8; i += int64_t(gridDim.x) * blockDim.x) {
+    float v[8];
+    load_f32<T, 8>(x + i * 8, v);
+    Vec<uint8_t, 8> q;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      bool o, u;
+      q.v[j] = fp8_math::quantize<Q>(v[j], sc, o, u);
+      m = max(m, fp8_math::abs_bits(v[j]));
+      over += o;
+      under += u;
+    }
+    reinterpret_cast<Vec<uint8_t, 8>*>(out)[i] = q;
+  }
+  if (amax || counts) fold_block(m, over, under, amax, counts);
+}
+
+// 64 × 64 tiles, 256 threads, rows and cols multiples of 8 (see the header comment).
+constexpr int kVTile = 64, kVPad = 8;
+template <class T, class Q>
+__global__ void cast_transpose_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                          const float* __restrict__ scale, uint8_t* __restrict__ out,
+                                          uint8_t* __restrict__ out_t, float* amax, int64_t* counts) {
+  __shared__ alignas(8) uint8_t tile_t[kVTile][kVTile + kVPad];  // [tile column][tile row]
+  const float sc = *scale;
+  const int t = threadIdx.x;
+  const int lr = t / 8, lc = (t % 8) * 8;  // load: 8 threads per row of 64, 32 rows per pass
+  const int64_t tiles_c = (cols + kVTile - 1) / kVTile, tiles = ((rows + kVTile - 1) / kVTile) * tiles_c;
+  uint32_t m = 0;
+  unsigned long long over = 0, under = 0;
+  for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
+    const int64_t r0 = (tl / tiles_c) * kVTile, c0 = (tl % tiles_c) * kVTile;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int i = lr + pass * 32;
+      const int64_t r = r0 + i, c = c0 + lc;
+      if (r < rows && c < cols) {
+        float v[8];
+        load_f32<T, 8>(x + r * cols + c, v);
+        Vec<uint8_t, 8> q;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          bool o, u;
+          q.v[j] = fp8_math::quantize<Q>(v[j], sc, o, u);
+          m = max(m, fp8_math::abs_bits(v[j]));
+          over += o;
+          under += u;
+          tile_t[lc + j][i] = q.v[j];
+        }
+        if (out) *reinterpret_cast<Vec<uint8_t, 8>*>(out + r * cols + c) = q;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int j = lr + pass * 32;  // tile column = row of out_t
+      const int64_t c = c0 + j, r = r0 + lc;
+      if (c < cols && r < rows)
+        *reinterpret_cast<Vec<uint8_t, 8>*>(out_t + c * rows + r) = *reinterpret_cast<const Vec<uint8_t, 8>*>(&tile_t[j][lc]);
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+  if (amax || counts) fold_block(m, over, under, amax, counts);
+}
+
 constexpr int kTile = 32, kTileRows = kThreads / kTile;
 
 template <class T, class Q>
@@ -118,11 +195,46 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ q, int64_t n, const f
     out[i] = from_f32<T>(Q::to_float(q[i]) * si);
 }
 
+// One block per column j (see the header comment); the result equals fp8_math::update_column's.
 __global__ void update_kernel(float* history, int64_t len, int64_t n, float* scale, float* scale_inv,
                               const float* fp8_max, bool amax_max, int margin, bool roll) {
-  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (j < n)
-    fp8_math::update_column(history + j, len, n, scale + j, scale_inv + j, fp8_max[j], amax_max, margin, roll);
+  const int64_t j = blockIdx.x;
+  float* h = history + j;
+  __shared__ uint32_t sb[kThreads / 32];
+  __shared__ int64_t si[kThreads / 32];
+  __shared__ float amax_s;
+  const int t = threadIdx.x, w = t / 32, lane = t & 31;
+  uint32_t best = 0;
+  int64_t at = -1;  // the first index holding the largest |h| bits
+  for (int64_t l = t; l < (amax_max ? len : 1); l += blockDim.x) {
+    const uint32_t b = fp8_math::abs_bits(h[l * n]);
+    if (at < 0 || b > best) best = b, at = l;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t b2 = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t a2 = __shfl_xor_sync(0xffffffffu, at, o);
+    if (a2 >= 0 && (at < 0 || b2 > best || (b2 == best && a2 < at))) best = b2, at = a2;
+  }
+  if (lane == 0) sb[w] = best, si[w] = at;
+  __syncthreads();
+  if (t == 0) {
+    for (int i = 1; i < kThreads / 32; ++i)
+      if (si[i] >= 0 && (at < 0 || sb[i] > best || (sb[i] == best && si[i] < at))) best = sb[i], at = si[i];
+    amax_s = h[at * n];
+  }
+  __syncthreads();
+  if (t == 0) {
+    float tmp = amax_s;  // update_column on a one-row copy: the same scale math, no second pass
+    fp8_math::update_column(&tmp, 1, 1, scale + j, scale_inv + j, fp8_max[j], false, margin, false);
+  }
+  if (!roll) return;
+  for (int64_t base = len - 1; base >= 1; base -= blockDim.x) {
+    const int64_t l = base - t;
+    const float v = l >= 1 ? h[(l - 1) * n] : 0.f;
+    __syncthreads();
+    if (l >= 1) h[l * n] = v;
+  }
+  if (t == 0) h[0] = 0.f;
 }
 
 template <class F>
@@ -137,11 +249,19 @@ void fp8_cast(DType in_dt, const void* x, int64_t n, const float* scale, DType o
               int64_t* counts, int device, void* stream) {
   if (n == 0) return;
   cuda_impl::DeviceGuard guard(device);
-  const unsigned blocks = elementwise_blocks(n, kThreads, device, 8);
   dispatch_float(in_dt, [&](auto tag) {
     using T = decltype(tag);
+    const bool vec = n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
+                     reinterpret_cast<uintptr_t>(out) % 8 == 0;
+    const unsigned blocks = elementwise_blocks(vec ? n / 8 : n, kThreads, device, 8);
     dispatch_fp8(out_dt, [&](auto qtag) {
       using Q = decltype(qtag);
+      if (vec) {
+        cast_vec_kernel<T, Q><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), n / 8, scale,
+                                                                         static_cast<uint8_t*>(out), amax, counts);
+        MC_CUDA_CHECK_LAUNCH();
+        return;
+      }
       cast_kernel<T, Q><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), n, scale,
                                                                    static_cast<uint8_t*>(out), amax, counts);
       MC_CUDA_CHECK_LAUNCH();
@@ -153,12 +273,22 @@ void fp8_cast_transpose(DType in_dt, const void* x, int64_t rows, int64_t cols, 
                         void* out, void* out_t, float* amax, int64_t* counts, int device, void* stream) {
   if (rows == 0 || cols == 0) return;
   cuda_impl::DeviceGuard guard(device);
-  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
-  const unsigned blocks = unsigned(std::min<int64_t>(tiles, elementwise_blocks(rows * cols, kThreads, device, 8)));
   dispatch_float(in_dt, [&](auto tag) {
     using T = decltype(tag);
+    const bool vec = rows % 8 == 0 && cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
+                     reinterpret_cast<uintptr_t>(out) % 8 == 0 && reinterpret_cast<uintptr_t>(out_t) % 8 == 0;
+    const int tile = vec ? kVTile : kTile;
+    const int64_t tiles = ((rows + tile - 1) / tile) * ((cols + tile - 1) / tile);
+    const unsigned blocks = unsigned(std::min<int64_t>(tiles, int64_t(sm_count(device)) * 8));
     dispatch_fp8(out_dt, [&](auto qtag) {
       using Q = decltype(qtag);
+      if (vec) {
+        cast_transpose_vec_kernel<T, Q><<<blocks, kThreads, 0, as_stream(stream)>>>(
+            static_cast<const T*>(x), rows, cols, scale, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t),
+            amax, counts);
+        MC_CUDA_CHECK_LAUNCH();
+        return;
+      }
       cast_transpose_kernel<T, Q><<<blocks, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(
           static_cast<const T*>(x), rows, cols, scale, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), amax,
           counts);
@@ -198,9 +328,8 @@ void fp8_update_scales(float* history, int64_t len, int64_t n, float* scale, flo
                        bool amax_max, int margin, bool roll, int device, void* stream) {
   if (n == 0) return;
   cuda_impl::DeviceGuard guard(device);
-  const unsigned blocks = unsigned((n + 127) / 128);
-  update_kernel<<<blocks, 128, 0, as_stream(stream)>>>(history, len, n, scale, scale_inv, fp8_max, amax_max, margin,
-                                                       roll);
+  update_kernel<<<unsigned(n), kThreads, 0, as_stream(stream)>>>(history, len, n, scale, scale_inv, fp8_max, amax_max,
+                                                                margin, roll);
   MC_CUDA_CHECK_LAUNCH();
 }
 

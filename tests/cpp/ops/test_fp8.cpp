@@ -367,6 +367,19 @@ TEST_CASE("fp8 gpu: casts, amax and counts equal the CPU path bit for bit", "[op
   CHECK(hg.to_double_vector() == hist.to_double_vector());
   CHECK(sg.to_double_vector() == sc.to_double_vector());
   CHECK(sig.to_double_vector() == si.to_double_vector());
+  // A history longer than a block (the update kernel's chunked roll), with repeated maxima, both algorithms.
+  for (auto algo : {Fp8AmaxAlgo::Max, Fp8AmaxAlgo::MostRecent}) {
+    Tensor h2 = mctest::randu({1030, 3}, DType::F32, seed + 7, 0.0, 4.0);
+    auto* hp = static_cast<float*>(h2.data_ptr());
+    hp[700 * 3 + 1] = hp[1000 * 3 + 1] = 9.f;
+    Tensor s2 = Tensor::full({3}, 1.0), i2 = Tensor::full({3}, 1.0), m2 = Tensor::full({3}, 57344.0, DType::F32);
+    Tensor h2g = h2.to(mctest::gpu()), s2g = s2.to(mctest::gpu()), i2g = i2.to(mctest::gpu()), m2g = m2.to(mctest::gpu());
+    fp8_update_scales(h2, s2, i2, m2, algo, 0);
+    fp8_update_scales(h2g, s2g, i2g, m2g, algo, 0);
+    CHECK(h2g.to_double_vector() == h2.to_double_vector());
+    CHECK(s2g.to_double_vector() == s2.to_double_vector());
+    CHECK(i2g.to_double_vector() == i2.to_double_vector());
+  }
 }
 
 TEST_CASE("gemm_fp8 gpu: cuBLASLt equals the CPU emulation up to f32 summation order", "[ops][fp8][gemm][gpu]") {
