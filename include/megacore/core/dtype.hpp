@@ -136,50 +136,57 @@ MC_HOST_DEVICE float decode_magnitude(uint32_t code, int man, int bias) {
   if (exp == 0) return float(m) * bits_f32(uint32_t(127 + 1 - bias - man) << 23);  // m * 2^(1-bias-man), exact
   return bits_f32(((exp - uint32_t(bias) + 127u) << 23) | (m << (23 - man)));
 }
+/// The value of a normal code's magnitude, (2^man + mantissa) · 2^(exponent - bias - man), at compile time.
+constexpr float normal_value(uint32_t code, int man, int bias) {
+  float v = float((1u << man) + (code & ((1u << man) - 1u)));
+  for (int e = int(code >> man) - bias - man; e > 0; --e) v *= 2.f;
+  for (int e = int(code >> man) - bias - man; e < 0; ++e) v *= 0.5f;
+  return v;
+}
 }  // namespace fp8_detail
 
-/// FP8 E4M3 (fn) storage: max 448, no infinity, NaN 0x7f / 0xff.
-struct float8_e4m3 {
-  uint8_t bits = 0;
-  static constexpr float kMax = 448.f;
-  static constexpr uint8_t kMaxCode = 0x7e;
-  float8_e4m3() = default;
-  MC_HOST_DEVICE explicit float8_e4m3(float f) : bits(from_float(f)) {}
-  MC_HOST_DEVICE operator float() const { return to_float(bits); }
-  MC_HOST_DEVICE static uint8_t from_float(float f) {
-    const uint32_t u = f32_bits(f), sign = (u >> 24) & 0x80u, ax = u & 0x7fffffffu;
-    if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);
-    if (ax >= 0x43e00000u) return uint8_t(sign | kMaxCode);  // |f| >= 448 (and inf): saturate
-    return uint8_t(sign | fp8_detail::round_magnitude(ax, 3, 7));
-  }
-  MC_HOST_DEVICE static float to_float(uint8_t b) {
-    const uint32_t sign = uint32_t(b & 0x80u) << 24;
-    if ((b & 0x7fu) == 0x7fu) return bits_f32(sign | 0x7fc00000u);
-    return bits_f32(sign | f32_bits(fp8_detail::decode_magnitude(b & 0x7fu, 3, 7)));
-  }
-};
+/// FP8 storage of a format with `ExpBits` exponent and `ManBits` mantissa bits (1 + ExpBits + ManBits = 8),
+/// exponent bias `Bias` and largest finite magnitude code `MaxCode`. With `HasInf` the code after MaxCode
+/// (exponent all ones, mantissa 0) is infinity and the codes above it NaN (IEEE-like); without, every
+/// magnitude code above MaxCode is NaN. Encoding and decoding are the ones described above.
+template <int ExpBits, int ManBits, int Bias, uint8_t MaxCode, bool HasInf>
+struct float8 {
+  static_assert(1 + ExpBits + ManBits == 8, "an FP8 format has 8 bits");
+  static_assert(MaxCode < 0x80u, "MaxCode is a magnitude code (sign bit clear)");
+  static_assert(!HasInf || MaxCode + 1 == ((1u << ExpBits) - 1u) << ManBits,
+                "with infinities, MaxCode is the code just below infinity");
+  static constexpr int kExponentBits = ExpBits, kMantissaBits = ManBits, kBias = Bias;
+  static constexpr bool kHasInf = HasInf;
+  static constexpr uint8_t kMaxCode = MaxCode;
+  /// The f32 bits of the largest finite value: |f| at or above it saturates.
+  static constexpr uint32_t kMaxF32Bits = uint32_t((MaxCode >> ManBits) - Bias + 127) << 23 |
+                                          uint32_t(MaxCode & ((1u << ManBits) - 1u)) << (23 - ManBits);
+  /// The largest finite value (448 for E4M3, 57344 for E5M2).
+  static constexpr float kMax = fp8_detail::normal_value(MaxCode, ManBits, Bias);
 
-/// FP8 E5M2 storage: max 57344, ±inf 0x7c / 0xfc, NaN above.
-struct float8_e5m2 {
   uint8_t bits = 0;
-  static constexpr float kMax = 57344.f;
-  static constexpr uint8_t kMaxCode = 0x7b;
-  float8_e5m2() = default;
-  MC_HOST_DEVICE explicit float8_e5m2(float f) : bits(from_float(f)) {}
+  float8() = default;
+  MC_HOST_DEVICE explicit float8(float f) : bits(from_float(f)) {}
   MC_HOST_DEVICE operator float() const { return to_float(bits); }
   MC_HOST_DEVICE static uint8_t from_float(float f) {
     const uint32_t u = f32_bits(f), sign = (u >> 24) & 0x80u, ax = u & 0x7fffffffu;
-    if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);
-    if (ax >= 0x47600000u) return uint8_t(sign | kMaxCode);  // |f| >= 57344 (and inf): saturate
-    return uint8_t(sign | fp8_detail::round_magnitude(ax, 2, 15));
+    if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);     // NaN (sign kept)
+    if (ax >= kMaxF32Bits) return uint8_t(sign | kMaxCode);  // |f| >= max (and inf): saturate
+    return uint8_t(sign | fp8_detail::round_magnitude(ax, ManBits, Bias));
   }
   MC_HOST_DEVICE static float to_float(uint8_t b) {
     const uint32_t sign = uint32_t(b & 0x80u) << 24, mag = b & 0x7fu;
-    if (mag == 0x7cu) return bits_f32(sign | 0x7f800000u);
-    if (mag > 0x7cu) return bits_f32(sign | 0x7fc00000u);
-    return bits_f32(sign | f32_bits(fp8_detail::decode_magnitude(mag, 2, 15)));
+    if (mag > kMaxCode) return bits_f32(sign | (HasInf && mag == kMaxCode + 1u ? 0x7f800000u : 0x7fc00000u));
+    return bits_f32(sign | f32_bits(fp8_detail::decode_magnitude(mag, ManBits, Bias)));
   }
 };
+
+/// FP8 E4M3 (fn): max 448, no infinity, NaN 0x7f / 0xff.
+using float8_e4m3 = float8<4, 3, 7, 0x7e, false>;
+/// FP8 E5M2: max 57344, ±inf 0x7c / 0xfc, NaN above.
+using float8_e5m2 = float8<5, 2, 15, 0x7b, true>;
+static_assert(float8_e4m3::kMax == 448.f && float8_e4m3::kMaxF32Bits == 0x43e00000u);
+static_assert(float8_e5m2::kMax == 57344.f && float8_e5m2::kMaxF32Bits == 0x47600000u);
 
 /// The largest finite value of an FP8 dtype (448 or 57344); 0 for other dtypes.
 constexpr float fp8_max(DType t) {

@@ -58,12 +58,17 @@ Collapsed collapse(const StridedDesc& a, const StridedDesc& b) {
   return c;
 }
 
-// True when every offset the walk can produce, and the element count, fit 32-bit index arithmetic.
-bool fits_u32(const StridedDesc& d) {
-  int64_t span = 1;
-  for (int k = 0; k < d.ndim; ++k) span += (d.shape[k] - 1) * (d.stride[k] < 0 ? -d.stride[k] : d.stride[k]);
-  return d.numel < (int64_t(1) << 31) && span < (int64_t(1) << 31);
+constexpr int64_t kIdx32Limit = int64_t(1) << 31;
+
+// The largest offset (in magnitude, strides may be negative) the walk over d can reach.
+int64_t max_offset(const StridedDesc& d) {
+  int64_t off = 0;
+  for (int k = 0; k < d.ndim; ++k) off += (d.shape[k] - 1) * (d.stride[k] < 0 ? -d.stride[k] : d.stride[k]);
+  return off;
 }
+
+// True when the element count and every offset the walk can produce fit 32-bit index arithmetic.
+bool fits_u32(const StridedDesc& d) { return d.numel < kIdx32Limit && max_offset(d) + 1 < kIdx32Limit; }
 
 template <class D, class S> __device__ __forceinline__ D convert(S v) {
   if constexpr (is_narrow_float_v<S>) {
@@ -190,14 +195,13 @@ bool copy_rows(void* dst, const StridedDesc& dd, const void* src, const StridedD
   for (int k = 0; k + 1 < n; ++k) od.stride[k] = dd.stride[k] * esize / vb, os.stride[k] = sd.stride[k] * esize / vb;
   od.numel = os.numel = dd.numel / dd.shape[n - 1];
   const int64_t per_row = row_bytes / vb, total = od.numel * per_row;
+  // 32-bit index arithmetic when the vector count and the largest vector offset either side reaches (its
+  // outer dims' largest offset plus the last vector of a row) fit.
+  const bool idx32 =
+      total < kIdx32Limit && max_offset(od) + per_row < kIdx32Limit && max_offset(os) + per_row < kIdx32Limit;
   auto launch = [&](auto vtag) {
     using V = decltype(vtag);
-    StridedDesc spanned = od;  // fits_u32 on the vector index space (outer offsets + the row)
-    spanned.ndim = n;
-    spanned.shape[n - 1] = per_row, spanned.stride[n - 1] = 1, spanned.numel = total;
-    StridedDesc spanned_s = spanned;
-    for (int k = 0; k + 1 < n; ++k) spanned_s.stride[k] = os.stride[k];
-    if (fits_u32(spanned) && fits_u32(spanned_s))
+    if (idx32)
       copy_rows_kernel<V, uint32_t><<<grid_for(total), 256, 0, st>>>(static_cast<V*>(dst), od, static_cast<const V*>(src),
                                                                      os, uint32_t(per_row), uint32_t(total));
     else

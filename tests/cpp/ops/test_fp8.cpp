@@ -2,8 +2,11 @@
 // written here (a decoder from the bit fields with ldexp, a nearest-value search over every code, a
 // plain amax-history model), and the CUDA path against the CPU path on the same inputs.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <deque>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -22,9 +25,10 @@ struct Format {
   DType dt;
   int man, bias;
   double max;
+  int max_code;
 };
-const Format kE4M3{DType::F8E4M3, 3, 7, 448.0};
-const Format kE5M2{DType::F8E5M2, 2, 15, 57344.0};
+const Format kE4M3{DType::F8E4M3, 3, 7, 448.0, 0x7e};
+const Format kE5M2{DType::F8E5M2, 2, 15, 57344.0, 0x7b};
 
 // The value of a code from its fields (NaN for NaN codes, ±inf for E5M2's infinities).
 double ref_decode(const Format& f, int code) {
@@ -57,7 +61,7 @@ int ref_encode(const Format& f, double x) {
     const double d = std::fabs(v - a);
     if (d < best_d || (d == best_d && (c & 1) == 0)) best = c, best_d = d;
   }
-  if (a >= f.max) best = f.dt == DType::F8E4M3 ? 0x7e : 0x7b;
+  if (a >= f.max) best = f.max_code;
   return sign | best;
 }
 
@@ -95,13 +99,13 @@ TEST_CASE("fp8 formats: every code decodes like the bit-field reference and roun
       CHECK(double(got) == want);
       CHECK(std::signbit(got) == bool(c & 0x80));
       if (std::isinf(want)) {
-        CHECK(int(encode(f.dt, got)) == ((c & 0x80) | 0x7b));  // inf saturates to max
+        CHECK(int(encode(f.dt, got)) == ((c & 0x80) | f.max_code));  // inf saturates to max
       } else {
         CHECK(int(encode(f.dt, got)) == c);
       }
     }
     CHECK(nan_codes == (f.dt == DType::F8E4M3 ? 2 : 6));
-    CHECK(decode(f.dt, f.dt == DType::F8E4M3 ? 0x7e : 0x7b) == float(f.max));
+    CHECK(decode(f.dt, uint8_t(f.max_code)) == float(f.max));
     CHECK(fp8_max(f.dt) == float(f.max));
     CHECK(dtype_size(f.dt) == 1);
     CHECK(dtype_from_name(dtype_name(f.dt)) == f.dt);
@@ -114,6 +118,7 @@ TEST_CASE("fp8 formats: f32 values round to the nearest code, ties to even, satu
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 rng(seed);
+  auto f32 = [](uint32_t u) { float v; std::memcpy(&v, &u, 4); return v; };
   for (const Format& f : {kE4M3, kE5M2}) {
     INFO(dtype_name(f.dt));
     std::vector<float> xs;
@@ -122,20 +127,28 @@ TEST_CASE("fp8 formats: f32 values round to the nearest code, ties to even, satu
       const double v = std::exp2(lg(rng)) * (rng() & 1 ? -1.0 : 1.0);
       xs.push_back(float(v));
     }
-    // Exact midpoints between neighbouring codes (the ties), and the values around max.
-    for (int c = 0; c < 0x7b; ++c) {
-      const double lo = ref_decode(f, c), hi = ref_decode(f, c + 1);
-      if (std::isfinite(hi)) xs.push_back(float((lo + hi) / 2)), xs.push_back(-float((lo + hi) / 2));
+    // Arbitrary f32 bit patterns: every exponent, f32 subnormals, infinities and NaN payloads.
+    for (int i = 0; i < 20000; ++i) xs.push_back(f32(uint32_t(rng())));
+    // Every code's value, the exact midpoints between neighbouring codes (the ties) and the f32 values
+    // either side of each midpoint, up to the largest finite code.
+    for (int c = 0; c <= f.max_code; ++c) {
+      const double lo = ref_decode(f, c);
+      xs.push_back(float(lo));
+      if (c == f.max_code) break;
+      const float mid = float((lo + ref_decode(f, c + 1)) / 2);
+      REQUIRE(double(mid) == (lo + ref_decode(f, c + 1)) / 2);
+      for (float v : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, INFINITY)}) xs.push_back(v);
     }
+    // Around max, beyond it, zeros, f32 subnormals and the smallest normal, NaNs.
     for (float v : {float(f.max), std::nextafter(float(f.max), 0.f), std::nextafter(float(f.max), INFINITY),
-                    float(f.max) * 1.0625f, 1e30f, INFINITY, -INFINITY, 0.f, -0.f, 1e-30f, NAN})
+                    float(f.max) * 1.0625f, 1e30f, FLT_MAX, INFINITY, 0.f, 1e-30f, std::numeric_limits<float>::denorm_min(),
+                    std::nextafter(FLT_MIN, 0.f), FLT_MIN, NAN, f32(0x7f800001u), f32(0x7fffffffu)})
       xs.push_back(v);
+    for (size_t i = 0, n = xs.size(); i < n; ++i) xs.push_back(-xs[i]);
     int mismatches = 0;
     for (float x : xs) {
       const int want = ref_encode(f, x), got = encode(f.dt, x);
-      if (want != got && !(std::isnan(x) && std::isnan(decode(f.dt, uint8_t(got))))) {
-        if (++mismatches < 5) FAIL_CHECK("x = " << x << ": want code " << want << ", got " << got);
-      }
+      if (want != got && ++mismatches < 5) FAIL_CHECK("x = " << x << ": want code " << want << ", got " << got);
     }
     CHECK(mismatches == 0);
   }
