@@ -1,6 +1,7 @@
 #include "megacore/model/gpt_model.hpp"
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
@@ -592,6 +593,9 @@ MoEStepMetrics moe_step_metrics(const std::vector<GPTModel*>& chunks, const para
 }
 
 void GPTModel::set_moe_aux_loss_grad_scale(float s) {
+  MC_CHECK(std::isfinite(s) && s >= 0, "GPTModel.set_moe_aux_loss_grad_scale: scale {} must be finite and >= 0 (it "
+           "multiplies the aux/z-loss gradients: loss scale / micro-batches); compute it without dividing by a "
+           "micro-batch's token weight, which is 0 when none of its tokens is in the loss", s);
   for (ly::MoELayer* m : moe_layers()) m->set_aux_loss_grad_scale(s);
 }
 

@@ -202,6 +202,7 @@ class GPTModel {
   /// Starts a new step's MoE statistics (MoELayer::reset_step_stats of every MoE layer; see moe_step_metrics).
   void reset_moe_step_stats(const Stream& s = {});
   /// Scales the aux/z-loss gradients of every MoE layer (loss scale / micro-batches, as the LM loss's).
+  /// ValueError unless finite and >= 0.
   void set_moe_aux_loss_grad_scale(float s);
   /// After the optimizer step: every MoE layer's expert-bias update (collective over TP and `dp`).
   void update_expert_bias(comm::Communicator& dp, const Stream& s = {});

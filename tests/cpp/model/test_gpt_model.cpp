@@ -219,6 +219,21 @@ TEST_CASE("GPTModel refuses bad batches with the fix", "[model]") {
   REQUIRE_THROWS_WITH(m.forward(ctx, ok.tokens, ok.labels, ok.tokens), Catch::Contains("use f32"));
 }
 
+TEST_CASE("GPTModel refuses a non-finite MoE aux-loss gradient scale", "[model][moe]") {
+  SoloCommunicator tp;
+  mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+  cfg.num_moe_experts = 4;
+  cfg.moe_router_topk = 2;
+  cfg.moe_aux_loss_coeff = 1e-2;
+  mdl::GPTModel m(cfg, tp);
+  REQUIRE(!m.moe_layers().empty());
+  m.set_moe_aux_loss_grad_scale(0.25f);
+  m.set_moe_aux_loss_grad_scale(0.f);
+  for (float bad : {INFINITY, NAN, -1.f})
+    REQUIRE_THROWS_AS(m.set_moe_aux_loss_grad_scale(bad), ValueError);
+  REQUIRE_THROWS_WITH(m.set_moe_aux_loss_grad_scale(INFINITY), Catch::Contains("finite and >= 0"));
+}
+
 TEST_CASE("GPTModel full recompute keeps no sub-module activations between forward and backward", "[model]") {
   SoloCommunicator tp;
   mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
