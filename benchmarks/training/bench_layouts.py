@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--work", default="/tmp/megacore_layouts")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks (checks the driver only)")
     a = ap.parse_args()
     common = COMMON + [f"trainer.max_steps={a.steps}"] + a.set
     doc = {"card": card(), "recipe": a.recipe, "gpus": a.nproc, "date": datetime.date.today().isoformat(),
@@ -55,7 +56,8 @@ def main():
         sets = sets.replace(",", " ").split()
         logdir = os.path.join(a.work, name)
         shutil.rmtree(logdir, ignore_errors=True)
-        cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", a.recipe, "--nproc-per-node", str(a.nproc)]
+        cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", a.recipe, "--nproc-per-node", str(a.nproc)] + \
+            (["--cpu"] if a.cpu else [])
         for s in common + sets + [f"logging.log_dir={logdir}"]:
             cmd += ["--set", s]
         t0 = time.time()
