@@ -38,6 +38,7 @@ Fp8LinearState::Fp8LinearState(const Fp8Recipe& recipe, Device device) : recipe_
   scale_ = Tensor::full({kSlots}, 1.0, DType::F32, device);
   scale_inv_ = Tensor::full({kSlots}, 1.0, DType::F32, device);
   gemm_scale_inv_ = Tensor::full({kSlots, 4}, 1.0, DType::F32, device);
+  seeded_ = Tensor::zeros({kSlots}, DType::F32, device);
   std::vector<float> mx;
   for (int i = 0; i < kSlots; ++i) mx.push_back(fp8_max(slot_dtype(recipe, i)));
   fp8_max_ = Tensor::from_vector<float>(mx, {kSlots}).to(device);
@@ -56,9 +57,21 @@ void Fp8LinearState::current_scale(comm::Communicator& tp, int slot, const Tenso
   gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
 }
 
+void Fp8LinearState::seed_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
+  seed_pending_[slot] = false;
+  Tensor amax = Tensor::full({kSlots}, -1.0, DType::F32, x.device(), s);  // < 0: not this slot
+  Tensor mine = amax.narrow(0, slot, 1);
+  mine.zero_(s);
+  ops::fp8_amax(x, mine, s);
+  if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
+  ops::fp8_seed_scales(amax, seeded_, scale_, scale_inv_, fp8_max_, recipe_.margin, s);
+  gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
+}
+
 Tensor Fp8LinearState::cast(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
   Tensor q = Tensor::empty(x.shape(), slot_dtype(recipe_, slot), x.device(), s);
   if (recipe_.scaling == Fp8Scaling::Current) current_scale(tp, slot, x, s);
+  else if (seed_pending_[slot]) seed_scale(tp, slot, x, s);
   ops::fp8_cast(x, scale_.narrow(0, slot, 1), q, history_.select(0, 0).narrow(0, slot, 1), counts_.select(0, slot), s);
   return q;
 }
@@ -70,6 +83,7 @@ Fp8Pair Fp8LinearState::cast_transpose(comm::Communicator& tp, int slot, const T
   if (want_q) p.q = Tensor::empty(x.shape(), dt, x.device(), s);
   p.qt = Tensor::empty({x.size(1), x.size(0)}, dt, x.device(), s);
   if (recipe_.scaling == Fp8Scaling::Current) current_scale(tp, slot, x, s);
+  else if (seed_pending_[slot]) seed_scale(tp, slot, x, s);
   ops::fp8_cast_transpose(x, scale_.narrow(0, slot, 1), p.q, p.qt,
                           record ? history_.select(0, 0).narrow(0, slot, 1) : Tensor(),
                           record ? counts_.select(0, slot) : Tensor(), s);
@@ -109,7 +123,8 @@ void Fp8LinearState::begin_step_reduced(const Stream& s) {
 }
 
 std::vector<std::pair<std::string, Tensor>> Fp8LinearState::state() {
-  return {{"amax_history", history_}, {"scale", scale_}, {"scale_inv", scale_inv_}, {"counts", counts_}};
+  return {{"amax_history", history_}, {"scale", scale_}, {"scale_inv", scale_inv_}, {"counts", counts_},
+          {"seeded", seeded_}};
 }
 
 void fp8_begin_step(const std::vector<Fp8LinearState*>& states, comm::Communicator& group, const Stream& s) {

@@ -253,4 +253,40 @@ void fp8_update_scales(const Tensor& history, const Tensor& scale, const Tensor&
 #endif
 }
 
+void fp8_seed_scales(const Tensor& amax, const Tensor& seeded, const Tensor& scale, const Tensor& scale_inv,
+                     const Tensor& fp8_max, int margin, const Stream& s) {
+  constexpr std::string_view kOp = "fp8_seed_scales";
+  detail::check_dtype(amax, DType::F32, kOp, "amax");
+  detail::check_contiguous(amax, kOp, "amax");
+  const int64_t n = amax.numel();
+  const Device dev = amax.device();
+  for (auto [t, name] : {std::pair{&seeded, "seeded"}, std::pair{&scale, "scale"}, std::pair{&scale_inv, "scale_inv"},
+                         std::pair{&fp8_max, "fp8_max"}}) {
+    detail::check_dtype(*t, DType::F32, kOp, name);
+    detail::check_contiguous(*t, kOp, name);
+    detail::check_numel(*t, n, kOp, name);
+    detail::check_same_device(*t, dev, kOp, name);
+  }
+  MC_CHECK(margin >= -64 && margin <= 64, "{}: margin {} is out of range; use a small non-negative integer (0)", kOp,
+           margin);
+  if (dev.is_cpu()) {
+    const auto* a = static_cast<const float*>(amax.data_ptr());
+    auto* sd = static_cast<float*>(seeded.data_ptr());
+    auto* sc = static_cast<float*>(scale.data_ptr());
+    auto* si = static_cast<float*>(scale_inv.data_ptr());
+    const auto* mx = static_cast<const float*>(fp8_max.data_ptr());
+    for (int64_t j = 0; j < n; ++j) fp8_math::seed_column(a[j], sd + j, sc + j, si + j, mx[j], margin);
+    return;
+  }
+#if MEGACORE_WITH_CUDA
+  cuda::fp8_seed_scales(static_cast<const float*>(amax.data_ptr()), n, static_cast<float*>(seeded.data_ptr()),
+                        static_cast<float*>(scale.data_ptr()), static_cast<float*>(scale_inv.data_ptr()),
+                        static_cast<const float*>(fp8_max.data_ptr()), margin, dev.index,
+                        detail::launch_stream(s, dev, kOp));
+#else
+  (void)s;
+  no_cuda(kOp, dev);
+#endif
+}
+
 }  // namespace megacore::ops

@@ -4,7 +4,12 @@
 
 #include <cstdint>
 
+#include <type_traits>
+
 #include "megacore/core/dtype.hpp"
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
 
 namespace megacore::ops::fp8_math {
 
@@ -15,10 +20,21 @@ MC_HOST_DEVICE uint32_t abs_bits(float v) { return f32_bits(v) & 0x7fffffffu; }
 MC_HOST_DEVICE bool finite(float v) { return (f32_bits(v) & 0x7f800000u) != 0x7f800000u; }
 
 /// Quantises v · scale into Q; reports saturation (|v · scale| > max, NaN not counted) and flush to zero.
+/// Q::from_float(y); on sm_89+ the hardware conversion (round to nearest even, saturating to the largest
+/// finite value, as Q::from_float) for everything but NaN, whose code Q::from_float fixes as sign | 0x7f.
+template <class Q>
+MC_HOST_DEVICE uint8_t encode(float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (abs_bits(y) <= 0x7f800000u)
+    return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, std::is_same_v<Q, float8_e4m3> ? __NV_E4M3 : __NV_E5M2);
+#endif
+  return Q::from_float(y);
+}
+
 template <class Q>
 MC_HOST_DEVICE uint8_t quantize(float v, float scale, bool& overflow, bool& underflow) {
   const float y = v * scale;
-  const uint8_t q = Q::from_float(y);
+  const uint8_t q = encode<Q>(y);
   overflow = finite(y) ? (y > Q::kMax || y < -Q::kMax) : (abs_bits(y) == 0x7f800000u);
   underflow = y != 0.f && (q & 0x7fu) == 0;
   return q;
@@ -47,6 +63,14 @@ MC_HOST_DEVICE void update_column(float* hist, int64_t len, int64_t stride, floa
     for (int64_t l = len - 1; l >= 1; --l) hist[l * stride] = hist[(l - 1) * stride];
     hist[0] = 0.f;
   }
+}
+
+/// ops::fp8_seed_scales for one tensor.
+MC_HOST_DEVICE void seed_column(float amax, float* seeded, float* scale, float* scale_inv, float fp8_max, int margin) {
+  if (!(amax >= 0.f) || *seeded != 0.f) return;
+  float a = amax;
+  update_column(&a, 1, 1, scale, scale_inv, fp8_max, false, margin, false);
+  *seeded = 1.f;
 }
 
 }  // namespace megacore::ops::fp8_math

@@ -15,7 +15,9 @@
 // column (f32 [L, 3]), a scale and scale_inv (f32 [3]) and saturation / flush-to-zero counts (i64 [3, 2]),
 // all on the layer's device. Every rank of the TP group uses the same scales: the amaxes are reduced
 // (max) over the TP group before a scale is computed from them.
-//   delayed: casts reduce |x| into history row 0; begin_step() (once per optimizer step, before the first
+//   delayed: a fresh state's first cast of each tensor takes its scale from that tensor's own amax (as current
+//            scaling; the initial scale of 1 would flush most gradients to zero and saturate nothing useful);
+//            casts reduce |x| into history row 0; begin_step() (once per optimizer step, before the first
 //            micro-batch) reduces row 0 over TP, computes the scales and rolls the history. A model
 //            reduces all its layers' rows at once over the whole TP × CP × DP group of its stage
 //            (fp8_begin_step over many states: one all-reduce per step), so data-parallel replicas also
@@ -96,17 +98,23 @@ class Fp8LinearState {
   void begin_step_reduced(const Stream& s);
 
   /// The scaling state: the live tensors ("amax_history" [L, 3], "scale" [3], "scale_inv" [3], "counts"
-  /// [3, 2]) in the slot order input, weight, output gradient; checkpoints save and load them in place.
+  /// [3, 2], "seeded" [3]) in the slot order input, weight, output gradient; checkpoints save and load them
+  /// in place.
   std::vector<std::pair<std::string, Tensor>> state();
 
  private:
   void cast_weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
   /// Current scaling: the slot's scale from x's own amax (reduced over TP), written into history row 0.
   void current_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
+  /// Delayed scaling, the slot's first cast of a fresh state: its scale from x's own amax (reduced over TP),
+  /// as current scaling would, instead of the initial 1 (ops::fp8_seed_scales; a loaded state is seeded already).
+  void seed_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
 
   Fp8Recipe recipe_;
   Tensor history_, scale_, scale_inv_, fp8_max_, counts_;
   Tensor gemm_scale_inv_;  // [kSlots, 4] f32: scale_inv_ in column 0, one 16-byte row per slot
+  Tensor seeded_;          // [kSlots] f32: 1 once a delayed slot's first scale came from its own amax
+  bool seed_pending_[kSlots] = {true, true, true};  // this process has not yet checked the slot's seed
   Tensor w_fp8_, wt_fp8_;
 };
 

@@ -68,4 +68,14 @@ enum class Fp8AmaxAlgo { Max, MostRecent };
 void fp8_update_scales(const Tensor& history, const Tensor& scale, const Tensor& scale_inv, const Tensor& fp8_max,
                        Fp8AmaxAlgo algo, int margin, bool roll = true, const Stream& s = {});
 
+/// The first scale of n delayed-scaling tensors, from the tensors' own amaxes (what current scaling would use),
+/// so a run's first step does not cast with the initial scale of 1.
+///   amax      f32 [n]: this cast's amax (already reduced over the ranks that must agree); < 0 = not this tensor
+///   seeded    f32 [n] (in/out): 0 until a tensor's scale has been seeded, then 1 (kept in checkpoints, so a
+///             resumed run keeps its delayed scales)
+/// For each j with amax[j] >= 0 and seeded[j] == 0: scale[j] and scale_inv[j] as fp8_update_scales computes
+/// them from a = amax[j] (kept when a is 0), and seeded[j] = 1.
+void fp8_seed_scales(const Tensor& amax, const Tensor& seeded, const Tensor& scale, const Tensor& scale_inv,
+                     const Tensor& fp8_max, int margin, const Stream& s = {});
+
 }  // namespace megacore::ops

@@ -237,6 +237,12 @@ __global__ void update_kernel(float* history, int64_t len, int64_t n, float* sca
   if (t == 0) h[0] = 0.f;
 }
 
+__global__ void seed_kernel(const float* amax, int64_t n, float* seeded, float* scale, float* scale_inv,
+                            const float* fp8_max, int margin) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j < n) fp8_math::seed_column(amax[j], seeded + j, scale + j, scale_inv + j, fp8_max[j], margin);
+}
+
 template <class F>
 void dispatch_fp8(DType dt, F&& f) {
   if (dt == DType::F8E4M3) f(float8_e4m3{});
@@ -330,6 +336,15 @@ void fp8_update_scales(float* history, int64_t len, int64_t n, float* scale, flo
   cuda_impl::DeviceGuard guard(device);
   update_kernel<<<unsigned(n), kThreads, 0, as_stream(stream)>>>(history, len, n, scale, scale_inv, fp8_max, amax_max,
                                                                 margin, roll);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_seed_scales(const float* amax, int64_t n, float* seeded, float* scale, float* scale_inv, const float* fp8_max,
+                     int margin, int device, void* stream) {
+  if (n == 0) return;
+  cuda_impl::DeviceGuard guard(device);
+  seed_kernel<<<unsigned((n + 127) / 128), 128, 0, as_stream(stream)>>>(amax, n, seeded, scale, scale_inv, fp8_max,
+                                                                       margin);
   MC_CUDA_CHECK_LAUNCH();
 }
 

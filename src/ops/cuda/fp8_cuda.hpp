@@ -18,6 +18,9 @@ void fp8_amax(DType in_dt, const void* x, int64_t n, float* amax, int device, vo
 /// ops::fp8_dequant.
 void fp8_dequant(DType q_dt, const void* q, int64_t n, const float* scale_inv, DType out_dt, void* out, int device,
                  void* stream);
+/// ops::fp8_seed_scales.
+void fp8_seed_scales(const float* amax, int64_t n, float* seeded, float* scale, float* scale_inv, const float* fp8_max,
+                     int margin, int device, void* stream);
 /// ops::fp8_update_scales: history [L, n] row-major.
 void fp8_update_scales(float* history, int64_t len, int64_t n, float* scale, float* scale_inv, const float* fp8_max,
                        bool amax_max, int margin, bool roll, int device, void* stream);

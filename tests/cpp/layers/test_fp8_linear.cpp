@@ -149,6 +149,49 @@ TEST_CASE("fp8 linear: forward, input and weight gradients equal an f32 product 
   }
 }
 
+TEST_CASE("fp8 linear: delayed scaling seeds a fresh state's first scales from the tensors, not a loaded one's",
+          "[layers][fp8]") {
+  NoCommCommunicator tp(0, 1);
+  const int64_t s = 16, b = 2, in = 48, out = 32;
+  const uint64_t seed = mctest::fresh_seed();
+  INFO("seed " << seed);
+  auto amax_of = [](const Tensor& t) {
+    double m = 0;
+    for (double v : t.to_double_vector()) m = std::max(m, std::abs(v));
+    return m;
+  };
+  ly::Fp8Recipe rec;
+  rec.scaling = ly::Fp8Scaling::Delayed;
+  rec.amax_history_len = 4;
+  Layer a = make(tp, Kind::Column, in, out);
+  REQUIRE(a.base->enable_fp8(rec, "t"));
+  ly::ForwardContext ctx;
+  a.base->fp8_begin_step();
+  Tensor x = scaled(randn({s, b, in}, 5, seed), 3.0).to(DType::BF16);
+  Tensor dy = scaled(randn({s, b, out}, 6, seed), 1e-4).to(DType::BF16);
+  a.forward(ctx, x);
+  a.backward(ctx, dy);
+  // The first step's scales are current scaling's: the format maximum over each tensor's own amax.
+  const std::vector<double> sc = state(*a.base, "scale");
+  CHECK(sc[0] == double(448.f / float(amax_of(x))));
+  CHECK(sc[1] == double(448.f / float(amax_of(a.base->weight().data))));
+  CHECK(sc[2] == double(57344.f / float(amax_of(dy))));
+  CHECK(state(*a.base, "seeded") == std::vector<double>{1, 1, 1});
+  // A state loaded from a checkpoint keeps its scales: a fresh layer given a's state casts with them.
+  a.base->fp8_begin_step();
+  Layer c = make(tp, Kind::Column, in, out);
+  REQUIRE(c.base->enable_fp8(rec, "t"));
+  auto src = a.base->fp8()->state(), dst = c.base->fp8()->state();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_(src[i].second);
+  c.base->fp8_begin_step();  // what a resumed step does first: the delayed update from the loaded history
+  a.base->fp8_begin_step();
+  Tensor x2 = scaled(randn({s, b, in}, 7, seed), 50.0).to(DType::BF16);
+  Tensor ya = a.forward(ctx, x2), yc = c.forward(ctx, x2);
+  CHECK(state(*c.base, "scale") == state(*a.base, "scale"));
+  CHECK(yc.to_double_vector() == ya.to_double_vector());
+  CHECK(state(*c.base, "scale")[0] != double(448.f / float(amax_of(x2))));
+}
+
 TEST_CASE("fp8 linear: row counts that are not multiples of 16 run all three products in bf16", "[layers][fp8]") {
   NoCommCommunicator tp(0, 1);
   ly::ColumnParallelLinear fc(tp, 32, 16, {.bias = false, .params_dtype = DType::BF16, .init_std = 0.5});

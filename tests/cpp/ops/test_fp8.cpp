@@ -272,6 +272,29 @@ Tensor random_fp8(const Shape& shape, DType dt, uint64_t seed, float scale) {
 }
 }  // namespace
 
+TEST_CASE("fp8_seed_scales: a fresh tensor's first scale from its own amax, once", "[ops][fp8]") {
+  const float e4 = 448.f, e5 = 57344.f;
+  // Columns: unseeded with an amax; unseeded, not this call (-1); already seeded; amax 0; margin applied.
+  Tensor amax = Tensor::from_vector<float>({2.5f, -1.f, 7.f, 0.f}, {4});
+  Tensor seeded = Tensor::from_vector<float>({0.f, 0.f, 1.f, 0.f}, {4});
+  Tensor scale = Tensor::full({4}, 1.0), scale_inv = Tensor::full({4}, 1.0);
+  Tensor mx = Tensor::from_vector<float>({e4, e4, e5, e5}, {4});
+  fp8_seed_scales(amax, seeded, scale, scale_inv, mx, 1);
+  const std::vector<double> sc = scale.to_double_vector(), si = scale_inv.to_double_vector(),
+                            sd = seeded.to_double_vector();
+  CHECK(sc[0] == double(e4 / 2.5f * 0.5f));
+  CHECK(si[0] == double(1.f / (e4 / 2.5f * 0.5f)));
+  CHECK(sc[1] == 1.0);
+  CHECK(sc[2] == 1.0);  // seeded before: its delayed scale stays
+  CHECK(sc[3] == 1.0);  // amax 0: no information, scale kept
+  CHECK(sd == std::vector<double>{1.0, 0.0, 1.0, 1.0});
+  // A second call changes nothing.
+  Tensor again = Tensor::from_vector<float>({100.f, -1.f, 1.f, 5.f}, {4});
+  fp8_seed_scales(again, seeded, scale, scale_inv, mx, 1);
+  CHECK(scale.to_double_vector() == sc);
+  CHECK_THROWS_AS(fp8_seed_scales(amax, Tensor::zeros({3}), scale, scale_inv, mx, 0), ValueError);
+}
+
 TEST_CASE("gemm_fp8 CPU emulation: decoded f64 reference, beta, bf16 out, refusals", "[ops][fp8][gemm]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -393,6 +416,38 @@ TEST_CASE("fp8 gpu: casts, amax and counts equal the CPU path bit for bit", "[op
     CHECK(s2g.to_double_vector() == s2.to_double_vector());
     CHECK(i2g.to_double_vector() == i2.to_double_vector());
   }
+}
+
+TEST_CASE("fp8 gpu: every bf16 value casts like the CPU path; seeding equals it", "[ops][fp8][gpu]") {
+  MC_REQUIRE_GPU();
+  // All 65536 bf16 bit patterns (NaNs, infinities, subnormals, both zeros) at scales that put them around
+  // both formats' saturation and flush-to-zero points.
+  std::vector<uint16_t> bits(65536);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = uint16_t(i);
+  Tensor x = Tensor::empty({65536}, DType::BF16);
+  std::memcpy(x.data_ptr(), bits.data(), bits.size() * 2);
+  Tensor xg = x.to(mctest::gpu());
+  for (DType q : {DType::F8E4M3, DType::F8E5M2}) {
+    for (float scale : {1.f, 1e-3f, 37.f, 3.0e4f}) {
+      INFO(dtype_name(q) << " scale " << scale);
+      Tensor qc = Tensor::empty(x.shape(), q), qg = Tensor::empty(x.shape(), q, mctest::gpu());
+      Tensor ac = scalar(0.f), ag = scalar(0.f, mctest::gpu());
+      Tensor cc = Tensor::zeros({2}, DType::I64), cg = Tensor::zeros({2}, DType::I64, mctest::gpu());
+      fp8_cast(x, scalar(scale), qc, ac, cc);
+      fp8_cast(xg, scalar(scale, mctest::gpu()), qg, ag, cg);
+      CHECK(qg.to(Device::cpu()).view_as_dtype(DType::U8).to_double_vector() ==
+            qc.view_as_dtype(DType::U8).to_double_vector());
+      CHECK(cg.to_double_vector() == cc.to_double_vector());
+    }
+  }
+  Tensor amax = Tensor::from_vector<float>({2.5f, -1.f, 0.f}, {3}), mx = Tensor::from_vector<float>({448.f, 448.f, 57344.f}, {3});
+  Tensor sd = Tensor::zeros({3}), sc = Tensor::full({3}, 1.0), si = Tensor::full({3}, 1.0);
+  Tensor sdg = sd.to(mctest::gpu()), scg = sc.to(mctest::gpu()), sig = si.to(mctest::gpu());
+  fp8_seed_scales(amax, sd, sc, si, mx, 0);
+  fp8_seed_scales(amax.to(mctest::gpu()), sdg, scg, sig, mx.to(mctest::gpu()), 0);
+  CHECK(sdg.to_double_vector() == sd.to_double_vector());
+  CHECK(scg.to_double_vector() == sc.to_double_vector());
+  CHECK(sig.to_double_vector() == si.to_double_vector());
 }
 
 TEST_CASE("gemm_fp8 gpu: cuBLASLt equals the CPU emulation up to f32 summation order", "[ops][fp8][gemm][gpu]") {
