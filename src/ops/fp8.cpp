@@ -1,6 +1,8 @@
 #include "megacore/ops/fp8.hpp"
 
 #include <algorithm>
+#include <initializer_list>
+#include <utility>
 
 #include "megacore/build_config.hpp"
 #include "megacore/ops/ops_common.hpp"
@@ -215,6 +217,21 @@ void fp8_dequant(const Tensor& q, const Tensor& scale_inv, Tensor& out, const St
 #endif
 }
 
+namespace {
+// The scale updates' per-tensor f32 [n] vectors on one device, and the margin's range.
+void check_scale_vectors(std::string_view op, int64_t n, Device dev, int margin,
+                         std::initializer_list<std::pair<const Tensor*, const char*>> vectors) {
+  for (auto [t, name] : vectors) {
+    detail::check_dtype(*t, DType::F32, op, name);
+    detail::check_contiguous(*t, op, name);
+    detail::check_numel(*t, n, op, name);
+    detail::check_same_device(*t, dev, op, name);
+  }
+  MC_CHECK(margin >= -64 && margin <= 64, "{}: margin {} is out of range; use a small non-negative integer (0)", op,
+           margin);
+}
+}  // namespace
+
 void fp8_update_scales(const Tensor& history, const Tensor& scale, const Tensor& scale_inv, const Tensor& fp8_max,
                        Fp8AmaxAlgo algo, int margin, bool roll, const Stream& s) {
   constexpr std::string_view kOp = "fp8_update_scales";
@@ -225,14 +242,7 @@ void fp8_update_scales(const Tensor& history, const Tensor& scale, const Tensor&
            shape_str(history.shape()));
   const int64_t len = history.size(0), n = history.size(1);
   const Device dev = history.device();
-  for (auto [t, name] : {std::pair{&scale, "scale"}, std::pair{&scale_inv, "scale_inv"}, std::pair{&fp8_max, "fp8_max"}}) {
-    detail::check_dtype(*t, DType::F32, kOp, name);
-    detail::check_contiguous(*t, kOp, name);
-    detail::check_numel(*t, n, kOp, name);
-    detail::check_same_device(*t, dev, kOp, name);
-  }
-  MC_CHECK(margin >= -64 && margin <= 64, "{}: margin {} is out of range; use a small non-negative integer (0)", kOp,
-           margin);
+  check_scale_vectors(kOp, n, dev, margin, {{&scale, "scale"}, {&scale_inv, "scale_inv"}, {&fp8_max, "fp8_max"}});
   const bool amax_max = algo == Fp8AmaxAlgo::Max;
   if (dev.is_cpu()) {
     auto* h = static_cast<float*>(history.data_ptr());
@@ -260,15 +270,8 @@ void fp8_seed_scales(const Tensor& amax, const Tensor& seeded, const Tensor& sca
   detail::check_contiguous(amax, kOp, "amax");
   const int64_t n = amax.numel();
   const Device dev = amax.device();
-  for (auto [t, name] : {std::pair{&seeded, "seeded"}, std::pair{&scale, "scale"}, std::pair{&scale_inv, "scale_inv"},
-                         std::pair{&fp8_max, "fp8_max"}}) {
-    detail::check_dtype(*t, DType::F32, kOp, name);
-    detail::check_contiguous(*t, kOp, name);
-    detail::check_numel(*t, n, kOp, name);
-    detail::check_same_device(*t, dev, kOp, name);
-  }
-  MC_CHECK(margin >= -64 && margin <= 64, "{}: margin {} is out of range; use a small non-negative integer (0)", kOp,
-           margin);
+  check_scale_vectors(kOp, n, dev, margin,
+                      {{&seeded, "seeded"}, {&scale, "scale"}, {&scale_inv, "scale_inv"}, {&fp8_max, "fp8_max"}});
   if (dev.is_cpu()) {
     const auto* a = static_cast<const float*>(amax.data_ptr());
     auto* sd = static_cast<float*>(seeded.data_ptr());
