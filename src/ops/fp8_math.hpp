@@ -21,7 +21,7 @@ MC_HOST_DEVICE bool finite(float v) { return (f32_bits(v) & 0x7f800000u) != 0x7f
 
 /// Quantises v · scale into Q; reports saturation (|v · scale| > max, NaN not counted) and flush to zero.
 /// Q::from_float(y); on sm_89+ the hardware conversion (round to nearest even, saturating to the largest
-/// finite value, as Q::from_float) for everything but NaN, whose code Q::from_float fixes as sign | 0x7f.
+/// finite value: the same code as Q::from_float for every non-NaN f32, checked on an H200) for all but NaN.
 template <class Q>
 MC_HOST_DEVICE uint8_t encode(float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -34,6 +34,10 @@ MC_HOST_DEVICE uint8_t encode(float y) {
 template <class Q>
 MC_HOST_DEVICE uint8_t quantize(float v, float scale, bool& overflow, bool& underflow) {
   const float y = v * scale;
+  if (abs_bits(y) > 0x7f800000u) {  // NaN: one code on every device (a NaN's sign after the multiply is not)
+    overflow = underflow = false;
+    return 0x7f;
+  }
   const uint8_t q = encode<Q>(y);
   overflow = finite(y) ? (y > Q::kMax || y < -Q::kMax) : (abs_bits(y) == 0x7f800000u);
   underflow = y != 0.f && (q & 0x7fu) == 0;
