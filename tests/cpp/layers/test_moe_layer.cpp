@@ -279,6 +279,23 @@ TEST_CASE("MoELayer forced load balancing spreads tokens evenly whatever the rou
   again.set_routing_step(3, 1);
   again.forward(ctx, x);
   CHECK(again.tokens_per_expert() != tpe);
+
+  // Full recompute: the replay routes as its discarded first pass did, also with another micro-batch's forward
+  // (stashed around it) in between; the next forward draws afresh.
+  using RP = ly::ForwardContext::RecomputePass;
+  ly::ForwardContext first, replay;
+  first.training = false, first.recompute_pass = RP::Discarded;
+  replay.recompute_pass = RP::Replay;
+  again.set_routing_step(5);
+  const std::vector<double> y0 = vec(again.forward(first, x));
+  const std::vector<int64_t> tpe0 = again.tokens_per_expert();
+  ly::ActivationStash st;
+  again.stash_activations(st);
+  again.forward(first, x);
+  CHECK(again.tokens_per_expert() != tpe0);
+  again.restore_activations(st);
+  REQUIRE(vec(again.forward(replay, x)) == y0);
+  REQUIRE(again.tokens_per_expert() == tpe0);
 }
 
 TEST_CASE("MoELayer forced routing: combine weights are the softmax of the chosen random scores", "[layers][moe]") {
