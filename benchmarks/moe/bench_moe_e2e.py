@@ -5,6 +5,7 @@ GPU (eager, then torch.compile), all in one call. Writes moe_e2e_<card>.json und
     python benchmarks/moe/bench_moe_e2e.py --out-dir benchmarks/results          # 4 GPUs, the full size
     python benchmarks/moe/bench_moe_e2e.py --small                               # < 60 s smoke test
     python benchmarks/moe/bench_moe_e2e.py --small --cpu --nproc 2 --no-peer     # the driver itself, on CPU ranks
+    python benchmarks/moe/bench_moe_e2e.py --force-balance --out-dir benchmarks/results   # forced balanced routing
 
 Model (full size): h 2048, 16 layers, 16 heads / 8 KV groups, 8 experts of FFN 4096 in every layer, top-2, vocab
 32000, untied; total and active parameter counts come from megacore's TransformerConfig (parameter_count).
@@ -15,6 +16,14 @@ state = mean of steps 4..N of the trainer's metrics.jsonl. tokens/s/GPU = global
 MFU = the trainer's: FLOPs per token = 6 · N_matmul over *active* weights (router, top-k experts) + non-causal
 attention 12 · L · h · s, against the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, as the other
 benchmarks). The peer's tokens/s is for its one GPU (compare per-GPU throughput, not MFU).
+
+Routing. By default the router learns (from random init on byte tokens it sends most tokens to a few experts,
+so one EP rank does most of the expert work: see the per-step "moe_load_imbalance", max/mean tokens per expert).
+--force-balance sets model.moe_router_force_load_balancing (Megatron-Core's --moe-router-force-load-balancing,
+benchmarking only): each token's experts come from random scores, so the load is even and the run measures
+the throughput of a balanced model. The JSON says which ("routing"); the Hugging Face peer always routes with
+its learned router (transformers has no such switch) and says so. With --force-balance the file is
+moe_e2e_forced_<card>.json.
 
 A part that fails (OOM, compile error, missing package) is recorded with its reason; the others still run. A part
 that runs out of GPU memory is run once more at half the micro-batch (its result says so: "retried_after").
@@ -39,13 +48,14 @@ SMALL = dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1024, experts=8, top
              micro_batch=2, global_batch=16, steps=6)
 
 
-def megacore_sets(m: dict, nproc: int, work: str, cpu: bool) -> list[str]:
+def megacore_sets(m: dict, nproc: int, work: str, cpu: bool, force_balance: bool = False) -> list[str]:
     sets = {"model.hidden_size": m["hidden"], "model.num_layers": m["layers"],
             "model.num_attention_heads": m["heads"], "model.num_query_groups": m["kv_heads"],
             "model.kv_channels": m["hidden"] // m["heads"], "model.ffn_hidden_size": m["ffn"],
             "model.moe_ffn_hidden_size": m["ffn"], "model.num_moe_experts": m["experts"],
             "model.moe_router_topk": m["topk"], "model.vocab_size": m["vocab"], "model.max_position_embeddings": 4096,
             "model.moe_aux_loss_coeff": 0.01,
+            "model.moe_router_force_load_balancing": "true" if force_balance else "false",
             "parallel.tp": 1, "parallel.sp": "false", "parallel.pp": 1, "parallel.ep": nproc, "parallel.etp": 1,
             "parallel.zero": "true",
             "data.paths": "embedded", "data.tokenizer": "byte", "data.seq": m["seq"], "data.mbs": m["micro_batch"],
@@ -111,8 +121,9 @@ def with_memory_retry(part, a, m: dict, *args) -> dict:
 def megacore_part(a, m: dict, work: str) -> dict:
     work = tempfile.mkdtemp(prefix=f"megacore_mbs{m['micro_batch']}_", dir=work)
     log_dir = os.path.join(work, "mc_logs")
-    sets = megacore_sets(m, a.nproc, work, a.cpu)
+    sets = megacore_sets(m, a.nproc, work, a.cpu, a.force_balance)
     res: dict = {"system": "megacore", "gpus": a.nproc, "layout": f"EP{a.nproc} (DP{a.nproc}, ZeRO-1), TP1",
+                 "routing": routing(a),
                  "micro_batch": m["micro_batch"], "seq": m["seq"], "global_batch": m["global_batch"]}
     try:
         res["parameters"] = parameter_counts(sets, m["seq"])
@@ -130,6 +141,8 @@ def megacore_part(a, m: dict, work: str) -> dict:
         with open(metrics) as f:
             steps = [json.loads(l) for l in f if l.strip()]
     res["loss"] = [s["loss"] for s in steps]
+    # max/mean tokens per expert of every step (the worst MoE layer), as the trainer logged it
+    res["moe_load_imbalance"] = [s.get("moe_load_imbalance") for s in steps]
     if rc != 0 or len(steps) < m["steps"]:
         res["error"] = f"exit status {rc}, {len(steps)}/{m['steps']} steps: {first_error(tail)}"
         res["out_of_memory"] = ran_out_of_memory(tail)
@@ -156,12 +169,20 @@ def peer_part(a, m: dict, work: str, compile_: bool) -> dict:
     cmd += ["--compile"] if compile_ else []
     rc, tail = run(cmd, a.timeout, os.path.join(work, f"{name}_mbs{m['micro_batch']}.log"))
     if rc != 0 or not os.path.exists(out):
-        return {"system": name, "micro_batch": m["micro_batch"], "command": " ".join(cmd),
+        return {"system": name, "micro_batch": m["micro_batch"], "routing": PEER_ROUTING, "command": " ".join(cmd),
                 "error": f"exit status {rc}: {first_error(tail)}", "out_of_memory": ran_out_of_memory(tail)}
     with open(out) as f:
         r = json.load(f)
     r["system"] = name
+    r["routing"] = PEER_ROUTING
     return r
+
+
+PEER_ROUTING = "learned (transformers' MixtralForCausalLM has no way to force balanced routing)"
+
+
+def routing(a) -> str:
+    return "forced balanced" if a.force_balance else "learned"
 
 
 def card_name(cpu: bool) -> str:
@@ -205,6 +226,8 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="interpreter for megacore and the peer")
     ap.add_argument("--out-dir", help="write moe_e2e_<card>.json here")
     ap.add_argument("--keep", action="store_true", help="keep the logs' temporary directory")
+    ap.add_argument("--force-balance", action="store_true",
+                    help="megacore routes by random scores (model.moe_router_force_load_balancing; benchmarking only)")
     a = ap.parse_args()
     m = dict(SMALL if a.small else FULL)
     for k in ("micro_batch", "seq", "steps"):
@@ -225,7 +248,7 @@ def main() -> int:
             rows.append(with_memory_retry(peer_part, a, m, work, c))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     mc = rows[0]
-    r = {"benchmark": "moe_e2e" + ("_small" if a.small else ""), "card": card, "model": m,
+    r = {"benchmark": "moe_e2e" + ("_small" if a.small else ""), "card": card, "model": m, "routing": routing(a),
          "parameters": mc.get("parameters"),
          "flops_convention": "6*N_matmul(active: router + top-k experts) + 12*L*h*s (non-causal); peak = the card's "
                              "dense bf16 figure (trainer.peak_tflops / known_peak_tflops)",
@@ -234,7 +257,8 @@ def main() -> int:
     print(json.dumps(r, indent=2))
     if a.out_dir:
         short = "_".join(card.split()[:2]) if card not in ("cpu", "unknown") else card
-        path = os.path.join(a.out_dir, f"moe_e2e{'_small' if a.small else ''}_{short}.json")
+        tag = ("_small" if a.small else "") + ("_forced" if a.force_balance else "")
+        path = os.path.join(a.out_dir, f"moe_e2e{tag}_{short}.json")
         with open(path, "w") as f:
             json.dump(r, f, indent=2)
         print(f"wrote {path}")

@@ -2,7 +2,8 @@
 # The MoE GPU benchmarks of issue 22 on one host with 4 GPUs, in order:
 #   1. megacore_bench_moe_dispatch under mpirun: the EP all-to-all dispatcher vs raw NCCL all-to-all
 #   2. bench_moe_e2e.py: a Mixtral-style model (~3.5B total parameters) trained with EP = 4 vs Hugging Face
-#      MixtralForCausalLM on one GPU (eager and torch.compile); its --small smoke test runs first
+#      MixtralForCausalLM on one GPU (eager and torch.compile); its --small smoke test runs first; then the
+#      same model with forced balanced routing (--force-balance, megacore only: the peer cannot force it)
 #   (TESTS=1) the tiny_moe EP 2 vs EP 1 GPU test of tests/python/test_moe_train.py
 # Compact tables go to stdout, full logs to OUT_DIR/logs, JSON to OUT_DIR.
 #
@@ -47,6 +48,8 @@ step moe_e2e_small 240 "$PY" benchmarks/moe/bench_moe_e2e.py --small --nproc "$N
   --timeout 200
 if [ -z "${SKIP_FULL:-}" ]; then
   step moe_e2e 3000 "$PY" benchmarks/moe/bench_moe_e2e.py --nproc "$NP" --python "$PY" --out-dir "$OUT" --timeout 900 --keep
+  step moe_e2e_forced 1200 "$PY" benchmarks/moe/bench_moe_e2e.py --nproc "$NP" --python "$PY" --out-dir "$OUT" \
+    --timeout 900 --no-peer --force-balance --keep
 fi
 
 if [ -n "${TESTS:-}" ]; then

@@ -345,7 +345,17 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   const ops::RouterTopkOptions ro = router_options(opts_);
   Tensor probs = Tensor::empty({t, k}, DType::F32, dev, s);
   Tensor topk_idx = Tensor::empty({t, k}, DType::I32, dev, s);
-  ops::router_topk(logits, expert_bias_, ro, probs, topk_idx, s);
+  if (opts_.force_load_balancing) {
+    // A replay under full recompute reuses its forward's draw; this rank's tokens start at tp.rank() · t in
+    // the TP group's micro-batch (both the SP chunk and the even split of the flattened tokens).
+    if (ctx.recompute_pass != ForwardContext::RecomputePass::Replay) draw_ = next_draw_++;
+    Tensor random_logits = Tensor::empty({t, e}, DType::F32, dev, s);
+    ops::router_random_logits(random_logits, force_seed(), (force_step_ << 24) | (draw_ & 0xFFFFFFu),
+                              int64_t(tp.rank()) * t, s);
+    ops::router_topk(random_logits, Tensor(), ro, probs, topk_idx, s);
+  } else {
+    ops::router_topk(logits, expert_bias_, ro, probs, topk_idx, s);
+  }
 
   Tensor row_map = Tensor::empty({t, k}, DType::I32, dev, s);
   Tensor tpe = Tensor::empty({e}, DType::I64, dev, s);
@@ -495,7 +505,8 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
   // ---- router: dlogits from the combine weights, the aux loss and the z-loss; then dW_r and dx.
   const ops::RouterTopkOptions ro = router_options(opts_);
   Tensor dlogits = Tensor::zeros(logits_.shape(), DType::F32, dev, s);
-  ops::router_topk_backward(logits_, indices_, dprobs, ro, dlogits, s);
+  // Forced routing took its top-k and weights from random scores: no gradient reaches the router through them.
+  if (!opts_.force_load_balancing) ops::router_topk_backward(logits_, indices_, dprobs, ro, dlogits, s);
   if (opts_.aux_loss_coeff > 0)
     ops::router_aux_loss_backward(logits_, ro.score, tpe_f32_, t * tpn, int(k), opts_.aux_loss_coeff, aux_grad_scale_,
                                   dlogits, s);
@@ -516,6 +527,11 @@ Tensor MoELayer::backward(const ForwardContext& ctx, const Tensor& dy) {
   if (split) dx = parallel::all_gather_along(tp, dx, 0, s);
   if (shared_) dx = add_in_f32(dx, shared_->backward(ctx, dy).view(dx.shape()), opts_.params_dtype, s);
   return dx.view(in_shape_);
+}
+
+uint64_t MoELayer::force_seed() const {
+  // A key of its own per layer and replica (odd multipliers keep distinct inputs apart).
+  return opts_.seed ^ (0xD1B54A32D192ED03ull * (opts_.init_offset + 1)) ^ (0x94D049BB133111EBull * (force_replica_ + 1));
 }
 
 double MoELayer::load_imbalance() const {
@@ -625,6 +641,7 @@ void MoELayer::stash_activations(ActivationStash& st) {
   }
   st.put_int(pad_rows_);
   st.put_int(recv_total_);
+  st.put_int(int64_t(draw_));
   st.put_shape(in_shape_);
 }
 
@@ -641,6 +658,7 @@ void MoELayer::restore_activations(ActivationStash& st) {
   }
   pad_rows_ = st.take_int();
   recv_total_ = st.take_int();
+  draw_ = uint64_t(st.take_int());
   in_shape_ = st.take_shape();
 }
 

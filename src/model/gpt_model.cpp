@@ -545,6 +545,10 @@ void GPTModel::reset_moe_step_stats(const Stream& s) {
   for (ly::MoELayer* m : moe_layers()) m->reset_step_stats(s);
 }
 
+void GPTModel::set_moe_routing_step(uint64_t step, uint64_t replica) {
+  for (ly::MoELayer* m : moe_layers()) m->set_routing_step(step, replica);
+}
+
 MoEStepMetrics moe_step_metrics(const std::vector<GPTModel*>& chunks, const parallel::ProcessGrid& grid,
                                 int64_t micro_batches, const Stream& s) {
   MoEStepMetrics out;

@@ -69,6 +69,7 @@ std::unique_ptr<ly::MoELayer> make_moe(comm::Communicator& tp, const Transformer
   m.expert_bias_update_rate = float(cfg.moe_router_bias_update_rate);
   m.capacity_factor = cfg.moe_expert_capacity_factor;
   m.dispatcher = cfg.moe_token_dispatcher_type;
+  m.force_load_balancing = cfg.moe_router_force_load_balancing;
   m.sequence_parallel = cfg.sequence_parallel;
   m.params_dtype = cfg.params_dtype;
   m.device = o.device;

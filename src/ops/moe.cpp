@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "megacore/build_config.hpp"
+#include "megacore/core/random.hpp"
 #include "megacore/core/log.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/ops/ops_common.hpp"
@@ -367,6 +368,25 @@ void router_aux_loss_backward(const Tensor& logits, RouterScore score, const Ten
 #if MEGACORE_WITH_CUDA
   cuda::router_aux_loss_backward(logits.data<float>(), score == RouterScore::Sigmoid, tokens_per_expert.data<float>(),
                                  a.t, a.e, float(c), dlogits.data<float>(), d.index, stream);
+#else
+  (void)stream;
+#endif
+}
+
+void router_random_logits(Tensor& logits, uint64_t seed, uint64_t offset, int64_t first_token, const Stream& s) {
+  constexpr const char* op = "router_random_logits";
+  auto [t, e] = check_logits(logits, op);
+  MC_CHECK(first_token >= 0, "{}: first_token {} must be >= 0 (the global index of the first row's token)", op,
+           first_token);
+  const Device d = logits.device();
+  if (d.is_cpu()) {
+    float* z = logits.data<float>();
+    for (int64_t i = 0; i < t * e; ++i) z[i] = philox_normal(seed, offset, uint64_t(first_token * e + i));
+    return;
+  }
+  void* stream = detail::launch_stream(s, d, op);
+#if MEGACORE_WITH_CUDA
+  cuda::router_random_logits(logits.data<float>(), t, e, seed, offset, first_token, d.index, stream);
 #else
   (void)stream;
 #endif

@@ -288,6 +288,7 @@ StepMetrics Trainer::Impl::train_step() {
   for (auto& ch : parts.chunks) {
     ch->set_moe_aux_loss_grad_scale(float(loss_scale / double(mbs.size())));
     ch->reset_moe_step_stats(ctx.stream);
+    ch->set_moe_routing_step(uint64_t(state.step), uint64_t(grid().dp_cp().rank()));
   }
   pipeline::StepResult sr = parts.engine->step(ctx, mbs, float(loss_scale));
   op.notify_tied_grads();

@@ -70,6 +70,23 @@ def test_tiny_moe_ep2_and_pp2_ep2_train_and_match_ep1(tmp_path):
         assert [r[key] for r in rows_pp] == pytest.approx([r[key] for r in rows1], rel=REL_TOL), key
 
 
+FORCED_STEPS = 3
+
+
+@needs_mpi
+def test_tiny_moe_forced_load_balancing_is_balanced_and_layout_independent(tmp_path):
+    # model.moe_router_force_load_balancing (benchmarking only): each step's load max/mean stays near 1 (4 experts,
+    # top-2, 2048 tokens a step: about 1.03; we require < 1.3), and EP 2 routes every token as EP 1 does (the
+    # random scores are keyed by step, replica and token index), so losses, gradient norms and MoE metrics match.
+    force = ("--set", "model.moe_router_force_load_balancing=true")
+    out2, rows2 = _run(tmp_path, "ep2", FORCED_STEPS, "--set", "parallel.ep=2", *force)
+    _, rows1 = _run(tmp_path, "ep1", FORCED_STEPS, "--set", "parallel.ep=1", *force)
+    assert len(rows2) == len(rows1) == FORCED_STEPS
+    assert all(1.0 <= r["moe_load_imbalance"] < 1.3 for r in rows2), [r["moe_load_imbalance"] for r in rows2]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_imbalance"):
+        assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows1], rel=REL_TOL), key
+
+
 GPU_REL_TOL = 2e-2
 
 

@@ -50,6 +50,18 @@
 // their main_grad buffers are skipped), while the input gradient (through the router too) is still computed.
 // The shared expert is an ordinary MLP: its adapters are attached to its linears directly.
 //
+// Forced load balancing (MoEOptions::force_load_balancing, Megatron-Core's --moe-router-force-load-balancing;
+// benchmarking only): the top-k and the combine weights come from random logits (ops::router_random_logits,
+// standard normal) instead of the learned ones, so every expert gets about T·k/E tokens whatever the
+// router has learned; the combine weights are the softmax (or sigmoid) of the random scores, so the output
+// is still a weighted sum of expert outputs. The draws are keyed by the run seed, the layer (init_offset),
+// the step and the data-parallel replica given to set_routing_step, the forward's index since that call
+// (a full-recompute replay reuses its forward's draw) and the token's index in the TP group's micro-batch,
+// so every TP / SP / EP / expert-TP layout of the same tokens routes them identically. The router weight
+// gets no gradient from routing; the learned logits are still computed, and the aux loss (over the learned
+// scores, with the forced token counts) and the z-loss are computed and back-propagated as usual. The
+// expert bias does not take part in the selection.
+//
 // Initialisation is deterministic and independent of EP and expert-TP: the router uses Philox offset
 // init_offset, global expert g offsets init_offset + 1 + 3g (gate, up, fc2 — GELU's fc1 uses the first),
 // the shared expert the three after the experts (moe_init_offsets()).
@@ -89,6 +101,8 @@ struct MoEOptions {
   /// > 0: each expert keeps at most ceil(factor · tokens · topk / E) of this rank's token slots; 0 = dropless.
   double capacity_factor = 0.0;
   MoETokenDispatcher dispatcher = MoETokenDispatcher::AllToAll;
+  /// Benchmarking only: routing ignores the router's scores (see "Forced load balancing" above).
+  bool force_load_balancing = false;
   bool sequence_parallel = false;
   DType params_dtype = DType::F32;
   Device device = Device::cpu();
@@ -192,6 +206,12 @@ class MoELayer {
   /// group of the dense layers, DP×CP), and bias_e += rate · sign(mean load − load_e). Collective over tp
   /// and dp. No-op unless enable_expert_bias.
   void update_expert_bias(comm::Communicator& dp, const Stream& s = {});
+  /// Forced load balancing: keys the random routing of the forwards that follow by (step, replica) and
+  /// restarts their forward index (the trainer calls it before each step with the DP×CP rank as replica).
+  /// No effect on learned routing.
+  void set_routing_step(uint64_t step, uint64_t replica = 0) {
+    force_step_ = step, force_replica_ = replica, next_draw_ = 0;
+  }
   /// The expert bias, f32 [E] (undefined unless enable_expert_bias).
   Tensor& expert_bias() { return expert_bias_; }
 
@@ -224,6 +244,7 @@ class MoELayer {
   Tensor from_experts(const Tensor& sorted, const Stream& s);
   Tensor experts_forward(const ForwardContext& ctx, const Tensor& xs, const std::vector<int64_t>& sizes);
   Tensor experts_backward(const ForwardContext& ctx, const Tensor& dys);
+  uint64_t force_seed() const;
 
   MoEGroups g_;
   int64_t hidden_;
@@ -235,6 +256,7 @@ class MoELayer {
   std::unique_ptr<ExpertLoRAAdapter> fc1_lora_, fc2_lora_;
   bool frozen_ = false;
   float aux_grad_scale_ = 1.f;
+  uint64_t force_step_ = 0, force_replica_ = 0, next_draw_ = 0, draw_ = 0;  // forced routing's draw key
 
   // Saved by forward for backward.
   Shape in_shape_;

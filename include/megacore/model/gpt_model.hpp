@@ -201,6 +201,9 @@ class GPTModel {
   double moe_aux_loss() const;
   /// Starts a new step's MoE statistics (MoELayer::reset_step_stats of every MoE layer; see moe_step_metrics).
   void reset_moe_step_stats(const Stream& s = {});
+  /// Keys the forced (random) routing of every MoE layer by (step, replica) (MoELayer::set_routing_step);
+  /// no effect unless moe_router_force_load_balancing.
+  void set_moe_routing_step(uint64_t step, uint64_t replica);
   /// Scales the aux/z-loss gradients of every MoE layer (loss scale / micro-batches, as the LM loss's).
   /// ValueError unless finite and >= 0.
   void set_moe_aux_loss_grad_scale(float s);

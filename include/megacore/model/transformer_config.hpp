@@ -70,6 +70,7 @@ struct TransformerConfig {
   double moe_router_bias_update_rate = 1e-3;
   double moe_expert_capacity_factor = 0.0;  ///< 0 = dropless
   MoETokenDispatcher moe_token_dispatcher_type = MoETokenDispatcher::AllToAll;
+  bool moe_router_force_load_balancing = false;  ///< benchmarking only: random routing (layers/moe.hpp)
 
   double init_method_std = 0.02;
   DType params_dtype = DType::F32;
@@ -149,6 +150,11 @@ struct TransformerConfig {
             "How tokens reach their experts' ranks: alltoall (uneven all-to-all over EP) or allgather (gather every "
             "token over EP, reduce-scatter back)."},
       s.moe_token_dispatcher_type);
+    f(Field{"moe_router_force_load_balancing",
+            "Benchmarking only: routing ignores the router's scores. Each token's top-k and combine weights come "
+            "from random scores (fresh per micro-batch, from the seed, step and token index), so the experts get "
+            "even loads; the router weight gets no gradient from routing (the aux and z-losses still apply)."},
+      s.moe_router_force_load_balancing);
     f(Field{"init_method_std", "Standard deviation of the weight init."}, s.init_method_std);
     f(Field{"seed", "Seed of the weight init."}, s.seed);
   }

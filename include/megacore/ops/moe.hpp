@@ -73,6 +73,13 @@ void router_aux_loss_backward(const Tensor& logits, RouterScore score, const Ten
                               int64_t total_tokens, int topk, float coeff, float dloss, Tensor& dlogits,
                               const Stream& s = {});
 
+/// Random router logits for forced load balancing (benchmarking only; model.moe_router_force_load_balancing):
+/// logits[t, e] = philox_normal(seed, offset, (first_token + t) * E + e) (core/random.hpp), f32 [T, E] (out).
+/// A token's scores depend only on (seed, offset, its global index first_token + t), so every rank layout
+/// that routes the token draws the same scores, on the CPU and on CUDA alike (bit-identical: Box-Muller in
+/// f64 on both). router_topk over them picks k experts uniformly at random per token.
+void router_random_logits(Tensor& logits, uint64_t seed, uint64_t offset, int64_t first_token, const Stream& s = {});
+
 /// z-loss: loss f32 [1] = coeff * mean_t (logsumexp_e logits[t, e])^2, logits f32 [T, E].
 void router_z_loss(const Tensor& logits, float coeff, Tensor& loss, const Stream& s = {});
 /// dlogits f32 [T, E] += dloss * d loss / d logits.

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "core/cuda/cuda_check.hpp"
+#include "megacore/core/random.hpp"
 #include "ops/cuda/moe_cuda.hpp"
 
 namespace megacore::ops::cuda {
@@ -568,6 +569,25 @@ void router_aux_loss_backward(const float* logits, bool sigmoid, const float* tp
   cuda_impl::DeviceGuard g(device);
   aux_backward_kernel<<<router_blocks(t), kRouterWarps * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
       logits, sigmoid, tpe, t, e, scale, dlogits);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+__global__ void random_logits_kernel(float* logits, int64_t n, uint64_t seed, uint64_t offset, uint64_t first) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    logits[i] = philox_normal(seed, offset, first + uint64_t(i));
+}
+}  // namespace
+
+void router_random_logits(float* logits, int64_t t, int e, uint64_t seed, uint64_t offset, int64_t first_token,
+                          int device, void* stream) {
+  const int64_t n = t * int64_t(e);
+  if (n == 0) return;
+  cuda_impl::DeviceGuard g(device);
+  constexpr int kThreads = 256;
+  const auto blocks = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+  random_logits_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      logits, n, seed, offset, uint64_t(first_token) * uint64_t(e));
   MC_CUDA_CHECK_LAUNCH();
 }
 

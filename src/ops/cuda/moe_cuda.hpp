@@ -30,6 +30,9 @@ void router_aux_loss(const float* logits, bool sigmoid, const float* tpe, int64_
                      float* loss, int device, void* stream);
 void router_aux_loss_backward(const float* logits, bool sigmoid, const float* tpe, int64_t t, int e, float scale,
                               float* dlogits, int device, void* stream);
+/// ops::router_random_logits: logits[i] = philox_normal(seed, offset, first_token * e + i), i < t * e.
+void router_random_logits(float* logits, int64_t t, int e, uint64_t seed, uint64_t offset, int64_t first_token,
+                          int device, void* stream);
 void router_z_loss(const float* logits, int64_t t, int e, float scale, float* work, float* loss, int device,
                    void* stream);
 void router_z_loss_backward(const float* logits, int64_t t, int e, float scale, float* dlogits, int device,

@@ -1,8 +1,9 @@
 // MoELayer under mpirun (4 ranks; layouts that do not fit the world are skipped): EP = 1, 2, 4, TP = 2 with
 // and without sequence parallelism, expert-TP = 1 and 2 (also expert-TP ≠ TP), both dispatchers, a shared
-// expert, capacity dropping, and routing forced onto two experts (so most experts, and whole ranks, get no
-// tokens) give the outputs, input gradients, aux/z-losses and every (gathered, reduced) parameter gradient of
-// a single-rank layer (EP = 1, no TP) run on each data-parallel replica's full input.
+// expert, capacity dropping, routing forced onto two experts (so most experts, and whole ranks, get no tokens)
+// and forced load balancing (random routing) give the outputs, input gradients, aux/z-losses and every
+// (gathered, reduced) parameter gradient of a single-rank layer (EP = 1, no TP) run on each data-parallel
+// replica's full input.
 //
 // Every rank builds that reference itself. Replica d (the DP coordinate) feeds its own [s, b, h] input; the
 // reference runs forward/backward once per replica, accumulating its gradients, so its expert gradients are
@@ -37,11 +38,13 @@ struct Case {
   bool shared = false;
   bool imbalanced = false;
   bool lora = false;  // LoRA on every expert's fc1 (gate, up) and fc2, base frozen: compare the adapters' gradients
+  bool force = false;  // forced load balancing (random routing keyed by step, replica and token index)
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("TP {} SP {} EP {} ETP {} {} capacity {} losses {} shared {} imbalanced {} lora {}", c.tp, c.sp,
-                     c.ep, c.etp, enum_name(c.dispatcher), c.capacity, c.losses, c.shared, c.imbalanced, c.lora);
+  return fmt::format("TP {} SP {} EP {} ETP {} {} capacity {} losses {} shared {} imbalanced {} lora {} force {}", c.tp,
+                     c.sp, c.ep, c.etp, enum_name(c.dispatcher), c.capacity, c.losses, c.shared, c.imbalanced, c.lora,
+                     c.force);
 }
 
 ly::MoEOptions options(const Case& c) {
@@ -55,6 +58,7 @@ ly::MoEOptions options(const Case& c) {
   o.z_loss_coeff = c.losses ? 0.05f : 0.f;
   o.enable_expert_bias = c.imbalanced;
   o.dispatcher = c.dispatcher;
+  o.force_load_balancing = c.force;
   o.sequence_parallel = c.sp;
   o.init_std = 0.3;
   return o;
@@ -136,6 +140,7 @@ void run_case(comm::Communicator& world, const Case& c) {
   double ref_aux = 0, ref_z = 0;
   for (int d = 0; d < dpn; ++d) {
     const Tensor x = randn({kS, kB, kH}, 100 + d), dy = randn({kS, kB, kH}, 200 + d);
+    ref.set_routing_step(7, uint64_t(d));  // forced routing: replica d's draws
     Tensor y = ref.forward(ctx, x);
     Tensor dx = ref.backward(ctx, dy);
     if (d == grid.dp_rank()) ref_y = y, ref_dx = dx, ref_aux = ref.aux_loss().item(), ref_z = ref.z_loss().item();
@@ -144,6 +149,7 @@ void run_case(comm::Communicator& world, const Case& c) {
   Tensor x = randn({kS, kB, kH}, 100 + d), dy = randn({kS, kB, kH}, 200 + d);
   if (c.sp) x = chunk(x, 0, tpn, tr), dy = chunk(dy, 0, tpn, tr), ref_y = chunk(ref_y, 0, tpn, tr),
             ref_dx = chunk(ref_dx, 0, tpn, tr);
+  moe.set_routing_step(7, uint64_t(d));
   require_close(moe.forward(ctx, x), ref_y, kTol, "output");
   require_close(moe.backward(ctx, dy), ref_dx, kTol, "input gradient");
   if (c.losses) {
@@ -173,7 +179,10 @@ void run_case(comm::Communicator& world, const Case& c) {
     require_close(summed(grid.dp(), s.fc2().weight().main_grad), chunk(rs.fc2().weight().main_grad, 1, tpn, tr), kTol,
                   "shared fc2 gradient");
   }
-  if (c.imbalanced) {
+  if (c.force && !c.losses)  // no gradient reaches the router through forced routing
+    REQUIRE(moe.router_weight().main_grad.to_double_vector() ==
+            std::vector<double>(size_t(moe.router_weight().main_grad.numel()), 0.0));
+  if (c.imbalanced && !c.force) {
     // Ranks whose experts got no tokens have zero expert gradients (and took part in every collective).
     REQUIRE(moe.tokens_per_expert()[0] == moe.tokens_per_expert()[1]);
     if (off >= 2) REQUIRE(moe.fc2_weight().main_grad.to_double_vector() == std::vector<double>(size_t(moe.fc2_weight().main_grad.numel()), 0.0));
@@ -218,6 +227,19 @@ TEST_CASE("MoELayer with capacity dropping and with every token on two experts e
              {.ep = 4, .imbalanced = true},
              {.ep = 4, .dispatcher = D::AllGather, .imbalanced = true},
              {.tp = 2, .sp = true, .ep = 2, .etp = 1, .imbalanced = true}});
+}
+
+TEST_CASE("MoELayer with forced load balancing at EP = 2, 4, TP = 2 (SP or not), expert-TP = 2 equals the "
+          "single-rank layer", "[layers][mpi][moe]") {
+  // The random scores are keyed by the token's index in its TP group's micro-batch, so every layout routes
+  // each token as the single-rank layer does; the bias that sends learned routing to two experts is ignored.
+  run_cases({{.ep = 2, .force = true},
+             {.ep = 4, .losses = true, .force = true},
+             {.ep = 4, .dispatcher = D::AllGather, .force = true},
+             {.ep = 4, .imbalanced = true, .force = true},
+             {.tp = 2, .sp = true, .ep = 2, .losses = true, .force = true},
+             {.tp = 2, .sp = false, .ep = 2, .shared = true, .force = true},
+             {.tp = 1, .ep = 2, .etp = 2, .force = true}});
 }
 
 TEST_CASE("LoRA on MoE experts over EP = 1, 2, 4 and expert-TP = 2 equals the single-rank layer",

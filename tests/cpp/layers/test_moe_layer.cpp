@@ -235,6 +235,103 @@ TEST_CASE("MoELayer expert bias steers selection and moves towards even load", "
   REQUIRE(vec(m.expert_bias()) == std::vector<double>{0.25, 49.75, 0.25, 99.75});
 }
 
+TEST_CASE("MoELayer forced load balancing spreads tokens evenly whatever the router learned", "[layers][moe]") {
+  // 4096 tokens, 8 experts, top-2. The expert bias sends every token to experts 3 and 1 under learned routing
+  // (imbalance 4); forced routing ignores it: max/mean tokens per expert < 1.3 (the binomial spread is about
+  // 1.05 here). The router weight gets no gradient from routing; the experts train.
+  SoloMoEGroups solo;
+  ly::MoEOptions o = base_options();
+  o.num_experts = 8;
+  o.enable_expert_bias = true;
+  const int64_t t = 4096;
+  const Tensor x = randn({t, kH}, 21), dy = randn({t, kH}, 22);
+  std::vector<float> b(8, 0.f);
+  b[3] = 100.f, b[1] = 50.f;
+  ly::ForwardContext ctx;
+  ly::MoELayer learned(solo.groups(), kH, o);
+  learned.expert_bias().copy_(Tensor::from_vector(b, {8}));
+  learned.forward(ctx, x);
+  REQUIRE(learned.load_imbalance() == 4.0);
+
+  o.force_load_balancing = true;
+  ly::MoELayer forced(solo.groups(), kH, o), again(solo.groups(), kH, o);
+  forced.expert_bias().copy_(Tensor::from_vector(b, {8}));
+  forced.set_routing_step(3);
+  const Tensor y = forced.forward(ctx, x);
+  INFO("forced imbalance " << forced.load_imbalance());
+  CHECK(forced.load_imbalance() < 1.3);
+  const std::vector<int64_t> tpe = forced.tokens_per_expert();
+  REQUIRE(std::accumulate(tpe.begin(), tpe.end(), int64_t{0}) == 2 * t);
+  forced.backward(ctx, dy);
+  REQUIRE(vec(forced.router_weight().main_grad) == std::vector<double>(size_t(8 * kH), 0.0));
+  const std::vector<double> g2 = vec(forced.fc2_weight().main_grad);
+  CHECK(std::count(g2.begin(), g2.end(), 0.0) == 0);
+
+  // Reproducible from (seed, step, replica); the next forward, another step or another replica draws afresh.
+  again.set_routing_step(3);
+  REQUIRE(vec(again.forward(ctx, x)) == vec(y));
+  REQUIRE(again.tokens_per_expert() == tpe);
+  again.forward(ctx, x);
+  CHECK(again.tokens_per_expert() != tpe);
+  again.set_routing_step(4);
+  again.forward(ctx, x);
+  CHECK(again.tokens_per_expert() != tpe);
+  again.set_routing_step(3, 1);
+  again.forward(ctx, x);
+  CHECK(again.tokens_per_expert() != tpe);
+
+  // Full recompute: the replay routes as its discarded first pass did, also with another micro-batch's forward
+  // (stashed around it) in between; the next forward draws afresh.
+  using RP = ly::ForwardContext::RecomputePass;
+  ly::ForwardContext first, replay;
+  first.training = false, first.recompute_pass = RP::Discarded;
+  replay.recompute_pass = RP::Replay;
+  again.set_routing_step(5);
+  const std::vector<double> y0 = vec(again.forward(first, x));
+  const std::vector<int64_t> tpe0 = again.tokens_per_expert();
+  ly::ActivationStash st;
+  again.stash_activations(st);
+  again.forward(first, x);
+  CHECK(again.tokens_per_expert() != tpe0);
+  again.restore_activations(st);
+  REQUIRE(vec(again.forward(replay, x)) == y0);
+  REQUIRE(again.tokens_per_expert() == tpe0);
+}
+
+TEST_CASE("MoELayer forced routing: combine weights are the softmax of the chosen random scores", "[layers][moe]") {
+  // With one expert per token (top-1, softmax after top-k) every weight is 1, so the output is exactly that
+  // expert's FFN: each token's output must equal exactly one expert's (a learned-routing layer whose bias picks
+  // that expert), and the experts found must add up to the forced layer's token counts.
+  SoloMoEGroups solo;
+  ly::MoEOptions o = base_options();
+  o.topk = 1;
+  o.force_load_balancing = true;
+  const Tensor x = randn({kT, kH}, 31);
+  ly::ForwardContext ctx;
+  ly::MoELayer forced(solo.groups(), kH, o);
+  const std::vector<double> y = vec(forced.forward(ctx, x));
+  const std::vector<int64_t> tpe = forced.tokens_per_expert();
+  // Per token: the expert forced routing chose, recovered by running each token alone through one-hot biases.
+  o.force_load_balancing = false;
+  o.enable_expert_bias = true;
+  ly::MoELayer single(solo.groups(), kH, o);
+  std::vector<int64_t> counted(kE, 0);
+  for (int64_t t = 0; t < kT; ++t) {
+    const Tensor xt = x.narrow(0, t, 1).contiguous();
+    int matched = 0;
+    for (int64_t e = 0; e < kE; ++e) {
+      std::vector<float> b(kE, 0.f);
+      b[size_t(e)] = 1000.f;
+      single.expert_bias().copy_(Tensor::from_vector(b, {kE}));
+      const std::vector<double> ye = vec(single.forward(ctx, xt));
+      if (mctest::rel_err(ye, std::vector<double>(y.begin() + t * kH, y.begin() + (t + 1) * kH)) < 1e-4)
+        ++matched, ++counted[size_t(e)];
+    }
+    REQUIRE(matched == 1);
+  }
+  REQUIRE(counted == tpe);
+}
+
 TEST_CASE("MoELayer stash and restore keep one micro-batch's state while another runs", "[layers][moe]") {
   SoloMoEGroups solo;
   ly::MoEOptions o = base_options();

@@ -395,6 +395,33 @@ struct PermCase {
 
 }  // namespace
 
+TEST_CASE("router random logits: standard normal, keyed by the global token index", "[ops][moe]") {
+  // Rows drawn from first_token = 5 are rows 5.. of a draw from 0 (a token's scores do not depend on where its
+  // rank's rows start); another offset gives other values; the values are standard normal (mean and variance
+  // of 40k draws within 5 standard errors).
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const int64_t t = 5000, e = 8;
+  Tensor all = Tensor::empty({t, e}), tail = Tensor::empty({t - 5, e}), other = Tensor::empty({t, e});
+  ops::router_random_logits(all, seed, 3, 0);
+  ops::router_random_logits(tail, seed, 3, 5);
+  ops::router_random_logits(other, seed, 4, 0);
+  REQUIRE(tail.to_double_vector() == all.narrow(0, 5, t - 5).contiguous().to_double_vector());
+  const std::vector<double> v = all.to_double_vector(), w = other.to_double_vector();
+  double mean = 0, var = 0;
+  int64_t same = 0;
+  for (size_t i = 0; i < v.size(); ++i) mean += v[i], same += v[i] == w[i];
+  mean /= double(v.size());
+  for (double x : v) var += (x - mean) * (x - mean);
+  var /= double(v.size());
+  CHECK(same < 10);
+  CHECK(std::abs(mean) < 5.0 / std::sqrt(double(v.size())));
+  CHECK(std::abs(var - 1.0) < 5.0 * std::sqrt(2.0 / double(v.size())));
+  Tensor bad = Tensor::empty({t, e}, DType::BF16);
+  REQUIRE_THROWS_AS(ops::router_random_logits(bad, seed, 0, 0), ValueError);
+  REQUIRE_THROWS_AS(ops::router_random_logits(all, seed, 0, -1), ValueError);
+}
+
 TEST_CASE("permute and unpermute round-trip with empty experts, one expert and dropped slots", "[ops][moe]") {
   const int64_t t = 29, h = 24;
   const int e = 8, k = 2;
@@ -794,6 +821,19 @@ TEST_CASE("CUDA router kernels match the CPU reference", "[ops][moe][gpu]") {
     ops::router_z_loss_backward(z, 1e-3f, 2.f, dz);
     ops::router_z_loss_backward(z.to(gpu()), 1e-3f, 2.f, dzg);
     CHECK(rel_err_t(dzg, dz) < 1e-5);
+  }
+}
+
+TEST_CASE("CUDA router random logits equal the CPU draw bit for bit", "[ops][moe][gpu]") {
+  MC_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  for (int64_t first : {int64_t{0}, int64_t{12345}}) {
+    Tensor c = Tensor::empty({3000, 64});
+    Tensor g = poisoned({3000, 64}, DType::F32, gpu());
+    ops::router_random_logits(c, seed, 77, first);
+    ops::router_random_logits(g, seed, 77, first);
+    REQUIRE(g.to(Device::cpu()).to_double_vector() == c.to_double_vector());
   }
 }
 
