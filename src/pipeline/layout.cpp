@@ -139,9 +139,28 @@ StageCosts resolve_stage_costs(StageCosts requested, const model::TransformerCon
 PipelineLayout choose_layout(int64_t num_layers, int pipeline_parallel, int virtual_stages,
                              std::vector<int64_t> counts, StageCosts costs) {
   if (!counts.empty()) return PipelineLayout::from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(counts));
-  if (costs.embedding != 0 || costs.head != 0)
-    return PipelineLayout::balanced(num_layers, pipeline_parallel, virtual_stages, costs);
-  return PipelineLayout::uniform(num_layers, pipeline_parallel, virtual_stages);
+  if (costs.embedding == 0 && costs.head == 0) return PipelineLayout::uniform(num_layers, pipeline_parallel, virtual_stages);
+  PipelineLayout by_stage = PipelineLayout::balanced(num_layers, pipeline_parallel, virtual_stages, costs);
+  if (virtual_stages == 1) return by_stage;
+  // A rank runs all its chunks for every micro-batch, so its total sets the steady-state pace. When the head
+  // outweighs a virtual stage (Llama 3.2 1B at PP 4 × VP 2: 4 layers of head against 2-layer chunks) evening
+  // out the virtual stages leaves the ranks uneven (4, 5, 5, 6); then balance the ranks' totals instead and
+  // split each rank's layers over its chunks, its own embedding/head counted (5, 5, 5, 5 + head).
+  const PipelineLayout by_rank = PipelineLayout::balanced(num_layers, pipeline_parallel, 1, costs);
+  std::vector<int64_t> split(size_t(pipeline_parallel) * size_t(virtual_stages), 0);
+  for (int r = 0; r < pipeline_parallel; ++r) {
+    const int64_t n = by_rank.counts()[size_t(r)];
+    if (n == 0) continue;
+    const StageCosts own{r == 0 ? costs.embedding : 0.0, r == pipeline_parallel - 1 ? costs.head : 0.0};
+    const PipelineLayout chunks = PipelineLayout::balanced(n, 1, virtual_stages, own);
+    for (int c = 0; c < virtual_stages; ++c) split[size_t(c) * size_t(pipeline_parallel) + size_t(r)] = chunks.counts()[size_t(c)];
+  }
+  PipelineLayout ranks = PipelineLayout::from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(split));
+  auto worst = [&](const PipelineLayout& l) {
+    const std::vector<double> w = rank_work(l, costs);
+    return *std::max_element(w.begin(), w.end());
+  };
+  return worst(ranks) < worst(by_stage) - 1e-9 ? ranks : by_stage;
 }
 
 std::vector<double> rank_work(const PipelineLayout& layout, StageCosts costs) {

@@ -100,7 +100,10 @@ StageCosts stage_costs_from_model(const model::TransformerConfig& cfg, int64_t s
 StageCosts resolve_stage_costs(StageCosts requested, const model::TransformerConfig& cfg, int64_t seq_len, int tp);
 
 /// The layout a run uses: explicit `counts` when non-empty, else `balanced` for `costs` (resolved, >= 0) when
-/// either is > 0, else `uniform` (so both costs 0 ask for the even split).
+/// either is > 0, else `uniform` (so both costs 0 ask for the even split). With VP > 1, where evening out the
+/// virtual stages leaves the ranks' totals (rank_work) uneven because the head outweighs a chunk, it balances
+/// the ranks' totals instead (`balanced` at VP 1) and splits each rank's layers over its chunks with that
+/// rank's own embedding/head counted (the interleaved schedule takes chunks of any size, empty ones too).
 PipelineLayout choose_layout(int64_t num_layers, int pipeline_parallel, int virtual_stages,
                              std::vector<int64_t> counts, StageCosts costs);
 

@@ -429,6 +429,14 @@ TEST_CASE("layout: stage costs from the model's shape balance llama32_1b", "[pip
     CHECK(lay.counts() == PipelineLayout::balanced(16, pp, vp, {0.0, expect_none}).counts());
     CHECK(lay.counts() == want);
   }
+  // With VP > 1 where the head outweighs a chunk, the ranks' totals are balanced (balanced() at VP 1) and each
+  // rank's layers split over its chunks: per-virtual-stage balancing would give 2, 2, 2, 2, 2, 3, 3, 0 (ranks 4, 5,
+  // 5, 6 + head) at PP 4 × VP 2 and ranks 9, 7 + head at PP 2 × VP 4.
+  CHECK(PipelineLayout::balanced(16, 4, 2, autoc).counts() == std::vector<int64_t>{2, 2, 2, 2, 2, 3, 3, 0});
+  CHECK(choose_layout(16, 4, 2, {}, autoc).counts() == std::vector<int64_t>{2, 2, 2, 1, 3, 3, 3, 0});
+  CHECK(rank_work(choose_layout(16, 4, 2, {}, autoc), autoc) == std::vector<double>{5, 5, 5, 1 + autoc.head});
+  CHECK(choose_layout(16, 2, 4, {}, autoc).counts() == std::vector<int64_t>{2, 2, 2, 2, 3, 2, 3, 0});
+  CHECK(rank_work(choose_layout(16, 2, 4, {}, autoc), autoc) == std::vector<double>{10, 6 + autoc.head});
   CHECK(rank_work(choose_layout(16, 2, 2, {}, autoc), autoc) ==
         std::vector<double>{10.0, 6.0 + autoc.head});
   CHECK(describe_layout(choose_layout(16, 2, 1, {}, autoc), autoc) ==
