@@ -184,6 +184,7 @@ void bind_config(pyb::module_& m) {
     pyb::dict d;
     d["dense"] = f.dense;
     d["attention"] = f.attention;
+    d["output_layer"] = f.output_layer;
     d["total"] = f.total;
     return d;
   }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("causal") = false, "Training FLOPs per token (dict).");

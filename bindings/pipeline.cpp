@@ -77,6 +77,35 @@ void bind_pipeline(pyb::module_& root) {
   }, pyb::arg("layout"), pyb::arg("busy_per_rank"),
      "(embedding_cost, head_cost) in layers from one step's compute time per pipeline rank under `layout`.");
 
+  m.def("stage_costs_from_model", [](const megacore::model::TransformerConfig& cfg, int64_t seq_len, int tp) {
+    const pl::StageCosts c = pl::stage_costs_from_model(cfg, seq_len, tp);
+    return pyb::make_tuple(c.embedding, c.head);
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("tp_size") = 1,
+     "(embedding_cost, head_cost) in layers from the model's shape: output-layer matmul FLOPs (padded vocabulary of a "
+     "TP rank) over an average layer's (weights, causal attention, recompute); the embedding lookup does none.");
+  m.def("resolve_stage_costs", [](const megacore::model::TransformerConfig& cfg, int64_t seq_len, int tp,
+                                  double embedding_cost, double head_cost) {
+    const pl::StageCosts c = pl::resolve_stage_costs({embedding_cost, head_cost}, cfg, seq_len, tp);
+    return pyb::make_tuple(c.embedding, c.head);
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("tp_size"), pyb::arg("embedding_cost") = pl::kAutoStageCost,
+     pyb::arg("head_cost") = pl::kAutoStageCost,
+     "(embedding_cost, head_cost) with each negative (-1 = auto) one replaced by stage_costs_from_model's.");
+  m.def("choose_layout", [](int64_t num_layers, int pp, int vp, std::vector<int64_t> counts, double embedding_cost,
+                            double head_cost) {
+    return pl::choose_layout(num_layers, pp, vp, std::move(counts), {embedding_cost, head_cost});
+  }, pyb::arg("num_layers"), pyb::arg("pipeline_parallel"), pyb::arg("virtual_stages"), pyb::arg("counts"),
+     pyb::arg("embedding_cost"), pyb::arg("head_cost"),
+     "The layout a run uses: `counts` if non-empty, else balanced for the (resolved) costs if either is > 0, else "
+     "uniform.");
+  m.def("rank_work", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost) {
+    return pl::rank_work(layout, {embedding_cost, head_cost});
+  }, pyb::arg("layout"), pyb::arg("embedding_cost"), pyb::arg("head_cost"),
+     "Estimated work per pipeline rank in layers (its layers + the embedding/head it holds).");
+  m.def("describe_layout", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost) {
+    return pl::describe_layout(layout, {embedding_cost, head_cost});
+  }, pyb::arg("layout"), pyb::arg("embedding_cost") = 0.0, pyb::arg("head_cost") = 0.0,
+     "One line: layers per stage and the estimated work per stage.");
+
   m.def("rank_schedule", [](int pp, int vp, int64_t m, int rank) {
     pyb::list out;
     for (const pl::Op& op : pl::rank_schedule(schedule_of(pp, vp, m), rank)) out.append(op_tuple(op));

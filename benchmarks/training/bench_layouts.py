@@ -83,6 +83,10 @@ def main():
                "mfu": mean("mfu"), "peak_mem_gib": max(r.get("mem_peak_gib", 0) for r in rows),
                "step_s": mean("step_seconds"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
                "steps": len(rows), "wall_s": round(time.time() - t0, 1)}
+        # The trainer's start banner names the pipeline split it used (PP > 1).
+        split = [ln.split("megacore: pipeline ", 1)[1] for ln in out.splitlines() if "megacore: pipeline " in ln]
+        if split:
+            run["pipeline_layout"] = split[0]
         if doc["runs"]:
             run["vs_first"] = run["tokens_per_s"] / doc["runs"][0]["tokens_per_s"]
         doc["runs"].append(run)

@@ -103,7 +103,8 @@ def _add_plan(sub):
     p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default 0 = TP)")
     p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank (interleaving; default 1)")
     p.add_argument("--head-cost", type=float, default=None,
-                   help="extra work of the last pipeline stage (output layer + loss), in layers: balance the split")
+                   help="extra work of the last pipeline stage (output layer + loss), in layers, that the split is "
+                        "balanced for (default -1: derived from the model's shape; 0 with no embedding cost: even)")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per sample (default 2048)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="sequence parallelism (needs TP > 1)")
@@ -120,8 +121,8 @@ def _add_plan(sub):
 
 
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
-         sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=0.0,
-         pipeline_head_cost=0.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0, main_params_dtype="f32",
+         sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=-1.0,
+         pipeline_head_cost=-1.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0, main_params_dtype="f32",
          main_grads_dtype="f32", exp_avg_dtype="f32", exp_avg_sq_dtype="f32"):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
@@ -142,7 +143,9 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     `headroom_gib` (default max(4, 12 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
     workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
     ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
-    per virtual stage), else balanced for the embedding/head costs (in layers) when either is > 0, else even.
+    per virtual stage), else balanced for the embedding/head costs (in layers; -1 = derived from the model's shape by
+    pipeline.stage_costs_from_model, as the trainer does) when either is > 0, else even. The result's
+    ``stage_costs`` are the costs used and ``rank_work`` the estimated work per pipeline rank in layers.
 
     MoE models (``num_moe_experts`` > 0): a MoE layer's routed experts are split over EP × expert-TP (``etp``, 0 =
     TP) instead of TP, so a rank holds 1/(EP·expert-TP) of them, and ZeRO-1 shards their optimizer state over
@@ -171,13 +174,9 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp,
                                                virtual_pipeline=vp), world_size)
     m.validate(cfg, tp, ep, etp)
-    if pipeline_layout:
-        lay = pl.PipelineLayout.from_counts(cfg.num_layers, pp, vp, list(pipeline_layout))
-    elif pipeline_embedding_cost or pipeline_head_cost:
-        lay = pl.PipelineLayout.balanced(cfg.num_layers, pp, vp, float(pipeline_embedding_cost),
-                                         float(pipeline_head_cost))
-    else:
-        lay = pl.PipelineLayout.uniform(cfg.num_layers, pp, vp)  # ConfigError naming the fix when uneven
+    stage_costs = pl.resolve_stage_costs(cfg, seq_length, tp, float(pipeline_embedding_cost), float(pipeline_head_cost))
+    # ConfigError naming the fix when the layout does not cover the model (or is uneven with both costs 0).
+    lay = pl.choose_layout(cfg.num_layers, pp, vp, list(pipeline_layout or []), *stage_costs)
     counts = m.parameter_count(cfg, tp)
     rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
     rank_moe_layers = [sum(1 for c in range(vp) for i in lay.layer_indices(r, c)
@@ -244,6 +243,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     headroom = max(4.0, 0.12 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
+            "stage_costs": stage_costs, "rank_work": pl.rank_work(lay, *stage_costs),
+            "layout_text": pl.describe_layout(lay, *stage_costs),
             "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
             "fits": total <= (gpu_memory_gib - headroom) * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True), "seq_length": seq_length,
@@ -448,7 +449,7 @@ def _run_plan(args) -> int:
         if args.world_size is None:
             from .errors import ConfigError
             raise ConfigError("--world-size is required without --recipe")
-        d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 0, "vp": 1, "head_cost": 0.0, "seq_length": 2048,
+        d = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 0, "vp": 1, "head_cost": -1.0, "seq_length": 2048,
              "micro_batch_size": 1, "sequence_parallel": False, "zero": False}
         v = {k: (getattr(args, k) if getattr(args, k) is not None else d[k]) for k in d}
         r = plan(args.model, args.world_size, v["tp"], v["pp"], v["cp"], v["ep"], v["vp"], v["seq_length"],
@@ -467,9 +468,10 @@ def _run_plan(args) -> int:
     print(f"layout: world {args.world_size} = TP {sz['tp']} × CP {sz['cp']} × DP {sz['dp']} × PP {sz['pp']}"
           f" (EP {sz['ep']}, VP {sz['vpp']}), order {L.order}")
     for i, p in enumerate(r["stage_params"]):
-        print(f"  stage {i}: {r['rank_layers'][i]} layers, {p / 1e6:.1f} M parameters per GPU")
+        work = f" (work ≈ {r['rank_work'][i]:.1f} layers)" if sz["pp"] > 1 else ""
+        print(f"  stage {i}: {r['rank_layers'][i]} layers{work}, {p / 1e6:.1f} M parameters per GPU")
     if sz["pp"] > 1:
-        print(f"pipeline layout (layers per virtual stage, model order): {r['stage_layers']}")
+        print(f"pipeline {r['layout_text']}")
     if r["moe"]:
         e = r["moe"]
         groups = L.groups("ep")

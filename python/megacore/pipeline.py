@@ -4,7 +4,8 @@ chunk), schedules as data (``rank_schedule``, ``theoretical_bubble_fraction``), 
 over this rank's chunks with the 1F1B or interleaved 1F1B schedule::
 
     layout = pipeline.PipelineLayout.uniform(cfg.num_layers, pp, vp)
-    # or balanced for the head's extra work (in layers): PipelineLayout.balanced(L, pp, vp, head_cost=1.5)
+    # or balanced for the head's extra work (in layers): PipelineLayout.balanced(L, pp, vp, head_cost=1.5),
+    # with the cost derived from the model's shape: stage_costs_from_model(cfg, seq_len, tp) -> (0.0, 4.0)
     chunks = [pipeline.make_stage(cfg, grid.tp, layout.layer_indices(r, c), layout.has_embedding(r, c),
                                   layout.has_head(r, c)) for c in range(vp)]
     engine = pipeline.PipelineEngine(grid.pp, layout, chunks, dp=grid.dp)
@@ -20,8 +21,14 @@ rank_schedule = _p.rank_schedule
 theoretical_bubble_fraction = _p.theoretical_bubble_fraction
 num_microbatches = _p.num_microbatches
 stage_costs_from_profile = _p.stage_costs_from_profile
+stage_costs_from_model = _p.stage_costs_from_model
+resolve_stage_costs = _p.resolve_stage_costs
+choose_layout = _p.choose_layout
+rank_work = _p.rank_work
+describe_layout = _p.describe_layout
 
 __all__ = [
     "PipelineLayout", "PipelineEngine", "make_stage", "rank_schedule", "theoretical_bubble_fraction",
-    "num_microbatches", "stage_costs_from_profile",
+    "num_microbatches", "stage_costs_from_profile", "stage_costs_from_model", "resolve_stage_costs", "choose_layout",
+    "rank_work", "describe_layout",
 ]

@@ -279,10 +279,12 @@ FlopsPerToken flops_per_token(const TransformerConfig& c, int64_t seq_len, bool 
   const int64_t moe_layers = c.num_moe_layers();
   const double moe_layer_active = double(s.qkv_w + s.proj_w + s.router_w + s.shared_w) +
                                   double(c.moe_router_topk) * double(s.expert_w);
+  const double n_output = double(c.vocab_size) * double(c.hidden_size);
   const double n_matmul = double(c.num_layers - moe_layers) * double(s.qkv_w + s.proj_w + s.fc1_w + s.fc2_w) +
-                          double(moe_layers) * moe_layer_active + double(c.vocab_size) * double(c.hidden_size);
+                          double(moe_layers) * moe_layer_active + n_output;
   FlopsPerToken f;
   f.dense = 6.0 * n_matmul;
+  f.output_layer = 6.0 * n_output;
   f.attention = 12.0 * double(c.num_layers) * double(c.attention_width()) * double(seq_len) * (causal ? 0.5 : 1.0);
   f.total = f.dense + f.attention;
   return f;

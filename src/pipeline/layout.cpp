@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "megacore/core/error.hpp"
+#include "megacore/model/transformer_config.hpp"
 
 namespace megacore::pipeline {
 
@@ -107,6 +108,91 @@ PipelineLayout PipelineLayout::balanced(int64_t num_layers, int pipeline_paralle
     --total;
   }
   return from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(counts));
+}
+
+StageCosts stage_costs_from_model(const model::TransformerConfig& cfg, int64_t seq_len, int tp) {
+  MC_CHECK_AS(ConfigError, cfg.num_layers >= 1 && tp >= 1,
+              "stage_costs_from_model: needs num_layers >= 1 and TP >= 1 (got {}, {})", cfg.num_layers, tp);
+  const model::FlopsPerToken f = model::flops_per_token(cfg, seq_len, /*causal=*/true);
+  // Forward FLOPs are a third of fwd + bwd; recompute runs (part of) the forward again in the backward.
+  double attention = f.attention, weights = f.dense - f.output_layer;
+  if (cfg.recompute_granularity == model::RecomputeGranularity::Full) {
+    attention *= 4.0 / 3.0;
+    weights *= 4.0 / 3.0;
+  } else if (cfg.recompute_granularity == model::RecomputeGranularity::Selective) {
+    attention *= 4.0 / 3.0;
+  }
+  const double per_layer = (weights + attention) / double(cfg.num_layers);
+  // TP splits a layer's matmuls and the vocabulary alike; only the padding of the vocabulary is extra.
+  const double head = f.output_layer * double(model::padded_vocab_size(cfg, tp)) / double(cfg.vocab_size);
+  return {0.0, head / per_layer};
+}
+
+StageCosts resolve_stage_costs(StageCosts requested, const model::TransformerConfig& cfg, int64_t seq_len, int tp) {
+  if (requested.embedding >= 0 && requested.head >= 0) return requested;
+  const StageCosts derived = stage_costs_from_model(cfg, seq_len, tp);
+  if (requested.embedding < 0) requested.embedding = derived.embedding;
+  if (requested.head < 0) requested.head = derived.head;
+  return requested;
+}
+
+PipelineLayout choose_layout(int64_t num_layers, int pipeline_parallel, int virtual_stages,
+                             std::vector<int64_t> counts, StageCosts costs) {
+  if (!counts.empty()) return PipelineLayout::from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(counts));
+  if (costs.embedding == 0 && costs.head == 0) return PipelineLayout::uniform(num_layers, pipeline_parallel, virtual_stages);
+  PipelineLayout by_stage = PipelineLayout::balanced(num_layers, pipeline_parallel, virtual_stages, costs);
+  if (virtual_stages == 1) return by_stage;
+  // A rank runs all its chunks for every micro-batch, so its total sets the steady-state pace. When the head
+  // outweighs a virtual stage (Llama 3.2 1B at PP 4 × VP 2: 4 layers of head against 2-layer chunks) evening
+  // out the virtual stages leaves the ranks uneven (4, 5, 5, 6); then balance the ranks' totals instead and
+  // split each rank's layers over its chunks, its own embedding/head counted (5, 5, 5, 5 + head).
+  const PipelineLayout by_rank = PipelineLayout::balanced(num_layers, pipeline_parallel, 1, costs);
+  std::vector<int64_t> split(size_t(pipeline_parallel) * size_t(virtual_stages), 0);
+  for (int r = 0; r < pipeline_parallel; ++r) {
+    const int64_t n = by_rank.counts()[size_t(r)];
+    if (n == 0) continue;
+    const StageCosts own{r == 0 ? costs.embedding : 0.0, r == pipeline_parallel - 1 ? costs.head : 0.0};
+    const PipelineLayout chunks = PipelineLayout::balanced(n, 1, virtual_stages, own);
+    for (int c = 0; c < virtual_stages; ++c) split[size_t(c) * size_t(pipeline_parallel) + size_t(r)] = chunks.counts()[size_t(c)];
+  }
+  PipelineLayout ranks = PipelineLayout::from_counts(num_layers, pipeline_parallel, virtual_stages, std::move(split));
+  auto worst = [&](const PipelineLayout& l) {
+    const std::vector<double> w = rank_work(l, costs);
+    return *std::max_element(w.begin(), w.end());
+  };
+  return worst(ranks) < worst(by_stage) - 1e-9 ? ranks : by_stage;
+}
+
+std::vector<double> rank_work(const PipelineLayout& layout, StageCosts costs) {
+  const int pp = layout.pipeline_parallel(), vp = layout.virtual_stages();
+  std::vector<double> work(static_cast<size_t>(pp));
+  for (int r = 0; r < pp; ++r) {
+    work[size_t(r)] = double(layout.num_layers_on_rank(r));
+    for (int c = 0; c < vp; ++c) {
+      if (layout.has_embedding(r, c)) work[size_t(r)] += costs.embedding;
+      if (layout.has_head(r, c)) work[size_t(r)] += costs.head;
+    }
+  }
+  return work;
+}
+
+std::string describe_layout(const PipelineLayout& layout, StageCosts costs) {
+  auto join = [](const auto& v, const char* f) {
+    std::string out;
+    for (const auto& x : v) out += (out.empty() ? "" : ", ") + fmt::format(fmt::runtime(f), x);
+    return out;
+  };
+  std::string s = layout.virtual_stages() > 1
+                      ? fmt::format("layers per virtual stage (model order): {}; per stage: ", join(layout.counts(), "{}"))
+                      : std::string("layers per stage: ");
+  std::vector<int64_t> per_rank;
+  for (int r = 0; r < layout.pipeline_parallel(); ++r) per_rank.push_back(layout.num_layers_on_rank(r));
+  s += join(per_rank, "{}");
+  std::string extra;
+  if (costs.embedding > 0) extra = fmt::format("embedding ≈ {:.1f}", costs.embedding);
+  if (costs.head > 0) extra += fmt::format("{}head ≈ {:.1f}", extra.empty() ? "" : ", ", costs.head);
+  if (!extra.empty()) s += fmt::format(" ({} layers; work per stage {})", extra, join(rank_work(layout, costs), "{:.1f}"));
+  return s;
 }
 
 StageCosts stage_costs_from_profile(const PipelineLayout& layout, const std::vector<double>& busy_per_rank) {

@@ -56,14 +56,8 @@ std::unique_ptr<pipeline::PipelineLayout> build_pipeline_layout(const RunConfig&
   const parallel::ParallelConfig pc = cfg.grid_config();
   const int pp = pc.pipeline, vp = pc.virtual_pipeline;
   const int64_t layers = cfg.model.num_layers;
-  const ParallelSection& ps = cfg.parallel;
-  if (!ps.pipeline_layout.empty())
-    return std::make_unique<pipeline::PipelineLayout>(
-        pipeline::PipelineLayout::from_counts(layers, pp, vp, ps.pipeline_layout));
-  if (ps.pipeline_embedding_cost != 0 || ps.pipeline_head_cost != 0)
-    return std::make_unique<pipeline::PipelineLayout>(pipeline::PipelineLayout::balanced(
-        layers, pp, vp, {ps.pipeline_embedding_cost, ps.pipeline_head_cost}));
-  return std::make_unique<pipeline::PipelineLayout>(pipeline::PipelineLayout::uniform(layers, pp, vp));
+  return std::make_unique<pipeline::PipelineLayout>(
+      pipeline::choose_layout(layers, pp, vp, cfg.parallel.pipeline_layout, cfg.pipeline_stage_costs()));
 }
 
 std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks) {

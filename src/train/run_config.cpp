@@ -288,6 +288,11 @@ model::TransformerConfig RunConfig::transformer_config(bool on_gpu) const {
   return t;
 }
 
+pipeline::StageCosts RunConfig::pipeline_stage_costs() const {
+  return pipeline::resolve_stage_costs({parallel.pipeline_embedding_cost, parallel.pipeline_head_cost},
+                                       transformer_config(false), data.seq_length, parallel.tensor_model_parallel_size);
+}
+
 optim::LRScheduleConfig RunConfig::lr_schedule() const {
   optim::LRScheduleConfig s;
   s.lr = optim.lr;
@@ -577,13 +582,18 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
 
   // ---- model and layout
   const ModelSection& mc = r.model;
-  const bool costs = p.pipeline_embedding_cost != 0 || p.pipeline_head_cost != 0;
+  // Costs: -1 = derived from the model (pipeline_stage_costs), else explicit layers >= 0.
+  bool costs_ok = true;
+  for (const auto& [k, v] : {std::pair{"parallel.pipeline_embedding_cost", p.pipeline_embedding_cost},
+                             std::pair{"parallel.pipeline_head_cost", p.pipeline_head_cost}})
+    if (!(v >= 0 || v == pipeline::kAutoStageCost) || std::isinf(v)) {
+      err(k, fmt::format("must be a finite number of layers >= 0, or -1 to derive it from the model's shape, got {}",
+                         v));
+      costs_ok = false;
+    }
+  const bool explicit_costs = p.pipeline_embedding_cost > 0 || p.pipeline_head_cost > 0;
   if (mc.num_layers >= 1) {
-    if (costs && p.pipeline_layout.empty()) {
-      for (const auto& [k, v] : {std::pair{"parallel.pipeline_embedding_cost", p.pipeline_embedding_cost},
-                                 std::pair{"parallel.pipeline_head_cost", p.pipeline_head_cost}})
-        if (!(v >= 0) || std::isinf(v)) err(k, fmt::format("must be a finite number of layers >= 0, got {}", v));
-    } else if (!p.pipeline_layout.empty()) {
+    if (!p.pipeline_layout.empty()) {
       const auto& lay = p.pipeline_layout;
       int64_t sum = 0;
       bool negative = false;
@@ -591,7 +601,7 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
         sum += x;
         negative |= x < 0;
       }
-      if (costs)
+      if (explicit_costs)
         err("parallel.pipeline_layout", "is given together with pipeline_embedding_cost/pipeline_head_cost; give "
                                         "explicit counts or the costs to balance for, not both");
       else if (int64_t(lay.size()) != int64_t(pp) * vp)
@@ -604,11 +614,22 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
         err("parallel.pipeline_layout", fmt::format("sums to {} layers but the model has {}; every layer must be "
                                                     "placed exactly once (fix the counts or model.num_layers)",
                                                     sum, mc.num_layers));
-    } else if (mc.num_layers % (int64_t(pp) * vp)) {
-      err("model.num_layers", fmt::format("{} layers cannot be split evenly over PP×VP = {}×{} stages; choose PP and "
-                                          "VP whose product divides {}, give parallel.pipeline_layout, or set "
-                                          "parallel.pipeline_head_cost (layers) to have the split balanced",
-                                          mc.num_layers, pp, vp, mc.num_layers));
+    } else if (costs_ok && int64_t(pp) * vp > 1 && mc.num_layers % (int64_t(pp) * vp)) {
+      // The costs decide between the balanced split (any layer count) and the even one (divisible only). A model
+      // the cost formula cannot read is reported by the model checks below.
+      pipeline::StageCosts c{};
+      bool known = true;
+      try {
+        c = r.pipeline_stage_costs();
+      } catch (const Error&) {
+        known = false;
+      }
+      if (known && c.embedding == 0 && c.head == 0)
+        err("model.num_layers", fmt::format("{} layers cannot be split evenly over PP×VP = {}×{} stages; choose PP and "
+                                            "VP whose product divides {}, give parallel.pipeline_layout, or set "
+                                            "parallel.pipeline_head_cost to -1 (derived) or a cost in layers to have "
+                                            "the split balanced",
+                                            mc.num_layers, pp, vp, mc.num_layers));
     }
   }
   if (d.seq_length > mc.max_position_embeddings)

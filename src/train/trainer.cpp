@@ -247,11 +247,11 @@ void Trainer::Impl::build() {
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "");
     if (pc.pipeline > 1) {
-      std::string counts;
-      for (int64_t c : parts.layout->counts()) counts += (counts.empty() ? "" : ", ") + std::to_string(c);
-      std::printf("megacore: pipeline layout [%s] (layers per virtual stage, model order)%s\n", counts.c_str(),
-                  ps.pipeline_embedding_cost != 0 || ps.pipeline_head_cost != 0
-                      ? " balanced for the embedding/head costs" : "");
+      const pipeline::StageCosts costs = cfg.pipeline_stage_costs();
+      std::printf("megacore: pipeline %s%s\n", pipeline::describe_layout(*parts.layout, costs).c_str(),
+                  !ps.pipeline_layout.empty()           ? " [parallel.pipeline_layout]"
+                  : costs.embedding > 0 || costs.head > 0 ? " [balanced for the embedding/head costs]"
+                                                          : " [even split]");
     }
     std::fflush(stdout);
   }

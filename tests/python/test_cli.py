@@ -21,8 +21,11 @@ def test_plan_prints_layout_counts_and_memory(capsys):
 def test_plan_numbers():
     r = cli.plan("llama3_8b", world_size=8, tp=2, pp=2)
     n = r["parameters"]
-    # two stages of 16 layers, TP-sharded; embedding on the first stage, output layer on the last
-    assert r["stage_params"][0] == (16 * n["per_layer"] + n["embedding"]) / 2
+    # two stages split for the derived head cost (the first gets more layers), TP-sharded; embedding on the first
+    # stage, output layer on the last
+    k = r["rank_layers"][0]
+    assert k > 16 and sum(r["rank_layers"]) == 32
+    assert r["stage_params"][0] == (k * n["per_layer"] + n["embedding"]) / 2
     assert r["busiest_rank"] == 0  # the first stage holds PP micro-batches' activations
     assert r["memory_bytes"]["optimizer"] == 12 * r["stage_params"][0]
     zero = cli.plan("llama3_8b", world_size=8, tp=2, pp=2, zero=True)
@@ -54,8 +57,8 @@ def test_plan_counts_the_optimizer_state_precision(capsys):
 
 
 def test_plan_balances_stages_for_the_head(capsys):
-    even = cli.plan("llama32_1b", world_size=4, pp=4)
-    assert even["stage_layers"] == [4, 4, 4, 4]
+    even = cli.plan("llama32_1b", world_size=4, pp=4, pipeline_head_cost=0.0)  # both costs 0: the even split
+    assert even["stage_layers"] == [4, 4, 4, 4] and even["stage_costs"] == (0.0, 0.0)
     # The head as two layers: the last stage gets one layer fewer, the surplus comes off the earliest stage.
     bal = cli.plan("llama32_1b", world_size=4, pp=4, pipeline_head_cost=2.0)
     assert bal["stage_layers"] == [4, 4, 5, 3] and bal["rank_layers"] == [4, 4, 5, 3]
@@ -65,14 +68,60 @@ def test_plan_balances_stages_for_the_head(capsys):
     assert cli.main(["plan", "--model", "llama32_1b", "--world-size", "3", "--pp", "3", "--head-cost", "1.5",
                      "--no-table"]) == 0
     out = capsys.readouterr().out
-    assert "pipeline layout (layers per virtual stage, model order): [6, 6, 4]" in out
+    assert "pipeline layers per stage: 6, 6, 4 (head ≈ 1.5 layers; work per stage 6.0, 6.0, 5.5)" in out
+    assert "stage 2: 4 layers (work ≈ 5.5 layers)" in out
     assert cli.plan("llama32_1b", world_size=4, pp=2, vp=2, pipeline_layout=[4, 4, 4, 4])["rank_layers"] == [8, 8]
     # Memory is that of the rank that needs the most: with 2/6/6/2 layers rank 1 holds 6 layers × 3 micro-batches.
     unit = even["memory_bytes"]["activations"] / (4 * 4)  # even split: rank 0, 4 layers × 4 micro-batches
     skew = cli.plan("llama32_1b", world_size=4, pp=4, pipeline_layout=[2, 6, 6, 2])
+    assert skew["stage_layers"] == [2, 6, 6, 2]  # explicit counts win over the derived costs
     assert skew["busiest_rank"] == 1
     assert skew["memory_bytes"]["activations"] == pytest.approx(unit * 6 * 3)
     assert skew["memory_bytes"]["weights"] == 2 * skew["stage_params"][1]
+
+
+def _llama32_1b_head_cost(seq, tp, recompute):
+    """The head's matmul FLOPs over a layer's, from Llama 3.2 1B's shapes (h 2048, 32 heads × 64, 8 KV groups, SwiGLU
+    FFN 8192, vocab 128256 = a multiple of 128·TP): per token fwd + bwd 6·W per layer plus causal attention 6·h·s,
+    6·V·h for the output layer; recompute repeats the forward (a third) of all of it (full) or of attention."""
+    h, f, kv, vocab = 2048, 8192, 8 * 64, 128256
+    w = h * (h + 2 * kv) + h * h + h * 2 * f + f * h
+    attn = 6 * h * seq
+    layer = {"none": 6 * w + attn, "selective": 6 * w + attn * 4 / 3, "full": (6 * w + attn) * 4 / 3}[recompute]
+    return 6 * vocab * h / layer
+
+
+@pytest.mark.parametrize("pp,vp,recompute", [(2, 1, "none"), (2, 2, "none"), (4, 1, "none"), (2, 1, "selective"),
+                                             (4, 2, "full")])
+def test_plan_derives_the_head_cost_and_balances_by_default(pp, vp, recompute):
+    """With no layout and no costs given, the llama32_1b recipe's split is the balanced one for the head cost derived
+    from its shapes (the same the trainer uses: RunConfig.pipeline_stage_costs)."""
+    rec = mc.recipes.llama32_1b.pretrain_recipe(num_gpus_per_node=4)
+    rec.set("parallel.pp", pp).set("parallel.vp", vp).set("trainer.recompute", recompute)
+    rec.set("data.global_batch_size", 64)
+    r = cli.plan_recipe(rec)
+    head = _llama32_1b_head_cost(2048, 1, recompute)
+    assert r["stage_costs"][0] == 0.0 and r["stage_costs"][1] == pytest.approx(head, rel=1e-12)
+    bal = mc.pipeline.PipelineLayout.balanced
+    # Per rank the totals are balanced() at VP 1; by virtual stage balanced()'s own split where that evens out the
+    # ranks as well (VP 1, and PP 2 × VP 2 here; at PP 4 × VP 2 the head outweighs a 2-layer chunk).
+    assert r["rank_layers"] == bal(16, pp, 1, 0.0, head).counts
+    if (pp, vp) != (4, 2):
+        assert r["stage_layers"] == bal(16, pp, vp, 0.0, head).counts
+    assert max(r["rank_work"]) <= max(mc.pipeline.rank_work(bal(16, pp, vp, 0.0, head), 0.0, head))
+    if (pp, vp) in ((2, 1), (2, 2)):
+        assert r["rank_layers"] == [10, 6]  # 10 vs 6 + ≈ 4 layers of head
+    if (pp, vp) == (4, 1):
+        assert r["stage_layers"] == [5, 5, 5, 1]
+    assert r["rank_work"][-1] == pytest.approx(r["rank_layers"][-1] + head)
+    # Explicit costs and an explicit layout win; a head cost of 0 (embedding cost derived: 0) is the even split.
+    rec.set("parallel.pipeline_head_cost", 2.0)
+    two = cli.plan_recipe(rec)
+    assert two["stage_costs"] == (0.0, 2.0) and two["rank_layers"] == bal(16, pp, 1, 0.0, 2.0).counts
+    rec.set("parallel.pipeline_head_cost", 0.0)
+    assert cli.plan_recipe(rec)["stage_layers"] == [16 // (pp * vp)] * (pp * vp)
+    rec.set("parallel.pipeline_head_cost", -1.0).set("parallel.pipeline_layout", [16 - pp * vp + 1] + [1] * (pp * vp - 1))
+    assert cli.plan_recipe(rec)["stage_layers"][0] == 16 - pp * vp + 1
 
 
 def test_plan_refuses_bad_layouts_with_the_fix(capsys):

@@ -81,12 +81,12 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
 @pytest.mark.parametrize("changes,needle", [
     ({"resources.num_gpus_per_node": 6}, "world size 6 .* not divisible by TP×PP×CP = 2×2×1 = 4"),
     ({"data.global_batch_size": 10}, "10 is not divisible by micro_batch_size × DP = 4 × 1"),
-    ({"model.num_layers": 5}, "5 layers cannot be split evenly over PP×VP = 2×1"),
+    ({"model.num_layers": 5, "parallel.pipeline_head_cost": 0.0}, "5 layers cannot be split evenly over PP×VP = 2×1"),
     ({"parallel.pipeline_layout": [1, 2]}, "sums to 3 layers but the model has 4"),
     ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
     ({"data.prefetch": 0}, "data.prefetch: must be a positive integer"),
     ({"parallel.overlap_param_gather": True}, "overlap_param_gather: needs parallel.use_distributed_optimizer"),
-    ({"parallel.pipeline_head_cost": -1.0}, "pipeline_head_cost: must be a finite number of layers >= 0"),
+    ({"parallel.pipeline_head_cost": -2.0}, "pipeline_head_cost: must be a finite number of layers >= 0, or -1"),
     ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost must be a number, got 'nan'"),
     ({"parallel.pipeline_layout": [2, 2], "parallel.pipeline_head_cost": 1.0}, "not both"),
     ({"parallel.vp": 2, "data.global_batch_size": 12, "data.micro_batch_size": 4},
@@ -159,6 +159,8 @@ def test_values_assigned_directly_are_checked_at_validation(section, field, valu
 def test_head_cost_balances_a_split_that_is_not_even():
     r = recipes.tiny.pretrain_recipe()
     r.set("model.num_layers", 5)
+    r.validate()  # the head cost derived from the model balances the split
+    r.set("parallel.pipeline_head_cost", 0.0).set("parallel.pipeline_embedding_cost", 0.0)
     with pytest.raises(ConfigError, match="pipeline_head_cost"):  # the message names the balancing option
         r.validate()
     r.set("parallel.pipeline_head_cost", 1.0)

@@ -234,10 +234,39 @@ def test_balanced_pipeline_layout_reaches_the_trainer(tmp_path):
     for name, sets in (("bal", {"parallel__pipeline_head_cost": 1.0}), ("expl", {"parallel__pipeline_layout": [3, 2]})):
         r = _tiny(tmp_path, name, 4, parallel__tp=2, parallel__pp=2, model__num_layers=5, optim__lr_warmup_iters=1, **sets)
         out = _train(r, tmp_path, name)
-        assert "pipeline layout [3, 2]" in out
-        assert ("balanced for the embedding/head costs" in out) == (name == "bal")
+        assert "pipeline layers per stage: 3, 2" in out
+        assert ("[balanced for the embedding/head costs]" in out) == (name == "bal")
         runs.append(_metrics(r.logging.log_dir)[0])
     assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]
+
+
+@needs_mpi
+def test_derived_pipeline_layout_trains_as_pp1(tmp_path):
+    """With no layout and no costs the trainer balances the split for the head cost derived from the model (0.3
+    layers for the tiny model at TP 1: vocab 259 padded to 384): 5 layers over PP 2 become 3 + 2, and 6 layers over
+    PP 2 × VP 2 become 1, 2, 2, 1 by virtual stage (unequal chunks under the interleaved schedule); an explicit cost
+    wins. The split does not change the math: f32 losses and gradient norms equal PP 1's."""
+    head = mc.pipeline.stage_costs_from_model(_tiny(tmp_path, "x", 1).model.to_transformer_config("f32", False, "none"),
+                                              128, 1)[1]
+    assert head == pytest.approx(6 * 384 * 128 / (6 * (128 * 256 + 128 * 128 + 128 * 512 + 256 * 128) + 6 * 128 * 128))
+    # An explicit head cost of 3 layers leaves the last chunk of 4 layers at PP 2 × VP 2 empty (head only).
+    for layers, vp, head, text in (
+            (5, 1, -1.0, "layers per stage: 3, 2 (head ≈ 0.3 layers; work per stage 3.0, 2.3)"),
+            (6, 2, -1.0, "layers per virtual stage (model order): 1, 2, 2, 1; per stage: 3, 3"),
+            (4, 2, 3.0, "layers per virtual stage (model order): 1, 1, 2, 0; per stage: 3, 1 (head ≈ 3.0 layers")):
+        runs = []
+        for pp in (1, 2):
+            name = f"l{layers}pp{pp}"
+            r = _tiny(tmp_path, name, 3, parallel__tp=1, parallel__pp=pp, parallel__vp=vp if pp > 1 else 1,
+                      resources__num_gpus_per_node=pp, model__num_layers=layers, optim__lr_warmup_iters=1,
+                      parallel__pipeline_head_cost=head)
+            out = _train(r, tmp_path, name)
+            if pp > 1:
+                assert text in out and "[balanced for the embedding/head costs]" in out, out[-2000:]
+            runs.append(_metrics(r.logging.log_dir)[0])
+        for a, b in zip(*runs):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=0)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=0)
 
 
 @needs_mpi

@@ -222,6 +222,8 @@ struct FlopsPerToken {
   /// 12 · L · (heads · head_dim) · s for QK^T and AV over the full s×s score matrix (forward 4·L·a·d·s,
   /// backward twice that); halved when `causal` is set, counting only the lower triangle.
   double attention = 0;
+  /// Of `dense`, the output layer's share: 6 · vocab · hidden (the rest is the transformer layers').
+  double output_layer = 0;
   double total = 0;
 };
 

@@ -18,7 +18,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+namespace megacore::model {
+struct TransformerConfig;
+}
 
 namespace megacore::pipeline {
 
@@ -33,6 +38,9 @@ struct StageCosts {
   double embedding = 0;  ///< the input embedding (first stage)
   double head = 0;       ///< the final norm, output layer and loss (last stage)
 };
+
+/// A StageCosts entry with this value (any negative one) asks for the cost derived from the model's shape.
+inline constexpr double kAutoStageCost = -1.0;
 
 /// The assignment of layers to (pp_rank, virtual chunk). Immutable once built; always valid.
 class PipelineLayout {
@@ -78,6 +86,34 @@ class PipelineLayout {
   std::vector<int64_t> counts_;
   std::vector<int64_t> starts_;  // prefix sums of counts_, same indexing
 };
+
+/// The embedding and head costs, in layers, from the model's shape: training matmul FLOPs per token of the
+/// output layer (model::flops_per_token's `output_layer`, fwd + bwd, over the padded vocabulary of a TP rank,
+/// tied or not) over those of the average transformer layer (weights + causal attention, plus the forward
+/// that `cfg.recompute_granularity` repeats: all of it for full recompute, the attention for selective). The
+/// embedding lookup, the cross-entropy and the norms do no matmul work, so the embedding cost is 0 and the
+/// head is the output layer's GEMMs; where their memory traffic matters, measure with
+/// `stage_costs_from_profile`. Llama 3.2 1B (vocab 128256, h2048, seq 2048, no recompute): head ≈ 4.0.
+StageCosts stage_costs_from_model(const model::TransformerConfig& cfg, int64_t seq_len, int tp);
+
+/// `requested` with each negative entry (kAutoStageCost) replaced by stage_costs_from_model's.
+StageCosts resolve_stage_costs(StageCosts requested, const model::TransformerConfig& cfg, int64_t seq_len, int tp);
+
+/// The layout a run uses: explicit `counts` when non-empty, else `balanced` for `costs` (resolved, >= 0) when
+/// either is > 0, else `uniform` (so both costs 0 ask for the even split). With VP > 1, where evening out the
+/// virtual stages leaves the ranks' totals (rank_work) uneven because the head outweighs a chunk, it balances
+/// the ranks' totals instead (`balanced` at VP 1) and splits each rank's layers over its chunks with that
+/// rank's own embedding/head counted (the interleaved schedule takes chunks of any size, empty ones too).
+PipelineLayout choose_layout(int64_t num_layers, int pipeline_parallel, int virtual_stages,
+                             std::vector<int64_t> counts, StageCosts costs);
+
+/// Estimated work of each pipeline rank in layers: its layers plus the embedding and head costs of the
+/// virtual stages it holds.
+std::vector<double> rank_work(const PipelineLayout& layout, StageCosts costs);
+
+/// One line for logs: "layers per stage: 10, 6 (head ≈ 4.0 layers)"; with VP > 1 the per-chunk counts in
+/// model order and then the per-rank totals.
+std::string describe_layout(const PipelineLayout& layout, StageCosts costs);
 
 /// The embedding and head costs, in layers, from one step's measured compute time per pipeline rank
 /// (busy_per_rank[r], any unit) under `layout`: one layer's cost is the median of busy/layers over the

@@ -19,6 +19,7 @@
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/optim/lr_schedule.hpp"
 #include "megacore/parallel/process_grid.hpp"
+#include "megacore/pipeline/layout.hpp"
 
 namespace megacore::train {
 
@@ -48,8 +49,8 @@ struct ParallelSection {
   int expert_tensor_parallel_size = 0;
   bool sequence_parallel = false;
   std::vector<int64_t> pipeline_layout;
-  double pipeline_embedding_cost = 0.0;
-  double pipeline_head_cost = 0.0;
+  double pipeline_embedding_cost = -1.0;
+  double pipeline_head_cost = -1.0;
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = true;
   bool overlap_param_gather = false;
@@ -89,15 +90,18 @@ struct ParallelSection {
             .alias = "sp"},
       s.sequence_parallel);
     f(Field{"pipeline_layout",
-            "Explicit layers per (virtual) pipeline stage in model order, e.g. [5, 6, 6, 5]; empty = even split."},
+            "Explicit layers per (virtual) pipeline stage in model order, e.g. [5, 6, 6, 5]; empty = the split "
+            "balanced for pipeline_embedding_cost / pipeline_head_cost."},
       s.pipeline_layout);
     f(Field{"pipeline_embedding_cost",
-            "Extra work of the first stage (embedding), in transformer layers; with pipeline_head_cost > 0 and no "
-            "pipeline_layout the layers are split to even out the stages (PipelineLayout::balanced)."},
+            "Extra work of the first stage (embedding), in transformer layers; -1 = derived from the model's shape "
+            "(the lookup does no matmul work: 0). Without pipeline_layout the layers are split to even out the "
+            "stages (PipelineLayout::balanced); with both costs 0 the split is even."},
       s.pipeline_embedding_cost);
     f(Field{"pipeline_head_cost",
-            "Extra work of the last stage (final norm, output layer, loss), in transformer layers (see "
-            "pipeline_embedding_cost)."},
+            "Extra work of the last stage (output layer + loss), in transformer layers; -1 = derived from the "
+            "model's shape (output-layer matmul FLOPs over a layer's, e.g. ~4.0 for Llama 3.2 1B at seq 2048); "
+            "0 = none (with pipeline_embedding_cost 0: the even split). See pipeline_embedding_cost."},
       s.pipeline_head_cost);
     f(Field{.name = "use_distributed_optimizer", .doc = "ZeRO-1: shard the optimizer state over DP.",
             .alias = "zero"},
@@ -490,6 +494,9 @@ struct RunConfig {
   /// The model as the layers see it, with the trainer's precision (auto resolved for `on_gpu`),
   /// sequence parallelism, recompute and TP overlap filled in.
   model::TransformerConfig transformer_config(bool on_gpu) const;
+  /// The embedding/head costs the pipeline split is balanced for, in layers: the parallel section's, each -1
+  /// replaced by pipeline::stage_costs_from_model's for this model, sequence, TP and recompute.
+  pipeline::StageCosts pipeline_stage_costs() const;
   /// The learning-rate schedule (decay length max_steps when lr_decay_iters is 0, WSD's default phase).
   optim::LRScheduleConfig lr_schedule() const;
 };

@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "megacore/model/transformer_config.hpp"
 #include "megacore/pipeline/layout.hpp"
 #include "megacore/pipeline/schedule.hpp"
 #include "test_helpers.hpp"
@@ -386,6 +387,72 @@ TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]
              Catch::Contains("embedding cost is -1"));
   CHECK_THAT(config_error_of([] { PipelineLayout::balanced(8, 2, 1, {0.0, std::nan("")}); }),
              Catch::Contains("head cost is nan"));
+}
+
+TEST_CASE("layout: stage costs from the model's shape balance llama32_1b", "[pipeline]") {
+  // Expected costs from the shapes, written out here: Llama 3.2 1B, h 2048, 32 heads × 64, 8 KV groups, SwiGLU
+  // FFN 8192, vocab 128256 (a multiple of 128·TP for TP 1 and 2; padded to 128512 = 251·512 for TP 4), seq 2048.
+  // Per token, fwd + bwd: a layer's weights 6·W, its causal attention 6·h·s (QK^T and AV over the lower
+  // triangle), the output layer 6·V·h.
+  const double h = 2048, s = 2048, V = 128256, kv = 8 * 64, f = 8192;
+  const double W = h * (h + 2 * kv) + h * h + h * 2 * f + f * h;
+  const double attn = 6 * h * s;
+  const double expect_none = 6 * V * h / (6 * W + attn);
+  const double expect_selective = 6 * V * h / (6 * W + attn * 4 / 3);
+  const double expect_full = 6 * V * h / ((6 * W + attn) * 4 / 3);
+  model::TransformerConfig cfg = model::presets::llama32_1b();
+  for (int tp : {1, 2, 4}) {
+    const StageCosts c = stage_costs_from_model(cfg, 2048, tp);
+    CHECK(c.embedding == 0.0);
+    CHECK(c.head == Approx(expect_none * (tp == 4 ? 128512.0 / V : 1.0)).epsilon(1e-12));
+  }
+  CHECK(expect_none == Approx(4.04).margin(0.01));
+  cfg.recompute_granularity = model::RecomputeGranularity::Selective;
+  CHECK(stage_costs_from_model(cfg, 2048, 2).head == Approx(expect_selective).epsilon(1e-12));
+  cfg.recompute_granularity = model::RecomputeGranularity::Full;
+  CHECK(stage_costs_from_model(cfg, 2048, 2).head == Approx(expect_full).epsilon(1e-12));
+  cfg.recompute_granularity = model::RecomputeGranularity::None;
+  // A padded vocabulary is extra work on every TP rank: 1000 padded to 1024 (make_vocab_size_divisible_by 128 × 8).
+  model::TransformerConfig odd = cfg;
+  odd.vocab_size = 1000;
+  CHECK(stage_costs_from_model(odd, 2048, 8).head ==
+        Approx(6 * 1024.0 * h / (6 * W + attn)).epsilon(1e-12));
+
+  // The auto layouts are balanced()'s for those costs: 10 + 6 (+ head ≈ 4.0) at PP 2; by virtual stage 5, 5, 5, 1
+  // at PP 2 VP 2 (rank 0: 10 layers, rank 1: 6 + head) and at PP 4.
+  const StageCosts autoc = resolve_stage_costs({kAutoStageCost, kAutoStageCost}, cfg, 2048, 1);
+  CHECK(autoc.embedding == 0.0);
+  CHECK(autoc.head == Approx(expect_none).epsilon(1e-12));
+  for (auto [pp, vp, want] : std::vector<std::tuple<int, int, std::vector<int64_t>>>{
+           {2, 1, {10, 6}}, {2, 2, {5, 5, 5, 1}}, {4, 1, {5, 5, 5, 1}}}) {
+    const PipelineLayout lay = choose_layout(16, pp, vp, {}, autoc);
+    CHECK(lay.counts() == PipelineLayout::balanced(16, pp, vp, {0.0, expect_none}).counts());
+    CHECK(lay.counts() == want);
+  }
+  // With VP > 1 where the head outweighs a chunk, the ranks' totals are balanced (balanced() at VP 1) and each
+  // rank's layers split over its chunks: per-virtual-stage balancing would give 2, 2, 2, 2, 2, 3, 3, 0 (ranks 4, 5,
+  // 5, 6 + head) at PP 4 × VP 2 and ranks 9, 7 + head at PP 2 × VP 4.
+  CHECK(PipelineLayout::balanced(16, 4, 2, autoc).counts() == std::vector<int64_t>{2, 2, 2, 2, 2, 3, 3, 0});
+  CHECK(choose_layout(16, 4, 2, {}, autoc).counts() == std::vector<int64_t>{2, 2, 2, 1, 3, 3, 3, 0});
+  CHECK(rank_work(choose_layout(16, 4, 2, {}, autoc), autoc) == std::vector<double>{5, 5, 5, 1 + autoc.head});
+  CHECK(choose_layout(16, 2, 4, {}, autoc).counts() == std::vector<int64_t>{2, 2, 2, 2, 3, 2, 3, 0});
+  CHECK(rank_work(choose_layout(16, 2, 4, {}, autoc), autoc) == std::vector<double>{10, 6 + autoc.head});
+  CHECK(rank_work(choose_layout(16, 2, 2, {}, autoc), autoc) ==
+        std::vector<double>{10.0, 6.0 + autoc.head});
+  CHECK(describe_layout(choose_layout(16, 2, 1, {}, autoc), autoc) ==
+        "layers per stage: 10, 6 (head ≈ 4.0 layers; work per stage 10.0, 10.0)");
+  CHECK(describe_layout(choose_layout(16, 2, 2, {}, autoc), autoc) ==
+        "layers per virtual stage (model order): 5, 5, 5, 1; per stage: 10, 6 (head ≈ 4.0 layers; work per stage "
+        "10.0, 10.0)");
+  // Explicit costs and explicit counts win; both costs 0 is the even split.
+  CHECK(resolve_stage_costs({0.5, 2.0}, cfg, 2048, 1).head == 2.0);
+  CHECK(resolve_stage_costs({0.5, kAutoStageCost}, cfg, 2048, 1).embedding == 0.5);
+  CHECK(choose_layout(16, 4, 1, {}, resolve_stage_costs({0.0, 2.0}, cfg, 2048, 1)).counts() ==
+        std::vector<int64_t>{4, 4, 5, 3});
+  CHECK(choose_layout(16, 2, 1, {7, 9}, autoc).counts() == std::vector<int64_t>{7, 9});
+  CHECK(choose_layout(16, 4, 1, {}, {0.0, 0.0}).counts() == std::vector<int64_t>{4, 4, 4, 4});
+  CHECK_THROWS_AS(choose_layout(15, 4, 1, {}, {0.0, 0.0}), ConfigError);
+  CHECK(describe_layout(choose_layout(16, 4, 1, {}, {0.0, 0.0}), {}) == "layers per stage: 4, 4, 4, 4");
 }
 
 TEST_CASE("layout: stage costs from a profile recover the embedding and head costs", "[pipeline]") {
