@@ -203,6 +203,17 @@ bool single_pass(const cublasLtMatmulAlgo_t& algo) {
 
 // Times `algos` on the call's own operands (beta = 0: every run overwrites the same output) and
 // returns the index of the fastest; the first is kept unless another is at least 1% faster.
+// The heuristic's candidates worth timing: its first choice and every other single-pass one, or only the first
+// when that one is not single-pass (then no candidate keeps its summation order).
+std::vector<cublasLtMatmulAlgo_t> timing_candidates(const std::vector<cublasLtMatmulHeuristicResult_t>& res, int found) {
+  std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
+  if (found > 1 && single_pass(res[0].algo))
+    for (int i = 1; i < found; ++i)
+      if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
+        algos.push_back(res[size_t(i)].algo);
+  return algos;
+}
+
 // Times candidates 0..n-1 (`run(i)` launches candidate i on the call's own operands; beta = 0, so every run
 // overwrites the same output) and returns the fastest: two interleaved rounds of kReps launches (clock drift shows
 // as spread); a candidate must beat the earlier pick by 1 % to replace it; one that fails to launch is skipped.
@@ -323,17 +334,11 @@ void gemm(const GemmProblem& p, int device, void* stream) {
             cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.cin(), l.c, pref, want, res.data(), &found);
         if (st != CUBLAS_STATUS_SUCCESS || found <= 0) return false;
         plan.algo = res[0].algo;
-        // Only when the first choice sums in one pass too (else no candidate keeps its bits).
-        if (found > 1 && single_pass(res[0].algo)) {
-          std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
-          for (int i = 1; i < found; ++i)
-            if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
-              algos.push_back(res[size_t(i)].algo);
-          if (algos.size() > 1) {
-            const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);
-            plan.algo = algos[pick];
-            plan.retuned = pick != 0;
-          }
+        const std::vector<cublasLtMatmulAlgo_t> algos = timing_candidates(res, found);
+        if (algos.size() > 1) {
+          const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);
+          plan.algo = algos[pick];
+          plan.retuned = pick != 0;
         }
         return true;
       };
@@ -481,19 +486,14 @@ void gemm_fp8(const GemmFp8Problem& p, int device, void* stream) {
                   p.m, p.n, p.k, dtype_name(p.a_dtype), dtype_name(p.b_dtype), dtype_name(p.out_dtype));
       plan.algo = res[0].algo;
       // As the bf16 products (ops::GemmAutotune): only single-pass candidates, so every one sums in one order.
-      if (found > 1 && single_pass(res[0].algo)) {
-        std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
-        for (int i = 1; i < found; ++i)
-          if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
-            algos.push_back(res[size_t(i)].algo);
-        if (algos.size() > 1) {
-          const float alpha = 1.f;
-          auto run = [&](size_t i) {
-            return cublasLtMatmul(handle, d.d, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c,
-                                  &algos[i], gemm_ws, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
-          };
-          plan.algo = algos[time_algos(run, algos.size(), stream)];
-        }
+      const std::vector<cublasLtMatmulAlgo_t> algos = timing_candidates(res, found);
+      if (algos.size() > 1) {
+        const float alpha = 1.f;
+        auto run = [&](size_t i) {
+          return cublasLtMatmul(handle, d.d, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c,
+                                &algos[i], gemm_ws, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+        };
+        plan.algo = algos[time_algos(run, algos.size(), stream)];
       }
       cache->plans.emplace(key, plan);
     }
