@@ -404,7 +404,7 @@ class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` (already private to megacore).
   MpiCommunicator(MPI_Comm comm, const CommOptions& options) : st_(std::make_shared<MpiState>()) {
-    reap_retired();  // context ids of released groups become free for this one
+    reap_retired();  // frees released groups, so their context ids serve the duplicate below and later groups
     options_ = options;
     st_->comm = comm;
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
