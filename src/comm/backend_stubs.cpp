@@ -9,6 +9,7 @@ namespace megacore::comm {
 
 #if !MEGACORE_WITH_MPI
 bool mpi_available() { return false; }
+size_t mpi_retained_communicators() { return 0; }
 std::unique_ptr<Communicator> make_mpi_world(const CommOptions&) {
   raise<ConfigError>("this megacore was built without MPI, so host tensors have no communicator; install Open "
                      "MPI (libopenmpi-dev) and rebuild (cmake -DMEGACORE_MPI=ON)");

@@ -6,6 +6,11 @@
 // buffers are kept alive and the communicator is abandoned (never freed) rather than reused, since
 // a later collective on it would match the stale one. Peers learn about an abort through a notice
 // sent on a second, private communicator, so the whole group fails fast, not one rank at a time.
+//
+// A destroyed communicator's MPI communicators are freed only once every member has destroyed its
+// own without an abort (a nonblocking barrier on the control communicator, see Retired): a peer may
+// still send an abort notice after this rank let go, and Open MPI delivers a message that arrives for
+// a freed context id to the next communicator that reuses the id (it crashed there, in MPI_Comm_dup).
 #include "megacore/comm/mpi_communicator.hpp"
 
 #include <mpi.h>
@@ -144,6 +149,60 @@ Abandoned& abandoned() {
   return *a;
 }
 
+// MPI communicators of destroyed megacore communicators. A pair (data, control) is freed when the
+// barrier every member posts on its control communicator as it lets go completes: then no member
+// aborted the group (an aborting rank never posts it), so no abort notice was sent on the pair and
+// none can arrive after the free. A pair whose barrier never completes (a peer aborted it, or died)
+// stays allocated for the life of the process, as does one that this rank saw aborted.
+struct Retired {
+  struct Waiting {
+    MPI_Request barrier;
+    MPI_Comm comm, ctrl;
+  };
+  std::mutex mutex;
+  std::vector<Waiting> waiting;
+  std::vector<std::pair<MPI_Comm, MPI_Comm>> kept;
+
+  // Frees the pairs whose barrier has completed.
+  void reap() {
+    std::erase_if(waiting, [this](Waiting& w) {
+      int flag = 0;
+      if (MPI_Test(&w.barrier, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+        kept.emplace_back(w.comm, w.ctrl);
+        return true;
+      }
+      if (!flag) return false;
+      MPI_Comm_free(&w.ctrl);
+      MPI_Comm_free(&w.comm);
+      return true;
+    });
+  }
+};
+Retired& retired() {
+  static Retired* r = new Retired;
+  return *r;
+}
+
+// Hands a destroyed communicator's pair to the retired list; `releasable` when this rank may post the
+// release barrier (it never aborted the pair nor saw it aborted, and nothing is pending on it).
+void retire(MPI_Comm comm, MPI_Comm ctrl, bool releasable) {
+  Retired& r = retired();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (releasable && ctrl != MPI_COMM_NULL && MPI_Ibarrier(ctrl, &req) == MPI_SUCCESS) {
+    r.waiting.push_back({req, comm, ctrl});
+  } else if (comm != MPI_COMM_NULL || ctrl != MPI_COMM_NULL) {
+    r.kept.emplace_back(comm, ctrl);
+  }
+  r.reap();
+}
+
+void reap_retired() {
+  Retired& r = retired();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.reap();
+}
+
 struct MpiState {
   MPI_Comm comm = MPI_COMM_NULL;  // data traffic
   MPI_Comm ctrl = MPI_COMM_NULL;  // abort notices
@@ -173,17 +232,11 @@ struct MpiState {
       std::lock_guard<std::mutex> lock(a.mutex);
       for (auto& p : orphans) a.pending.push_back(std::move(p));
       for (auto& n : notices) a.notices.push_back(std::move(n));
-      return;
     }
-    // Once any communicator of this process has seen an abort, a peer may have sent this one messages
-    // that no receive will match: abort notices on ctrl (peers notify every group they abort, also ones
-    // this rank has finished with), parts of a collective on comm. Freeing a communicator with unmatched
-    // incoming messages is erroneous: Open MPI hands them to the next communicator that reuses the
-    // context id (ob1 crashed there, in MPI_Comm_dup). So after an abort neither is freed; a process
-    // that saw an abort is ending (or, in the tests, goes on with fresh context ids).
-    if (g_any_aborted) return;
-    if (ctrl != MPI_COMM_NULL) MPI_Comm_free(&ctrl);
-    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+    // Not freed here even when this rank is done with it: a peer that has not finished may still abort
+    // the group and send a notice on ctrl (or leave parts of a collective on comm), and Open MPI would
+    // hand those to the next communicator that reuses the context id.
+    retire(comm, ctrl, /*releasable=*/!aborted && quiet);
   }
 
   // Receives one abort notice that has arrived on ctrl (its text and sender); false when none has.
@@ -351,6 +404,7 @@ class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` (already private to megacore).
   MpiCommunicator(MPI_Comm comm, const CommOptions& options) : st_(std::make_shared<MpiState>()) {
+    reap_retired();  // frees released groups, so their context ids serve the duplicate below and later groups
     options_ = options;
     st_->comm = comm;
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
@@ -650,6 +704,17 @@ void ensure_mpi_initialized() {
 }  // namespace
 
 bool mpi_available() { return true; }
+
+size_t mpi_retained_communicators() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return 0;
+  Retired& r = retired();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.reap();
+  return r.waiting.size() + r.kept.size();
+}
 
 namespace detail {
 void mpi_abort_world(int code) {

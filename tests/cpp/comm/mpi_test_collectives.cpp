@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "comm/comm_suite.hpp"
+#include "megacore/comm/mpi_communicator.hpp"
 
 using namespace commtest;
 using namespace std::chrono_literals;
@@ -187,6 +188,74 @@ TEST_CASE("mpi abort() reaches every rank of the group", "[comm]") {
   Tensor t = make(DType::F32, {1.0});
   CHECK_THROWS_AS(c->all_reduce(t), CommError);
   CHECK_THROWS_AS(c->barrier(), CommError);
+}
+
+// Waits (up to 20 s) until the retained count is at most `limit`; returns the last count.
+size_t retained_settles_to(size_t limit) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  size_t n = mpi_retained_communicators();
+  while (n > limit && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+    n = mpi_retained_communicators();
+  }
+  return n;
+}
+
+TEST_CASE("mpi groups made and destroyed over and over are freed once every member lets go", "[comm]") {
+  auto w = make_mpi_world(opts());
+  w->barrier();
+  const size_t before = mpi_retained_communicators();
+  for (int i = 0; i < 40; ++i) {
+    // Singletons and pairs: the shapes whose private duplicates pick a context id among few ranks.
+    auto one = w->split(w->rank(), 0, opts("one"));
+    auto pair = w->split(w->rank() / 2, w->rank(), opts("pair"));
+    Tensor t = make(DType::I32, {1.0});
+    pair->all_reduce(t)->wait();
+    CHECK(t.item() == double(pair->size()));
+  }
+  // Every rank has destroyed every group; their release barriers complete as the ranks poll.
+  w->barrier();
+  CHECK(retained_settles_to(before) <= before);
+}
+
+TEST_CASE("mpi a group one rank has destroyed while its peers abort it stays allocated there", "[comm]") {
+  // The last rank lets go of 'doomed' first; the others then abort it, so their abort notices travel to
+  // a communicator the last rank no longer uses. Were its MPI communicators freed, the notices would be
+  // delivered to whichever new communicator reuses their context id (Open MPI segfaulted there, in the
+  // MPI_Comm_dup of a singleton group's control communicator).
+  auto w = make_mpi_world(opts());
+  if (w->size() < 2) return;
+  const int last = w->size() - 1;
+  for (int round = 0; round < 3; ++round) {
+    auto doomed = w->split(0, w->rank(), opts("doomed"));
+    if (w->rank() == last) doomed.reset();
+    w->barrier();
+    if (w->rank() != last) {
+      doomed->abort();
+      CHECK(doomed->aborted());
+      doomed.reset();
+    }
+    w->barrier();
+    // 'doomed' of every round so far stays on every rank: aborted here, or waiting for peers that aborted it.
+    const size_t held = mpi_retained_communicators();
+    CHECK(held >= size_t(round + 1));
+    for (int i = 0; i < 10; ++i) {
+      // Several singletons at once, so their control duplicates take every context id freed on this rank.
+      std::vector<std::unique_ptr<Communicator>> ones;
+      for (int k = 0; k < 3; ++k) ones.push_back(w->split(w->rank(), 0, opts("one")));
+      auto pair = w->split(w->rank() / 2, w->rank(), opts("pair"));
+      for (const auto& one : ones) CHECK_FALSE(one->aborted());
+      CHECK_FALSE(pair->aborted());
+      Tensor t = make(DType::I32, {double(w->rank())});
+      pair->all_reduce(t)->wait();
+      const int first = w->rank() / 2 * 2;
+      CHECK(t.item() == double(pair->size() == 2 ? 2 * first + 1 : first));
+    }
+    w->barrier();
+    // The fresh groups were freed again; 'doomed' was not.
+    CHECK(retained_settles_to(held) <= held);
+    CHECK(mpi_retained_communicators() >= size_t(round + 1));
+  }
 }
 
 TEST_CASE("mpi communicator over a caller's MPI_Comm", "[comm]") {

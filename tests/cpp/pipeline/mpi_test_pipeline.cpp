@@ -255,19 +255,21 @@ TEST_CASE("A pipeline stage that throws makes the other stages fail with CommErr
   auto world = world_comm();
   const int pp = world->size() >= 4 ? 4 : 2;
   if (world->size() % pp != 0) return;
-  comm::CommOptions o;
-  o.timeout = std::chrono::seconds(2);
-  o.name = "short";
-  auto short_world = world->split(0, world->rank(), o);
   {
-    ProcessGrid grid(*short_world, ParallelConfig{.pipeline = pp}, {GroupKind::Tp, GroupKind::Pp});
+    // The grid is built under the world's generous timeout (its splits must not time out on a loaded machine);
+    // only the pipeline's own group has the short one.
+    ProcessGrid grid(*world, ParallelConfig{.pipeline = pp}, {GroupKind::Tp, GroupKind::Pp});
     mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
     cfg.num_layers = 4;
     const pl::PipelineLayout layout = pl::PipelineLayout::uniform(cfg.num_layers, pp, 1);
     const int r = grid.pp_rank();
     mdl::GPTModel chunk(cfg, grid.tp(), {.layer_indices = layout.layer_indices(r, 0), .pre_process = r == 0,
                                          .post_process = r == pp - 1});
-    pl::PipelineEngine engine(grid.pp(), layout, {&chunk});
+    comm::CommOptions o = grid.pp().options();
+    o.timeout = std::chrono::seconds(2);
+    o.name = "short_pp";
+    auto short_pp = grid.pp().split(0, grid.pp().rank(), o);
+    pl::PipelineEngine engine(*short_pp, layout, {&chunk});
     std::vector<pl::MicroBatch> mbs;
     for (int i = 0; i < pp; ++i) mbs.push_back(make_mb(cfg.vocab_size, i, 0));
     // The last stage gets f32 tokens-as-labels of the right shape: its forward throws ValueError.
