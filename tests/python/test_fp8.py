@@ -323,3 +323,17 @@ def test_fp8_param_gather_is_checked_and_planned(capsys):
     out = capsys.readouterr().out
     assert "fp8_param_gather: ZeRO-1 all-gathers the FP8 linears' weights as E4M3 codes" in out
     assert "(DP x CP = 1: nothing to gather)" in out  # tiny: TP 2 x PP 2 on 4 ranks
+
+
+@needs_mpi
+def test_fp8_param_gather_with_moe_keeps_experts_in_bf16(tmp_path):
+    """tiny_moe on 4 ranks at EP 2 (DP 4, expert-DP 2): the attention's FP8 weights are gathered as codes, the routed experts stay bf16 in
+    the expert DDP; 4 steps give the same losses and gradient norms bit for bit as without the option."""
+    from test_moe_train import _run as _moe_run
+    sets = ["--set", "parallel.ep=2", "--set", "trainer.precision=bf16", "--set", "trainer.fp8=delayed",
+            "--set", "trainer.fp8_emulation=true", "--set", "parallel.use_distributed_optimizer=true"]
+    _, off = _moe_run(tmp_path, "off", 4, *sets)
+    out, on = _moe_run(tmp_path, "on", 4, *sets, "--set", "trainer.fp8_param_gather=true")
+    assert "fp8_param_gather: 8 FP8 weights" in out  # QKV and projection of 4 layers
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
