@@ -253,6 +253,9 @@ _GATHER_LAYOUTS = {
     "dp2": dict(resources__num_gpus_per_node=2, parallel__tp=1, parallel__pp=1, data__micro_batch_size=4),
     "dp4": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=1, data__micro_batch_size=2),
     "tp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=2, parallel__pp=1, data__micro_batch_size=4),
+    # ZeRO-1 shards over DP x CP: the weights are cut over the 4 ranks of CP 2 x DP 2.
+    "cp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=1, parallel__cp=2,
+                    data__micro_batch_size=4),
     # Two chunks per stage (all chunks' FP8 weights in one DDP), the other buckets' gathers overlapped with the
     # forward, the first and last layers kept in bf16 (their weights gathered in bf16).
     "pp2_vp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=2, parallel__vp=2,
@@ -269,7 +272,8 @@ def _gather_run(tmp_path, name, on, steps, scaling, layout, **sets):
 
 @needs_mpi
 @pytest.mark.parametrize("layout,scaling", [("dp2", "delayed"), ("dp4", "delayed"), ("tp2_dp2", "delayed"),
-                                            ("tp2_dp2", "current"), ("pp2_vp2_dp2", "delayed")])
+                                            ("tp2_dp2", "current"), ("cp2_dp2", "delayed"),
+                                            ("pp2_vp2_dp2", "delayed")])
 def test_fp8_param_gather_trains_bit_identically(tmp_path, layout, scaling):
     """Gathering the FP8 weights as codes casts the same bf16 values with the same scales as each layer's own cast
     of its full weight, so 4 steps give the same losses and gradient norms bit for bit as ZeRO-1's bf16 gather; the
