@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels/bench.hpp"
+#include "kernels/bench_memops_util.hpp"
 #include "megacore/megacore.hpp"
 #include "ops/cuda/gemm_cuda.hpp"
 
@@ -185,5 +186,35 @@ MC_BENCHMARK("gemm_fp8", 10) {
                 {"peer_tflops", tf16},
                 {"vs_peer", ms16 / ms8},
                 {"card", ctx.card}});
+  }
+}
+
+// The FP8 casts of the linear layers' operands (ops::fp8_cast, ops::fp8_cast_transpose with amax and
+// saturation counts) at the Llama-3-8B TP 4 shapes of a 16384-token micro-batch and the reference 1.1B's, in
+// TB/s of bytes moved (2 read + 1 per output written) against the run's device-to-device copy ceiling.
+MC_BENCHMARK("fp8_cast", 10) {
+  struct CastShape {
+    const char* name;
+    int64_t rows, cols;
+  };
+  std::vector<CastShape> shapes{{"8b_tp4_hidden", 16384, 4096}, {"8b_tp4_fc1_dy", 16384, 7168},
+                                {"8b_tp4_qkv_dy", 16384, 1536}, {"8b_tp4_proj_in", 16384, 1024},
+                                {"1b_fc2_in", 8192, 8192},       {"1b_hidden", 8192, 2048}};
+  if (ctx.quick) shapes.resize(2);
+  const int samples = ctx.quick ? 10 : 30;
+  const Device dev = Device::cuda(0);
+  for (const auto& s : shapes) {
+    Tensor x = mcbench::dev_randn({s.rows, s.cols}, DType::BF16, 11);
+    Tensor scale = Tensor::full({1}, 8.0, DType::F32, dev), amax = Tensor::zeros({1}, DType::F32, dev);
+    Tensor counts = Tensor::zeros({2}, DType::I64, dev);
+    Tensor q = Tensor::empty(x.shape(), DType::F8E4M3, dev), qt = Tensor::empty({s.cols, s.rows}, DType::F8E4M3, dev);
+    const std::string shape = std::to_string(s.rows) + "x" + std::to_string(s.cols);
+    const double n = double(s.rows) * double(s.cols);
+    double ms = mcbench::time_ms([&] { ops::fp8_cast(x, scale, q, amax, counts); }, 3, samples);
+    mcbench::record_bw(ctx, std::string("fp8_cast_") + s.name, shape, "bf16 -> e4m3", ms, 3 * n);
+    ms = mcbench::time_ms([&] { ops::fp8_cast_transpose(x, scale, q, qt, amax, counts); }, 3, samples);
+    mcbench::record_bw(ctx, std::string("fp8_cast_transpose_") + s.name, shape, "bf16 -> e4m3 + transpose", ms, 4 * n);
+    ms = mcbench::time_ms([&] { ops::fp8_cast_transpose(x, scale, Tensor(), qt, amax, counts); }, 3, samples);
+    mcbench::record_bw(ctx, std::string("fp8_transpose_only_") + s.name, shape, "bf16 -> e4m3 transposed", ms, 3 * n);
   }
 }

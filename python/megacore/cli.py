@@ -123,7 +123,8 @@ def _add_plan(sub):
 def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_length=2048, micro_batch_size=1,
          sequence_parallel=False, zero=False, gpu_memory_gib=80.0, pipeline_layout=None, pipeline_embedding_cost=-1.0,
          pipeline_head_cost=-1.0, headroom_gib=None, grad_reduce_in_bf16=False, etp=0, main_params_dtype="f32",
-         main_grads_dtype="f32", exp_avg_dtype="f32", exp_avg_sq_dtype="f32"):
+         main_grads_dtype="f32", exp_avg_dtype="f32", exp_avg_sq_dtype="f32", fp8="none", fp8_wgrad=True,
+         fp8_keep_gathered_input=False):
     """The numbers `megacore plan` prints, as a dict; raises ConfigError for an invalid model or layout.
 
     Memory per GPU (the pipeline rank that needs the most), in bytes: bf16 weights (2/param), main grads (4/param in
@@ -146,6 +147,14 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     per virtual stage), else balanced for the embedding/head costs (in layers; -1 = derived from the model's shape by
     pipeline.stage_costs_from_model, as the trainer does) when either is > 0, else even. The result's
     ``stage_costs`` are the costs used and ``rank_work`` the estimated work per pipeline rank in layers.
+
+    FP8 (``fp8`` delayed or current): ``fp8_weights`` adds each FP8 linear's cached E4M3 weight and its transpose
+    (2 bytes per weight element of the QKV, projection, FC1 and FC2 layers; counted for every layer), and the
+    activations change where the layers keep FP8 codes for the weight gradient (``fp8_wgrad``): the projection adds
+    its input's transposed codes (the attention keeps the bf16 output anyway, +1 byte per element), FC2 keeps codes in
+    place of its bf16 input (−1), QKV and FC1 likewise without sequence parallelism (−1 each), and with it keep their
+    bf16 chunk, or with ``fp8_keep_gathered_input`` the gathered input's codes instead (+1 per element of the
+    sequence, −2 per element of the chunk).
 
     MoE models (``num_moe_experts`` > 0): a MoE layer's routed experts are split over EP × expert-TP (``etp``, 0 =
     TP) instead of TP, so a rank holds 1/(EP·expert-TP) of them, and ZeRO-1 shards their optimizer state over
@@ -198,6 +207,22 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     act_layer = m.activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc)["total"]
     moe_act = (m.moe_activation_bytes_per_layer(cfg, s, b, tp, sequence_parallel, 2, rc, etp_size)
                if cfg.num_moe_experts > 0 else {"saved": 0.0, "dispatch": 0.0})
+    if fp8 not in ("none", "delayed", "current"):
+        raise McValueError(f"fp8 '{fp8}' is not none, delayed or current")
+    fp8_on = fp8 != "none"
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn_w = cfg.num_attention_heads * hd
+    fc1_w = cfg.ffn_size * (2 if str(cfg.activation).lower().endswith("swiglu") else 1)
+    # Weight elements of a layer's four FP8 linears on one TP rank (a MoE layer: the attention's two).
+    lin_dense = (h * (cfg.num_attention_heads + 2 * cfg.query_groups) * hd + attn_w * h + h * fc1_w
+                 + cfg.ffn_size * h) / tp
+    lin_moe = (h * (cfg.num_attention_heads + 2 * cfg.query_groups) * hd + attn_w * h) / tp
+    fp8_act = 0.0
+    if fp8_on and fp8_wgrad:
+        t = s * b
+        col = -1.0 if not sequence_parallel else ((1.0 - 2.0 / tp) if fp8_keep_gathered_input else 0.0)
+        fp8_act = t * attn_w / tp - t * cfg.ffn_size / tp + 2 * col * t * h
+    act_layer += fp8_act
     logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
     q_elems = s * b * cfg.num_attention_heads / tp * cfg.head_dim
     kv_elems = s * b * cfg.query_groups / tp * cfg.head_dim
@@ -235,6 +260,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "moe_dispatch": moe_act["dispatch"] if rank_moe_layers[r] > 0 else 0.0,
             "logits": logits if r == pp - 1 else 0.0,
             "cp_ring": cp_ring,
+            **({"fp8_weights": 2 * ((rank_layers[r] - rank_moe_layers[r]) * lin_dense + rank_moe_layers[r] * lin_moe)}
+               if fp8_on else {}),
         }
 
     busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
@@ -315,7 +342,8 @@ def plan_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
                 rec.data.micro_batch_size, p.sequence_parallel, p.use_distributed_optimizer, gpu_memory_gib,
                 p.pipeline_layout, p.pipeline_embedding_cost, p.pipeline_head_cost, headroom_gib,
                 p.grad_reduce_in_bf16, p.expert_tensor_parallel_size, o.main_params_dtype, o.main_grads_dtype,
-                o.exp_avg_dtype, o.exp_avg_sq_dtype)
+                o.exp_avg_dtype, o.exp_avg_sq_dtype, rec.trainer.fp8, rec.trainer.fp8_wgrad,
+                rec.trainer.fp8_keep_gathered_input)
 
 
 def fit_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
@@ -440,7 +468,8 @@ _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "e
 def _run_plan(args) -> int:
     if args.recipe:
         flags = [f"{key}={getattr(args, a)}" for a, key in _PLAN_FLAGS.items() if getattr(args, a) is not None]
-        rec = load_recipe(args.recipe, None, list(args.set) + flags)
+        # --world-size sizes the recipe as `train --nproc-per-node N` would (one node of N GPUs): its layout follows.
+        rec = load_recipe(args.recipe, None, list(args.set) + flags, args.world_size, 1 if args.world_size else None)
         rec.validate(check_paths=False)
         args.model = rec.name
         args.world_size = rec.world_size
@@ -542,7 +571,10 @@ def load_recipe(name=None, config=None, overrides=(), nproc_per_node=None, nodes
 
     if bool(name) == bool(config):
         raise ConfigError("give exactly one of --recipe NAME or --config FILE")
-    r = get(name) if name else Recipe.from_file(config)
+    # A named recipe is built for the GPUs given, so its size-dependent defaults (the layout a large model's recipe
+    # fits to its GPUs) follow --nproc-per-node / --nodes instead of the recipe's default size.
+    sizes = {k: v for k, v in (("num_gpus_per_node", nproc_per_node), ("num_nodes", nodes)) if v}
+    r = get(name, **sizes) if name else Recipe.from_file(config)
     if nproc_per_node:
         r.resources.num_gpus_per_node = nproc_per_node
     if nodes:

@@ -350,8 +350,10 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, x, s) : pm::copy_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(total, in_, s);
-  // With SP the bf16 chunk is smaller than the gathered input's FP8 codes (TP > 2) and is kept.
-  Tensor y2 = product(ctx, x2, opts_.bias ? bias_.data : Tensor(), !opts_.sequence_parallel);
+  // With SP the bf16 chunk is smaller than the gathered input's FP8 codes (TP > 2) and is kept, unless the recipe
+  // keeps the gathered codes (Fp8Recipe::keep_gathered_input).
+  const bool keep_fp8 = !opts_.sequence_parallel || (fp8_ && fp8_->recipe().keep_gathered_input);
+  Tensor y2 = product(ctx, x2, opts_.bias ? bias_.data : Tensor(), keep_fp8);
   saved_input_ = ctx.training && !saved_input_t_.defined() ? x : Tensor();
   saved_shape_ = x.shape();
   Tensor y = y2.view(with_last(total.shape(), out_local_));
@@ -370,9 +372,13 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
                    "pass the gradient of forward's output, which has the same shape");
   Tensor dyl = opts_.gather_output ? pm::gather_from_tp_backward(tp_, dy, s) : dy;
   if (opts_.overlap_grad_comm && tp_.size() > 1 && !lora_ && !frozen_ && !fp8_) return backward_overlapped(s, dyl);
-  // With SP the input is re-gathered here instead of being kept whole since forward.
-  Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, saved_input_, s) : saved_input_;
-  const Shape total_shape = total.defined() ? total.shape() : saved_shape_;
+  // With SP the input is re-gathered here instead of being kept whole since forward (unless forward kept its
+  // transposed FP8 codes instead: saved_input_ is then empty).
+  Tensor total = opts_.sequence_parallel && saved_input_.defined()
+                     ? pm::all_gather_from_sp_forward(tp_, saved_input_, s)
+                     : saved_input_;
+  Shape total_shape = total.defined() ? total.shape() : saved_shape_;
+  if (!total.defined() && opts_.sequence_parallel) total_shape[0] *= tp_.size();
   Tensor x2 = total.defined() ? as_rows(total, in_, s) : Tensor();
   const int64_t rows = x2.defined() ? x2.size(0) : saved_input_t_.size(1);
   Tensor dy2 = as_rows(dyl, out_local_, s);

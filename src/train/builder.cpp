@@ -142,6 +142,7 @@ void enable_fp8(const RunConfig& cfg, const mdl::TransformerConfig& m, const Pla
   r.margin = int(t.fp8_margin);
   r.grad_dtype = t.fp8_format == "e4m3" ? DType::F8E4M3 : DType::F8E5M2;
   r.wgrad = t.fp8_wgrad;
+  r.keep_gathered_input = t.fp8_keep_gathered_input;
   int64_t on = 0;
   for (auto& ch : chunks) on += mdl::enable_fp8(*ch, r, t.fp8_bf16_layers);
   if (print) {

@@ -198,3 +198,36 @@ def test_few_microbatches_for_the_pipeline_warn():
 def test_unknown_recipe_name():
     with pytest.raises(ConfigError, match="unknown recipe 'llama9'"):
         recipes.get("llama9")
+
+
+def test_recipe_layout_follows_the_gpus_given(capsys):
+    # `train --nproc-per-node N` and `plan --world-size N` build the recipe for N GPUs: Llama-3-8B's layout is the one
+    # plan --fit picks for N (TP 4 on 4 GPUs), not its default 8-GPU layout with fewer data-parallel replicas.
+    for n in (4, 8):
+        r = cli.load_recipe("llama3_8b", None, [], n, None)
+        fit = cli.fit_layout("llama3_8b", n, 80.0, 8192)
+        assert r.world_size == n
+        assert (r.parallel.tensor_model_parallel_size, r.parallel.pipeline_model_parallel_size) == (fit["tp"], fit["pp"])
+        assert r.parallel.use_distributed_optimizer == fit["zero"]
+    assert cli.load_recipe("llama3_8b", None, [], 4, None).parallel.tensor_model_parallel_size == 4
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--world-size", "4"]) == 0
+    assert "world 4 = TP 4 × CP 1 × DP 1" in capsys.readouterr().out
+
+
+def test_plan_counts_fp8_weights_and_kept_codes():
+    # FP8 adds the cached E4M3 weights and transposes (2 bytes per linear weight element) and, with the gathered
+    # input's codes kept under SP at TP 4, one byte per element of the sequence in place of two per chunk element.
+    kw = dict(tp=4, seq_length=8192, micro_batch_size=1, sequence_parallel=True, gpu_memory_gib=141)
+    base = cli.plan("llama3_8b", 4, **kw)
+    fp8 = cli.plan("llama3_8b", 4, fp8="delayed", **kw)
+    kept = cli.plan("llama3_8b", 4, fp8="delayed", fp8_keep_gathered_input=True, **kw)
+    c = mc.model.llama3_8b()
+    h, hd, f = c.hidden_size, c.head_dim, c.ffn_size
+    lin = (h * (c.num_attention_heads + 2 * c.query_groups) * hd + c.num_attention_heads * hd * h + 2 * h * f + f * h) / 4
+    assert fp8["memory_bytes"]["fp8_weights"] == pytest.approx(2 * c.num_layers * lin)
+    assert "fp8_weights" not in base["memory_bytes"]
+    t = 8192
+    per_layer = (kept["memory_bytes"]["activations"] - fp8["memory_bytes"]["activations"]) / c.num_layers
+    assert per_layer == pytest.approx(2 * (1 - 2 / 4) * t * h)
+    with pytest.raises(Exception, match="fp8 'fp9' is not none, delayed or current"):
+        cli.plan("llama3_8b", 4, fp8="fp9", **kw)

@@ -57,6 +57,9 @@ struct Fp8Recipe {
   DType grad_dtype = DType::F8E5M2;
   /// Run the weight gradient in FP8 too (else in the layer's dtype from its saved input).
   bool wgrad = true;
+  /// Sequence-parallel column layers keep the gathered input's transposed FP8 codes for the weight gradient
+  /// instead of their bf16 chunk (no all-gather and cast of the input in backward; more memory for TP > 2).
+  bool keep_gathered_input = false;
 };
 
 /// A matrix's FP8 codes and their transpose (either may be undefined when not asked for).

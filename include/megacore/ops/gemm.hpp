@@ -107,7 +107,7 @@ int gemm_sm_margin(int device);
 /// reduction are timed, so every candidate sums each output in the same order as the first choice.
 /// Calls that cannot be repeated harmlessly keep the first heuristic choice: beta != 0 (the output is
 /// read) and streams being captured into a CUDA graph. The timing synchronises the calling stream
-/// once per shape (tens of milliseconds for the largest products).
+/// once per shape (tens of milliseconds for the largest products). ops::gemm_fp8 follows the same policy.
 struct GemmAutotune {
   bool enabled = true;      ///< default on; MEGACORE_GEMM_AUTOTUNE=0 in the environment turns it off
   double min_gflop = 20.0;  ///< smaller products (2*m*n*k*batch/1e9) keep the heuristic's first choice

@@ -265,6 +265,7 @@ struct TrainerSection {
   std::string fp8_format = "hybrid";
   int64_t fp8_bf16_layers = 0;
   bool fp8_wgrad = true;
+  bool fp8_keep_gathered_input = false;
   bool fp8_emulation = false;
   bool fp8_param_gather = false;
 
@@ -361,6 +362,12 @@ struct TrainerSection {
             "Run the weight-gradient GEMM (dW = dyᵀ x) in FP8 too, as Transformer Engine; false keeps it in bf16 "
             "from the saved bf16 input."},
       s.fp8_wgrad);
+    f(Field{"fp8_keep_gathered_input",
+            "With sequence parallelism, the QKV and FC1 layers keep the all-gathered input's transposed FP8 codes "
+            "from forward for the weight gradient (1 byte per element of the whole sequence) instead of their bf16 "
+            "chunk (2 bytes per element of 1/TP of it): backward skips re-gathering and re-casting the input. "
+            "More activation memory for TP > 2, less time."},
+      s.fp8_keep_gathered_input);
     f(Field{"fp8_emulation",
             "Allow fp8 on CPU ranks, emulated (decode to f32, f32 GEMM): for tests and debugging, not speed."},
       s.fp8_emulation);

@@ -3,11 +3,12 @@
 // saturation / flush counts, then one thread per block folds them into the global results with atomics.
 // The element math is fp8_math's, the same code as the CPU path, so the two give the same bits.
 //
-// The cast-transpose works on 64 × 64 tiles with 256 threads when rows and columns are multiples of 8 (every
-// FP8 GEMM operand): a thread reads 8 consecutive elements of a row in one access, writes their 8 codes to
-// `out` as one 8-byte store and scatters them into a transposed shared-memory tile; after a barrier each
-// thread reads 8 consecutive codes of a tile column and writes them to `out_t` as one 8-byte store. Other
-// shapes take a 32 × 32-tile kernel with one element per thread and access. The plain cast likewise moves
+// The cast-transpose, when rows and columns are multiples of 8 (every FP8 GEMM operand), gives each thread an
+// 8 × 8 block held in registers: eight 8-element row reads issued together, each row's codes one 8-byte store
+// to `out`, each column's eight codes (packed in registers, no shared memory) one 8-byte store to `out_t`.
+// A warp's lanes cover 8 row groups × 4 column groups, so a row read touches 64 contiguous bytes per row
+// and a column store 64 contiguous bytes of out_t. Other shapes take a 32 × 32-tile kernel through shared
+// memory with one element per thread and access. The plain cast likewise moves
 // 8 elements per access when it can.
 //
 // The scale update runs one block per history column: the amax over the history is a block reduction of
@@ -55,92 +56,93 @@ __device__ void fold_block(uint32_t m, unsigned long long over, unsigned long lo
   }
 }
 
+// One thread's share of a cast: each element's code (fp8_math::quantize's codes, saturation and flush-to-zero
+// rules, in fewer instructions: the counts are 32-bit and compare bit patterns) and the running amax bits and
+// counts, folded into the global results once per block.
+template <class Q>
+struct CastStats {
+  uint32_t m = 0, over = 0, under = 0;
+  __device__ __forceinline__ uint8_t operator()(float v, float sc) {
+    m = max(m, fp8_math::abs_bits(v));
+    const float y = v * sc;
+    const uint32_t ay = fp8_math::abs_bits(y);
+    if (ay > 0x7f800000u) return 0x7f;  // NaN: one code on every device, not counted
+    const uint8_t q = fp8_math::encode<Q>(y);
+    over += ay > Q::kMaxF32Bits;  // |y| above the largest finite value, inf included
+    under += (ay != 0u) & ((q & 0x7fu) == 0u);
+    return q;
+  }
+  __device__ void fold(float* amax, int64_t* counts) const {
+    if (amax || counts) fold_block(m, over, under, amax, counts);
+  }
+};
+
 template <class T, class Q>
 __global__ void cast_kernel(const T* __restrict__ x, int64_t n, const float* __restrict__ scale,
                             uint8_t* __restrict__ out, float* amax, int64_t* counts) {
   const float sc = *scale;
-  uint32_t m = 0;
-  unsigned long long over = 0, under = 0;
+  CastStats<Q> st;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float v = to_f32(x[i]);
-    bool o, u;
-    out[i] = fp8_math::quantize<Q>(v, sc, o, u);
-    m = max(m, fp8_math::abs_bits(v));
-    over += o;
-    under += u;
+    out[i] = st(v, sc);
   }
-  if (amax || counts) fold_block(m, over, under, amax, counts);
+  st.fold(amax, counts);
 }
 
 template <class T, class Q>
 __global__ void cast_vec_kernel(const T* __restrict__ x, int64_t n8, const float* __restrict__ scale,
                                 uint8_t* __restrict__ out, float* amax, int64_t* counts) {
   const float sc = *scale;
-  uint32_t m = 0;
-  unsigned long long over = 0, under = 0;
+  CastStats<Q> st;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n8; i += int64_t(gridDim.x) * blockDim.x) {
     float v[8];
     load_f32<T, 8>(x + i * 8, v);
     Vec<uint8_t, 8> q;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      bool o, u;
-      q.v[j] = fp8_math::quantize<Q>(v[j], sc, o, u);
-      m = max(m, fp8_math::abs_bits(v[j]));
-      over += o;
-      under += u;
+      q.v[j] = st(v[j], sc);
     }
     reinterpret_cast<Vec<uint8_t, 8>*>(out)[i] = q;
   }
-  if (amax || counts) fold_block(m, over, under, amax, counts);
+  st.fold(amax, counts);
 }
 
-// 64 × 64 tiles, 256 threads, rows and cols multiples of 8 (see the header comment).
-constexpr int kVTile = 64, kVPad = 8;
+// Rows and cols multiples of 8 (see the header comment): a thread owns an 8 × 8 block, a warp 64 rows × 32
+// columns (lanes: 8 row groups × 4 column groups), a block of 8 warps 128 × 128.
+constexpr int kRB = 8, kWarpRows = 8 * kRB, kWarpCols = 4 * kRB, kCtTileR = 2 * kWarpRows, kCtTileC = 4 * kWarpCols;
 template <class T, class Q>
-__global__ void cast_transpose_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
-                                          const float* __restrict__ scale, uint8_t* __restrict__ out,
-                                          uint8_t* __restrict__ out_t, float* amax, int64_t* counts) {
-  __shared__ alignas(8) uint8_t tile_t[kVTile][kVTile + kVPad];  // [tile column][tile row]
+__global__ void __launch_bounds__(kThreads) cast_transpose_vec_kernel(const T* __restrict__ x, int64_t rows,
+                                                                      int64_t cols, const float* __restrict__ scale,
+                                                                      uint8_t* __restrict__ out,
+                                                                      uint8_t* __restrict__ out_t, float* amax,
+                                                                      int64_t* counts) {
   const float sc = *scale;
-  const int t = threadIdx.x;
-  const int lr = t / 8, lc = (t % 8) * 8;  // load: 8 threads per row of 64, 32 rows per pass
-  const int64_t tiles_c = (cols + kVTile - 1) / kVTile, tiles = ((rows + kVTile - 1) / kVTile) * tiles_c;
-  uint32_t m = 0;
-  unsigned long long over = 0, under = 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int br = (warp / 4) * kWarpRows + (lane / 4) * kRB, bc = (warp % 4) * kWarpCols + (lane % 4) * kRB;
+  const int64_t tiles_c = (cols + kCtTileC - 1) / kCtTileC, tiles = ((rows + kCtTileR - 1) / kCtTileR) * tiles_c;
+  CastStats<Q> st;
   for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
-    const int64_t r0 = (tl / tiles_c) * kVTile, c0 = (tl % tiles_c) * kVTile;
+    const int64_t r = (tl / tiles_c) * kCtTileR + br, c = (tl % tiles_c) * kCtTileC + bc;
+    if (r >= rows || c >= cols) continue;  // multiples of 8: the thread's 8 × 8 block is whole or absent
+    float v[kRB][8];
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      const int i = lr + pass * 32;
-      const int64_t r = r0 + i, c = c0 + lc;
-      if (r < rows && c < cols) {
-        float v[8];
-        load_f32<T, 8>(x + r * cols + c, v);
-        Vec<uint8_t, 8> q;
+    for (int i = 0; i < kRB; ++i) load_f32<T, 8>(x + (r + i) * cols + c, v[i]);
+    uint32_t lo[8] = {}, hi[8] = {};  // column j's codes of rows 0..3 and 4..7, one byte each
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          bool o, u;
-          q.v[j] = fp8_math::quantize<Q>(v[j], sc, o, u);
-          m = max(m, fp8_math::abs_bits(v[j]));
-          over += o;
-          under += u;
-          tile_t[lc + j][i] = q.v[j];
-        }
-        if (out) *reinterpret_cast<Vec<uint8_t, 8>*>(out + r * cols + c) = q;
+    for (int i = 0; i < kRB; ++i) {
+      Vec<uint8_t, 8> q;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        q.v[j] = st(v[i][j], sc);
+        (i < 4 ? lo[j] : hi[j]) |= uint32_t(q.v[j]) << (8 * (i % 4));
       }
+      if (out) *reinterpret_cast<Vec<uint8_t, 8>*>(out + (r + i) * cols + c) = q;
     }
-    __syncthreads();
+    // Column j of the block is 8 consecutive bytes of out_t's row c + j; a warp's 8 row groups make 64.
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      const int j = lr + pass * 32;  // tile column = row of out_t
-      const int64_t c = c0 + j, r = r0 + lc;
-      if (c < cols && r < rows)
-        *reinterpret_cast<Vec<uint8_t, 8>*>(out_t + c * rows + r) = *reinterpret_cast<const Vec<uint8_t, 8>*>(&tile_t[j][lc]);
-    }
-    __syncthreads();  // the tile is rewritten by the next iteration
+    for (int j = 0; j < 8; ++j) *reinterpret_cast<uint2*>(out_t + (c + j) * rows + r) = make_uint2(lo[j], hi[j]);
   }
-  if (amax || counts) fold_block(m, over, under, amax, counts);
+  st.fold(amax, counts);
 }
 
 constexpr int kTile = 32, kTileRows = kThreads / kTile;
@@ -152,21 +154,16 @@ __global__ void cast_transpose_kernel(const T* __restrict__ x, int64_t rows, int
   __shared__ uint8_t tile[kTile][kTile + 4];  // padded: a column read hits different banks
   const float sc = *scale;
   const int64_t tiles_c = (cols + kTile - 1) / kTile, tiles = ((rows + kTile - 1) / kTile) * tiles_c;
-  uint32_t m = 0;
-  unsigned long long over = 0, under = 0;
+  CastStats<Q> st;
   for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
     const int64_t r0 = (tl / tiles_c) * kTile, c0 = (tl % tiles_c) * kTile;
     for (int i = threadIdx.y; i < kTile; i += kTileRows) {
       const int64_t r = r0 + i, c = c0 + threadIdx.x;
       if (r < rows && c < cols) {
         const float v = to_f32(x[r * cols + c]);
-        bool o, u;
-        const uint8_t q = fp8_math::quantize<Q>(v, sc, o, u);
+        const uint8_t q = st(v, sc);
         if (out) out[r * cols + c] = q;
         tile[i][threadIdx.x] = q;
-        m = max(m, fp8_math::abs_bits(v));
-        over += o;
-        under += u;
       }
     }
     __syncthreads();
@@ -176,7 +173,7 @@ __global__ void cast_transpose_kernel(const T* __restrict__ x, int64_t rows, int
     }
     __syncthreads();  // the tile is rewritten by the next iteration
   }
-  if (amax || counts) fold_block(m, over, under, amax, counts);
+  st.fold(amax, counts);
 }
 
 template <class T>
@@ -283,8 +280,8 @@ void fp8_cast_transpose(DType in_dt, const void* x, int64_t rows, int64_t cols, 
     using T = decltype(tag);
     const bool vec = rows % 8 == 0 && cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % (8 * sizeof(T)) == 0 &&
                      reinterpret_cast<uintptr_t>(out) % 8 == 0 && reinterpret_cast<uintptr_t>(out_t) % 8 == 0;
-    const int tile = vec ? kVTile : kTile;
-    const int64_t tiles = ((rows + tile - 1) / tile) * ((cols + tile - 1) / tile);
+    const int tr = vec ? kCtTileR : kTile, tc = vec ? kCtTileC : kTile;
+    const int64_t tiles = ((rows + tr - 1) / tr) * ((cols + tc - 1) / tc);
     const unsigned blocks = unsigned(std::min<int64_t>(tiles, int64_t(sm_count(device)) * 8));
     dispatch_fp8(out_dt, [&](auto qtag) {
       using Q = decltype(qtag);

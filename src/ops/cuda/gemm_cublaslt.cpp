@@ -203,30 +203,37 @@ bool single_pass(const cublasLtMatmulAlgo_t& algo) {
 
 // Times `algos` on the call's own operands (beta = 0: every run overwrites the same output) and
 // returns the index of the fastest; the first is kept unless another is at least 1% faster.
-size_t fastest_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const Layouts& l, const GemmProblem& p,
-                    const std::vector<cublasLtMatmulAlgo_t>& algos, int device, void* stream) {
+// The heuristic's candidates worth timing: its first choice and every other single-pass one, or only the first
+// when that one is not single-pass (then no candidate keeps its summation order).
+std::vector<cublasLtMatmulAlgo_t> timing_candidates(const std::vector<cublasLtMatmulHeuristicResult_t>& res, int found) {
+  std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
+  if (found > 1 && single_pass(res[0].algo))
+    for (int i = 1; i < found; ++i)
+      if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
+        algos.push_back(res[size_t(i)].algo);
+  return algos;
+}
+
+// Times candidates 0..n-1 (`run(i)` launches candidate i on the call's own operands; beta = 0, so every run
+// overwrites the same output) and returns the fastest: two interleaved rounds of kReps launches (clock drift shows
+// as spread); a candidate must beat the earlier pick by 1 % to replace it; one that fails to launch is skipped.
+template <class Run>
+size_t time_algos(Run&& run, size_t n, void* stream) {
   auto cs = static_cast<cudaStream_t>(stream);
-  Allocator& alloc = Allocator::get(Device::cuda(device));
-  Stream s = Stream::from_native(Device::cuda(device), stream);
-  void* ws = alloc.allocate(kWorkspaceBytes, s);
   cudaEvent_t e0, e1;
   MC_CUDA_CHECK(cudaEventCreate(&e0));
   MC_CUDA_CHECK(cudaEventCreate(&e1));
-  auto run = [&](const cublasLtMatmulAlgo_t& a) {
-    return cublasLtMatmul(handle, desc, &p.alpha, p.b, l.a, p.a, l.b, &p.beta, c_source(p), l.cin(), p.c, l.c, &a, ws,
-                          kWorkspaceBytes, cs);
-  };
   constexpr int kReps = 3;
-  std::vector<float> best(algos.size(), 1e30f);
-  for (int round = 0; round < 2; ++round)  // two interleaved rounds: clock drift shows as spread
-    for (size_t i = 0; i < algos.size(); ++i) {
+  std::vector<float> best(n, 1e30f);
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < n; ++i) {
       if (best[i] < 0.f) continue;  // failed to launch
-      if (run(algos[i]) != CUBLAS_STATUS_SUCCESS) {
+      if (run(i) != CUBLAS_STATUS_SUCCESS) {
         best[i] = -1.f;
         continue;
       }
       MC_CUDA_CHECK(cudaEventRecord(e0, cs));
-      for (int r = 0; r < kReps; ++r) (void)run(algos[i]);
+      for (int r = 0; r < kReps; ++r) (void)run(i);
       MC_CUDA_CHECK(cudaEventRecord(e1, cs));
       MC_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0.f;
@@ -235,11 +242,24 @@ size_t fastest_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const La
     }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  alloc.deallocate(ws);
   MC_CUDA_CHECK(cudaGetLastError());
   size_t pick = 0;
-  for (size_t i = 1; i < algos.size(); ++i)
+  for (size_t i = 1; i < n; ++i)
     if (best[i] > 0.f && (best[pick] < 0.f || best[i] < best[pick] * 0.99f)) pick = i;
+  return pick;
+}
+
+size_t fastest_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const Layouts& l, const GemmProblem& p,
+                    const std::vector<cublasLtMatmulAlgo_t>& algos, int device, void* stream) {
+  Allocator& alloc = Allocator::get(Device::cuda(device));
+  Stream s = Stream::from_native(Device::cuda(device), stream);
+  void* ws = alloc.allocate(kWorkspaceBytes, s);
+  auto run = [&](size_t i) {
+    return cublasLtMatmul(handle, desc, &p.alpha, p.b, l.a, p.a, l.b, &p.beta, c_source(p), l.cin(), p.c, l.c,
+                          &algos[i], ws, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+  };
+  const size_t pick = time_algos(run, algos.size(), stream);
+  alloc.deallocate(ws);
   return pick;
 }
 
@@ -314,17 +334,11 @@ void gemm(const GemmProblem& p, int device, void* stream) {
             cublasLtMatmulAlgoGetHeuristic(handle, d.d, l.a, l.b, l.cin(), l.c, pref, want, res.data(), &found);
         if (st != CUBLAS_STATUS_SUCCESS || found <= 0) return false;
         plan.algo = res[0].algo;
-        // Only when the first choice sums in one pass too (else no candidate keeps its bits).
-        if (found > 1 && single_pass(res[0].algo)) {
-          std::vector<cublasLtMatmulAlgo_t> algos(1, res[0].algo);
-          for (int i = 1; i < found; ++i)
-            if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS && single_pass(res[size_t(i)].algo))
-              algos.push_back(res[size_t(i)].algo);
-          if (algos.size() > 1) {
-            const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);
-            plan.algo = algos[pick];
-            plan.retuned = pick != 0;
-          }
+        const std::vector<cublasLtMatmulAlgo_t> algos = timing_candidates(res, found);
+        if (algos.size() > 1) {
+          const size_t pick = fastest_algo(handle, d.d, l, p, algos, device, stream);
+          plan.algo = algos[pick];
+          plan.retuned = pick != 0;
         }
         return true;
       };
@@ -379,7 +393,7 @@ void gemm(const GemmProblem& p, int device, void* stream) {
 
 namespace {
 
-using Fp8Key = std::array<int64_t, 16>;
+using Fp8Key = std::array<int64_t, 17>;
 struct Fp8Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
@@ -414,13 +428,33 @@ void gemm_fp8(const GemmFp8Problem& p, int device, void* stream) {
   cublasLtHandle_t handle = handles().get(device);
   static Fp8PlanCache* cache = new Fp8PlanCache();
   const int sm = sm_target(device, p.sm_margin);
-  const Fp8Key key{device, int64_t(p.a_dtype), int64_t(p.b_dtype), int64_t(p.out_dtype), p.m, p.n, p.k, p.lda,
-                   p.ldb, p.ldc, p.beta != 0.f, p.fast_accum, alignment_of(p.a), alignment_of(p.b),
-                   alignment_of(p.c), sm};
+  Fp8Key key{device, int64_t(p.a_dtype), int64_t(p.b_dtype), int64_t(p.out_dtype), p.m, p.n, p.k, p.lda,
+             p.ldb, p.ldc, p.beta != 0.f, p.fast_accum, alignment_of(p.a), alignment_of(p.b),
+             alignment_of(p.c), sm, p.autotune_candidates > 1 && p.beta == 0.f ? p.autotune_candidates : 0};
+  Allocator& alloc = Allocator::get(Device::cuda(device));
+  Stream s = Stream::from_native(Device::cuda(device), stream);
+  void* ws = alloc.allocate(kWorkspaceBytes + 256, s);
+  // Scale pointers not 16-byte aligned (a slot of a packed scale array) are copied into the 256 bytes ahead
+  // of the workspace first (MEGACORE_FP8_NO_SCALE_COPY=1 skips this, for diagnosis).
+  GemmFp8Problem q = p;
+  static const bool no_copy = std::getenv("MEGACORE_FP8_NO_SCALE_COPY") != nullptr;
+  if (!no_copy && (alignment_of(p.scale_inv_a) < 16 || alignment_of(p.scale_inv_b) < 16)) {
+    auto* sc = static_cast<float*>(ws);
+    auto cs = static_cast<cudaStream_t>(stream);
+    MC_CUDA_CHECK(cudaMemcpyAsync(sc, p.scale_inv_a, sizeof(float), cudaMemcpyDeviceToDevice, cs));
+    MC_CUDA_CHECK(cudaMemcpyAsync(sc + 4, p.scale_inv_b, sizeof(float), cudaMemcpyDeviceToDevice, cs));
+    q.scale_inv_a = sc;
+    q.scale_inv_b = sc + 4;
+  }
+  void* gemm_ws = static_cast<char*>(ws) + 256;
   Fp8Plan plan;
   {
     std::lock_guard<std::mutex> lock(cache->mu);
     auto it = cache->plans.find(key);
+    if (it == cache->plans.end() && key[16] != 0 && stream_capturing(stream)) {
+      key[16] = 0;  // a capture cannot time candidates: the heuristic's first choice, cached untimed
+      it = cache->plans.find(key);
+    }
     if (it != cache->plans.end()) {
       plan = it->second;
     } else {
@@ -439,40 +473,36 @@ void gemm_fp8(const GemmFp8Problem& p, int device, void* stream) {
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], 4));
       MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[2], 4));
       DescGuard d;
-      make_fp8_desc(d, p, sm);
-      cublasLtMatmulHeuristicResult_t res{};
+      make_fp8_desc(d, q, sm);  // the real (aligned) scales: timed candidates run on the call's operands
+      const int want = std::max<int>(1, int(key[16]));
+      std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
       int found = 0;
       const cublasStatus_t st =
-          cublasLtMatmulAlgoGetHeuristic(handle, d.d, plan.a, plan.b, plan.c, plan.c, pref, 1, &res, &found);
+          cublasLtMatmulAlgoGetHeuristic(handle, d.d, plan.a, plan.b, plan.c, plan.c, pref, want, res.data(), &found);
       cublasLtMatmulPreferenceDestroy(pref);
       MC_CHECK_AS(CudaError, st == CUBLAS_STATUS_SUCCESS && found > 0,
                   "gemm_fp8: cuBLASLt found no FP8 algorithm for m={} n={} k={} ({} x {} -> {}); FP8 GEMMs need a GPU "
                   "of compute capability 8.9 or newer and cuBLASLt 12.x",
                   p.m, p.n, p.k, dtype_name(p.a_dtype), dtype_name(p.b_dtype), dtype_name(p.out_dtype));
-      plan.algo = res.algo;
+      plan.algo = res[0].algo;
+      // As the bf16 products (ops::GemmAutotune): only single-pass candidates, so every one sums in one order.
+      const std::vector<cublasLtMatmulAlgo_t> algos = timing_candidates(res, found);
+      if (algos.size() > 1) {
+        const float alpha = 1.f;
+        auto run = [&](size_t i) {
+          return cublasLtMatmul(handle, d.d, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c, plan.c,
+                                &algos[i], gemm_ws, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+        };
+        plan.algo = algos[time_algos(run, algos.size(), stream)];
+      }
       cache->plans.emplace(key, plan);
     }
-  }
-  Allocator& alloc = Allocator::get(Device::cuda(device));
-  Stream s = Stream::from_native(Device::cuda(device), stream);
-  void* ws = alloc.allocate(kWorkspaceBytes + 256, s);
-  // Scale pointers not 16-byte aligned (a slot of a packed scale array) are copied into the 256 bytes ahead
-  // of the workspace first (MEGACORE_FP8_NO_SCALE_COPY=1 skips this, for diagnosis).
-  GemmFp8Problem q = p;
-  static const bool no_copy = std::getenv("MEGACORE_FP8_NO_SCALE_COPY") != nullptr;
-  if (!no_copy && (alignment_of(p.scale_inv_a) < 16 || alignment_of(p.scale_inv_b) < 16)) {
-    auto* sc = static_cast<float*>(ws);
-    auto cs = static_cast<cudaStream_t>(stream);
-    MC_CUDA_CHECK(cudaMemcpyAsync(sc, p.scale_inv_a, sizeof(float), cudaMemcpyDeviceToDevice, cs));
-    MC_CUDA_CHECK(cudaMemcpyAsync(sc + 4, p.scale_inv_b, sizeof(float), cudaMemcpyDeviceToDevice, cs));
-    q.scale_inv_a = sc;
-    q.scale_inv_b = sc + 4;
   }
   DescGuard d;
   make_fp8_desc(d, q, sm);
   const float alpha = 1.f;
   const cublasStatus_t st = cublasLtMatmul(handle, d.d, &alpha, p.b, plan.a, p.a, plan.b, &p.beta, p.c, plan.c, p.c,
-                                           plan.c, &plan.algo, static_cast<char*>(ws) + 256, kWorkspaceBytes,
+                                           plan.c, &plan.algo, gemm_ws, kWorkspaceBytes,
                                            static_cast<cudaStream_t>(stream));
   alloc.deallocate(ws);
   MC_CUBLAS_CHECK(st);

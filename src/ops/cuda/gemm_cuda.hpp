@@ -62,6 +62,8 @@ struct GemmFp8Problem {
   float beta = 0.f;
   bool fast_accum = false;
   int sm_margin = 0;
+  /// > 1: time this many heuristic candidates on the first call of the shape (beta = 0 only), as GemmProblem.
+  int autotune_candidates = 0;
 };
 void gemm_fp8(const GemmFp8Problem& p, int device, void* stream);
 

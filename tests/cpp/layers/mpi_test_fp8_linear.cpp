@@ -2,7 +2,8 @@
 // the same scales as with TP = 1 (the amaxes are reduced over the TP group), so the FP8 codes are the same
 // and the results differ from TP = 1 only by where the partial sums are rounded. All three GEMMs run in FP8
 // (the weight gradients too). A second case checks the amax reduction over TP × DP: one all-reduce per step
-// for all layers, after which every rank holds the scales of the max over all ranks' amaxes.
+// for all layers, after which every rank holds the scales of the max over all ranks' amaxes. With SP, keeping the
+// gathered input's FP8 codes from forward (Fp8Recipe::keep_gathered_input) gives the same bits as re-gathering.
 //
 // Tolerances: the row layer's TP partial outputs are bf16 and all-reduced in bf16, so the outputs, input
 // gradients and weight gradients (their shards of TP = 1's) agree with TP = 1 to a relative error
@@ -34,7 +35,8 @@ struct ChainResult {
   Tensor dw1, dw2;                          // this rank's weight gradient shards, summed over the steps (f32)
 };
 
-ChainResult run(comm::Communicator& tp, ly::Fp8Scaling scaling, bool sp, bool fp8, int steps) {
+ChainResult run(comm::Communicator& tp, ly::Fp8Scaling scaling, bool sp, bool fp8, int steps,
+                bool keep_gathered = false) {
   const int tpn = tp.size(), r = tp.rank();
   const int64_t s = 16, b = 2, h = 64, f = 128;
   ly::ColumnParallelLinear fc1(tp, h, f,
@@ -48,6 +50,7 @@ ChainResult run(comm::Communicator& tp, ly::Fp8Scaling scaling, bool sp, bool fp
     rec.scaling = scaling;
     rec.amax_history_len = 4;
     rec.margin = 1;  // headroom for the inputs growing from step to step (delayed scales trail them)
+    rec.keep_gathered_input = keep_gathered;
     REQUIRE(fc1.enable_fp8(rec, "fc1"));
     REQUIRE(fc2.enable_fp8(rec, "fc2"));
   }
@@ -111,6 +114,18 @@ TEST_CASE("fp8 linear chain: TP = 2/4 uses TP = 1's scales and matches it; close
         const int r = grid.tp().rank();
         require_close(got.dw1, chunk(ref.dw1, 0, tpn, r), kVsTp1, "fc1 weight gradient vs TP 1's rows");
         require_close(got.dw2, chunk(ref.dw2, 1, tpn, r), kVsTp1, "fc2 weight gradient vs TP 1's columns");
+        if (sp) {
+          // Keeping the gathered input's FP8 codes from forward instead of re-gathering and re-casting the bf16
+          // chunk in backward: the same codes and scales, so the same bits.
+          const ChainResult kept = run(grid.tp(), scaling, sp, true, steps, /*keep_gathered=*/true);
+          REQUIRE(kept.scales == got.scales);
+          for (int step = 0; step < steps; ++step) {
+            REQUIRE(kept.y[size_t(step)].to_double_vector() == got.y[size_t(step)].to_double_vector());
+            REQUIRE(kept.dx[size_t(step)].to_double_vector() == got.dx[size_t(step)].to_double_vector());
+          }
+          REQUIRE(kept.dw1.to_double_vector() == got.dw1.to_double_vector());
+          REQUIRE(kept.dw2.to_double_vector() == got.dw2.to_double_vector());
+        }
       }
     }
   }

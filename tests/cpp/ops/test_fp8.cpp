@@ -507,8 +507,9 @@ TEST_CASE("fp8_cast_transpose gpu: codes, transpose, amax and counts equal the C
   MC_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
-  // Edge tiles in both dimensions, one tile, and more tiles than the grid holds blocks.
-  for_cast_transpose_cases({{33, 70}, {32, 32}, {1000, 48}, {4096, 2080}}, [&](Shp sh, DType in, DType q) {
+  // Edge tiles in both dimensions (8-multiple shapes smaller than a 128 × 128 tile and cut ones), one tile, and more
+  // tiles than the grid holds blocks.
+  for_cast_transpose_cases({{33, 70}, {32, 32}, {8, 8}, {136, 40}, {1000, 48}, {4096, 2080}}, [&](Shp sh, DType in, DType q) {
     Tensor x = mctest::randn({sh.r, sh.c}, in, seed, 0.0, 5.0);
     const float scale = q == DType::F8E4M3 ? 30.f : 3000.f;
     Tensor q_cpu = Tensor::empty(x.shape(), q), t_cpu = Tensor::empty({sh.c, sh.r}, q);
