@@ -531,6 +531,10 @@ def _run_plan(args) -> int:
               f"({t.fp8_amax_compute_algo}), margin {t.fp8_margin}{kept}; QKV, projection, FC1 and FC2 in FP8 "
               f"({'forward, input and weight gradients' if t.fp8_wgrad else 'forward and input gradients; weight gradients in bf16'}), "
               f"embedding, norms, attention and output layer in bf16")
+        if t.fp8_param_gather:
+            dpcp = rec.world_size // (rec.parallel.tensor_model_parallel_size * rec.parallel.pipeline_model_parallel_size)
+            print("fp8_param_gather: ZeRO-1 all-gathers the FP8 linears' weights as E4M3 codes (1 byte per element "
+                  f"instead of 2){'' if dpcp > 1 else ' (DP x CP = 1: nothing to gather)'}")
     if args.table:
         print(L.table())
     return 0

@@ -106,6 +106,42 @@ const Tensor& Fp8LinearState::weight_t(comm::Communicator& tp, const Tensor& w, 
   return wt_fp8_;
 }
 
+bool Fp8LinearState::weight_amax_needed() const {
+  return recipe_.scaling == Fp8Scaling::Current || (recipe_.scaling == Fp8Scaling::Delayed && seed_pending_[kWeight]);
+}
+
+void Fp8LinearState::set_weight_amax(const Tensor& amax, const Stream& s) {
+  if (recipe_.scaling == Fp8Scaling::Current) {
+    // As current_scale: the amax in history row 0, the scale from it.
+    Tensor row = history_.select(0, 0).narrow(0, kWeight, 1);
+    row.copy_(amax.view({1}), s);
+    ops::fp8_update_scales(row.view({1, 1}), scale_.narrow(0, kWeight, 1), scale_inv_.narrow(0, kWeight, 1),
+                           fp8_max_.narrow(0, kWeight, 1), ops::Fp8AmaxAlgo::MostRecent, recipe_.margin,
+                           /*roll=*/false, s);
+  } else {
+    // As seed_scale (a no-op on the device for a slot seeded already, e.g. by a loaded state).
+    seed_pending_[kWeight] = false;
+    Tensor a = Tensor::full({kSlots}, -1.0, DType::F32, amax.device(), s);
+    a.narrow(0, kWeight, 1).copy_(amax.view({1}), s);
+    ops::fp8_seed_scales(a, seeded_, scale_, scale_inv_, fp8_max_, recipe_.margin, s);
+  }
+  gemm_scale_inv_.select(0, kWeight).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, kWeight, 1), s);
+}
+
+void Fp8LinearState::cast_weight_piece(const Tensor& x, Tensor& q, const Stream& s) {
+  ops::fp8_cast(x, scale_.narrow(0, kWeight, 1), q, history_.select(0, 0).narrow(0, kWeight, 1),
+                counts_.select(0, kWeight), s);
+}
+
+void Fp8LinearState::set_weight_codes(Tensor q, const Stream& s) {
+  MC_CHECK(q.dtype() == DType::F8E4M3 && q.dim() == 2 && q.is_contiguous(),
+           "Fp8LinearState.set_weight_codes: the codes must be a contiguous F8E4M3 matrix (got {} {})",
+           dtype_name(q.dtype()), shape_str(q.shape()));
+  // The transpose moves bytes only: a strided copy of the codes seen as u8.
+  wt_fp8_ = q.view_as_dtype(DType::U8).transpose(0, 1).contiguous(s).view_as_dtype(DType::F8E4M3);
+  w_fp8_ = std::move(q);
+}
+
 void Fp8LinearState::begin_step(comm::Communicator& tp, const Stream& s) {
   if (recipe_.scaling == Fp8Scaling::Delayed && tp.size() > 1) {
     Tensor row0 = amax_row();

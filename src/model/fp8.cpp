@@ -51,6 +51,13 @@ void fp8_begin_step(const std::vector<GPTModel*>& chunks, comm::Communicator& am
   layers::fp8_begin_step(states, amax_group, s);
 }
 
+std::vector<std::pair<layers::Parameter*, layers::Fp8LinearState*>> fp8_weights(GPTModel& m) {
+  std::vector<std::pair<layers::Parameter*, layers::Fp8LinearState*>> out;
+  for (NamedLinear& nl : transformer_linears(m))
+    if (layers::Fp8LinearState* st = nl.linear->fp8()) out.emplace_back(&nl.linear->weight(), st);
+  return out;
+}
+
 std::vector<std::pair<std::string, Tensor>> fp8_state(GPTModel& m) {
   std::vector<std::pair<std::string, Tensor>> out;
   for (NamedLinear& nl : transformer_linears(m))

@@ -15,6 +15,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Parameter*> params,
   bc.dp_size = dp_cp.size();
   bc.param_align = cfg.param_align;
   bc.grad_dtype = cfg.grad_dtype;
+  bc.separate = cfg.separate_params;
   owned_ = std::make_unique<ParamAndGradBuffer>(std::move(params), bc, cfg.shared_copies);
   buffer_ = owned_.get();
   init();

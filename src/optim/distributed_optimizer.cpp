@@ -103,6 +103,7 @@ DistributedOptimizer::~DistributedOptimizer() {
 
 void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_scale_tensor) {
   order_param_gather();
+  gather_deferred();
   ++step_;
   struct Group {
     std::vector<Tensor> g, w, m, v, out;
@@ -122,8 +123,37 @@ void DistributedOptimizer::step(float lr, float grad_scale, const Tensor& grad_s
   for (auto& [key, gr] : groups)
     ops::multi_tensor_adamw(gr.g, gr.w, gr.m, gr.v, gr.out, adamw_hyper(cfg_, lr, key.first, step_, grad_scale),
                             grad_scale_tensor, cs);
-  start_param_gather();
+  start_param_gather(defer_separate_);
   if (!overlap_param_gather_) order_param_gather();
+}
+
+void DistributedOptimizer::set_deferred_gather(bool on) {
+  MC_CHECK(!on || separate_masters(),
+           "DistributedOptimizer: deferred gathers need f32 master weights (this rank's range of the param buffer is "
+           "rewritten by whoever gathers the deferred buckets); set optim.main_params_dtype = f32");
+  if (!on) gather_deferred();
+  defer_separate_ = on;
+}
+
+std::vector<DistributedOptimizer::DeferredBucket> DistributedOptimizer::take_deferred_gather() {
+  std::vector<DeferredBucket> out;
+  for (size_t slot : deferred_) out.push_back({ddps_[slots_[slot].ddp], slots_[slot].bucket});
+  deferred_.clear();
+  return out;
+}
+
+void DistributedOptimizer::gather_deferred() {
+  if (deferred_.empty()) return;
+  const Stream& cs = compute_stream();
+  for (size_t slot : deferred_) {
+    const DistributedDataParallel& ddp = *ddps_[slots_[slot].ddp];
+    const int b = slots_[slot].bucket;
+    Tensor full = ddp.buffer().bucket_params(b);
+    Tensor mine = full.narrow(0, ddp.shard_begin(b), ddp.shard_size(b));
+    if (full.device().is_cuda()) ddp.comm_stream().wait(cs);
+    ddp.group().all_gather(mine, full, ddp.comm_stream())->wait_on(cs);
+  }
+  deferred_.clear();
 }
 
 void DistributedOptimizer::order_param_gather() {
@@ -135,7 +165,7 @@ void DistributedOptimizer::order_param_gather() {
   gemm_margin_.release();
 }
 
-void DistributedOptimizer::start_param_gather() {
+void DistributedOptimizer::start_param_gather(bool defer) {
   const DistributedDataParallel& first = *ddps_.front();
   const bool cuda = first.buffer().device().is_cuda();
   // Buckets are laid out in backward order, so the first layers' parameters sit in the last bucket.
@@ -149,6 +179,10 @@ void DistributedOptimizer::start_param_gather() {
     if (cuda && overlap_param_gather_ && first.config().gemm_sm_margin > 0 && !gemm_margin_.active())
       gemm_margin_ = ops::GemmSmMarginRequest(first.buffer().device().index, first.config().gemm_sm_margin);
     const int b = slots_[slot].bucket;
+    if (defer && ddp.buffer().buckets()[size_t(b)].separate) {
+      deferred_.push_back(slot);
+      continue;
+    }
     Tensor full = ddp.buffer().bucket_params(b);
     Tensor mine = full.narrow(0, ddp.shard_begin(b), ddp.shard_size(b));
     gather_[slot] = dp.all_gather(mine, full, ddp.comm_stream());
@@ -173,6 +207,7 @@ void DistributedOptimizer::wait_param_gather(const std::vector<Parameter*>& para
 }
 
 void DistributedOptimizer::finish_param_gather() {
+  gather_deferred();
   for (auto& w : gather_)
     if (w) {
       w->wait();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <unordered_set>
 
 #include "megacore/core/error.hpp"
 
@@ -78,31 +79,55 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Parameter*> params, const Buf
     if (std::find(dtypes.begin(), dtypes.end(), params_[i]->data.dtype()) == dtypes.end())
       dtypes.push_back(params_[i]->data.dtype());
 
+  std::unordered_set<const Parameter*> separate;
+  for (const Parameter* p : cfg.separate) {
+    MC_CHECK(p != nullptr && index_.count(p) && params_[index_.at(p)] == p,
+             "{}: separate parameter '{}' is not one of the registered parameters; list only parameters passed to "
+             "the buffer", who, p ? p->name : std::string("<null>"));
+    separate.insert(p);
+  }
   locations_.resize(params_.size());
   const int64_t bucket_align = int64_t(cfg.dp_size) * cfg.param_align;
   for (size_t g = 0; g < dtypes.size(); ++g) {
-    int64_t pos = 0;
-    Bucket cur;
-    auto close = [&] {
-      if (cur.params.empty()) return;
-      cur.numel = round_up(pos - cur.offset, bucket_align);
-      pos = cur.offset + cur.numel;
-      cur.index = int(buckets_.size());
-      cur.group = int(g);
-      for (size_t i : cur.params) locations_[i].bucket = cur.index;
-      buckets_.push_back(cur);
-      cur = Bucket{};
-      cur.offset = pos;
+    // Two lanes (separate parameters and the others), each filling its own open bucket; offsets within a
+    // bucket first, the bucket's place in the buffer once all are closed.
+    struct Open {
+      Bucket b;
+      int64_t len = 0;
+      size_t first = 0;  // position in `order` of its first parameter
     };
-    for (size_t i : order) {
+    Open lane[2];
+    std::vector<Open> closed;
+    auto close = [&](Open& o) {
+      if (o.b.params.empty()) return;
+      o.b.numel = round_up(o.len, bucket_align);
+      closed.push_back(std::move(o));
+      o = Open{};
+    };
+    for (size_t k = 0; k < order.size(); ++k) {
+      const size_t i = order[k];
       if (params_[i]->data.dtype() != dtypes[g]) continue;
-      pos = round_up(pos, cfg.param_align);
-      locations_[i] = ParamLocation{int(g), 0, pos, params_[i]->data.numel()};
-      cur.params.push_back(i);
-      pos += params_[i]->data.numel();
-      if (bucket_size_ > 0 && pos - cur.offset >= bucket_size_) close();
+      const bool sep = separate.count(params_[i]) != 0;
+      Open& o = lane[sep ? 1 : 0];
+      if (o.b.params.empty()) o.first = k, o.b.separate = sep;
+      o.len = round_up(o.len, cfg.param_align);
+      locations_[i] = ParamLocation{int(g), 0, o.len, params_[i]->data.numel()};  // offset relative for now
+      o.b.params.push_back(i);
+      o.len += params_[i]->data.numel();
+      if (bucket_size_ > 0 && o.len >= bucket_size_) close(o);
     }
-    close();
+    close(lane[0]);
+    close(lane[1]);
+    std::stable_sort(closed.begin(), closed.end(), [](const Open& a, const Open& b) { return a.first < b.first; });
+    int64_t pos = 0;
+    for (Open& o : closed) {
+      o.b.offset = pos;
+      o.b.index = int(buckets_.size());
+      o.b.group = int(g);
+      for (size_t i : o.b.params) locations_[i].bucket = o.b.index, locations_[i].offset += pos;
+      pos += o.b.numel;
+      buckets_.push_back(std::move(o.b));
+    }
     Group gr{dtypes[g], Tensor::zeros({pos}, dtypes[g], device_), Tensor::zeros({pos}, cfg.grad_dtype, device_)};
     groups_.push_back(std::move(gr));
   }

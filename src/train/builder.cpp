@@ -209,6 +209,15 @@ void OptimizerParts::finish_param_gather() {
   for (OptimizerGroup& g : groups)
     if (g.zero) g.zero->finish_param_gather();
 }
+optim::Fp8GatherStats OptimizerParts::fp8_param_gather(comm::Communicator& amax_group, const Stream& s) {
+  optim::Fp8GatherStats total;
+  for (OptimizerGroup& g : groups)
+    if (g.zero && g.zero->deferred_gather()) {
+      const optim::Fp8GatherStats st = optim::fp8_param_gather(*g.zero, fp8_weights, amax_group, s);
+      total.buckets += st.buckets, total.weights += st.weights, total.elements += st.elements, total.bytes += st.bytes;
+    }
+  return total;
+}
 
 namespace {
 
@@ -295,6 +304,12 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
   for (auto& ch : chunks)
     if (ch->post_process() && ch->pre_process() && m.tie_word_embeddings && !ch->has_lora())
       dc.shared_copies.push_back(&ch->output_layer().weight());
+  // FP8 under ZeRO-1: the FP8 linears' weights in buckets of their own, whose gather trainer.fp8_param_gather
+  // defers to fp8_param_gather (FP8 codes). The layout does not depend on the option, so switching it changes
+  // no number (the gradient norm's summation follows the layout).
+  if (cfg.trainer.fp8 != "none" && ps.use_distributed_optimizer)
+    for (auto& ch : chunks)
+      for (auto& [p, st] : mdl::fp8_weights(*ch)) out.fp8_weights.push_back({p, st});
   optim::AdamWConfig ac;
   ac.beta1 = float(os.adam_beta1);
   ac.beta2 = float(os.adam_beta2);
@@ -313,9 +328,13 @@ OptimizerParts build_optimizer(const RunConfig& cfg, const mdl::TransformerConfi
         return c->data.defined() && q->data.defined() && q->data.data_ptr() == c->data.data_ptr();
       });
     });
+    for (const optim::Fp8Weight& w : out.fp8_weights)
+      if (std::find(g.group.params.begin(), g.group.params.end(), w.param) != g.group.params.end())
+        gdc.separate_params.push_back(w.param);
     g.ddp = std::make_unique<optim::DistributedDataParallel>(g.group.params, *g.group.dp, gdc);
     if (ps.use_distributed_optimizer) {
       g.zero = std::make_unique<optim::DistributedOptimizer>(*g.ddp, ac, ps.overlap_param_gather);
+      if (!gdc.separate_params.empty() && cfg.trainer.fp8_param_gather) g.zero->set_deferred_gather(true);
     } else if (os.optimizer == "adamw") {
       g.opt = std::make_unique<optim::AdamW>(g.group.params, ac);
     } else {

@@ -739,6 +739,19 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     if (r.peft.scheme == "lora")
       err("trainer.fp8", "LoRA runs keep their adapted layers in bf16; set trainer.fp8 = none for peft.scheme = lora");
   }
+  if (t.fp8_param_gather) {
+    if (t.fp8 == "none")
+      err("trainer.fp8_param_gather", "gathers FP8 weights, but trainer.fp8 = none: set trainer.fp8 = delayed or "
+                                      "current, or fp8_param_gather = false");
+    if (!r.parallel.use_distributed_optimizer)
+      err("trainer.fp8_param_gather", "replaces ZeRO-1's parameter all-gather, but parallel.use_distributed_optimizer "
+                                      "is false (every rank updates all weights itself): set it to true, or "
+                                      "fp8_param_gather = false");
+    if (r.optim.main_params_dtype != "f32")
+      err("trainer.fp8_param_gather", fmt::format("needs f32 master weights (the bf16 weights are rewritten from the "
+                                                  "gathered FP8 codes), but optim.main_params_dtype = {}: set it to "
+                                                  "f32", r.optim.main_params_dtype));
+  }
   if (!(t.loss_spike_factor == 0 || t.loss_spike_factor > 1))
     err("trainer.loss_spike_factor", "must be 0 (off) or a factor above 1, e.g. 3");
   if (!(t.straggler_factor == 0 || t.straggler_factor > 1))

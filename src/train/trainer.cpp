@@ -115,6 +115,7 @@ struct Trainer::Impl {
   double moe_aux_loss = 0, moe_imbalance = 0;  // the last step's (MoE models)
   std::string last_checkpoint;
   bool root = false;
+  bool fp8_gather_logged = false;
 
   Impl(const RunConfig& c, comm::Communicator& w, std::shared_ptr<const data::SampleSource> tr,
        std::shared_ptr<const data::SampleSource> va)
@@ -246,6 +247,9 @@ void Trainer::Impl::build() {
                 ps.use_distributed_optimizer ? "ZeRO-1" : cfg.optim.optimizer.c_str(),
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "");
+    if (cfg.trainer.fp8_param_gather)
+      std::printf("megacore: fp8_param_gather: the FP8 linears' weights are all-gathered over DP as E4M3 codes%s\n",
+                  dp() * pc.context > 1 ? "" : " (DP x CP = 1: nothing to gather)");
     if (pc.pipeline > 1) {
       const pipeline::StageCosts costs = cfg.pipeline_stage_costs();
       std::printf("megacore: pipeline %s%s\n", pipeline::describe_layout(*parts.layout, costs).c_str(),
@@ -277,6 +281,17 @@ StepMetrics Trainer::Impl::train_step() {
     std::vector<mdl::GPTModel*> chunks;
     for (auto& ch : parts.chunks) chunks.push_back(ch.get());
     mdl::fp8_begin_step(chunks, grid().group(parallel::GroupKind::TpDpCp), ctx.stream);
+    // trainer.fp8_param_gather: the FP8 weights the last optimizer step left ungathered, cast with this step's
+    // scales by their owners and all-gathered as codes.
+    const optim::Fp8GatherStats g = op.fp8_param_gather(grid().group(parallel::GroupKind::TpDpCp), ctx.stream);
+    if (g.buckets > 0 && root && !fp8_gather_logged) {
+      fp8_gather_logged = true;
+      std::printf("megacore: fp8_param_gather: %lld FP8 weights in %lld buckets gathered as %lld bytes for %lld "
+                  "elements (bf16: %lld bytes)\n",
+                  (long long)g.weights, (long long)g.buckets, (long long)g.bytes, (long long)g.elements,
+                  (long long)(2 * g.elements));
+      std::fflush(stdout);
+    }
   }
   std::vector<pipeline::MicroBatch> mbs = next_micro_batches(*parts.loader, grid(), ctx.stream);
   const double loss_scale = op.scaler ? op.scaler->scale() : 1.0;

@@ -3,6 +3,7 @@ emulation; FP8 training of the tiny recipe on CPU ranks (emulated) against bf16,
 step-log lines, and the refusals of settings that cannot run."""
 
 import json
+import re
 import os
 
 import numpy as np
@@ -242,3 +243,101 @@ def test_fp8_settings_are_checked_before_launch_and_planned(capsys):
     assert cli.main(["plan", "--recipe", "tiny", "--no-table", "--set", "trainer.fp8=delayed",
                      "--set", "trainer.fp8_wgrad=false"]) == 0
     assert "weight gradients in bf16" in capsys.readouterr().out
+
+
+# ---- trainer.fp8_param_gather (ZeRO-1 gathers the FP8 weights as E4M3 codes) ----------------------------------
+
+_GATHER_LAYOUTS = {
+    # 16 rows per step: two micro-batches per DP rank everywhere (gradient accumulation); buckets of 30k elements
+    # so the FP8 weights fill several buckets and the DP shard boundaries cut weights.
+    "dp2": dict(resources__num_gpus_per_node=2, parallel__tp=1, parallel__pp=1, data__micro_batch_size=4),
+    "dp4": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=1, data__micro_batch_size=2),
+    "tp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=2, parallel__pp=1, data__micro_batch_size=4),
+    # ZeRO-1 shards over DP x CP: the weights are cut over the 4 ranks of CP 2 x DP 2.
+    "cp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=1, parallel__cp=2,
+                    data__micro_batch_size=4),
+    # Two chunks per stage (all chunks' FP8 weights in one DDP), the other buckets' gathers overlapped with the
+    # forward, the first and last layers kept in bf16 (their weights gathered in bf16).
+    "pp2_vp2_dp2": dict(resources__num_gpus_per_node=4, parallel__tp=1, parallel__pp=2, parallel__vp=2,
+                        data__micro_batch_size=2, parallel__overlap_param_gather=True, trainer__fp8_bf16_layers=1),
+}
+
+
+def _gather_run(tmp_path, name, on, steps, scaling, layout, **sets):
+    r = _fp8(tmp_path, name, steps, scaling, parallel__use_distributed_optimizer=True, parallel__bucket_size=30000,
+             optim__lr_warmup_iters=1,
+             trainer__fp8_param_gather=on, **_GATHER_LAYOUTS[layout], **sets)
+    return r, _train(r, tmp_path, name)
+
+
+@needs_mpi
+@pytest.mark.parametrize("layout,scaling", [("dp2", "delayed"), ("dp4", "delayed"), ("tp2_dp2", "delayed"),
+                                            ("tp2_dp2", "current"), ("cp2_dp2", "delayed"),
+                                            ("pp2_vp2_dp2", "delayed")])
+def test_fp8_param_gather_trains_bit_identically(tmp_path, layout, scaling):
+    """Gathering the FP8 weights as codes casts the same bf16 values with the same scales as each layer's own cast
+    of its full weight, so 4 steps give the same losses and gradient norms bit for bit as ZeRO-1's bf16 gather; the
+    gathered FP8 buckets move one byte per element."""
+    off, _ = _gather_run(tmp_path, "off", False, 4, scaling, layout)
+    on, out = _gather_run(tmp_path, "on", True, 4, scaling, layout)
+    ref, got = _metrics(off.logging.log_dir)[0], _metrics(on.logging.log_dir)[0]
+    assert [g["step"] for g in got] == [1, 2, 3, 4]
+    assert [g["loss"] for g in got] == [r["loss"] for r in ref]
+    assert [g["grad_norm"] for g in got] == [r["grad_norm"] for r in ref]
+    m = re.search(r"fp8_param_gather: (\d+) FP8 weights in (\d+) buckets gathered as (\d+) bytes for (\d+) elements", out)
+    assert m, out[-3000:]
+    weights, buckets, nbytes, elements = map(int, m.groups())
+    # Rank 0's FP8 linears: 4 per layer; pp2_vp2_dp2's first stage holds layers 0 (kept in bf16) and 2.
+    layers = 1 if layout == "pp2_vp2_dp2" else 4
+    assert weights == 4 * layers
+    assert buckets >= 2 and nbytes == elements
+    # The FP8 weights (TP-local) fill the gathered buckets, up to alignment (64) and padding (DP x 64).
+    tp = 2 if layout.startswith("tp2") else 1
+    h, f, q = 128, 256, (4 + 2 * 2) * 32  # hidden, FFN (SwiGLU: FC1 has 2 x FFN rows), QKV rows (4 + 2 x 2 heads of 32)
+    fp8_elements = layers * (q * h + h * h + 2 * f * h + h * f) // tp
+    assert fp8_elements <= elements < fp8_elements + (buckets + weights) * 4 * 64
+
+
+@needs_mpi
+def test_fp8_param_gather_resume_is_exact(tmp_path):
+    """A checkpoint written while the FP8 buckets' gather is deferred holds the optimizer's bf16 weights (gathered in
+    bf16 before the save); stopping at 2 and resuming reproduces the uninterrupted run bit for bit."""
+    full, _ = _gather_run(tmp_path, "full", True, 4, "delayed", "tp2_dp2")
+    ref = _metrics(full.logging.log_dir)[0]
+    _gather_run(tmp_path, "split", True, 4, "delayed", "tp2_dp2", trainer__stop_after_steps=2)
+    second, _ = _gather_run(tmp_path, "split", True, 4, "delayed", "tp2_dp2")
+    got = _metrics(second.logging.log_dir)[0]
+    assert [g["step"] for g in got] == [1, 2, 3, 4]
+    assert [g["loss"] for g in got] == [r["loss"] for r in ref]
+    assert [g["grad_norm"] for g in got] == [r["grad_norm"] for r in ref]
+
+
+def test_fp8_param_gather_is_checked_and_planned(capsys):
+    base = ["train", "--recipe", "tiny", "--set", "trainer.fp8_param_gather=true"]
+    assert cli.main(base) == 1
+    assert "set trainer.fp8 = delayed or current" in capsys.readouterr().err
+    fp8 = base + ["--set", "trainer.fp8=delayed", "--set", "trainer.fp8_emulation=true", "--set", "trainer.device=cpu"]
+    assert cli.main(fp8) == 1
+    assert "parallel.use_distributed_optimizer" in capsys.readouterr().err
+    zero = fp8 + ["--set", "parallel.use_distributed_optimizer=true"]
+    assert cli.main(zero + ["--set", "optim.main_params_dtype=bf16", "--set", "trainer.precision=bf16"]) == 1
+    assert "optim.main_params_dtype = bf16: set it to f32" in capsys.readouterr().err
+    assert cli.main(["plan", "--recipe", "tiny", "--no-table", "--set", "trainer.fp8=delayed", "--set",
+                     "parallel.use_distributed_optimizer=true", "--set", "trainer.fp8_param_gather=true"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_param_gather: ZeRO-1 all-gathers the FP8 linears' weights as E4M3 codes" in out
+    assert "(DP x CP = 1: nothing to gather)" in out  # tiny: TP 2 x PP 2 on 4 ranks
+
+
+@needs_mpi
+def test_fp8_param_gather_with_moe_keeps_experts_in_bf16(tmp_path):
+    """tiny_moe on 4 ranks at EP 2 (DP 4, expert-DP 2): the attention's FP8 weights are gathered as codes, the routed experts stay bf16 in
+    the expert DDP; 4 steps give the same losses and gradient norms bit for bit as without the option."""
+    from test_moe_train import _run as _moe_run
+    sets = ["--set", "parallel.ep=2", "--set", "trainer.precision=bf16", "--set", "trainer.fp8=delayed",
+            "--set", "trainer.fp8_emulation=true", "--set", "parallel.use_distributed_optimizer=true"]
+    _, off = _moe_run(tmp_path, "off", 4, *sets)
+    out, on = _moe_run(tmp_path, "on", 4, *sets, "--set", "trainer.fp8_param_gather=true")
+    assert "fp8_param_gather: 8 FP8 weights" in out  # QKV and projection of 4 layers
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]

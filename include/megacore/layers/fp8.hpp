@@ -100,6 +100,22 @@ class Fp8LinearState {
   /// begin_step once the caller has reduced amax_row() over a group containing the TP group.
   void begin_step_reduced(const Stream& s);
 
+  /// The weight cast in pieces (ZeRO-1's FP8 parameter gather, optim/fp8_param_gather.hpp): each data-parallel
+  /// rank casts its shard of the weight with this step's weight scale, the ranks all-gather the codes, and each
+  /// takes the codes as its cached FP8 weight.
+  ///   weight_amax_needed()  the weight's scale needs the full weight's amax first: current scaling, or delayed
+  ///                         scaling whose weight scale has not been seeded by a cast in this process yet
+  ///   set_weight_amax       `amax` (f32 [1]): the pieces' amaxes reduced (max) over a group containing the TP
+  ///                         and DP ranks; sets the weight scale as the full weight's cast would
+  ///   cast_weight_piece     codes of one piece x (contiguous, any shape) into `q` (F8E4M3, x's shape) with the
+  ///                         weight scale; its amax and saturation counts go to the weight slot
+  ///   set_weight_codes      `q` (F8E4M3, the weight's shape, contiguous; kept as a view, not copied) becomes
+  ///                         this step's FP8 weight, and its transpose is built from it
+  bool weight_amax_needed() const;
+  void set_weight_amax(const Tensor& amax, const Stream& s);
+  void cast_weight_piece(const Tensor& x, Tensor& q, const Stream& s);
+  void set_weight_codes(Tensor q, const Stream& s);
+
   /// The scaling state: the live tensors ("amax_history" [L, 3], "scale" [3], "scale_inv" [3], "counts"
   /// [3, 2], "seeded" [3]) in the slot order input, weight, output gradient; checkpoints save and load them
   /// in place.

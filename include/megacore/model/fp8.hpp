@@ -37,6 +37,10 @@ void fp8_begin_step(GPTModel& m, const Stream& s = {});
 /// TP group (the trainer passes the stage's TP × CP × DP group, so data-parallel replicas agree on the scales).
 void fp8_begin_step(const std::vector<GPTModel*>& chunks, comm::Communicator& amax_group, const Stream& s = {});
 
+/// Every FP8 linear's weight with its scaling state, in transformer_linears order (ZeRO-1's FP8 parameter
+/// gather, optim/fp8_param_gather.hpp: the layers kept in bf16 are not among them).
+std::vector<std::pair<layers::Parameter*, layers::Fp8LinearState*>> fp8_weights(GPTModel& m);
+
 /// Every FP8 linear's scaling state, named "<linear>.fp8.<amax_history|scale|scale_inv|counts>" (the
 /// tensors themselves: a checkpoint saves them, load copies into them).
 std::vector<std::pair<std::string, Tensor>> fp8_state(GPTModel& m);

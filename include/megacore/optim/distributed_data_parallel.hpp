@@ -76,6 +76,9 @@ struct DDPConfig {
   /// Parameter objects aliasing a registered one (e.g. &model.output_layer().weight() when embeddings
   /// are tied), re-pointed along with it.
   std::vector<layers::Parameter*> shared_copies;
+  /// Parameters kept in buckets of their own (BufferConfig::separate): the FP8 linears' weights when ZeRO-1
+  /// gathers them as FP8 codes (optim/fp8_param_gather.hpp).
+  std::vector<const layers::Parameter*> separate_params;
 };
 
 /// One bucket reduction as it was started (for overlap checks and profiles).

@@ -17,6 +17,12 @@
 // later buckets overlaps the forward of earlier layers) or finish_param_gather() to wait for all.
 // step() itself finishes outstanding gathers first.
 //
+// Deferred gathers (set_deferred_gather): step() leaves the buckets of separate parameters
+// (Bucket::separate) ungathered — only this rank's range of them is up to date — and marks them pending;
+// the caller takes them (take_deferred_gather) and gathers them itself, e.g. as FP8 codes
+// (optim/fp8_param_gather.hpp). Whatever is left pending is gathered in the params' dtype by
+// finish_param_gather() and by the next step(), so a reader of the parameters never sees stale ranges.
+//
 // Mixture of experts: dense and expert parameters are reduced over different groups (DP × CP and
 // expert-DP), so they live in two DistributedDataParallels, and one DistributedOptimizer takes both: each
 // DDP's buckets are sharded over that DDP's own group (ranks of one expert-DP group own disjoint ranges of
@@ -87,6 +93,20 @@ class DistributedOptimizer {
   void finish_param_gather();
   bool param_gather_pending() const;
 
+  /// With `on`, step() defers the all-gather of the separate buckets (see the header comment). Needs f32
+  /// master weights (the caller may rewrite this rank's range of the param buffer), else ValueError.
+  void set_deferred_gather(bool on);
+  bool deferred_gather() const { return defer_separate_; }
+  /// One bucket whose all-gather step() deferred.
+  struct DeferredBucket {
+    DistributedDataParallel* ddp;
+    int bucket;
+  };
+  /// The buckets the last step() left ungathered (none with DP = 1, where there is nothing to gather),
+  /// no longer pending: the caller gathers them now, on every rank of their DDP's group.
+  std::vector<DeferredBucket> take_deferred_gather();
+  bool deferred_gather_pending() const { return !deferred_.empty(); }
+
   /// Bytes of optimizer state on this rank: master weights (when separate), exp_avg, exp_avg_sq, at their
   /// dtypes, shard only.
   int64_t state_bytes() const;
@@ -153,7 +173,10 @@ class DistributedOptimizer {
     size_t ddp;
     int bucket;
   };
-  void start_param_gather();
+  /// With `defer`, the separate buckets are left to take_deferred_gather().
+  void start_param_gather(bool defer = false);
+  /// All-gathers the deferred buckets in the params' dtype and waits.
+  void gather_deferred();
   /// Orders the compute stream after every pending param all-gather without blocking the host.
   void order_param_gather();
   void write_masters_to_params();
@@ -173,6 +196,8 @@ class DistributedOptimizer {
   std::vector<Slot> slots_;
   std::vector<Tensor> master_, exp_avg_, exp_avg_sq_;  // per slot, shard length
   std::vector<comm::WorkPtr> gather_;                   // per slot
+  bool defer_separate_ = false;
+  std::vector<size_t> deferred_;                        // slots whose gather step() deferred
   ops::GemmSmMarginRequest gemm_margin_;  // held while overlapped gathers run (DDPConfig::gemm_sm_margin)
   int64_t step_ = 0;
 };

@@ -10,7 +10,11 @@
 //   - every parameter starts at a multiple of `param_align` elements (16-byte vector access on the GPU);
 //   - a bucket is closed once it holds at least `bucket_size` elements (a parameter is never split),
 //     and its length is padded to a multiple of dp_size × param_align, so a DP reduce-scatter of the
-//     bucket divides evenly and every rank's shard starts aligned. Padding stays zero.
+//     bucket divides evenly and every rank's shard starts aligned. Padding stays zero;
+//   - BufferConfig::separate parameters fill buckets of their own (Bucket::separate), so a bucket never mixes
+//     them with the others: the separate and the other parameters each fill their own open bucket in the
+//     order above, and the closed buckets are laid out by their first parameter (ZeRO-1 gathers the FP8
+//     linears' weights this way as FP8 codes, optim/fp8_param_gather.hpp).
 // Construction re-points every Parameter's `data` and `main_grad` to views of the buffers, copying the
 // current values in. Other Parameter objects that alias a registered one (the output layer's copy of a
 // tied embedding weight) must be passed as `shared_copies` so they are re-pointed too — otherwise they
@@ -39,6 +43,8 @@ struct BufferConfig {
   int64_t param_align = 64;
   /// The main gradients' dtype: F32 or BF16 (every backward accumulates into them in this dtype).
   DType grad_dtype = DType::F32;
+  /// Parameters kept in buckets of their own (each must be registered; empty: none).
+  std::vector<const layers::Parameter*> separate;
 };
 
 /// One bucket: a contiguous range [offset, offset + numel) of its group's buffers.
@@ -47,6 +53,7 @@ struct Bucket {
   int group = 0;    ///< dtype group
   int64_t offset = 0;
   int64_t numel = 0;  ///< padded length
+  bool separate = false;  ///< holds BufferConfig::separate parameters (and only those)
   /// Indices into ParamAndGradBuffer::parameters() of the parameters it holds, in buffer order.
   std::vector<size_t> params;
 };

@@ -41,6 +41,7 @@
 #include "megacore/model/transformer_config.hpp"
 #include "megacore/optim/distributed_data_parallel.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
+#include "megacore/optim/fp8_param_gather.hpp"
 #include "megacore/optim/loss_scaler.hpp"
 #include "megacore/optim/lr_schedule.hpp"
 #include "megacore/optim/optimizer.hpp"
@@ -128,6 +129,12 @@ struct OptimizerParts {
   void notify_tied_grads();
   /// Waits for ZeRO's outstanding parameter all-gathers (the weights as the last step left them).
   void finish_param_gather();
+  /// FP8 under ZeRO-1: the FP8 linears' weights (in buckets of their own, whose gather ZeRO defers with
+  /// trainer.fp8_param_gather).
+  std::vector<optim::Fp8Weight> fp8_weights;
+  /// After fp8_begin_step, before the forward: gathers the deferred FP8 weights as FP8 codes
+  /// (optim::fp8_param_gather; zeros when nothing is deferred). `amax_group`: the stage's TP × CP × DP group.
+  optim::Fp8GatherStats fp8_param_gather(comm::Communicator& amax_group, const Stream& s);
 };
 
 /// DDP and the optimizer of each group (AdamW, SGD or ZeRO-1 per cfg), the LR schedule (cfg.lr_schedule())

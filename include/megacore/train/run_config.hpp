@@ -267,6 +267,7 @@ struct TrainerSection {
   bool fp8_wgrad = true;
   bool fp8_keep_gathered_input = false;
   bool fp8_emulation = false;
+  bool fp8_param_gather = false;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -370,6 +371,12 @@ struct TrainerSection {
     f(Field{"fp8_emulation",
             "Allow fp8 on CPU ranks, emulated (decode to f32, f32 GEMM): for tests and debugging, not speed."},
       s.fp8_emulation);
+    f(Field{"fp8_param_gather",
+            "ZeRO-1: all-gather the FP8 linears' updated weights over DP as E4M3 codes (1 byte per element) instead "
+            "of bf16, each rank casting its own shard (Megatron's --fp8-param-gather). The training is the same bit "
+            "for bit. Needs trainer.fp8, parallel.use_distributed_optimizer and optim.main_params_dtype = f32; "
+            "with DP x CP = 1 there is nothing to gather and it does nothing."},
+      s.fp8_param_gather);
   }
 };
 

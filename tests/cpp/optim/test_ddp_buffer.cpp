@@ -1,7 +1,10 @@
 // ParamAndGradBuffer layout, DistributedOptimizer at DP = 1 against AdamW, state layout checks,
 // DynamicLossScaler and checked_step (single process; the multi-rank cases are in mpi_test_ddp.cpp).
+#include <algorithm>
 #include <cmath>
 #include <memory>
+
+#include <fmt/format.h>
 
 #include "layers/layers_test_util.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
@@ -97,6 +100,57 @@ TEST_CASE("ParamAndGradBuffer: reverse order, buckets, alignment, padding, value
   REQUIRE(buf.param_numel() == 70 + 45 + 5 + 13 + 66);
   REQUIRE(default_bucket_size(1) == 40'000'000);
   REQUIRE(default_bucket_size(64) == 64'000'000);
+}
+
+TEST_CASE("ParamAndGradBuffer: separate parameters fill buckets of their own", "[optim][ddp]") {
+  // A layer-like order: norm, weight, norm, weight, ... (all bf16); the weights are the separate ones.
+  Params m;
+  std::vector<const ly::Parameter*> sep;
+  for (int l = 0; l < 4; ++l) {
+    m.add(fmt::format("layers.{}.norm.weight", l), {5 + l}, DType::BF16, 10 + l);
+    sep.push_back(m.add(fmt::format("layers.{}.fc.weight", l), {6, 4 + l}, DType::BF16, 20 + l));
+  }
+  m.add("final_norm.weight", {7}, DType::BF16, 30);
+  for (int64_t bucket_size : {int64_t(-1), int64_t(40), int64_t(1)}) {
+    INFO("bucket_size " << bucket_size);
+    const int dp = 2;
+    ParamAndGradBuffer plain(m.list, {.bucket_size = bucket_size, .dp_size = dp, .param_align = 4});
+    ParamAndGradBuffer buf(m.list, {.bucket_size = bucket_size, .dp_size = dp, .param_align = 4, .separate = sep});
+    int64_t end = 0;
+    int n_sep = 0;
+    for (const Bucket& b : buf.buckets()) {
+      REQUIRE(b.offset == end);  // contiguous, in order
+      REQUIRE(b.numel % (dp * 4) == 0);
+      end += b.numel;
+      n_sep += b.separate ? 1 : 0;
+      for (size_t i : b.params) {
+        const bool is_sep = std::find(sep.begin(), sep.end(), m.list[i]) != sep.end();
+        REQUIRE(is_sep == b.separate);  // never mixed
+        const ParamLocation& l = buf.location(i);
+        REQUIRE(l.bucket == b.index);
+        REQUIRE(l.offset >= b.offset);
+        REQUIRE(l.offset + l.numel <= b.offset + b.numel);
+        REQUIRE(l.offset % 4 == 0);
+      }
+    }
+    REQUIRE(end == buf.param_buffer(0).numel());
+    REQUIRE(n_sep >= 1);
+    REQUIRE(n_sep < int(buf.buckets().size()));
+    if (bucket_size < 0) REQUIRE(buf.buckets().size() == 2);               // one bucket per kind
+    if (bucket_size == 1) REQUIRE(buf.buckets().size() == m.list.size());  // one per parameter, as without
+    // Without separate parameters the layout is the plain one; the first bucket still starts with the last
+    // parameter (backward order).
+    REQUIRE(buf.buckets().front().params.front() == m.list.size() - 1);
+    REQUIRE(std::none_of(plain.buckets().begin(), plain.buckets().end(), [](const Bucket& b) { return b.separate; }));
+    for (ly::Parameter* p : m.list) REQUIRE(p->data.data_ptr() != nullptr);
+  }
+  // Values survive the re-pointing.
+  const std::vector<double> before = m.list[1]->data.to_double_vector();
+  ParamAndGradBuffer again(m.list, {.bucket_size = 40, .dp_size = 2, .param_align = 4, .separate = sep});
+  REQUIRE(m.list[1]->data.to_double_vector() == before);
+  Params other;
+  other.add("x", {3}, DType::BF16, 1);
+  REQUIRE_THROWS_AS(ParamAndGradBuffer(other.list, {.separate = sep}), ValueError);
 }
 
 TEST_CASE("ParamAndGradBuffer: shared copies follow, bad input is a ValueError", "[optim][ddp]") {
