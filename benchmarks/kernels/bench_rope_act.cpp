@@ -138,6 +138,30 @@ MC_BENCHMARK("qkv_rope", 31) {
     qkv.select(3, hpg + 1).copy_(v);
   }, 3, smp);
   mcbench::record_bw(ctx, "qkv_merge_rope_bwd", shape, "bf16", ms, bytes, "unfused_rope_copies");
+  if (!ctx.variants) return;
+  // The fused kernel keeps a source and a destination pointer per unrolled row (ptxas, sm_90a, bf16:
+  // 158 registers at unroll 4, 90 at unroll 2), so its best launch shape may differ from plain RoPE's.
+  ops::cuda::QkvRopeArgs a;
+  a.qkv = qkv.data_ptr();
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.positions = pos.data_ptr();
+  a.inv_freq = inv.data<float>();
+  a.tokens = s * b;
+  a.groups = groups;
+  a.hpg = hpg;
+  a.head_dim = hd;
+  a.rotary_dim = hd;
+  for (const auto& var : rope_variants()) {
+    a.tuning = var.t;
+    for (bool merge : {false, true}) {
+      a.merge = merge;
+      ms = mcbench::time_ms([&] { ops::cuda::qkv_rope(DType::BF16, a, 0, nullptr); }, 3, smp);
+      mcbench::record_bw(ctx, merge ? "qkv_merge_rope_bwd" : "qkv_split_rope", shape, "bf16", ms, bytes,
+                         std::string("fused_") + var.name, describe(var.t));
+    }
+  }
 }
 
 MC_BENCHMARK("activation", 40) {
