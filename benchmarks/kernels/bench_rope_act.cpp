@@ -139,8 +139,9 @@ MC_BENCHMARK("qkv_rope", 31) {
   }, 3, smp);
   mcbench::record_bw(ctx, "qkv_merge_rope_bwd", shape, "bf16", ms, bytes, "unfused_rope_copies");
   if (!ctx.variants) return;
-  // The fused kernel keeps a source and a destination pointer per unrolled row (ptxas, sm_90a, bf16:
-  // 158 registers at unroll 4, 90 at unroll 2), so its best launch shape may differ from plain RoPE's.
+  // The fused kernel finds each row's source and destination through its group (ptxas, sm_90a, bf16,
+  // unroll 4: split 126 and merge 117 registers against plain RoPE's 116), so its best launch shape may
+  // differ from plain RoPE's.
   ops::cuda::QkvRopeArgs a;
   a.qkv = qkv.data_ptr();
   a.q = q.data_ptr();

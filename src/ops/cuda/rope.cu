@@ -50,19 +50,27 @@ struct TokenRows {
       v = static_cast<T*>(a.v) + token * int64_t(groups) * d;
     }
   }
-  // Source and destination of head (row) h; false for a row that is moved without rotation (v).
-  __device__ __forceinline__ bool row(int64_t h, const T*& src, T*& dst) const {
-    if constexpr (L == Layout::Plain) {
-      src = x + h * d, dst = y + h * d;
-      return true;
-    } else {
-      const int w = hpg + 2, gi = int(h) / w, j = int(h) - gi * w;
-      T* part = j < hpg ? q + (int64_t(gi) * hpg + j) * d : j == hpg ? k + int64_t(gi) * d : v + int64_t(gi) * d;
-      T* grouped = g + h * d;
-      if constexpr (L == Layout::Split) src = grouped, dst = part;
-      else src = part, dst = grouped;
-      return j <= hpg;
-    }
+  // Row h of q, k or v (the grouped tensor's row h of group h / (hpg + 2)).
+  __device__ __forceinline__ T* part(int64_t h) const {
+    const int w = hpg + 2, gi = int(h) / w, j = int(h) - gi * w;
+    return j < hpg ? q + (int64_t(gi) * hpg + j) * d : j == hpg ? k + int64_t(gi) * d : v + int64_t(gi) * d;
+  }
+  // Source and destination of head (row) h, each computed where it is used, so that an unrolled loop
+  // does not hold U pairs of pointers across its loads.
+  __device__ __forceinline__ const T* src(int64_t h) const {
+    if constexpr (L == Layout::Plain) return x + h * d;
+    else if constexpr (L == Layout::Split) return g + h * d;
+    else return part(h);
+  }
+  __device__ __forceinline__ T* dst(int64_t h) const {
+    if constexpr (L == Layout::Plain) return y + h * d;
+    else if constexpr (L == Layout::Split) return part(h);
+    else return g + h * d;
+  }
+  // False for a value row, which is moved without rotation.
+  __device__ __forceinline__ bool rotates(int64_t h) const {
+    if constexpr (L == Layout::Plain) return true;
+    else return int(h) % (hpg + 2) <= hpg;
   }
 };
 
@@ -94,22 +102,16 @@ __global__ void rope_kernel(Job a, int groups, int64_t head_chunk) {
     // Offsets of the first and second element of pair group i0 within a head.
     const int64_t oa = IL ? 2 * i0 : i0, ob = IL ? 2 * i0 + 1 : half + i0;
     for (int64_t h = h_begin; h < h_end; h += U) {
-      const T* src[U];
-      T* dst[U];
-      bool rot[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (h + u < h_end) rot[u] = rows.row(h + u, src[u], dst[u]);
       if constexpr (kOneVec) {
         Both v[U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (h + u < h_end) v[u] = *reinterpret_cast<const Both*>(src[u] + oa);
+          if (h + u < h_end) v[u] = *reinterpret_cast<const Both*>(rows.src(h + u) + oa);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           if (h + u < h_end) {
             Both o = v[u];
-            if (rot[u]) {
+            if (rows.rotates(h + u)) {
 #pragma unroll
               for (int p = 0; p < VP; ++p) {
                 const float x0 = to_f32(v[u].v[2 * p]), x1 = to_f32(v[u].v[2 * p + 1]);
@@ -117,7 +119,7 @@ __global__ void rope_kernel(Job a, int groups, int64_t head_chunk) {
                 o.v[2 * p + 1] = from_f32<T>(x1 * c[p] + x0 * s[p]);
               }
             }
-            *reinterpret_cast<Both*>(dst[u] + oa) = o;
+            *reinterpret_cast<Both*>(rows.dst(h + u) + oa) = o;
           }
         }
       } else {
@@ -125,15 +127,16 @@ __global__ void rope_kernel(Job a, int groups, int64_t head_chunk) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           if (h + u < h_end) {
-            va[u] = *reinterpret_cast<const Half*>(src[u] + oa);
-            vb[u] = *reinterpret_cast<const Half*>(src[u] + ob);
+            const T* src = rows.src(h + u);
+            va[u] = *reinterpret_cast<const Half*>(src + oa);
+            vb[u] = *reinterpret_cast<const Half*>(src + ob);
           }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           if (h + u < h_end) {
             Half oa_v = va[u], ob_v = vb[u];
-            if (rot[u]) {
+            if (rows.rotates(h + u)) {
 #pragma unroll
               for (int p = 0; p < VP; ++p) {
                 const float x1 = to_f32(va[u].v[p]), x2 = to_f32(vb[u].v[p]);
@@ -141,8 +144,9 @@ __global__ void rope_kernel(Job a, int groups, int64_t head_chunk) {
                 ob_v.v[p] = from_f32<T>(x2 * c[p] + x1 * s[p]);
               }
             }
-            *reinterpret_cast<Half*>(dst[u] + oa) = oa_v;
-            *reinterpret_cast<Half*>(dst[u] + ob) = ob_v;
+            T* dst = rows.dst(h + u);
+            *reinterpret_cast<Half*>(dst + oa) = oa_v;
+            *reinterpret_cast<Half*>(dst + ob) = ob_v;
           }
         }
       }
@@ -150,9 +154,8 @@ __global__ void rope_kernel(Job a, int groups, int64_t head_chunk) {
   }
   if (a.rotary_dim < d && (L != Layout::Plain || a.x != a.y)) {
     for (int64_t h = h_begin; h < h_end; ++h) {
-      const T* src;
-      T* dst;
-      rows.row(h, src, dst);
+      const T* src = rows.src(h);
+      T* dst = rows.dst(h);
       for (int64_t j = a.rotary_dim + gi; j < d; j += groups) dst[j] = src[j];
     }
   }
