@@ -1,4 +1,4 @@
-// RoPE (Llama-3 8B heads), SwiGLU and GELU, bf16.
+// RoPE (Llama-3 8B heads), the fused QKV split/merge with RoPE (Llama-1.1B heads), SwiGLU and GELU, bf16.
 #include "kernels/bench_memops_util.hpp"
 #include "megacore/ops/activation.hpp"
 #include "megacore/ops/rope.hpp"
@@ -94,6 +94,74 @@ MC_BENCHMARK("rope", 30) {
     a.tuning = v.t;
     ms = mcbench::time_ms([&] { ops::cuda::rope(DType::BF16, a, 0, nullptr); }, 3, smp);
     mcbench::record_bw(ctx, "rope_fwd", shape, "bf16", ms, bytes, v.name, describe(v.t));
+  }
+}
+
+// The fused QKV split + RoPE and its backward merge against the sequence they replace in SelfAttention
+// (three strided copies and RoPE in place on q and on k; RoPE's backward on dq and dk and three copies),
+// at the reference Llama-1.1B step's shapes: 4 x 2048 tokens, 8 KV groups of 4 query heads, head_dim 64.
+// Bytes are those of the fused pass: the grouped tensor read (or written) once, q, k and v written (or read).
+MC_BENCHMARK("qkv_rope", 31) {
+  const Device d = Device::cuda(0);
+  const int64_t s = 2048, b = 4, groups = 8, hpg = 4, hd = 64;
+  const std::string shape = std::to_string(s * b) + "x" + std::to_string(groups) + "x" + std::to_string(hpg + 2) +
+                            "x" + std::to_string(hd);
+  const DType dt = DType::BF16;
+  Tensor qkv = mcbench::dev_randn({s, b, groups, hpg + 2, hd}, dt, 11);
+  Tensor q = Tensor::empty({s, b, groups * hpg, hd}, dt, d), k = Tensor::empty({s, b, groups, hd}, dt, d),
+         v = Tensor::empty({s, b, groups, hd}, dt, d);
+  std::vector<int32_t> pv(static_cast<size_t>(s * b));
+  for (int64_t i = 0; i < s * b; ++i) pv[size_t(i)] = int32_t(i / b);
+  Tensor pos = Tensor::from_vector(pv, {s * b}).to(d);
+  ops::RopeConfig cfg;
+  cfg.rotary_dim = hd;
+  Tensor inv = ops::rope_inv_freq(cfg, d);
+  const double bytes = 2.0 * double(qkv.nbytes());
+  const int smp = mcbench::bench_samples(ctx);
+  double ms = mcbench::time_ms([&] { ops::qkv_split_rope(qkv, pos, inv, q, k, v, false); }, 3, smp);
+  mcbench::record_bw(ctx, "qkv_split_rope", shape, "bf16", ms, bytes, "fused");
+  ms = mcbench::time_ms([&] {
+    Tensor uq = qkv.narrow(3, 0, hpg).contiguous().view({s, b, groups * hpg, hd});
+    Tensor uk = qkv.select(3, hpg).contiguous(), uv = qkv.select(3, hpg + 1).contiguous();
+    ops::rope_forward(uq, pos, inv, uq, false);
+    ops::rope_forward(uk, pos, inv, uk, false);
+  }, 3, smp);
+  mcbench::record_bw(ctx, "qkv_split_rope", shape, "bf16", ms, bytes, "unfused_copies_rope");
+  ms = mcbench::time_ms([&] { ops::qkv_merge_rope_backward(q, k, v, pos, inv, qkv, false); }, 3, smp);
+  mcbench::record_bw(ctx, "qkv_merge_rope_bwd", shape, "bf16", ms, bytes, "fused");
+  Tensor rq = Tensor::empty(q.shape(), dt, d), rk = Tensor::empty(k.shape(), dt, d);
+  ms = mcbench::time_ms([&] {
+    ops::rope_backward(q, pos, inv, rq, false);
+    ops::rope_backward(k, pos, inv, rk, false);
+    qkv.narrow(3, 0, hpg).copy_(rq.view({s, b, groups, hpg, hd}));
+    qkv.select(3, hpg).copy_(rk);
+    qkv.select(3, hpg + 1).copy_(v);
+  }, 3, smp);
+  mcbench::record_bw(ctx, "qkv_merge_rope_bwd", shape, "bf16", ms, bytes, "unfused_rope_copies");
+  if (!ctx.variants) return;
+  // The fused kernel finds each row's source and destination through its group (ptxas, sm_90a, bf16,
+  // unroll 4: split 126 and merge 117 registers against plain RoPE's 116), so its best launch shape may
+  // differ from plain RoPE's.
+  ops::cuda::QkvRopeArgs a;
+  a.qkv = qkv.data_ptr();
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.positions = pos.data_ptr();
+  a.inv_freq = inv.data<float>();
+  a.tokens = s * b;
+  a.groups = groups;
+  a.hpg = hpg;
+  a.head_dim = hd;
+  a.rotary_dim = hd;
+  for (const auto& var : rope_variants()) {
+    a.tuning = var.t;
+    for (bool merge : {false, true}) {
+      a.merge = merge;
+      ms = mcbench::time_ms([&] { ops::cuda::qkv_rope(DType::BF16, a, 0, nullptr); }, 3, smp);
+      mcbench::record_bw(ctx, merge ? "qkv_merge_rope_bwd" : "qkv_split_rope", shape, "bf16", ms, bytes,
+                         std::string("fused_") + var.name, describe(var.t));
+    }
   }
 }
 

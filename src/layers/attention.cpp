@@ -197,20 +197,22 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
   Tensor qkv = qkv_.forward(ctx, x);  // [s, b, groups/TP · (hpg + 2) · d], the sequence gathered under SP
   const int64_t s = qkv.size(0), b = qkv.size(1), d = head_dim_, hpg = heads_local_ / groups_local_;
   Tensor grouped = qkv.view({s, b, groups_local_, hpg + 2, d});
-  // Contiguous copies: RoPE wants contiguous heads, and they are what backward keeps.
-  Tensor q = grouped.narrow(3, 0, hpg).contiguous(st).view({s, b, heads_local_, d});
-  Tensor k = grouped.select(3, hpg).contiguous(st);
-  Tensor v = grouped.select(3, hpg + 1).contiguous(st);
-  Tensor positions;
+  // Contiguous q, k, v: attention and RoPE want contiguous heads, and they are what backward keeps.
+  Tensor q, k, v, positions;
   if (rotary_dim_ > 0) {
     positions = positions_for(position_ids, s, b, st);
-    ops::rope_forward(q, positions, inv_freq_, q, opts_.rotary_interleaved, st);
-    ops::rope_forward(k, positions, inv_freq_, k, opts_.rotary_interleaved, st);
+    q = Tensor::empty({s, b, heads_local_, d}, qkv.dtype(), qkv.device(), st);
+    k = Tensor::empty({s, b, groups_local_, d}, qkv.dtype(), qkv.device(), st);
+    v = Tensor::empty({s, b, groups_local_, d}, qkv.dtype(), qkv.device(), st);
+    ops::qkv_split_rope(grouped, positions, inv_freq_, q, k, v, opts_.rotary_interleaved, st);
   } else {
     MC_CHECK(!position_ids.defined(),
              "{}.forward: position_ids were given but this layer has no RoPE (position_embedding is learned); add "
              "the positions at the embedding instead",
              kName);
+    q = grouped.narrow(3, 0, hpg).contiguous(st).view({s, b, heads_local_, d});
+    k = grouped.select(3, hpg).contiguous(st);
+    v = grouped.select(3, hpg + 1).contiguous(st);
   }
   Tensor out = Tensor::empty({s, b, heads_local_ * d}, x.dtype(), x.device(), st);
   cu_ = Tensor(), max_seqlen_ = 0;
@@ -271,7 +273,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
     out = Tensor::empty({s, b, heads_local_ * d}, q_.dtype(), q_.device(), st);
     lse = core_forward(q_, k_, v_, out, st);
   }
-  // dQKV in the fused grouped layout; attention and RoPE write their gradients straight into it.
+  // dQKV in the fused grouped layout; the merge (with RoPE's backward) writes q's, k's and v's gradients into it.
   Tensor dqkv = Tensor::empty({s, b, groups_local_, hpg + 2, d}, q_.dtype(), q_.device(), st);
   Tensor dq = Tensor::empty({s, b, heads_local_, d}, q_.dtype(), q_.device(), st);
   Tensor dk = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
@@ -295,12 +297,12 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
                             bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, attention_options(), st);
   }
   if (rotary_dim_ > 0) {
-    ops::rope_backward(dq, positions_, inv_freq_, dq, opts_.rotary_interleaved, st);
-    ops::rope_backward(dk, positions_, inv_freq_, dk, opts_.rotary_interleaved, st);
+    ops::qkv_merge_rope_backward(dq, dk, dv, positions_, inv_freq_, dqkv, opts_.rotary_interleaved, st);
+  } else {
+    dqkv.narrow(3, 0, hpg).copy_(dq.view({s, b, groups_local_, hpg, d}), st);
+    dqkv.select(3, hpg).copy_(dk, st);
+    dqkv.select(3, hpg + 1).copy_(dv, st);
   }
-  dqkv.narrow(3, 0, hpg).copy_(dq.view({s, b, groups_local_, hpg, d}), st);
-  dqkv.select(3, hpg).copy_(dk, st);
-  dqkv.select(3, hpg + 1).copy_(dv, st);
   q_ = k_ = v_ = out_ = lse_ = positions_ = cu_ = Tensor();
   return qkv_.backward(ctx, dqkv.view({s, b, groups_local_ * (hpg + 2) * d}));
 }

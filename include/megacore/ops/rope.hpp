@@ -43,6 +43,26 @@ void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_fr
 void rope_backward(const Tensor& dy, const Tensor& positions, const Tensor& inv_freq, Tensor& dx, bool interleaved,
                    const Stream& s = {});
 
+/// The fused QKV projection's output split into contiguous q, k and v with RoPE applied to q and k, in
+/// one pass over the tensor (equal, bit for bit, to three strided copies followed by rope_forward on q
+/// and on k).
+///   qkv:  [..., groups, hpg + 2, head_dim] (f32/bf16/f16, contiguous), in: per KV group its hpg query
+///         heads, then its key head, then its value head (the layout of SelfAttention's fused weight)
+///   positions: one id per token (i32/i64, tokens = the elements of the leading dimensions), in
+///   inv_freq:  f32 [rotary_dim / 2] from rope_inv_freq, in
+///   q:    [..., groups · hpg, head_dim], out; query head g·hpg + j is qkv's [g, j]
+///   k, v: [..., groups, head_dim], out
+/// q, k and v are contiguous, of qkv's dtype and device, and must not overlap qkv.
+void qkv_split_rope(const Tensor& qkv, const Tensor& positions, const Tensor& inv_freq, Tensor& q, Tensor& k,
+                    Tensor& v, bool interleaved, const Stream& s = {});
+/// The transpose of qkv_split_rope: dqkv = the grouped layout of (rope_backward(dq), rope_backward(dk), dv),
+/// in one pass (equal, bit for bit, to rope_backward on dq and on dk followed by three strided copies).
+///   dq: [..., groups · hpg, head_dim], dk, dv: [..., groups, head_dim] (contiguous, one dtype), in
+///   positions, inv_freq: as for qkv_split_rope
+///   dqkv: [..., groups, hpg + 2, head_dim], contiguous, out; must not overlap the inputs
+void qkv_merge_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& positions,
+                             const Tensor& inv_freq, Tensor& dqkv, bool interleaved, const Stream& s = {});
+
 /// Position ids of packed sequences on the host: for cu_seqlens [0, 3, 5] gives [0, 1, 2, 0, 1] (i32).
 Tensor rope_positions_from_cu_seqlens(const Tensor& cu_seqlens);
 

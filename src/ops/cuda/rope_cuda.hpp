@@ -20,17 +20,37 @@ struct RopeTuning {
                         ///< unroll 4 90.7 % of copy, chunk 8 + unroll 2 88.4 %, all heads unroll 1 85.5 %.
 };
 
-struct RopeArgs {
-  const void* x = nullptr;
-  void* y = nullptr;
+/// What every RoPE launch shares: the angles' inputs and the per-token row shape.
+struct RopeCommon {
   const void* positions = nullptr;
   bool positions_i64 = false;
   const float* inv_freq = nullptr;
-  int64_t tokens = 0, heads = 0, head_dim = 0, rotary_dim = 0;
+  int64_t tokens = 0, head_dim = 0, rotary_dim = 0;
   bool interleaved = false;
-  bool backward = false;  // rotate by the negative angle
   RopeTuning tuning{};
 };
+
+/// rope_forward / rope_backward: x and y [tokens, heads, head_dim] (y may be x).
+struct RopeArgs : RopeCommon {
+  const void* x = nullptr;
+  void* y = nullptr;
+  int64_t heads = 0;
+  bool backward = false;  // rotate by the negative angle
+};
 void rope(DType dt, const RopeArgs& a, int device, void* stream);
+
+/// qkv_split_rope (merge = false) and qkv_merge_rope_backward (merge = true): the grouped QKV tensor
+/// [tokens, groups, hpg + 2, head_dim] against contiguous q [tokens, groups · hpg, head_dim] and k, v
+/// [tokens, groups, head_dim]. The split reads qkv and writes q, k, v; the merge reads q, k, v (the
+/// gradients) and writes qkv, rotating by the negative angle.
+struct QkvRopeArgs : RopeCommon {
+  void* qkv = nullptr;
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  int64_t groups = 0, hpg = 0;
+  bool merge = false;
+};
+void qkv_rope(DType dt, const QkvRopeArgs& a, int device, void* stream);
 
 }  // namespace megacore::ops::cuda

@@ -8,6 +8,7 @@
 // are accurate to ~1e-9, so gradients are held to 1e-4 relative (f32 GEMM accumulation dominates).
 #include <cmath>
 #include <numbers>
+#include <utility>
 
 #include "megacore/layers/attention.hpp"
 #include "megacore/model/transformer_layer.hpp"
@@ -53,6 +54,7 @@ struct RefShape {
   int64_t s, b, h, heads, groups, d, rot;  // rot = 0: no RoPE
   double theta;
   mdl::RopeScaling scaling;
+  bool interleaved = false;  // RoPE pairs (2c, 2c+1) instead of (c, c + rot/2)
 };
 
 // inv_freq written out from the Llama 3.1 recipe (wavelengths beyond the original context are divided
@@ -96,9 +98,10 @@ std::vector<double> ref_attention(const RefShape& r, const RefParams& p, const s
     const int64_t half = r.rot / 2;
     for (int64_t c = 0; c < half; ++c) {
       const double ang = double(float(double(position) * inv[size_t(c)]));  // the angle is formed in f32
-      const double a = vec[size_t(c)], bb = vec[size_t(c + half)];
-      vec[size_t(c)] = a * std::cos(ang) - bb * std::sin(ang);
-      vec[size_t(c + half)] = bb * std::cos(ang) + a * std::sin(ang);
+      const size_t c1 = size_t(r.interleaved ? 2 * c : c), c2 = size_t(r.interleaved ? 2 * c + 1 : c + half);
+      const double a = vec[c1], bb = vec[c2];
+      vec[c1] = a * std::cos(ang) - bb * std::sin(ang);
+      vec[c2] = bb * std::cos(ang) + a * std::sin(ang);
     }
   };
   // q[b][i][s][c], k/v[b][g][s][c]
@@ -266,10 +269,12 @@ TEST_CASE("SelfAttention at TP = 1 equals a float64 reference", "[layers]") {
     const char* name;
     bool bias, rope, llama3, given_positions;
     double rotary_percent;
+    bool interleaved = false;
   };
   for (const Case& cs : {Case{"llama (RoPE, theta 500)", false, true, false, false, 1.0},
                          Case{"llama3 scaling, per-sample position ids", false, true, true, true, 1.0},
                          Case{"partial rotary 0.5 with biases", true, true, false, false, 0.5},
+                         Case{"interleaved partial rotary 0.5, llama3 scaling", false, true, true, true, 0.5, true},
                          Case{"gpt2 (learned positions, biases)", true, false, false, false, 1.0}}) {
     INFO(cs.name);
     mdl::TransformerConfig c = tiny_config();
@@ -281,7 +286,8 @@ TEST_CASE("SelfAttention at TP = 1 equals a float64 reference", "[layers]") {
       c.rope_scaling = {.type = mdl::RopeScalingType::Llama3, .factor = 8, .low_freq_factor = 1,
                         .high_freq_factor = 4, .original_max_position_embeddings = 64};
     }
-    ly::SelfAttention attn(tp1, mdl::attention_config(c), {.rotary_percent = cs.rotary_percent});
+    ly::SelfAttention attn(tp1, mdl::attention_config(c),
+                           {.rotary_percent = cs.rotary_percent, .rotary_interleaved = cs.interleaved});
     randomize_biases(attn);
     REQUIRE(attn.rotary_dim() == (cs.rope ? int64_t(8 * cs.rotary_percent) : 0));
     const Tensor x = randn({s, b, c.hidden_size}, 5);
@@ -296,7 +302,9 @@ TEST_CASE("SelfAttention at TP = 1 equals a float64 reference", "[layers]") {
     ly::ForwardContext ctx;
     Tensor y = attn.forward(ctx, x, pos_ids);
     REQUIRE(y.shape() == Shape{s, b, c.hidden_size});
-    const auto want = ref_attention(shape_of(c, s, b, attn.rotary_dim()), params_of(attn), x.to_double_vector(), pos);
+    RefShape rs = shape_of(c, s, b, attn.rotary_dim());
+    rs.interleaved = cs.interleaved;
+    const auto want = ref_attention(rs, params_of(attn), x.to_double_vector(), pos);
     CHECK(mctest::rel_err(y.to_double_vector(), want) <= 2e-6);
   }
 }
@@ -304,20 +312,21 @@ TEST_CASE("SelfAttention at TP = 1 equals a float64 reference", "[layers]") {
 TEST_CASE("SelfAttention gradients match central differences of the float64 reference", "[layers]") {
   NoCommCommunicator tp1(0, 1);
   const int64_t s = 5, b = 2;
-  for (bool bias : {false, true}) {
-    INFO("bias " << bias);
+  for (auto [bias, il] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}}) {
+    INFO("bias " << bias << " interleaved RoPE " << il);
     mdl::TransformerConfig c = tiny_config();
     c.add_bias_linear = bias;
     c.rope_scaling = {.type = mdl::RopeScalingType::Llama3, .factor = 4, .low_freq_factor = 1, .high_freq_factor = 4,
                       .original_max_position_embeddings = 64};
-    ly::SelfAttention attn(tp1, mdl::attention_config(c));
+    ly::SelfAttention attn(tp1, mdl::attention_config(c), {.rotary_interleaved = il});
     randomize_biases(attn);
     const Tensor x = randn({s, b, c.hidden_size}, 6), g = randn({s, b, c.hidden_size}, 7);
     ly::ForwardContext ctx;
     attn.forward(ctx, x);
     Tensor dx = attn.backward(ctx, g);
 
-    const RefShape rs = shape_of(c, s, b, attn.rotary_dim());
+    RefShape rs = shape_of(c, s, b, attn.rotary_dim());
+    rs.interleaved = il;
     RefParams p = params_of(attn);
     std::vector<double> xd = x.to_double_vector();
     const std::vector<double> gd = g.to_double_vector();

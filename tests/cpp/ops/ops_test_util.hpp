@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -49,6 +50,13 @@ inline double tol_for(megacore::DType dt) { return dt == megacore::DType::F32 ? 
 
 inline double rel_err_t(const megacore::Tensor& a, const megacore::Tensor& b) {
   return rel_err(a.to_double_vector(), b.to_double_vector());
+}
+
+/// True when a and b hold the same bytes (same dtype and shape; either may be on a GPU or strided).
+inline bool same_bits(const megacore::Tensor& a, const megacore::Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  const megacore::Tensor ca = a.to(megacore::Device::cpu()).contiguous(), cb = b.to(megacore::Device::cpu()).contiguous();
+  return a.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), size_t(a.nbytes())) == 0;
 }
 
 /// Central finite differences of f at x for every coordinate.
