@@ -210,13 +210,11 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     if fp8 not in ("none", "delayed", "current"):
         raise McValueError(f"fp8 '{fp8}' is not none, delayed or current")
     fp8_on = fp8 != "none"
-    h, hd = cfg.hidden_size, cfg.head_dim
-    attn_w = cfg.num_attention_heads * hd
+    h, attn_w = cfg.hidden_size, cfg.attention_width
     fc1_w = cfg.ffn_size * (2 if str(cfg.activation).lower().endswith("swiglu") else 1)
     # Weight elements of a layer's four FP8 linears on one TP rank (a MoE layer: the attention's two).
-    lin_dense = (h * (cfg.num_attention_heads + 2 * cfg.query_groups) * hd + attn_w * h + h * fc1_w
-                 + cfg.ffn_size * h) / tp
-    lin_moe = (h * (cfg.num_attention_heads + 2 * cfg.query_groups) * hd + attn_w * h) / tp
+    lin_moe = (h * cfg.qkv_width + attn_w * h) / tp
+    lin_dense = lin_moe + (h * fc1_w + cfg.ffn_size * h) / tp
     fp8_act = 0.0
     if fp8_on and fp8_wgrad:
         t = s * b

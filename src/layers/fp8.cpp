@@ -45,6 +45,25 @@ Fp8LinearState::Fp8LinearState(const Fp8Recipe& recipe, Device device) : recipe_
   counts_ = Tensor::zeros({kSlots, 2}, DType::I64, device);
 }
 
+void Fp8LinearState::refresh_gemm_scale(int slot, const Stream& s) {
+  gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
+}
+
+void Fp8LinearState::scale_from_row(int slot, const Stream& s) {
+  ops::fp8_update_scales(history_.select(0, 0).narrow(0, slot, 1).view({1, 1}), scale_.narrow(0, slot, 1),
+                         scale_inv_.narrow(0, slot, 1), fp8_max_.narrow(0, slot, 1), ops::Fp8AmaxAlgo::MostRecent,
+                         recipe_.margin, /*roll=*/false, s);
+  refresh_gemm_scale(slot, s);
+}
+
+void Fp8LinearState::seed_from(int slot, const Tensor& amax, const Stream& s) {
+  seed_pending_[slot] = false;
+  Tensor all = Tensor::full({kSlots}, -1.0, DType::F32, amax.device(), s);  // < 0: not this slot
+  all.narrow(0, slot, 1).copy_(amax.view({1}), s);
+  ops::fp8_seed_scales(all, seeded_, scale_, scale_inv_, fp8_max_, recipe_.margin, s);
+  refresh_gemm_scale(slot, s);
+}
+
 void Fp8LinearState::current_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
   // The tensor's own amax, agreed over TP, then its scale; a recording cast reduces into it again (a no-op:
   // the same values).
@@ -52,20 +71,14 @@ void Fp8LinearState::current_scale(comm::Communicator& tp, int slot, const Tenso
   amax.zero_(s);
   ops::fp8_amax(x, amax, s);
   if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
-  ops::fp8_update_scales(amax.view({1, 1}), scale_.narrow(0, slot, 1), scale_inv_.narrow(0, slot, 1),
-                         fp8_max_.narrow(0, slot, 1), ops::Fp8AmaxAlgo::MostRecent, recipe_.margin, /*roll=*/false, s);
-  gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
+  scale_from_row(slot, s);
 }
 
 void Fp8LinearState::seed_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
-  seed_pending_[slot] = false;
-  Tensor amax = Tensor::full({kSlots}, -1.0, DType::F32, x.device(), s);  // < 0: not this slot
-  Tensor mine = amax.narrow(0, slot, 1);
-  mine.zero_(s);
-  ops::fp8_amax(x, mine, s);
+  Tensor amax = Tensor::zeros({1}, DType::F32, x.device(), s);
+  ops::fp8_amax(x, amax, s);
   if (tp.size() > 1) tp.all_reduce(amax, comm::ReduceOp::Max, s)->wait_on(s);
-  ops::fp8_seed_scales(amax, seeded_, scale_, scale_inv_, fp8_max_, recipe_.margin, s);
-  gemm_scale_inv_.select(0, slot).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, slot, 1), s);
+  seed_from(slot, amax, s);
 }
 
 Tensor Fp8LinearState::cast(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s) {
@@ -112,20 +125,11 @@ bool Fp8LinearState::weight_amax_needed() const {
 
 void Fp8LinearState::set_weight_amax(const Tensor& amax, const Stream& s) {
   if (recipe_.scaling == Fp8Scaling::Current) {
-    // As current_scale: the amax in history row 0, the scale from it.
-    Tensor row = history_.select(0, 0).narrow(0, kWeight, 1);
-    row.copy_(amax.view({1}), s);
-    ops::fp8_update_scales(row.view({1, 1}), scale_.narrow(0, kWeight, 1), scale_inv_.narrow(0, kWeight, 1),
-                           fp8_max_.narrow(0, kWeight, 1), ops::Fp8AmaxAlgo::MostRecent, recipe_.margin,
-                           /*roll=*/false, s);
+    history_.select(0, 0).narrow(0, kWeight, 1).copy_(amax.view({1}), s);  // as current_scale
+    scale_from_row(kWeight, s);
   } else {
-    // As seed_scale (a no-op on the device for a slot seeded already, e.g. by a loaded state).
-    seed_pending_[kWeight] = false;
-    Tensor a = Tensor::full({kSlots}, -1.0, DType::F32, amax.device(), s);
-    a.narrow(0, kWeight, 1).copy_(amax.view({1}), s);
-    ops::fp8_seed_scales(a, seeded_, scale_, scale_inv_, fp8_max_, recipe_.margin, s);
+    seed_from(kWeight, amax, s);  // as seed_scale (a no-op on the device for a slot seeded already)
   }
-  gemm_scale_inv_.select(0, kWeight).narrow(0, 0, 1).copy_(scale_inv_.narrow(0, kWeight, 1), s);
 }
 
 void Fp8LinearState::cast_weight_piece(const Tensor& x, Tensor& q, const Stream& s) {

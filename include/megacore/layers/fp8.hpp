@@ -123,6 +123,13 @@ class Fp8LinearState {
 
  private:
   void cast_weight(comm::Communicator& tp, const Tensor& w, const Stream& s);
+  /// The slot's aligned GEMM copy of scale_inv (gemm_scale_inv_) from scale_inv_.
+  void refresh_gemm_scale(int slot, const Stream& s);
+  /// Current scaling: the slot's scale from the amax in history row 0 (agreed over the ranks sharing the tensor).
+  void scale_from_row(int slot, const Stream& s);
+  /// Delayed scaling: the slot's first scale from `amax` (f32 [1], agreed likewise; ops::fp8_seed_scales leaves a
+  /// slot seeded already as it is).
+  void seed_from(int slot, const Tensor& amax, const Stream& s);
   /// Current scaling: the slot's scale from x's own amax (reduced over TP), written into history row 0.
   void current_scale(comm::Communicator& tp, int slot, const Tensor& x, const Stream& s);
   /// Delayed scaling, the slot's first cast of a fresh state: its scale from x's own amax (reduced over TP),
