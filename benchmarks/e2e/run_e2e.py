@@ -73,12 +73,21 @@ def peer_run(system, c, a):
     cmd = [sys.executable, os.path.join(HERE, "peers.py"), "--system", system, "--config", a.config,
            "--iters", str(a.iters), "--warmup", str(a.warmup)]
     rc, out, wall = run(cmd, a.timeout)
+    return peer_result(system, c, rc, out, wall, a.peak_tflops)
+
+
+def peer_result(system, c, rc, out, wall, peak_tflops):
+    """A peer's run from its output. A peer that printed its timed result and then failed to exit in time (torch's
+    compile workers can hold up interpreter shutdown) is kept, with the exit status in its note."""
     line = [ln for ln in out.splitlines() if ln.startswith("E2E_RESULT ")]
-    if rc != 0 or not line:
+    if not line:
         return None, f"exit {rc}: {tail(out)}"
     m = json.loads(line[-1][len("E2E_RESULT "):])
-    r = result(system, c, m.pop("step_s"), m.pop("peak_mem_gib"), a.peak_tflops)
+    r = result(system, c, m.pop("step_s"), m.pop("peak_mem_gib"), peak_tflops)
     r.update({k: v for k, v in m.items() if k not in ("system", "tokens_per_s")}, wall_s=round(wall, 1))
+    if rc != 0:
+        r["note"] = (r.get("note", "") + f"; the process exited {rc} after printing this result"
+                     + (" (killed at the per-system timeout)" if rc == 124 else "")).lstrip("; ")
     return r, None
 
 
