@@ -553,13 +553,16 @@ def _add_train(sub):
         "train", help="train a recipe (locally, on Slurm or on Kubernetes)",
         description="Builds a recipe (--recipe NAME or --config FILE), applies --set overrides, validates the whole "
                     "recipe before any rank starts, and runs it with the chosen executor. Locally the ranks are GPUs, "
-                    "or CPU ranks through mpirun when there is no GPU.")
+                    "or CPU ranks through mpirun when there is no GPU. A named recipe whose layout depends on the GPUs' "
+                    "memory (llama3_8b) is fitted for the GPUs the job uses (MEGACORE_GPU_MEMORY_GIB, else the local "
+                    "GPUs; CPU ranks: the recipe's default, 80 GiB), and one line says which size.")
     p.add_argument("--recipe", help="recipe name: tiny, tiny_moe, gpt2_124m, llama32_1b, llama3_8b, mixtral_8x7b (+ _finetune), "
                                     "llama32_1b_long")
     p.add_argument("--config", help="a saved recipe (JSON or YAML) instead of --recipe")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field, e.g. --set parallel.tp=2 --set optim.lr=1e-3 (repeatable)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: the recipe's)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (default: the recipe's); a named recipe's layout is built for the ranks given")
     p.add_argument("--nodes", type=int, default=None, help="nodes (Slurm/Kubernetes; default: the recipe's)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are visible")
     p.add_argument("--executor", choices=["local", "slurm", "kubernetes"], default="local")
