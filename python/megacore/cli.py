@@ -611,7 +611,8 @@ def build_recipe(name=None, config=None, overrides=(), nproc_per_node=None, node
         return build_recipe(name, None, overrides, nproc_per_node, nodes, None, "CPU ranks: the recipe's default")
     gib = DEFAULT_GPU_MEMORY_GIB if gpu_memory_gib is None else gpu_memory_gib
     now = recipe_layout(r)
-    note = (f"{r.name}: layout fitted for {gib:.1f} GiB GPUs ({memory_source or 'the recipe default'}): {built}; "
+    source = memory_source or "the recipe's default"
+    note = (f"{r.name}: layout fitted for {gib:.1f} GiB GPUs ({source}): {built}; "
             + (f"--set made it {now}" if now != built else
                f"pin another with --set parallel.tp=N (and parallel.pp, parallel.sp, parallel.zero, trainer.recompute) "
                f"or fit for other GPUs with {GPU_MEMORY_ENV}=GIB"))
