@@ -8,7 +8,9 @@ computes the plan's total for the same recipe. It prints both and exits 1 when a
 
 Configurations (seq × micro-batch as issue 24 measures them):
   ref1b   the reference Llama-1.1B (h2048, 16 layers, 32/8 heads, FFN 8192, vocab 32000, untied), 1 GPU, 4 × 2048
-  llama8b the Llama-3-8B recipe's default layout for 4 GPUs (seq 8192, micro-batch 1)
+  llama8b the Llama-3-8B recipe's default layout for 4 GPUs (seq 8192, micro-batch 1; fitted for 80 GiB: TP 4 + SP)
+  llama8b_card  the same recipe fitted for the memory of this host's first 4 GPUs, as `megacore train --recipe
+          llama3_8b --nproc-per-node 4` builds it (on 4 × H200: TP 1 + ZeRO-1 over DP 4)
 Add `--bf16-states` to run both with all optimizer state in bf16.
 
     /opt/torch/.venv/bin/python3 scripts/check_plan_memory.py --configs ref1b llama8b
@@ -27,6 +29,7 @@ CONFIGS = {
                                                       "data.global_batch_size=8", "parallel.tp=1", "parallel.pp=1",
                                                       "parallel.zero=false"]),
     "llama8b": dict(recipe="llama3_8b", gpus=4, sets=["data.micro_batch_size=1", "data.global_batch_size=8"]),
+    "llama8b_card": dict(recipe="llama3_8b", gpus=4, sets=["data.micro_batch_size=1", "data.global_batch_size=8"]),
 }
 BF16_STATES = ["optim.main_params_dtype=bf16", "optim.main_grads_dtype=bf16", "optim.exp_avg_dtype=bf16",
                "optim.exp_avg_sq_dtype=bf16"]
@@ -42,8 +45,10 @@ def run_one(name, bf16_states, steps, workdir):
             "optim.lr_warmup_iters=0", "optim.lr_warmup_fraction=0", "optim.lr_decay_iters=0",
             "checkpoint.save_interval=0", f"logging.log_dir={workdir}/{name}/logs",
             f"checkpoint.save_dir={workdir}/{name}/ckpt"] + c["sets"] + (BF16_STATES if bf16_states else [])
-    if name == "llama8b":  # the 4-GPU default of the recipe, not the 8-GPU one with resources.gpus overridden
-        rec = mc.recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4)
+    if name.startswith("llama8b"):  # the 4-GPU default of the recipe, not the 8-GPU one with resources.gpus overridden
+        gib, source = cli.recipe_gpu_memory(nproc=4) if name == "llama8b_card" else (None, "")
+        rec = mc.recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4, gpu_memory_gib=gib)
+        print(f"{name}: {cli.recipe_layout(rec)}" + (f", fitted for {gib:.1f} GiB ({source})" if gib else ""))
         base = os.path.join(workdir, f"{name}.json")
         rec.to_json(base)
         rec = cli.load_recipe(None, base, sets)

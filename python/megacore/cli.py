@@ -109,7 +109,9 @@ def _add_plan(sub):
     p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="sequence parallelism (needs TP > 1)")
     p.add_argument("--zero", action="store_true", default=None, help="shard optimizer state over DP×CP (ZeRO-1)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the warning")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory of one GPU in GiB, for the warning and --fit; a recipe whose layout depends on it "
+                        "(llama3_8b) is built for it (default 80)")
     p.add_argument("--headroom-gib", type=float, default=None,
                    help="memory per GPU kept for what the estimate does not count (CUDA context, NCCL and library "
                         "workspaces, allocator fragmentation); default max(4, 12 %% of --gpu-memory-gib)")
@@ -346,14 +348,17 @@ def plan_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
 
 def fit_recipe(rec, gpu_memory_gib=80.0, headroom_gib=None):
     """`fit_layout` for a recipe: the TP/PP/SP/ZeRO/recompute that fits its model, GPU count, sequence, micro-batch,
-    CP/EP and optimizer state on GPUs of ``gpu_memory_gib``."""
-    p, o = rec.parallel, rec.optim
-    return fit_layout(rec.model.to_transformer_config("bf16", False, rec.trainer.recompute), rec.world_size,
+    CP/EP, pipeline stage costs, optimizer state and FP8 settings on GPUs of ``gpu_memory_gib``, estimated as
+    `plan_recipe` (and so the memory check before launch) estimates the recipe with that layout."""
+    p, o, t = rec.parallel, rec.optim, rec.trainer
+    return fit_layout(rec.model.to_transformer_config("bf16", False, t.recompute), rec.world_size,
                       gpu_memory_gib, rec.data.seq_length, rec.data.micro_batch_size, headroom_gib,
                       cp=p.context_parallel_size, ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                      pipeline_embedding_cost=p.pipeline_embedding_cost, pipeline_head_cost=p.pipeline_head_cost,
                       grad_reduce_in_bf16=p.grad_reduce_in_bf16, main_params_dtype=o.main_params_dtype,
                       main_grads_dtype=o.main_grads_dtype, exp_avg_dtype=o.exp_avg_dtype,
-                      exp_avg_sq_dtype=o.exp_avg_sq_dtype)
+                      exp_avg_sq_dtype=o.exp_avg_sq_dtype, fp8=t.fp8, fp8_wgrad=t.fp8_wgrad,
+                      fp8_keep_gathered_input=t.fp8_keep_gathered_input)
 
 
 def fit_flags(f) -> str:
@@ -415,11 +420,8 @@ def check_memory(rec, gpu_gib, headroom_gib=None) -> dict:
                f"step log's mem allocated/peak GiB is measured")
     problem = ""
     if not fits or tight:
-        p = rec.parallel
-        layout = (f"TP {p.tensor_model_parallel_size} × PP {p.pipeline_model_parallel_size}"
-                  f"{' + SP' if p.sequence_parallel else ''}{' + ZeRO-1' if p.use_distributed_optimizer else ''}, "
-                  f"recompute {rec.trainer.recompute}, seq {rec.data.seq_length} × micro-batch "
-                  f"{rec.data.micro_batch_size} on {rec.world_size} GPUs")
+        layout = (f"{recipe_layout(rec)}, seq {rec.data.seq_length} × micro-batch {rec.data.micro_batch_size} on "
+                  f"{rec.world_size} GPUs")
         try:
             f = fit_recipe(rec, gpu_gib, headroom_gib)
             fix = (f"the layout `megacore plan --fit` picks ({f['plan']['total_bytes'] / gib:.1f} GiB): {fit_flags(f)}"
@@ -464,10 +466,18 @@ _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "e
 
 
 def _run_plan(args) -> int:
+    given = args.gpu_memory_gib is not None
+    if not given:
+        args.gpu_memory_gib = 80.0
     if args.recipe:
         flags = [f"{key}={getattr(args, a)}" for a, key in _PLAN_FLAGS.items() if getattr(args, a) is not None]
         # --world-size sizes the recipe as `train --nproc-per-node N` would (one node of N GPUs): its layout follows.
-        rec = load_recipe(args.recipe, None, list(args.set) + flags, args.world_size, 1 if args.world_size else None)
+        rec, note = build_recipe(args.recipe, None, list(args.set) + flags, args.world_size,
+                                 1 if args.world_size else None, args.gpu_memory_gib,
+                                 "--gpu-memory-gib" if given else "plan's default; --gpu-memory-gib G fits it for "
+                                                                  "other GPUs")
+        if note:
+            print(note)
         rec.validate(check_paths=False)
         args.model = rec.name
         args.world_size = rec.world_size
@@ -543,13 +553,16 @@ def _add_train(sub):
         "train", help="train a recipe (locally, on Slurm or on Kubernetes)",
         description="Builds a recipe (--recipe NAME or --config FILE), applies --set overrides, validates the whole "
                     "recipe before any rank starts, and runs it with the chosen executor. Locally the ranks are GPUs, "
-                    "or CPU ranks through mpirun when there is no GPU.")
+                    "or CPU ranks through mpirun when there is no GPU. A named recipe whose layout depends on the GPUs' "
+                    "memory (llama3_8b) is fitted for the GPUs the job uses (MEGACORE_GPU_MEMORY_GIB, else the local "
+                    "GPUs; CPU ranks: the recipe's default, 80 GiB), and one line says which size.")
     p.add_argument("--recipe", help="recipe name: tiny, tiny_moe, gpt2_124m, llama32_1b, llama3_8b, mixtral_8x7b (+ _finetune), "
                                     "llama32_1b_long")
     p.add_argument("--config", help="a saved recipe (JSON or YAML) instead of --recipe")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field, e.g. --set parallel.tp=2 --set optim.lr=1e-3 (repeatable)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: the recipe's)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks per node (default: the recipe's); a named recipe's layout is built for the ranks given")
     p.add_argument("--nodes", type=int, default=None, help="nodes (Slurm/Kubernetes; default: the recipe's)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are visible")
     p.add_argument("--executor", choices=["local", "slurm", "kubernetes"], default="local")
@@ -562,28 +575,83 @@ def _add_train(sub):
     p.set_defaults(func=_run_train, parser=p)
 
 
-def load_recipe(name=None, config=None, overrides=(), nproc_per_node=None, nodes=None):
-    """The recipe the CLI would run: from a name or a file, with overrides and size flags applied."""
+def load_recipe(name=None, config=None, overrides=(), nproc_per_node=None, nodes=None, gpu_memory_gib=None):
+    """The recipe the CLI would run: from a name or a file, with overrides and size flags applied; a named recipe
+    whose layout depends on the GPUs' memory (llama3_8b) is fitted for ``gpu_memory_gib`` (None: its default)."""
+    return build_recipe(name, config, overrides, nproc_per_node, nodes, gpu_memory_gib)[0]
+
+
+def build_recipe(name=None, config=None, overrides=(), nproc_per_node=None, nodes=None, gpu_memory_gib=None,
+                 memory_source=""):
+    """`load_recipe`, and one line saying which GPU memory the named recipe's layout was fitted for and where that
+    size came from (``memory_source``), with how to pin another layout; "" for a recipe whose layout does not depend
+    on memory, or a file. A recipe that runs on CPU ranks (``--set trainer.device=cpu``) keeps its default."""
     from .errors import ConfigError
-    from .recipes import Recipe, get
+    from .recipes import Recipe, get, takes_gpu_memory
+    from .recipes._common import DEFAULT_GPU_MEMORY_GIB
 
     if bool(name) == bool(config):
         raise ConfigError("give exactly one of --recipe NAME or --config FILE")
     # A named recipe is built for the GPUs given, so its size-dependent defaults (the layout a large model's recipe
-    # fits to its GPUs) follow --nproc-per-node / --nodes instead of the recipe's default size.
-    sizes = {k: v for k, v in (("num_gpus_per_node", nproc_per_node), ("num_nodes", nodes)) if v}
-    r = get(name, **sizes) if name else Recipe.from_file(config)
+    # fits to its GPUs, a small recipe's TP/PP) follow --nproc-per-node / --nodes instead of the recipe's default size.
+    kwargs = {k: v for k, v in (("num_gpus_per_node", nproc_per_node), ("num_nodes", nodes)) if v}
+    fitted = bool(name) and takes_gpu_memory(name)
+    if fitted and gpu_memory_gib is not None:
+        kwargs["gpu_memory_gib"] = gpu_memory_gib
+    r = get(name, **kwargs) if name else Recipe.from_file(config)
     if nproc_per_node:
         r.resources.num_gpus_per_node = nproc_per_node
     if nodes:
         r.resources.num_nodes = nodes
-    return r.apply_overrides(overrides)
+    built = recipe_layout(r)
+    r.apply_overrides(overrides)
+    if not fitted:
+        return r, ""
+    if gpu_memory_gib is not None and r.trainer.device == "cpu":
+        return build_recipe(name, None, overrides, nproc_per_node, nodes, None, "CPU ranks: the recipe's default")
+    gib = DEFAULT_GPU_MEMORY_GIB if gpu_memory_gib is None else gpu_memory_gib
+    now = recipe_layout(r)
+    source = memory_source or "the recipe's default"
+    note = (f"{r.name}: layout fitted for {gib:.1f} GiB GPUs ({source}): {built}; "
+            + (f"--set made it {now}" if now != built else
+               f"pin another with --set parallel.tp=N (and parallel.pp, parallel.sp, parallel.zero, trainer.recompute) "
+               f"or fit for other GPUs with {GPU_MEMORY_ENV}=GIB"))
+    return r, note
+
+
+def recipe_layout(rec) -> str:
+    """A recipe's TP × PP, SP, ZeRO-1 and recompute, in words."""
+    p = rec.parallel
+    return (f"TP {p.tensor_model_parallel_size} × PP {p.pipeline_model_parallel_size}"
+            f"{' + SP' if p.sequence_parallel else ''}{' + ZeRO-1' if p.use_distributed_optimizer else ''}, "
+            f"recompute {rec.trainer.recompute}")
+
+
+def recipe_gpu_memory(cpu=False, local=True, nproc=None):
+    """``(GiB, source)``: the GPU memory `megacore train` fits a named recipe's layout for, and where it comes from:
+    none (the recipe's default) for CPU ranks; ``MEGACORE_GPU_MEMORY_GIB`` when set; for a local launch the smallest
+    of the first ``nproc`` visible GPUs (all when None), the same size the memory check before launch uses; none for
+    a machine without GPUs or a cluster executor (its nodes' GPUs are not this machine's)."""
+    import os
+
+    if cpu:
+        return None, "CPU ranks: the recipe's default"
+    if os.environ.get(GPU_MEMORY_ENV):
+        return gpu_memory_gib(), GPU_MEMORY_ENV
+    if not local:
+        return None, f"the recipe's default; {GPU_MEMORY_ENV} gives the nodes' GPU size"
+    gib = gpu_memory_gib(range(nproc) if nproc else None)
+    return (gib, "this machine's GPUs") if gib is not None else (None, "no GPU visible: the recipe's default")
 
 
 def _run_train(args) -> int:
     from . import executors
 
-    r = load_recipe(args.recipe, args.config, args.set, args.nproc_per_node, args.nodes)
+    gib, source = (recipe_gpu_memory(args.cpu, args.executor == "local", args.nproc_per_node) if args.recipe
+                   else (None, ""))
+    r, note = build_recipe(args.recipe, args.config, args.set, args.nproc_per_node, args.nodes, gib, source)
+    if note:
+        print(f"megacore: {note}", file=sys.stderr, flush=True)
     if args.save_config:
         r.validate(check_paths=False)
         (r.to_yaml if args.save_config.endswith((".yaml", ".yml")) else r.to_json)(args.save_config)

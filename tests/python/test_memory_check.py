@@ -160,7 +160,8 @@ def test_real_gpu_memory_refuses_an_8b_tp1_layout(no_ranks, monkeypatch, capsys)
     if gib > 200:
         pytest.skip(f"a {gib:.0f} GiB GPU holds the TP 1 layout")
     assert cli.main(["train"] + TP1 + ["--nproc-per-node", "1"]) == 1
-    assert f"GPU's {gib:.1f} GiB" in capsys.readouterr().err
+    # The recipe is built for this GPU's memory, and no layout of one GPU holds 8B parameters' training state.
+    assert f"no layout of 1 GPUs fits {gib:g} GiB" in capsys.readouterr().err
     assert list(no_ranks.iterdir()) == []
 
 
@@ -171,3 +172,52 @@ def test_lora_runs_are_not_checked():
         cli.enforce_memory_check(r, 80.0)
     r.peft.scheme = "lora"
     assert cli.enforce_memory_check(r, 80.0) is None
+
+
+DATA = ["--set", 'data.paths=["embedded"]', "--set", "data.tokenizer=byte"]
+
+
+def _dry_run_layout(no_ranks, args):
+    """`megacore train ... --dryrun`: its exit status and the TP, PP, ZeRO-1 of the recipe.json it wrote."""
+    import json
+
+    rc = cli.main(["train", "--recipe", "llama3_8b", "--dryrun"] + DATA + args)
+    f = no_ranks / "runs" / "llama3_8b_pretrain" / "logs" / "recipe.json"
+    p = json.loads(f.read_text())["parallel"] if rc == 0 else {}
+    return rc, tuple(p.get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                        "use_distributed_optimizer"))
+
+
+def test_train_fits_the_recipe_to_the_gpus_it_will_use(no_ranks, monkeypatch, capsys):
+    # The size of this job's GPUs (here MEGACORE_GPU_MEMORY_GIB; on a GPU host, the local GPUs') picks the layout:
+    # TP 4 + SP on 4 × 80 GiB, TP 1 with ZeRO-1 over DP 4 on 4 × 140 GiB. trainer.device=cuda makes the launcher run
+    # its memory check for those GPUs even here: the fitted layout passes it, without a warning.
+    for gib, layout in (("80", (4, 1, False)), ("139.8", (1, 1, True))):
+        monkeypatch.setenv(cli.GPU_MEMORY_ENV, gib)
+        assert _dry_run_layout(no_ranks, ["--nproc-per-node", "4"] + GPU) == (0, layout)
+        err = capsys.readouterr().err
+        notes = [line for line in err.splitlines() if "layout fitted for" in line]
+        assert len(notes) == 1 and f"fitted for {float(gib):.1f} GiB GPUs ({cli.GPU_MEMORY_ENV})" in notes[0], err
+        assert "warning" not in err, err
+    # CPU ranks keep the recipe's documented 80 GiB layout whatever the GPUs.
+    assert _dry_run_layout(no_ranks, ["--nproc-per-node", "4", "--cpu"]) == (0, (4, 1, False))
+    assert "80.0 GiB GPUs (CPU ranks" in capsys.readouterr().err
+    assert _dry_run_layout(no_ranks, ["--nproc-per-node", "4", "--set", "trainer.device=cpu"]) == (0, (4, 1, False))
+    capsys.readouterr()
+    # --set still pins a layout; the memory check then judges it (TP 1 does not fit 80 GiB: refused).
+    monkeypatch.setenv(cli.GPU_MEMORY_ENV, "80")
+    assert _dry_run_layout(no_ranks, ["--nproc-per-node", "4", "--set", "parallel.tp=1", "--set", "parallel.sp=false",
+                                      "--set", "parallel.zero=true"] + GPU)[0] == 1
+    assert "--set made it TP 1 × PP 1 + ZeRO-1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_fitted_layout_passes_the_memory_check_on_that_card(no_ranks, monkeypatch, capsys, n):
+    # Sizes from a 48 GiB card to a 192 GiB one: the recipe either launches (fitted under the check's own headroom)
+    # or is refused while it is built, naming the smallest estimate; the check never refuses what the fit chose.
+    for gib in (48, 64, 79.2, 80, 94, 120, 139.8, 192):
+        monkeypatch.setenv(cli.GPU_MEMORY_ENV, str(gib))
+        rc, _ = _dry_run_layout(no_ranks, ["--nproc-per-node", str(n)] + GPU)
+        err = capsys.readouterr().err
+        assert rc == 0 or f"no layout of {n} GPUs fits {gib:g} GiB" in err, (gib, err)
+        assert "needs an estimated" not in err, (gib, err)

@@ -202,16 +202,43 @@ def test_unknown_recipe_name():
 
 def test_recipe_layout_follows_the_gpus_given(capsys):
     # `train --nproc-per-node N` and `plan --world-size N` build the recipe for N GPUs: Llama-3-8B's layout is the one
-    # plan --fit picks for N (TP 4 on 4 GPUs), not its default 8-GPU layout with fewer data-parallel replicas.
-    for n in (4, 8):
-        r = cli.load_recipe("llama3_8b", None, [], n, None)
-        fit = cli.fit_layout("llama3_8b", n, 80.0, 8192)
-        assert r.world_size == n
-        assert (r.parallel.tensor_model_parallel_size, r.parallel.pipeline_model_parallel_size) == (fit["tp"], fit["pp"])
-        assert r.parallel.use_distributed_optimizer == fit["zero"]
-    assert cli.load_recipe("llama3_8b", None, [], 4, None).parallel.tensor_model_parallel_size == 4
+    # plan --fit picks for N GPUs of the memory given (TP 4 on 4 × 80 GiB, TP 1 + ZeRO-1 on 4 × 140 GiB), not its
+    # default 8-GPU layout with fewer data-parallel replicas.
+    for n in (2, 4, 8, 16):
+        for gib in (None, 80.0, 96.0, 120.0, 140.0, 192.0):
+            r = cli.load_recipe("llama3_8b", None, [], n, None, gpu_memory_gib=gib)
+            fit = cli.fit_layout("llama3_8b", n, gib or 80.0, 8192)  # the model preset: same shapes as the recipe's
+            assert r.world_size == n
+            assert (r.parallel.tensor_model_parallel_size, r.parallel.pipeline_model_parallel_size,
+                    r.parallel.sequence_parallel, r.parallel.use_distributed_optimizer, r.trainer.recompute) == \
+                (fit["tp"], fit["pp"], fit["sequence_parallel"], fit["zero"], fit["recompute"])
+            # Fitted under the headroom the memory check before launch applies: it passes on GPUs of that size.
+            assert cli.check_memory(r, gib or 80.0)["fits"], (n, gib)
+    assert _layout(cli.load_recipe("llama3_8b", None, [], 4, None)) == (4, 1, 1)
+    assert _layout(cli.load_recipe("llama3_8b", None, [], 4, None, gpu_memory_gib=140)) == (1, 1, 4)
+    # The Python API is deterministic: 80 GiB unless the caller gives the memory.
+    assert _layout(recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4)) == (4, 1, 1)
+    assert _layout(recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4, gpu_memory_gib=140)) == (1, 1, 4)
+    assert _layout(recipes.get("llama3_8b_finetune", num_gpus_per_node=4, gpu_memory_gib=140)) == (1, 1, 4)
+    assert recipes.takes_gpu_memory("llama3_8b_finetune") and not recipes.takes_gpu_memory("tiny")
+    with pytest.raises(ConfigError, match="no layout of 1 GPUs fits 80 GiB"):
+        cli.load_recipe("llama3_8b", None, [], 1, None)
     assert cli.main(["plan", "--recipe", "llama3_8b", "--world-size", "4"]) == 0
-    assert "world 4 = TP 4 × CP 1 × DP 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "world 4 = TP 4 × CP 1 × DP 1" in out and "layout fitted for 80.0 GiB GPUs (plan's default" in out, out
+
+
+def test_plan_builds_the_recipe_for_the_gpu_memory_given(capsys):
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--world-size", "4", "--gpu-memory-gib", "140", "--no-table"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "layout fitted for" in x]
+    assert "fitted for 140.0 GiB GPUs (--gpu-memory-gib): TP 1 × PP 1 + ZeRO-1, recompute selective" in line, line
+    assert "world 4 = TP 1 × CP 1 × DP 4 × PP 1" in out and "warning" not in out, out
+    # --set pins another layout; the line says the recipe's own was changed.
+    assert cli.main(["plan", "--recipe", "llama3_8b", "--world-size", "4", "--gpu-memory-gib", "140", "--no-table",
+                     "--set", "parallel.tp=2", "--set", "parallel.sp=true"]) == 0
+    out = capsys.readouterr().out
+    assert "--set made it TP 2 × PP 1 + SP + ZeRO-1" in out and "world 4 = TP 2 × CP 1 × DP 2" in out, out
 
 
 def test_plan_counts_fp8_weights_and_kept_codes():
@@ -231,3 +258,43 @@ def test_plan_counts_fp8_weights_and_kept_codes():
     assert per_layer == pytest.approx(2 * (1 - 2 / 4) * t * h)
     with pytest.raises(Exception, match="fp8 'fp9' is not none, delayed or current"):
         cli.plan("llama3_8b", 4, fp8="fp9", **kw)
+
+
+def _layout(r):
+    p = r.parallel
+    return p.tensor_model_parallel_size, p.pipeline_model_parallel_size, r.data_parallel_size
+
+
+@pytest.mark.parametrize("n,layout", [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2))])
+def test_tiny_layout_is_sized_to_the_ranks(n, layout):
+    # TP and PP where the ranks allow them (the recipe shows both on 4 and 8), the same 16 samples per step at every
+    # size; `train --nproc-per-node N` and the Python API build the same recipe.
+    for r in (recipes.tiny.pretrain_recipe(num_gpus_per_node=n), cli.load_recipe("tiny", None, [], n, None)):
+        assert r.world_size == n and _layout(r) == layout
+        assert (r.data.global_batch_size, r.data.micro_batch_size) == (16, 4)
+        assert r.validate() == []
+    # The README's main job on 4 ranks is exactly TP 2 × PP 2, 4 micro-batches of 4.
+    if n == 4:
+        assert recipes.tiny.pretrain_recipe().num_microbatches == 4
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "gpt2_124m", "llama32_1b", "tiny_finetune"])
+def test_small_recipes_validate_on_1_2_4_8_gpus(name):
+    sets = ["data.sft_path=x.jsonl", "checkpoint.pretrained_checkpoint=ckpt"] if name.endswith("_finetune") else []
+    base = cli.load_recipe(name, None, sets, 4, None)
+    for n in (1, 2, 4, 8):
+        r = cli.load_recipe(name, None, sets, n, None)
+        assert r.world_size == n and r.data_parallel_size * r.parallel.tensor_model_parallel_size \
+            * r.parallel.pipeline_model_parallel_size == n
+        assert r.validate(check_paths=False) == [], (name, n)
+        if name != "llama32_1b":  # llama32_1b's global batch is per GPU by design
+            assert r.data.global_batch_size == base.data.global_batch_size
+    # A size the global batch does not split over is refused before launch, naming the multiple to use.
+    with pytest.raises(ConfigError, match="use a multiple of"):
+        cli.load_recipe("tiny_moe", None, [], 3, None).validate(check_paths=False)
+
+
+def test_tiny_moe_keeps_its_global_batch_on_8_ranks():
+    r = recipes.tiny_moe.pretrain_recipe(num_gpus_per_node=8)
+    assert _layout(r) == (1, 1, 8) and r.data.micro_batch_size == 2 and r.num_microbatches == 1
+    assert recipes.tiny_moe.pretrain_recipe().data.micro_batch_size == 4  # 4 ranks: as before

@@ -326,3 +326,17 @@ def test_the_dry_run_command_runs_when_pasted(tmp_path, capsys, monkeypatch):
     p = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "step 2/2 | loss" in p.stdout
+
+
+@needs_mpi
+def test_tiny_trains_on_the_two_ranks_given(tmp_path):
+    # `--nproc-per-node 2` sizes the tiny recipe to 2 ranks (TP 2 × PP 1) instead of refusing its 4-rank TP 2 × PP 2.
+    # (3 steps need a warmup shorter than the recipe's 5 steps.)
+    cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", "tiny", "--nproc-per-node", "2", "--cpu",
+           "--set", "trainer.max_steps=3", "--set", "optim.lr_warmup_iters=1", "--set", "trainer.generate_tokens=0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=dict(os.environ))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "world 2 = TP 2 x PP 1 (VP 1) x CP 1 x DP 1" in p.stdout and "micro-batch 4 x 128, 4 micro-batches" in p.stdout
+    steps, _ = _metrics(str(tmp_path / "runs" / "tiny_pretrain" / "logs"))
+    assert [s["step"] for s in steps] == [1, 2, 3] and steps[-1]["loss"] < steps[0]["loss"]
+    assert (tmp_path / "runs" / "tiny_pretrain" / "checkpoints" / "step_3").is_dir()

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from . import gpt2_124m, llama3_8b, llama32_1b, mixtral_8x7b, tiny, tiny_moe
 from .config import (ALIASES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                      ParallelConfig, Recipe, Resources, TrainerConfig)
@@ -24,18 +26,27 @@ RECIPES = {"tiny": tiny, "tiny_moe": tiny_moe, "gpt2_124m": gpt2_124m, "llama32_
 VARIANTS = {"llama32_1b_long": llama32_1b.long_context_recipe}  # named variants of a pretrain recipe
 
 
-def get(name: str, **kwargs) -> Recipe:
-    """The pretrain recipe of that name (``name_finetune`` for the SFT variant); kwargs go to the function."""
+def _function(name: str):
     if name in VARIANTS:
-        return VARIANTS[name](**kwargs)
+        return VARIANTS[name]
     base, _, kind = name.partition("_finetune")
     if base not in RECIPES or (kind and kind != ""):
         raise ConfigError(f"unknown recipe '{name}'; use one of "
                           f"{', '.join(list(RECIPES) + [n + '_finetune' for n in RECIPES] + list(VARIANTS))}")
     mod = RECIPES[base]
-    return mod.finetune_recipe(**kwargs) if name.endswith("_finetune") else mod.pretrain_recipe(**kwargs)
+    return mod.finetune_recipe if name.endswith("_finetune") else mod.pretrain_recipe
+
+
+def get(name: str, **kwargs) -> Recipe:
+    """The pretrain recipe of that name (``name_finetune`` for the SFT variant); kwargs go to the function."""
+    return _function(name)(**kwargs)
+
+
+def takes_gpu_memory(name: str) -> bool:
+    """Whether the recipe's layout is fitted to the GPUs' memory (its function takes ``gpu_memory_gib``)."""
+    return "gpu_memory_gib" in inspect.signature(_function(name)).parameters
 
 
 __all__ = ["ALIASES", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
-           "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "VARIANTS", "get", "tiny", "gpt2_124m",
-           "llama32_1b", "llama3_8b", "mixtral_8x7b", "tiny_moe"]
+           "ParallelConfig", "Recipe", "Resources", "TrainerConfig", "RECIPES", "VARIANTS", "get", "takes_gpu_memory", "tiny",
+           "gpt2_124m", "llama32_1b", "llama3_8b", "mixtral_8x7b", "tiny_moe"]

@@ -14,6 +14,44 @@ def make(name: str, model: ModelConfig, *, num_nodes: int, num_gpus_per_node: in
     return set_run_dir(r, dir or f"runs/{name}")
 
 
+#: The GPU memory, in GiB, that a recipe whose layout depends on it is fitted for when the caller gives none (an
+#: 80 GB H100 or A100): the Python API's default, deterministic on any machine. `megacore train` passes the memory of
+#: the GPUs the job will use instead (cli.recipe_gpu_memory).
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+def fit_to_gpus(recipe: Recipe, gpu_memory_gib: float | None) -> Recipe:
+    """Sets the recipe's TP/PP, sequence parallelism, ZeRO-1 and recompute to the first layout, least model
+    parallelism first, whose `megacore plan` estimate fits GPUs of ``gpu_memory_gib`` (None: DEFAULT_GPU_MEMORY_GIB)
+    under the same headroom the memory check before launch applies (cli.fit_recipe), so that check passes the
+    layout on GPUs of that size. ConfigError, naming the smallest estimate, when no layout of its GPUs fits."""
+    from ..cli import fit_recipe
+
+    f = fit_recipe(recipe, DEFAULT_GPU_MEMORY_GIB if gpu_memory_gib is None else float(gpu_memory_gib))
+    p = recipe.parallel
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = f["tp"], f["pp"]
+    p.sequence_parallel, p.use_distributed_optimizer = f["sequence_parallel"], f["zero"]
+    recipe.trainer.recompute = f["recompute"]
+    return recipe
+
+
+def small_layout(world_size: int, tp: int, pp: int, global_batch_size: int, micro_batch_size: int) -> dict:
+    """A small recipe's layout for ``world_size`` ranks: its TP and its PP where the ranks divide by them, TP first
+    (on 2 ranks TP 2 × PP 1), the rest data parallel. The global batch stays the recipe's, so every size trains on the
+    same samples per step; the micro-batch becomes the largest divisor of the samples per DP replica not above the
+    recipe's. Returns ``{"tp", "pp", "micro_batch_size"}``; where DP does not divide the global batch the micro-batch
+    is the recipe's and `Recipe.validate` refuses the size, naming the multiple to use."""
+    t = tp if world_size % tp == 0 else 1
+    p = pp if world_size % (t * pp) == 0 else 1
+    dp = world_size // (t * p)
+    mbs = micro_batch_size
+    if global_batch_size % dp == 0:
+        per_replica = global_batch_size // dp
+        while per_replica % mbs:
+            mbs -= 1
+    return {"tp": t, "pp": p, "micro_batch_size": mbs}
+
+
 def set_run_dir(recipe: Recipe, run_dir: str) -> Recipe:
     """Checkpoints under run_dir/checkpoints, logs under run_dir/logs."""
     recipe.checkpoint.save_dir = f"{run_dir}/checkpoints"
