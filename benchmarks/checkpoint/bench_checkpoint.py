@@ -24,6 +24,9 @@ With N ranks, every tensor is split along dim 0 into N pieces (as TP/ZeRO would)
 (megacore: one shard file per rank + metadata; torch: one torch.save file per rank). Time is the slowest
 rank's, between barriers. GB/s = total bytes / time (1 GB = 1e9 bytes).
 
+--load-threads 1,2,4,8 times the load once more per thread count (each with the cache dropped), with one
+more torch.load after them.
+
 Loads are timed after dropping the files from the page cache with posix_fadvise(DONTNEED) (which works
 for clean pages without root; whether the device's storage stack honours it is recorded as
 "cache_evicted"); --warm skips that. megacore loads with CRC verification on (its default) and --no-verify
@@ -95,6 +98,9 @@ def main():
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--load-threads", default="",
+                    help="comma list: after the repeats, save once more and time megacore's load (CRC on) with each "
+                         "LoadOptions::threads value (mc_load_t<N>), and torch.load again beside them")
     args = ap.parse_args()
 
     import torch
@@ -210,6 +216,19 @@ def main():
         world.barrier()
         if rank == 0:
             shutil.rmtree(os.path.join(mc_root, f"step_{rep}"), ignore_errors=True)
+        res["torch_load"].append(timed(lambda: torch.load(torch_file, map_location=dev)))
+    sweep = [int(t) for t in args.load_threads.split(",") if t]
+    if sweep:
+        ck.save(world, mc_root, args.repeats, mc_tensors)
+        mc_files = files_under(os.path.join(mc_root, f"step_{args.repeats}"))
+        dst = [(k, mc.from_dlpack(torch.empty_like(t)), gs, off) for k, (t, gs, off) in state.items()]
+        for t in sweep:
+            if not args.warm:
+                evicted &= evict(mc_files)
+            res[f"mc_load_t{t}"] = [timed(lambda: ck.load(world, mc_root, dst, verify=not args.no_verify, threads=t))]
+        del dst
+        if not args.warm:
+            evicted &= evict([torch_file])
         res["torch_load"].append(timed(lambda: torch.load(torch_file, map_location=dev)))
     if rank == 0:
         best = {k: min(v) for k, v in res.items()}
