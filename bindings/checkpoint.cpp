@@ -100,6 +100,13 @@ void bind_checkpoint(pyb::module_& root) {
       }, pyb::arg("root"), pyb::arg("step"), pyb::arg("tensors"),
          pyb::arg("json") = std::map<std::string, std::string>{}, pyb::arg("extra_tensors") = pyb::none(),
          pyb::arg("val_loss") = pyb::none(), "Commits the previous save, snapshots these tensors and starts writing.")
+      .def("reserve", [](AsyncCheckpointSaver& s, const pyb::object& tensors, const pyb::object& extra_tensors) {
+        CheckpointState st = state_arg(0, tensors, {}, extra_tensors, std::nullopt);
+        pyb::gil_scoped_release nogil;
+        return s.reserve(st);
+      }, pyb::arg("tensors"), pyb::arg("extra_tensors") = pyb::none(),
+         "Allocates the snapshot buffers for saves of these tensors now (page-locked for GPU tensors), so the first "
+         "save blocks no longer than later ones; not collective. Returns the bytes held.")
       .def("wait", &AsyncCheckpointSaver::wait, pyb::call_guard<pyb::gil_scoped_release>(),
            "Waits for the writer and commits (collective); returns the directory, '' when nothing was pending.")
       .def_property_readonly("pending", &AsyncCheckpointSaver::pending)

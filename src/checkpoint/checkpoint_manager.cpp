@@ -37,6 +37,8 @@ void CheckpointManager::save(const CheckpointState& state) {
 
 std::string CheckpointManager::wait() { return saver_.wait(); }
 
+int64_t CheckpointManager::reserve(const CheckpointState& state) { return policy_.async ? saver_.reserve(state) : 0; }
+
 std::optional<CheckpointReader> CheckpointManager::resume(std::vector<ShardedTensor>& targets,
                                                           const LoadOptions& options) {
   // Every rank must make the same choice; rank 0's view of the file system decides.

@@ -230,6 +230,58 @@ void hook(const SaveOptions& o, const char* point) {
   if (o.fault_hook) o.fault_hook(point);
 }
 
+// The entries of a save of `state` on this rank: one per piece it writes (views of the live tensors with
+// `keep_views`, else host copies). Checks names, dtypes and piece shapes.
+std::vector<Entry> list_entries(const CheckpointState& state, int rank, bool keep_views) {
+  std::vector<Entry> out;
+  std::set<std::string> names;
+  auto add = [&](const std::string& name, const Shape& gs, DType dt, const Tensor& view, const Shape& offs) {
+    Entry e;
+    e.name = name;
+    e.key = entry_key(name, offs);
+    e.global_shape = gs;
+    e.offsets = offs;
+    e.shape = view.shape();
+    e.dtype = dt;
+    e.host = keep_views ? view : view.to(Device::cpu()).contiguous();
+    out.push_back(std::move(e));
+  };
+  for (const ShardedTensor& t : state.tensors) {
+    MC_CHECK(!t.name.empty() && t.name.find('[') == std::string::npos,
+             "save_checkpoint: tensor name '{}' is empty or contains '['; rename it", t.name);
+    MC_CHECK(names.insert(t.name).second, "save_checkpoint: tensor '{}' is described twice on rank {}", t.name,
+             rank);
+    if (!t.write || t.pieces.empty()) continue;  // nothing of it on this rank (e.g. a ZeRO shard elsewhere)
+    const bool own_data =
+        std::all_of(t.pieces.begin(), t.pieces.end(), [](const ShardPiece& p) { return p.data.defined(); });
+    if (!own_data) {
+      MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
+      MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
+               t.name, dtype_name(t.dtype), dtype_name(t.local.dtype()));
+    }
+    for (const ShardPiece& p : t.pieces) {
+      Tensor v = p.data;
+      if (v.defined()) {
+        MC_CHECK(v.shape() == p.shape && v.dtype() == t.dtype, "save_checkpoint: a piece of '{}' holds {} {} but is "
+                 "described as {} {}", t.name, dtype_name(v.dtype()), shape_str(v.shape()), dtype_name(t.dtype),
+                 shape_str(p.shape));
+      } else {
+        MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
+        v = t.local;
+        for (size_t d = 0; d < p.shape.size(); ++d) v = v.narrow(int64_t(d), p.local_offsets[d], p.shape[d]);
+      }
+      add(t.name, t.global_shape, t.dtype, v, p.global_offsets);
+    }
+  }
+  for (const auto& [name, t] : state.extra_tensors) {
+    MC_CHECK(t.defined(), "save_checkpoint: extra tensor '{}' is undefined", name);
+    MC_CHECK(!name.empty() && name.find('[') == std::string::npos && names.insert(name).second,
+             "save_checkpoint: extra tensor name '{}' is empty, contains '[' or clashes with another tensor", name);
+    add(name, t.shape(), t.dtype(), t, Shape(t.shape().size(), 0));
+  }
+  return out;
+}
+
 std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, const std::string& root,
                                                    const CheckpointState& state, bool keep_views,
                                                    const SaveOptions& options) {
@@ -261,51 +313,7 @@ std::unique_ptr<AsyncCheckpointSaver::Job> prepare(comm::Communicator& world, co
       fsync_path(root, true);
       hook(options, "prepared");
     }
-    std::set<std::string> names;
-    auto add = [&](const std::string& name, const Shape& gs, DType dt, const Tensor& view, const Shape& offs) {
-      Entry e;
-      e.name = name;
-      e.key = entry_key(name, offs);
-      e.global_shape = gs;
-      e.offsets = offs;
-      e.shape = view.shape();
-      e.dtype = dt;
-      e.host = keep_views ? view : view.to(Device::cpu()).contiguous();
-      job->entries.push_back(std::move(e));
-    };
-    for (const ShardedTensor& t : state.tensors) {
-      MC_CHECK(!t.name.empty() && t.name.find('[') == std::string::npos,
-               "save_checkpoint: tensor name '{}' is empty or contains '['; rename it", t.name);
-      MC_CHECK(names.insert(t.name).second, "save_checkpoint: tensor '{}' is described twice on rank {}", t.name,
-               world.rank());
-      if (!t.write || t.pieces.empty()) continue;  // nothing of it on this rank (e.g. a ZeRO shard elsewhere)
-      const bool own_data =
-          std::all_of(t.pieces.begin(), t.pieces.end(), [](const ShardPiece& p) { return p.data.defined(); });
-      if (!own_data) {
-        MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
-        MC_CHECK(t.local.dtype() == t.dtype, "save_checkpoint: tensor '{}' is described as {} but its data is {}",
-                 t.name, dtype_name(t.dtype), dtype_name(t.local.dtype()));
-      }
-      for (const ShardPiece& p : t.pieces) {
-        Tensor v = p.data;
-        if (v.defined()) {
-          MC_CHECK(v.shape() == p.shape && v.dtype() == t.dtype, "save_checkpoint: a piece of '{}' holds {} {} but is "
-                   "described as {} {}", t.name, dtype_name(v.dtype()), shape_str(v.shape()), dtype_name(t.dtype),
-                   shape_str(p.shape));
-        } else {
-          MC_CHECK(t.local.defined(), "save_checkpoint: tensor '{}' has no local data", t.name);
-          v = t.local;
-          for (size_t d = 0; d < p.shape.size(); ++d) v = v.narrow(int64_t(d), p.local_offsets[d], p.shape[d]);
-        }
-        add(t.name, t.global_shape, t.dtype, v, p.global_offsets);
-      }
-    }
-    for (const auto& [name, t] : state.extra_tensors) {
-      MC_CHECK(t.defined(), "save_checkpoint: extra tensor '{}' is undefined", name);
-      MC_CHECK(!name.empty() && name.find('[') == std::string::npos && names.insert(name).second,
-               "save_checkpoint: extra tensor name '{}' is empty, contains '[' or clashes with another tensor", name);
-      add(name, t.shape(), t.dtype(), t, Shape(t.shape().size(), 0));
-    }
+    job->entries = list_entries(state, world.rank(), keep_views);
   } catch (...) {
     err = std::current_exception();
   }
@@ -449,6 +457,48 @@ int64_t local_ranks() {
   return 1;
 }
 
+// Bytes of host memory a snapshot may take beyond the buffers it reuses.
+int64_t snapshot_limit(const SaveOptions& opts) {
+  if (opts.async_host_memory_limit >= 0) return opts.async_host_memory_limit;
+  const int64_t avail = host_memory_available();
+  return avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
+}
+
+bool same_layout(const Tensor& buffer, const Tensor& like);
+
+// What a snapshot of `entries` costs given the buffers held: bytes to allocate, and bytes of held buffers that it
+// does not reuse (freed before the new ones are allocated).
+struct SnapshotPlan {
+  int64_t need = 0, released = 0;
+};
+
+SnapshotPlan plan_buffers(const std::vector<Entry>& entries, const std::map<std::string, Tensor>& held) {
+  SnapshotPlan p;
+  int64_t reused = 0, total = 0;
+  for (const auto& [key, b] : held) total += b.nbytes();
+  for (const Entry& e : entries) {
+    auto it = held.find(e.key);
+    if (it != held.end() && same_layout(it->second, e.host)) {
+      reused += e.host.nbytes();
+    } else {
+      p.need += e.host.nbytes();
+    }
+  }
+  p.released = total - reused;
+  return p;
+}
+
+// The held buffers that `entries` reuse (by key, same shape and dtype); the others are dropped from `held`.
+std::map<std::string, Tensor> take_buffers(const std::vector<Entry>& entries, std::map<std::string, Tensor>& held) {
+  std::map<std::string, Tensor> kept;
+  for (const Entry& e : entries) {
+    auto it = held.find(e.key);
+    if (it != held.end() && same_layout(it->second, e.host)) kept[e.key] = it->second;
+  }
+  held.clear();
+  return kept;
+}
+
 // A host buffer for a snapshot of `like`: page-locked when the source is on a GPU (so the copy runs at
 // the link's speed and the buffer can be reused without re-pinning), pageable otherwise or when pinning fails.
 Tensor snapshot_buffer(const Tensor& like) {
@@ -507,8 +557,36 @@ void copy_snapshot(std::vector<Entry>& entries, const std::vector<Tensor>& buffe
 
 int64_t AsyncCheckpointSaver::snapshot_bytes() const {
   int64_t n = 0;
-  for (const Tensor& b : buffers_) n += b.nbytes();
+  for (const auto& [key, b] : buffers_) n += b.nbytes();
   return n;
+}
+
+std::map<std::string, const void*> AsyncCheckpointSaver::snapshot_buffers() const {
+  std::map<std::string, const void*> out;
+  for (const auto& [key, b] : buffers_) out[key] = b.data_ptr();
+  return out;
+}
+
+int64_t AsyncCheckpointSaver::reserve(const CheckpointState& state) {
+  MC_CHECK_AS(ConfigError, !pending(), "AsyncCheckpointSaver::reserve: a save is pending; call wait() first");
+  std::vector<Entry> entries = list_entries(state, world_.rank(), /*keep_views=*/true);
+  const SnapshotPlan plan = plan_buffers(entries, buffers_);
+  const int64_t limit = snapshot_limit(options_);
+  if (plan.need - plan.released > limit) {
+    std::fprintf(stderr,
+                 "[rank %d] checkpoint: async-save snapshot buffers of %.3g GB not reserved: %.3g GB of host memory may "
+                 "be used (SaveOptions::async_host_memory_limit, or this rank's share of 90%% of MemAvailable); a save "
+                 "that still does not fit is written synchronously\n",
+                 world_.rank(), double(plan.need) / 1e9, (double(limit) + double(plan.released)) / 1e9);
+    return snapshot_bytes();
+  }
+  std::map<std::string, Tensor> kept = take_buffers(entries, buffers_);
+  for (const Entry& e : entries) {
+    Tensor& b = kept[e.key];
+    if (!b.defined()) b = snapshot_buffer(e.host);
+  }
+  buffers_ = std::move(kept);
+  return snapshot_bytes();
 }
 
 void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& state) {
@@ -519,44 +597,35 @@ void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& 
   const SaveOptions opts = options_;
   job_ = std::move(job);
   last_sync_ = false;
-  // Snapshot: reuse the previous save's buffers where the shapes match; the rest must fit in host memory.
+  // Snapshot: reuse the buffers held (from the previous save or reserve()) where the layouts match; the rest must
+  // fit in host memory.
   try {
-    std::vector<Tensor> buffers(j->entries.size());
-    int64_t reused = 0, need = 0;
-    for (size_t i = 0; i < j->entries.size(); ++i) {
-      const Tensor& live = j->entries[i].host;
-      if (i < buffers_.size() && same_layout(buffers_[i], live)) {
-        buffers[i] = buffers_[i];
-        reused += live.nbytes();
-      } else {
-        need += live.nbytes();
-      }
-    }
-    const int64_t held = snapshot_bytes() - reused;  // freed before the new buffers are allocated
-    int64_t limit = opts.async_host_memory_limit;
-    if (limit < 0) {
-      const int64_t avail = host_memory_available();
-      limit = avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
-    }
-    if (need - held > limit) {
+    const SnapshotPlan plan = plan_buffers(j->entries, buffers_);
+    const int64_t limit = snapshot_limit(opts);
+    if (plan.need - plan.released > limit) {
       // Does not fit: write from the live tensors now (like save_checkpoint), commit at wait() as usual.
       std::fprintf(stderr,
                    "[rank %d] checkpoint: an async save of step %lld needs %.3g GB of host memory for its snapshot "
                    "but %.3g GB may be used (SaveOptions::async_host_memory_limit, or this rank's share of 90%% of "
                    "MemAvailable); "
                    "writing it synchronously instead\n",
-                   rank, static_cast<long long>(j->step), double(need) / 1e9, (double(limit) + double(held)) / 1e9);
+                   rank, static_cast<long long>(j->step), double(plan.need) / 1e9,
+                   (double(limit) + double(plan.released)) / 1e9);
       buffers_.clear();
       last_sync_ = true;
       for (Entry& e : j->entries) e.host = e.host.to(Device::cpu()).contiguous();
       write_shards(*j, rank, opts);
       return;
     }
-    buffers_.clear();  // drops the buffers not reused before allocating new ones
-    for (size_t i = 0; i < j->entries.size(); ++i)
-      if (!buffers[i].defined()) buffers[i] = snapshot_buffer(j->entries[i].host);
+    std::map<std::string, Tensor> kept = take_buffers(j->entries, buffers_);  // drops the rest before allocating
+    std::vector<Tensor> buffers(j->entries.size());
+    for (size_t i = 0; i < j->entries.size(); ++i) {
+      Tensor& b = kept[j->entries[i].key];
+      if (!b.defined()) b = snapshot_buffer(j->entries[i].host);
+      buffers[i] = b;
+    }
     copy_snapshot(j->entries, buffers, opts.threads);
-    buffers_ = std::move(buffers);
+    buffers_ = std::move(kept);
   } catch (...) {
     j->error = std::current_exception();  // reported (on every rank) by wait()
     return;

@@ -144,6 +144,8 @@ struct Trainer::Impl {
   Tensor forward_only(const pipeline::MicroBatch& mb, double* loss_tokens);
   /// `val_loss`: this step's validation loss, recorded with the checkpoint (checkpoint.keep_top_k ranks by it).
   std::string save(std::optional<double> val_loss = std::nullopt);
+  /// The tensors and JSON a checkpoint of the current state holds (views of the live tensors).
+  checkpoint::CheckpointState checkpoint_state(std::optional<double> val_loss);
   void load(const std::string& path, bool optimizer);
   /// Optimizer state, step, scheduler, loss scaler and (when `p` has a loader) data position from an open
   /// checkpoint into the parts `p` (this->parts, or those being built).
@@ -258,6 +260,14 @@ void Trainer::Impl::build() {
                                                           : " [even split]");
     }
     std::fflush(stdout);
+  }
+  // Async checkpoints: the snapshot buffers (page-locked for GPU tensors) are allocated now, so that no save, the
+  // first included, blocks a step for more than its copies.
+  if (ckpt && cks.async_save) {
+    const int64_t held = ckpt->reserve(checkpoint_state(std::nullopt));
+    if (root)
+      std::printf("megacore: async checkpoints: %.2f GB of host snapshot buffers reserved on rank 0\n",
+                  double(held) / 1e9);
   }
   const LoggingSection& lg = cfg.logging;
   if (root && !lg.log_dir.empty()) {
@@ -554,6 +564,13 @@ double Trainer::Impl::evaluate(int64_t max_batches) {
 std::string Trainer::Impl::save(std::optional<double> val_loss) {
   MC_CHECK_AS(ConfigError, ckpt != nullptr, "Trainer.save: checkpoint.save_dir is empty; set it to save checkpoints");
   parts.optimizer.finish_param_gather();  // the weights are written as the last step left them
+  ckpt->save(checkpoint_state(val_loss));
+  const std::string dir = checkpoint::checkpoint_dir(cfg.checkpoint.save_dir, state.step);
+  last_checkpoint = dir;
+  return dir;
+}
+
+checkpoint::CheckpointState Trainer::Impl::checkpoint_state(std::optional<double> val_loss) {
   checkpoint::CheckpointState st;
   st.step = state.step;
   st.val_loss = val_loss;
@@ -574,10 +591,7 @@ std::string Trainer::Impl::save(std::optional<double> val_loss) {
   for (auto& t : fp8_tensors(parts.chunks, grid())) st.tensors.push_back(std::move(t));
   state.write(st.json);
   st.json["recipe"] = to_json(cfg);
-  ckpt->save(st);
-  const std::string dir = checkpoint::checkpoint_dir(cfg.checkpoint.save_dir, state.step);
-  last_checkpoint = dir;
-  return dir;
+  return st;
 }
 
 void Trainer::Impl::load(const std::string& path, bool optimizer) {

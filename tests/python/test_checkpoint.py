@@ -47,6 +47,7 @@ def test_async_save_snapshots_and_matches_the_synchronous_files(tmp_path, world)
     tensors = [("w", mc.from_numpy(w), [64, 33], [0, 0]), ("opt.m", mc.from_numpy(m), [64, 33], [0, 0])]
     sync_dir = ck.save(world, str(tmp_path / "sync"), 5, tensors, json={"data": '{"pos": 3}'})
     saver = ck.async_saver(world)
+    assert saver.reserve(tensors) == w.nbytes + m.nbytes == saver.snapshot_bytes  # buffers before the first save
     saver.save(str(tmp_path / "async"), 5, tensors, json={"data": '{"pos": 3}'})
     assert not saver.last_save_was_synchronous and saver.snapshot_bytes == w.nbytes + m.nbytes
     w += 1.0  # a training step: the live arrays change while the save may still be written

@@ -227,6 +227,26 @@ def test_tp_comm_overlap_gives_identical_training(tmp_path):
 
 
 @needs_mpi
+def test_async_checkpoints_reserve_their_buffers_and_equal_synchronous_ones(tmp_path):
+    """checkpoint.async_save through the trainer: the snapshot buffers are reserved at start (one line says how
+    much), the steps go on while checkpoints are written, and every checkpoint's files equal those of the same run
+    with synchronous saves, bit for bit."""
+    dirs = []
+    for a in (False, True):
+        r = _tiny(tmp_path, f"async{int(a)}", 6, checkpoint__save_interval=3, checkpoint__async_save=a)
+        out = _train(r, tmp_path, f"async{int(a)}")
+        assert ("host snapshot buffers reserved on rank 0" in out) == a, out[-2000:]
+        dirs.append(r.checkpoint.save_dir)
+    for step in ("step_3", "step_6"):
+        names = sorted(os.listdir(os.path.join(dirs[0], step)))
+        assert names == sorted(os.listdir(os.path.join(dirs[1], step))) and any(n.startswith("shard_") for n in names)
+        for n in names:
+            if n.startswith("shard_"):
+                a, b = (open(os.path.join(d, step, n), "rb").read() for d in dirs)
+                assert a == b, (step, n)
+
+
+@needs_mpi
 def test_balanced_pipeline_layout_reaches_the_trainer(tmp_path):
     """parallel.pipeline_head_cost splits 5 layers over PP 2 as [3, 2] (balanced for a head worth one layer): the
     trainer says so and trains exactly as with that layout given explicitly."""

@@ -42,6 +42,10 @@ class CheckpointManager {
   bool should_save(int64_t step) const { return policy_.save_every > 0 && step > 0 && step % policy_.save_every == 0; }
   /// Saves `state` (collective). Sync: returns after the commit; async: after the host copy.
   void save(const CheckpointState& state);
+  /// With `async`: allocates the snapshot buffers for saves of `state`'s tensors now (AsyncCheckpointSaver::reserve),
+  /// so that the first save blocks training no longer than later ones. Not collective; returns the bytes held (0
+  /// without `async`).
+  int64_t reserve(const CheckpointState& state);
   /// Commits a pending async save; returns its directory ("" when none). Collective.
   std::string wait();
   /// The checkpoint to resume from, or nullopt for a fresh start.

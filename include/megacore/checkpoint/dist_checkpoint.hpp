@@ -106,10 +106,17 @@ class AsyncCheckpointSaver {
 
   /// Commits the previous save (wait()), snapshots `state` and starts writing it. Collective.
   void save(const std::string& root, const CheckpointState& state);
+  /// Allocates the snapshot buffers a save of `state`'s tensors needs (page-locked for device tensors), so that the
+  /// first save() blocks only for its copies, like every later one; buffers already held with the right layout are
+  /// kept. Not collective; nothing is written. Within the same host-memory limit as save() (when the buffers do not
+  /// fit, none are allocated and one line says so). ConfigError while a save is pending. Returns snapshot_bytes().
+  int64_t reserve(const CheckpointState& state);
   /// True when the last save() fell back to writing synchronously (its snapshot did not fit in host memory).
   bool last_save_was_synchronous() const { return last_sync_; }
   /// Bytes of host buffers held for snapshots (reused by the next save).
   int64_t snapshot_bytes() const;
+  /// The data address of each snapshot buffer held, by entry key (for inspection: saves reuse buffers in place).
+  std::map<std::string, const void*> snapshot_buffers() const;
   /// Waits for the writer and commits. Collective; returns the committed directory ("" if none pending).
   std::string wait();
   /// True while a save is written or waits for its commit.
@@ -124,7 +131,7 @@ class AsyncCheckpointSaver {
   comm::Communicator& world_;
   SaveOptions options_;
   std::unique_ptr<Job> job_;
-  std::vector<Tensor> buffers_;  // snapshot buffers of the previous save, reused when shapes match
+  std::map<std::string, Tensor> buffers_;  // snapshot buffers by entry key, reused when shape and dtype match
   bool last_sync_ = false;
   std::function<void(const std::string&, int64_t)> on_commit_;
 };

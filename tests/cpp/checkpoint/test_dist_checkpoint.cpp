@@ -515,6 +515,42 @@ TEST_CASE("an async save blocks only for its snapshot: training steps run while 
   require_same_files(checkpoint_dir(sync2.path, 2), checkpoint_dir(async_root.path, 2));
 }
 
+TEST_CASE("reserve allocates the async snapshot buffers up front; saves reuse them in place", "[checkpoint]") {
+  TempDir sync_root, root;
+  SoloWorld w;
+  TinyTraining tr;
+  save_checkpoint(w, sync_root.path, tr.state(1));
+  const int64_t bytes = tr.state_bytes();
+  SaveOptions o;
+  o.async_host_memory_limit = bytes;  // exactly one copy
+  AsyncCheckpointSaver saver(w, o);
+  REQUIRE(saver.reserve(tr.state(1)) == bytes);
+  const std::map<std::string, const void*> held = saver.snapshot_buffers();
+  REQUIRE(held.size() == tr.state(1).tensors.size());  // one piece of each tensor on a single rank
+  REQUIRE(saver.reserve(tr.state(1)) == bytes);  // idempotent: the same buffers
+  REQUIRE(saver.snapshot_buffers() == held);
+
+  saver.save(root.path, tr.state(1));
+  REQUIRE_FALSE(saver.last_save_was_synchronous());
+  REQUIRE(saver.snapshot_buffers() == held);  // the first save copied into the reserved buffers
+  REQUIRE_THROWS_AS(saver.reserve(tr.state(1)), ConfigError);  // not while a save is pending
+  REQUIRE(saver.wait() == checkpoint_dir(root.path, 1));
+  require_same_files(checkpoint_dir(sync_root.path, 1), checkpoint_dir(root.path, 1));
+  tr.opt->step(1e-3f);
+  saver.save(root.path, tr.state(2));
+  REQUIRE(saver.snapshot_buffers() == held);
+  saver.wait();
+
+  // Buffers that would not fit are not reserved; the save then falls back to writing synchronously, as without.
+  o.async_host_memory_limit = bytes - 1;
+  AsyncCheckpointSaver small(w, o);
+  REQUIRE(small.reserve(tr.state(3)) == 0);
+  REQUIRE(small.snapshot_buffers().empty());
+  small.save(root.path, tr.state(3));
+  REQUIRE(small.last_save_was_synchronous());
+  small.wait();
+}
+
 TEST_CASE("an async save whose snapshot does not fit the host memory limit is written synchronously", "[checkpoint]") {
   TempDir sync_root, root;
   SoloWorld w;
