@@ -12,13 +12,16 @@ Model (full size): h 2048, 16 layers, 16 heads / 8 KV groups, 8 experts of FFN 4
 Run: bf16, ZeRO-1 (distributed optimizer) over DP, EP = --nproc, TP = 1, selective recompute, micro-batch 4 × seq
 2048, global batch 32 (2 micro-batches per rank; `megacore plan` estimates 25 GiB per GPU before the experts'
 activations), byte tokens of the embedded corpus, no checkpoints. Steady
-state = mean of steps 4..N of the trainer's metrics.jsonl. tokens/s/GPU = global tokens / step time / GPUs.
+state = mean of steps 4..N (--measure-from) of the trainer's metrics.jsonl. tokens/s/GPU = global tokens / step time / GPUs.
 MFU = the trainer's: FLOPs per token = 6 · N_matmul over *active* weights (router, top-k experts) + non-causal
 attention 12 · L · h · s, against the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, as the other
 benchmarks). The peer's tokens/s is for its one GPU (compare per-GPU throughput, not MFU).
 
-Routing. By default the router learns (from random init on byte tokens it sends most tokens to a few experts,
-so one EP rank does most of the expert work: see the per-step "moe_load_imbalance", max/mean tokens per expert).
+Routing. By default the router learns. From random init on byte tokens the routed load goes through an early
+phase in which the MoE layers' inputs (the router's) nearly all point one way, so every token picks the same
+experts (per-step "moe_load_imbalance", max/mean tokens per expert of the worst layer, near top-k's bound E/k); it
+recovers as the model learns past the byte frequencies (docs/training.md, "Learned routing"). A learned-routing
+figure takes --steps past that phase and --measure-from after it; the JSON's per-step imbalance shows where it is.
 --force-balance sets model.moe_router_force_load_balancing (Megatron-Core's --moe-router-force-load-balancing,
 benchmarking only): each token's experts come from random scores, so the load is even and the run measures
 the throughput of a balanced model. The JSON says which ("routing"); the Hugging Face peer always routes with
@@ -147,7 +150,8 @@ def megacore_part(a, m: dict, work: str) -> dict:
         res["error"] = f"exit status {rc}, {len(steps)}/{m['steps']} steps: {first_error(tail)}"
         res["out_of_memory"] = ran_out_of_memory(tail)
         return res
-    steady = steps[3:] if len(steps) > 4 else steps[1:]
+    first = a.measure_from - 1
+    steady = steps[first:] if len(steps) > first + 1 else steps[1:]
     mean = lambda k: sum(float(s[k]) for s in steady) / len(steady)  # noqa: E731
     res.update({"steady_steps": [steady[0]["step"], steady[-1]["step"]],
                 "s_per_step": mean("step_seconds"),
@@ -222,6 +226,9 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, help="override the micro-batch (megacore and peer)")
     ap.add_argument("--seq", type=int, help="override the sequence length (megacore and peer)")
     ap.add_argument("--steps", type=int, help="override the megacore steps (at least 5)")
+    ap.add_argument("--measure-from", type=int, default=4,
+                    help="first step of the steady state (default 4); with learned routing, a step after the early "
+                         "phase in which the router's inputs share one direction and the load collapses (docs/training.md)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per part")
     ap.add_argument("--python", default=sys.executable, help="interpreter for megacore and the peer")
     ap.add_argument("--out-dir", help="write moe_e2e_<card>.json here")
@@ -233,8 +240,9 @@ def main() -> int:
     for k in ("micro_batch", "seq", "steps"):
         if getattr(a, k) is not None:
             m[k] = getattr(a, k)
-    if m["steps"] < 5:
-        ap.error("--steps must be at least 5 (steady state is steps 4..N)")
+    if a.measure_from < 2 or m["steps"] < a.measure_from + 1:
+        ap.error(f"--steps must be at least --measure-from + 1 = {a.measure_from + 1} and --measure-from at least 2 "
+                 "(steady state is steps measure_from..N)")
     m["global_batch"] = max(m["global_batch"], m["micro_batch"] * a.nproc)
     m["global_batch"] -= m["global_batch"] % (m["micro_batch"] * a.nproc)
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <tuple>
 
 #include "moe_test_util.hpp"
 
@@ -371,4 +372,97 @@ TEST_CASE("MoELayer refuses layouts it cannot split, naming the fix", "[layers][
   o.topk = 2;
   o.dispatcher = ly::MoETokenDispatcher::AllGather;
   REQUIRE_THROWS_WITH(ly::MoELayer({&solo.c, &solo.c, &solo.c, nullptr}, kH, o), Catch::Contains("tp_ep"));
+}
+
+namespace {
+
+// The router's balancing losses written out on their own, in f64, from the layer's weights: the switch aux loss
+// coeff·E/(T²k)·Σ_e n_e Σ_t softmax(z_t)_e with n_e the tokens whose k largest logits include e (held fixed, as
+// in the layer: the counts are not differentiated), plus the z-loss coeff_z · mean_t logsumexp(z_t)².
+struct RouterLossReference {
+  std::vector<double> x, n;
+  int64_t t, h, e;
+  int k;
+  double aux_coeff, z_coeff;
+
+  RouterLossReference(const Tensor& xt, const std::vector<double>& w, int64_t experts, int topk, double aux, double z)
+      : x(xt.to_double_vector()), t(xt.size(0)), h(xt.size(1)), e(experts), k(topk), aux_coeff(aux), z_coeff(z) {
+    n.assign(size_t(e), 0.0);
+    for (int64_t r = 0; r < t; ++r) {
+      const std::vector<double> z = logits(w, r);
+      std::vector<int64_t> order(static_cast<size_t>(e));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return z[size_t(a)] > z[size_t(b)]; });
+      for (int j = 0; j < k; ++j) n[size_t(order[size_t(j)])] += 1;
+    }
+  }
+  std::vector<double> logits(const std::vector<double>& w, int64_t r) const {
+    std::vector<double> z(size_t(e), 0.0);
+    for (int64_t i = 0; i < e; ++i)
+      for (int64_t c = 0; c < h; ++c) z[size_t(i)] += w[size_t(i * h + c)] * x[size_t(r * h + c)];
+    return z;
+  }
+  double loss(const std::vector<double>& w) const {
+    double aux = 0, zl = 0;
+    for (int64_t r = 0; r < t; ++r) {
+      const std::vector<double> z = logits(w, r);
+      const double mx = *std::max_element(z.begin(), z.end());
+      double s = 0;
+      for (double v : z) s += std::exp(v - mx);
+      for (int64_t i = 0; i < e; ++i) aux += n[size_t(i)] * std::exp(z[size_t(i)] - mx) / s;
+      const double lse = mx + std::log(s);
+      zl += lse * lse;
+    }
+    return aux_coeff * double(e) / (double(t) * double(t) * k) * aux + z_coeff * zl / double(t);
+  }
+  // Central differences (f64, step 1e-6) of loss() in every router weight.
+  std::vector<double> weight_grad(std::vector<double> w) const {
+    std::vector<double> g(w.size());
+    for (size_t i = 0; i < w.size(); ++i) {
+      const double w0 = w[i];
+      w[i] = w0 + 1e-6;
+      const double lp = loss(w);
+      w[i] = w0 - 1e-6;
+      const double lm = loss(w);
+      w[i] = w0;
+      g[i] = (lp - lm) / 2e-6;
+    }
+    return g;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("MoELayer balancing losses alone: router gradient equals f64 finite differences, scaled per micro-batch",
+          "[layers][moe]") {
+  SoloMoEGroups solo;
+  // aux only, z only, both; the router init of a real model (std 0.02) and a wider one.
+  for (auto [aux, z, std] : {std::tuple{1e-2, 0.0, 0.02}, std::tuple{0.0, 1e-3, 0.02}, std::tuple{1.0, 0.1, 0.3}}) {
+    INFO("aux " << aux << " z " << z << " init std " << std);
+    ly::MoEOptions o = base_options();
+    o.num_experts = 8;
+    o.aux_loss_coeff = float(aux);
+    o.z_loss_coeff = float(z);
+    o.init_std = std;
+    ly::MoELayer m(solo.groups(), kH, o);
+    const std::vector<double> w = vec(m.router_weight().data);
+    // Two micro-batches of gradient accumulation: the trainer scales the losses' gradients by 1 / micro-batches.
+    const Tensor x1 = randn({kT, kH}, 5), x2 = randn({kT, kH}, 6), dy = Tensor::zeros({kT, kH});
+    const RouterLossReference r1(x1, w, 8, 2, aux, z), r2(x2, w, 8, 2, aux, z);
+    m.set_aux_loss_grad_scale(0.5f);
+    ly::ForwardContext ctx;
+    std::vector<double> want(w.size(), 0.0);
+    for (auto [x, ref] : {std::pair{&x1, &r1}, std::pair{&x2, &r2}}) {
+      m.forward(ctx, *x);
+      // The layer's loss values are the reference's (no LM loss: dy = 0, so the router learns from them alone).
+      const double want_loss = ref->loss(w);
+      REQUIRE(std::abs(m.aux_loss().item() + m.z_loss().item() - want_loss) <= 1e-5 * want_loss);
+      m.backward(ctx, dy);
+      const std::vector<double> g = ref->weight_grad(w);
+      for (size_t i = 0; i < g.size(); ++i) want[i] += 0.5 * g[i];
+    }
+    require_close_v(m.router_weight().main_grad, want, 1e-4, "router grad from the balancing losses");
+    // The experts learn nothing from them.
+    REQUIRE(vec(m.fc1_weight().main_grad) == std::vector<double>(size_t(m.fc1_weight().main_grad.numel()), 0.0));
+  }
 }
