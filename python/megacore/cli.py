@@ -466,9 +466,11 @@ _PLAN_FLAGS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "e
 
 
 def _run_plan(args) -> int:
+    from .recipes._common import DEFAULT_GPU_MEMORY_GIB
+
     given = args.gpu_memory_gib is not None
     if not given:
-        args.gpu_memory_gib = 80.0
+        args.gpu_memory_gib = DEFAULT_GPU_MEMORY_GIB
     if args.recipe:
         flags = [f"{key}={getattr(args, a)}" for a, key in _PLAN_FLAGS.items() if getattr(args, a) is not None]
         # --world-size sizes the recipe as `train --nproc-per-node N` would (one node of N GPUs): its layout follows.

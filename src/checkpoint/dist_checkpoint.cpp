@@ -457,46 +457,37 @@ int64_t local_ranks() {
   return 1;
 }
 
-// Bytes of host memory a snapshot may take beyond the buffers it reuses.
-int64_t snapshot_limit(const SaveOptions& opts) {
-  if (opts.async_host_memory_limit >= 0) return opts.async_host_memory_limit;
-  const int64_t avail = host_memory_available();
-  return avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
-}
-
 bool same_layout(const Tensor& buffer, const Tensor& like);
 
-// What a snapshot of `entries` costs given the buffers held: bytes to allocate, and bytes of held buffers that it
-// does not reuse (freed before the new ones are allocated).
-struct SnapshotPlan {
-  int64_t need = 0, released = 0;
-};
-
-SnapshotPlan plan_buffers(const std::vector<Entry>& entries, const std::map<std::string, Tensor>& held) {
-  SnapshotPlan p;
-  int64_t reused = 0, total = 0;
-  for (const auto& [key, b] : held) total += b.nbytes();
-  for (const Entry& e : entries) {
-    auto it = held.find(e.key);
-    if (it != held.end() && same_layout(it->second, e.host)) {
-      reused += e.host.nbytes();
-    } else {
-      p.need += e.host.nbytes();
-    }
-  }
-  p.released = total - reused;
-  return p;
+// The held buffer a snapshot of `e` reuses (same key, shape and dtype), or nullptr.
+const Tensor* reusable(const std::map<std::string, Tensor>& held, const Entry& e) {
+  auto it = held.find(e.key);
+  return it != held.end() && same_layout(it->second, e.host) ? &it->second : nullptr;
 }
 
-// The held buffers that `entries` reuse (by key, same shape and dtype); the others are dropped from `held`.
-std::map<std::string, Tensor> take_buffers(const std::vector<Entry>& entries, std::map<std::string, Tensor>& held) {
-  std::map<std::string, Tensor> kept;
-  for (const Entry& e : entries) {
-    auto it = held.find(e.key);
-    if (it != held.end() && same_layout(it->second, e.host)) kept[e.key] = it->second;
+// What a snapshot of `entries` costs given the buffers held.
+struct SnapshotPlan {
+  int64_t need = 0;      // bytes of new buffers
+  int64_t released = 0;  // bytes of held buffers it does not reuse (freed before the new ones are allocated)
+  int64_t limit = 0;     // bytes it may take beyond those it reuses: SaveOptions::async_host_memory_limit, or this
+                         // rank's share of 90 % of MemAvailable
+  bool fits() const { return need - released <= limit; }
+};
+
+SnapshotPlan plan_buffers(const std::vector<Entry>& entries, const std::map<std::string, Tensor>& held,
+                          const SaveOptions& opts) {
+  SnapshotPlan p;
+  int64_t reused = 0;
+  for (const Entry& e : entries) (reusable(held, e) ? reused : p.need) += e.host.nbytes();
+  for (const auto& [key, b] : held) p.released += b.nbytes();
+  p.released -= reused;
+  if (opts.async_host_memory_limit >= 0) {
+    p.limit = opts.async_host_memory_limit;
+  } else {
+    const int64_t avail = host_memory_available();
+    p.limit = avail < 0 ? std::numeric_limits<int64_t>::max() : avail / 10 * 9 / local_ranks();
   }
-  held.clear();
-  return kept;
+  return p;
 }
 
 // A host buffer for a snapshot of `like`: page-locked when the source is on a GPU (so the copy runs at
@@ -514,6 +505,20 @@ Tensor snapshot_buffer(const Tensor& like) {
   }
 #endif
   return Tensor::empty(like.shape(), like.dtype());
+}
+
+// Makes `held` one buffer per entry of `entries`: the held ones they reuse, new ones for the rest (the others are
+// freed before the new ones are allocated).
+void hold_buffers(const std::vector<Entry>& entries, std::map<std::string, Tensor>& held) {
+  std::map<std::string, Tensor> kept;
+  for (const Entry& e : entries)
+    if (const Tensor* b = reusable(held, e)) kept[e.key] = *b;
+  held.clear();
+  for (const Entry& e : entries) {
+    Tensor& b = kept[e.key];
+    if (!b.defined()) b = snapshot_buffer(e.host);
+  }
+  held = std::move(kept);
 }
 
 bool same_layout(const Tensor& buffer, const Tensor& like) {
@@ -570,22 +575,16 @@ std::map<std::string, const void*> AsyncCheckpointSaver::snapshot_buffers() cons
 int64_t AsyncCheckpointSaver::reserve(const CheckpointState& state) {
   MC_CHECK_AS(ConfigError, !pending(), "AsyncCheckpointSaver::reserve: a save is pending; call wait() first");
   std::vector<Entry> entries = list_entries(state, world_.rank(), /*keep_views=*/true);
-  const SnapshotPlan plan = plan_buffers(entries, buffers_);
-  const int64_t limit = snapshot_limit(options_);
-  if (plan.need - plan.released > limit) {
+  const SnapshotPlan plan = plan_buffers(entries, buffers_, options_);
+  if (!plan.fits()) {
     std::fprintf(stderr,
                  "[rank %d] checkpoint: async-save snapshot buffers of %.3g GB not reserved: %.3g GB of host memory may "
                  "be used (SaveOptions::async_host_memory_limit, or this rank's share of 90%% of MemAvailable); a save "
                  "that still does not fit is written synchronously\n",
-                 world_.rank(), double(plan.need) / 1e9, (double(limit) + double(plan.released)) / 1e9);
+                 world_.rank(), double(plan.need) / 1e9, (double(plan.limit) + double(plan.released)) / 1e9);
     return snapshot_bytes();
   }
-  std::map<std::string, Tensor> kept = take_buffers(entries, buffers_);
-  for (const Entry& e : entries) {
-    Tensor& b = kept[e.key];
-    if (!b.defined()) b = snapshot_buffer(e.host);
-  }
-  buffers_ = std::move(kept);
+  hold_buffers(entries, buffers_);
   return snapshot_bytes();
 }
 
@@ -600,9 +599,8 @@ void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& 
   // Snapshot: reuse the buffers held (from the previous save or reserve()) where the layouts match; the rest must
   // fit in host memory.
   try {
-    const SnapshotPlan plan = plan_buffers(j->entries, buffers_);
-    const int64_t limit = snapshot_limit(opts);
-    if (plan.need - plan.released > limit) {
+    const SnapshotPlan plan = plan_buffers(j->entries, buffers_, opts);
+    if (!plan.fits()) {
       // Does not fit: write from the live tensors now (like save_checkpoint), commit at wait() as usual.
       std::fprintf(stderr,
                    "[rank %d] checkpoint: an async save of step %lld needs %.3g GB of host memory for its snapshot "
@@ -610,22 +608,18 @@ void AsyncCheckpointSaver::save(const std::string& root, const CheckpointState& 
                    "MemAvailable); "
                    "writing it synchronously instead\n",
                    rank, static_cast<long long>(j->step), double(plan.need) / 1e9,
-                   (double(limit) + double(plan.released)) / 1e9);
+                   (double(plan.limit) + double(plan.released)) / 1e9);
       buffers_.clear();
       last_sync_ = true;
       for (Entry& e : j->entries) e.host = e.host.to(Device::cpu()).contiguous();
       write_shards(*j, rank, opts);
       return;
     }
-    std::map<std::string, Tensor> kept = take_buffers(j->entries, buffers_);  // drops the rest before allocating
-    std::vector<Tensor> buffers(j->entries.size());
-    for (size_t i = 0; i < j->entries.size(); ++i) {
-      Tensor& b = kept[j->entries[i].key];
-      if (!b.defined()) b = snapshot_buffer(j->entries[i].host);
-      buffers[i] = b;
-    }
+    hold_buffers(j->entries, buffers_);
+    std::vector<Tensor> buffers;
+    buffers.reserve(j->entries.size());
+    for (const Entry& e : j->entries) buffers.push_back(buffers_.at(e.key));
     copy_snapshot(j->entries, buffers, opts.threads);
-    buffers_ = std::move(kept);
   } catch (...) {
     j->error = std::current_exception();  // reported (on every rank) by wait()
     return;

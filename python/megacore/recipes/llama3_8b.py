@@ -6,11 +6,10 @@ with ZeRO-1 on 4 or 8."""
 
 from __future__ import annotations
 
-from ._common import DEFAULT_GPU_MEMORY_GIB, finetune_from, fit_to_gpus, make
+from ._common import finetune_from, fit_to_gpus, make
 from .config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, Recipe, TrainerConfig
 
 
-GPU_MEMORY_GIB = DEFAULT_GPU_MEMORY_GIB
 SEQ_LENGTH = 8192
 
 
