@@ -109,15 +109,6 @@ void check_grad_param(const Tensor& t, const Tensor& x, int64_t h, const char* o
   detail::check_same_device(t, x.device(), op, name);
 }
 
-// Whether two tensors' element ranges share any byte (dense views: [data, data + numel · itemsize)).
-bool overlaps(const Tensor& a, const Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  const int64_t na = a.numel() * dtype_size(a.dtype()), nb = b.numel() * dtype_size(b.dtype());
-  return pa < pb + nb && pb < pa + na;
-}
-
 void norm_forward_impl(bool layer, const Tensor& x, const Tensor* residual, const Tensor& w, const Tensor* b, Tensor& y,
                        Tensor* residual_out, Tensor* mean, Tensor& rstd, float eps, const Stream& s) {
   const char* op = kFwdName[layer];
@@ -135,8 +126,8 @@ void norm_forward_impl(bool layer, const Tensor& x, const Tensor* residual, cons
     check_like(*residual_out, x, op, "residual_out");
     // The kernels read x and residual while other threads write residual_out: the sum needs its own buffer.
     for (const Tensor* in : {&x, residual})
-      MC_CHECK(!overlaps(*residual_out, *in), "{}: residual_out must not share memory with x or residual; give it "
-               "its own buffer", op);
+      MC_CHECK(!detail::overlaps(*residual_out, *in),
+               "{}: residual_out must not share memory with x or residual; give it its own buffer", op);
   }
   if (mean) check_stats(*mean, rows, d, op, "mean");
   check_stats(rstd, rows, d, op, "rstd");

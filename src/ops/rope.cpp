@@ -159,12 +159,6 @@ void rope_impl(const Tensor& x, const Tensor& positions, const Tensor& inv_freq,
   });
 }
 
-bool overlaps(const Tensor& a, const Tensor& b) {
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-
 // qkv_split_rope (merge = false: grouped is read, q/k/v written) and qkv_merge_rope_backward (merge =
 // true: dq/dk/dv read, grouped written).
 void qkv_rope_impl(const Tensor& grouped, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions,
@@ -194,7 +188,7 @@ void qkv_rope_impl(const Tensor& grouped, const Tensor& q, const Tensor& k, cons
   check_output(op, k, kn, in, in_n, kv_shape);
   check_output(op, v, vn, in, in_n, kv_shape);
   for (const auto& [t, n] : {std::pair{&q, qn}, std::pair{&k, kn}, std::pair{&v, vn}})
-    MC_CHECK(!overlaps(grouped, *t),
+    MC_CHECK(!detail::overlaps(grouped, *t),
              "{}: {} and {} share memory; the fused split/merge needs separate buffers (allocate {} with "
              "Tensor::empty)",
              op, gn, n, merge ? gn : n);

@@ -58,6 +58,16 @@ inline void check_same_device(const Tensor& t, Device d, std::string_view op, st
            t.device().str(), d.str());
 }
 
+/// Whether two tensors' element ranges share any byte (dense views: [data, data + numel · itemsize)), for the ops
+/// whose outputs must not alias an input.
+inline bool overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  const int64_t na = a.numel() * dtype_size(a.dtype()), nb = b.numel() * dtype_size(b.dtype());
+  return pa < pb + nb && pb < pa + na;
+}
+
 /// Integer index tensors (token ids, labels, positions) are i32 or i64.
 inline void check_index_input(const Tensor& t, std::string_view op, std::string_view name) {
   check_defined(t, op, name);
