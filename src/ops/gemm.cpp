@@ -262,11 +262,8 @@ void gemm(const Tensor& a, const Tensor& b, Tensor& out, const GemmOptions& opts
   p.bias_dtype = opts.bias.defined() ? opts.bias.dtype() : out.dtype();
   p.allow_tf32 = opts.allow_tf32;
   p.sm_margin = gemm_sm_margin(dev.index);
-  {
-    const GemmAutotune tune = gemm_autotune();
-    const double gflop = 2.0 * double(m) * double(n) * double(ka) * double(batch) * 1e-9;
-    p.autotune_candidates = tune.enabled && opts.autotune && gflop >= tune.min_gflop ? tune.candidates : 0;  // beta != 0: not timed
-  }
+  const double gflop = 2.0 * double(m) * double(n) * double(ka) * double(batch) * 1e-9;
+  p.autotune_candidates = opts.autotune ? gemm_autotune().candidates_for(gflop) : 0;  // beta != 0: not timed
   if (batch > 1 && (p.stride_a == 0 || p.stride_b == 0)) {
     // A shared operand next to a batched one. When a is the batched one, not transposed and packed,
     // the batch folds into M: one large product instead of many.

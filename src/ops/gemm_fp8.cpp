@@ -79,12 +79,9 @@ void gemm_fp8(const Tensor& a, const Tensor& b, Tensor& out, const Tensor& scale
   p.beta = opts.beta;
   p.fast_accum = opts.fast_accum;
   p.sm_margin = gemm_sm_margin(dev.index);
-  {
-    // The bf16 products' policy (GemmAutotune): products that overwrite their output are timed once per shape.
-    const GemmAutotune tune = gemm_autotune();
-    const double gflop = 2.0 * double(m) * double(n) * double(k) * 1e-9;
-    p.autotune_candidates = tune.enabled && opts.beta == 0.f && gflop >= tune.min_gflop ? tune.candidates : 0;
-  }
+  // The bf16 products' policy (GemmAutotune): products that overwrite their output are timed once per shape.
+  const double gflop = 2.0 * double(m) * double(n) * double(k) * 1e-9;
+  p.autotune_candidates = opts.beta == 0.f ? gemm_autotune().candidates_for(gflop) : 0;
   cuda::gemm_fp8(p, dev.index, detail::launch_stream(s, dev, kOp));
 #else
   raise<CudaError>("{}: tensors are on {} but megacore was built without CUDA", kOp, dev.str());

@@ -112,6 +112,8 @@ struct GemmAutotune {
   bool enabled = true;      ///< default on; MEGACORE_GEMM_AUTOTUNE=0 in the environment turns it off
   double min_gflop = 20.0;  ///< smaller products (2*m*n*k*batch/1e9) keep the heuristic's first choice
   int candidates = 8;       ///< heuristic candidates asked for (2..32)
+  /// Candidates to time for a product of `gflop` GFLOP that overwrites its output (0: the heuristic's first choice).
+  int candidates_for(double gflop) const { return enabled && gflop >= min_gflop ? candidates : 0; }
 };
 /// Sets the policy for products planned from now on (plans already cached keep their choice).
 /// ValueError for candidates outside [2, 32] or a negative min_gflop.
