@@ -25,8 +25,8 @@ With N ranks, every tensor is split along dim 0 into N pieces (as TP/ZeRO would)
 (megacore: one shard file per rank + metadata; torch: one torch.save file per rank). Time is the slowest
 rank's, between barriers. GB/s = total bytes / time (1 GB = 1e9 bytes).
 
---load-threads 1,2,4,8 times the load once more per thread count (each with the cache dropped), with one
-more torch.load after them.
+--load-threads 1,2,4,8 times the load once more per LoadOptions::threads value (the reader threads of each rank;
+each with the cache dropped), with one more torch.load after them.
 
 Loads are timed after dropping the files from the page cache with posix_fadvise(DONTNEED) (which works
 for clean pages without root; whether the device's storage stack honours it is recorded as

@@ -490,22 +490,28 @@ SnapshotPlan plan_buffers(const std::vector<Entry>& entries, const std::map<std:
   return p;
 }
 
-// A host buffer for a snapshot of `like`: page-locked when the source is on a GPU (so the copy runs at
-// the link's speed and the buffer can be reused without re-pinning), pageable otherwise or when pinning fails.
-Tensor snapshot_buffer(const Tensor& like) {
+// Host memory of `shape` x `dtype`: page-locked when `pin` (copies to and from a GPU then run at the link's speed
+// and the buffer can be reused without re-pinning), pageable otherwise or when pinning fails.
+Tensor host_buffer(const Shape& shape, DType dtype, bool pin) {
 #if MEGACORE_WITH_CUDA
-  if (!like.device().is_cpu() && like.nbytes() > 0) {
+  const int64_t nbytes = volume(shape) * dtype_size(dtype);
+  if (pin && nbytes > 0) {
     try {
-      void* p = data::detail::pinned_alloc(size_t(like.nbytes()));
-      return Tensor::from_blob(p, like.shape(), contiguous_strides(like.shape()), like.dtype(), Device::cpu(),
+      void* p = data::detail::pinned_alloc(size_t(nbytes));
+      return Tensor::from_blob(p, shape, contiguous_strides(shape), dtype, Device::cpu(),
                                [p] { data::detail::pinned_free(p); });
     } catch (const std::exception&) {
       // fall through to pageable memory: slower copies, same result
     }
   }
+#else
+  (void)pin;
 #endif
-  return Tensor::empty(like.shape(), like.dtype());
+  return Tensor::empty(shape, dtype);
 }
+
+// A host buffer for a snapshot of `like`: page-locked when the source is on a GPU.
+Tensor snapshot_buffer(const Tensor& like) { return host_buffer(like.shape(), like.dtype(), !like.device().is_cpu()); }
 
 // Makes `held` one buffer per entry of `entries`: the held ones they reuse, new ones for the rest (the others are
 // freed before the new ones are allocated).
@@ -719,6 +725,78 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
 
 // ---- load -----------------------------------------------------------------------------------------
 
+namespace {
+
+// One intersection of a target piece with a saved shard (global coordinates [lo, hi)), the shard's entry
+// checked against metadata.json.
+struct Overlap {
+  const TensorMeta::Shard* shard = nullptr;
+  Shape lo, hi;
+  SafetensorsFile* file = nullptr;
+  const SafetensorsInfo* info = nullptr;
+  bool whole = true;  // the piece needs the entire entry
+  int64_t volume() const {
+    int64_t v = 1;
+    for (size_t d = 0; d < lo.size(); ++d) v *= hi[d] - lo[d];
+    return v;
+  }
+};
+
+// The shards of `m` that piece `p` intersects. `open` opens a shard file (IOError when missing,
+// truncated or malformed); an entry missing from its file or unlike metadata.json is an IOError.
+std::vector<Overlap> piece_overlaps(const std::string& dir, const TensorMeta& m, const ShardPiece& p,
+                                    const std::function<SafetensorsFile&(const std::string&)>& open) {
+  std::vector<Overlap> out;
+  for (const TensorMeta::Shard& s : m.shards) {
+    Overlap o;
+    o.shard = &s;
+    o.lo.resize(p.shape.size()), o.hi.resize(p.shape.size());
+    bool empty = false;
+    for (size_t d = 0; d < p.shape.size(); ++d) {
+      o.lo[d] = std::max(p.global_offsets[d], s.offsets[d]);
+      o.hi[d] = std::min(p.global_offsets[d] + p.shape[d], s.offsets[d] + s.shape[d]);
+      empty |= o.hi[d] <= o.lo[d];
+      o.whole &= o.lo[d] == s.offsets[d] && o.hi[d] == s.offsets[d] + s.shape[d];
+    }
+    if (empty) continue;
+    o.file = &open(s.file);
+    if (!o.file->contains(s.key))
+      raise<IOError>("checkpoint '{}': file {} lacks entry '{}' that metadata.json lists; the file is corrupt or "
+                     "from another save",
+                     dir, s.file, s.key);
+    o.info = &o.file->info(s.key);
+    if (o.info->shape != s.shape || o.info->dtype != m.dtype)
+      raise<IOError>("checkpoint '{}': entry '{}' of {} is {} {} but metadata.json says {} {}; the file is corrupt",
+                     dir, s.key, s.file, dtype_name(o.info->dtype), shape_str(o.info->shape), dtype_name(m.dtype),
+                     shape_str(s.shape));
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+// The view of `local` (holding piece p at p.local_offsets) that overlap o fills.
+Tensor overlap_view(const Tensor& local, const ShardPiece& p, const Overlap& o) {
+  Tensor dst = local;
+  for (size_t d = 0; d < p.shape.size(); ++d)
+    dst = dst.narrow(int64_t(d), o.lo[d] - p.global_offsets[d] + p.local_offsets[d], o.hi[d] - o.lo[d]);
+  return dst;
+}
+
+[[noreturn]] void raise_crc_failed(const std::string& dir, const TensorMeta::Shard& s) {
+  raise<IOError>("checkpoint '{}': entry '{}' of {} fails its {} check; the file is corrupt — load an earlier "
+                 "checkpoint",
+                 dir, s.key, s.file, s.crc32c ? "CRC-32C" : "CRC-32");
+}
+
+[[noreturn]] void raise_incomplete(const std::string& dir, const std::string& name, int64_t filled,
+                                   const ShardPiece& p) {
+  raise<IOError>("checkpoint '{}': tensor '{}' has only {} of the {} elements at {} of shape {}", dir, name, filled,
+                 volume(p.shape), shape_str(p.global_offsets), shape_str(p.shape));
+}
+
+}  // namespace
+
+
 // Shared by the threads of load_all: the open files and the verified entries are guarded by `mu`.
 struct CheckpointReader::Files {
   std::mutex mu;
@@ -742,40 +820,35 @@ struct CheckpointReader::Files {
   }
 };
 
+// One whole entry read into contiguous memory of its saved dtype, on the host or a device.
+struct CheckpointReader::DirectRead {
+  SafetensorsFile* file = nullptr;
+  const TensorMeta::Shard* shard = nullptr;
+  int64_t position = 0;  // the entry's offset in the file's data section: reads run in this order
+  int64_t nbytes = 0;
+  void* dst = nullptr;
+  Device device = Device::cpu();
+  bool check = false;
+  std::vector<uint32_t> crcs;  // one per block, combined once every block has landed
+};
+
 int64_t CheckpointReader::bytes_read() const { return files_->bytes_read.load(); }
 
 void CheckpointReader::load_all(std::vector<ShardedTensor>& targets) {
+  // Whole entries into memory of their saved layout go to the readers in file order; the rest are loaded
+  // target by target on a pool of threads.
+  std::vector<DirectRead> direct;
   std::vector<ShardedTensor*> todo;
-  for (ShardedTensor& t : targets)
-    if (!(options_.allow_missing && !has_tensor(t.name))) todo.push_back(&t);
-  int n = options_.threads > 0 ? options_.threads : int(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
-  n = int(std::min<size_t>(size_t(n), todo.size()));
-  if (n <= 1) {
-    for (ShardedTensor* t : todo) load(*t);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex err_mu;
-  std::exception_ptr err;
-  auto work = [&] {
-    for (;;) {
-      const size_t i = next.fetch_add(1);
-      if (i >= todo.size() || failed.load()) return;
-      try {
-        load(*todo[i]);
-      } catch (...) {
-        std::lock_guard<std::mutex> l(err_mu);
-        if (!err) err = std::current_exception();
-        failed.store(true);
-      }
+  for (ShardedTensor& t : targets) {
+    if (options_.allow_missing && !has_tensor(t.name)) continue;
+    if (auto reads = plan_direct(t)) {
+      for (DirectRead& r : *reads) direct.push_back(std::move(r));
+    } else {
+      todo.push_back(&t);
     }
-  };
-  std::vector<std::thread> pool;
-  for (int k = 1; k < n; ++k) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (err) std::rethrow_exception(err);
+  }
+  run_direct(direct);
+  parallel_for(todo.size(), options_.threads, [&](size_t i) { load(*todo[i]); });
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -849,40 +922,63 @@ const std::string& CheckpointReader::json(const std::string& name) const {
   return it->second;
 }
 
-void CheckpointReader::load(ShardedTensor& target) {
-  const TensorMeta& m = meta(target.name);
+namespace {
+
+// The checks every load of a target starts with: its global shape and dtype against the checkpoint's, and
+// the pieces with their own tensors (ZeRO shards) described as they are.
+void check_target(const std::string& dir, const TensorMeta& m, const ShardedTensor& target) {
   if (m.global_shape != target.global_shape)
     raise<IOError>("checkpoint '{}': tensor '{}' has global shape {} but the model expects {}; the checkpoint is of "
                    "a different model configuration",
-                   dir_, target.name, shape_str(m.global_shape), shape_str(target.global_shape));
+                   dir, target.name, shape_str(m.global_shape), shape_str(target.global_shape));
   const auto is_float = [](DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; };
   if (m.dtype != target.dtype && !(target.convert_dtype && is_float(m.dtype) && is_float(target.dtype)))
     raise<IOError>("checkpoint '{}': tensor '{}' is stored as {} but the model expects {}; load into a model with "
                    "params_dtype {} (or convert the checkpoint)",
-                   dir_, target.name, dtype_name(m.dtype), dtype_name(target.dtype), dtype_name(m.dtype));
-  if (target.pieces.empty()) return;  // this rank needs none of it (e.g. a ZeRO shard owned elsewhere)
-  bool own_data = false;
+                   dir, target.name, dtype_name(m.dtype), dtype_name(target.dtype), dtype_name(m.dtype));
   for (const ShardPiece& p : target.pieces)
     if (p.data.defined()) {
-      own_data = true;
       MC_CHECK(p.data.shape() == p.shape && p.data.dtype() == target.dtype, "checkpoint load: a piece of '{}' holds "
                "{} {} but is described as {} {}", target.name, dtype_name(p.data.dtype()), shape_str(p.data.shape()),
                dtype_name(target.dtype), shape_str(p.shape));
     }
-  if (own_data) {
-    // Pieces with their own tensors (ZeRO shards): each one is loaded as a one-piece target of its own.
-    for (const ShardPiece& p : target.pieces) {
-      MC_CHECK(p.data.defined(), "checkpoint load: target '{}' mixes pieces with and without their own data",
-               target.name);
-      ShardedTensor one;
-      one.name = target.name;
-      one.global_shape = target.global_shape;
-      one.dtype = target.dtype;
-      one.convert_dtype = target.convert_dtype;
-      one.local = p.data;
-      one.pieces.push_back({Shape(p.shape.size(), 0), p.global_offsets, p.shape, Tensor()});
-      load(one);
+}
+
+bool has_own_data(const ShardedTensor& target) {
+  for (const ShardPiece& p : target.pieces)
+    if (p.data.defined()) {
+      for (const ShardPiece& q : target.pieces)
+        MC_CHECK(q.data.defined(), "checkpoint load: target '{}' mixes pieces with and without their own data",
+                 target.name);
+      return true;
     }
+  return false;
+}
+
+// Pieces with their own tensors (ZeRO shards): each one as a one-piece target of its own.
+std::vector<ShardedTensor> split_own_data(const ShardedTensor& target) {
+  std::vector<ShardedTensor> out;
+  for (const ShardPiece& p : target.pieces) {
+    ShardedTensor one;
+    one.name = target.name;
+    one.global_shape = target.global_shape;
+    one.dtype = target.dtype;
+    one.convert_dtype = target.convert_dtype;
+    one.local = p.data;
+    one.pieces.push_back({Shape(p.shape.size(), 0), p.global_offsets, p.shape, Tensor()});
+    out.push_back(std::move(one));
+  }
+  return out;
+}
+
+}  // namespace
+
+void CheckpointReader::load(ShardedTensor& target) {
+  const TensorMeta& m = meta(target.name);
+  check_target(dir_, m, target);
+  if (target.pieces.empty()) return;  // this rank needs none of it (e.g. a ZeRO shard owned elsewhere)
+  if (has_own_data(target)) {
+    for (ShardedTensor& one : split_own_data(target)) load(one);
     return;
   }
   MC_CHECK(target.local.defined() && target.local.dtype() == target.dtype,
@@ -894,43 +990,19 @@ void CheckpointReader::load(ShardedTensor& target) {
   Tensor host = target.local.device().is_cpu()      ? target.local
                 : covered == target.local.numel() ? Tensor::empty(target.local.shape(), target.local.dtype())
                                                   : target.local.to(Device::cpu());
+  const auto open = [this](const std::string& file) -> SafetensorsFile& { return files_->file(dir_, file); };
   for (const ShardPiece& p : target.pieces) {
     int64_t filled = 0;
-    for (const TensorMeta::Shard& s : m.shards) {
-      Shape lo(p.shape.size()), hi(p.shape.size());
-      bool empty = false;
-      for (size_t d = 0; d < p.shape.size(); ++d) {
-        lo[d] = std::max(p.global_offsets[d], s.offsets[d]);
-        hi[d] = std::min(p.global_offsets[d] + p.shape[d], s.offsets[d] + s.shape[d]);
-        empty |= hi[d] <= lo[d];
-      }
-      if (empty) continue;
-      SafetensorsFile* f = &files_->file(dir_, s.file);  // IOError when missing, truncated or malformed
-      if (!f->contains(s.key))
-        raise<IOError>("checkpoint '{}': file {} lacks entry '{}' that metadata.json lists; the file is corrupt or "
-                       "from another save",
-                       dir_, s.file, s.key);
-      const SafetensorsInfo& info = f->info(s.key);
-      if (info.shape != s.shape || info.dtype != m.dtype)
-        raise<IOError>("checkpoint '{}': entry '{}' of {} is {} {} but metadata.json says {} {}; the file is corrupt",
-                       dir_, s.key, s.file, dtype_name(info.dtype), shape_str(info.shape), dtype_name(m.dtype),
-                       shape_str(s.shape));
-      Tensor dst = host;
-      bool whole = true;  // the piece needs the entire entry
-      for (size_t d = 0; d < p.shape.size(); ++d) {
-        dst = dst.narrow(int64_t(d), lo[d] - p.global_offsets[d] + p.local_offsets[d], hi[d] - lo[d]);
-        whole &= lo[d] == s.offsets[d] && hi[d] == s.offsets[d] + s.shape[d];
-      }
+    for (const Overlap& o : piece_overlaps(dir_, m, p, open)) {
+      const TensorMeta::Shard& s = *o.shard;
+      const SafetensorsInfo& info = *o.info;
+      SafetensorsFile* f = o.file;
+      Tensor dst = overlap_view(host, p, o);
       const bool check = options_.verify_checksums && !files_->is_verified(s.file, s.key);
       auto checksum = [&s](const void* data, size_t n, uint32_t crc) {
         return s.crc32c ? crc32c(data, n, crc) : crc32(data, n, crc);
       };
-      auto crc_failed = [&] {
-        raise<IOError>("checkpoint '{}': entry '{}' of {} fails its {} check; the file is corrupt — load an earlier "
-                       "checkpoint",
-                       dir_, s.key, s.file, s.crc32c ? "CRC-32C" : "CRC-32");
-      };
-      if (whole && dst.is_contiguous() && dst.dtype() == info.dtype) {
+      if (o.whole && dst.is_contiguous() && dst.dtype() == info.dtype) {
         // Same layout and dtype as the save: read straight into the destination, checksumming each block as it
         // lands. (A converting load, e.g. f32 optimizer state into bf16 state, goes through the mapped entry.)
         // A large CRC-32C entry is read in chunks on several threads and the chunks' CRCs are combined.
@@ -949,7 +1021,7 @@ void CheckpointReader::load(ShardedTensor& target) {
           uint32_t crc = crcs[0];
           for (int64_t c = 1; c < chunks; ++c)
             crc = crc32c_combine(crc, crcs[size_t(c)], uint64_t(std::min(kChunk, info.nbytes - c * kChunk)));
-          if (crc != s.crc) crc_failed();
+          if (crc != s.crc) raise_crc_failed(dir_, s);
           files_->set_verified(s.file, s.key);
         }
         filled += dst.numel();
@@ -958,19 +1030,150 @@ void CheckpointReader::load(ShardedTensor& target) {
       }
       Tensor src = f->tensor(s.key);
       if (check) {
-        if (checksum(src.data_ptr(), size_t(src.nbytes()), 0) != s.crc) crc_failed();
+        if (checksum(src.data_ptr(), size_t(src.nbytes()), 0) != s.crc) raise_crc_failed(dir_, s);
         files_->set_verified(s.file, s.key);
       }
-      for (size_t d = 0; d < p.shape.size(); ++d) src = src.narrow(int64_t(d), lo[d] - s.offsets[d], hi[d] - lo[d]);
+      for (size_t d = 0; d < p.shape.size(); ++d) src = src.narrow(int64_t(d), o.lo[d] - s.offsets[d], o.hi[d] - o.lo[d]);
       dst.copy_(src);
       filled += volume(src.shape());
       files_->bytes_read += src.nbytes();
     }
-    if (filled != volume(p.shape))
-      raise<IOError>("checkpoint '{}': tensor '{}' has only {} of the {} elements at {} of shape {}", dir_, target.name,
-                     filled, volume(p.shape), shape_str(p.global_offsets), shape_str(p.shape));
+    if (filled != volume(p.shape)) raise_incomplete(dir_, target.name, filled, p);
   }
   if (!target.local.device().is_cpu()) target.local.copy_(host);
+}
+
+std::optional<std::vector<CheckpointReader::DirectRead>> CheckpointReader::plan_direct(ShardedTensor& target) {
+  const TensorMeta& m = meta(target.name);
+  check_target(dir_, m, target);
+  if (target.pieces.empty()) return std::vector<DirectRead>{};
+  std::vector<ShardedTensor> parts;
+  if (has_own_data(target)) {
+    parts = split_own_data(target);
+  } else {
+    if (!target.local.defined() || target.local.dtype() != target.dtype) return std::nullopt;  // load() says why
+    parts.push_back(target);
+  }
+  const auto open = [this](const std::string& file) -> SafetensorsFile& { return files_->file(dir_, file); };
+  std::vector<DirectRead> reads;
+  for (const ShardedTensor& t : parts) {
+    const Tensor& local = t.local;
+    if (!local.device().is_cpu()) {  // a device target is written only where the checkpoint has its bytes
+      int64_t covered = 0;
+      for (const ShardPiece& p : t.pieces) covered += volume(p.shape);
+      if (covered != local.numel()) return std::nullopt;
+    }
+    for (const ShardPiece& p : t.pieces) {
+      int64_t filled = 0;
+      for (const Overlap& o : piece_overlaps(dir_, m, p, open)) {
+        const Tensor dst = overlap_view(local, p, o);
+        const bool check = options_.verify_checksums && !files_->is_verified(o.shard->file, o.shard->key);
+        if (!o.whole || !dst.is_contiguous() || dst.dtype() != o.info->dtype || (check && !o.shard->crc32c))
+          return std::nullopt;
+        DirectRead r;
+        r.file = o.file;
+        r.shard = o.shard;
+        r.position = o.info->data_begin;
+        r.nbytes = o.info->nbytes;
+        r.dst = dst.data_ptr();
+        r.device = local.device();
+        r.check = check;
+        reads.push_back(std::move(r));
+        filled += o.volume();
+      }
+      if (filled != volume(p.shape)) return std::nullopt;  // load() raises the error naming what is missing
+    }
+  }
+  return reads;
+}
+
+void CheckpointReader::run_direct(std::vector<DirectRead>& reads) {
+  // Blocks of at most kBlock bytes, file by file in data order: the readers claim them in that order, so the
+  // disk sees a few neighbouring sequential streams per file instead of scattered reads.
+  constexpr int64_t kBlock = int64_t(16) << 20;
+  std::sort(reads.begin(), reads.end(), [](const DirectRead& a, const DirectRead& b) {
+    return a.file != b.file ? a.file->path() < b.file->path() : a.position < b.position;
+  });
+  struct Block {
+    DirectRead* read;
+    int64_t begin, length;
+    size_t index;  // in read->crcs
+  };
+  std::vector<Block> blocks;
+  std::set<const SafetensorsFile*> files;
+  for (DirectRead& r : reads) {
+    files.insert(r.file);
+    const size_t n = size_t(std::max<int64_t>(1, (r.nbytes + kBlock - 1) / kBlock));
+    r.crcs.assign(n, 0);
+    for (size_t i = 0; i < n; ++i)
+      blocks.push_back({&r, int64_t(i) * kBlock, std::min(kBlock, r.nbytes - int64_t(i) * kBlock), i});
+  }
+  if (blocks.empty()) return;
+  for (const SafetensorsFile* f : files) f->advise_sequential();
+  int readers = options_.threads > 0 ? options_.threads
+                                     : std::min(detail::default_io_threads(0), int(2 * files.size()));
+  readers = int(std::min<size_t>(size_t(std::max(1, readers)), blocks.size()));
+
+  std::atomic<size_t> next{0};
+  std::mutex err_mu;
+  std::exception_ptr err;
+  auto work = [&] {
+    // A device destination is reached through two page-locked staging buffers of this reader: block k + 1 is
+    // read into one while block k's copy to the device runs from the other on this reader's stream.
+    struct Staging {
+      Tensor buffer;
+      Event copied;
+      bool pending = false;
+    };
+    std::optional<Stream> stream;
+    Staging staging[2];
+    int slot = 0;
+    try {
+      for (size_t i; (i = next.fetch_add(1)) < blocks.size();) {
+        const Block& b = blocks[i];
+        DirectRead& r = *b.read;
+        const TensorMeta::Shard& s = *r.shard;
+        std::function<void(const uint8_t*, size_t)> on_block;
+        if (r.check)
+          on_block = [&r, &b](const uint8_t* p, size_t n) { r.crcs[b.index] = crc32c(p, n, r.crcs[b.index]); };
+        if (r.device.is_cpu()) {
+          r.file->read_into(s.key, b.begin, b.length, static_cast<uint8_t*>(r.dst) + b.begin, on_block);
+        } else {
+          if (!stream) stream = Stream::create(r.device);
+          Staging& st = staging[slot];
+          slot ^= 1;
+          if (st.pending) st.copied.synchronize();  // its previous block is on the device
+          if (!st.buffer.defined()) st.buffer = host_buffer({kBlock}, DType::U8, /*pin=*/true);
+          r.file->read_into(s.key, b.begin, b.length, st.buffer.data_ptr(), on_block);
+          Tensor dst = Tensor::from_blob(static_cast<uint8_t*>(r.dst) + b.begin, {b.length}, {1}, DType::U8,
+                                         r.device, [] {});
+          dst.copy_(st.buffer.narrow(0, 0, b.length), *stream);
+          st.copied.record(*stream);
+          st.pending = true;
+        }
+        files_->bytes_read += b.length;
+      }
+      if (stream) stream->synchronize();
+    } catch (...) {
+      if (stream) stream->synchronize();  // no copy may still read a staging buffer freed below
+      std::lock_guard<std::mutex> l(err_mu);
+      if (!err) err = std::current_exception();
+      next = blocks.size();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int k = 1; k < readers; ++k) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (err) std::rethrow_exception(err);
+  for (DirectRead& r : reads) {
+    if (!r.check) continue;
+    uint32_t crc = r.crcs[0];
+    for (size_t c = 1; c < r.crcs.size(); ++c)
+      crc = crc32c_combine(crc, r.crcs[c], uint64_t(std::min(kBlock, r.nbytes - int64_t(c) * kBlock)));
+    if (crc != r.shard->crc) raise_crc_failed(dir_, *r.shard);
+    files_->set_verified(r.shard->file, r.shard->key);
+  }
 }
 
 Tensor CheckpointReader::load_full(const std::string& name) {

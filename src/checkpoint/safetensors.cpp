@@ -437,4 +437,8 @@ void SafetensorsFile::read_into(const std::string& name, int64_t begin, int64_t 
   }
 }
 
+void SafetensorsFile::advise_sequential() const {
+  (void)::posix_fadvise(mapping_->fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // advice only: a failure changes nothing
+}
+
 }  // namespace megacore::checkpoint

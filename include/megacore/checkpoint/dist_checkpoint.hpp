@@ -158,8 +158,12 @@ struct LoadOptions {
   bool verify_checksums = true;
   /// Skip targets the checkpoint does not have instead of failing.
   bool allow_missing = false;
-  /// Threads loading targets concurrently in load_all / load_checkpoint (0 = min(8, hardware threads)):
-  /// checksums, copies and the file reads behind them proceed in parallel.
+  /// Threads of load_all / load_checkpoint (0 = the default). Entries read whole into memory of their
+  /// saved layout (the usual load: same model, same or resharded layout with whole shards) are read in
+  /// file order by `threads` readers (default 2 per shard file read, at most min(8, hardware threads)),
+  /// each pread block checksummed as it lands and, for GPU targets, copied to the device from a
+  /// page-locked staging buffer while the next block is read. The other targets (converting dtypes, parts
+  /// of entries) are loaded concurrently on `threads` threads (default min(8, hardware threads)).
   int threads = 0;
 };
 
@@ -211,6 +215,12 @@ class CheckpointReader {
 
  private:
   struct Files;
+  struct DirectRead;
+  /// The reads of `target` when every part of it is a whole entry read into contiguous memory of the saved
+  /// dtype (host memory, or a device tensor its pieces cover completely); nullopt otherwise (load() then).
+  std::optional<std::vector<DirectRead>> plan_direct(ShardedTensor& target);
+  /// Runs the reads in file order on the reader threads (see LoadOptions::threads).
+  void run_direct(std::vector<DirectRead>& reads);
   std::string dir_;
   LoadOptions options_;
   int64_t step_ = 0;

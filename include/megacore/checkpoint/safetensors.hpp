@@ -89,6 +89,8 @@ class SafetensorsFile {
   /// once it has landed in `dst` (while it is still in cache), e.g. to checksum it.
   void read_into(const std::string& name, int64_t begin, int64_t length, void* dst,
                  const std::function<void(const uint8_t*, size_t)>& on_block = {}) const;
+  /// Tells the kernel this file will be read front to back (a larger readahead for read_into).
+  void advise_sequential() const;
 
  private:
   struct Mapping;

@@ -26,6 +26,7 @@
 #include "megacore/core/error.hpp"
 #include "megacore/core/random.hpp"
 #include "megacore/optim/optimizer.hpp"
+#include "ops/ops_test_util.hpp"
 #include "test_helpers.hpp"
 
 using namespace megacore;
@@ -317,6 +318,81 @@ TEST_CASE("a writer SIGKILLed at any point of a save leaves the previous checkpo
     for (const auto& de : fs::directory_iterator(tmp.path))
       REQUIRE(de.path().filename().string().rfind(".tmp", 0) != 0);
     check_loads_as(tmp.path, third);
+  }
+}
+
+namespace {
+
+// A state with entries of several read blocks (the loader reads 16 MiB blocks): 42 MB f32, 2.4 MB bf16, a small one.
+CheckpointState multiblock_state(uint64_t seed) {
+  CheckpointState st;
+  st.step = 9;
+  st.tensors.push_back(replicated_tensor("big", randn({5, 2'100'001}, seed)));
+  st.tensors.push_back(replicated_tensor("mid", randn({1200, 1000}, seed + 1, DType::BF16)));
+  st.tensors.push_back(replicated_tensor("w", randn({6, 5}, seed + 2)));
+  return st;
+}
+
+}  // namespace
+
+TEST_CASE("entries of several read blocks load whole on 1 to 3 readers; a flipped byte in a late block fails its CRC",
+          "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  const CheckpointState st = multiblock_state(mctest::fresh_seed());
+  const std::string dir = save_checkpoint(w, tmp.path, st);
+  for (int threads : {1, 2, 3}) {
+    INFO("threads " << threads);
+    LoadOptions o;
+    o.threads = threads;
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    CheckpointReader r = load_checkpoint(&w, tmp.path, t, o);
+    for (size_t i = 0; i < t.size(); ++i) require_same(t[i].local, st.tensors[i].local);
+    int64_t want = 0;
+    for (const ShardedTensor& x : st.tensors) want += x.local.nbytes();
+    CHECK(r.bytes_read() == want);
+  }
+  // A byte 35 MB into "big" (its third block) flipped: the combined CRC of the blocks catches it.
+  const std::string shard = dir + "/shard_00000.safetensors";
+  const int64_t pos = [&] {
+    SafetensorsFile f(shard);
+    std::string bytes = file_bytes(shard);
+    uint64_t header = 0;
+    for (int i = 0; i < 8; ++i) header |= uint64_t(uint8_t(bytes[size_t(i)])) << (8 * i);
+    return int64_t(8 + header) + f.info("big[0,0]").data_begin + 35'000'000;
+  }();
+  {
+    std::fstream io(shard, std::ios::binary | std::ios::in | std::ios::out);
+    io.seekg(pos);
+    char c = 0;
+    io.read(&c, 1);
+    c = char(c ^ 0x04);
+    io.seekp(pos);
+    io.write(&c, 1);
+  }
+  for (int threads : {1, 3}) {
+    LoadOptions o;
+    o.threads = threads;
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    CHECK_THROWS_WITH(load_checkpoint(&w, tmp.path, t, o), Catch::Contains("'big[0,0]'") && Catch::Contains("CRC-32C"));
+  }
+}
+
+TEST_CASE("checkpoint gpu: entries of several read blocks load into GPU tensors through the staging buffers",
+          "[checkpoint][gpu]") {
+  MC_REQUIRE_GPU();
+  TempDir tmp;
+  SoloWorld w;
+  const CheckpointState st = multiblock_state(mctest::fresh_seed());
+  save_checkpoint(w, tmp.path, st);
+  for (int threads : {0, 1, 3}) {
+    INFO("threads " << threads);
+    LoadOptions o;
+    o.threads = threads;
+    std::vector<ShardedTensor> t = fresh_targets(st);
+    for (ShardedTensor& x : t) x.local = Tensor::zeros(x.local.shape(), x.dtype, Device::cuda(0));
+    load_checkpoint(&w, tmp.path, t, o);
+    for (size_t i = 0; i < t.size(); ++i) require_same(t[i].local.to(Device::cpu()), st.tensors[i].local);
   }
 }
 
