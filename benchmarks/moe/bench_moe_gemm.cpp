@@ -144,8 +144,11 @@ int main(int argc, char** argv) {
     json rows = json::array();
     std::printf("card: %s\n", card.c_str());
     std::printf("TFLOP/s; auto = megacore's default path (shown beside it)\n");
-    std::printf("%-13s %6s %-10s %-10s %9s %-7s %9s %9s %9s %8s %8s\n", "model", "tokens", "split", "op", "auto", "path",
-                "grouped", "loop", "dense", "auto/dns", "auto/best");
+    std::printf("loop1 = one GEMM per expert on one stream; loop = the same on the streams in force "
+                "(MEGACORE_MOE_GEMM_STREAMS; default: wgrad %d, forward and dgrad 1)\n",
+                ops::kGroupedGemmWgradStreams);
+    std::printf("%-13s %6s %-10s %-10s %9s %-7s %9s %9s %9s %9s %8s %8s\n", "model", "tokens", "split", "op", "auto",
+                "path", "grouped", "loop1", "loop", "dense", "auto/dns", "auto/best");
     const ops::GroupedGemmPath setting = ops::grouped_gemm_path();
     for (const auto& m : a.models)
       for (int64_t tokens : tokens_for(a, m)) {
@@ -194,13 +197,27 @@ int main(int argc, char** argv) {
               const double t_auto = on_path(setting);
               const double t_grouped = on_path(ops::GroupedGemmPath::Grouped);
               const double t_loop = on_path(ops::GroupedGemmPath::Loop);
+              // The loop on 1, 2, 4 and 8 CUDA streams (t_loop: on the streams in force).
+              json loop_by_streams = json::object();
+              const int streams_setting = ops::grouped_gemm_loop_streams();
+              for (int k : {1, 2, 4, 8}) {
+                ops::set_grouped_gemm_loop_streams(k);
+                loop_by_streams[std::to_string(k)] = on_path(ops::GroupedGemmPath::Loop);
+                ops::set_grouped_gemm_loop_streams(streams_setting);
+              }
+              const double t_loop1 = loop_by_streams["1"].get<double>();
               const double t_dense = time_ms(op.dense, s, a.samples);
               const double t_best = std::min(t_grouped, t_loop);
+              // Bytes every path must move at least: the experts' weights (bf16; wgrad reads and writes their f32
+              // main grads) and the rows in and out.
+              const double wbytes = double(g) * double(l.out_f) * double(l.in_f);
+              const double min_bytes = wgrad ? wbytes * 8.0 + 2.0 * double(n) * double(l.out_f + l.in_f)
+                                             : wbytes * 2.0 + 2.0 * double(n) * double(l.out_f + l.in_f);
               auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
               const std::string opname = std::string(l.name) + "_" + op.name;
-              std::printf("%-13s %6lld %-10s %-10s %9.1f %-7s %9.1f %9.1f %9.1f %7.1f%% %7.1f%%\n", m.name,
+              std::printf("%-13s %6lld %-10s %-10s %9.1f %-7s %9.1f %9.1f %9.1f %9.1f %7.1f%% %7.1f%%\n", m.name,
                           (long long)tokens, imbalanced ? "imbalanced" : "even", opname.c_str(), tf(t_auto),
-                          ops::grouped_gemm_path_name(chosen), tf(t_grouped), tf(t_loop), tf(t_dense),
+                          ops::grouped_gemm_path_name(chosen), tf(t_grouped), tf(t_loop1), tf(t_loop), tf(t_dense),
                           100.0 * t_dense / t_auto, 100.0 * t_best / t_auto);
               rows.push_back({{"model", m.name},
                               {"hidden", m.hidden},
@@ -221,6 +238,9 @@ int main(int argc, char** argv) {
                               {"auto_ms", t_auto},
                               {"grouped_ms", t_grouped},
                               {"loop_ms", t_loop},
+                              {"loop_streams", ops::grouped_gemm_loop_streams_for(wgrad)},
+                              {"loop_ms_by_streams", loop_by_streams},
+                              {"min_bytes", min_bytes},
                               {"dense_ms", t_dense},
                               {"auto_tflops", tf(t_auto)},
                               {"grouped_tflops", tf(t_grouped)},
@@ -241,7 +261,9 @@ int main(int argc, char** argv) {
                                   "auto_path says what it chose); grouped / loop = the op forced onto one cuBLAS "
                                   "grouped launch / one cuBLASLt GEMM per expert; dense = one ops::gemm over all N "
                                   "rows with expert 0's weight (same FLOPs). wgrad into the f32 main grad has no "
-                                  "cuBLAS grouped kernel (bf16 -> f32), so every path loops there"},
+                                  "cuBLAS grouped kernel (bf16 -> f32), so every path loops there. loop_ms_by_streams: "
+                                  "the loop on 1/2/4/8 CUDA streams; min_bytes: the bytes every path must move "
+                                  "(weights or f32 main grads, rows in and out), for a memory roofline"},
                          {"rows", rows}};
     if (!a.out_dir.empty()) {
       std::string c = card;

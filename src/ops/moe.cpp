@@ -6,7 +6,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
+#include <string_view>
 #include <vector>
 
 #include "megacore/build_config.hpp"
@@ -722,26 +725,65 @@ void scale_empty_groups(const std::vector<int64_t>& off, Tensor& dw, float beta,
   }
 }
 
-/// One ops::gemm per group with rows, back to back on stream s: forward/dgrad write rows
-/// [off_g, off_g+1) of out from the rows of a and weight b[g]; wgrad writes dw[g] (out) from the rows
-/// of dy (a) and x (b). The heuristic kernel, untimed: row counts follow the routing.
+std::atomic<int>& loop_streams_setting() {
+  static std::atomic<int> v{-1};  // -1: not set yet (MEGACORE_MOE_GEMM_STREAMS, else 0 = default, at first use)
+  return v;
+}
+
+int checked_loop_streams(int n, std::string_view source) {
+  if (n < 0 || n > 16)
+    raise<ConfigError>("{} is {}; the grouped GEMM loop runs on 1 to 16 CUDA streams (0: the default)", source, n);
+  return n;
+}
+
+#if MEGACORE_WITH_CUDA
+// The loop's side streams of device d (made once, kept for the process): streams[0, n).
+const std::vector<Stream>& loop_side_streams(Device d, int n) {
+  static std::mutex mu;
+  static std::map<int, std::vector<Stream>> streams;
+  std::lock_guard<std::mutex> l(mu);
+  std::vector<Stream>& v = streams[d.index];
+  while (int(v.size()) < n) v.push_back(Stream::create(d));
+  return v;
+}
+#endif
+
+/// One ops::gemm per group with rows: forward/dgrad write rows [off_g, off_g+1) of out from the rows of a
+/// and weight b[g]; wgrad writes dw[g] (out) from the rows of dy (a) and x (b). The heuristic kernel,
+/// untimed: row counts follow the routing. On CUDA the GEMMs go round-robin to grouped_gemm_loop_streams()
+/// streams forked from s and joined back into it (every group writes its own rows, so the order is free).
 void grouped_loop(GroupedKind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>& off, Tensor& out,
                   float beta, const Stream& s) {
-  for (size_t g = 0; g + 1 < off.size(); ++g) {
+  std::vector<size_t> used;
+  for (size_t g = 0; g + 1 < off.size(); ++g)
+    if (off[g + 1] > off[g]) used.push_back(g);
+  auto run = [&](size_t g, const Stream& st) {
     const int64_t r0 = off[g], rows = off[g + 1] - off[g];
-    if (rows == 0) continue;
     GemmOptions o;
     o.autotune = false;
     if (kind == GroupedKind::Wgrad) {
       o.trans_a = true;
       o.beta = beta;
       Tensor dwg = out.select(0, int64_t(g));
-      gemm(a.narrow(0, r0, rows), b.narrow(0, r0, rows), dwg, o, s);
+      gemm(a.narrow(0, r0, rows), b.narrow(0, r0, rows), dwg, o, st);
     } else {
       o.trans_b = kind == GroupedKind::Forward;
       Tensor og = out.narrow(0, r0, rows);
-      gemm(a.narrow(0, r0, rows), b.select(0, int64_t(g)), og, o, s);
+      gemm(a.narrow(0, r0, rows), b.select(0, int64_t(g)), og, o, st);
     }
+  };
+  const int n = a.device().is_cuda()
+                    ? std::min<int>(grouped_gemm_loop_streams_for(kind == GroupedKind::Wgrad), int(used.size()))
+                    : 1;
+  if (n <= 1) {
+    for (size_t g : used) run(g, s);
+  } else {
+#if MEGACORE_WITH_CUDA
+    const std::vector<Stream>& side = loop_side_streams(a.device(), n);
+    for (int k = 0; k < n; ++k) side[size_t(k)].wait(s);
+    for (size_t i = 0; i < used.size(); ++i) run(used[i], side[i % size_t(n)]);
+    for (int k = 0; k < n; ++k) s.wait(side[size_t(k)]);
+#endif
   }
   if (kind == GroupedKind::Wgrad) scale_empty_groups(off, out, beta, s);
 }
@@ -918,6 +960,36 @@ GroupedGemmPath grouped_gemm_path() {
 }
 
 void set_grouped_gemm_path(GroupedGemmPath path) { path_setting().store(int(path)); }
+
+int grouped_gemm_loop_streams() {
+  int v = loop_streams_setting().load();
+  if (v < 0) {
+    const char* e = std::getenv("MEGACORE_MOE_GEMM_STREAMS");
+    int from_env = 0;
+    if (e != nullptr && *e != '\0') {
+      char* end = nullptr;
+      const long n = std::strtol(e, &end, 10);
+      if (end == e || *end != '\0')
+        raise<ConfigError>("MEGACORE_MOE_GEMM_STREAMS is '{}'; give a number of CUDA streams from 1 to 16 (0: the "
+                           "default)",
+                           e);
+      from_env = checked_loop_streams(int(std::clamp<long>(n, -1, 17)), "MEGACORE_MOE_GEMM_STREAMS");
+    }
+    int unset = -1;
+    loop_streams_setting().compare_exchange_strong(unset, from_env);
+    v = loop_streams_setting().load();
+  }
+  return v;
+}
+
+int grouped_gemm_loop_streams_for(bool wgrad) {
+  const int v = grouped_gemm_loop_streams();
+  return v > 0 ? v : wgrad ? kGroupedGemmWgradStreams : 1;
+}
+
+void set_grouped_gemm_loop_streams(int streams) {
+  loop_streams_setting().store(checked_loop_streams(streams, "set_grouped_gemm_loop_streams"));
+}
 
 GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes, int64_t macs_per_row,
                                     bool grouped_supported) {

@@ -166,6 +166,21 @@ void set_grouped_gemm_path(GroupedGemmPath path);
 GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes, int64_t macs_per_row,
                                     bool grouped_supported = true);
 const char* grouped_gemm_path_name(GroupedGemmPath path);
+
+/// CUDA streams the per-group loop (GroupedGemmPath::Loop) spreads its GEMMs over, round-robin: the
+/// caller's stream forks to them and joins them again, so small per-expert GEMMs share the SMs and one
+/// GEMM's epilogue (wgrad's read-modify-write of the f32 main grads) runs beside the next one's main loop.
+/// 1 = every GEMM on the caller's stream. The setting: set_grouped_gemm_loop_streams's last value, else
+/// MEGACORE_MOE_GEMM_STREAMS (read once), else 0 = the measured default (grouped_gemm_loop_streams_for);
+/// outside [0, 16] is a ConfigError.
+int grouped_gemm_loop_streams();
+/// The streams a loop of this kind runs on: the setting when it is not 0; by default
+/// kGroupedGemmWgradStreams for wgrad and 1 for forward and dgrad (on an H100, 2026-11-28,
+/// benchmarks/results/moe_gemm_streams_NVIDIA_H100.json: wgrad 1.10x (8 experts) and 1.24x (64/128)
+/// on 2 streams against 1, geometric means; forward and dgrad within 0.96-1.08x either way).
+inline constexpr int kGroupedGemmWgradStreams = 2;
+int grouped_gemm_loop_streams_for(bool wgrad);
+void set_grouped_gemm_loop_streams(int streams);
 /// "auto", "loop" or "grouped" → the path; another value is a ConfigError naming the accepted ones.
 GroupedGemmPath parse_grouped_gemm_path(std::string_view name, std::string_view source = "MEGACORE_MOE_GEMM");
 

@@ -687,6 +687,19 @@ TEST_CASE("grouped GEMM path: auto takes the grouped launch for groups of little
   ops::set_grouped_gemm_path(P::Grouped);
   CHECK(ops::grouped_gemm_path() == P::Grouped);
   ops::set_grouped_gemm_path(before);
+
+  // The loop's CUDA streams: 1 to 16, or 0 for the default (wgrad on its own count, forward and dgrad on one).
+  const int streams = ops::grouped_gemm_loop_streams();
+  CHECK((streams >= 0 && streams <= 16));
+  REQUIRE_THROWS_WITH(ops::set_grouped_gemm_loop_streams(-1), Catch::Contains("1 to 16 CUDA streams"));
+  REQUIRE_THROWS_AS(ops::set_grouped_gemm_loop_streams(17), ConfigError);
+  ops::set_grouped_gemm_loop_streams(0);
+  CHECK(ops::grouped_gemm_loop_streams_for(true) == ops::kGroupedGemmWgradStreams);
+  CHECK(ops::grouped_gemm_loop_streams_for(false) == 1);
+  ops::set_grouped_gemm_loop_streams(3);
+  CHECK(ops::grouped_gemm_loop_streams() == 3);
+  CHECK(ops::grouped_gemm_loop_streams_for(false) == 3);
+  ops::set_grouped_gemm_loop_streams(streams);
 }
 
 // The auto rule against the measured benchmark: every shape of benchmarks/results/moe_gemm_NVIDIA_H200.json
@@ -921,12 +934,16 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
   // Many small groups (Auto's grouped launch) next to the large ones (its loop).
   cases.push_back(GroupedCase{std::vector<int64_t>(40, 24), 128, 64});
   const ops::GroupedGemmPath before = ops::grouped_gemm_path();
-  for (auto path : {ops::GroupedGemmPath::Loop, ops::GroupedGemmPath::Grouped, ops::GroupedGemmPath::Auto}) {
-    INFO("path " << ops::grouped_gemm_path_name(path));
-    ops::set_grouped_gemm_path(path);
-    for (const auto& gc : cases)
-      for (DType dt : {DType::F32, DType::BF16, DType::F16})
-        check_grouped(gc, dt, gpu(), dt == DType::F32 ? 1e-5 : 1e-2);
-  }
+  const int streams = ops::grouped_gemm_loop_streams();
+  for (auto path : {ops::GroupedGemmPath::Loop, ops::GroupedGemmPath::Grouped, ops::GroupedGemmPath::Auto})
+    for (int k : {1, 3}) {  // the loop on the caller's stream and on three side streams
+      INFO("path " << ops::grouped_gemm_path_name(path) << ", loop streams " << k);
+      ops::set_grouped_gemm_path(path);
+      ops::set_grouped_gemm_loop_streams(k);
+      for (const auto& gc : cases)
+        for (DType dt : {DType::F32, DType::BF16, DType::F16})
+          check_grouped(gc, dt, gpu(), dt == DType::F32 ? 1e-5 : 1e-2);
+    }
   ops::set_grouped_gemm_path(before);
+  ops::set_grouped_gemm_loop_streams(streams);
 }
