@@ -205,6 +205,7 @@ void qkv_rope_impl(const Tensor& grouped, const Tensor& q, const Tensor& k, cons
     a.groups = groups;
     a.hpg = hpg;
     a.merge = merge;
+    a.tuning = merge ? cuda::kQkvMergeTuning : cuda::kQkvSplitTuning;
     cuda::qkv_rope(in.dtype(), a, dev.index, stream);
 #else
     (void)stream;

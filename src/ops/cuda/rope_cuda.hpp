@@ -53,4 +53,11 @@ struct QkvRopeArgs : RopeCommon {
 };
 void qkv_rope(DType dt, const QkvRopeArgs& a, int device, void* stream);
 
+/// The fused kernel's launch shapes (its rows are found through their group, so its best shape is not plain
+/// RoPE's): `megacore_bench_kernels --filter qkv_rope --variants` on an H200, 2026-11-27, at the 1.1B step's
+/// 8192 tokens x 8 groups x (4 + 2) heads x 64: split 0.055 ms with all heads per thread and unroll 2 (0.079
+/// with RopeTuning's defaults), merge 0.036 ms with 16 heads per thread and unroll 2 (0.053).
+inline constexpr RopeTuning kQkvSplitTuning{.threads = 128, .head_chunk = 0, .unroll = 2};
+inline constexpr RopeTuning kQkvMergeTuning{.threads = 128, .head_chunk = 16, .unroll = 2};
+
 }  // namespace megacore::ops::cuda
