@@ -229,6 +229,16 @@ void Allocator::record_stream(void* p, const Stream& s) {
   b.uses.push_back(s);
 }
 
+void Allocator::release_stream_use(void* p, const Stream& s) {
+  if (device_.is_cpu() || s.device().is_cpu()) return;
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.mu);
+  auto it = I.live.find(p);
+  if (it == I.live.end()) return;
+  auto& uses = it->second.uses;
+  uses.erase(std::remove(uses.begin(), uses.end(), s), uses.end());
+}
+
 void Allocator::empty_cache() {
   if (device_.is_cpu()) return;
   auto& I = *impl_;

@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "megacore/core/allocator.hpp"
 #include "megacore/core/log.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/ops/gemm_fp8.hpp"
@@ -75,6 +76,11 @@ void check_features(int64_t in, int64_t out, std::string_view layer) {
 // `comm`, so later kernels see the result and buffers freed on
 // `compute` are not reused before the collective is done with them. On the CPU both streams are the
 // host stream and the events are no-ops.
+// The collective's buffers are allocated on `compute`; the NCCL backend marks them as used on `comm`
+// (Allocator::record_stream), which would park each of them, once freed, on a host-polled event until
+// the host sees the collective finish: an event created per free, queried by every later allocation,
+// and memory held back while the host runs ahead. finish() has already ordered `compute` after `comm`
+// and `comm` (this layer's own stream) never touches them again, so it withdraws those marks.
 class OverlappedCollective {
  public:
   OverlappedCollective(const Stream& compute, const Stream& comm) : compute_(compute), comm_(comm) {}
@@ -89,26 +95,32 @@ class OverlappedCollective {
       }
   }
 
+  // `buffers`: the tensors the collective reads or writes (all allocated on `compute`).
   template <class Launch>
-  void start(Launch&& launch) {
-    if (!(comm_ == compute_)) {
-      Event ready;
-      ready.record(compute_);
-      comm_.wait(ready);
-    }
+  void start(std::vector<Tensor> buffers, Launch&& launch) {
+    comm_.wait(compute_);
     work_ = launch(comm_);
+    buffers_ = std::move(buffers);
   }
 
   void finish() {
     if (!work_) return;
     comm::WorkPtr w = std::move(work_);
     w->wait_on(comm_);
-    if (!(comm_ == compute_)) compute_.wait(comm_);
+    if (comm_ == compute_) return;
+    compute_.wait(comm_);
+    for (const Tensor& t : buffers_) {
+      const auto& st = t.storage();
+      if (st && st->owned() && st->data() && st->device().is_cuda())
+        Allocator::get(st->device()).release_stream_use(st->data(), comm_);
+    }
+    buffers_.clear();
   }
 
  private:
   Stream compute_, comm_;
   comm::WorkPtr work_;
+  std::vector<Tensor> buffers_;
 };
 
 // The adapter must be of the layer's kind and input width, and each segment's placement must tile the
@@ -417,7 +429,7 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
   if (opts_.sequence_parallel) {
     Tensor chunk = saved_input_.contiguous(s);
     total = Tensor::empty(total_shape, chunk.dtype(), chunk.device(), s);
-    gather.start([&](const Stream& cs) { return tp_.all_gather(chunk, total, cs); });
+    gather.start({chunk, total}, [&](const Stream& cs) { return tp_.all_gather(chunk, total, cs); });
   }
   Tensor dx = ops::matmul(dy2, weight_.data, {}, s);  // dX = dY W, [rows, in], contiguous
   gather.finish();
@@ -429,10 +441,10 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
     Shape chunk_shape = total_shape;
     chunk_shape[0] /= tpn;
     result = Tensor::empty(chunk_shape, dx.dtype(), dx.device(), s);
-    reduce.start([&](const Stream& cs) { return tp_.reduce_scatter(dx, result, comm::ReduceOp::Sum, cs); });
+    reduce.start({dx, result}, [&](const Stream& cs) { return tp_.reduce_scatter(dx, result, comm::ReduceOp::Sum, cs); });
   } else {
     result = dx.view(total_shape);
-    reduce.start([&](const Stream& cs) { return tp_.all_reduce(dx, comm::ReduceOp::Sum, cs); });
+    reduce.start({dx}, [&](const Stream& cs) { return tp_.all_reduce(dx, comm::ReduceOp::Sum, cs); });
   }
   Tensor x2 = as_rows(total, in_, s);
   ops::GemmOptions wg;
