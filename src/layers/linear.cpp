@@ -409,7 +409,7 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
   // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
   const Stream s = cuda && given.device().is_cpu() ? Stream::default_stream(opts_.device) : given;
   if (cuda && (comm_stream_.device() != opts_.device || comm_stream_.is_default()))
-    comm_stream_ = Stream::create(opts_.device);
+    comm_stream_ = Stream::create(opts_.device, /*non_blocking=*/true, opts_.comm_stream_priority);
   const Stream comm_s = cuda ? comm_stream_ : s;
   const int64_t tpn = tp_.size();
 

@@ -216,10 +216,12 @@ def test_f16_with_dynamic_loss_scaling(tmp_path):
 def test_tp_comm_overlap_gives_identical_training(tmp_path):
     """parallel.tp_comm_overlap (the TP collective of the column-parallel backward overlapped with the
     weight-gradient GEMM) reaches the layers through the recipe and changes no number: the same losses and
-    gradient norms, bit for bit, with sequence parallelism on."""
+    gradient norms, bit for bit, with sequence parallelism on (and the communication streams' priority set,
+    which only CUDA uses)."""
     runs = []
     for ov in (False, True):
-        r = _tiny(tmp_path, f"ov{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap=ov)
+        r = _tiny(tmp_path, f"ov{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap=ov,
+                  parallel__tp_comm_stream_priority=-5 if ov else 0)
         out = _train(r, tmp_path, f"ov{int(ov)}")
         assert ("| tp_comm_overlap" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
         runs.append(_metrics(r.logging.log_dir)[0])

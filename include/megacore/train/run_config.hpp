@@ -57,6 +57,7 @@ struct ParallelSection {
   int64_t bucket_size = 0;
   bool grad_reduce_in_bf16 = false;
   bool tp_comm_overlap = false;
+  int tp_comm_stream_priority = 0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -117,6 +118,11 @@ struct ParallelSection {
     f(Field{"tp_comm_overlap",
             "Overlap the column-parallel layers' backward TP collective with their weight-gradient GEMM."},
       s.tp_comm_overlap);
+    f(Field{"tp_comm_stream_priority",
+            "CUDA priority of the tp_comm_overlap communication streams: 0 = normal, negative = higher (CUDA clamps "
+            "it to the device's range, -5 on H100/H200). A higher one lets the collective's kernels take SMs before "
+            "the GEMM it overlaps when both become ready together. Same results."},
+      s.tp_comm_stream_priority);
   }
 };
 

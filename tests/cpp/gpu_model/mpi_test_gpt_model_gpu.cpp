@@ -150,3 +150,53 @@ TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP 
       }
   }
 }
+
+TEST_CASE("tp_comm_overlap on GPUs, with a high-priority communication stream, changes no number",
+          "[gpu][model][mpi]") {
+  // Two micro-batches per model, so the second backward reuses blocks the first one freed after its
+  // overlapped collectives (Allocator::release_stream_use).
+  MC_REQUIRE_GPU();
+  auto world = world_comm();
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    auto gpu_tp = nccl_tp(*world, tpn);
+    mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+    cfg.hidden_size = 512;
+    cfg.num_attention_heads = 8;
+    cfg.kv_channels = 64;
+    cfg.ffn_hidden_size = 1024;
+    cfg.sequence_parallel = true;
+    cfg.params_dtype = DType::BF16;
+    const Batch batch = make_batch(cfg.vocab_size);
+    const Device dev = my_device();
+    struct Run {
+      std::vector<double> losses;
+      std::vector<Tensor> grads;
+    };
+    auto run = [&](bool overlap) {
+      mdl::TransformerConfig c = cfg;
+      c.tp_comm_overlap = overlap;
+      c.tp_comm_stream_priority = overlap ? -5 : 0;
+      ly::ForwardContext ctx;
+      ctx.stream = Stream::create(dev);
+      mdl::GPTModelOptions mo;
+      mo.device = dev;
+      mdl::GPTModel model(c, *gpu_tp, mo);
+      Run r;
+      for (int mb = 0; mb < 2; ++mb) {
+        r.losses.push_back(model.forward(ctx, batch.tokens.to(dev, ctx.stream), batch.labels.to(dev, ctx.stream),
+                                         batch.mask.to(dev, ctx.stream)).to(Device::cpu(), ctx.stream).item());
+        model.backward(ctx);
+      }
+      ctx.stream.synchronize();
+      for (ly::Parameter* p : model.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
+      ctx.stream.synchronize();
+      return r;
+    };
+    const Run off = run(false), on = run(true);
+    INFO("TP " << tpn);
+    REQUIRE(on.losses == off.losses);
+    REQUIRE(on.grads.size() == off.grads.size());
+    for (size_t i = 0; i < off.grads.size(); ++i) require_equal(on.grads[i], off.grads[i], "main_grad (tp_comm_overlap)");
+  }
+}
