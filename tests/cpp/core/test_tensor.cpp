@@ -239,6 +239,8 @@ TEST_CASE("a block used on another stream is not reused before that stream finis
   MC_REQUIRE_GPU();
   Device d = Device::cuda(0);
   Allocator& a = Allocator::get(d);
+  // No cached block of an earlier stream that happened to have s1's handle may serve the requests below.
+  a.empty_cache();
   Stream s1 = Stream::create(d), s2 = Stream::create(d);
   void* p = a.allocate(1 << 20, s1);
   a.record_stream(p, s2);
@@ -265,6 +267,20 @@ TEST_CASE("a block used on another stream is not reused before that stream finis
     a.release_stream_use(&big, s2);
     a.deallocate(q);
     if (!busy) WARN("s2 finished before the free: the reuse above did not depend on the withdrawal");
+  }
+  SECTION("several parked on one stream: all back once it has finished") {
+    void* p2 = a.allocate(1 << 20, s1);
+    a.record_stream(p2, s2);
+    a.deallocate(p);
+    a.deallocate(p2);
+    s2.synchronize();
+    const int64_t mallocs = a.stats().num_device_mallocs;
+    void* q = a.allocate(1 << 20, s1);
+    void* q2 = a.allocate(1 << 20, s1);
+    REQUIRE(((q == p && q2 == p2) || (q == p2 && q2 == p)));
+    REQUIRE(a.stats().num_device_mallocs == mallocs);
+    a.deallocate(q);
+    a.deallocate(q2);
   }
   s2.synchronize();
 }
