@@ -114,6 +114,7 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                         .seed = cfg_.seed,
                                         .init_offset = kOutputLayerOffset,
                                         .overlap_grad_comm = cfg_.tp_comm_overlap,
+                                        .overlap_sp_forward = cfg_.tp_comm_overlap_forward && cfg_.sequence_parallel,
                                         .comm_stream_priority = cfg_.tp_comm_stream_priority});
     loss_ = std::make_unique<ly::VocabParallelCrossEntropy>(
         tp, cfg_.vocab_size, ly::VocabParallelCrossEntropyOptions{.label_smoothing = opts_.label_smoothing});
