@@ -229,6 +229,21 @@ def test_tp_comm_overlap_gives_identical_training(tmp_path):
 
 
 @needs_mpi
+def test_tp_comm_overlap_forward_gives_identical_training_at_tp2(tmp_path):
+    """parallel.tp_comm_overlap_forward (the forward's sequence-parallel all-gathers and reduce-scatters as rings
+    overlapping the GEMMs) reaches the layers through the recipe (the start banner names it) and, at TP 2 × PP 2,
+    changes no number: the column side computes the same rows, and the row side's ring adds two partial sums,
+    which is the collective's sum in either order."""
+    runs = []
+    for ov in (False, True):
+        r = _tiny(tmp_path, f"fwd{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap_forward=ov)
+        out = _train(r, tmp_path, f"fwd{int(ov)}")
+        assert ("| tp_comm_overlap_forward" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
+        runs.append(_metrics(r.logging.log_dir)[0])
+    assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]
+
+
+@needs_mpi
 def test_balanced_pipeline_layout_reaches_the_trainer(tmp_path):
     """parallel.pipeline_head_cost splits 5 layers over PP 2 as [3, 2] (balanced for a head worth one layer): the
     trainer says so and trains exactly as with that layout given explicitly."""
