@@ -4,6 +4,7 @@ same call; the steady-state throughput of each against the first (the data-paral
     python3 benchmarks/training/bench_layouts.py --recipe llama32_1b --nproc 4 --out-dir benchmarks/results \
         --layout dp4="parallel.zero=true" --layout tp2dp2="parallel.tp=2 parallel.sp=true parallel.zero=true" \
         --layout pp2dp2="parallel.pp=2 parallel.vp=2 parallel.zero=true" [--set data.gbs=64 ...] [--steps 8]
+        [--layout tp2dp2fwd="parallel.tp=2 parallel.sp=true parallel.zero=true parallel.tp_comm_overlap_forward=true"]
 
 Every layout runs the recipe with the common --set values (default: the embedded corpus, byte tokens, no validation,
 no checkpoint) plus its own. A layout's NAME=value items whose name has no dot and is upper case are environment
