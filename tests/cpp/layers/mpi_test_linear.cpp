@@ -333,6 +333,33 @@ TEST_CASE("overlapped sequence-parallel forward of the parallel linears equals t
       for (bool bias : {false, true})
         for (int64_t s : {int64_t(2) * tpn, int64_t(4) * tpn}) check_sp_forward_overlap(grid.tp(), dt, bias, s, seed);
   }
+  // With FP8 the layers keep the serial forward: the same bits as the serial FP8 layers (the ring would skip
+  // the FP8 cast and give other numbers).
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
+    comm::Communicator& tp = grid.tp();
+    const int64_t s = 16, b = 2, h = 64, f = 128;
+    std::vector<Tensor> outs;
+    for (bool ov : {false, true}) {
+      ly::ColumnParallelLinear fc1(tp, h, f, {.bias = false, .sequence_parallel = true, .params_dtype = DType::BF16,
+                                              .init_std = 0.1, .seed = seed, .init_offset = 1, .overlap_sp_forward = ov});
+      ly::RowParallelLinear fc2(tp, f, h, {.bias = true, .input_is_parallel = true, .sequence_parallel = true,
+                                           .params_dtype = DType::BF16, .init_std = 0.1, .seed = seed, .init_offset = 2,
+                                           .overlap_sp_forward = ov});
+      ly::Fp8Recipe rec;
+      rec.scaling = ly::Fp8Scaling::Current;
+      REQUIRE(fc1.enable_fp8(rec, "fc1"));
+      REQUIRE(fc2.enable_fp8(rec, "fc2"));
+      fc1.fp8_begin_step();
+      fc2.fp8_begin_step();
+      ly::ForwardContext ctx;
+      const Tensor x = chunk(randn({s, b, h}, 11, seed).to(DType::BF16), 0, tpn, tp.rank());
+      outs.push_back(fc2.forward(ctx, fc1.forward(ctx, x)));
+    }
+    INFO("FP8, TP " << tpn << " seed " << seed);
+    require_equal(outs[1], outs[0], "FP8 layers with overlap_sp_forward (serial forward)");
+  }
   // A constructor refuses the option without sequence parallelism.
   comm::Communicator& self = *world;
   REQUIRE_THROWS_WITH(ly::ColumnParallelLinear(self, 8, 8 * self.size(), {.overlap_sp_forward = true}),
