@@ -612,7 +612,7 @@ Tensor RowParallelLinear::forward_sp_overlapped(const Stream& given, const Tenso
   Tensor partial[2], arrived[2];
   for (int k = 0; k < 2; ++k) {
     partial[k] = Tensor::empty({m, out_}, dt, opts_.device, s);
-    arrived[k] = Tensor::empty({m, out_}, dt, opts_.device, s);
+    if (k < n - 1) arrived[k] = Tensor::empty({m, out_}, dt, opts_.device, s);  // TP 2 receives once
   }
   OverlappedCollective pass[2] = {OverlappedCollective(s, comm_s), OverlappedCollective(s, comm_s)};
   for (int i = 0; i < n; ++i) {
