@@ -76,7 +76,9 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   const Batch batch = make_batch(cfg.vocab_size);
   ly::ForwardContext cpu_ctx;
 
-  mdl::GPTModel ref(cfg, mpi_tp1);
+  mdl::TransformerConfig ref_cfg = cfg;
+  ref_cfg.tp_comm_overlap_forward = false;  // an SP-only option
+  mdl::GPTModel ref(ref_cfg, mpi_tp1);
   const double ref_loss = ref.forward(cpu_ctx, batch.tokens, batch.labels, batch.mask).item();
   const Tensor ref_logits = ref.logits().contiguous().narrow(-1, 0, cfg.vocab_size).contiguous();
   ref.backward(cpu_ctx);
@@ -255,7 +257,7 @@ TEST_CASE("tp_comm_overlap_forward on GPUs: the ring forward against the serial 
         r.losses.push_back(loss.to(Device::cpu(), ctx.stream).item());
       }
       ctx.stream.synchronize();
-      r.logits = model.logits().to(Device::cpu(), ctx.stream).to(DType::F32);
+      r.logits = model.logits().contiguous(ctx.stream).to(Device::cpu(), ctx.stream).to(DType::F32);
       for (ly::Parameter* p : model.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
       ctx.stream.synchronize();
       return r;
