@@ -151,6 +151,8 @@ void bind_config(pyb::module_& m) {
       .def_readwrite("sequence_parallel", &C::sequence_parallel)
       .def_readwrite("recompute_granularity", &C::recompute_granularity)
       .def_readwrite("tp_comm_overlap", &C::tp_comm_overlap)
+      .def_readwrite("tp_comm_overlap_forward", &C::tp_comm_overlap_forward)
+      .def_readwrite("tp_comm_stream_priority", &C::tp_comm_stream_priority)
       .def_property_readonly("head_dim", &C::head_dim)
       .def_property_readonly("query_groups", &C::query_groups)
       .def_property_readonly("ffn_size", &C::ffn_size)

@@ -8,7 +8,7 @@
 #   collectives  megacore_bench_collectives (C++, vs raw NCCL) and bench_collectives.py (vs torch.distributed)
 #   recipes      the llama32_1b recipe for 12 steps in DP4, TP2×DP2, PP2×DP2, TP2×PP2, checkpoint at the end
 #   recipes_zero the llama32_1b recipe in DP4, plain and with ZeRO-1 + overlap_param_gather (same settings)
-#   model        GPT model fwd+bwd: 1 GPU vs HF, then TP 2/4 ± SP ± tp_comm_overlap
+#   model        GPT model fwd+bwd: 1 GPU vs HF, then TP 2/4 ± SP ± tp_comm_overlap (± the SP forward overlap)
 #   ddp          DDP and ZeRO-1 scaling vs torch DDP
 #   pipeline     pipeline bubble, VP 1 and 2
 #   ckpt         checkpoint save/load vs torch.save on 1 GPU and on every GPU
@@ -136,8 +136,9 @@ if has model; then
     step peer_model 200 $PY benchmarks/model/torch_llama_peer.py --out $OUT_DIR/json/model_peer.json
     grep -E "tokens_per_s" $OUT_DIR/peer_model.log
   fi
-  for tp in 2 4; do [ $tp -le $ngpu ] || continue; for v in "" "--sequence-parallel" "--tp-comm-overlap" "--sequence-parallel --tp-comm-overlap"; do
-    tag=tp$tp$(echo "$v" | sed 's/--sequence-parallel/_sp/; s/--tp-comm-overlap/_overlap/; s/ //g')
+  for tp in 2 4; do [ $tp -le $ngpu ] || continue; for v in "" "--sequence-parallel" "--tp-comm-overlap" "--sequence-parallel --tp-comm-overlap" \
+      "--sequence-parallel --tp-comm-overlap-forward" "--sequence-parallel --tp-comm-overlap --tp-comm-overlap-forward"; do
+    tag=tp$tp$(echo "$v" | sed 's/--sequence-parallel/_sp/; s/--tp-comm-overlap-forward/_fwd/; s/--tp-comm-overlap/_overlap/; s/ //g')
     step bench_$tag 150 mpirun -np $tp --bind-to none $B/benchmarks/megacore_bench_model $v --out $OUT_DIR/json/model_$tag.json
     echo "$tag $(grep -E '"tokens_per_s"|"ms_per_step"' $OUT_DIR/bench_$tag.log | tr -s ' ' | tr '\n' ' ')"
   done; done

@@ -2,6 +2,9 @@
 // ranks (NCCL):
 //   mpirun -np 1 build/benchmarks/megacore_bench_model --out results.json
 //   mpirun -np 4 build/benchmarks/megacore_bench_model --sequence-parallel --out results.json
+//   (--tp-comm-overlap overlaps the column-parallel backward collectives; --tp-comm-overlap-forward, with
+//   --sequence-parallel, the forward's all-gathers and reduce-scatters as rings beside row chunks of the GEMMs;
+//   --tp-comm-priority N gives their communication streams CUDA priority N, negative = higher)
 // Model: the Llama-1.1B of the peer figures in NOTES.md (h2048, 16 layers, 32 heads, 8 KV groups, FFN 8192,
 // vocab 32000, untied), bf16 parameters and activations, micro-batch 4 × 2048 by default. No optimizer step:
 // this measures the model (the trainer benchmarks measure whole steps). The peer is Hugging Face
@@ -40,7 +43,8 @@ namespace {
 
 struct Args : bench::ShapeArgs {
   Args() : ShapeArgs{.micro_batch = 4, .seq = 2048, .iters = 10, .warmup = 3} {}
-  bool sp = false, overlap = false;
+  bool sp = false, overlap = false, overlap_forward = false;
+  int comm_priority = 0;  // TransformerConfig::tp_comm_stream_priority
   std::string recompute = "none";
   double peak_tflops = 989.0;
   std::string out;
@@ -54,6 +58,8 @@ Args parse(int argc, char** argv) {
     if (a.read(r)) continue;
     if (k == "--sequence-parallel") a.sp = true;
     else if (k == "--tp-comm-overlap") a.overlap = true;
+    else if (k == "--tp-comm-overlap-forward") a.overlap_forward = true;
+    else if (k == "--tp-comm-priority") a.comm_priority = int(r.integer());
     else if (k == "--recompute") a.recompute = r.text();
     else if (k == "--peak-tflops") a.peak_tflops = r.number();
     else if (k == "--out") a.out = r.text();
@@ -108,6 +114,8 @@ int main(int argc, char** argv) {
     mdl::TransformerConfig cfg = bench::llama_1b();
     cfg.sequence_parallel = a.sp && tp->size() > 1;
     cfg.tp_comm_overlap = a.overlap;
+    cfg.tp_comm_overlap_forward = a.overlap_forward && cfg.sequence_parallel;
+    cfg.tp_comm_stream_priority = a.comm_priority;
     cfg.recompute_granularity = recompute_of(a.recompute);
     const bool root = mpi->rank() == 0;
 
@@ -157,6 +165,8 @@ int main(int argc, char** argv) {
               {"tensor_parallel", tp->size()},
               {"sequence_parallel", cfg.sequence_parallel},
               {"tp_comm_overlap", cfg.tp_comm_overlap},
+              {"tp_comm_overlap_forward", cfg.tp_comm_overlap_forward},
+              {"tp_comm_stream_priority", cfg.tp_comm_stream_priority},
               {"recompute", a.recompute},
               {"micro_batch", a.micro_batch},
               {"seq", a.seq},

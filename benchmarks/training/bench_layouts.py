@@ -4,9 +4,11 @@ same call; the steady-state throughput of each against the first (the data-paral
     python3 benchmarks/training/bench_layouts.py --recipe llama32_1b --nproc 4 --out-dir benchmarks/results \
         --layout dp4="parallel.zero=true" --layout tp2dp2="parallel.tp=2 parallel.sp=true parallel.zero=true" \
         --layout pp2dp2="parallel.pp=2 parallel.vp=2 parallel.zero=true" [--set data.gbs=64 ...] [--steps 8]
+        [--layout tp2dp2fwd="parallel.tp=2 parallel.sp=true parallel.zero=true parallel.tp_comm_overlap_forward=true"]
 
 Every layout runs the recipe with the common --set values (default: the embedded corpus, byte tokens, no validation,
-no checkpoint) plus its own. Steady state = mean of steps 3.. (the first two include plan tuning and warm-up).
+no checkpoint) plus its own. A layout's NAME=value items whose name has no dot and is upper case are environment
+variables for that layout's run only (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1, NCCL_MAX_CTAS=8). Steady state = mean of steps 3.. (the first two include plan tuning and warm-up).
 Writes layouts_<recipe>_<N>gpu_<card>.json: {"card", "recipe", "common_sets", "runs": [{"layout", "sets",
 "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib", "step_s", "loss_first", "loss_last",
 "vs_first"}], "not_run": [...]}.
@@ -54,6 +56,9 @@ def main():
     for spec in a.layout:
         name, sets = spec.split("=", 1)
         sets = sets.replace(",", " ").split()
+        env_sets = [x for x in sets if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", x)]
+        sets = [x for x in sets if x not in env_sets]
+        env = dict(os.environ, **dict(x.split("=", 1) for x in env_sets))
         logdir = os.path.join(a.work, name)
         shutil.rmtree(logdir, ignore_errors=True)
         cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", a.recipe, "--nproc-per-node", str(a.nproc)] + \
@@ -62,7 +67,7 @@ def main():
             cmd += ["--set", s]
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
             out, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             out, rc = str(e.stdout or "") + f"\n(timed out after {a.timeout} s)", 124
@@ -74,11 +79,11 @@ def main():
         steady = [r for r in rows if r["step"] >= 3]
         if rc != 0 or not steady:
             tail = " | ".join([ln for ln in out.strip().splitlines() if ln.strip()][-6:])[-900:]
-            doc["not_run"].append({"layout": name, "sets": sets, "reason": f"exit {rc}: {tail}"})
+            doc["not_run"].append({"layout": name, "sets": sets, "env": env_sets, "reason": f"exit {rc}: {tail}"})
             print(f"{name}: failed ({tail})", flush=True)
             continue
         mean = lambda k: sum(r[k] for r in steady) / len(steady)  # noqa: E731
-        run = {"layout": name, "sets": sets, "tokens_per_s": mean("tokens_per_s"),
+        run = {"layout": name, "sets": sets, "env": env_sets, "tokens_per_s": mean("tokens_per_s"),
                "tokens_per_s_per_gpu": mean("tokens_per_s") / a.nproc, "tflops_per_gpu": mean("tflops_per_gpu"),
                "mfu": mean("mfu"), "peak_mem_gib": max(r.get("mem_peak_gib", 0) for r in rows),
                "step_s": mean("step_seconds"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],

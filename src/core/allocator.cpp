@@ -71,19 +71,34 @@ struct Allocator::Impl {
     st.peak_reserved = std::max(st.peak_reserved, st.reserved);
     ++st.num_device_mallocs;
   }
+  // Events recorded on one stream complete in order, and `pending` keeps the order of the frees: once an
+  // event of a stream is not ready, the later ones of that stream are not queried. Every allocation runs
+  // this, so that is one query per busy stream instead of one per parked block.
   void process_pending() {
-    for (size_t i = 0; i < pending.size();) {
-      bool done = std::all_of(pending[i].events.begin(), pending[i].events.end(), [](const Event& e) { return e.query(); });
+    std::vector<void*> busy;
+    size_t kept = 0;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      bool done = true;
+      for (size_t k = 0; k < p.events.size(); ++k) {
+        void* stream = p.block.uses[k].native();
+        if (std::find(busy.begin(), busy.end(), stream) != busy.end()) {
+          done = false;
+        } else if (!p.events[k].query()) {
+          busy.push_back(stream);
+          done = false;
+        }
+      }
       if (done) {
-        Block b = std::move(pending[i].block);
+        Block b = std::move(p.block);
         b.uses.clear();
         free_by_stream[b.stream].emplace(b.size, std::move(b));
-        pending[i] = std::move(pending.back());
-        pending.pop_back();
       } else {
-        ++i;
+        if (kept != i) pending[kept] = std::move(p);
+        ++kept;
       }
     }
+    pending.erase(pending.begin() + std::ptrdiff_t(kept), pending.end());
   }
   void release_cached(int device) {
     for (auto& [stream, pool] : free_by_stream)
@@ -208,7 +223,7 @@ void Allocator::deallocate(void* p) {
     return;
   }
   Impl::Pending pend{std::move(b), {}};
-  for (const Stream& s : pend.block.uses) {
+  for (const Stream& s : pend.block.uses) {  // events[k] is recorded on uses[k] (process_pending relies on it)
     Event e;
     e.record(s);
     pend.events.push_back(std::move(e));
@@ -227,6 +242,16 @@ void Allocator::record_stream(void* p, const Stream& s) {
   for (const Stream& u : b.uses)
     if (u == s) return;
   b.uses.push_back(s);
+}
+
+void Allocator::release_stream_use(void* p, const Stream& s) {
+  if (device_.is_cpu() || s.device().is_cpu()) return;
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.mu);
+  auto it = I.live.find(p);
+  if (it == I.live.end()) return;
+  auto& uses = it->second.uses;
+  uses.erase(std::remove(uses.begin(), uses.end(), s), uses.end());
 }
 
 void Allocator::empty_cache() {

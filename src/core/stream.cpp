@@ -1,5 +1,7 @@
 #include "megacore/core/stream.hpp"
 
+#include <map>
+
 #include "core/cuda_backend.hpp"
 #include "megacore/core/error.hpp"
 #include "megacore/core/host_sync.hpp"
@@ -41,7 +43,10 @@ void Stream::wait(const Event& e) const {
 }
 void Stream::wait(const Stream& other) const {
   if (device_.is_cpu() || other.device().is_cpu() || other == *this) return;
-  Event e;
+  // cudaStreamWaitEvent waits for the event's record at the time of the call, so one event per thread and
+  // device can be recorded again right away: no event is created and destroyed per hand-off.
+  thread_local std::map<int, Event> handoff;
+  Event& e = handoff[other.device().index];
   e.record(other);
   wait(e);
 }

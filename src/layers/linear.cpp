@@ -4,7 +4,9 @@
 
 #include <utility>
 
+#include "megacore/core/allocator.hpp"
 #include "megacore/core/log.hpp"
+#include "megacore/ops/attention_merge.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/ops/gemm_fp8.hpp"
 #include "megacore/parallel/mappings.hpp"
@@ -63,6 +65,17 @@ void add_bias_rows(Tensor& y2, const Tensor& bias, const Stream& s) {
   ops::gemm(ones, bias.view({1, bias.numel()}), y2, o, s);
 }
 
+// y2 [rows, n] = x2 [rows, k] Wᵀ (+ bias [n] in the epilogue): the layers' plain forward product.
+void gemm_xwt(const Tensor& x2, const Tensor& w, const Tensor& bias, Tensor& y2, const Stream& s) {
+  ops::GemmOptions o;
+  o.trans_b = true;
+  if (bias.defined()) {
+    o.epilogue = ops::GemmEpilogue::Bias;
+    o.bias = bias;
+  }
+  ops::gemm(x2, w, y2, o, s);
+}
+
 void check_features(int64_t in, int64_t out, std::string_view layer) {
   MC_CHECK(in > 0 && out > 0, "{}: in_features {} and out_features {} must be positive", layer, in, out);
 }
@@ -75,6 +88,11 @@ void check_features(int64_t in, int64_t out, std::string_view layer) {
 // `comm`, so later kernels see the result and buffers freed on
 // `compute` are not reused before the collective is done with them. On the CPU both streams are the
 // host stream and the events are no-ops.
+// The collective's buffers are allocated on `compute`; the NCCL backend marks them as used on `comm`
+// (Allocator::record_stream), which would park each of them, once freed, on a host-polled event until
+// the host sees the collective finish: an event created per free, queried by every later allocation,
+// and memory held back while the host runs ahead. finish() has already ordered `compute` after `comm`
+// and `comm` (this layer's own stream) never touches them again, so it withdraws those marks.
 class OverlappedCollective {
  public:
   OverlappedCollective(const Stream& compute, const Stream& comm) : compute_(compute), comm_(comm) {}
@@ -89,26 +107,45 @@ class OverlappedCollective {
       }
   }
 
+  // `buffers`: the tensors the collective reads or writes (all allocated on `compute`). `after_compute`:
+  // order the collective after everything enqueued on `compute` so far (its operands' producers); false
+  // when they come from `comm`'s own earlier operations (a ring's forwarded chunk).
   template <class Launch>
-  void start(Launch&& launch) {
-    if (!(comm_ == compute_)) {
-      Event ready;
-      ready.record(compute_);
-      comm_.wait(ready);
-    }
+  void start(std::vector<Tensor> buffers, Launch&& launch, bool after_compute = true) {
+    if (after_compute) comm_.wait(compute_);
     work_ = launch(comm_);
+    buffers_ = std::move(buffers);
   }
 
   void finish() {
     if (!work_) return;
     comm::WorkPtr w = std::move(work_);
     w->wait_on(comm_);
-    if (!(comm_ == compute_)) compute_.wait(comm_);
+    if (comm_ == compute_) return;
+    compute_.wait(comm_);
+    for (const Tensor& t : buffers_) {
+      const auto& st = t.storage();
+      if (st && st->owned() && st->data() && st->device().is_cuda())
+        Allocator::get(st->device()).release_stream_use(st->data(), comm_);
+    }
+    buffers_.clear();
+  }
+
+  // One step of a ring over `tp`: sends `send` to rank r + 1 and receives `recv` from rank r − 1.
+  void start_ring_step(comm::Communicator& tp, const Tensor& send, const Tensor& recv, bool after_compute) {
+    const int n = tp.size(), r = tp.rank();
+    start({send, recv},
+          [&](const Stream& cs) {
+            return tp.batch_send_recv({{comm::P2POp::Send, send, (r + 1) % n}, {comm::P2POp::Recv, recv, (r + n - 1) % n}},
+                                      cs);
+          },
+          after_compute);
   }
 
  private:
   Stream compute_, comm_;
   comm::WorkPtr work_;
+  std::vector<Tensor> buffers_;
 };
 
 // The adapter must be of the layer's kind and input width, and each segment's placement must tile the
@@ -263,15 +300,29 @@ Tensor ParallelLinearBase::product(const ForwardContext& ctx, const Tensor& x2, 
   }
   Tensor y2 = Tensor::empty({x2.size(0), weight_.data.size(0)}, weight_.data.dtype(), weight_.data.device(),
                             ctx.stream);
-  ops::GemmOptions o;
-  o.trans_b = true;
-  if (bias.defined()) {
-    o.epilogue = ops::GemmEpilogue::Bias;
-    o.bias = bias;
-  }
-  ops::gemm(x2, weight_.data, y2, o, ctx.stream);
+  gemm_xwt(x2, weight_.data, bias, y2, ctx.stream);
   if (lora_) lora_->forward(ctx, x2, y2);
   return y2;
+}
+
+std::pair<Stream, Stream> ParallelLinearBase::overlap_streams(const Stream& given, int priority) {
+  const Device dev = weight_.data.device();
+  if (!dev.is_cuda()) return {given, given};
+  // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
+  const Stream s = given.device().is_cpu() ? Stream::default_stream(dev) : given;
+  if (comm_stream_.device() != dev || comm_stream_.is_default())
+    comm_stream_ = Stream::create(dev, /*non_blocking=*/true, priority);
+  return {s, comm_stream_};
+}
+
+bool ParallelLinearBase::sp_forward_overlap_applies(bool asked) {
+  if (!asked || tp_.size() == 1) return false;
+  if (!fp8_ && !lora_) return true;
+  log_once(LogLevel::Info, fmt::format("sp-forward-overlap-{}-{}", name_, fp8_ ? "fp8" : "lora"), "tp",
+           fmt::format("{}: the overlapped sequence-parallel forward does not apply with {}; the forward all-gathers / "
+                       "reduce-scatters serially",
+                       name_, fp8_ ? "FP8 (its per-tensor input scale needs the whole input)" : "a LoRA adapter"));
+  return false;
 }
 
 // The adapter's input gradient buffer takes the base's product with beta = 1, so no separate add.
@@ -335,6 +386,10 @@ ColumnParallelLinear::ColumnParallelLinear(comm::Communicator& tp, int64_t in_fe
            kName);
   MC_CHECK(is_floating(opts_.params_dtype), "{}: params_dtype {} is not a float type; use f32, bf16 or f16", kName,
            dtype_name(opts_.params_dtype));
+  MC_CHECK(!opts_.overlap_sp_forward || opts_.sequence_parallel,
+           "{}: overlap_sp_forward overlaps the sequence-parallel all-gather and needs sequence_parallel; set "
+           "sequence_parallel or turn overlap_sp_forward off",
+           kName);
   out_local_ = out_ / tp.size();
   Tensor full = init_full_weight(out_, in_, opts_.init_std, opts_.seed, opts_.init_offset, opts_.params_dtype,
                                  opts_.device);
@@ -348,6 +403,14 @@ Tensor ColumnParallelLinear::forward(const ForwardContext& ctx, const Tensor& x)
   check_activation(x, in_, opts_.params_dtype, opts_.device, kName, "the input",
                    fmt::format("the layer was built with in_features = {}", in_));
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
+  if (opts_.sequence_parallel && sp_forward_overlap_applies(opts_.overlap_sp_forward)) {
+    Tensor y = forward_sp_overlapped(s, x);
+    saved_input_t_ = Tensor();
+    saved_input_t_scale_inv_ = Tensor();
+    saved_input_ = ctx.training ? x : Tensor();
+    saved_shape_ = x.shape();
+    return y;
+  }
   Tensor total = opts_.sequence_parallel ? pm::all_gather_from_sp_forward(tp_, x, s) : pm::copy_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(total, in_, s);
   // With SP the bf16 chunk is smaller than the gathered input's FP8 codes (TP > 2) and is kept, unless the recipe
@@ -391,14 +454,37 @@ Tensor ColumnParallelLinear::backward(const ForwardContext& ctx, const Tensor& d
   return opts_.sequence_parallel ? pm::all_gather_from_sp_backward(tp_, dx, s) : pm::copy_to_tp_backward(tp_, dx, s);
 }
 
+// The ring all-gather + GEMM (see the header comment). The chunks received from the other ranks go to one
+// buffer of TP − 1 chunks (step i's arrival in slot i), from where the next step forwards them.
+Tensor ColumnParallelLinear::forward_sp_overlapped(const Stream& given, const Tensor& x) {
+  const auto [s, comm_s] = overlap_streams(given, opts_.comm_stream_priority);
+  const int n = tp_.size(), r = tp_.rank();
+  Tensor held = as_rows(x, in_, s);
+  const int64_t m = held.size(0);
+  const DType dt = weight_.data.dtype();
+  Tensor arrived = Tensor::empty({(n - 1) * m, in_}, dt, opts_.device, s);
+  Tensor y2 = Tensor::empty({n * m, out_local_}, dt, opts_.device, s);
+  const Tensor bias = opts_.bias ? bias_.data : Tensor();
+  for (int i = 0; i < n; ++i) {
+    OverlappedCollective pass(s, comm_s);
+    Tensor next;
+    if (i + 1 < n) {
+      next = arrived.narrow(0, i * m, m);
+      pass.start_ring_step(tp_, held, next, /*after_compute=*/i == 0);
+    }
+    Tensor rows = y2.narrow(0, int64_t((r - i + n) % n) * m, m);
+    gemm_xwt(held, weight_.data, bias, rows, s);
+    pass.finish();
+    held = next;
+  }
+  Shape total_shape = x.shape();
+  total_shape[0] *= n;
+  return y2.view(with_last(total_shape, out_local_));
+}
+
 Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tensor& dyl) {
   constexpr std::string_view kName = "ColumnParallelLinear.backward";
-  const bool cuda = opts_.device.is_cuda();
-  // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
-  const Stream s = cuda && given.device().is_cpu() ? Stream::default_stream(opts_.device) : given;
-  if (cuda && (comm_stream_.device() != opts_.device || comm_stream_.is_default()))
-    comm_stream_ = Stream::create(opts_.device);
-  const Stream comm_s = cuda ? comm_stream_ : s;
+  const auto [s, comm_s] = overlap_streams(given, opts_.comm_stream_priority);
   const int64_t tpn = tp_.size();
 
   Shape total_shape = saved_input_.shape();
@@ -417,7 +503,7 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
   if (opts_.sequence_parallel) {
     Tensor chunk = saved_input_.contiguous(s);
     total = Tensor::empty(total_shape, chunk.dtype(), chunk.device(), s);
-    gather.start([&](const Stream& cs) { return tp_.all_gather(chunk, total, cs); });
+    gather.start({chunk, total}, [&](const Stream& cs) { return tp_.all_gather(chunk, total, cs); });
   }
   Tensor dx = ops::matmul(dy2, weight_.data, {}, s);  // dX = dY W, [rows, in], contiguous
   gather.finish();
@@ -429,10 +515,10 @@ Tensor ColumnParallelLinear::backward_overlapped(const Stream& given, const Tens
     Shape chunk_shape = total_shape;
     chunk_shape[0] /= tpn;
     result = Tensor::empty(chunk_shape, dx.dtype(), dx.device(), s);
-    reduce.start([&](const Stream& cs) { return tp_.reduce_scatter(dx, result, comm::ReduceOp::Sum, cs); });
+    reduce.start({dx, result}, [&](const Stream& cs) { return tp_.reduce_scatter(dx, result, comm::ReduceOp::Sum, cs); });
   } else {
     result = dx.view(total_shape);
-    reduce.start([&](const Stream& cs) { return tp_.all_reduce(dx, comm::ReduceOp::Sum, cs); });
+    reduce.start({dx}, [&](const Stream& cs) { return tp_.all_reduce(dx, comm::ReduceOp::Sum, cs); });
   }
   Tensor x2 = as_rows(total, in_, s);
   ops::GemmOptions wg;
@@ -462,6 +548,10 @@ RowParallelLinear::RowParallelLinear(comm::Communicator& tp, int64_t in_features
            kName);
   MC_CHECK(is_floating(opts_.params_dtype), "{}: params_dtype {} is not a float type; use f32, bf16 or f16", kName,
            dtype_name(opts_.params_dtype));
+  MC_CHECK(!opts_.overlap_sp_forward || opts_.sequence_parallel,
+           "{}: overlap_sp_forward overlaps the sequence-parallel reduce-scatter and needs sequence_parallel; set "
+           "sequence_parallel or turn overlap_sp_forward off",
+           kName);
   in_local_ = in_ / tp.size();
   Tensor full = init_full_weight(out_, in_, opts_.init_std, opts_.seed, opts_.init_offset, opts_.params_dtype,
                                  opts_.device);
@@ -484,11 +574,24 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
   if (opts_.sequence_parallel) check_sequence_chunk(x, kName, "the input");
   Tensor xin = opts_.input_is_parallel ? x : pm::scatter_to_tp_forward(tp_, x, s);
   Tensor x2 = as_rows(xin, in_local_, s);
-  // The low-rank path joins before the reduction: B is replicated, h a TP-partial sum.
-  Tensor partial2 = product(ctx, x2, Tensor(), /*keep_fp8_input=*/true);
-  Tensor partial = partial2.view(with_last(xin.shape(), out_));
-  Tensor y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
-                                     : pm::reduce_from_tp_forward(tp_, partial, s);
+  Tensor y;
+  if (opts_.sequence_parallel && sp_forward_overlap_applies(opts_.overlap_sp_forward)) {
+    MC_CHECK(xin.size(0) % tp_.size() == 0,
+             "{}: the input's sequence dimension {} is not divisible by the TP size {}, which the sequence-parallel "
+             "reduce-scatter needs; use a sequence length that is a multiple of {}",
+             kName, xin.size(0), tp_.size(), tp_.size());
+    Shape chunk_shape = with_last(xin.shape(), out_);
+    chunk_shape[0] /= tp_.size();
+    saved_input_t_ = Tensor();
+    saved_input_t_scale_inv_ = Tensor();
+    y = forward_sp_overlapped(s, x2, x2.size(0) / tp_.size()).view(chunk_shape);
+  } else {
+    // The low-rank path joins before the reduction: B is replicated, h a TP-partial sum.
+    Tensor partial2 = product(ctx, x2, Tensor(), /*keep_fp8_input=*/true);
+    Tensor partial = partial2.view(with_last(xin.shape(), out_));
+    y = opts_.sequence_parallel ? pm::reduce_scatter_to_sp_forward(tp_, partial, s)
+                                : pm::reduce_from_tp_forward(tp_, partial, s);
+  }
   if (opts_.bias) {
     // After the reduction, so the bias is added once and not TP times.
     Tensor y2 = y.view({y.numel() / out_, out_});
@@ -497,6 +600,31 @@ Tensor RowParallelLinear::forward(const ForwardContext& ctx, const Tensor& x) {
   saved_input_ = ctx.training && !saved_input_t_.defined() ? xin : Tensor();
   saved_shape_ = xin.shape();
   return y;
+}
+
+// The ring GEMM + reduce-scatter (see the header comment): returns this rank's chunk of the summed product,
+// [m, out]. Step i's partial and receive buffers are slot i mod 2; a slot is written again two steps later,
+// after the compute stream has waited for the exchange that used it.
+Tensor RowParallelLinear::forward_sp_overlapped(const Stream& given, const Tensor& x2, int64_t m) {
+  const auto [s, comm_s] = overlap_streams(given, opts_.comm_stream_priority);
+  const int n = tp_.size(), r = tp_.rank();
+  const DType dt = weight_.data.dtype();
+  Tensor partial[2], arrived[2];
+  for (int k = 0; k < 2; ++k) {
+    partial[k] = Tensor::empty({m, out_}, dt, opts_.device, s);
+    if (k < n - 1) arrived[k] = Tensor::empty({m, out_}, dt, opts_.device, s);  // TP 2 receives once
+  }
+  OverlappedCollective pass[2] = {OverlappedCollective(s, comm_s), OverlappedCollective(s, comm_s)};
+  for (int i = 0; i < n; ++i) {
+    Tensor& p = partial[i % 2];
+    gemm_xwt(x2.narrow(0, int64_t((r - i - 1 + 2 * n) % n) * m, m), weight_.data, Tensor(), p, s);
+    if (i > 0) {
+      pass[(i - 1) % 2].finish();
+      ops::accumulate(p, arrived[(i - 1) % 2], s);
+    }
+    if (i + 1 < n) pass[i % 2].start_ring_step(tp_, p, arrived[i % 2], /*after_compute=*/true);
+  }
+  return partial[(n - 1) % 2];
 }
 
 Tensor RowParallelLinear::backward(const ForwardContext& ctx, const Tensor& dy) {

@@ -113,7 +113,9 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
                                         .init_std = cfg_.init_method_std,
                                         .seed = cfg_.seed,
                                         .init_offset = kOutputLayerOffset,
-                                        .overlap_grad_comm = cfg_.tp_comm_overlap});
+                                        .overlap_grad_comm = cfg_.tp_comm_overlap,
+                                        .overlap_sp_forward = cfg_.tp_comm_overlap_forward && cfg_.sequence_parallel,
+                                        .comm_stream_priority = cfg_.tp_comm_stream_priority});
     loss_ = std::make_unique<ly::VocabParallelCrossEntropy>(
         tp, cfg_.vocab_size, ly::VocabParallelCrossEntropyOptions{.label_smoothing = opts_.label_smoothing});
     if (cfg_.tie_word_embeddings) {

@@ -166,6 +166,9 @@ std::vector<std::string> validation_errors(const TransformerConfig& c, int tp, i
     const int64_t ffn = c.ffn_size();
     if (c.ffn_hidden_size >= 0 && ffn > 0 && ffn % tp != 0)
       add("ffn_hidden_size {} is not divisible by TP {}; round it to a multiple of {}", ffn, tp, tp);
+    if (c.tp_comm_overlap_forward && !c.sequence_parallel)
+      add("tp_comm_overlap_forward overlaps the sequence-parallel all-gathers and reduce-scatters of the forward and "
+          "needs sequence_parallel; turn sequence_parallel on or tp_comm_overlap_forward off");
     if (c.sequence_parallel && tp == 1)
       add("sequence_parallel needs TP > 1 (it splits the sequence over the TP group) but TP is 1; turn "
           "sequence_parallel off or raise TP");

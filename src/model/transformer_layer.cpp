@@ -139,8 +139,16 @@ TransformerLayer::TransformerLayer(comm::Communicator& tp, const TransformerConf
   else
     mlp_ = std::make_unique<ly::MLP>(tp, cfg.hidden_size, cfg.ffn_size(), mlp_options(cfg, options));
   // The column-parallel layers' backward collectives overlap their weight-gradient GEMMs.
-  attention_.linear_qkv().set_overlap_grad_comm(cfg_.tp_comm_overlap);
-  if (mlp_) mlp_->fc1().set_overlap_grad_comm(cfg_.tp_comm_overlap);
+  attention_.linear_qkv().set_overlap_grad_comm(cfg_.tp_comm_overlap, cfg_.tp_comm_stream_priority);
+  if (mlp_) mlp_->fc1().set_overlap_grad_comm(cfg_.tp_comm_overlap, cfg_.tp_comm_stream_priority);
+  // The sequence-parallel forward collectives of the dense linears overlap their GEMMs in row chunks.
+  const bool fwd = cfg_.tp_comm_overlap_forward && cfg_.sequence_parallel;
+  attention_.linear_qkv().set_overlap_sp_forward(fwd);
+  attention_.linear_proj().set_overlap_sp_forward(fwd, cfg_.tp_comm_stream_priority);
+  if (mlp_) {
+    mlp_->fc1().set_overlap_sp_forward(fwd);
+    mlp_->fc2().set_overlap_sp_forward(fwd, cfg_.tp_comm_stream_priority);
+  }
 }
 
 ly::MLP& TransformerLayer::mlp() {

@@ -102,28 +102,49 @@ void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, c
 }
 
 void accumulate_f32(Tensor& dst, const Tensor& src, const Stream& s) {
-  constexpr std::string_view op = "accumulate_f32";
+  MC_CHECK(!dst.defined() || dst.dtype() == DType::F32, "accumulate_f32: dst must be f32; got {}",
+           dtype_name(dst.dtype()));
+  accumulate(dst, src, s);
+}
+
+void accumulate(Tensor& dst, const Tensor& src, const Stream& s) {
+  constexpr std::string_view op = "accumulate";
   detail::check_defined(dst, op, "dst");
   const Device dev = dst.device();
   check_operand(dst, dev, op, "dst");
   check_operand(src, dev, op, "src");
-  MC_CHECK(dst.dtype() == DType::F32 && dst.numel() == src.numel(),
-           "{}: dst must be f32 with src's {} elements; got {} {}", op, src.numel(), dtype_name(dst.dtype()),
-           shape_str(dst.shape()));
+  MC_CHECK(is_floating(dst.dtype()) && dst.numel() == src.numel(),
+           "{}: dst must be f32, bf16 or f16 with src's {} elements; got {} {}", op, src.numel(),
+           dtype_name(dst.dtype()), shape_str(dst.shape()));
   MC_CHECK(is_floating(src.dtype()), "{}: src has dtype {}; pass f32, bf16 or f16", op, dtype_name(src.dtype()));
   if (dev.is_cuda()) {
     void* stream = detail::launch_stream(s, dev, op);
 #if MEGACORE_WITH_CUDA
-    cuda::accumulate_f32(src.dtype(), dst.data<float>(), src.data_ptr(), dst.numel(), dev.index, stream);
+    cuda::accumulate(dst.dtype(), dst.data_ptr(), src.dtype(), src.data_ptr(), dst.numel(), dev.index, stream);
 #else
     (void)stream;
 #endif
     return;
   }
-  float* d = dst.data<float>();
   const int64_t n = dst.numel();
   with_float_reader(src, op, [&](auto at) {
-    for (int64_t i = 0; i < n; ++i) d[i] += at(i);
+    switch (dst.dtype()) {
+      case DType::F32: {
+        float* d = dst.data<float>();
+        for (int64_t i = 0; i < n; ++i) d[i] += at(i);
+        return;
+      }
+      case DType::BF16: {
+        auto* d = dst.data<bfloat16>();
+        for (int64_t i = 0; i < n; ++i) d[i] = bfloat16(float(d[i]) + at(i));
+        return;
+      }
+      default: {
+        auto* d = dst.data<float16>();
+        for (int64_t i = 0; i < n; ++i) d[i] = float16(float(d[i]) + at(i));
+        return;
+      }
+    }
   });
 }
 

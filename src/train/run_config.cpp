@@ -285,6 +285,8 @@ model::TransformerConfig RunConfig::transformer_config(bool on_gpu) const {
   t.sequence_parallel = parallel.sequence_parallel;
   t.recompute_granularity = trainer.recompute;
   t.tp_comm_overlap = parallel.tp_comm_overlap;
+  t.tp_comm_overlap_forward = parallel.tp_comm_overlap_forward;
+  t.tp_comm_stream_priority = parallel.tp_comm_stream_priority;
   return t;
 }
 
@@ -535,6 +537,14 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
                       "whose product divides {}",
                       etp, ep, etp * ep, world / pp, world / pp));
   }
+  if (p.tp_comm_stream_priority > 0)
+    err("parallel.tp_comm_stream_priority",
+        fmt::format("is {}; CUDA stream priorities are 0 (normal) or negative (higher); use 0 or a negative value",
+                    p.tp_comm_stream_priority));
+  if (p.tp_comm_overlap_forward && !p.sequence_parallel)
+    err("parallel.tp_comm_overlap_forward",
+        "overlaps the sequence-parallel all-gathers and reduce-scatters of the forward, so it needs "
+        "parallel.sequence_parallel = true (and TP > 1); set sequence_parallel or turn tp_comm_overlap_forward off");
   if (p.sequence_parallel && tp == 1)
     err("parallel.sequence_parallel", "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP "
                                       "group); set sequence_parallel = false or raise TP");

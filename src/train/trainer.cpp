@@ -241,13 +241,14 @@ void Trainer::Impl::build() {
     const mdl::TransformerConfig& m = mcfg();
     const ParallelSection& ps = cfg.parallel;
     std::printf("megacore: world %d = TP %d x PP %d (VP %d) x CP %d x DP %d on %s | %lld layers, %s | micro-batch %lld x "
-                "%lld, %lld micro-batches per step | %s%s%s%s\n",
+                "%lld, %lld micro-batches per step | %s%s%s%s%s\n",
                 world.size(), pc.tensor, pc.pipeline, pc.virtual_pipeline, pc.context, dp(),
                 is_cuda() ? cuda_device_name(device().index).c_str() : "CPU", (long long)m.num_layers,
                 std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.data.micro_batch_size,
                 (long long)cfg.data.seq_length, (long long)num_micro,
                 ps.use_distributed_optimizer ? "ZeRO-1" : cfg.optim.optimizer.c_str(),
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
+                m.tp_comm_overlap_forward ? " | tp_comm_overlap_forward" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "");
     if (cfg.trainer.fp8_param_gather)
       std::printf("megacore: fp8_param_gather: the FP8 linears' weights are all-gathered over DP as E4M3 codes%s\n",

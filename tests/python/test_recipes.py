@@ -86,6 +86,9 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"parallel.pipeline_layout": [4]}, "has 1 entries but PP×VP = 2"),
     ({"data.prefetch": 0}, "data.prefetch: must be a positive integer"),
     ({"parallel.overlap_param_gather": True}, "overlap_param_gather: needs parallel.use_distributed_optimizer"),
+    ({"parallel.tp_comm_stream_priority": 1}, "tp_comm_stream_priority: is 1; CUDA stream priorities are 0 .* or negative"),
+    ({"parallel.tp_comm_overlap_forward": True}, "tp_comm_overlap_forward: overlaps the sequence-parallel .* needs "
+     "parallel.sequence_parallel = true"),
     ({"parallel.pipeline_head_cost": -2.0}, "pipeline_head_cost: must be a finite number of layers >= 0, or -1"),
     ({"parallel.pipeline_embedding_cost": float("nan")}, "pipeline_embedding_cost must be a number, got 'nan'"),
     ({"parallel.pipeline_layout": [2, 2], "parallel.pipeline_head_cost": 1.0}, "not both"),

@@ -216,10 +216,12 @@ def test_f16_with_dynamic_loss_scaling(tmp_path):
 def test_tp_comm_overlap_gives_identical_training(tmp_path):
     """parallel.tp_comm_overlap (the TP collective of the column-parallel backward overlapped with the
     weight-gradient GEMM) reaches the layers through the recipe and changes no number: the same losses and
-    gradient norms, bit for bit, with sequence parallelism on."""
+    gradient norms, bit for bit, with sequence parallelism on (and the communication streams' priority set,
+    which only CUDA uses)."""
     runs = []
     for ov in (False, True):
-        r = _tiny(tmp_path, f"ov{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap=ov)
+        r = _tiny(tmp_path, f"ov{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap=ov,
+                  parallel__tp_comm_stream_priority=-5 if ov else 0)
         out = _train(r, tmp_path, f"ov{int(ov)}")
         assert ("| tp_comm_overlap" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
         runs.append(_metrics(r.logging.log_dir)[0])
@@ -244,6 +246,21 @@ def test_async_checkpoints_reserve_their_buffers_and_equal_synchronous_ones(tmp_
             if n.startswith("shard_"):
                 a, b = (open(os.path.join(d, step, n), "rb").read() for d in dirs)
                 assert a == b, (step, n)
+
+
+@needs_mpi
+def test_tp_comm_overlap_forward_gives_identical_training_at_tp2(tmp_path):
+    """parallel.tp_comm_overlap_forward (the forward's sequence-parallel all-gathers and reduce-scatters as rings
+    overlapping the GEMMs) reaches the layers through the recipe (the start banner names it) and, at TP 2 × PP 2,
+    changes no number: the column side computes the same rows, and the row side's ring adds two partial sums,
+    which is the collective's sum in either order."""
+    runs = []
+    for ov in (False, True):
+        r = _tiny(tmp_path, f"fwd{int(ov)}", 6, parallel__sp=True, parallel__tp_comm_overlap_forward=ov)
+        out = _train(r, tmp_path, f"fwd{int(ov)}")
+        assert ("| tp_comm_overlap_forward" in out) == ov and "world 4 = TP 2 x PP 2 (VP 1) x CP 1 x DP 1 on CPU" in out
+        runs.append(_metrics(r.logging.log_dir)[0])
+    assert [(s["loss"], s["grad_norm"]) for s in runs[0]] == [(s["loss"], s["grad_norm"]) for s in runs[1]]
 
 
 @needs_mpi

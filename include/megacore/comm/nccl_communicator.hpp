@@ -2,10 +2,12 @@
 // Available when megacore was built with NCCL (MEGACORE_WITH_NCCL); otherwise the factories throw
 // ConfigError.
 //
-// Communicators are non-blocking by default (CommOptions::nccl_blocking = false): initialisation and
-// every enqueue are polled with ncclCommGetAsyncError under CommOptions::timeout, and a Work waits on
-// a CUDA event while polling for asynchronous errors, so a hang or a dead peer ends in ncclCommAbort
-// and a CommError naming the group, the operation, the ranks and the elapsed time.
+// Initialisation is always non-blocking and polled with ncclCommGetAsyncError under CommOptions::timeout;
+// the operations then run on a blocking communicator split off it (CommOptions::nccl_blocking, the
+// default: a few µs per call; false keeps every enqueue non-blocking and polled). A Work waits on a CUDA
+// event while polling for asynchronous errors, and the watchdog follows every operation, so a hang or a
+// dead peer ends in ncclCommAbort and a CommError naming the group, the operation, the ranks and the
+// elapsed time.
 // The usual NCCL_* environment variables (NCCL_DEBUG, NCCL_ALGO, NCCL_PROTO, NCCL_BUFFSIZE,
 // NCCL_SOCKET_IFNAME, NCCL_IB_*, ...) are read by NCCL itself and passed through untouched.
 // Not thread-safe: use one communicator from one thread.

@@ -45,6 +45,11 @@ class Allocator {
   void deallocate(void* p);
   /// Marks a block as used on another stream, so it is not reused before that stream's work ends.
   void record_stream(void* p, const Stream& s);
+  /// Withdraws a record_stream mark. Call it only once the block's own stream has been made to wait for
+  /// everything queued on s so far and no further work using the block will be queued on s: the block
+  /// then returns to its pool at once when freed (stream order already protects it), instead of waiting
+  /// on a host-polled event. Unknown pointers and unmarked streams are ignored.
+  void release_stream_use(void* p, const Stream& s);
   /// Returns cached blocks to the driver.
   void empty_cache();
   MemoryStats stats() const;

@@ -31,6 +31,25 @@
 // The option defaults to OFF: the CUDA path compiles but has not yet been run on a GPU. On the CPU the
 // communicator's own asynchrony (if any) provides the overlap.
 //
+// Overlapped sequence-parallel forward (overlap_sp_forward on either layer, set for a model's SP linears by
+// TransformerConfig::tp_comm_overlap_forward): the SP all-gather before a column-parallel GEMM and the
+// reduce-scatter after a row-parallel GEMM are split into TP steps over the ring, each step's send/recv
+// (Communicator::batch_send_recv to rank r + 1, from rank r − 1) running while a row slice of the GEMM computes.
+// Rows are in chunks of m = (s/TP)·b, chunk c being rank c's sequence chunk.
+//   column: at step i rank r multiplies the chunk it holds, rank (r − i) mod TP's, into output rows
+//           [((r − i) mod TP)·m, +m) while that chunk moves on to r + 1 and the next arrives from r − 1.
+//           Every output row is the serial GEMM's row (same operands, K unsplit): identical wherever the GEMM
+//           sums K in the same order for m rows as for TP·m (tested on CPU through the GPT model).
+//   row:    at step i rank r computes the partial product of chunk (r − i − 1) mod TP, adds the partial sum
+//           of that chunk received from r − 1 (ops::accumulate: f32 add, rounded to the dtype) and sends it
+//           to r + 1; at the last step the chunk is its own and the sum complete. The partials are added in
+//           ring order (rank c + 1, c + 2, ..., c), not the collective's: same result at TP 2, within
+//           round-off otherwise. Two partial and two receive buffers of [m, out] alternate.
+// On CUDA the exchanges run on the layer's communication stream (comm_stream_priority) and the compute
+// stream waits for each one (an event, no host wait) only before it uses what arrived; the buffers' stream
+// marks are withdrawn as in the backward overlap. The saved input and the backward are those of the serial
+// layer. With FP8 or a LoRA adapter the forward stays serial (logged once).
+//
 // Initialisation: every rank draws the FULL weight with Philox from (seed, init_offset) and keeps its
 // slice, so the model is the same whatever the TP degree. This costs out·in random draws and one
 // full-size temporary per layer on every rank — fine for tests and models up to a few billion
@@ -55,6 +74,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
@@ -83,6 +103,13 @@ struct ColumnParallelLinearOptions {
   /// re-gather of the saved input, with the backward GEMMs (see the header comment). Same results;
   /// default off because the CUDA path (separate comm stream + events) is not yet validated on a GPU.
   bool overlap_grad_comm = false;
+  /// With sequence_parallel and TP > 1: the input all-gather runs as a ring of TP steps, each overlapping the
+  /// GEMM of the chunk already here (see the header comment). Same results as off.
+  bool overlap_sp_forward = false;
+  /// CUDA priority of the communication stream of overlap_grad_comm and overlap_sp_forward (0 = normal;
+  /// negative = higher, clamped by CUDA to the device's range): a higher one gets the collective's kernels
+  /// onto SMs ahead of the GEMM they overlap when both become ready at once. Same results.
+  int comm_stream_priority = 0;
 };
 
 struct RowParallelLinearOptions {
@@ -97,6 +124,12 @@ struct RowParallelLinearOptions {
   double init_std = 0.02;
   uint64_t seed = 1234;
   uint64_t init_offset = 0;
+  /// With sequence_parallel and TP > 1: the output reduce-scatter runs as a ring of TP steps, each step's
+  /// exchange overlapping the next chunk's GEMM (see the header comment). Partial sums are added in ring
+  /// order: equal at TP 2, within round-off of the collective otherwise.
+  bool overlap_sp_forward = false;
+  /// CUDA priority of the communication stream of overlap_sp_forward (see ColumnParallelLinearOptions).
+  int comm_stream_priority = 0;
 };
 
 /// The full [out, in] weight every TP degree slices: normal(0, std) from Philox (seed, offset), drawn
@@ -160,6 +193,13 @@ class ParallelLinearBase {
   /// applies. x2: the saved input's rows, undefined when forward kept only saved_input_t_ (consumed here).
   Tensor backward_products(const ForwardContext& ctx, const Tensor& x2, const Tensor& dy2);
   bool has_saved_input() const { return saved_input_.defined() || saved_input_t_.defined(); }
+  /// The streams of an overlapped collective: on CUDA the compute stream (the legacy default stream, named,
+  /// when `given` is the host stream) and this layer's own communication stream (created on first use with
+  /// `priority`); on the CPU `given` twice.
+  std::pair<Stream, Stream> overlap_streams(const Stream& given, int priority);
+  /// Whether an overlapped sequence-parallel forward (`asked`) can run: TP > 1, no FP8 and no adapter (those
+  /// run serially, said once in the log).
+  bool sp_forward_overlap_applies(bool asked);
 
   comm::Communicator& tp_;
   int64_t in_, out_;
@@ -173,6 +213,7 @@ class ParallelLinearBase {
   std::unique_ptr<LoRAAdapter> lora_;
   bool frozen_ = false;
   std::unique_ptr<Fp8LinearState> fp8_;
+  Stream comm_stream_;  // CUDA: created by the first overlap_streams
 
  private:
   /// FP8 applies to a product of `rows` rows (no adapter, every dimension a multiple of 16).
@@ -199,16 +240,21 @@ class ColumnParallelLinear : public ParallelLinearBase {
 
   int64_t out_features_per_rank() const { return out_local_; }
   const ColumnParallelLinearOptions& options() const { return opts_; }
-  /// Turns overlap_grad_comm on or off after construction (a model built from a TransformerConfig
-  /// uses it for the layers it does not construct itself).
-  void set_overlap_grad_comm(bool on) { opts_.overlap_grad_comm = on; }
+  /// Turns overlap_grad_comm on or off after construction, with the communication stream's priority
+  /// (a model built from a TransformerConfig uses it for the layers it does not construct itself).
+  void set_overlap_grad_comm(bool on, int comm_stream_priority = 0) {
+    opts_.overlap_grad_comm = on;
+    opts_.comm_stream_priority = comm_stream_priority;
+  }
+  /// Turns overlap_sp_forward on or off after construction (the stream priority is comm_stream_priority's).
+  void set_overlap_sp_forward(bool on) { opts_.overlap_sp_forward = on; }
 
  private:
   Tensor backward_overlapped(const Stream& s, const Tensor& dyl);
+  Tensor forward_sp_overlapped(const Stream& s, const Tensor& x);
 
   int64_t out_local_;
   ColumnParallelLinearOptions opts_;
-  Stream comm_stream_;  // CUDA: created on the first overlapped backward
   // saved_input_: x as given (with SP: the local chunk; re-gathered in backward)
 };
 
@@ -229,8 +275,15 @@ class RowParallelLinear : public ParallelLinearBase {
 
   int64_t in_features_per_rank() const { return in_local_; }
   const RowParallelLinearOptions& options() const { return opts_; }
+  /// Turns overlap_sp_forward on or off after construction, with the communication stream's priority.
+  void set_overlap_sp_forward(bool on, int comm_stream_priority = 0) {
+    opts_.overlap_sp_forward = on;
+    opts_.comm_stream_priority = comm_stream_priority;
+  }
 
  private:
+  Tensor forward_sp_overlapped(const Stream& s, const Tensor& x2, int64_t chunk_rows);
+
   int64_t in_local_;
   RowParallelLinearOptions opts_;
   // saved_input_: this rank's [..., in/TP] input

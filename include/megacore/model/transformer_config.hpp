@@ -79,13 +79,20 @@ struct TransformerConfig {
   uint64_t seed = 1234;
   /// Overlap each column-parallel layer's backward TP collective (input-gradient all-reduce /
   /// reduce-scatter, SP input re-gather) with its GEMMs, as Megatron-Core does
-  /// (ColumnParallelLinearOptions::overlap_grad_comm). Same results; default off because the CUDA
-  /// path (comm stream + events) has not yet been validated on a GPU.
+  /// (ColumnParallelLinearOptions::overlap_grad_comm). Same results; default off: on 4 x H200 it does
+  /// not pay yet (docs/performance.md).
   bool tp_comm_overlap = false;
+  /// With sequence_parallel: every SP linear layer's forward all-gather (before linear_qkv, linear_fc1 and the
+  /// output layer) and reduce-scatter (after linear_proj and linear_fc2) runs as a ring of TP steps
+  /// overlapping the GEMM in row chunks (the layers' overlap_sp_forward). The all-gather side is exact; the
+  /// reduce-scatter side adds partial sums in ring order (equal at TP 2, within round-off at TP 4).
+  bool tp_comm_overlap_forward = false;
+  /// CUDA priority of those layers' communication streams (ColumnParallelLinearOptions::comm_stream_priority).
+  int tp_comm_stream_priority = 0;
 
   /// The architecture fields as a recipe's model section names them (the RoPE scaling flattened to
-  /// rope_scaling, rope_scaling_factor, ...). params_dtype, sequence_parallel, recompute_granularity and
-  /// tp_comm_overlap are set from the trainer and parallel sections (train::RunConfig::transformer_config).
+  /// rope_scaling, rope_scaling_factor, ...). params_dtype, sequence_parallel, recompute_granularity,
+  /// tp_comm_overlap, tp_comm_overlap_forward and tp_comm_stream_priority are set from the trainer and parallel sections (train::RunConfig::transformer_config).
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
     f(Field{"num_layers", "Transformer layers."}, s.num_layers);

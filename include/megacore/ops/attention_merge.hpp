@@ -26,4 +26,11 @@ void attention_merge_partial(Tensor& out, Tensor& lse, const Tensor& out_part, c
 /// gradient accumulation (dQ locally, dK/dV along with their block).
 void accumulate_f32(Tensor& dst, const Tensor& src, const Stream& s = {});
 
+/// dst += src elementwise, added in f32 and rounded once to dst's dtype (a native add of that dtype).
+/// @param dst  f32, bf16 or f16, contiguous, read and written
+/// @param src  f32, bf16 or f16, contiguous, dst's element count, read
+/// @param s    stream the kernel runs on (CUDA); last
+/// The sequence-parallel row-parallel forward ring (layers/linear.hpp) sums its partial products with it.
+void accumulate(Tensor& dst, const Tensor& src, const Stream& s = {});
+
 }  // namespace megacore::ops

@@ -57,6 +57,8 @@ struct ParallelSection {
   int64_t bucket_size = 0;
   bool grad_reduce_in_bf16 = false;
   bool tp_comm_overlap = false;
+  bool tp_comm_overlap_forward = false;
+  int tp_comm_stream_priority = 0;
 
   template <class Self, class F>
   static void fields(Self& s, F&& f) {
@@ -117,6 +119,18 @@ struct ParallelSection {
     f(Field{"tp_comm_overlap",
             "Overlap the column-parallel layers' backward TP collective with their weight-gradient GEMM."},
       s.tp_comm_overlap);
+    f(Field{"tp_comm_overlap_forward",
+            "With sequence_parallel: overlap the forward's sequence-parallel all-gathers (before QKV, fc1 and the "
+            "output layer) and reduce-scatters (after the attention projection and fc2) with their GEMMs, as rings "
+            "of TP send/recv steps over row chunks. The all-gather side is exact; the reduce-scatter side adds "
+            "partial sums in ring order (equal at TP 2, within round-off above). Layers with FP8 or LoRA keep the "
+            "serial forward (logged once)."},
+      s.tp_comm_overlap_forward);
+    f(Field{"tp_comm_stream_priority",
+            "CUDA priority of the tp_comm_overlap / tp_comm_overlap_forward communication streams: 0 = normal, negative = higher (CUDA clamps "
+            "it to the device's range, -5 on H100/H200). A higher one lets the collective's kernels take SMs before "
+            "the GEMM it overlaps when both become ready together. Same results."},
+      s.tp_comm_stream_priority);
   }
 };
 

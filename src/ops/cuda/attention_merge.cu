@@ -1,6 +1,6 @@
 // CUDA kernels of the context-parallel attention merge (ops/attention_merge.hpp): one warp merges one
 // (query row, batch, head) partial into the f32 accumulators; the gradient accumulation is an elementwise
-// grid-stride add.
+// grid-stride add (into f32, bf16 or f16).
 #include "ops/cuda/attention_merge_cuda.hpp"
 #include "ops/cuda/memops_common.cuh"
 
@@ -34,10 +34,10 @@ __global__ void merge_rows(float* __restrict__ out, float* __restrict__ lse, con
   }
 }
 
-template <class T>
-__global__ void accumulate(float* __restrict__ dst, const T* __restrict__ src, int64_t n) {
+template <class D, class T>
+__global__ void accumulate_kernel(D* __restrict__ dst, const T* __restrict__ src, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] += to_f32(src[i]);
+    dst[i] = from_f32<D>(to_f32(dst[i]) + to_f32(src[i]));
 }
 
 }  // namespace
@@ -57,14 +57,18 @@ void attention_merge_partial(DType dt, float* out, float* lse, const void* part,
   });
 }
 
-void accumulate_f32(DType dt, float* dst, const void* src, int64_t n, int device, void* stream) {
+void accumulate(DType dd, void* dst, DType ds, const void* src, int64_t n, int device, void* stream) {
   if (n == 0) return;
   cuda_impl::DeviceGuard guard(device);
   const unsigned blocks = elementwise_blocks(n, kThreads, device);
-  dispatch_float(dt, [&](auto tag) {
-    using T = decltype(tag);
-    accumulate<T><<<blocks, kThreads, 0, as_stream(stream)>>>(dst, static_cast<const T*>(src), n);
-    MC_CUDA_CHECK_LAUNCH();
+  dispatch_float(dd, [&](auto dtag) {
+    using D = decltype(dtag);
+    dispatch_float(ds, [&](auto stag) {
+      using T = decltype(stag);
+      accumulate_kernel<D, T><<<blocks, kThreads, 0, as_stream(stream)>>>(static_cast<D*>(dst),
+                                                                          static_cast<const T*>(src), n);
+      MC_CUDA_CHECK_LAUNCH();
+    });
   });
 }
 

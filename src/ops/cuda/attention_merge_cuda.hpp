@@ -13,7 +13,7 @@ void attention_merge_partial(DType dt, float* out, float* lse, const void* part,
                              int64_t B, int64_t H, int64_t D, int64_t Sp, int64_t seq_offset, int device,
                              void* stream);
 
-/// dst[i] += src[i] for n elements; src of dtype dt.
-void accumulate_f32(DType dt, float* dst, const void* src, int64_t n, int device, void* stream);
+/// dst[i] += src[i] for n elements (in f32, rounded to dst's dtype dd); src of dtype ds.
+void accumulate(DType dd, void* dst, DType ds, const void* src, int64_t n, int device, void* stream);
 
 }  // namespace megacore::ops::cuda

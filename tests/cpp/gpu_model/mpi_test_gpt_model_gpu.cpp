@@ -15,6 +15,7 @@
 #include "model/model_test_util.hpp"
 #include "megacore/comm/bootstrap.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
+#include "megacore/core/host_sync.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/parallel/mappings.hpp"
 #include "megacore/parallel/process_grid.hpp"
@@ -69,12 +70,15 @@ double rel(const Tensor& got, const Tensor& want) {
 void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Communicator& gpu_tp,
              mdl::TransformerConfig cfg, bool sp, DType dtype) {
   const int tpn = gpu_tp.size();
-  INFO("TP " << tpn << " SP " << sp << " overlap " << cfg.tp_comm_overlap << " dtype " << dtype_name(dtype) << " norm "
+  INFO("TP " << tpn << " SP " << sp << " overlap " << cfg.tp_comm_overlap << " forward overlap "
+             << cfg.tp_comm_overlap_forward << " dtype " << dtype_name(dtype) << " norm "
              << mdl::norm_type_name(cfg.normalization) << " tied " << cfg.tie_word_embeddings);
   const Batch batch = make_batch(cfg.vocab_size);
   ly::ForwardContext cpu_ctx;
 
-  mdl::GPTModel ref(cfg, mpi_tp1);
+  mdl::TransformerConfig ref_cfg = cfg;
+  ref_cfg.tp_comm_overlap_forward = false;  // an SP-only option
+  mdl::GPTModel ref(ref_cfg, mpi_tp1);
   const double ref_loss = ref.forward(cpu_ctx, batch.tokens, batch.labels, batch.mask).item();
   const Tensor ref_logits = ref.logits().contiguous().narrow(-1, 0, cfg.vocab_size).contiguous();
   ref.backward(cpu_ctx);
@@ -95,9 +99,9 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   logits = logits.narrow(-1, 0, cfg.vocab_size).contiguous();
   const double loss_err = std::abs(loss - ref_loss) / std::abs(ref_loss), logits_err = rel(logits, ref_logits);
   if (mpi_tp.rank() == 0 && mpi_tp1.rank() == 0)
-    std::printf("[gpu model] TP %d SP %d %s %s: loss %.6f (cpu %.6f, rel %.2e) logits rel %.2e\n", tpn, int(sp),
-                std::string(dtype_name(dtype)).c_str(), cfg.tie_word_embeddings ? "tied" : "untied", loss, ref_loss,
-                loss_err, logits_err);
+    std::printf("[gpu model] TP %d SP %d fwd-overlap %d %s %s: loss %.6f (cpu %.6f, rel %.2e) logits rel %.2e\n", tpn,
+                int(sp), int(cfg.tp_comm_overlap_forward), std::string(dtype_name(dtype)).c_str(),
+                cfg.tie_word_embeddings ? "tied" : "untied", loss, ref_loss, loss_err, logits_err);
     CHECK(loss_err <= 1e-2);
   CHECK(logits_err <= 3e-2);
   double worst = 0;
@@ -146,7 +150,138 @@ TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP 
       for (bool overlap : {false, true}) {  // TP collective overlapped with the weight-gradient GEMM (side stream)
         cfg.tp_comm_overlap = overlap;
         for (bool sp : {false, true})
-          for (DType dt : {DType::BF16, DType::F16}) compare(grid1.tp(), grid.tp(), *gpu_tp, cfg, sp, dt);
+          for (bool fwd : {false, true}) {  // with SP: the forward all-gathers / reduce-scatters as rings
+            if (fwd && !sp) continue;
+            cfg.tp_comm_overlap_forward = fwd;
+            for (DType dt : {DType::BF16, DType::F16}) compare(grid1.tp(), grid.tp(), *gpu_tp, cfg, sp, dt);
+          }
+        cfg.tp_comm_overlap_forward = false;
       }
+  }
+}
+
+TEST_CASE("tp_comm_overlap on GPUs, with a high-priority communication stream, changes no number",
+          "[gpu][model][mpi]") {
+  // Two micro-batches per model, so the second backward reuses blocks the first one freed after its
+  // overlapped collectives (Allocator::release_stream_use). Exact equality between two GPU runs holds
+  // because kSeq = 16 is a single key block: the attention backward's atomic dQ sum has one term.
+  MC_REQUIRE_GPU();
+  auto world = world_comm();
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    auto gpu_tp = nccl_tp(*world, tpn);
+    mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+    cfg.hidden_size = 512;
+    cfg.num_attention_heads = 8;
+    cfg.kv_channels = 64;
+    cfg.ffn_hidden_size = 1024;
+    cfg.sequence_parallel = true;
+    cfg.params_dtype = DType::BF16;
+    const Batch batch = make_batch(cfg.vocab_size);
+    const Device dev = my_device();
+    struct Run {
+      std::vector<double> losses;
+      std::vector<Tensor> grads;
+    };
+    auto run = [&](bool overlap) {
+      mdl::TransformerConfig c = cfg;
+      c.tp_comm_overlap = overlap;
+      c.tp_comm_stream_priority = overlap ? -5 : 0;
+      ly::ForwardContext ctx;
+      ctx.stream = Stream::create(dev);
+      mdl::GPTModelOptions mo;
+      mo.device = dev;
+      mdl::GPTModel model(c, *gpu_tp, mo);
+      Run r;
+      for (int mb = 0; mb < 2; ++mb) {
+        r.losses.push_back(model.forward(ctx, batch.tokens.to(dev, ctx.stream), batch.labels.to(dev, ctx.stream),
+                                         batch.mask.to(dev, ctx.stream)).to(Device::cpu(), ctx.stream).item());
+        model.backward(ctx);
+      }
+      ctx.stream.synchronize();
+      for (ly::Parameter* p : model.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
+      ctx.stream.synchronize();
+      return r;
+    };
+    const Run off = run(false), on = run(true);
+    INFO("TP " << tpn);
+    REQUIRE(on.losses == off.losses);
+    REQUIRE(on.grads.size() == off.grads.size());
+    for (size_t i = 0; i < off.grads.size(); ++i) require_equal(on.grads[i], off.grads[i], "main_grad (tp_comm_overlap)");
+  }
+}
+
+TEST_CASE("tp_comm_overlap_forward on GPUs: the ring forward against the serial one, no extra host sync",
+          "[gpu][model][mpi]") {
+  // The ring's GEMMs run on row slices (cuBLASLt may pick another kernel for m rows than for TP·m) and the
+  // reduce-scatter side adds partials in ring order, so the comparison is within bf16 round-off: loss 1e-3,
+  // logits 1e-2 and every gradient 3e-2 relative to the serial forward (the values and whether they are
+  // bit-identical are printed). Two micro-batches per model, a high-priority communication stream.
+  MC_REQUIRE_GPU();
+  auto world = world_comm();
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    auto gpu_tp = nccl_tp(*world, tpn);
+    mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+    cfg.hidden_size = 512;
+    cfg.num_attention_heads = 8;
+    cfg.kv_channels = 64;
+    cfg.ffn_hidden_size = 1024;
+    cfg.sequence_parallel = true;
+    cfg.params_dtype = DType::BF16;
+    const Batch batch = make_batch(cfg.vocab_size);
+    const Device dev = my_device();
+    struct Run {
+      std::vector<double> losses;
+      Tensor logits;
+      std::vector<Tensor> grads;
+      int64_t host_syncs = 0;
+    };
+    auto run = [&](bool fwd) {
+      mdl::TransformerConfig c = cfg;
+      c.tp_comm_overlap_forward = fwd;
+      c.tp_comm_stream_priority = fwd ? -5 : 0;
+      ly::ForwardContext ctx;
+      ctx.stream = Stream::create(dev);
+      mdl::GPTModelOptions mo;
+      mo.device = dev;
+      mdl::GPTModel model(c, *gpu_tp, mo);
+      Run r;
+      const Tensor tokens = batch.tokens.to(dev, ctx.stream), labels = batch.labels.to(dev, ctx.stream),
+                   mask = batch.mask.to(dev, ctx.stream);
+      for (int mb = 0; mb < 2; ++mb) {
+        reset_host_syncs();
+        Tensor loss = model.forward(ctx, tokens, labels, mask);
+        model.backward(ctx);
+        r.host_syncs += host_sync_count();
+        r.losses.push_back(loss.to(Device::cpu(), ctx.stream).item());
+      }
+      ctx.stream.synchronize();
+      r.logits = model.logits().contiguous(ctx.stream).to(Device::cpu(), ctx.stream).to(DType::F32);
+      for (ly::Parameter* p : model.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
+      ctx.stream.synchronize();
+      return r;
+    };
+    const Run off = run(false), on = run(true);
+    INFO("TP " << tpn);
+    CHECK(on.host_syncs == off.host_syncs);
+    REQUIRE(on.grads.size() == off.grads.size());
+    bool same = on.losses == off.losses && on.logits.to_double_vector() == off.logits.to_double_vector();
+    double worst = 0;
+    for (size_t i = 0; i < off.grads.size(); ++i) {
+      const double e = rel(on.grads[i], off.grads[i]);
+      same = same && e == 0;
+      worst = std::max(worst, e);
+      CHECK(e <= 3e-2);
+    }
+    for (size_t m = 0; m < off.losses.size(); ++m)
+      CHECK(std::abs(on.losses[m] - off.losses[m]) <= 1e-3 * std::abs(off.losses[m]));
+    const double le = rel(on.logits, off.logits);
+    CHECK(le <= 1e-2);
+    if (world->rank() == 0)
+      std::printf("[gpu model] tp_comm_overlap_forward TP %d: loss %.6f vs %.6f, logits rel %.2e, worst gradient rel "
+                  "%.2e, bit-identical %s, host syncs %lld vs %lld\n",
+                  tpn, on.losses.back(), off.losses.back(), le, worst, same ? "yes" : "no", (long long)on.host_syncs,
+                  (long long)off.host_syncs);
   }
 }

@@ -5,6 +5,9 @@
 // Tolerances: the only differences from the local reference are the order of f32 additions (the
 // reductions sum TP partial products, the reference sums one dot product), so results agree to a
 // relative error (||a - b|| / ||b||) of 1e-5 in f32; pure data movement (splits, gathers) is exact.
+#include <random>
+
+#include "megacore/comm/collectives.hpp"
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/layers/linear.hpp"
 #include "megacore/ops/gemm.hpp"
@@ -254,4 +257,113 @@ TEST_CASE("parallel linear shape errors under TP name the fix on every rank", "[
     tp.all_reduce(t)->wait();
     REQUIRE(t.item() == double(tpn));
   }
+}
+
+namespace {
+
+// One seed for every rank of `world`, fresh per run (printed on failure).
+uint64_t shared_fresh_seed(comm::Communicator& world) {
+  std::random_device rd;
+  return uint64_t(comm::all_reduce_value<int64_t>(world, world.rank() == 0 ? int64_t(rd() % 1000000) : 0));
+}
+
+// overlap_sp_forward against the serial SP layers, on fresh random inputs and non-zero biases: the column
+// layer's output (and, the backward being the serial one, its gradients) bit-identical; the row layer's
+// output within `row_tol` of the serial one (its partial sums are added in ring order) and, in f32, of
+// the single-rank reference.
+void check_sp_forward_overlap(comm::Communicator& tp, DType dt, bool bias, int64_t s, uint64_t seed) {
+  const int tpn = tp.size(), r = tp.rank();
+  const int64_t b = 3, h = 24, f = 32;
+  INFO("TP " << tpn << " " << dtype_name(dt) << " bias " << bias << " s " << s << " seed " << seed);
+  auto col = [&](bool ov) {
+    return ly::ColumnParallelLinear(tp, h, f, {.bias = bias, .sequence_parallel = true, .params_dtype = dt,
+                                               .init_std = 0.5, .seed = seed, .init_offset = 1,
+                                               .overlap_sp_forward = ov});
+  };
+  auto row = [&](bool ov) {
+    return ly::RowParallelLinear(tp, f, h, {.bias = bias, .input_is_parallel = true, .sequence_parallel = true,
+                                            .params_dtype = dt, .init_std = 0.5, .seed = seed, .init_offset = 2,
+                                            .overlap_sp_forward = ov});
+  };
+  ly::ColumnParallelLinear c0 = col(false), c1 = col(true);
+  ly::RowParallelLinear r0 = row(false), r1 = row(true);
+  const Tensor B1 = randn({f}, 5, seed).to(dt), B2 = randn({h}, 6, seed).to(dt);
+  if (bias) {
+    for (ly::ColumnParallelLinear* c : {&c0, &c1}) c->bias().data.copy_(chunk(B1, 0, tpn, r));
+    for (ly::RowParallelLinear* w : {&r0, &r1}) w->bias().data.copy_(B2);
+  }
+  const Tensor X = randn({s, b, h}, 7, seed).to(dt), G1 = randn({s, b, f}, 8, seed).to(dt);
+  const Tensor Xr = randn({s, b, f}, 9, seed).to(dt);
+  ly::ForwardContext ctx;
+
+  // Column: same output bits, then the same input and parameter gradients.
+  const Tensor x = chunk(X, 0, tpn, r), g1 = chunk(G1, -1, tpn, r);
+  const Tensor y0 = c0.forward(ctx, x), y1 = c1.forward(ctx, x);
+  REQUIRE(y1.shape() == Shape{s, b, f / tpn});
+  require_equal(y1, y0, "column output (overlapped vs serial)");
+  require_equal(c1.backward(ctx, g1), c0.backward(ctx, g1), "column input gradient");
+  require_equal(c1.weight().main_grad, c0.weight().main_grad, "column weight gradient");
+  if (bias) require_equal(c1.bias().main_grad, c0.bias().main_grad, "column bias gradient");
+
+  // Row: the ring's sum against the collective's, and against the full product.
+  const Tensor xr = chunk(Xr, -1, tpn, r);
+  const Tensor z0 = r0.forward(ctx, xr), z1 = r1.forward(ctx, xr);
+  REQUIRE(z1.shape() == Shape{s / tpn, b, h});
+  const double row_tol = dt == DType::F32 ? 1e-6 : 1e-2;
+  if (tpn == 2 && dt == DType::F32) require_equal(z1, z0, "row output at TP 2 (a two-term sum)");
+  else require_close(z1.to(DType::F32), z0.to(DType::F32), row_tol, "row output (overlapped vs serial)");
+  if (dt == DType::F32) {
+    const Tensor Z = ref_linear(Xr, ly::init_full_weight(h, f, 0.5, seed, 2), bias ? B2 : Tensor());
+    require_close(z1, chunk(Z, 0, tpn, r), kTol, "row output (overlapped vs single-rank reference)");
+  }
+  const Tensor dz = chunk(randn({s, b, h}, 10, seed).to(dt), 0, tpn, r);
+  require_equal(r1.backward(ctx, dz), r0.backward(ctx, dz), "row input gradient");
+  require_equal(r1.weight().main_grad, r0.weight().main_grad, "row weight gradient");
+}
+
+}  // namespace
+
+TEST_CASE("overlapped sequence-parallel forward of the parallel linears equals the serial one", "[layers][mpi]") {
+  auto world = world_comm();
+  const uint64_t seed = shared_fresh_seed(*world);
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
+    for (DType dt : {DType::F32, DType::BF16})
+      for (bool bias : {false, true})
+        for (int64_t s : {int64_t(2) * tpn, int64_t(4) * tpn}) check_sp_forward_overlap(grid.tp(), dt, bias, s, seed);
+  }
+  // With FP8 the layers keep the serial forward: the same bits as the serial FP8 layers (the ring would skip
+  // the FP8 cast and give other numbers).
+  for (int tpn : tp_sizes_for(world->size())) {
+    if (tpn == 1) continue;
+    ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
+    comm::Communicator& tp = grid.tp();
+    const int64_t s = 16, b = 2, h = 64, f = 128;
+    std::vector<Tensor> outs;
+    for (bool ov : {false, true}) {
+      ly::ColumnParallelLinear fc1(tp, h, f, {.bias = false, .sequence_parallel = true, .params_dtype = DType::BF16,
+                                              .init_std = 0.1, .seed = seed, .init_offset = 1, .overlap_sp_forward = ov});
+      ly::RowParallelLinear fc2(tp, f, h, {.bias = true, .input_is_parallel = true, .sequence_parallel = true,
+                                           .params_dtype = DType::BF16, .init_std = 0.1, .seed = seed, .init_offset = 2,
+                                           .overlap_sp_forward = ov});
+      ly::Fp8Recipe rec;
+      rec.scaling = ly::Fp8Scaling::Current;
+      REQUIRE(fc1.enable_fp8(rec, "fc1"));
+      REQUIRE(fc2.enable_fp8(rec, "fc2"));
+      fc1.fp8_begin_step();
+      fc2.fp8_begin_step();
+      ly::ForwardContext ctx;
+      const Tensor x = chunk(randn({s, b, h}, 11, seed).to(DType::BF16), 0, tpn, tp.rank());
+      outs.push_back(fc2.forward(ctx, fc1.forward(ctx, x)));
+    }
+    INFO("FP8, TP " << tpn << " seed " << seed);
+    require_equal(outs[1], outs[0], "FP8 layers with overlap_sp_forward (serial forward)");
+  }
+  // A constructor refuses the option without sequence parallelism.
+  comm::Communicator& self = *world;
+  REQUIRE_THROWS_WITH(ly::ColumnParallelLinear(self, 8, 8 * self.size(), {.overlap_sp_forward = true}),
+                      Catch::Contains("needs sequence_parallel"));
+  REQUIRE_THROWS_WITH(ly::RowParallelLinear(self, 8 * self.size(), 8, {.input_is_parallel = true, .overlap_sp_forward = true}),
+                      Catch::Contains("needs sequence_parallel"));
 }

@@ -4,7 +4,8 @@
 // over TP) as a TP = CP = 1 model built on the same rank from the same seed, on full sequences of several
 // lengths: tiny Llama with GQA (8 heads / 4 groups) and with MHA, tiny Llama with selective recompute (the
 // ring reruns in backward), tiny GPT-2 with full recompute (the whole layer reruns), and tiny GPT-2 (learned positions at the embedding: global positions of the
-// chunks). Both cp_comm_types: the p2p ring and all-gather. With PP 2 × CP 2 the pipeline engine (token weighting over DP×CP) gives the reference's loss
+// chunks). Both cp_comm_types: the p2p ring and all-gather; with TP 2 + SP, seq 16, also the p2p ring with
+// tp_comm_overlap_forward. With PP 2 × CP 2 the pipeline engine (token weighting over DP×CP) gives the reference's loss
 // and gradients.
 //
 // Tolerances: the CP model runs the same f32 arithmetic as the reference except for the order of additions
@@ -82,14 +83,16 @@ void compare_model(comm::Communicator& tp1, ProcessGrid& grid, mdl::TransformerC
                    ly::CpCommType comm_type, const Packing& packing = {}) {
   const int tpn = grid.tp().size(), cpn = grid.cp().size(), cr = grid.cp().rank();
   const bool swiglu = cfg.activation == mdl::ActivationType::SwiGLU;
-  INFO("CP " << cpn << (comm_type == ly::CpCommType::AllGather ? " all_gather" : " p2p") << " TP " << tpn << " SP " << sp << " seq " << seq << " norm "
+  INFO("CP " << cpn << (comm_type == ly::CpCommType::AllGather ? " all_gather" : " p2p") << " TP " << tpn << " SP " << sp << " forward overlap " << cfg.tp_comm_overlap_forward << " seq " << seq << " norm "
              << mdl::norm_type_name(cfg.normalization) << " groups " << cfg.query_groups() << " recompute "
              << mdl::recompute_granularity_name(cfg.recompute_granularity));
   const Batch batch = make_batch(cfg.vocab_size, seq);
   ly::ForwardContext ctx;
   ctx.cu_seqlens = packing.cu, ctx.max_seqlen = packing.max_seqlen, ctx.position_ids = packing.positions;
 
-  mdl::GPTModel ref(cfg, tp1);
+  mdl::TransformerConfig ref_cfg = cfg;
+  ref_cfg.tp_comm_overlap_forward = false;  // an SP-only option
+  mdl::GPTModel ref(ref_cfg, tp1);
   const double ref_loss = ref.forward(ctx, batch.tokens, batch.labels, batch.mask).item();
   ref.backward(ctx);
   REQUIRE(std::isfinite(ref_loss));
@@ -154,6 +157,11 @@ TEST_CASE("GPTModel with CP 2/4 (p2p ring and all-gather, alone and with TP 2 + 
             if (seq % (2 * cpn * (sp ? tpn : 1))) continue;
             for (ly::CpCommType ct : {ly::CpCommType::P2P, ly::CpCommType::AllGather})
               compare_model(grid1.tp(), grid, cfg, sp, seq, ct);
+            if (sp && seq == 16) {  // the SP forward collectives as TP rings inside each CP rank's part
+              mdl::TransformerConfig fwd = cfg;
+              fwd.tp_comm_overlap_forward = true;
+              compare_model(grid1.tp(), grid, fwd, sp, seq, ly::CpCommType::P2P);
+            }
           }
         }
     }

@@ -151,6 +151,25 @@ TEST_CASE("attention merge ops refuse mismatched operands", "[ops][cp]") {
   CHECK_THROWS_WITH(ops::attention_merge_partial(out, lse, part, bad, 0), Catch::Contains("lse_part"));
   Tensor dst = Tensor::zeros({5}), src = Tensor::zeros({4});
   CHECK_THROWS_WITH(ops::accumulate_f32(dst, src), Catch::Contains("4 elements"));
+  CHECK_THROWS_WITH(ops::accumulate(dst, src), Catch::Contains("4 elements"));
+  Tensor ints = Tensor::zeros({4}, DType::I32);
+  CHECK_THROWS_WITH(ops::accumulate(ints, src), Catch::Contains("bf16"));
+}
+
+TEST_CASE("accumulate adds in f32 and rounds once to the destination's dtype", "[ops][cp]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  for (DType dd : {DType::F32, DType::BF16, DType::F16})
+    for (DType ds : {DType::F32, DType::BF16, DType::F16}) {
+      INFO(dtype_name(dd) << " += " << dtype_name(ds));
+      Tensor dst = randn({3, 37}, dd, seed), src = randn({3, 37}, ds, seed + 1);
+      // The reference: the f64 sum of the two values (exact), rounded once to dst's dtype.
+      const std::vector<double> a = dst.to_double_vector(), b = src.to_double_vector();
+      Tensor want = Tensor::empty({3, 37}, DType::F32);
+      for (size_t i = 0; i < a.size(); ++i) want.data<float>()[i] = float(a[i] + b[i]);
+      ops::accumulate(dst, src);
+      CHECK(same_bits(dst, want.to(dd)));
+    }
 }
 
 TEST_CASE("attention merge CUDA kernels match the CPU implementation", "[ops][cp][gpu]") {
@@ -179,6 +198,10 @@ TEST_CASE("attention merge CUDA kernels match the CPU implementation", "[ops][cp
       ops::accumulate_f32(dst, part);
       ops::accumulate_f32(gdst, gp);
       CHECK(rel_err_t(gdst, dst) < 1e-7);
+      Tensor low = randn({c.Sp, c.B, c.H, c.D}, dt, seed + 5), glow = low.to(g);
+      ops::accumulate(low, part);
+      ops::accumulate(glow, gp);
+      CHECK(same_bits(glow, low));  // one f32 add rounded once: the same on both devices
     }
   }
 }

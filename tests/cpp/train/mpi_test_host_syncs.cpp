@@ -1,7 +1,8 @@
 // Host synchronisations of the training step (docs/performance.md): counted by core/host_sync.hpp on CPU
-// ranks (the same control flow as on GPUs), for DP and PP × DP layouts with gradient clipping on and a
-// log interval > 1. In the steady state a step makes exactly two: the gradient norm's read (which also
-// brings the loss and the token count) and the stop-signal agreement before the checkpoint decision.
+// ranks (the same control flow as on GPUs), for DP, PP × DP and TP 2 + SP (with the overlapped SP forward) × DP
+// layouts with gradient clipping on and a log interval > 1. In the steady state a step makes exactly two: the
+// gradient norm's read (which also brings the loss and the token count) and the stop-signal agreement before
+// the checkpoint decision.
 // A second case checks the deferred token normalisation against the engine's per-step one on data whose
 // loss mask drops tokens (the global token count then differs from the nominal one).
 #include <catch2/catch.hpp>
@@ -80,16 +81,28 @@ std::string show(const std::map<std::string, int64_t>& m) {
 
 }  // namespace
 
-TEST_CASE("a training step makes the documented two host syncs (DP, ZeRO-1, PP x DP; clipping, log interval 3)",
+TEST_CASE("a training step makes the documented two host syncs (DP, ZeRO-1, PP x DP, TP+SP x DP; clipping, log interval 3)",
           "[train][mpi][host_sync]") {
   auto world = layers_test::world_comm();
   const int n = world->size();
-  std::vector<std::pair<int, bool>> layouts{{1, false}, {1, true}};  // (PP, ZeRO-1)
-  if (n % 2 == 0) layouts.emplace_back(2, false);
-  for (const auto& [pp, zero] : layouts) {
-    INFO("world " << n << " PP " << pp << " ZeRO-1 " << zero);
+  struct Layout {
+    int pp;
+    bool zero;
+    int tp = 1;  // with TP 2: sequence parallelism and the overlapped SP forward (its rings wait on the stream)
+  };
+  std::vector<Layout> layouts{{1, false}, {1, true}};
+  if (n % 2 == 0) layouts.push_back({2, false});
+  if (n % 2 == 0) layouts.push_back({1, false, 2});
+  for (const auto& [pp, zero, tp] : layouts) {
+    INFO("world " << n << " PP " << pp << " ZeRO-1 " << zero << " TP " << tp);
     tr::RunConfig cfg = small_run(n, pp, 6);
     cfg.parallel.use_distributed_optimizer = zero;
+    if (tp > 1) {
+      cfg.parallel.tensor_model_parallel_size = tp;
+      cfg.parallel.sequence_parallel = true;
+      cfg.parallel.tp_comm_overlap_forward = true;
+      cfg.data.global_batch_size = 4 * (n / tp);
+    }
     const std::vector<std::map<std::string, int64_t>> steps = syncs_per_step(*world, cfg);
     // From the second step on (the first also agrees the pipeline's shapes and includes the set-up): the
     // previous iteration's stop agreement and this step's one read.
