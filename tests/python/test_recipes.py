@@ -98,6 +98,10 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"optim.lr_decay_style": "exp"}, "'exp' is not one of constant, linear, cosine, wsd"),
     ({"trainer.precision": "fp8"}, "'fp8' is not one of auto, f32, bf16, f16"),
     ({"trainer.recompute": "bogus"}, "trainer.recompute 'bogus' is not one of none, selective, full"),
+    ({"trainer.recompute_num_layers": 1}, "trainer.recompute_num_layers: 1 limits full recompute to the first layers "
+                                          "of each model chunk, but trainer.recompute is none; set trainer.recompute = full"),
+    ({"trainer.recompute": "full", "trainer.recompute_num_layers": 3},  # tiny: 4 layers over PP 2
+     "trainer.recompute_num_layers: 3 exceeds the 2 layers of the largest model chunk .*; give at most 2"),
     ({"model.normalization": "BatchNorm"}, "model.normalization 'BatchNorm' is not one of RMSNorm, LayerNorm"),
     ({"model.num_query_groups": 3}, "model:"),
     ({"checkpoint.resume": "/nonexistent/step_5"}, "is not a checkpoint directory"),
