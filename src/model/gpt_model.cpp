@@ -97,6 +97,7 @@ GPTModel::GPTModel(const TransformerConfig& cfg, comm::Communicator& tp, const G
   block_ = std::make_unique<TransformerBlock>(tp, cfg_,
                                               TransformerBlockOptions{.layer_indices = layer_indices_,
                                                                       .final_layernorm = opts_.post_process,
+                                                                      .recompute_num_layers = opts_.recompute_num_layers,
                                                                       .init_offset_base = kModelLayerInitBase,
                                                                       .device = opts_.device,
                                                                       .cp = opts_.cp,

@@ -167,6 +167,7 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const mdl::TransformerConfi
     o.layer_indices = layout.layer_indices(pp_rank, c);
     o.pre_process = layout.has_embedding(pp_rank, c);
     o.post_process = layout.has_head(pp_rank, c);
+    o.recompute_num_layers = cfg.trainer.recompute_num_layers;
     o.cp = &grid.cp();
     o.cp_comm_type = cfg.parallel.cp_comm_type == "all_gather" ? ly::CpCommType::AllGather : ly::CpCommType::P2P;
     if (m.is_moe()) o.moe = mdl::moe_groups(grid);

@@ -649,6 +649,33 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
   for (const std::string& e : model::validation_errors(r.transformer_config(false), tp, p.expert_model_parallel_size,
                                                        std::max(p.expert_tensor_parallel_size, 0)))
     err("model", e);
+  if (t.recompute_num_layers != -1) {
+    if (t.recompute != model::RecomputeGranularity::Full)
+      err("trainer.recompute_num_layers",
+          fmt::format("{} limits full recompute to the first layers of each model chunk, but trainer.recompute is "
+                      "{}; set trainer.recompute = full, or recompute_num_layers = -1",
+                      t.recompute_num_layers, model::recompute_granularity_name(t.recompute)));
+    else if (t.recompute_num_layers < 0)
+      err("trainer.recompute_num_layers",
+          fmt::format("must be >= 0 (or -1 = every layer), got {}", t.recompute_num_layers));
+    else if (mc.num_layers >= 1) {
+      // N counts in each model chunk (pipeline stage, or virtual stage): at most the largest chunk's layers.
+      int64_t most = 0;
+      try {
+        const pipeline::PipelineLayout lay =
+            pipeline::choose_layout(mc.num_layers, pp, vp, p.pipeline_layout, r.pipeline_stage_costs());
+        for (int s = 0; s < pp; ++s)
+          for (int c = 0; c < vp; ++c) most = std::max<int64_t>(most, int64_t(lay.layer_indices(s, c).size()));
+      } catch (const Error&) {
+        most = -1;  // the layout itself is reported above
+      }
+      if (most >= 0 && t.recompute_num_layers > most)
+        err("trainer.recompute_num_layers",
+            fmt::format("{} exceeds the {} layers of the largest model chunk (PP×VP = {}×{} chunks of the {} layers); "
+                        "give at most {}, or -1 to recompute every layer",
+                        t.recompute_num_layers, most, pp, vp, mc.num_layers, most));
+    }
+  }
   // A blend alternates weights and prefixes: [0.3, "data/a", 0.7, "data/b"]; a plain list has no weights.
   const bool weighted = std::any_of(d.paths.begin(), d.paths.end(),
                                     [](const auto& e) { return std::holds_alternative<double>(e); });

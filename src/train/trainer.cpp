@@ -53,6 +53,16 @@ namespace mdl = megacore::model;
 
 namespace {
 
+// The start banner's recompute entry: "" without recompute, else its granularity and, for block recompute,
+// how many layers of each chunk.
+std::string recompute_text(const TrainerSection& t) {
+  if (t.recompute == mdl::RecomputeGranularity::None) return "";
+  std::string s = fmt::format(" | recompute {}", mdl::recompute_granularity_name(t.recompute));
+  if (t.recompute == mdl::RecomputeGranularity::Full && t.recompute_num_layers >= 0)
+    s += fmt::format(" (first {} layers per model chunk)", t.recompute_num_layers);
+  return s;
+}
+
 // Rewrites a metrics.jsonl keeping the rows of steps <= `step` (atomically: a crash leaves the old file).
 void drop_rows_after(const fs::path& path, int64_t step) {
   std::ifstream in(path);
@@ -241,7 +251,7 @@ void Trainer::Impl::build() {
     const mdl::TransformerConfig& m = mcfg();
     const ParallelSection& ps = cfg.parallel;
     std::printf("megacore: world %d = TP %d x PP %d (VP %d) x CP %d x DP %d on %s | %lld layers, %s | micro-batch %lld x "
-                "%lld, %lld micro-batches per step | %s%s%s%s%s\n",
+                "%lld, %lld micro-batches per step | %s%s%s%s%s%s\n",
                 world.size(), pc.tensor, pc.pipeline, pc.virtual_pipeline, pc.context, dp(),
                 is_cuda() ? cuda_device_name(device().index).c_str() : "CPU", (long long)m.num_layers,
                 std::string(dtype_name(m.params_dtype)).c_str(), (long long)cfg.data.micro_batch_size,
@@ -249,7 +259,7 @@ void Trainer::Impl::build() {
                 ps.use_distributed_optimizer ? "ZeRO-1" : cfg.optim.optimizer.c_str(),
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
                 m.tp_comm_overlap_forward ? " | tp_comm_overlap_forward" : "",
-                ps.overlap_param_gather ? " | overlap_param_gather" : "");
+                ps.overlap_param_gather ? " | overlap_param_gather" : "", recompute_text(cfg.trainer).c_str());
     if (cfg.trainer.fp8_param_gather)
       std::printf("megacore: fp8_param_gather: the FP8 linears' weights are all-gathered over DP as E4M3 codes%s\n",
                   dp() * pc.context > 1 ? "" : " (DP x CP = 1: nothing to gather)");

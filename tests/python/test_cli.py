@@ -192,7 +192,8 @@ def test_plan_counts_the_logits_on_the_last_stage_and_keeps_headroom():
 
 def test_fit_layout_picks_the_least_model_parallelism_that_fits(capsys):
     four = cli.fit_layout("llama3_8b", 4, 80.0, seq_length=8192)
-    assert four["plan"]["fits"] and (four["tp"], four["pp"]) == (4, 1)  # TP 2 + ZeRO over DP 2 does not fit
+    # TP 2 + ZeRO over DP 2 fits with full recompute of its first layers (TP 4 is one degree more).
+    assert four["plan"]["fits"] and (four["tp"], four["pp"], four["recompute"]) == (2, 1, "full")
     eight = cli.fit_layout("llama3_8b", 8, 80.0, seq_length=8192)
     assert eight["plan"]["fits"] and (eight["tp"], eight["pp"], eight["zero"]) == (2, 1, True)
     assert cli.fit_layout("tiny_llama", 1, 80.0)["tp"] == 1
@@ -204,11 +205,82 @@ def test_fit_layout_picks_the_least_model_parallelism_that_fits(capsys):
         p = rec.parallel
         r = cli.plan(rec.model.to_transformer_config("bf16", p.sequence_parallel, rec.trainer.recompute), gpus,
                      p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seq_length=rec.data.seq_length,
-                     sequence_parallel=p.sequence_parallel, zero=p.use_distributed_optimizer, gpu_memory_gib=80.0)
+                     sequence_parallel=p.sequence_parallel, zero=p.use_distributed_optimizer, gpu_memory_gib=80.0,
+                     recompute_num_layers=rec.trainer.recompute_num_layers)
         assert r["fits"], (gpus, r["total_bytes"] / 2**30)
     assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--set", "parallel.tp=2",
+                     "--set", "trainer.recompute=selective", "--set", "trainer.recompute_num_layers=-1",
                      "--fit", "--no-table"]) == 0
-    assert "--set parallel.tp=4" in capsys.readouterr().out
+    assert cli.fit_flags(four) in capsys.readouterr().out
+
+
+def _llama3_8b_layer_bytes(seq, tp, full):
+    """Saved bytes of one Llama-3-8B layer at TP + SP, bf16, by memory.hpp's count: only the input (h) under full
+    recompute; else the sequence tensors (4·h, two f32 norm statistics), Q/K/V, O, fc1 (2·ffn), fc2 input, f32 LSE."""
+    h, heads, groups, d, f = 4096, 32, 8, 128, 14336
+    if full:
+        return seq * h * 2 / tp
+    seq_terms = seq * (4 * h * 2 + 2 * 4)
+    head_terms = seq * ((heads * d + 2 * groups * d) + heads * d + 2 * f + f) * 2 / tp
+    return seq_terms / tp + head_terms + seq * heads * 4 / tp
+
+
+def test_plan_counts_block_recompute_per_model_chunk():
+    # Full recompute of the first N layers of each chunk: those keep their input, the others everything (as none).
+    kw = dict(tp=2, seq_length=8192, sequence_parallel=True, zero=True)
+    full_cfg = cli._preset_with_recompute("llama3_8b", "full")
+    full, kept = _llama3_8b_layer_bytes(8192, 2, True), _llama3_8b_layer_bytes(8192, 2, False)
+    assert kept - full == pytest.approx(0.5 * 2**30, rel=0.01)  # what one recomputed layer saves here
+    for n in (0, 2, 8, 32):
+        r = cli.plan(full_cfg, 4, recompute_num_layers=n, **kw)
+        assert r["memory_bytes"]["activations"] == pytest.approx(n * full + (32 - n) * kept, rel=1e-12), n
+    every = cli.plan(full_cfg, 4, **kw)["memory_bytes"]["activations"]
+    assert every == pytest.approx(32 * full, rel=1e-12)
+    assert cli.plan(full_cfg, 4, recompute_num_layers=32, **kw)["memory_bytes"]["activations"] == pytest.approx(every)
+    # PP 2 × VP 2: 4 chunks of 8 layers; rank 0 holds 2 of them (N each recomputed) for PP − 0 = 2 micro-batches.
+    pp = cli.plan(full_cfg, 4, tp=2, pp=2, vp=2, seq_length=8192, sequence_parallel=True, pipeline_head_cost=0,
+                  recompute_num_layers=3)
+    assert pp["stage_layers"] == [8, 8, 8, 8]
+    acts = [2 * (6 * full + 10 * kept), 1 * (6 * full + 10 * kept)]
+    assert pp["memory_bytes"]["activations"] == pytest.approx(acts[pp["busiest_rank"]], rel=1e-12)
+    with pytest.raises(ValueError, match="recompute_num_layers 1 needs full recompute"):
+        cli.plan("llama3_8b", 4, recompute_num_layers=1, **kw)
+    # Through a recipe and the CLI: --set trainer.recompute_num_layers reaches plan_recipe.
+    rec = mc.recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4)
+    for k, v in (("parallel.tp", "2"), ("parallel.sp", "true"), ("parallel.zero", "true"),
+                 ("trainer.recompute", "full"), ("trainer.recompute_num_layers", "2")):
+        rec.set(k, v)
+    assert cli.plan_recipe(rec)["memory_bytes"]["activations"] == pytest.approx(2 * full + 30 * kept, rel=1e-12)
+
+
+def test_fit_layout_recomputes_the_fewest_layers_before_more_model_parallelism(capsys):
+    kw = dict(tp=2, seq_length=8192, sequence_parallel=True, zero=True, gpu_memory_gib=80.0)
+    assert not cli.plan("llama3_8b", 4, **kw)["fits"]  # TP 2 with selective recompute: just over 80 GiB's usable
+    f = cli.fit_layout("llama3_8b", 4, 80.0, seq_length=8192)
+    n = f["recompute_num_layers"]
+    assert (f["tp"], f["pp"], f["sequence_parallel"], f["zero"], f["recompute"]) == (2, 1, True, True, "full")
+    assert 1 <= n <= 8 and f["plan"]["fits"]
+    full_cfg = cli._preset_with_recompute("llama3_8b", "full")
+    assert cli.plan(full_cfg, 4, recompute_num_layers=n, **kw)["fits"]
+    assert n == 1 or not cli.plan(full_cfg, 4, recompute_num_layers=n - 1, **kw)["fits"]  # the fewest that fit
+    flags = cli.fit_flags(f)
+    assert flags.endswith(f"--set trainer.recompute=full --set trainer.recompute_num_layers={n}"), flags
+    assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "4", "--seq-length", "8192", "--fit",
+                     "--no-table"]) == 0
+    assert f"fitting layout for 80 GiB GPUs: {flags}" in capsys.readouterr().out
+    # Selective recompute still wins where it fits (8 GPUs: TP 2 + ZeRO-1); full recompute of every layer is the last
+    # resort (a 2-GPU job at 80 GiB: no layout fits with at most a quarter of the layers recomputed).
+    eight = cli.fit_layout("llama3_8b", 8, 80.0, seq_length=8192)
+    assert (eight["tp"], eight["recompute"], eight["recompute_num_layers"]) == (2, "selective", -1)
+    two = cli.fit_layout("llama3_8b", 2, 80.0, seq_length=8192)
+    assert (two["recompute"], two["recompute_num_layers"]) == ("full", -1) and two["plan"]["fits"]
+    # The recipe takes the fitted layout, and its banner names it.
+    rec = cli.load_recipe("llama3_8b", None, [], 4, None)
+    assert (rec.parallel.tensor_model_parallel_size, rec.trainer.recompute, rec.trainer.recompute_num_layers) == \
+        (2, "full", n)
+    rec.validate(check_paths=False)
+    assert f"recompute full of the first {n} layers per model chunk (trainer.recompute_num_layers={n})" in \
+        cli.recipe_layout(rec)
 
 
 def test_plan_layout_flags_override_a_recipe(capsys):

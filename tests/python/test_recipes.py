@@ -101,6 +101,10 @@ def test_unknown_fields_in_files_are_refused(tmp_path):
     ({"optim.lr_decay_style": "exp"}, "'exp' is not one of constant, linear, cosine, wsd"),
     ({"trainer.precision": "fp8"}, "'fp8' is not one of auto, f32, bf16, f16"),
     ({"trainer.recompute": "bogus"}, "trainer.recompute 'bogus' is not one of none, selective, full"),
+    ({"trainer.recompute_num_layers": 1}, "trainer.recompute_num_layers: 1 limits full recompute to the first layers "
+                                          "of each model chunk, but trainer.recompute is none; set trainer.recompute = full"),
+    ({"trainer.recompute": "full", "trainer.recompute_num_layers": 3},  # tiny: 4 layers over PP 2
+     "trainer.recompute_num_layers: 3 exceeds the 2 layers of the largest model chunk .*; give at most 2"),
     ({"model.normalization": "BatchNorm"}, "model.normalization 'BatchNorm' is not one of RMSNorm, LayerNorm"),
     ({"model.num_query_groups": 3}, "model:"),
     ({"checkpoint.resume": "/nonexistent/step_5"}, "is not a checkpoint directory"),
@@ -205,7 +209,7 @@ def test_unknown_recipe_name():
 
 def test_recipe_layout_follows_the_gpus_given(capsys):
     # `train --nproc-per-node N` and `plan --world-size N` build the recipe for N GPUs: Llama-3-8B's layout is the one
-    # plan --fit picks for N GPUs of the memory given (TP 4 on 4 × 80 GiB, TP 1 + ZeRO-1 on 4 × 140 GiB), not its
+    # plan --fit picks for N GPUs of the memory given (TP 2 + ZeRO-1 with block recompute on 4 × 80 GiB, TP 1 + ZeRO-1 on 4 × 140 GiB), not its
     # default 8-GPU layout with fewer data-parallel replicas.
     for n in (2, 4, 8, 16):
         for gib in (None, 80.0, 96.0, 120.0, 140.0, 192.0):
@@ -213,14 +217,15 @@ def test_recipe_layout_follows_the_gpus_given(capsys):
             fit = cli.fit_layout("llama3_8b", n, gib or 80.0, 8192)  # the model preset: same shapes as the recipe's
             assert r.world_size == n
             assert (r.parallel.tensor_model_parallel_size, r.parallel.pipeline_model_parallel_size,
-                    r.parallel.sequence_parallel, r.parallel.use_distributed_optimizer, r.trainer.recompute) == \
-                (fit["tp"], fit["pp"], fit["sequence_parallel"], fit["zero"], fit["recompute"])
+                    r.parallel.sequence_parallel, r.parallel.use_distributed_optimizer, r.trainer.recompute,
+                    r.trainer.recompute_num_layers) == \
+                (fit["tp"], fit["pp"], fit["sequence_parallel"], fit["zero"], fit["recompute"], fit["recompute_num_layers"])
             # Fitted under the headroom the memory check before launch applies: it passes on GPUs of that size.
             assert cli.check_memory(r, gib or 80.0)["fits"], (n, gib)
-    assert _layout(cli.load_recipe("llama3_8b", None, [], 4, None)) == (4, 1, 1)
+    assert _layout(cli.load_recipe("llama3_8b", None, [], 4, None)) == (2, 1, 2)  # full recompute of its first layers
     assert _layout(cli.load_recipe("llama3_8b", None, [], 4, None, gpu_memory_gib=140)) == (1, 1, 4)
     # The Python API is deterministic: 80 GiB unless the caller gives the memory.
-    assert _layout(recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4)) == (4, 1, 1)
+    assert _layout(recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4)) == (2, 1, 2)
     assert _layout(recipes.llama3_8b.pretrain_recipe(num_gpus_per_node=4, gpu_memory_gib=140)) == (1, 1, 4)
     assert _layout(recipes.get("llama3_8b_finetune", num_gpus_per_node=4, gpu_memory_gib=140)) == (1, 1, 4)
     assert recipes.takes_gpu_memory("llama3_8b_finetune") and not recipes.takes_gpu_memory("tiny")
@@ -228,7 +233,7 @@ def test_recipe_layout_follows_the_gpus_given(capsys):
         cli.load_recipe("llama3_8b", None, [], 1, None)
     assert cli.main(["plan", "--recipe", "llama3_8b", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "world 4 = TP 4 × CP 1 × DP 1" in out and "layout fitted for 80.0 GiB GPUs (plan's default" in out, out
+    assert "world 4 = TP 2 × CP 1 × DP 2" in out and "layout fitted for 80.0 GiB GPUs (plan's default" in out, out
 
 
 def test_plan_builds_the_recipe_for_the_gpu_memory_given(capsys):

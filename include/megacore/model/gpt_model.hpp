@@ -82,6 +82,9 @@ struct GPTModelOptions {
   /// chunk holds; unset = all of them. An empty list is a stage with no transformer layer (allowed by
   /// PipelineLayout::from_counts). Pass PipelineLayout::layer_indices(pp_rank, chunk).
   std::optional<std::vector<int64_t>> layer_indices;
+  /// With cfg.recompute_granularity = Full: how many of this chunk's transformer layers (the first ones)
+  /// recompute; the others keep their activations (TransformerBlockOptions::recompute_num_layers). < 0 = all.
+  int64_t recompute_num_layers = -1;
   /// Holds the word embedding (and learned positions): the first pipeline stage.
   bool pre_process = true;
   /// Holds the final norm, the output layer and the loss: the last pipeline stage.

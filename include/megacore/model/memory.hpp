@@ -18,6 +18,9 @@
 //   layer output              h
 //   norm statistics           2 × f32 (RMSNorm rstd; LayerNorm adds the mean)
 // Under TP the per-head and per-ffn terms are divided by t; with sequence parallelism every term is.
+// Full recompute keeps only the layer input (h, divided by t under SP). Block recompute (full recompute of
+// only the first N layers of a chunk, TransformerBlockOptions::recompute_num_layers) is counted per layer:
+// those N layers at Full, the others at None (they keep everything, LSE included), as `megacore plan` does.
 #pragma once
 
 #include <cstdint>

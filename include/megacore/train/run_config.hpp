@@ -259,6 +259,7 @@ struct TrainerSection {
   std::string device = "auto";
   std::string memory_check = "error";
   model::RecomputeGranularity recompute = model::RecomputeGranularity::None;
+  int64_t recompute_num_layers = -1;
   uint64_t seed = 1234;
   double peak_tflops = 0;
   int64_t generate_tokens = 0;
@@ -314,6 +315,12 @@ struct TrainerSection {
       s.memory_check);
     f(Field{"recompute", "Activation recompute in backward: none, selective (core attention) or full (layer)."},
       s.recompute);
+    f(Field{"recompute_num_layers",
+            "With recompute = full: recompute only the first N layers of each model chunk (a pipeline stage, or "
+            "each virtual stage under interleaving) and keep every activation of the others (Megatron-Core's "
+            "recompute_method = block); -1 = every layer. Trades memory for speed: a recomputed layer saves all but "
+            "its input and costs about a third of its forward + backward again."},
+      s.recompute_num_layers);
     f(Field{"seed", "Seed of the run (kept for reproducibility; the model's init uses model.seed)."}, s.seed);
     f(Field{"peak_tflops", "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = the card's known figure."}, s.peak_tflops);
     f(Field{"generate_tokens",

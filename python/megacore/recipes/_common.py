@@ -21,7 +21,7 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 
 
 def fit_to_gpus(recipe: Recipe, gpu_memory_gib: float | None) -> Recipe:
-    """Sets the recipe's TP/PP, sequence parallelism, ZeRO-1 and recompute to the first layout, least model
+    """Sets the recipe's TP/PP, sequence parallelism, ZeRO-1 and recompute (with recompute_num_layers) to the first layout, least model
     parallelism first, whose `megacore plan` estimate fits GPUs of ``gpu_memory_gib`` (None: DEFAULT_GPU_MEMORY_GIB)
     under the same headroom the memory check before launch applies (cli.fit_recipe), so that check passes the
     layout on GPUs of that size. ConfigError, naming the smallest estimate, when no layout of its GPUs fits."""
@@ -31,7 +31,7 @@ def fit_to_gpus(recipe: Recipe, gpu_memory_gib: float | None) -> Recipe:
     p = recipe.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = f["tp"], f["pp"]
     p.sequence_parallel, p.use_distributed_optimizer = f["sequence_parallel"], f["zero"]
-    recipe.trainer.recompute = f["recompute"]
+    recipe.trainer.recompute, recipe.trainer.recompute_num_layers = f["recompute"], f["recompute_num_layers"]
     return recipe
 
 

@@ -1,7 +1,8 @@
 """Llama 3 8B: h4096, 32 layers, 32 heads / 8 KV groups, FFN 14336, vocab 128256, untied, seq 8192. Its layout
 (TP, PP, sequence parallelism, ZeRO-1, recompute) is the one `megacore plan --fit` picks for its GPUs and their
 memory, ``gpu_memory_gib`` (default 80, the size of an H100 or A100 80GB; `megacore train` passes the memory of the
-GPUs the job runs on): on 80 GiB GPUs TP 2 + SP + ZeRO-1 on 8 GPUs and TP 4 + SP on 4; on 140 GiB GPUs (H200) TP 1
+GPUs the job runs on): on 80 GiB GPUs TP 2 + SP + ZeRO-1 on 8 GPUs, and on 4 the same with full recompute of the first 2 layers
+(trainer.recompute_num_layers); on 140 GiB GPUs (H200) TP 1
 with ZeRO-1 on 4 or 8."""
 
 from __future__ import annotations

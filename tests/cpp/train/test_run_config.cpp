@@ -6,6 +6,7 @@
 #include <functional>
 #include <set>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "test_helpers.hpp"
@@ -188,6 +189,42 @@ TEST_CASE("validate reports every problem of a run at once, each with its fix", 
   const ValidationReport w = validate(ok, 4, {.check_paths = false});
   CHECK(w.errors.empty());
   CHECK(has(w.warnings, "pipeline bubble"));
+}
+
+TEST_CASE("validate checks trainer.recompute_num_layers: full recompute only, within a model chunk", "[config]") {
+  RunConfig c;
+  c.resources.num_gpus_per_node = 4;
+  c.model.num_layers = 8;
+  c.parallel.pipeline_model_parallel_size = 2;
+  c.parallel.virtual_pipeline_model_parallel_size = 2;  // 4 chunks of 2 layers
+  c.data.global_batch_size = 16;
+  c.trainer.recompute_num_layers = 1;
+  for (auto g : {model::RecomputeGranularity::None, model::RecomputeGranularity::Selective})
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(-2)}) {
+      c.trainer.recompute = g;
+      c.trainer.recompute_num_layers = n;
+      CHECK(has(validate(c, 4, {.check_paths = false}).errors,
+                fmt::format("trainer.recompute_num_layers: {} limits full recompute to the first layers of each model "
+                            "chunk, but trainer.recompute is {}; set trainer.recompute = full",
+                            n, model::recompute_granularity_name(g))));
+    }
+  c.trainer.recompute = model::RecomputeGranularity::Full;
+  for (int64_t n : {-1, 0, 1, 2}) {
+    c.trainer.recompute_num_layers = n;
+    CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  }
+  c.trainer.recompute_num_layers = 3;
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors,
+            "trainer.recompute_num_layers: 3 exceeds the 2 layers of the largest model chunk (PP×VP = 2×2 chunks of "
+            "the 8 layers); give at most 2"));
+  c.trainer.recompute_num_layers = -2;
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "trainer.recompute_num_layers: must be >= 0 (or -1"));
+  // Uneven chunks (an explicit layout): N counts against the largest.
+  c.parallel.pipeline_layout = {3, 1, 1, 3};
+  c.trainer.recompute_num_layers = 3;
+  CHECK(validate(c, 4, {.check_paths = false}).errors.empty());
+  c.trainer.recompute_num_layers = 4;
+  CHECK(has(validate(c, 4, {.check_paths = false}).errors, "exceeds the 3 layers of the largest model chunk"));
 }
 
 TEST_CASE("validate checks the MoE layout: EP within DP×CP, experts and FFN divisible, no EP without experts",
