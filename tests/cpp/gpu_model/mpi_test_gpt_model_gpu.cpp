@@ -125,6 +125,19 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   if (mpi_tp.rank() == 0 && mpi_tp1.rank() == 0) std::printf("[gpu model]   worst gradient rel %.2e\n", worst);
 }
 
+
+// The model both TP-overlap cases run: tiny Llama widened to 512 (8 heads of 64, FFN 1024), SP, bf16.
+mdl::TransformerConfig overlap_test_config() {
+  mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
+  cfg.hidden_size = 512;
+  cfg.num_attention_heads = 8;
+  cfg.kv_channels = 64;
+  cfg.ffn_hidden_size = 1024;
+  cfg.sequence_parallel = true;
+  cfg.params_dtype = DType::BF16;
+  return cfg;
+}
+
 }  // namespace
 
 TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP = 1 model", "[gpu][model][mpi]") {
@@ -170,13 +183,7 @@ TEST_CASE("tp_comm_overlap on GPUs, with a high-priority communication stream, c
   for (int tpn : tp_sizes_for(world->size())) {
     if (tpn == 1) continue;
     auto gpu_tp = nccl_tp(*world, tpn);
-    mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
-    cfg.hidden_size = 512;
-    cfg.num_attention_heads = 8;
-    cfg.kv_channels = 64;
-    cfg.ffn_hidden_size = 1024;
-    cfg.sequence_parallel = true;
-    cfg.params_dtype = DType::BF16;
+    const mdl::TransformerConfig cfg = overlap_test_config();
     const Batch batch = make_batch(cfg.vocab_size);
     const Device dev = my_device();
     struct Run {
@@ -222,13 +229,7 @@ TEST_CASE("tp_comm_overlap_forward on GPUs: the ring forward against the serial 
   for (int tpn : tp_sizes_for(world->size())) {
     if (tpn == 1) continue;
     auto gpu_tp = nccl_tp(*world, tpn);
-    mdl::TransformerConfig cfg = mdl::presets::tiny_llama();
-    cfg.hidden_size = 512;
-    cfg.num_attention_heads = 8;
-    cfg.kv_channels = 64;
-    cfg.ffn_hidden_size = 1024;
-    cfg.sequence_parallel = true;
-    cfg.params_dtype = DType::BF16;
+    const mdl::TransformerConfig cfg = overlap_test_config();
     const Batch batch = make_batch(cfg.vocab_size);
     const Device dev = my_device();
     struct Run {
