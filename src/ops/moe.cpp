@@ -17,8 +17,12 @@
 #include "megacore/core/log.hpp"
 #include "megacore/ops/gemm.hpp"
 #include "megacore/ops/ops_common.hpp"
+#include "ops/cuda/grouped_gemm_sm90.hpp"
 #include "ops/cuda/moe_cuda.hpp"
 #include "ops/memops_cpu.hpp"
+#if MEGACORE_WITH_CUDA
+#include "core/cuda/cuda_check.hpp"
+#endif
 
 namespace megacore::ops {
 namespace {
@@ -832,6 +836,43 @@ bool grouped_cuda(GroupedKind kind, const Tensor& a, const Tensor& b, const std:
 }
 #endif
 
+std::atomic<int64_t>& sm90_launch_count() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
+/// Whether auto takes the Hopper kernel for a wgrad with these group sizes (see kGroupedSm90WgradMinRows).
+bool sm90_wgrad_pays(std::span<const int64_t> sizes) {
+  int64_t rows = 0, used = 0;
+  for (int64_t r : sizes) rows += r, used += r > 0;
+  return used > 0 && rows >= kGroupedSm90WgradMinRows * used;
+}
+
+#if MEGACORE_WITH_CUDA
+static_assert(kGroupedSm90MaxGroups == cuda::kGroupedSm90MaxGroups);
+
+/// The Sm90 kernel's description of this call, and why it cannot run it (nullptr: it can).
+const char* sm90_problem(GroupedKind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>& off,
+                         Tensor& out, float beta, cuda::GroupedSm90& q) {
+  using K = cuda::GroupedSm90::Kind;
+  q.kind = kind == GroupedKind::Forward ? K::Forward : kind == GroupedKind::Dgrad ? K::Dgrad : K::Wgrad;
+  q.f16 = a.dtype() == DType::F16;
+  q.out_f32 = out.dtype() == DType::F32;
+  q.groups = int(off.size()) - 1;
+  q.rows = a.size(0);
+  // forward: w [G, mo, k], x [rows, k]; dgrad: w [G, mo, k], dy [rows, mo]; wgrad: dy [rows, mo], x [rows, k].
+  q.mo = kind == GroupedKind::Wgrad ? a.size(1) : b.size(1);
+  q.k = kind == GroupedKind::Wgrad ? b.size(1) : b.size(2);
+  q.a = a.data_ptr(), q.b = b.data_ptr(), q.out = out.data_ptr();
+  q.offsets = off.data();
+  q.beta = kind == GroupedKind::Wgrad ? beta : 0.f;
+  if (a.dtype() != DType::BF16) return "the kernel takes bf16 inputs only";
+  if (!a.is_contiguous() || !b.is_contiguous() || !out.is_contiguous()) return "an operand is not contiguous";
+  if (q.groups > kGroupedSm90MaxGroups) return "more than kGroupedSm90MaxGroups groups";
+  return cuda::grouped_sm90_unsupported(q, out.device().index);
+}
+#endif
+
 std::atomic<int>& path_setting() {
   static std::atomic<int> v{-1};  // -1: not set yet (MEGACORE_MOE_GEMM, else Auto, at first use)
   return v;
@@ -911,12 +952,36 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
 #if MEGACORE_WITH_CUDA
   if (d.is_cuda()) {
     const GroupedGemmPath setting = grouped_gemm_path();
+    if (setting == GroupedGemmPath::Auto || setting == GroupedGemmPath::Sm90) {
+      cuda::GroupedSm90 q;
+      const char* why = sm90_problem(kind, a, b, off, out, beta, q);
+      if (why == nullptr && setting == GroupedGemmPath::Auto && wgrad && !sm90_wgrad_pays(sizes))
+        why = "auto: wgrad averages fewer than kGroupedSm90WgradMinRows rows per group with rows";
+      if (why == nullptr) {
+        log_once(LogLevel::Info, fmt::format("{}:path:sm90", op), "ops",
+                 fmt::format("{}: megacore's Hopper grouped kernel (one launch for all {} groups)", op, q.groups));
+        cuda_impl::DeviceGuard guard(d.index);
+        const cudaError_t err = cudaError_t(cuda::grouped_sm90(q, d.index, detail::launch_stream(s, d, op)));
+        if (err != cudaSuccess)
+          raise<CudaError>("{}: the Hopper grouped kernel failed to launch: {} ({})", op, cudaGetErrorString(err),
+                           cudaGetErrorName(err));
+        sm90_launch_count().fetch_add(1);
+        if (wgrad) scale_empty_groups(off, out, beta, s);
+        return;
+      }
+      if (setting == GroupedGemmPath::Sm90)
+        log_once(LogLevel::Info, fmt::format("{}:sm90-unavailable:{}", op, why), "ops",
+                 fmt::format("{}: MEGACORE_MOE_GEMM / set_grouped_gemm_path = sm90, but the Hopper grouped kernel "
+                             "cannot run this call ({}); taking the cuBLAS path auto picks",
+                             op, why));
+    }
     // cuBLAS documents grouped kernels for A = B = C only.
     const bool supported = a.dtype() == out.dtype();
     // Multiply-adds per row: forward/dgrad a's features × the output's, wgrad dy's × x's.
     const int64_t macs_per_row = a.size(1) * (wgrad ? b.size(1) : out.size(1));
-    const GroupedGemmPath path = grouped_gemm_choice(setting, sizes, macs_per_row, supported);
-    log_path_once(op, setting, path, supported, a.dtype(), out.dtype(), sizes, macs_per_row);
+    const GroupedGemmPath cublas_setting = setting == GroupedGemmPath::Sm90 ? GroupedGemmPath::Auto : setting;
+    const GroupedGemmPath path = grouped_gemm_choice(cublas_setting, sizes, macs_per_row, supported);
+    log_path_once(op, cublas_setting, path, supported, a.dtype(), out.dtype(), sizes, macs_per_row);
     if (path == GroupedGemmPath::Grouped) {
       if (grouped_cuda(kind, a, b, off, out, beta, s)) {
         if (wgrad) scale_empty_groups(off, out, beta, s);
@@ -939,14 +1004,15 @@ const char* grouped_gemm_path_name(GroupedGemmPath path) {
   switch (path) {
     case GroupedGemmPath::Loop: return "loop";
     case GroupedGemmPath::Grouped: return "grouped";
+    case GroupedGemmPath::Sm90: return "sm90";
     default: return "auto";
   }
 }
 
 GroupedGemmPath parse_grouped_gemm_path(std::string_view name, std::string_view source) {
-  for (GroupedGemmPath p : {GroupedGemmPath::Auto, GroupedGemmPath::Loop, GroupedGemmPath::Grouped})
+  for (GroupedGemmPath p : {GroupedGemmPath::Auto, GroupedGemmPath::Loop, GroupedGemmPath::Grouped, GroupedGemmPath::Sm90})
     if (name == grouped_gemm_path_name(p)) return p;
-  raise<ConfigError>("{} is '{}'; the grouped GEMM path is auto, loop or grouped", source, name);
+  raise<ConfigError>("{} is '{}'; the grouped GEMM path is auto, loop, grouped or sm90", source, name);
 }
 
 GroupedGemmPath grouped_gemm_path() {
@@ -994,7 +1060,7 @@ void set_grouped_gemm_loop_streams(int streams) {
 GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_t> group_sizes, int64_t macs_per_row,
                                     bool grouped_supported) {
   if (!grouped_supported) return GroupedGemmPath::Loop;
-  if (path != GroupedGemmPath::Auto) return path;
+  if (path == GroupedGemmPath::Loop || path == GroupedGemmPath::Grouped) return path;
   int64_t rows = 0, used = 0;
   for (int64_t r : group_sizes) rows += r, used += r > 0;
   // Mean multiply-adds per group with rows < the bound, in doubles (rows · M · K overflows nothing there).
@@ -1002,6 +1068,23 @@ GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_
              ? GroupedGemmPath::Grouped
              : GroupedGemmPath::Loop;
 }
+
+bool grouped_gemm_sm90_available(Device d) {
+#if MEGACORE_WITH_CUDA
+  if (!d.is_cuda()) return false;
+  // A problem every check but the device's passes: one group of 8 rows, 8 x 8 features, aligned pointers.
+  static const int64_t offsets[2] = {0, 8};
+  cuda::GroupedSm90 q;
+  q.groups = 1, q.rows = 8, q.mo = 8, q.k = 8, q.offsets = offsets;
+  q.a = q.b = q.out = reinterpret_cast<void*>(uintptr_t(256));
+  return cuda::grouped_sm90_unsupported(q, d.index) == nullptr;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+int64_t grouped_gemm_sm90_launches() { return sm90_launch_count().load(); }
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, std::span<const int64_t> group_sizes, Tensor& y,
                           const Stream& s) {

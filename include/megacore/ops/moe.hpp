@@ -139,27 +139,47 @@ void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64
                         float beta = 1.f, const Stream& s = {});
 
 /// How the grouped GEMMs run on CUDA.
+///   Sm90:    megacore's own Hopper kernel (src/ops/cuda/grouped_gemm_sm90.cu): every group in one
+///            persistent launch (TMA loads, wgmma, two consumer warpgroups taking turns so one tile's
+///            epilogue runs beside the next one's main loop). bf16 inputs, features a multiple of 8,
+///            contiguous 16-byte-aligned tensors, at most kGroupedSm90MaxGroups groups, a library built
+///            for sm_90a and a compute-capability 9.0 GPU (grouped_gemm_sm90_available); wgrad into an f32
+///            or bf16 dw with any beta. Elsewhere it is not available and the call runs as Auto below.
 ///   Loop:    one cuBLASLt product per group with rows, enqueued back to back on the call's stream (no
 ///            host sync, no allocation per group beyond ops::gemm's stream-ordered workspace). Products
 ///            keep cuBLASLt's heuristic kernel (no timed autotuning: the row counts change every step).
 ///   Grouped: all groups in one cublasGemmGroupedBatchedEx launch. cuBLAS has no grouped kernel for
 ///            16-bit inputs into an f32 output (wgrad into the main grad): that case runs Loop.
-///   Auto:    Grouped when the groups with rows average fewer than kGroupedGemmMaxMeanMacs multiply-adds
-///            (rows · M · K per group: many small products, where launching one per group costs more than
-///            the grouped kernel loses), else Loop (the per-group cuBLASLt products reach the dense GEMM's
-///            speed; the grouped kernel reaches 35-46 % of it with 1024+ rows per group on H200). The
-///            work per group, not its rows, decides: on H200 (benchmarks/results/moe_gemm_NVIDIA_H200.json)
-///            256 rows of a 2048×1408 product (0.74 G MACs) ran 1.4-1.6× faster grouped, 256 rows of
-///            2816×2048 (1.48 G) 1.1× faster looped; the bound sits between them.
+///   Auto:    Sm90 where it is available (a wgrad only from kGroupedSm90WgradMinRows rows per group);
+///            otherwise Grouped when the groups with rows average fewer than
+///            kGroupedGemmMaxMeanMacs multiply-adds (rows · M · K per group: many small products, where
+///            launching one per group costs more than the grouped kernel loses), else Loop (the per-group
+///            cuBLASLt products reach the dense GEMM's speed; the grouped kernel reaches 35-46 % of it with
+///            1024+ rows per group on H200). The work per group, not its rows, decides: on H200
+///            (benchmarks/results/moe_gemm_NVIDIA_H200.json) 256 rows of a 2048×1408 product (0.74 G MACs)
+///            ran 1.4-1.6× faster grouped, 256 rows of 2816×2048 (1.48 G) 1.1× faster looped; the bound
+///            sits between them.
 /// The first call of each op says once in the log which path it takes and why.
-enum class GroupedGemmPath { Auto, Loop, Grouped };
+enum class GroupedGemmPath { Auto, Loop, Grouped, Sm90 };
 inline constexpr int64_t kGroupedGemmMaxMeanMacs = int64_t(1) << 30;
+inline constexpr int kGroupedSm90MaxGroups = 256;
+/// Auto takes Sm90 for a wgrad only when the groups with rows average at least this many rows; below it the
+/// tiles are all f32 read-modify-write epilogue and the per-group cuBLASLt loop on 2 streams is faster (H200,
+/// 2026-11-28, benchmarks/results/moe_gemm_sm90_NVIDIA_H200.json: 32-512 rows per expert, fine-grained
+/// shapes). Forward and dgrad take Sm90 at every size.
+inline constexpr int64_t kGroupedSm90WgradMinRows = 1024;
 
-/// The path setting: set_grouped_gemm_path's last value, else MEGACORE_MOE_GEMM (auto, loop or grouped;
+/// Whether the Sm90 kernel can run on device d: the library holds sm_90a code and d is a Hopper GPU.
+bool grouped_gemm_sm90_available(Device d);
+/// How many grouped GEMMs this process has run on the Sm90 kernel (tests see which path ran).
+int64_t grouped_gemm_sm90_launches();
+
+/// The path setting: set_grouped_gemm_path's last value, else MEGACORE_MOE_GEMM (auto, loop, grouped or sm90;
 /// read once; another value is a ConfigError naming the accepted ones), else Auto.
 GroupedGemmPath grouped_gemm_path();
 void set_grouped_gemm_path(GroupedGemmPath path);
-/// The path a CUDA call with these group sizes takes under `path` (Auto resolved to Loop or Grouped;
+/// The cuBLAS path a CUDA call with these group sizes takes under `path` where the Sm90 kernel does not
+/// run (Auto and Sm90 resolved to Loop or Grouped;
 /// wgrad into an f32 output from 16-bit inputs is always Loop). `macs_per_row` is M · K, the multiply-adds
 /// one row of a group costs (forward: out × in features of w; dgrad the same product; wgrad dy's × x's
 /// features).
@@ -181,7 +201,7 @@ int grouped_gemm_loop_streams();
 inline constexpr int kGroupedGemmWgradStreams = 2;
 int grouped_gemm_loop_streams_for(bool wgrad);
 void set_grouped_gemm_loop_streams(int streams);
-/// "auto", "loop" or "grouped" → the path; another value is a ConfigError naming the accepted ones.
+/// "auto", "loop", "grouped" or "sm90" → the path; another value is a ConfigError naming the accepted ones.
 GroupedGemmPath parse_grouped_gemm_path(std::string_view name, std::string_view source = "MEGACORE_MOE_GEMM");
 
 }  // namespace megacore::ops

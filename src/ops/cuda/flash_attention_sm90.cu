@@ -67,6 +67,7 @@
 #include "core/cuda/cuda_check.hpp"
 #include "ops/cuda/attention_cuda.hpp"
 #include "ops/cuda/flash_common.cuh"
+#include "ops/cuda/sm90_common.cuh"
 
 // Device code exists only for sm_90a (wgmma and its fences are arch-specific features). The library
 // defines MEGACORE_FLASH_SM90 when CMAKE_CUDA_ARCHITECTURES names 90a; without it the host side says
@@ -85,19 +86,10 @@ constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kM = 64 * kWarpgroups;  // query rows per CTA
 
 using namespace flash;  // smem_u32, cp.async, fast_exp2, SeqInfo, head_ptr, lse_offset (flash_common.cuh)
+using namespace sm90;   // fences, mbarriers, named barriers, smem_desc (sm90_common.cuh)
 
 #if MC_FLASH_SM90_DEVICE
 // ---- primitives (the ones shared with the mma.sync kernels are in flash_common.cuh) ----------------
-// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void reg_fence(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 template <class T>
 struct Cvt;
@@ -116,11 +108,6 @@ struct Cvt<__half> {
   }
 };
 
-// Shared-memory matrix descriptor, 128-byte swizzle (see the header comment).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16) |
-         (uint64_t((sbo_bytes >> 4) & 0x3FFFu) << 32) | (uint64_t(1) << 62);
-}
 
 // wgmma.mma_async m64nNk16, f32 accumulators d[N / 2]. ss: A and B from shared memory, both K-major;
 // rs: A from registers, B from shared memory N-major. acc = 0 overwrites d (scale-d false), 1 adds.
@@ -401,23 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_sm90_kernel(const AttnP
 // Every tile the producer fills is consumed by both warpgroups (same n_blocks for the whole CTA), so
 // every wait has its arrivals; the producer waits for its own copies before exiting.
 #if MC_FLASH_SM90_DEVICE
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void mbar_cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 // R x D tile by the producer warpgroup (pt = 0..127), same layout and zero-fill as load_tile.
 template <class T, int R, int D>
@@ -435,14 +407,6 @@ __device__ __forceinline__ void load_tile_producer(T* s, const T* g, int64_t row
 }
 #endif
 
-#if MC_FLASH_SM90_DEVICE
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-#endif
 
 template <class T, int D, int kN, int kStages>
 struct Sm90WsCfg {
@@ -656,10 +620,6 @@ struct Sm90BwdCfg {
 };
 
 #if MC_FLASH_SM90_DEVICE
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void reg_fence_u(uint32_t (&a)[N][4]) {
 #pragma unroll

@@ -678,10 +678,17 @@ TEST_CASE("grouped GEMM path: auto takes the grouped launch for groups of little
   CHECK(ops::grouped_gemm_choice(P::Grouped, large, k) == P::Grouped);
   CHECK(ops::grouped_gemm_choice(P::Grouped, small, k, false) == P::Loop);  // no cuBLAS grouped kernel
 
-  for (P p : {P::Auto, P::Loop, P::Grouped}) CHECK(ops::parse_grouped_gemm_path(ops::grouped_gemm_path_name(p)) == p);
+  // Where the Hopper kernel does not run, Sm90 falls back to Auto's cuBLAS choice.
+  CHECK(ops::grouped_gemm_choice(P::Sm90, small, k) == P::Grouped);
+  CHECK(ops::grouped_gemm_choice(P::Sm90, large, k * k) == P::Loop);
+  CHECK_FALSE(ops::grouped_gemm_sm90_available(Device::cpu()));
+
+  for (P p : {P::Auto, P::Loop, P::Grouped, P::Sm90})
+    CHECK(ops::parse_grouped_gemm_path(ops::grouped_gemm_path_name(p)) == p);
   REQUIRE_THROWS_AS(ops::parse_grouped_gemm_path("fast"), ConfigError);
-  REQUIRE_THROWS_WITH(ops::parse_grouped_gemm_path("Loop"),
-                      Catch::Contains("MEGACORE_MOE_GEMM is 'Loop'; the grouped GEMM path is auto, loop or grouped"));
+  REQUIRE_THROWS_WITH(
+      ops::parse_grouped_gemm_path("Loop"),
+      Catch::Contains("MEGACORE_MOE_GEMM is 'Loop'; the grouped GEMM path is auto, loop, grouped or sm90"));
 
   const P before = ops::grouped_gemm_path();
   ops::set_grouped_gemm_path(P::Grouped);
@@ -933,17 +940,45 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
   cases.push_back(GroupedCase{{300, 0, 1000, 17, 0, 555, 128, 1}, 256, 192});
   // Many small groups (Auto's grouped launch) next to the large ones (its loop).
   cases.push_back(GroupedCase{std::vector<int64_t>(40, 24), 128, 64});
+  // The Hopper kernel's edges: partial 128-row / 64-deep tiles, groups ending inside a k-block (wgrad),
+  // 0-row groups, several tiles per CTA (more tiles than the 132 SMs), features multiple of 8 but not of 64.
+  // (The last one averages 558 rows per group: its wgrad takes the TMA epilogue for beta 0 and 1.)
+  cases.push_back(GroupedCase{{100, 0, 257, 1, 64, 130}, 200, 136});
+  cases.push_back(GroupedCase{std::vector<int64_t>(64, 40), 264, 136});  // 192 forward tiles, 384 wgrad tiles
+  cases.push_back(GroupedCase{{700, 0, 1500, 33}, 136, 72});
   const ops::GroupedGemmPath before = ops::grouped_gemm_path();
   const int streams = ops::grouped_gemm_loop_streams();
-  for (auto path : {ops::GroupedGemmPath::Loop, ops::GroupedGemmPath::Grouped, ops::GroupedGemmPath::Auto})
+  const bool hopper = ops::grouped_gemm_sm90_available(gpu());
+  for (auto path : {ops::GroupedGemmPath::Loop, ops::GroupedGemmPath::Grouped, ops::GroupedGemmPath::Auto,
+                    ops::GroupedGemmPath::Sm90})
     for (int k : {1, 3}) {  // the loop on the caller's stream and on three side streams
-      INFO("path " << ops::grouped_gemm_path_name(path) << ", loop streams " << k);
+      INFO("path " << ops::grouped_gemm_path_name(path) << ", loop streams " << k << ", Hopper kernel " << hopper);
       ops::set_grouped_gemm_path(path);
       ops::set_grouped_gemm_loop_streams(k);
       for (const auto& gc : cases)
-        for (DType dt : {DType::F32, DType::BF16, DType::F16})
+        for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+          const int64_t launched = ops::grouped_gemm_sm90_launches();
           check_grouped(gc, dt, gpu(), dt == DType::F32 ? 1e-5 : 1e-2);
+          // bf16 with features a multiple of 8 runs on the Hopper kernel under auto and sm90 (where available).
+          const bool sm90 = hopper && dt == DType::BF16 && gc.m % 8 == 0 && gc.k % 8 == 0 &&
+                            (path == ops::GroupedGemmPath::Auto || path == ops::GroupedGemmPath::Sm90);
+          CHECK((ops::grouped_gemm_sm90_launches() > launched) == sm90);
+        }
     }
+  // Auto's wgrad takes the Hopper kernel from kGroupedSm90WgradMinRows rows per group with rows (0-row groups
+  // do not count), the per-group loop below that; forward and dgrad take it at any size.
+  if (hopper) {
+    ops::set_grouped_gemm_path(ops::GroupedGemmPath::Auto);
+    const int64_t lim = ops::kGroupedSm90WgradMinRows;
+    for (const std::vector<int64_t>& sizes : {std::vector<int64_t>{lim, 0, lim + 3}, std::vector<int64_t>{lim - 1, lim}}) {
+      const int64_t n = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+      Tensor dy = randn({n, 64}, DType::BF16, fresh_seed(), 0, 1, gpu()), x = randn({n, 32}, DType::BF16, 7, 0, 1, gpu());
+      Tensor dw = Tensor::zeros({int64_t(sizes.size()), 64, 32}, DType::F32, gpu());
+      const int64_t launched = ops::grouped_gemm_sm90_launches();
+      ops::grouped_gemm_wgrad(dy, x, sizes, dw, 1.f);
+      CHECK((ops::grouped_gemm_sm90_launches() > launched) == (sizes[0] == lim));
+    }
+  }
   ops::set_grouped_gemm_path(before);
   ops::set_grouped_gemm_loop_streams(streams);
 }
