@@ -701,7 +701,8 @@ def recipe_layout(rec) -> str:
     return (f"TP {p.tensor_model_parallel_size} × PP {p.pipeline_model_parallel_size}"
             f"{' + SP' if p.sequence_parallel else ''}{' + ZeRO-1' if p.use_distributed_optimizer else ''}, "
             f"recompute {rec.trainer.recompute}"
-            + (f" of the first {rec.trainer.recompute_num_layers} layers per model chunk "
+            + (f" of the first {rec.trainer.recompute_num_layers} "
+               f"layer{'' if rec.trainer.recompute_num_layers == 1 else 's'} per model chunk "
                f"(trainer.recompute_num_layers={rec.trainer.recompute_num_layers})"
                if rec.trainer.recompute == "full" and rec.trainer.recompute_num_layers >= 0 else ""))
 

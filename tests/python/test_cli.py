@@ -279,8 +279,8 @@ def test_fit_layout_recomputes_the_fewest_layers_before_more_model_parallelism(c
     assert (rec.parallel.tensor_model_parallel_size, rec.trainer.recompute, rec.trainer.recompute_num_layers) == \
         (2, "full", n)
     rec.validate(check_paths=False)
-    assert f"recompute full of the first {n} layers per model chunk (trainer.recompute_num_layers={n})" in \
-        cli.recipe_layout(rec)
+    assert f"recompute full of the first {n} layer{'' if n == 1 else 's'} per model chunk " \
+        f"(trainer.recompute_num_layers={n})" in cli.recipe_layout(rec)
 
 
 def test_plan_layout_flags_override_a_recipe(capsys):
