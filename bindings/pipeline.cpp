@@ -55,13 +55,16 @@ void bind_pipeline(pyb::module_& root) {
                   "Explicit per-virtual-stage counts in model order (index chunk · PP + pp_rank).")
       .def_static(
           "balanced",
-          [](int64_t num_layers, int pp, int vp, double embedding_cost, double head_cost) {
-            return pl::PipelineLayout::balanced(num_layers, pp, vp, pl::StageCosts{embedding_cost, head_cost});
+          [](int64_t num_layers, int pp, int vp, double embedding_cost, double head_cost,
+             int64_t recompute_num_layers) {
+            return pl::PipelineLayout::balanced(num_layers, pp, vp,
+                                                pl::StageCosts{embedding_cost, head_cost, recompute_num_layers});
           },
           pyb::arg("num_layers"), pyb::arg("pipeline_parallel"), pyb::arg("virtual_stages") = 1,
-          pyb::arg("embedding_cost") = 0.0, pyb::arg("head_cost") = 0.0,
+          pyb::arg("embedding_cost") = 0.0, pyb::arg("head_cost") = 0.0, pyb::arg("recompute_num_layers") = -1,
           "Counts that minimise the largest stage cost, the first stage's embedding and the last stage's head "
-          "(output layer + loss) costing the given number of layers.")
+          "(output layer + loss) costing the given number of layers; with recompute_num_layers N >= 0 (block "
+          "recompute) the first N layers of each virtual stage cost 4/3 of a layer.")
       .def_property_readonly("pipeline_parallel", &pl::PipelineLayout::pipeline_parallel)
       .def_property_readonly("virtual_stages", &pl::PipelineLayout::virtual_stages)
       .def_property_readonly("num_layers", &pl::PipelineLayout::num_layers)
@@ -71,40 +74,48 @@ void bind_pipeline(pyb::module_& root) {
       .def("has_embedding", &pl::PipelineLayout::has_embedding, pyb::arg("pp_rank"), pyb::arg("chunk") = 0)
       .def("has_head", &pl::PipelineLayout::has_head, pyb::arg("pp_rank"), pyb::arg("chunk") = 0);
 
-  m.def("stage_costs_from_profile", [](const pl::PipelineLayout& layout, const std::vector<double>& busy) {
-    const pl::StageCosts c = pl::stage_costs_from_profile(layout, busy);
+  m.def("stage_costs_from_profile", [](const pl::PipelineLayout& layout, const std::vector<double>& busy,
+                                       int64_t recompute_num_layers) {
+    const pl::StageCosts c = pl::stage_costs_from_profile(layout, busy, recompute_num_layers);
     return pyb::make_tuple(c.embedding, c.head);
-  }, pyb::arg("layout"), pyb::arg("busy_per_rank"),
-     "(embedding_cost, head_cost) in layers from one step's compute time per pipeline rank under `layout`.");
+  }, pyb::arg("layout"), pyb::arg("busy_per_rank"), pyb::arg("recompute_num_layers") = -1,
+     "(embedding_cost, head_cost) in layers from one step's compute time per pipeline rank under `layout` "
+     "(recompute_num_layers: the profiled run's block recompute, -1 = none).");
 
-  m.def("stage_costs_from_model", [](const megacore::model::TransformerConfig& cfg, int64_t seq_len, int tp) {
-    const pl::StageCosts c = pl::stage_costs_from_model(cfg, seq_len, tp);
+  m.def("stage_costs_from_model", [](const megacore::model::TransformerConfig& cfg, int64_t seq_len, int tp,
+                                     int64_t recompute_num_layers) {
+    const pl::StageCosts c = pl::stage_costs_from_model(cfg, seq_len, tp, recompute_num_layers);
     return pyb::make_tuple(c.embedding, c.head);
-  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("tp_size") = 1,
+  }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("tp_size") = 1, pyb::arg("recompute_num_layers") = -1,
      "(embedding_cost, head_cost) in layers from the model's shape: output-layer matmul FLOPs (padded vocabulary of a "
-     "TP rank) over an average layer's (weights, causal attention, recompute); the embedding lookup does none.");
+     "TP rank) over an average layer's (weights, causal attention, recompute); the embedding lookup does none. With "
+     "recompute_num_layers N >= 0 (full recompute only) the layer is one without recompute.");
   m.def("resolve_stage_costs", [](const megacore::model::TransformerConfig& cfg, int64_t seq_len, int tp,
-                                  double embedding_cost, double head_cost) {
-    const pl::StageCosts c = pl::resolve_stage_costs({embedding_cost, head_cost}, cfg, seq_len, tp);
+                                  double embedding_cost, double head_cost, int64_t recompute_num_layers) {
+    const pl::StageCosts c =
+        pl::resolve_stage_costs({embedding_cost, head_cost, recompute_num_layers}, cfg, seq_len, tp);
     return pyb::make_tuple(c.embedding, c.head);
   }, pyb::arg("config"), pyb::arg("seq_len"), pyb::arg("tp_size"), pyb::arg("embedding_cost") = pl::kAutoStageCost,
-     pyb::arg("head_cost") = pl::kAutoStageCost,
+     pyb::arg("head_cost") = pl::kAutoStageCost, pyb::arg("recompute_num_layers") = -1,
      "(embedding_cost, head_cost) with each negative (-1 = auto) one replaced by stage_costs_from_model's.");
   m.def("choose_layout", [](int64_t num_layers, int pp, int vp, std::vector<int64_t> counts, double embedding_cost,
-                            double head_cost) {
-    return pl::choose_layout(num_layers, pp, vp, std::move(counts), {embedding_cost, head_cost});
+                            double head_cost, int64_t recompute_num_layers) {
+    return pl::choose_layout(num_layers, pp, vp, std::move(counts), {embedding_cost, head_cost, recompute_num_layers});
   }, pyb::arg("num_layers"), pyb::arg("pipeline_parallel"), pyb::arg("virtual_stages"), pyb::arg("counts"),
-     pyb::arg("embedding_cost"), pyb::arg("head_cost"),
+     pyb::arg("embedding_cost"), pyb::arg("head_cost"), pyb::arg("recompute_num_layers") = -1,
      "The layout a run uses: `counts` if non-empty, else balanced for the (resolved) costs if either is > 0, else "
-     "uniform.");
-  m.def("rank_work", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost) {
-    return pl::rank_work(layout, {embedding_cost, head_cost});
-  }, pyb::arg("layout"), pyb::arg("embedding_cost"), pyb::arg("head_cost"),
-     "Estimated work per pipeline rank in layers (its layers + the embedding/head it holds).");
-  m.def("describe_layout", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost) {
-    return pl::describe_layout(layout, {embedding_cost, head_cost});
+     "uniform; recompute_num_layers N >= 0 prices the first N layers of each virtual stage at 4/3.");
+  m.def("rank_work", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost,
+                        int64_t recompute_num_layers) {
+    return pl::rank_work(layout, {embedding_cost, head_cost, recompute_num_layers});
+  }, pyb::arg("layout"), pyb::arg("embedding_cost"), pyb::arg("head_cost"), pyb::arg("recompute_num_layers") = -1,
+     "Estimated work per pipeline rank in layers (its layers, block-recomputed ones at 4/3, + the embedding/head it "
+     "holds).");
+  m.def("describe_layout", [](const pl::PipelineLayout& layout, double embedding_cost, double head_cost,
+                              int64_t recompute_num_layers) {
+    return pl::describe_layout(layout, {embedding_cost, head_cost, recompute_num_layers});
   }, pyb::arg("layout"), pyb::arg("embedding_cost") = 0.0, pyb::arg("head_cost") = 0.0,
-     "One line: layers per stage and the estimated work per stage.");
+     pyb::arg("recompute_num_layers") = -1, "One line: layers per stage and the estimated work per stage.");
 
   m.def("rank_schedule", [](int pp, int vp, int64_t m, int rank) {
     pyb::list out;

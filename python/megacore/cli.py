@@ -149,8 +149,10 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
     ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
     per virtual stage), else balanced for the embedding/head costs (in layers; -1 = derived from the model's shape by
-    pipeline.stage_costs_from_model, as the trainer does) when either is > 0, else even. The result's
-    ``stage_costs`` are the costs used and ``rank_work`` the estimated work per pipeline rank in layers.
+    pipeline.stage_costs_from_model, as the trainer does) when either is > 0, else even; with block recompute
+    (``recompute_num_layers`` N >= 0) the first N layers of each virtual stage count 4/3 of a layer in that balance
+    and the unit is a layer without recompute. The result's ``stage_costs`` are the (embedding, head) costs used and
+    ``rank_work`` the estimated work per pipeline rank in layers.
 
     FP8 (``fp8`` delayed or current): ``fp8_weights`` adds each FP8 linear's cached E4M3 weight and its transpose
     (2 bytes per weight element of the QKV, projection, FC1 and FC2 layers; counted for every layer), and the
@@ -187,9 +189,17 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp,
                                                virtual_pipeline=vp), world_size)
     m.validate(cfg, tp, ep, etp)
-    stage_costs = pl.resolve_stage_costs(cfg, seq_length, tp, float(pipeline_embedding_cost), float(pipeline_head_cost))
+    full = str(cfg.recompute_granularity).lower().endswith("full")
+    if recompute_num_layers != -1 and (not full or recompute_num_layers < 0):
+        raise McValueError(f"recompute_num_layers {recompute_num_layers} needs full recompute and N >= 0 (or -1 = "
+                           f"every layer)")
+    block = full and recompute_num_layers >= 0
+    # Block recompute prices each chunk's first N layers at 4/3 of the others in the split, as the trainer does.
+    block_n = recompute_num_layers if block else -1
+    stage_costs = pl.resolve_stage_costs(cfg, seq_length, tp, float(pipeline_embedding_cost), float(pipeline_head_cost),
+                                         block_n)
     # ConfigError naming the fix when the layout does not cover the model (or is uneven with both costs 0).
-    lay = pl.choose_layout(cfg.num_layers, pp, vp, list(pipeline_layout or []), *stage_costs)
+    lay = pl.choose_layout(cfg.num_layers, pp, vp, list(pipeline_layout or []), *stage_costs, block_n)
     counts = m.parameter_count(cfg, tp)
     rank_layers = [lay.num_layers_on_rank(r) for r in range(pp)]
 
@@ -210,11 +220,6 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     dp_cp = layout.sizes["dp"] * layout.sizes["cp"]
     edp = world_size // (etp_size * ep * pp)
     s, b = seq_length // cp, micro_batch_size
-    full = str(cfg.recompute_granularity).lower().endswith("full")
-    if recompute_num_layers != -1 and (not full or recompute_num_layers < 0):
-        raise McValueError(f"recompute_num_layers {recompute_num_layers} needs full recompute and N >= 0 (or -1 = "
-                           f"every layer)")
-    block = full and recompute_num_layers >= 0
     # Without block recompute every layer is counted at one granularity; with it the first N layers of each chunk
     # at full and the rest at none (Megatron-Core's block method keeps all their activations).
     rc = "full" if full else "selective"
@@ -303,8 +308,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     headroom = max(4.0, 0.12 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
-            "stage_costs": stage_costs, "rank_work": pl.rank_work(lay, *stage_costs),
-            "layout_text": pl.describe_layout(lay, *stage_costs),
+            "stage_costs": stage_costs, "rank_work": pl.rank_work(lay, *stage_costs, block_n),
+            "layout_text": pl.describe_layout(lay, *stage_costs, block_n),
             "memory_bytes": mem, "total_bytes": total, "headroom_gib": headroom,
             "fits": total <= (gpu_memory_gib - headroom) * 2**30,
             "flops_per_token": m.flops_per_token(cfg, seq_length, True), "seq_length": seq_length,
@@ -701,7 +706,8 @@ def recipe_layout(rec) -> str:
     return (f"TP {p.tensor_model_parallel_size} × PP {p.pipeline_model_parallel_size}"
             f"{' + SP' if p.sequence_parallel else ''}{' + ZeRO-1' if p.use_distributed_optimizer else ''}, "
             f"recompute {rec.trainer.recompute}"
-            + (f" of the first {rec.trainer.recompute_num_layers} layers per model chunk "
+            + (f" of the first {rec.trainer.recompute_num_layers} "
+               f"layer{'' if rec.trainer.recompute_num_layers == 1 else 's'} per model chunk "
                f"(trainer.recompute_num_layers={rec.trainer.recompute_num_layers})"
                if rec.trainer.recompute == "full" and rec.trainer.recompute_num_layers >= 0 else ""))
 

@@ -5,7 +5,9 @@ over this rank's chunks with the 1F1B or interleaved 1F1B schedule::
 
     layout = pipeline.PipelineLayout.uniform(cfg.num_layers, pp, vp)
     # or balanced for the head's extra work (in layers): PipelineLayout.balanced(L, pp, vp, head_cost=1.5),
-    # with the cost derived from the model's shape: stage_costs_from_model(cfg, seq_len, tp) -> (0.0, 4.0)
+    # with the cost derived from the model's shape: stage_costs_from_model(cfg, seq_len, tp) -> (0.0, 4.0);
+    # under block recompute (full, first N layers of each chunk) pass recompute_num_layers=N to it and to
+    # balanced / choose_layout / rank_work / describe_layout: those N layers cost 4/3 of a plain layer
     chunks = [pipeline.make_stage(cfg, grid.tp, layout.layer_indices(r, c), layout.has_embedding(r, c),
                                   layout.has_head(r, c)) for c in range(vp)]
     engine = pipeline.PipelineEngine(grid.pp, layout, chunks, dp=grid.dp)

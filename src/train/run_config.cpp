@@ -291,7 +291,11 @@ model::TransformerConfig RunConfig::transformer_config(bool on_gpu) const {
 }
 
 pipeline::StageCosts RunConfig::pipeline_stage_costs() const {
-  return pipeline::resolve_stage_costs({parallel.pipeline_embedding_cost, parallel.pipeline_head_cost},
+  // Block recompute makes each chunk's first N layers dearer; N means nothing without full recompute (validate
+  // reports that combination), so the split is priced without it then.
+  const bool full = trainer.recompute == model::RecomputeGranularity::Full;
+  const int64_t block = full && trainer.recompute_num_layers >= 0 ? trainer.recompute_num_layers : -1;
+  return pipeline::resolve_stage_costs({parallel.pipeline_embedding_cost, parallel.pipeline_head_cost, block},
                                        transformer_config(false), data.seq_length, parallel.tensor_model_parallel_size);
 }
 

@@ -59,7 +59,8 @@ std::string recompute_text(const TrainerSection& t) {
   if (t.recompute == mdl::RecomputeGranularity::None) return "";
   std::string s = fmt::format(" | recompute {}", mdl::recompute_granularity_name(t.recompute));
   if (t.recompute == mdl::RecomputeGranularity::Full && t.recompute_num_layers >= 0)
-    s += fmt::format(" (first {} layers per model chunk)", t.recompute_num_layers);
+    s += fmt::format(" (first {} layer{} per model chunk)", t.recompute_num_layers,
+                     t.recompute_num_layers == 1 ? "" : "s");
   return s;
 }
 

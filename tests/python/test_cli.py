@@ -279,8 +279,8 @@ def test_fit_layout_recomputes_the_fewest_layers_before_more_model_parallelism(c
     assert (rec.parallel.tensor_model_parallel_size, rec.trainer.recompute, rec.trainer.recompute_num_layers) == \
         (2, "full", n)
     rec.validate(check_paths=False)
-    assert f"recompute full of the first {n} layers per model chunk (trainer.recompute_num_layers={n})" in \
-        cli.recipe_layout(rec)
+    assert f"recompute full of the first {n} layer{'' if n == 1 else 's'} per model chunk " \
+        f"(trainer.recompute_num_layers={n})" in cli.recipe_layout(rec)
 
 
 def test_plan_layout_flags_override_a_recipe(capsys):
@@ -291,3 +291,41 @@ def test_plan_layout_flags_override_a_recipe(capsys):
     assert cli.main(["plan", "--recipe", "llama3_8b", "--set", "resources.gpus=4", "--no-table"]) == 0
     out = capsys.readouterr().out
     assert "world 4 = TP 2 × CP 1 × DP 2 × PP 1" in out and "logits 1.96 GiB" in out and "warning: the estimate" in out
+
+
+def test_plan_balances_the_pipeline_for_block_recompute(capsys):
+    """Block recompute (trainer.recompute_num_layers N) makes only each chunk's first N layers a third dearer, and the
+    split is priced that way, as the trainer prices it (RunConfig.pipeline_stage_costs). Llama 3.2 1B's shape cut to
+    15 layers over PP 2 at seq 2048: with every layer recomputed the head is ≈ 3.03 (recomputed) layers and the split
+    9 + 6 (9 against 9.03); with N = 1 the head is ≈ 4.04 plain layers, each stage costs its layers + 1/3, and 10 + 5
+    (10.33 against 9.37) beats 9 + 6 (9.33 against 10.37)."""
+    head = _llama32_1b_head_cost(2048, 1, "none")
+    cfg = cli._preset_with_recompute("llama32_1b", "full")
+    cfg.num_layers = 15
+    every = cli.plan(cfg, 2, pp=2)
+    assert every["stage_layers"] == [9, 6]
+    assert every["stage_costs"][1] == pytest.approx(_llama32_1b_head_cost(2048, 1, "full"), rel=1e-12)
+    block = cli.plan(cfg, 2, pp=2, recompute_num_layers=1)
+    assert block["stage_layers"] == [10, 5]
+    assert block["stage_costs"][0] == 0.0 and block["stage_costs"][1] == pytest.approx(head, rel=1e-12)
+    assert block["rank_work"] == pytest.approx([10 + 1 / 3, 5 + 1 / 3 + head], rel=1e-12)
+    assert "first 1 layer per chunk recomputed: 4/3" in block["layout_text"]
+    # The Python pipeline API takes the same N.
+    pl = mc.pipeline
+    assert pl.stage_costs_from_model(cfg, 2048, 1, recompute_num_layers=1)[1] == pytest.approx(head, rel=1e-12)
+    assert pl.stage_costs_from_model(cfg, 2048, 1) == pl.stage_costs_from_model(cfg, 2048, 1, recompute_num_layers=-1)
+    assert pl.choose_layout(15, 2, 1, [], 0.0, head, recompute_num_layers=1).counts == [10, 5]
+    assert pl.PipelineLayout.balanced(15, 2, 1, 0.0, head, recompute_num_layers=1).counts == [10, 5]
+    assert pl.rank_work(pl.PipelineLayout.from_counts(15, 2, 1, [9, 6]), 0.0, head, 1) == \
+        pytest.approx([9 + 1 / 3, 6 + 1 / 3 + head], rel=1e-12)
+    with pytest.raises(mc.ConfigError, match="recompute_num_layers 1 limits full recompute"):
+        pl.stage_costs_from_model(cli._preset_with_recompute("llama32_1b", "selective"), 2048, 1, 1)
+    # `megacore plan` with a recipe: --set trainer.recompute_num_layers reaches the split.
+    sets = ["resources.gpus=2", "model.num_layers=15", "parallel.pp=2", "trainer.recompute=full"]
+    for n, split in ((-1, (9, 6)), (1, (10, 5))):
+        args = ["plan", "--recipe", "llama32_1b", "--no-table"]
+        for s in sets + [f"trainer.recompute_num_layers={n}"]:
+            args += ["--set", s]
+        assert cli.main(args) == 0
+        out = capsys.readouterr().out
+        assert f"stage 0: {split[0]} layers" in out and f"stage 1: {split[1]} layers" in out, out

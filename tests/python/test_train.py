@@ -237,7 +237,7 @@ def test_block_recompute_gives_identical_training(tmp_path):
     for name, sets in (("none", {}), ("block", {"trainer__recompute": "full", "trainer__recompute_num_layers": 1})):
         r = _tiny(tmp_path, name, 8, **sets)
         out = _train(r, tmp_path, name)
-        assert ("| recompute full (first 1 layers per model chunk)" in out) == (name == "block"), out
+        assert ("| recompute full (first 1 layer per model chunk)" in out) == (name == "block"), out
         runs.append([(s["loss"], s["grad_norm"]) for s in _metrics(r.logging.log_dir)[0]])
     assert len(runs[0]) == 8 and runs[0] == runs[1]
 

@@ -10,7 +10,9 @@
 // A third way balances the stages for the extra work of the first and last stage (the embedding, and
 // the output layer + loss, which with a large vocabulary costs about as much as a layer or two):
 // `balanced` takes those costs in units of one transformer layer, and `stage_costs_from_profile`
-// measures them from one profiled step with any layout (per-rank compute times). The theoretical
+// measures them from one profiled step with any layout (per-rank compute times). Block recompute (only the
+// first N layers of each virtual stage recomputed) makes those layers dearer than the rest, and StageCosts
+// carries N so that the split counts it. The theoretical
 // bubble (PP − 1)/(m + PP − 1) holds for equal stages; with the uniform split the last stage is the
 // bottleneck and every other stage waits on it.
 // Both are validated as a whole up front: a layout that does not cover the model exactly is refused
@@ -33,11 +35,22 @@ struct LayerRange {
   int64_t count = 0;
 };
 
-/// Extra work of the first and last virtual stage, in units of one transformer layer's compute.
+/// The cost model of the virtual stages: the extra work of the first and last one, in units of one transformer
+/// layer's compute, and which layers of each stage run their forward again (block recompute).
+///
+/// With `recompute_num_layers` N >= 0 (trainer.recompute_num_layers under full recompute) only the first N layers
+/// of each virtual stage are recomputed, so a stage of n layers costs n + min(n, N)/3 units (the forward is a third
+/// of a layer's forward + backward) and the unit is a layer that is not recomputed. With N < 0 every layer costs
+/// one unit, whatever the recompute (stage_costs_from_model folds it into the unit).
 struct StageCosts {
-  double embedding = 0;  ///< the input embedding (first stage)
-  double head = 0;       ///< the final norm, output layer and loss (last stage)
+  double embedding = 0;               ///< the input embedding (first stage)
+  double head = 0;                    ///< the final norm, output layer and loss (last stage)
+  int64_t recompute_num_layers = -1;  ///< recomputed layers at the start of each virtual stage; < 0: no block recompute
 };
+
+/// The work of one virtual stage's `layers` layers, in StageCosts units: `layers`, plus a third of a layer for each
+/// of the first `recompute_num_layers` (when >= 0) that block recompute runs forward again.
+double layers_cost(int64_t layers, int64_t recompute_num_layers);
 
 /// A StageCosts entry with this value (any negative one) asks for the cost derived from the model's shape.
 inline constexpr double kAutoStageCost = -1.0;
@@ -52,9 +65,9 @@ class PipelineLayout {
   static PipelineLayout from_counts(int64_t num_layers, int pipeline_parallel, int virtual_stages,
                                     std::vector<int64_t> counts);
 
-  /// The counts that minimise the largest stage cost (layers + the stage's extra from `costs`); among
-  /// those, layers are taken off the costliest stages first (ties: the earlier stage, which under 1F1B
-  /// holds the most micro-batches' activations). ConfigError for negative or non-finite costs.
+  /// The counts that minimise the largest stage cost (layers_cost of its layers + the stage's extra from
+  /// `costs`); among those, layers are taken off the costliest stages first (ties: the earlier stage, which
+  /// under 1F1B holds the most micro-batches' activations). ConfigError for negative or non-finite costs.
   /// With VP > 1 it evens out the virtual stages (what each schedule slot costs), not per-rank totals.
   /// Example: 15 layers, PP 4, head ≈ 0.9 layer → {4, 4, 4, 3}.
   static PipelineLayout balanced(int64_t num_layers, int pipeline_parallel, int virtual_stages, StageCosts costs);
@@ -94,25 +107,32 @@ class PipelineLayout {
 /// embedding lookup, the cross-entropy and the norms do no matmul work, so the embedding cost is 0 and the
 /// head is the output layer's GEMMs; where their memory traffic matters, measure with
 /// `stage_costs_from_profile`. Llama 3.2 1B (vocab 128256, h2048, seq 2048, no recompute): head ≈ 4.0.
-StageCosts stage_costs_from_model(const model::TransformerConfig& cfg, int64_t seq_len, int tp);
+/// `recompute_num_layers` N >= 0 (full recompute only, else ConfigError) is block recompute: the unit is then a
+/// layer without recompute, and the result carries N so that each stage's first N layers cost 4/3 of it.
+StageCosts stage_costs_from_model(const model::TransformerConfig& cfg, int64_t seq_len, int tp,
+                                  int64_t recompute_num_layers = -1);
 
-/// `requested` with each negative entry (kAutoStageCost) replaced by stage_costs_from_model's.
+/// `requested` with each negative cost (kAutoStageCost) replaced by stage_costs_from_model's for
+/// `requested.recompute_num_layers`.
 StageCosts resolve_stage_costs(StageCosts requested, const model::TransformerConfig& cfg, int64_t seq_len, int tp);
 
 /// The layout a run uses: explicit `counts` when non-empty, else `balanced` for `costs` (resolved, >= 0) when
 /// either is > 0, else `uniform` (so both costs 0 ask for the even split). With VP > 1, where evening out the
 /// virtual stages leaves the ranks' totals (rank_work) uneven because the head outweighs a chunk, it balances
 /// the ranks' totals instead (`balanced` at VP 1) and splits each rank's layers over its chunks with that
-/// rank's own embedding/head counted (the interleaved schedule takes chunks of any size, empty ones too).
+/// rank's own embedding/head counted (the interleaved schedule takes chunks of any size, empty ones too). Under
+/// block recompute the ranks' totals are balanced as if each rank recomputed VP × N layers (exact when every chunk
+/// holds at least N), and the two candidates are compared by their exact rank_work.
 PipelineLayout choose_layout(int64_t num_layers, int pipeline_parallel, int virtual_stages,
                              std::vector<int64_t> counts, StageCosts costs);
 
-/// Estimated work of each pipeline rank in layers: its layers plus the embedding and head costs of the
-/// virtual stages it holds.
+/// Estimated work of each pipeline rank in layers: layers_cost of each of its virtual stages plus the
+/// embedding and head costs of those it holds.
 std::vector<double> rank_work(const PipelineLayout& layout, StageCosts costs);
 
-/// One line for logs: "layers per stage: 10, 6 (head ≈ 4.0 layers)"; with VP > 1 the per-chunk counts in
-/// model order and then the per-rank totals.
+/// One line for logs: "layers per stage: 10, 6 (head ≈ 4.0 layers; work per stage 10.0, 10.0)"; with VP > 1 the
+/// per-chunk counts in model order and then the per-rank totals; with block recompute (costs.recompute_num_layers
+/// >= 0) the work notes it: "(head ≈ 3.0 layers, first 1 layer per chunk recomputed: 4/3; work per stage ...)".
 std::string describe_layout(const PipelineLayout& layout, StageCosts costs);
 
 /// The embedding and head costs, in layers, from one step's measured compute time per pipeline rank
@@ -120,6 +140,9 @@ std::string describe_layout(const PipelineLayout& layout, StageCosts costs);
 /// ranks in between (with PP = 2, rank 0's, the embedding counted as free), and the first and last
 /// rank's excess over their layers is their extra. Negative excesses (noise) count as 0. PP = 1 gives
 /// {0, 0} (nothing to balance). ValueError when the sizes disagree or a time is not positive.
-StageCosts stage_costs_from_profile(const PipelineLayout& layout, const std::vector<double>& busy_per_rank);
+/// `recompute_num_layers` is the profiled run's block recompute (as in StageCosts): each rank's layers are then
+/// counted by layers_cost, and the result carries it.
+StageCosts stage_costs_from_profile(const PipelineLayout& layout, const std::vector<double>& busy_per_rank,
+                                    int64_t recompute_num_layers = -1);
 
 }  // namespace megacore::pipeline

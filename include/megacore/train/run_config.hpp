@@ -319,7 +319,8 @@ struct TrainerSection {
             "With recompute = full: recompute only the first N layers of each model chunk (a pipeline stage, or "
             "each virtual stage under interleaving) and keep every activation of the others (Megatron-Core's "
             "recompute_method = block); -1 = every layer. Trades memory for speed: a recomputed layer saves all but "
-            "its input and costs about a third of its forward + backward again."},
+            "its input and costs about a third of its forward + backward again, which the pipeline split prices per "
+            "chunk."},
       s.recompute_num_layers);
     f(Field{"seed", "Seed of the run (kept for reproducibility; the model's init uses model.seed)."}, s.seed);
     f(Field{"peak_tflops", "Peak dense bf16 TFLOP/s per GPU for MFU; 0 = the card's known figure."}, s.peak_tflops);
@@ -529,8 +530,9 @@ struct RunConfig {
   /// The model as the layers see it, with the trainer's precision (auto resolved for `on_gpu`),
   /// sequence parallelism, recompute and TP overlap filled in.
   model::TransformerConfig transformer_config(bool on_gpu) const;
-  /// The embedding/head costs the pipeline split is balanced for, in layers: the parallel section's, each -1
-  /// replaced by pipeline::stage_costs_from_model's for this model, sequence, TP and recompute.
+  /// The costs the pipeline split is balanced for, in layers: the parallel section's embedding/head costs, each -1
+  /// replaced by pipeline::stage_costs_from_model's for this model, sequence, TP and recompute, and under full
+  /// recompute trainer.recompute_num_layers (block recompute: each chunk's first N layers cost 4/3 of the others).
   pipeline::StageCosts pipeline_stage_costs() const;
   /// The learning-rate schedule (decay length max_steps when lr_decay_iters is 0, WSD's default phase).
   optim::LRScheduleConfig lr_schedule() const;

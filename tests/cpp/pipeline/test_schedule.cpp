@@ -335,15 +335,17 @@ TEST_CASE("layout: even and explicit splits give the right global layers", "[pip
 }
 
 TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]") {
-  // Brute force over every split of L layers into S stages (small cases) gives the optimum to match.
-  auto best_max = [](int64_t L, size_t S, const std::vector<double>& extra) {
+  // Brute force over every split of L layers into S stages (small cases) gives the optimum to match. A stage of n
+  // layers costs n, plus a third for each of its first N when block recompute (N >= 0) runs their forward again.
+  auto stage_cost = [](int64_t n, int64_t N) { return double(n) + (N < 0 ? 0.0 : double(std::min(n, N)) / 3.0); };
+  auto best_max = [&](int64_t L, size_t S, const std::vector<double>& extra, int64_t N) {
     double best = 1e300;
     std::vector<int64_t> c(S, 0);
     std::function<void(size_t, int64_t)> rec = [&](size_t s, int64_t left) {
       if (s + 1 == S) {
         c[s] = left;
         double m = 0;
-        for (size_t i = 0; i < S; ++i) m = std::max(m, double(c[i]) + extra[i]);
+        for (size_t i = 0; i < S; ++i) m = std::max(m, stage_cost(c[i], N) + extra[i]);
         best = std::min(best, m);
         return;
       }
@@ -355,11 +357,13 @@ TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]
     rec(0, L);
     return best;
   };
-  std::mt19937_64 rng(20261126);
-  for (int trial = 0; trial < 200; ++trial) {
+  std::mt19937_64 rng(20261126), rng_block(20270124);
+  for (int trial = 0; trial < 400; ++trial) {
+    // The first 200 trials without block recompute, the next 200 with N = 0..3 recomputed layers per stage.
+    const int64_t N = trial < 200 ? -1 : int64_t(rng_block() % 4);
     const int pp = 1 + int(rng() % 4), vp = 1 + int(rng() % 2);
     const int64_t L = 1 + int64_t(rng() % 14);
-    const StageCosts costs{double(rng() % 100) / 50.0, double(rng() % 300) / 50.0};
+    const StageCosts costs{double(rng() % 100) / 50.0, double(rng() % 300) / 50.0, N};
     const auto lay = PipelineLayout::balanced(L, pp, vp, costs);
     const size_t S = size_t(pp) * size_t(vp);
     std::vector<double> extra(S, 0.0);
@@ -368,12 +372,13 @@ TEST_CASE("layout: balanced splits minimise the largest stage cost", "[pipeline]
     double got = 0;
     int64_t sum = 0;
     for (size_t s = 0; s < S; ++s) {
-      got = std::max(got, double(lay.counts()[s]) + extra[s]);
+      got = std::max(got, stage_cost(lay.counts()[s], N) + extra[s]);
       sum += lay.counts()[s];
     }
-    INFO("L " << L << " pp " << pp << " vp " << vp << " emb " << costs.embedding << " head " << costs.head);
+    INFO("L " << L << " pp " << pp << " vp " << vp << " emb " << costs.embedding << " head " << costs.head << " N "
+              << N);
     REQUIRE(sum == L);
-    REQUIRE(got == Approx(best_max(L, S, extra)).margin(1e-12));
+    REQUIRE(got == Approx(best_max(L, S, extra, N)).margin(1e-12));
   }
   // Worked cases: the head of a 32k-vocabulary model costs ~0.9 layer.
   REQUIRE(PipelineLayout::balanced(15, 4, 1, {0.0, 0.86}).counts() == std::vector<int64_t>{4, 4, 4, 3});
@@ -455,6 +460,76 @@ TEST_CASE("layout: stage costs from the model's shape balance llama32_1b", "[pip
   CHECK(describe_layout(choose_layout(16, 4, 1, {}, {0.0, 0.0}), {}) == "layers per stage: 4, 4, 4, 4");
 }
 
+TEST_CASE("layout: block recompute prices only the first N layers of each chunk at 4/3", "[pipeline]") {
+  // Llama 3.2 1B's shape cut to 15 layers, seq 2048, TP 1. Per token, fwd + bwd: a layer's weights 6·W, its
+  // causal attention 6·h·s; the output layer 6·V·h ≈ 4.04 layers without recompute (as in the test above).
+  const double h = 2048, s = 2048, V = 128256, kv = 8 * 64, f = 8192;
+  const double W = h * (h + 2 * kv) + h * h + h * 2 * f + f * h;
+  const double plain_head = 6 * V * h / (6 * W + 6 * h * s);
+  model::TransformerConfig cfg = model::presets::llama32_1b();
+  cfg.num_layers = 15;
+  cfg.recompute_granularity = model::RecomputeGranularity::Full;
+  // Full recompute of every layer (N = -1): every layer costs 4/3, the unit, so the head is 4.04 · 3/4 ≈ 3.03
+  // layers. Stage 0 with n layers against stage 1 with 15 − n + 3.03: n = 9 gives max(9, 9.03) = 9.03, n = 10
+  // gives max(10, 8.03) = 10, so {9, 6}.
+  const StageCosts every = stage_costs_from_model(cfg, 2048, 1);
+  CHECK(every.recompute_num_layers == -1);
+  CHECK(every.head == Approx(plain_head * 3 / 4).epsilon(1e-12));
+  CHECK(choose_layout(15, 2, 1, {}, every).counts() == std::vector<int64_t>{9, 6});
+  // N = -1 is today's pricing exactly: the same costs bit for bit, the same splits and work.
+  const StageCosts every_explicit = stage_costs_from_model(cfg, 2048, 1, -1);
+  CHECK(every_explicit.head == every.head);
+  CHECK(every_explicit.embedding == every.embedding);
+  for (auto [L, pp, vp] : std::vector<std::tuple<int64_t, int, int>>{{15, 2, 1}, {16, 4, 1}, {16, 4, 2}, {16, 2, 4}}) {
+    const StageCosts legacy{every.embedding, every.head};  // the two-cost form every caller used
+    CHECK(choose_layout(L, pp, vp, {}, every).counts() == choose_layout(L, pp, vp, {}, legacy).counts());
+    CHECK(rank_work(choose_layout(L, pp, vp, {}, every), every) ==
+          rank_work(choose_layout(L, pp, vp, {}, legacy), legacy));
+  }
+  CHECK(resolve_stage_costs({kAutoStageCost, kAutoStageCost, -1}, cfg, 2048, 1).head == every.head);
+
+  // N = 1 (trainer.recompute_num_layers = 1): only each stage's first layer is recomputed, so the unit is a plain
+  // layer, the head 4.04 of them, and a stage of n >= 1 layers costs n + 1/3. {9, 6} costs 9.33 and
+  // 6.33 + 4.04 = 10.37; {10, 5} costs 10.33 and 5.33 + 4.04 = 9.37: the better balanced split is {10, 5}, which
+  // the every-layer pricing above misses (its last stage would be the bottleneck at 10.37).
+  const StageCosts block = stage_costs_from_model(cfg, 2048, 1, 1);
+  CHECK(block.recompute_num_layers == 1);
+  CHECK(block.embedding == 0.0);
+  CHECK(block.head == Approx(plain_head).epsilon(1e-12));
+  CHECK(resolve_stage_costs({kAutoStageCost, kAutoStageCost, 1}, cfg, 2048, 1).head == block.head);
+  CHECK(PipelineLayout::balanced(15, 2, 1, block).counts() == std::vector<int64_t>{10, 5});
+  const PipelineLayout chosen = choose_layout(15, 2, 1, {}, block);
+  CHECK(chosen.counts() == std::vector<int64_t>{10, 5});
+  const std::vector<double> work = rank_work(chosen, block);
+  CHECK(work[0] == Approx(10 + 1.0 / 3).epsilon(1e-12));
+  CHECK(work[1] == Approx(5 + 1.0 / 3 + plain_head).epsilon(1e-12));
+  const std::vector<double> old_split = rank_work(PipelineLayout::from_counts(15, 2, 1, {9, 6}), block);
+  CHECK(old_split[1] == Approx(6 + 1.0 / 3 + plain_head).epsilon(1e-12));
+  CHECK(std::max(work[0], work[1]) < std::max(old_split[0], old_split[1]));
+  CHECK(describe_layout(chosen, block) ==
+        "layers per stage: 10, 5 (head ≈ 4.0 layers, first 1 layer per chunk recomputed: 4/3; work per stage 10.3, "
+        "9.4)");
+  // The cost of a chunk: n + min(n, N)/3 layers.
+  CHECK(layers_cost(0, 2) == 0.0);
+  CHECK(layers_cost(1, 2) == Approx(4.0 / 3).epsilon(1e-15));
+  CHECK(layers_cost(5, 2) == Approx(5 + 2.0 / 3).epsilon(1e-15));
+  CHECK(layers_cost(5, -1) == 5.0);
+  // N counts per virtual stage: at PP 2 × VP 2 with N = 1 each of a rank's two chunks recomputes its first layer.
+  const PipelineLayout vp2 = PipelineLayout::from_counts(15, 2, 2, {4, 4, 4, 3});
+  const std::vector<double> vp2_work = rank_work(vp2, {0.0, 1.0, 1});
+  CHECK(vp2_work[0] == Approx(8 + 2.0 / 3).epsilon(1e-12));
+  CHECK(vp2_work[1] == Approx(7 + 2.0 / 3 + 1.0).epsilon(1e-12));
+  // N at least every chunk's layers recomputes all of them: the split of N = -1 again (a scaled unit).
+  CHECK(choose_layout(15, 2, 1, {}, stage_costs_from_model(cfg, 2048, 1, 15)).counts() ==
+        choose_layout(15, 2, 1, {}, every).counts());
+  // Block recompute is full recompute's: any other granularity is refused, naming the fix.
+  cfg.recompute_granularity = model::RecomputeGranularity::Selective;
+  CHECK_THAT(config_error_of([&] { stage_costs_from_model(cfg, 2048, 1, 1); }),
+             Catch::Contains("recompute_num_layers 1 limits full recompute") && Catch::Contains("selective"));
+  CHECK_THAT(config_error_of([&] { resolve_stage_costs({0.0, 1.0, 2}, cfg, 2048, 1); }),
+             Catch::Contains("use full recompute, or recompute_num_layers -1"));
+}
+
 TEST_CASE("layout: stage costs from a profile recover the embedding and head costs", "[pipeline]") {
   // busy = unit · layers + extras, unit 3.9 ms: the costs come back in layers, for any layout.
   for (auto [pp, vp] : std::vector<std::pair<int, int>>{{2, 1}, {3, 1}, {4, 1}, {4, 2}}) {
@@ -466,6 +541,18 @@ TEST_CASE("layout: stage costs from a profile recover the embedding and head cos
     const StageCosts c = stage_costs_from_profile(lay, busy);
     REQUIRE(c.head == Approx(0.86));
     REQUIRE(c.embedding == Approx(pp > 2 ? 0.05 : 0.0).margin(1e-12));
+  }
+  // A profile of a block-recompute run: each rank's first N layers of every chunk took 4/3 of the others.
+  for (auto [pp, vp, N] : std::vector<std::tuple<int, int, int64_t>>{{2, 1, 1}, {4, 1, 2}, {4, 2, 1}}) {
+    const auto lay = PipelineLayout::from_counts(5 * pp * vp, pp, vp, std::vector<int64_t>(size_t(pp * vp), 5));
+    std::vector<double> busy(static_cast<size_t>(pp), 0.0);
+    for (int r = 0; r < pp; ++r) busy[size_t(r)] = 3.9 * double(vp) * (5 + double(N) / 3);
+    busy.back() += 3.9 * 0.86;
+    const StageCosts c = stage_costs_from_profile(lay, busy, N);
+    REQUIRE(c.head == Approx(0.86));
+    REQUIRE(c.recompute_num_layers == N);
+    // Read without N, the recomputed layers would inflate the unit and shrink the head.
+    REQUIRE(stage_costs_from_profile(lay, busy).head < 0.86);
   }
   // Noise that makes a stage look cheaper than its layers counts as no extra.
   const auto lay = PipelineLayout::uniform(16, 4);
