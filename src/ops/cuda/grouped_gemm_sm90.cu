@@ -34,6 +34,13 @@
 // rows past its group's end belong to the next group: they are multiplied but never stored. In the wgrad
 // the rows are the reduction, so the k-block at a group's end has its foreign rows zeroed in shared memory
 // by the consuming warpgroup before its wgmmas (then fence.proxy.async and a warpgroup barrier).
+//
+// Epilogues: forward/dgrad (and bf16 dw, or beta outside {0, 1}) store from registers. An f32 dw with
+// beta 1 goes through shared memory: with many rows per group the accumulators are staged in 16 KiB boxes
+// and reduce-added into dw by TMA (L2 does the read-modify-write); with few rows (tiles that are all
+// epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB) by TMA while the
+// tile's k-blocks stream in, and the consumer adds its accumulators there and stores the box back by TMA.
+// Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -58,20 +65,28 @@ namespace {
 
 using namespace sm90;  // fences, mbarriers, named barriers, smem_desc (sm90_common.cuh)
 
-constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 6;
+constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kThreadsGG = 384;
-constexpr int kTmaEpilogueMinRows = 512;  // mean rows per group from which the wgrad takes the TMA epilogue
+constexpr int kTmaEpilogueMinRows = 512;      // beta 0: mean rows per group from which dw is stored by TMA
+constexpr int kReduceEpilogueMinRows = 1024;  // beta 1: from here the TMA reduce-add, below it the staged box
 constexpr uint32_t kStageBytes = uint32_t((kBM + kBN) * kBK * 2);  // 32 KiB
 constexpr uint32_t kHalfBytes = 8192;                               // one MN-major 64 x 64 box
 // Stages, the mbarriers (padded to 1 KiB), two 16 KiB staging boxes for the TMA epilogue, 1 KiB to align.
-constexpr int kSmemBytes = int(kStages * kStageBytes) + 1024 + 2 * 16384 + 1024;
+// kStaged (wgrad, f32, beta 1, few rows per group): 3 stages and, per consumer, a 64 KiB box of the tile's main
+// grad that the producer loads by TMA ahead of the epilogue; else 6 stages and two 16 KiB staging boxes.
+template <bool kStaged>
+__host__ __device__ constexpr int stages_of() { return kStaged ? 3 : 6; }
+template <bool kStaged>
+constexpr int smem_bytes_of() {
+  return int(stages_of<kStaged>() * kStageBytes) + 1024 + (kStaged ? 2 * 65536 : 2 * 16384) + 1024;
+}
 
 enum KindId : int { kFwd = 0, kDgrad = 1, kWgrad = 2 };
 
 struct Params {
   CUtensorMap ta, tb;
   CUtensorMap tc;  // f32 wgrad with beta 0 or 1: dw as {k, mo, groups}, box {32, 128, 1}, 128-byte swizzle
-  int tma_out;     // 0: stores from registers; 1: TMA store; 2: TMA reduce-add (beta 1)
+  int tma_out;     // 0: stores from registers; 1: TMA store; 2: TMA reduce-add (beta 1); 3: staged (kStaged)
   void* out;
   int64_t ld_out;        // elements between output rows
   int64_t group_stride;  // wgrad: elements between dw_g and dw_g+1
@@ -250,15 +265,45 @@ __device__ __forceinline__ void store_half(const Params& p, const float (&d)[64]
 }
 #endif
 
-template <int Kind, class TO>
+#if MC_GG_DEVICE
+// f(shared address, value, value) for each accumulator pair of 32-column chunk ch of the 128 x 128 tile, at
+// its place in a box of 128 rows x 32 f32 (rows of 128 bytes, 16-byte chunk c of row r at c ^ (r % 8): the
+// 128-byte swizzle of the f32 TMA map). Thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row
+// half and columns 8 j + 2 tq (+ 1): d[4 j + 2 h + e] is (row + 8 h, column + e).
+template <class F>
+__device__ __forceinline__ void chunk_pairs(uint32_t box, int ch, int warp, int gq, int tq, const float (&d0)[64],
+                                            const float (&d1)[64], F&& f) {
+#pragma unroll
+  for (int mh = 0; mh < 2; ++mh) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mh * 64 + warp * 16 + gq + 8 * h;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * ch + jj, chunk = 2 * jj + tq / 2;
+        const uint32_t addr = box + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) * 16 + (tq & 1) * 8);
+        f(addr, mh == 0 ? d0[4 * j + 2 * h] : d1[4 * j + 2 * h], mh == 0 ? d0[4 * j + 2 * h + 1] : d1[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+#endif
+
+template <int Kind, class TO, bool kStaged>
 __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __grid_constant__ Params p) {
 #if MC_GG_DEVICE
+  constexpr int kStages = stages_of<kStaged>();
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // stage s: A at base + s * kStageBytes, B 16 KiB after
   const uint32_t bars = base + kStages * kStageBytes;  // then 1 KiB of barriers, then the staging boxes
   auto full = [&](int s) { return bars + uint32_t(s) * 8u; };
   auto empty = [&](int s) { return bars + uint32_t(kStages + s) * 8u; };
+  // kStaged: consumer c's main-grad box at cbox(c); cfull(c) completes when its TMA load landed, cempty(c)
+  // when the consumer's TMA store has read it back out.
+  auto cbox = [&](int c) { return bars + 1024u + uint32_t(c) * 65536u; };
+  auto cfull = [&](int c) { return bars + uint32_t(2 * kStages + c) * 8u; };
+  auto cempty = [&](int c) { return bars + uint32_t(2 * kStages + 2 + c) * 8u; };
   constexpr int kTA = Kind == kWgrad ? 1 : 0;
   constexpr int kTB = Kind == kFwd ? 0 : 1;
 
@@ -268,6 +313,8 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   const int warp = __shfl_sync(0xffffffffu, (int(threadIdx.x) / 32) % 4, 0), lane = int(threadIdx.x) % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(full(s), 1), mbar_init(empty(s), 4);
+    if (kStaged)
+      for (int c = 0; c < 2; ++c) mbar_init(cfull(c), 1), mbar_init(cempty(c), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -278,9 +325,15 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.ta)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tb)) : "memory");
       if (p.tma_out) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tc)) : "memory");
-      int it = 0, g = 0;
-      for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x)) {
+      int it = 0, g = 0, i = 0;
+      for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) {
         const Tile x = decode<Kind>(p, t, g);
+        if constexpr (kStaged) {  // the tile's main grad into its consumer's box (use j = i / 2 of that box)
+          const int c = i & 1, j = i >> 1;
+          mbar_wait(cempty(c), uint32_t(j & 1) ^ 1u);
+          mbar_expect_tx(cfull(c), 65536u);
+          for (int ch = 0; ch < 4; ++ch) tma_3d(cbox(c) + uint32_t(ch) * 16384u, &p.tc, x.n0 + 32 * ch, x.m0, x.g, cfull(c));
+        }
         for (int kb = 0; kb < x.kblocks; ++kb, ++it) {
           const int s = it % kStages;
           mbar_wait(empty(s), uint32_t((it / kStages) & 1) ^ 1u);
@@ -313,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   float d0[64], d1[64];
   // The other consumer's tiles are skipped by adding their k-blocks to `it` (decoded with their own group
   // cursor gs); the loop has no data-dependent branch around the wgmmas (ptxas would serialise them).
-  int it = 0, g = 0, gs = 0;
+  int it = 0, g = 0, gs = 0, own = 0;
   const int step = int(gridDim.x);
   int t = int(blockIdx.x);
   if (cw == 1) {  // consumer 1 starts one tile later (blockIdx.x < p.tiles: the grid is at most the tiles)
@@ -379,7 +432,27 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
 
     // Epilogue: thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row half, columns
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
-    if (Out<TO>::kF32 && p.tma_out) {
+    if constexpr (kStaged) {
+      // The main grad is already in this consumer's box (same layout as the staging box, four 32-column
+      // chunks): add the accumulators in shared memory, then store the box back by TMA.
+      mbar_wait(cfull(cw), uint32_t(own & 1));
+      const uint32_t box = cbox(cw);
+#pragma unroll
+      for (int ch = 0; ch < 4; ++ch)
+        chunk_pairs(box + uint32_t(ch) * 16384u, ch, warp, gq, tq, d0, d1, [](uint32_t addr, float v0, float v1) {
+          float c0, c1;
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(c0), "=f"(c1) : "r"(addr) : "memory");
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(c0 + v0), "f"(c1 + v1) : "memory");
+        });
+      fence_proxy_async();
+      named_bar_sync(1 + cw, 128);
+      if (tid == 0) {
+        for (int ch = 0; ch < 4; ++ch) tma_store_3d<false>(&p.tc, box + uint32_t(ch) * 16384u, x.n0 + 32 * ch, x.m0, x.g);
+        bulk_wait_read();        // the box has been read out: the producer may load the next tile into it
+        mbar_arrive(cempty(cw));
+      }
+      ++own;
+    } else if (Out<TO>::kF32 && p.tma_out) {
       // Through this consumer's 16 KiB staging box (128 rows x 32 f32, 128-byte swizzle) in four column
       // chunks, each stored or reduce-added (dw += the tile, beta 1) by one bulk tensor op; TMA clips rows
       // and columns outside dw, and the L2 does the read-modify-write, so the warpgroup does not wait on it.
@@ -388,21 +461,9 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
       for (int ch = 0; ch < 4; ++ch) {
         if (tid == 0) bulk_wait_read();  // the previous chunk has left the staging box
         named_bar_sync(1 + cw, 128);
-#pragma unroll
-        for (int mh = 0; mh < 2; ++mh) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = mh * 64 + warp * 16 + gq + 8 * h;
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-              const int j = 4 * ch + jj, chunk = 2 * jj + tq / 2;
-              const uint32_t addr = stage + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) * 16 + (tq & 1) * 8);
-              const float v0 = mh == 0 ? d0[4 * j + 2 * h] : d1[4 * j + 2 * h];
-              const float v1 = mh == 0 ? d0[4 * j + 2 * h + 1] : d1[4 * j + 2 * h + 1];
-              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
-            }
-          }
-        }
+        chunk_pairs(stage, ch, warp, gq, tq, d0, d1, [](uint32_t addr, float v0, float v1) {
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
+        });
         fence_proxy_async();
         named_bar_sync(1 + cw, 128);
         if (tid == 0) {
@@ -421,7 +482,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     }
     if (t + step < p.tiles) it += decode<Kind>(p, t + step, gs).kblocks;
   }
-  if (Out<TO>::kF32 && p.tma_out && tid == 0) bulk_wait_all();  // the staging box must outlive its reads
+  if (Out<TO>::kF32 && p.tma_out && tid == 0) bulk_wait_all();  // the boxes must outlive their reads
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for another architecture: the host never launches this (grouped_sm90_unsupported)
 #endif
@@ -475,12 +536,13 @@ int sm_count(int device) {
   return counts[device];
 }
 
-template <int Kind, class TO>
+template <int Kind, class TO, bool kStaged = false>
 int launch(const Params& p, int grid, cudaStream_t stream) {
-  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  constexpr int bytes = smem_bytes_of<kStaged>();
+  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO, kStaged>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return int(attr);
-  grouped_sm90_kernel<Kind, TO><<<grid, kThreadsGG, kSmemBytes, stream>>>(p);
+  grouped_sm90_kernel<Kind, TO, kStaged><<<grid, kThreadsGG, bytes, stream>>>(p);
   return int(cudaGetLastError());
 }
 
@@ -550,14 +612,21 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
   } else {
     const uint64_t da[2] = {uint64_t(q.mo), rows}, db[2] = {uint64_t(q.k), rows};
     ok = make_map(&p.ta, q.a, 2, da, q.mo, 0, kBK) && make_map(&p.tb, q.b, 2, db, q.k, 0, kBK);
-    // The TMA epilogue pays off where a tile's main loop is long enough to hide the L2's read-modify-write
-    // (one H200, 2026-11-28, Mixtral fc1 wgrad: 1024 rows per group 3.53 ms against 3.94 from registers); with
-    // few rows per group the tiles are all epilogue and the stores from registers are faster (64 rows per
-    // group of 64 experts: 0.84 ms against 1.19).
-    if (ok && q.out_f32 && (q.beta == 0.f || q.beta == 1.f) && q.rows >= int64_t(kTmaEpilogueMinRows) * q.groups) {
+    // The f32 epilogue by rows per group (one H200, 2026-11-28, the kernel alone on even splits): with beta 1
+    // below kReduceEpilogueMinRows the staged box (64 rows of 64 experts, fc1 shapes: 0.83 ms against 1.19
+    // reduce-add and 1.36 from registers; 512 rows: 1.04 against 1.33 and 1.64), from there the reduce-add
+    // (1024 rows, 1.1B-MoE fc1: 0.69 against 0.88 staged and 0.99 from registers); with beta 0 the TMA store
+    // from kTmaEpilogueMinRows rows.
+    int epi = q.epilogue;
+    if (epi < 0) {
+      const bool many = q.rows >= int64_t(kReduceEpilogueMinRows) * q.groups;
+      epi = q.beta == 1.f ? (many ? 1 : 2) : q.rows >= int64_t(kTmaEpilogueMinRows) * q.groups ? 1 : 0;
+    }
+    if (!q.out_f32 || (q.beta != 0.f && q.beta != 1.f) || (epi == 2 && q.beta != 1.f)) epi = 0;
+    if (ok && epi > 0) {
       const uint64_t dc[3] = {uint64_t(q.k), uint64_t(q.mo), uint64_t(q.groups)};
       ok = make_map(&p.tc, q.out, 3, dc, q.k, uint64_t(q.mo * q.k), kBM, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, 32);
-      p.tma_out = q.beta == 0.f ? 1 : 2;
+      p.tma_out = epi == 2 ? 3 : q.beta == 0.f ? 1 : 2;
     }
   }
   if (!ok) return int(cudaErrorInvalidValue);
@@ -567,6 +636,7 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
     case GroupedSm90::Kind::Forward: return launch<kFwd, __nv_bfloat16>(p, grid, s);
     case GroupedSm90::Kind::Dgrad: return launch<kDgrad, __nv_bfloat16>(p, grid, s);
     default:
+      if (p.tma_out == 3) return launch<kWgrad, float, true>(p, grid, s);
       return q.out_f32 ? launch<kWgrad, float>(p, grid, s) : launch<kWgrad, __nv_bfloat16>(p, grid, s);
   }
 }

@@ -28,6 +28,9 @@ struct GroupedSm90 {
   void* out = nullptr;      // y, dx or dw
   const int64_t* offsets = nullptr;  // host [groups + 1], offsets[0] = 0, offsets[groups] = rows
   float beta = 0.f;                  // wgrad only
+  // f32 wgrad epilogue: -1 the kernel's choice; 0 from registers; 1 TMA store / reduce-add (beta 0 / 1);
+  // 2 the main grad loaded into shared memory by TMA ahead of the epilogue and stored back (beta 1).
+  int epilogue = -1;
 };
 
 /// Why the Hopper kernel cannot run this problem on `device` (nullptr when it can): not built for sm_90a,
