@@ -688,6 +688,16 @@ const char* grouped_name(GroupedKind k) {
   }
 }
 
+/// All rows of the groups, and how many groups have any.
+struct GroupRows {
+  int64_t rows = 0, used = 0;
+};
+GroupRows count_rows(std::span<const int64_t> sizes) {
+  GroupRows c;
+  for (int64_t r : sizes) c.rows += r, c.used += r > 0;
+  return c;
+}
+
 /// Checks the group sizes against N rows; returns their offsets (G + 1 entries).
 std::vector<int64_t> group_offsets(std::span<const int64_t> sizes, int64_t groups, int64_t n, const char* op) {
   MC_CHECK(int64_t(sizes.size()) == groups, "{}: {} group sizes for {} expert weights; pass one size per group", op,
@@ -843,9 +853,8 @@ std::atomic<int64_t>& sm90_launch_count() {
 
 /// Whether auto takes the Hopper kernel for a wgrad with these group sizes (see kGroupedSm90WgradMinRows).
 bool sm90_wgrad_pays(std::span<const int64_t> sizes) {
-  int64_t rows = 0, used = 0;
-  for (int64_t r : sizes) rows += r, used += r > 0;
-  return used > 0 && rows >= kGroupedSm90WgradMinRows * used;
+  const GroupRows c = count_rows(sizes);
+  return c.used > 0 && c.rows >= kGroupedSm90WgradMinRows * c.used;
 }
 
 #if MEGACORE_WITH_CUDA
@@ -856,7 +865,6 @@ const char* sm90_problem(GroupedKind kind, const Tensor& a, const Tensor& b, con
                          Tensor& out, float beta, cuda::GroupedSm90& q) {
   using K = cuda::GroupedSm90::Kind;
   q.kind = kind == GroupedKind::Forward ? K::Forward : kind == GroupedKind::Dgrad ? K::Dgrad : K::Wgrad;
-  q.f16 = a.dtype() == DType::F16;
   q.out_f32 = out.dtype() == DType::F32;
   q.groups = int(off.size()) - 1;
   q.rows = a.size(0);
@@ -868,7 +876,6 @@ const char* sm90_problem(GroupedKind kind, const Tensor& a, const Tensor& b, con
   q.beta = kind == GroupedKind::Wgrad ? beta : 0.f;
   if (a.dtype() != DType::BF16) return "the kernel takes bf16 inputs only";
   if (!a.is_contiguous() || !b.is_contiguous() || !out.is_contiguous()) return "an operand is not contiguous";
-  if (q.groups > kGroupedSm90MaxGroups) return "more than kGroupedSm90MaxGroups groups";
   return cuda::grouped_sm90_unsupported(q, out.device().index);
 }
 #endif
@@ -894,11 +901,10 @@ void log_path_once(const char* op, GroupedGemmPath setting, GroupedGemmPath path
   } else if (setting != GroupedGemmPath::Auto) {
     why = fmt::format("MEGACORE_MOE_GEMM / set_grouped_gemm_path = {}", grouped_gemm_path_name(setting));
   } else {
-    int64_t rows = 0, used = 0;
-    for (int64_t r : sizes) rows += r, used += r > 0;
+    const GroupRows c = count_rows(sizes);
     why = fmt::format("auto: {} rows of {} multiply-adds over {} groups with rows, {} 2^30 multiply-adds per group "
                       "on average",
-                      rows, macs_per_row, used, path == GroupedGemmPath::Grouped ? "fewer than" : "at least");
+                      c.rows, macs_per_row, c.used, path == GroupedGemmPath::Grouped ? "fewer than" : "at least");
   }
   log_once(LogLevel::Info, fmt::format("{}:path:{}:{}", op, grouped_gemm_path_name(path), supported), "ops",
            fmt::format("{}: {} ({})", op, name, why));
@@ -1061,10 +1067,9 @@ GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_
                                     bool grouped_supported) {
   if (!grouped_supported) return GroupedGemmPath::Loop;
   if (path == GroupedGemmPath::Loop || path == GroupedGemmPath::Grouped) return path;
-  int64_t rows = 0, used = 0;
-  for (int64_t r : group_sizes) rows += r, used += r > 0;
+  const GroupRows c = count_rows(group_sizes);
   // Mean multiply-adds per group with rows < the bound, in doubles (rows · M · K overflows nothing there).
-  return used > 0 && double(rows) * double(macs_per_row) < double(kGroupedGemmMaxMeanMacs) * double(used)
+  return c.used > 0 && double(c.rows) * double(macs_per_row) < double(kGroupedGemmMaxMeanMacs) * double(c.used)
              ? GroupedGemmPath::Grouped
              : GroupedGemmPath::Loop;
 }

@@ -48,6 +48,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "ops/cuda/grouped_gemm_sm90.hpp"
 #include "ops/cuda/sm90_common.cuh"
@@ -213,17 +214,6 @@ __device__ __forceinline__ void mma_128(float (&d)[64], uint64_t da, uint64_t db
 }
 #endif  // MC_GG_DEVICE
 
-// Output element type of the epilogue.
-template <class TO>
-struct Out;
-template <>
-struct Out<float> {
-  static constexpr bool kF32 = true;
-};
-template <>
-struct Out<__nv_bfloat16> {
-  static constexpr bool kF32 = false;
-};
 
 #if MC_GG_DEVICE
 // Epilogue of one 64-row half: the thread holds rows row0 and row0 + 8, columns col0 + 8 j (+ 1) for
@@ -244,7 +234,7 @@ __device__ __forceinline__ void store_half(const Params& p, const float (&d)[64]
     for (int j = 0; j < 16; ++j) {
       const int col = col0 + 8 * j;
       const bool in = acc && col < p.n_fixed;
-      if constexpr (Out<TO>::kF32) {
+      if constexpr (std::is_same_v<TO, float>) {
         c[j] = in ? *reinterpret_cast<const float2*>(orow + col) : make_float2(0.f, 0.f);
       } else {
         c[j] = in ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(orow + col)) : make_float2(0.f, 0.f);
@@ -255,7 +245,7 @@ __device__ __forceinline__ void store_half(const Params& p, const float (&d)[64]
       const int col = col0 + 8 * j;
       if (col >= p.n_fixed) continue;
       const float v0 = d[4 * j + 2 * h] + b * c[j].x, v1 = d[4 * j + 2 * h + 1] + b * c[j].y;
-      if constexpr (Out<TO>::kF32) {
+      if constexpr (std::is_same_v<TO, float>) {
         *reinterpret_cast<float2*>(orow + col) = make_float2(v0, v1);
       } else {
         *reinterpret_cast<__nv_bfloat162*>(orow + col) = __floats2bfloat162_rn(v0, v1);
@@ -452,7 +442,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
         mbar_arrive(cempty(cw));
       }
       ++own;
-    } else if (Out<TO>::kF32 && p.tma_out) {
+    } else if (std::is_same_v<TO, float> && p.tma_out) {
       // Through this consumer's 16 KiB staging box (128 rows x 32 f32, 128-byte swizzle) in four column
       // chunks, each stored or reduce-added (dw += the tile, beta 1) by one bulk tensor op; TMA clips rows
       // and columns outside dw, and the L2 does the read-modify-write, so the warpgroup does not wait on it.
@@ -482,7 +472,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     }
     if (t + step < p.tiles) it += decode<Kind>(p, t + step, gs).kblocks;
   }
-  if (Out<TO>::kF32 && p.tma_out && tid == 0) bulk_wait_all();  // the boxes must outlive their reads
+  if (std::is_same_v<TO, float> && p.tma_out && tid == 0) bulk_wait_all();  // the boxes must outlive their reads
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for another architecture: the host never launches this (grouped_sm90_unsupported)
 #endif
@@ -562,7 +552,6 @@ const char* grouped_sm90_unsupported(const GroupedSm90& p, int device) {
     return "the device's compute capability could not be read";
   }
   if (major != 9 || minor != 0) return "the kernel is for Hopper GPUs (compute capability 9.0)";
-  if (p.f16) return "the kernel takes bf16 inputs only";
   if (p.kind != GroupedSm90::Kind::Wgrad && p.out_f32) return "forward and dgrad outputs are the inputs' dtype";
   if (p.groups < 1 || p.groups > kGroupedSm90MaxGroups) return "more groups than one launch takes (256)";
   if (p.mo % 8 != 0 || p.k % 8 != 0) return "feature counts must be multiples of 8 (16-byte TMA rows)";

@@ -14,10 +14,10 @@ namespace megacore::ops::cuda {
 /// Most groups one launch takes (the per-group offsets ride in the kernel's parameters).
 inline constexpr int kGroupedSm90MaxGroups = 256;
 
+/// One call: bf16 inputs (and forward/dgrad outputs).
 struct GroupedSm90 {
   enum class Kind { Forward, Dgrad, Wgrad };
   Kind kind = Kind::Forward;
-  bool f16 = false;      // inputs (and forward/dgrad outputs) f16 instead of bf16
   bool out_f32 = false;  // wgrad only: dw is f32 (the main grad)
   int groups = 0;
   int64_t rows = 0;  // all groups' rows together
