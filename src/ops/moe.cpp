@@ -851,12 +851,6 @@ std::atomic<int64_t>& sm90_launch_count() {
   return n;
 }
 
-/// Whether auto takes the Hopper kernel for a wgrad with these group sizes (see kGroupedSm90WgradMinRows).
-bool sm90_wgrad_pays(std::span<const int64_t> sizes) {
-  const GroupRows c = count_rows(sizes);
-  return c.used > 0 && c.rows >= kGroupedSm90WgradMinRows * c.used;
-}
-
 #if MEGACORE_WITH_CUDA
 static_assert(kGroupedSm90MaxGroups == cuda::kGroupedSm90MaxGroups);
 
@@ -961,8 +955,6 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
     if (setting == GroupedGemmPath::Auto || setting == GroupedGemmPath::Sm90) {
       cuda::GroupedSm90 q;
       const char* why = sm90_problem(kind, a, b, off, out, beta, q);
-      if (why == nullptr && setting == GroupedGemmPath::Auto && wgrad && !sm90_wgrad_pays(sizes))
-        why = "auto: wgrad averages fewer than kGroupedSm90WgradMinRows rows per group with rows";
       if (why == nullptr) {
         log_once(LogLevel::Info, fmt::format("{}:path:sm90", op), "ops",
                  fmt::format("{}: megacore's Hopper grouped kernel (one launch for all {} groups)", op, q.groups));

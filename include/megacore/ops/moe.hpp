@@ -150,8 +150,9 @@ void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64
 ///            keep cuBLASLt's heuristic kernel (no timed autotuning: the row counts change every step).
 ///   Grouped: all groups in one cublasGemmGroupedBatchedEx launch. cuBLAS has no grouped kernel for
 ///            16-bit inputs into an f32 output (wgrad into the main grad): that case runs Loop.
-///   Auto:    Sm90 where it is available (a wgrad only from kGroupedSm90WgradMinRows rows per group);
-///            otherwise Grouped when the groups with rows average fewer than
+///   Auto:    Sm90 where it is available (forward, dgrad and wgrad at every size: on H200, 2026-11-28,
+///            benchmarks/results/moe_gemm_sm90_NVIDIA_H200.json, it beats the per-group loop on every
+///            shape but one where they tie); otherwise Grouped when the groups with rows average fewer than
 ///            kGroupedGemmMaxMeanMacs multiply-adds (rows · M · K per group: many small products, where
 ///            launching one per group costs more than the grouped kernel loses), else Loop (the per-group
 ///            cuBLASLt products reach the dense GEMM's speed; the grouped kernel reaches 35-46 % of it with
@@ -163,11 +164,6 @@ void grouped_gemm_wgrad(const Tensor& dy, const Tensor& x, std::span<const int64
 enum class GroupedGemmPath { Auto, Loop, Grouped, Sm90 };
 inline constexpr int64_t kGroupedGemmMaxMeanMacs = int64_t(1) << 30;
 inline constexpr int kGroupedSm90MaxGroups = 256;
-/// Auto takes Sm90 for a wgrad only when the groups with rows average at least this many rows; below it the
-/// tiles are all f32 read-modify-write epilogue and the per-group cuBLASLt loop on 2 streams is faster (H200,
-/// 2026-11-28, benchmarks/results/moe_gemm_sm90_NVIDIA_H200.json: 32-512 rows per expert, fine-grained
-/// shapes). Forward and dgrad take Sm90 at every size.
-inline constexpr int64_t kGroupedSm90WgradMinRows = 1024;
 
 /// Whether the Sm90 kernel can run on device d: the library holds sm_90a code and d is a Hopper GPU.
 bool grouped_gemm_sm90_available(Device d);

@@ -965,18 +965,23 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
           CHECK((ops::grouped_gemm_sm90_launches() > launched) == sm90);
         }
     }
-  // Auto's wgrad takes the Hopper kernel from kGroupedSm90WgradMinRows rows per group with rows (0-row groups
-  // do not count), the per-group loop below that; forward and dgrad take it at any size.
+  // Auto's wgrad takes the Hopper kernel at any size (a group of 1 row, empty groups, 1024+ rows) into f32 with beta 1
+  // and 0; with every group empty dw is still scaled by beta.
   if (hopper) {
     ops::set_grouped_gemm_path(ops::GroupedGemmPath::Auto);
-    const int64_t lim = ops::kGroupedSm90WgradMinRows;
-    for (const std::vector<int64_t>& sizes : {std::vector<int64_t>{lim, 0, lim + 3}, std::vector<int64_t>{lim - 1, lim}}) {
+    for (const std::vector<int64_t>& sizes :
+         {std::vector<int64_t>{1, 0, 3}, std::vector<int64_t>{1023, 1024}, std::vector<int64_t>{0, 0}}) {
       const int64_t n = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
-      Tensor dy = randn({n, 64}, DType::BF16, fresh_seed(), 0, 1, gpu()), x = randn({n, 32}, DType::BF16, 7, 0, 1, gpu());
-      Tensor dw = Tensor::zeros({int64_t(sizes.size()), 64, 32}, DType::F32, gpu());
-      const int64_t launched = ops::grouped_gemm_sm90_launches();
-      ops::grouped_gemm_wgrad(dy, x, sizes, dw, 1.f);
-      CHECK((ops::grouped_gemm_sm90_launches() > launched) == (sizes[0] == lim));
+      const bool any = n > 0;
+      Tensor dy = randn({std::max<int64_t>(n, 1), 64}, DType::BF16, fresh_seed(), 0, 1, gpu()).narrow(0, 0, n);
+      Tensor x = randn({std::max<int64_t>(n, 1), 32}, DType::BF16, 7, 0, 1, gpu()).narrow(0, 0, n);
+      for (float beta : {1.f, 0.f}) {
+        Tensor dw = Tensor::full({int64_t(sizes.size()), 64, 32}, 2.0, DType::F32, gpu());
+        const int64_t launched = ops::grouped_gemm_sm90_launches();
+        ops::grouped_gemm_wgrad(dy, x, sizes, dw, beta);
+        if (any) CHECK(ops::grouped_gemm_sm90_launches() > launched);
+        else CHECK(dw.to(Device::cpu()).to_double_vector() == std::vector<double>(size_t(2 * 64 * 32), 2.0 * beta));
+      }
     }
   }
   ops::set_grouped_gemm_path(before);
