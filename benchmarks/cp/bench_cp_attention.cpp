@@ -10,8 +10,8 @@
 //     backward, ms and TFLOP/s per GPU with FLOPs = causal core attention (6·a·d·S per token, the library's
 //     12·a·d·S halved) + 6 · the two projections' weights per token; timed with the ring's K/V exchanges
 //     overlapped (cp_overlap = true, the default) and serialised on the compute stream (cp_overlap = false);
-//   ring_exchange_ms: the exchanges alone (the forward's CP−1 K/V passes, the backward's CP−1 K/V and CP
-//     f32 dK/dV passes, same sizes) and hidden_fraction = (serial − overlapped) / exchange time, i.e. the
+//   ring_exchange_ms: the exchanges alone (the forward's CP−1 K/V passes and the backward's CP−1 f32 dK/dV
+//     passes, same sizes) and hidden_fraction = (serial − overlapped) / exchange time, i.e. the
 //     share of the communication the overlap takes off the critical path;
 //   model: GPTModel forward + backward on this rank's 2 chunks of the sequence, ms, tokens/s per GPU and
 //     model TFLOP/s per GPU (6·N_matmul + causal attention per token, model::flops_per_token(causal)).
@@ -137,9 +137,8 @@ int main(int argc, char** argv) {
       Tensor gk = Tensor::zeros(k.shape(), DType::F32, dev, ctx.stream), gv = gk.clone(ctx.stream);
       Tensor rgk = gk.clone(ctx.stream), rgv = gk.clone(ctx.stream);
       const double sec = time_it(a, *mpi, ctx.stream, [&] {
-        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);   // forward
-        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);   // backward K/V
-        for (int i = 0; i < n; ++i) pass(*cp, gk, gv, rgk, rgv, ctx.stream);  // backward dK/dV
+        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);      // forward: K/V
+        for (int i = 0; i + 1 < n; ++i) pass(*cp, gk, gv, rgk, rgv, ctx.stream);  // backward: dK/dV (f32)
       });
       const double hidden = (t_serial - t_overlap) / sec;
       ring = {{"ring_exchange_ms", sec * 1e3},

@@ -141,10 +141,11 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     model chunk keep only their input and the others everything, as without recompute), times the PP
     micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
     gradient (bf16, [s/CP·b, padded vocab/TP] each). With CP > 1 activations are those of the local s/CP tokens, and
-    `cp_ring` adds the ring attention's transient buffers, once (one layer's attention runs at a time): its backward,
-    the larger of the two passes, holds the f32 dQ accumulator and a bf16 block dQ ([s/CP·b, heads/TP, head_dim]),
-    dK/dV f32 accumulators held and in flight, the K/V block received while the held one is used, and bf16 block
-    dK/dV (each [s/CP·b, KV groups/TP, head_dim]). It fits when the total stays under the GPU's memory less
+    The ring forward's CP − 1 received K/V blocks (bf16, each [s/CP·b, KV groups/TP, head_dim]) are kept by every
+    layer without recompute until its backward (counted in its activations); `cp_ring` adds the ring attention's
+    transient buffers, once (one layer's attention runs at a time): its backward, the larger of the two passes,
+    holds the f32 dQ accumulator and a bf16 block dQ ([s/CP·b, heads/TP, head_dim]), dK/dV f32 accumulators held and
+    in flight, bf16 block dK/dV, and where layers recompute, the CP − 1 K/V blocks their rerun ring brings. It fits when the total stays under the GPU's memory less
     `headroom_gib` (default max(4, 12 % of it)) for what is not counted: the CUDA context, NCCL and cuBLAS/cuDNN
     workspaces, backward temporaries and allocator fragmentation (Llama-3-8B, TP 2 + SP, ZeRO-1 over DP 2, seq 8192
     ran out of memory on an 80 GB H100 at 70.7 GiB allocated: 8.9 GiB of its 79.6 went to such things). Layers per stage: `pipeline_layout` (explicit counts
@@ -263,8 +264,16 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     logits = 2 * 2 * s * b * m.padded_vocab_size(cfg, tp) / tp  # bf16 logits + their gradient, last stage
     q_elems = s * b * cfg.num_attention_heads / tp * cfg.head_dim
     kv_elems = s * b * cfg.query_groups / tp * cfg.head_dim
-    # dQ acc f32 + block dQ bf16; dK, dV f32 held + in flight; K, V bf16 received; block dK, dV bf16.
-    cp_ring = (4 + 2) * q_elems + (2 * 2 * 4 + 2 * 2 + 2 * 2) * kv_elems if cp > 1 else 0.0
+    # The ring forward's CP − 1 received K/V blocks (bf16): kept by a layer without recompute until its backward,
+    # rebuilt by a recomputing layer's backward.
+    kv_blocks = 2 * 2 * (cp - 1) * kv_elems
+    if kept_rc == "none" and cp > 1:
+        act_layer += kv_blocks
+        moe_act = dict(moe_act, saved=moe_act["saved"] + kv_blocks)
+    recomputes = kept_rc != "none" or block
+    # dQ acc f32 + block dQ bf16; dK, dV f32 held + in flight; block dK, dV bf16; a recomputed ring's K/V blocks.
+    cp_ring = ((4 + 2) * q_elems + (2 * 2 * 4 + 2 * 2) * kv_elems + (kv_blocks if recomputes else 0.0)
+               if cp > 1 else 0.0)
 
     for name, v in (("main_params_dtype", main_params_dtype), ("main_grads_dtype", main_grads_dtype),
                     ("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):

@@ -135,12 +135,12 @@ void from_token_major(Tensor dst, const Tensor& src, const Stream& st) {
 }
 }  // namespace
 
-Tensor SelfAttention::core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                                  const Stream& st) const {
+Tensor SelfAttention::core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st,
+                                  std::vector<Tensor>* keep) const {
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_;
   if (cp_active())
     return opts_.cp_comm_type == CpCommType::AllGather ? gather_forward(q, k, v, out, st)
-                                                        : ring_forward(q, k, v, out, st);
+                                                        : ring_forward(q, k, v, out, st, keep);
   if (!cu_.defined()) {
     Tensor lse = Tensor::empty({b, heads_local_, s}, DType::F32, q.device(), st);
     Tensor out4 = bshd(out.view({s, b, heads_local_, d}));
@@ -246,8 +246,11 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
     }
     cu_ = cu, max_seqlen_ = ctx.max_seqlen;
   }
-  Tensor lse = core_forward(q, k, v, out, st);
+  // The ring's K/V blocks stay for the backward unless selective recompute reruns the ring there.
+  std::vector<Tensor> blocks;
+  Tensor lse = core_forward(q, k, v, out, st, ctx.training && !recompute_ ? &blocks : nullptr);
   Tensor y = proj_.forward(ctx, out);
+  ring_kv_ = std::move(blocks);
   if (ctx.training) {
     q_ = q, k_ = k, v_ = v, positions_ = positions;
     seq_ = s, batch_ = b;
@@ -271,7 +274,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   Tensor out = out_, lse = lse_;
   if (recompute_) {
     out = Tensor::empty({s, b, heads_local_ * d}, q_.dtype(), q_.device(), st);
-    lse = core_forward(q_, k_, v_, out, st);
+    lse = core_forward(q_, k_, v_, out, st, &ring_kv_);
   }
   // dQKV in the fused grouped layout; the merge (with RoPE's backward) writes q's, k's and v's gradients into it.
   Tensor dqkv = Tensor::empty({s, b, groups_local_, hpg + 2, d}, q_.dtype(), q_.device(), st);
@@ -280,7 +283,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
   Tensor dv = Tensor::empty({s, b, groups_local_, d}, q_.dtype(), q_.device(), st);
   if (cp_active()) {
     if (opts_.cp_comm_type == CpCommType::AllGather) gather_backward(out, lse, dout, dq, dk, dv, st);
-    else ring_backward(out, lse, dout, dq, dk, dv, st);
+    else ring_backward(out, lse, dout, dq, dk, dv, ring_kv_, st);
   } else if (cu_.defined()) {
     Tensor dqp = Tensor::empty({b * s, heads_local_, d}, q_.dtype(), q_.device(), st);
     Tensor dkp = Tensor::empty({b * s, groups_local_, d}, q_.dtype(), q_.device(), st);
@@ -304,6 +307,7 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
     dqkv.select(3, hpg + 1).copy_(dv, st);
   }
   q_ = k_ = v_ = out_ = lse_ = positions_ = cu_ = Tensor();
+  ring_kv_.clear();
   return qkv_.backward(ctx, dqkv.view({s, b, groups_local_ * (hpg + 2) * d}));
 }
 
@@ -312,16 +316,16 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
 namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The K/V block a rank holds at step i, and which of its queries attend to which of its keys (see the
-// header comment): step 0 causal over everything; an earlier rank's block: all queries × its first chunk;
-// a later rank's block: the late query chunk × the whole block.
+// Which of this rank's queries attend to which keys of rank src's K/V block (see the header comment): its own
+// block causal over everything; an earlier rank's block: all queries × its first chunk; a later rank's block:
+// the late query chunk × the whole block.
 struct RingBlock {
   int64_t q_off, q_len, k_len;
   bool causal;
 };
-RingBlock ring_block(int step, int src, int rank, int64_t s) {
+RingBlock ring_block(int src, int rank, int64_t s) {
   const int64_t c = s / 2;
-  if (step == 0) return {0, s, s, true};
+  if (src == rank) return {0, s, s, true};
   if (src < rank) return {0, s, c, false};
   return {c, c, s, false};
 }
@@ -463,14 +467,20 @@ struct Ring {
     Step out;
     if (i + 1 < n) out.kv = pass(kc, vc);
     out.src = (r - i + n) % n;
-    out.blk = ring_block(i, out.src, r, s);
-    o.causal = out.blk.causal;
+    out.blk = ring_block(out.src, r, s);
+    out.o = block_options(std::move(o), out.blk, out.src, b, s);
+    return out;
+  }
+  // `o` set for rank src's block: causal for the own block; for packed rows, the block's per-segment query
+  // and key counts.
+  ops::AttentionOptions block_options(ops::AttentionOptions o, const RingBlock& blk, int src, int64_t b,
+                                      int64_t s) const {
+    o.causal = blk.causal;
     if (packed) {
-      const PackedBlock pb = packed_block(cu, b, s, n, r, out.blk.q_off, out.blk.q_len, out.src, out.blk.k_len, dev, st);
+      const PackedBlock pb = packed_block(cu, b, s, n, r, blk.q_off, blk.q_len, src, blk.k_len, dev, st);
       o.cu_seqlens_q = pb.cu_q, o.cu_seqlens_kv = pb.cu_k, o.max_seqlen_q = pb.max_q, o.max_seqlen_kv = pb.max_k;
     }
-    out.o = std::move(o);
-    return out;
+    return o;
   }
 };
 }  // namespace
@@ -482,7 +492,7 @@ Stream SelfAttention::ring_stream(const Stream& st) const {
 }
 
 Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                                   const Stream& given) const {
+                                   const Stream& given, std::vector<Tensor>* keep) const {
   // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
   const Device dev = q.device();
   const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
@@ -491,6 +501,7 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
   Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
   Tensor kc = k, vc = v;  // contiguous [s, b, groups, d]: the block held at this step
+  if (keep) keep->assign(size_t(2 * ring.n), Tensor());
   for (int i = 0; i < ring.n; ++i) {
     Ring::Step rs = ring.step(i, attention_options(), b, s, kc, vc);  // passes the block on while computing
     RingPass& kv = rs.kv;
@@ -512,6 +523,7 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
                              bshd(vc.narrow(0, 0, blk.k_len)), op4, lp, o, st);
     }
     ops::attention_merge_partial(acc, acc_lse, op, lp, blk.q_off, st);
+    if (keep && rs.src != ring.r) (*keep)[size_t(2 * rs.src)] = kc, (*keep)[size_t(2 * rs.src + 1)] = vc;
     if (kv.pending()) {
       kv.finish();
       kc = kv.a, vc = kv.b;
@@ -522,23 +534,27 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
-                                  Tensor& dv, const Stream& given) const {
+                                  Tensor& dv, const std::vector<Tensor>& blocks, const Stream& given) const {
   const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
   const Device dev = q_.device();
   const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
   const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_);
+  MC_CHECK(blocks.size() == size_t(2 * ring.n),
+           "{}.backward: the ring forward's K/V blocks are missing ({} of {} tensors); run forward with ctx.training = "
+           "true before backward",
+           kName, blocks.size(), 2 * ring.n);
   const Tensor out4 = out.view({s, b, H, d}), dout4 = dout.view({s, b, H, d});
   Tensor dq_acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
-  // The gradient of the block held at this step; it travels with the block and ends at its owner.
-  Tensor dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
-  Tensor dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
-  Tensor kc = k_, vc = v_;
+  // Step i works on rank src = r − 1 − i's block (its own block last) with the accumulator of that block's dK/dV
+  // (f32) that rank r − 1 passed on after step i − 1; after the own block's step it holds the block's total.
+  Tensor dk_acc, dv_acc;
   RingPass grads;  // the previous step's dK/dV on their way; only this step's accumulation waits for them
   for (int i = 0; i < ring.n; ++i) {
-    Ring::Step rs = ring.step(i, attention_options(), b, s, kc, vc);
-    RingPass& kv = rs.kv;
-    const RingBlock& blk = rs.blk;
-    const ops::AttentionOptions& o = rs.o;
+    const int src = i + 1 < ring.n ? (ring.r - 1 - i + 2 * ring.n) % ring.n : ring.r;
+    const RingBlock blk = ring_block(src, ring.r, s);
+    const ops::AttentionOptions o = ring.block_options(attention_options(), blk, src, b, s);
+    const Tensor& kc = src == ring.r ? k_ : blocks[size_t(2 * src)];
+    const Tensor& vc = src == ring.r ? v_ : blocks[size_t(2 * src + 1)];
     // The merged output and LSE make each block's backward its exact share of the full gradient.
     Tensor dqp, dkp, dvp;  // [q_len or k_len, b, heads or groups, d]
     if (ring.packed) {
@@ -563,21 +579,20 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
     if (grads.pending()) {
       grads.finish();
       dk_acc = grads.a, dv_acc = grads.b;
+    } else {
+      dk_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
+      dv_acc = Tensor::zeros({s, b, G, d}, DType::F32, dev, st);
     }
     Tensor dq_rows = dq_acc.narrow(0, blk.q_off, blk.q_len), dk_rows = dk_acc.narrow(0, 0, blk.k_len),
            dv_rows = dv_acc.narrow(0, 0, blk.k_len);
     ops::accumulate_f32(dq_rows, dqp, st);
     ops::accumulate_f32(dk_rows, dkp, st);
     ops::accumulate_f32(dv_rows, dvp, st);
-    // dK/dV move on with the block; after the last step's exchange each rank holds its own block's sum.
-    grads = ring.pass(dk_acc, dv_acc);
-    kv.finish();
-    if (i + 1 < ring.n) kc = kv.a, vc = kv.b;
+    if (i + 1 < ring.n) grads = ring.pass(dk_acc, dv_acc);  // on to rank r + 1, which works on src next
   }
-  grads.finish();
   dq.copy_(dq_acc, st);
-  dk.copy_(grads.a, st);
-  dv.copy_(grads.b, st);
+  dk.copy_(dk_acc, st);
+  dv.copy_(dv_acc, st);
 }
 
 // ---- context parallelism: all-gather ------------------------------------------------------------------
@@ -737,6 +752,9 @@ void SelfAttention::stash_activations(ActivationStash& s) {
   qkv_.stash_activations(s);
   proj_.stash_activations(s);
   for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.put(*t);
+  s.put_int(int64_t(ring_kv_.size()));
+  for (Tensor& t : ring_kv_) s.put(t);
+  ring_kv_.clear();
   s.put_int(seq_);
   s.put_int(batch_);
   s.put_int(max_seqlen_);
@@ -746,6 +764,8 @@ void SelfAttention::restore_activations(ActivationStash& s) {
   qkv_.restore_activations(s);
   proj_.restore_activations(s);
   for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.take(*t);
+  ring_kv_.assign(size_t(s.take_int()), Tensor());
+  for (Tensor& t : ring_kv_) s.take(t);
   seq_ = s.take_int();
   batch_ = s.take_int();
   max_seqlen_ = s.take_int();

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import megacore as mc
-from megacore import cli, recipes
+from megacore import cli, model, recipes
 
 needs_mpi = pytest.mark.skipif(not mc.comm.mpi_available(), reason="built without MPI")
 
@@ -153,9 +153,19 @@ def test_plan_counts_the_ring_buffers_and_prints_the_cp_groups(capsys):
     two = cli.plan("llama3_8b", world_size=8, tp=4, cp=2, seq_length=8192)
     assert one["memory_bytes"]["cp_ring"] == 0
     # Local tokens 4096, 32/4 query heads and 8/4 KV groups of 128 channels: dQ f32 + bf16 (6 B), dK/dV f32 held and
-    # in flight, K/V bf16 received and bf16 block dK/dV (24 B).
+    # in flight and bf16 block dK/dV (20 B), and the recomputed ring's CP − 1 K/V blocks (4 B each).
     tokens = 8192 // 2
-    assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + 24 * 2 * 128)
+    assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + (20 + 4) * 2 * 128)
+    four = cli.plan("llama3_8b", world_size=8, tp=2, cp=4, seq_length=8192)
+    tokens = 8192 // 4
+    assert four["memory_bytes"]["cp_ring"] == tokens * (6 * 16 * 128 + (20 + 4 * 3) * 4 * 128)
+    # Block recompute: the layers kept whole hold their 3 received K/V blocks from forward to backward.
+    cfg = model.llama3_8b()
+    cfg.recompute_granularity = model.RecomputeGranularity.full
+    kept = [cli.plan(cfg, world_size=8, tp=2, cp=c, seq_length=8192, recompute_num_layers=0)["memory_bytes"]
+            for c in (1, 4)]
+    assert kept[1]["activations"] == pytest.approx(kept[0]["activations"] / 4 + 32 * 4 * 3 * tokens * 4 * 128,
+                                                   rel=1e-6)
     assert cli.main(["plan", "--model", "llama3_8b", "--world-size", "8", "--tp", "2", "--cp", "2",
                      "--seq-length", "8192"]) == 0
     out = capsys.readouterr().out

@@ -20,7 +20,8 @@
 //
 // Saved activations per forward (the linear layers keep their own inputs: linear_qkv the input x —
 // with SP only this rank's chunk — and linear_proj the core attention output):
-//   recompute None:      q, k (after RoPE) and v, the core attention output and its LSE f32 [b, heads/TP, s].
+//   recompute None:      q, k (after RoPE) and v, the core attention output and its LSE f32 [b, heads/TP, s];
+//                        with the CP ring also the CP − 1 received K/V blocks ((CP − 1)× k and v).
 //   recompute Selective: q, k (after RoPE) and v only; backward reruns ops::attention_forward for the
 //                        output and LSE. The output tensor is still held by linear_proj (it needs it for its
 //                        weight gradient, as in Megatron-Core), so what this frees is the LSE and the
@@ -46,10 +47,13 @@
 //   src > r: the late query chunk against the whole block, full (the block's early chunk src > r is
 //         after chunk r, so chunk r sees nothing of it).
 // Partial outputs are merged with their LSE in f32 (ops/attention_merge.hpp); the saved LSE is the
-// merged one. Backward replays the ring with the merged output and LSE (so each block's gradient is
-// its exact share): dQ accumulates locally, dK/dV (f32) travel with their block and, after CP
-// exchanges, arrive back at the rank that owns it; the dK/dV exchange of step i overlaps the attention
-// backward of step i+1 (only its accumulation waits for it). GQA runs natively in every block.
+// merged one. The forward keeps the CP − 1 K/V blocks it received (with recompute Selective the backward's
+// rerun of the ring brings them instead), so the backward moves no K/V: it visits the blocks in the order
+// src = r − 1, r − 2, …, r + 1 and its own block last, with the merged output and LSE (so each block's
+// gradient is its exact share). dQ accumulates locally; a block's dK/dV accumulator (f32) starts at rank
+// src + 1 and moves one rank on after each step, so after CP − 1 exchanges it reaches its owner just in
+// time for the owner's own (last) step: every exchange overlaps the next step's attention backward (only
+// the accumulation waits for it) and none is left after the last step. GQA runs natively in every block.
 // CpCommType::AllGather (Megatron-Core's "all_gather") instead all-gathers K and V over the CP group into the
 // global sequence, and each local query chunk g attends fully to keys [0, g·c) and causally to chunk g
 // (merged with their LSE as above); backward gathers again, sums dK/dV of the whole sequence in f32 and
@@ -192,18 +196,24 @@ class SelfAttention {
   ops::AttentionOptions packed_options() const;
   // Core attention on [s, b, heads, d] q/k/v (sequence-major) into out [s, b, heads·d]; returns lse,
   // [b, heads, s] dense or [heads, b·s] for packed rows (cu_ defined: token-major copies for the packed op).
-  Tensor core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  // `keep`: the ring's K/V blocks for the backward (ring_forward).
+  Tensor core_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st,
+                      std::vector<Tensor>* keep = nullptr) const;
   // Context parallelism: the ring forward (writes out [s, b, heads·d], returns the merged lse [b, heads, s])
   // and backward (writes dq, dk, dv [s, b, heads or groups, d]).
   bool cp_active() const { return opts_.cp != nullptr && opts_.cp->size() > 1; }
-  Tensor ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
+  // With `keep`, the ring forward leaves the other ranks' K/V blocks there ([2·src] = K, [2·src + 1] = V; its
+  // own pair stays undefined: it is k and v) for the backward.
+  Tensor ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st,
+                      std::vector<Tensor>* keep = nullptr) const;
   Tensor gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const Stream& st) const;
   void gather_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                        const Stream& st) const;
   // K or V [s, b, groups, d] of every CP rank, all-gathered into the global sequence order [CP·s, b, groups, d].
   Tensor gather_sequence(const Tensor& t, const Stream& st) const;
   void ring_backward(const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
-                     const Stream& st) const;
+                     const std::vector<Tensor>& blocks, const Stream& st) const;
+  std::vector<Tensor> ring_kv_;  // the ring forward's K/V blocks, saved for backward (recompute None)
   // The stream the ring's exchanges run on: st on CPU ranks or with cp_overlap off, else cp_stream_
   // (created on the first CUDA ring).
   Stream ring_stream(const Stream& st) const;
