@@ -19,7 +19,12 @@ ctest --test-dir "$BUILD" --output-on-failure -j1
 
 if [ "${MEGACORE_SKIP_PIP:-0}" != 1 ] && "$PY" -c "import scikit_build_core" >/dev/null 2>&1; then
   echo "[test] pip install . (packaging check)"
-  "$PY" -m pip install -q --no-build-isolation . ${CMAKE_ARGS:+--config-settings=cmake.args="$CMAKE_ARGS"}
+  # scikit-build-core configures, builds and installs in the tree just built and tested (with its own settings
+  # for the wheel; tests and benchmarks kept on so the tree stays as it was), so the package is the tested build
+  # and nothing is compiled twice.
+  "$PY" -m pip install -q --no-build-isolation . --config-settings=build-dir="$BUILD" \
+    --config-settings=cmake.define.MEGACORE_BUILD_TESTS=ON --config-settings=cmake.define.MEGACORE_BUILD_BENCHMARKS=ON \
+    ${CMAKE_ARGS:+--config-settings=cmake.args="$CMAKE_ARGS"}
   (cd /tmp && "$PY" -c "import megacore, numpy as np; t = megacore.from_numpy(np.arange(6, dtype=np.float32)); \
 assert np.asarray(t.to('bf16').to('f32')).sum() == 15; print('installed megacore', megacore.__version__, 'ok')")
 fi
