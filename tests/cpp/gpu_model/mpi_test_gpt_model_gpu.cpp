@@ -35,6 +35,13 @@ using model_test::Batch;
 
 Batch make_batch(int64_t vocab) { return model_test::token_batch(kBatch, kSeq, vocab, 0, /*ignored=*/6); }
 
+// NCCL takes one GPU per rank (a single-host launch): with fewer GPUs than ranks a case says so and returns.
+bool one_gpu_per_rank(const comm::Communicator& world) {
+  if (cuda_device_count() >= world.size()) return true;
+  WARN(world.size() << " ranks need " << world.size() << " GPUs, " << cuda_device_count() << " visible: test skipped");
+  return false;
+}
+
 Device my_device() {
   comm::LaunchEnv e = comm::detect_launch_env();
   return Device::cuda(e.local_rank % cuda_device_count());
@@ -144,6 +151,7 @@ mdl::TransformerConfig overlap_test_config() {
 TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP = 1 model", "[gpu][model][mpi]") {
   MC_REQUIRE_GPU();
   auto world = world_comm();
+  if (!one_gpu_per_rank(*world)) return;
   ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
   for (int tpn : tp_sizes_for(world->size())) {
     if (tpn == 1) continue;
@@ -181,6 +189,7 @@ TEST_CASE("tp_comm_overlap on GPUs, with a high-priority communication stream, c
   // because kSeq = 16 is a single key block: the attention backward's atomic dQ sum has one term.
   MC_REQUIRE_GPU();
   auto world = world_comm();
+  if (!one_gpu_per_rank(*world)) return;
   for (int tpn : tp_sizes_for(world->size())) {
     if (tpn == 1) continue;
     auto gpu_tp = nccl_tp(*world, tpn);
@@ -227,6 +236,7 @@ TEST_CASE("tp_comm_overlap_forward on GPUs: the ring forward against the serial 
   // bit-identical are printed). Two micro-batches per model, a high-priority communication stream.
   MC_REQUIRE_GPU();
   auto world = world_comm();
+  if (!one_gpu_per_rank(*world)) return;
   for (int tpn : tp_sizes_for(world->size())) {
     if (tpn == 1) continue;
     auto gpu_tp = nccl_tp(*world, tpn);
@@ -298,12 +308,9 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
   // tolerances: loss 1e-2, every gradient 1e-1 (measured values printed).
   MC_REQUIRE_GPU();
   auto world = world_comm();
+  if (!one_gpu_per_rank(*world)) return;
   const int cpn = world->size();
   if (cpn < 2) return;
-  if (cuda_device_count() < cpn) {  // NCCL takes one GPU per rank (single-host launch)
-    WARN("CP " << cpn << " needs " << cpn << " GPUs, " << cuda_device_count() << " visible: test skipped");
-    return;
-  }
   auto gpu_cp = nccl_tp(*world, cpn);
   auto gpu_tp = nccl_tp(*world, 1);
   ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
