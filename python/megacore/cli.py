@@ -136,7 +136,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     reduce-scatter output, per param/DP 4 in f32 or 2 in bf16; bf16 reduction of f32 grads: a bf16 copy of the
     gradients, 2/param, and a bf16 output shard), and activations counted
     tensor by tensor for megacore's layer (GQA, SwiGLU, fused attention; Korthikanti et al.'s method, see
-    model.activation_bytes_per_layer — measured within 0.2% on an H200) with selective recompute (full: only each
+    model.activation_bytes_per_layer — measured within 0.2% on an H200) at the model's recompute granularity (none: also
+    each attention's LSE and, with CP > 1, its ring's K/V blocks; full: only each
     layer's input; full with ``recompute_num_layers`` N >= 0, trainer.recompute_num_layers: the first N layers of each
     model chunk keep only their input and the others everything, as without recompute), times the PP
     micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
@@ -190,7 +191,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layout = par.GridLayout(par.ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp,
                                                virtual_pipeline=vp), world_size)
     m.validate(cfg, tp, ep, etp)
-    full = str(cfg.recompute_granularity).lower().endswith("full")
+    granularity = str(cfg.recompute_granularity).lower()
+    full = granularity.endswith("full")
     if recompute_num_layers != -1 and (not full or recompute_num_layers < 0):
         raise McValueError(f"recompute_num_layers {recompute_num_layers} needs full recompute and N >= 0 (or -1 = "
                            f"every layer)")
@@ -223,7 +225,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     s, b = seq_length // cp, micro_batch_size
     # Without block recompute every layer is counted at one granularity; with it the first N layers of each chunk
     # at full and the rest at none (Megatron-Core's block method keeps all their activations).
-    rc = "full" if full else "selective"
+    rc = "full" if full else "none" if granularity.endswith("none") else "selective"
     kept_rc = "none" if block else rc
 
     def layer_acts(g):

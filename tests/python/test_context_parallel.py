@@ -141,22 +141,34 @@ def test_bad_cp_recipes_fail_before_any_rank_starts(capsys):
 
 
 def test_plan_counts_activations_at_seq_over_cp():
-    one = cli.plan("llama3_8b", world_size=8, tp=4, cp=1, seq_length=8192)
-    two = cli.plan("llama3_8b", world_size=8, tp=4, cp=2, seq_length=8192)
-    assert two["layout"].sizes["cp"] == 2 and two["layout"].sizes["dp"] == 1
-    assert two["memory_bytes"]["activations"] == pytest.approx(one["memory_bytes"]["activations"] / 2, rel=1e-3)
-    assert two["memory_bytes"]["weights"] == one["memory_bytes"]["weights"]
+    cfg = model.llama3_8b()
+    for rc in ("selective", "none"):
+        cfg.recompute_granularity = getattr(model.RecomputeGranularity, rc)
+        one = cli.plan(cfg, world_size=8, tp=4, cp=1, seq_length=8192)
+        two = cli.plan(cfg, world_size=8, tp=4, cp=2, seq_length=8192)
+        assert two["layout"].sizes["cp"] == 2 and two["layout"].sizes["dp"] == 1
+        assert two["memory_bytes"]["weights"] == one["memory_bytes"]["weights"]
+        # Without recompute each of the 32 layers also keeps the one K/V block its ring received: 4096 local tokens
+        # × 8/4 KV groups × 128 channels, K and V in bf16.
+        kept = 32 * 2 * 2 * 4096 * 2 * 128 if rc == "none" else 0
+        assert two["memory_bytes"]["activations"] == pytest.approx(one["memory_bytes"]["activations"] / 2 + kept,
+                                                                   rel=1e-3)
 
 
 def test_plan_counts_the_ring_buffers_and_prints_the_cp_groups(capsys):
+    selective = model.llama3_8b()
+    selective.recompute_granularity = model.RecomputeGranularity.selective
     one = cli.plan("llama3_8b", world_size=8, tp=4, cp=1, seq_length=8192)
     two = cli.plan("llama3_8b", world_size=8, tp=4, cp=2, seq_length=8192)
     assert one["memory_bytes"]["cp_ring"] == 0
     # Local tokens 4096, 32/4 query heads and 8/4 KV groups of 128 channels: dQ f32 + bf16 (6 B), dK/dV f32 held and
-    # in flight and bf16 block dK/dV (20 B), and the recomputed ring's CP − 1 K/V blocks (4 B each).
+    # in flight and bf16 block dK/dV (20 B); with selective recompute also the rerun ring's CP − 1 K/V blocks (4 B
+    # each; without recompute the layers keep theirs, counted in the activations).
     tokens = 8192 // 2
+    assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + 20 * 2 * 128)
+    two = cli.plan(selective, world_size=8, tp=4, cp=2, seq_length=8192)
     assert two["memory_bytes"]["cp_ring"] == tokens * (6 * 8 * 128 + (20 + 4) * 2 * 128)
-    four = cli.plan("llama3_8b", world_size=8, tp=2, cp=4, seq_length=8192)
+    four = cli.plan(selective, world_size=8, tp=2, cp=4, seq_length=8192)
     tokens = 8192 // 4
     assert four["memory_bytes"]["cp_ring"] == tokens * (6 * 16 * 128 + (20 + 4 * 3) * 4 * 128)
     # Block recompute: the layers kept whole hold their 3 received K/V blocks from forward to backward.

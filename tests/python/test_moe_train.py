@@ -133,8 +133,7 @@ def test_plan_shows_expert_groups_and_moe_memory(capsys):
     # Every Mixtral layer is a MoE layer: its activations are the MoE count (router, routed rows through the experts,
     # expert outputs), well above a dense layer's, and the dispatcher's transient buffers are added once.
     from megacore import model as mm
-    rc = r["config"].recompute_granularity
-    rc = rc if str(rc).lower().endswith("full") else "selective"  # what plan counts with
+    rc = r["config"].recompute_granularity  # what plan counts with
     moe = mm.moe_activation_bytes_per_layer(r["config"], 4096, 1, 2, True, 2, rc, 2)
     dense = mm.activation_bytes_per_layer(r["config"], 4096, 1, 2, True, 2, rc)
     assert r["memory_bytes"]["activations"] == pytest.approx(32 * moe["saved"])
