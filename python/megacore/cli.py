@@ -141,7 +141,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     layer's input; full with ``recompute_num_layers`` N >= 0, trainer.recompute_num_layers: the first N layers of each
     model chunk keep only their input and the others everything, as without recompute), times the PP
     micro-batches rank r of 1F1B holds in flight (PP − r), plus on the last stage the output layer's logits and their
-    gradient (bf16, [s/CP·b, padded vocab/TP] each). With CP > 1 activations are those of the local s/CP tokens, and
+    gradient (bf16, [s/CP·b, padded vocab/TP] each). With CP > 1 activations are those of the local s/CP tokens.
     The ring forward's CP − 1 received K/V blocks (bf16, each [s/CP·b, KV groups/TP, head_dim]) are kept by every
     layer without recompute until its backward (counted in its activations); `cp_ring` adds the ring attention's
     transient buffers, once (one layer's attention runs at a time): its backward, the larger of the two passes,

@@ -303,7 +303,7 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
   // Every rank in one CP group (TP 1) on this rank's two chunks of the sequence; the ring's exchanges on the
   // layers' communication streams. Without and with selective recompute (the backward reruns the ring instead
   // of using the K/V blocks the forward kept). Two micro-batches accumulate into the
-  // main gradients (the second forward reuses blocks the first backward freed). The CP ranks' loss shares and
+  // main gradients. The CP ranks' loss shares and
   // gradients summed over CP (host MPI) against the f32 CPU model on the full sequences, at this file's 16-bit
   // tolerances: loss 1e-2, every gradient 1e-1 (measured values printed).
   MC_REQUIRE_GPU();
@@ -314,69 +314,69 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
   auto gpu_cp = nccl_tp(*world, cpn);
   auto gpu_tp = nccl_tp(*world, 1);
   ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
-  mdl::TransformerConfig llama = overlap_test_config(), selective = llama;
+  mdl::TransformerConfig llama = overlap_test_config();
   llama.sequence_parallel = false;
   llama.params_dtype = DType::F32;
   llama.max_position_embeddings = 256;
-  selective = llama;
+  mdl::TransformerConfig selective = llama;
   selective.recompute_granularity = mdl::RecomputeGranularity::Selective;
   const Device dev = my_device();
   for (const mdl::TransformerConfig& cfg : {llama, selective})
     for (int64_t seq : {64, 256}) {
-        INFO("CP " << cpn << " seq " << seq << " recompute "
-                   << mdl::recompute_granularity_name(cfg.recompute_granularity));
-        const Batch a = model_test::token_batch(kBatch, seq, cfg.vocab_size, 0, 6),
-                    b = model_test::token_batch(kBatch, seq, cfg.vocab_size, 1, 6);
-        ly::ForwardContext cpu_ctx;
-        mdl::GPTModel ref(cfg, grid1.tp());
-        double ref_loss = 0;
-        for (const Batch* x : {&a, &b}) {
-          ref_loss += ref.forward(cpu_ctx, x->tokens, x->labels, x->mask).item();
-          ref.backward(cpu_ctx);
-        }
-        mdl::TransformerConfig c = cfg;
-        c.params_dtype = DType::BF16;
-        ly::ForwardContext ctx;
-        ctx.stream = Stream::create(dev);
-        mdl::GPTModelOptions mo;
-        mo.device = dev;
-        mo.cp = gpu_cp.get();
-        mdl::GPTModel model(c, *gpu_tp, mo);
-        double share = 0;
-        for (const Batch* x : {&a, &b}) {
-          auto local = [&](const Tensor& t) { return cp_slice_sequence(t, 1, world->rank(), cpn).to(dev, ctx.stream); };
-          share += model.forward(ctx, local(x->tokens), local(x->labels), local(x->mask)).to(Device::cpu(), ctx.stream)
-                       .item();
-          model.backward(ctx);
-        }
-        ctx.stream.synchronize();
-        Tensor loss = Tensor::from_vector<float>({float(share)}, {1});
-        world->all_reduce(loss, comm::ReduceOp::Sum)->wait();
-        const double loss_err = std::abs(loss.item() - ref_loss) / std::abs(ref_loss);
-        CHECK(loss_err <= 1e-2);
-        double worst = 0;
-        REQUIRE(model.parameters().size() == ref.parameters().size());
-        for (size_t i = 0; i < ref.parameters().size(); ++i) {
-          const ly::Parameter& pr = *ref.parameters()[i];
-          const ly::Parameter& p = *model.parameters()[i];
-          INFO("parameter " << p.name);
-          REQUIRE(p.name == pr.name);
-          Tensor g = p.main_grad.to(Device::cpu(), ctx.stream).to(DType::F32).contiguous();
-          world->all_reduce(g, comm::ReduceOp::Sum)->wait();  // what DDP's reduction over DP×CP adds up
-          Tensor want = pr.main_grad.contiguous();
-          if (g.dim() == 2 && g.size(0) == model.padded_vocab_size()) {
-            g = g.narrow(0, 0, cfg.vocab_size).contiguous();
-            want = want.narrow(0, 0, cfg.vocab_size).contiguous();
-          }
-          const double e = rel(g, want);
-          worst = std::max(worst, e);
-          CHECK(e <= 1e-1);
-        }
-        if (world->rank() == 0)
-          std::printf("[gpu model] CP %d seq %lld %s: loss %.6f (cpu %.6f, rel %.2e), worst gradient rel "
-                      "%.2e\n",
-                      cpn, (long long)seq,
-                      std::string(mdl::recompute_granularity_name(cfg.recompute_granularity)).c_str(), loss.item(),
-                      ref_loss, loss_err, worst);
+      INFO("CP " << cpn << " seq " << seq << " recompute "
+                 << mdl::recompute_granularity_name(cfg.recompute_granularity));
+      const Batch a = model_test::token_batch(kBatch, seq, cfg.vocab_size, 0, 6),
+                  b = model_test::token_batch(kBatch, seq, cfg.vocab_size, 1, 6);
+      ly::ForwardContext cpu_ctx;
+      mdl::GPTModel ref(cfg, grid1.tp());
+      double ref_loss = 0;
+      for (const Batch* x : {&a, &b}) {
+        ref_loss += ref.forward(cpu_ctx, x->tokens, x->labels, x->mask).item();
+        ref.backward(cpu_ctx);
       }
+      mdl::TransformerConfig c = cfg;
+      c.params_dtype = DType::BF16;
+      ly::ForwardContext ctx;
+      ctx.stream = Stream::create(dev);
+      mdl::GPTModelOptions mo;
+      mo.device = dev;
+      mo.cp = gpu_cp.get();
+      mdl::GPTModel model(c, *gpu_tp, mo);
+      double share = 0;
+      for (const Batch* x : {&a, &b}) {
+        auto local = [&](const Tensor& t) { return cp_slice_sequence(t, 1, world->rank(), cpn).to(dev, ctx.stream); };
+        share += model.forward(ctx, local(x->tokens), local(x->labels), local(x->mask)).to(Device::cpu(), ctx.stream)
+                     .item();
+        model.backward(ctx);
+      }
+      ctx.stream.synchronize();
+      Tensor loss = Tensor::from_vector<float>({float(share)}, {1});
+      world->all_reduce(loss, comm::ReduceOp::Sum)->wait();
+      const double loss_err = std::abs(loss.item() - ref_loss) / std::abs(ref_loss);
+      CHECK(loss_err <= 1e-2);
+      double worst = 0;
+      REQUIRE(model.parameters().size() == ref.parameters().size());
+      for (size_t i = 0; i < ref.parameters().size(); ++i) {
+        const ly::Parameter& pr = *ref.parameters()[i];
+        const ly::Parameter& p = *model.parameters()[i];
+        INFO("parameter " << p.name);
+        REQUIRE(p.name == pr.name);
+        Tensor g = p.main_grad.to(Device::cpu(), ctx.stream).to(DType::F32).contiguous();
+        world->all_reduce(g, comm::ReduceOp::Sum)->wait();  // what DDP's reduction over DP×CP adds up
+        Tensor want = pr.main_grad.contiguous();
+        if (g.dim() == 2 && g.size(0) == model.padded_vocab_size()) {
+          g = g.narrow(0, 0, cfg.vocab_size).contiguous();
+          want = want.narrow(0, 0, cfg.vocab_size).contiguous();
+        }
+        const double e = rel(g, want);
+        worst = std::max(worst, e);
+        CHECK(e <= 1e-1);
+      }
+      if (world->rank() == 0)
+        std::printf("[gpu model] CP %d seq %lld %s: loss %.6f (cpu %.6f, rel %.2e), worst gradient rel "
+                    "%.2e\n",
+                    cpn, (long long)seq,
+                    std::string(mdl::recompute_granularity_name(cfg.recompute_granularity)).c_str(), loss.item(),
+                    ref_loss, loss_err, worst);
+    }
 }
