@@ -25,9 +25,10 @@
 #                (launch-shape variants included; CUDNN=ON builds the cuDNN attention path; KFILTER=substrings,
 #                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only; TORCH_PEERS=0 / ATTN_PEERS=0
 #                skip the fused-op / SDPA peers; KTESTS=0 skips the tests)
-#   cp           context parallelism: the [cp] tests (merge kernels, ring blocks on cuDNN and flash), the CP 2/4
-#                trainer parity test, then megacore_bench_cp at CP = all GPUs (seq 32768 and 65536) and on 1 GPU
-#                (seq 8192), and the torch context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
+#   cp           context parallelism: the [cp] tests (merge kernels, ring blocks on cuDNN and flash), the bf16 model at
+#                CP = all GPUs over NCCL against the CPU model, the CP 2/4 trainer parity test, then megacore_bench_cp at
+#                CP = all GPUs (seq 32768 and 65536) and on 1 GPU (seq 8192 and 32768), and the torch
+#                context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
 #   moe          the MoE ops' [moe] tests (CUDA kernels and the cuBLAS grouped GEMM against the CPU reference), then
 #                megacore_bench_moe (grouped expert GEMMs vs a per-expert loop vs a dense GEMM of the same FLOPs),
 #                megacore_bench_moe_dispatch (the EP all-to-all dispatcher vs raw NCCL all-to-all; the end-to-end
@@ -271,6 +272,8 @@ if has kernels; then
 fi
 if has cp; then
   step cp_tests 300 $B/tests/megacore_tests "[cp]"; tail -2 $OUT_DIR/cp_tests.log
+  step cp_mpi_gpu 200 mpirun -np $ngpu --bind-to none $B/tests/megacore_mpi_tests "[gpu][cp]"
+  grep -E "\[gpu model\]|test cases|assertions" $OUT_DIR/cp_mpi_gpu.log | sort -u | head -8
   step cp_pytest 400 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k context_parallel; tail -3 $OUT_DIR/cp_pytest.log
   for S in 32768 65536; do
     step bench_cp_$S 300 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_cp --seq $S --out-dir $OUT_DIR/json
@@ -278,8 +281,11 @@ if has cp; then
     step peer_cp_$S 300 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/cp/torch_cp_peer.py --seq $S \
       --out-dir $OUT_DIR/json; grep -E "ms\"|tflops|error|wrote" $OUT_DIR/peer_cp_$S.log | head -6
   done
+  # One GPU at seq 8192 (the target's base) and at 32768 (the same sequence as CP; the 1.1B model peaks at 47.6 GiB).
   step bench_cp_1gpu 200 mpirun -np 1 --bind-to none $B/benchmarks/megacore_bench_cp --seq 8192 --out-dir $OUT_DIR/json
   grep -E "tflops|wrote|error" $OUT_DIR/bench_cp_1gpu.log | head -6
+  step bench_cp_1gpu_32k 200 mpirun -np 1 --bind-to none $B/benchmarks/megacore_bench_cp --seq 32768 --out-dir $OUT_DIR/json
+  grep -E "tflops|wrote|error" $OUT_DIR/bench_cp_1gpu_32k.log | head -6
   step peer_cp_1gpu 200 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/cp/torch_cp_peer.py --seq 8192 \
     --out-dir $OUT_DIR/json; grep -E "tflops|error" $OUT_DIR/peer_cp_1gpu.log | head -3
 fi
