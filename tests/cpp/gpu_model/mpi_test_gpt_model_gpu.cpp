@@ -75,6 +75,34 @@ double rel(const Tensor& got, const Tensor& want) {
   return mctest::rel_err(got.to_double_vector(), want.to_double_vector());
 }
 
+// Every parameter gradient of `model` (got(p): its full gradient, f32 on the host) against the f32 CPU reference's
+// main_grad (SwiGLU's fc1 rows in the layout of tpn ranks), the padded vocabulary rows dropped: each within 1e-1
+// relative. Returns the worst.
+template <class Got>
+double check_gradients(mdl::GPTModel& ref, mdl::GPTModel& model, const mdl::TransformerConfig& cfg, int tpn,
+                       Got got_of) {
+  double worst = 0;
+  REQUIRE(model.parameters().size() == ref.parameters().size());
+  for (size_t i = 0; i < ref.parameters().size(); ++i) {
+    const ly::Parameter& pr = *ref.parameters()[i];
+    const ly::Parameter& p = *model.parameters()[i];
+    INFO("parameter " << p.name);
+    REQUIRE(p.name == pr.name);
+    Tensor got = got_of(p);
+    Tensor want = pr.main_grad.contiguous();
+    if (p.name.find("linear_fc1.weight") != std::string::npos && cfg.activation == mdl::ActivationType::SwiGLU)
+      want = swiglu_rank_layout(want, tpn);
+    if (got.dim() == 2 && got.size(0) == model.padded_vocab_size()) {
+      got = got.narrow(0, 0, cfg.vocab_size).contiguous();
+      want = want.narrow(0, 0, cfg.vocab_size).contiguous();
+    }
+    const double e = rel(got, want);
+    worst = std::max(worst, e);
+    CHECK(e <= 1e-1);
+  }
+  return worst;
+}
+
 void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Communicator& gpu_tp,
              mdl::TransformerConfig cfg, bool sp, DType dtype) {
   const int tpn = gpu_tp.size();
@@ -112,24 +140,8 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
                 cfg.tie_word_embeddings ? "tied" : "untied", loss, ref_loss, loss_err, logits_err);
     CHECK(loss_err <= 1e-2);
   CHECK(logits_err <= 3e-2);
-  double worst = 0;
-  for (size_t i = 0; i < ref.parameters().size(); ++i) {
-    const ly::Parameter& pr = *ref.parameters()[i];
-    const ly::Parameter& p = *model.parameters()[i];
-    INFO("parameter " << p.name);
-    REQUIRE(p.name == pr.name);
-    Tensor got = full_grad_host(mpi_tp, p);
-    Tensor want = pr.main_grad.contiguous();
-    if (p.name.find("linear_fc1.weight") != std::string::npos && cfg.activation == mdl::ActivationType::SwiGLU)
-      want = swiglu_rank_layout(want, tpn);
-    if (got.dim() == 2 && got.size(0) == model.padded_vocab_size()) {
-      got = got.narrow(0, 0, cfg.vocab_size).contiguous();
-      want = want.narrow(0, 0, cfg.vocab_size).contiguous();
-    }
-    const double e = rel(got, want);
-    worst = std::max(worst, e);
-    CHECK(e <= 1e-1);
-  }
+  const double worst =
+      check_gradients(ref, model, cfg, tpn, [&](const ly::Parameter& p) { return full_grad_host(mpi_tp, p); });
   if (mpi_tp.rank() == 0 && mpi_tp1.rank() == 0) std::printf("[gpu model]   worst gradient rel %.2e\n", worst);
 }
 
@@ -354,24 +366,11 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
       world->all_reduce(loss, comm::ReduceOp::Sum)->wait();
       const double loss_err = std::abs(loss.item() - ref_loss) / std::abs(ref_loss);
       CHECK(loss_err <= 1e-2);
-      double worst = 0;
-      REQUIRE(model.parameters().size() == ref.parameters().size());
-      for (size_t i = 0; i < ref.parameters().size(); ++i) {
-        const ly::Parameter& pr = *ref.parameters()[i];
-        const ly::Parameter& p = *model.parameters()[i];
-        INFO("parameter " << p.name);
-        REQUIRE(p.name == pr.name);
+      const double worst = check_gradients(ref, model, cfg, 1, [&](const ly::Parameter& p) {
         Tensor g = p.main_grad.to(Device::cpu(), ctx.stream).to(DType::F32).contiguous();
         world->all_reduce(g, comm::ReduceOp::Sum)->wait();  // what DDP's reduction over DP×CP adds up
-        Tensor want = pr.main_grad.contiguous();
-        if (g.dim() == 2 && g.size(0) == model.padded_vocab_size()) {
-          g = g.narrow(0, 0, cfg.vocab_size).contiguous();
-          want = want.narrow(0, 0, cfg.vocab_size).contiguous();
-        }
-        const double e = rel(g, want);
-        worst = std::max(worst, e);
-        CHECK(e <= 1e-1);
-      }
+        return g;
+      });
       if (world->rank() == 0)
         std::printf("[gpu model] CP %d seq %lld %s: loss %.6f (cpu %.6f, rel %.2e), worst gradient rel "
                     "%.2e\n",
