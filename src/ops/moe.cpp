@@ -963,7 +963,7 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
         if (err != cudaSuccess)
           raise<CudaError>("{}: the Hopper grouped kernel failed to launch: {} ({})", op, cudaGetErrorString(err),
                            cudaGetErrorName(err));
-        sm90_launch_count().fetch_add(1);
+        if (off.back() > 0 && q.mo > 0 && q.k > 0) sm90_launch_count().fetch_add(1);  // else nothing was launched
         if (wgrad) scale_empty_groups(off, out, beta, s);
         return;
       }
@@ -1068,13 +1068,7 @@ GroupedGemmPath grouped_gemm_choice(GroupedGemmPath path, std::span<const int64_
 
 bool grouped_gemm_sm90_available(Device d) {
 #if MEGACORE_WITH_CUDA
-  if (!d.is_cuda()) return false;
-  // A problem every check but the device's passes: one group of 8 rows, 8 x 8 features, aligned pointers.
-  static const int64_t offsets[2] = {0, 8};
-  cuda::GroupedSm90 q;
-  q.groups = 1, q.rows = 8, q.mo = 8, q.k = 8, q.offsets = offsets;
-  q.a = q.b = q.out = reinterpret_cast<void*>(uintptr_t(256));
-  return cuda::grouped_sm90_unsupported(q, d.index) == nullptr;
+  return d.is_cuda() && cuda::grouped_sm90_device_unsupported(d.index) == nullptr;
 #else
   (void)d;
   return false;

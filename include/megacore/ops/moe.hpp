@@ -167,8 +167,8 @@ inline constexpr int kGroupedSm90MaxGroups = 256;
 
 /// Whether the Sm90 kernel can run on device d: the library holds sm_90a code and d is a Hopper GPU.
 bool grouped_gemm_sm90_available(Device d);
-/// How many grouped GEMMs this process has sent to the Sm90 kernel (tests see which path ran; a call with no
-/// rows counts but launches nothing).
+/// How many grouped GEMMs this process has launched on the Sm90 kernel (tests see which path ran; a call with
+/// no rows launches nothing and is not counted).
 int64_t grouped_gemm_sm90_launches();
 
 /// The path setting: set_grouped_gemm_path's last value, else MEGACORE_MOE_GEMM (auto, loop, grouped or sm90;

@@ -513,17 +513,28 @@ bool make_map(CUtensorMap* m, const void* ptr, int rank, const uint64_t* dims, u
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-int sm_count(int device) {
+// A device's SM count and compute capability, asked of the runtime once per device (the checks and the
+// launch need them on every call; -1: the query failed).
+struct DeviceInfo {
+  int sms = 0, major = -1, minor = -1;
+};
+DeviceInfo device_info(int device) {
   static std::mutex mu;
-  static int counts[64] = {};
+  static DeviceInfo infos[64];
+  static bool known[64] = {};
+  if (device < 0 || device >= 64) return {};
   std::lock_guard<std::mutex> l(mu);
-  if (device < 0 || device >= 64) return 0;
-  if (counts[device] == 0 &&
-      cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    counts[device] = 0;
+  if (!known[device]) {
+    DeviceInfo i;
+    if (cudaDeviceGetAttribute(&i.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&i.major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&i.minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return {};  // not remembered: a later call asks again
+    }
+    infos[device] = i, known[device] = true;
   }
-  return counts[device];
+  return infos[device];
 }
 
 template <int Kind, class TO, bool kStaged = false>
@@ -540,27 +551,28 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 }  // namespace
 
-const char* grouped_sm90_unsupported(const GroupedSm90& p, int device) {
+const char* grouped_sm90_device_unsupported(int device) {
 #if !defined(MEGACORE_GROUPED_SM90)
-  (void)p, (void)device;
+  (void)device;
   return "the library was built without sm_90a device code (CMAKE_CUDA_ARCHITECTURES has no 90a)";
 #else
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "the device's compute capability could not be read";
-  }
-  if (major != 9 || minor != 0) return "the kernel is for Hopper GPUs (compute capability 9.0)";
+  const DeviceInfo info = device_info(device);
+  if (info.major < 0) return "the device's compute capability could not be read";
+  if (info.major != 9 || info.minor != 0) return "the kernel is for Hopper GPUs (compute capability 9.0)";
+  if (encoder() == nullptr) return "the CUDA driver has no cuTensorMapEncodeTiled";
+  return nullptr;
+#endif
+}
+
+const char* grouped_sm90_unsupported(const GroupedSm90& p, int device) {
+  if (const char* why = grouped_sm90_device_unsupported(device)) return why;
   if (p.kind != GroupedSm90::Kind::Wgrad && p.out_f32) return "forward and dgrad outputs are the inputs' dtype";
   if (p.groups < 1 || p.groups > kGroupedSm90MaxGroups) return "more groups than one launch takes (256)";
   if (p.mo % 8 != 0 || p.k % 8 != 0) return "feature counts must be multiples of 8 (16-byte TMA rows)";
   if (p.rows >= (int64_t(1) << 31) || p.mo >= (int64_t(1) << 31) || p.k >= (int64_t(1) << 31))
     return "a dimension reaches 2^31";
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out)) return "an operand is not 16-byte aligned";
-  if (encoder() == nullptr) return "the CUDA driver has no cuTensorMapEncodeTiled";
   return nullptr;
-#endif
 }
 
 int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
@@ -619,7 +631,7 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
     }
   }
   if (!ok) return int(cudaErrorInvalidValue);
-  const int grid = int(std::min<int64_t>(tiles, std::max(1, sm_count(device))));
+  const int grid = int(std::min<int64_t>(tiles, std::max(1, device_info(device).sms)));
   auto s = static_cast<cudaStream_t>(stream);
   switch (q.kind) {
     case GroupedSm90::Kind::Forward: return launch<kFwd, __nv_bfloat16>(p, grid, s);

@@ -33,13 +33,17 @@ struct GroupedSm90 {
   int epilogue = -1;
 };
 
+/// Why the Hopper kernel cannot run on `device` at all (nullptr when it can): not built for sm_90a, another GPU,
+/// a driver without tensor maps. The device's properties are asked once per device.
+const char* grouped_sm90_device_unsupported(int device);
+
 /// Why the Hopper kernel cannot run this problem on `device` (nullptr when it can): not built for sm_90a,
 /// another GPU, a dtype or shape TMA cannot describe (features not a multiple of 8, misaligned pointers),
 /// too many groups.
 const char* grouped_sm90_unsupported(const GroupedSm90& p, int device);
 
-/// Launches it on `stream` (a cudaStream_t). Returns the CUDA error of the launch (0: none); a driver
-/// without tensor maps gives cudaErrorNotSupported.
+/// Launches it on `stream` (a cudaStream_t). Returns the CUDA error of the launch (0: none; a problem with no
+/// rows launches nothing); a driver without tensor maps gives cudaErrorNotSupported.
 int grouped_sm90(const GroupedSm90& p, int device, void* stream);
 
 }  // namespace megacore::ops::cuda
