@@ -39,8 +39,8 @@
 // beta 1 goes through shared memory: with many rows per group the accumulators are staged in 16 KiB boxes
 // and reduce-added into dw by TMA (L2 does the read-modify-write); with few rows (tiles that are all
 // epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB) by TMA while the
-// tile's k-blocks stream in, and the consumer adds its accumulators there and stores the box back by TMA.
-// Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
+// tile's k-blocks stream in, and the consumer adds its accumulators to the box's values and stores the sums
+// to dw from registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -424,23 +424,37 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
     if constexpr (kStaged) {
       // The main grad is already in this consumer's box (same layout as the staging box, four 32-column
-      // chunks): add the accumulators in shared memory, then store the box back by TMA.
+      // chunks).
       mbar_wait(cfull(cw), uint32_t(own & 1));
       const uint32_t box = cbox(cw);
+      // Add the accumulators to the box's values and store the sums to dw from registers (no TMA store); the
+      // box is free as soon as every thread has read it.
+      float* out = static_cast<float*>(p.out) + int64_t(x.g) * p.group_stride;
 #pragma unroll
-      for (int ch = 0; ch < 4; ++ch)
-        chunk_pairs(box + uint32_t(ch) * 16384u, ch, warp, gq, tq, d0, d1, [](uint32_t addr, float v0, float v1) {
-          float c0, c1;
-          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(c0), "=f"(c1) : "r"(addr) : "memory");
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(c0 + v0), "f"(c1 + v1) : "memory");
-        });
-      fence_proxy_async();
-      named_bar_sync(1 + cw, 128);
-      if (tid == 0) {
-        for (int ch = 0; ch < 4; ++ch) tma_store_3d<false>(&p.tc, box + uint32_t(ch) * 16384u, x.n0 + 32 * ch, x.m0, x.g);
-        bulk_wait_read();        // the box has been read out: the producer may load the next tile into it
-        mbar_arrive(cempty(cw));
+      for (int ch = 0; ch < 4; ++ch) {
+#pragma unroll
+        for (int mh = 0; mh < 2; ++mh) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = mh * 64 + warp * 16 + gq + 8 * h, row = x.m0 + r;
+            float* orow = out + int64_t(row) * p.ld_out;
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int j = 4 * ch + jj, chunk = 2 * jj + tq / 2, col = x.n0 + 8 * j + 2 * tq;
+              const uint32_t addr = box + uint32_t(ch) * 16384u + uint32_t(r) * 128u +
+                                    uint32_t((chunk ^ (r & 7)) * 16 + (tq & 1) * 8);
+              float c0, c1;
+              asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(c0), "=f"(c1) : "r"(addr) : "memory");
+              const float v0 = mh == 0 ? d0[4 * j + 2 * h] : d1[4 * j + 2 * h];
+              const float v1 = mh == 0 ? d0[4 * j + 2 * h + 1] : d1[4 * j + 2 * h + 1];
+              if (row < p.m_fixed && col < p.n_fixed) *reinterpret_cast<float2*>(orow + col) = make_float2(c0 + v0, c1 + v1);
+            }
+          }
+        }
       }
+      fence_proxy_async();          // these generic reads before the producer's next TMA write into the box
+      named_bar_sync(1 + cw, 128);  // every thread has read the box
+      if (tid == 0) mbar_arrive(cempty(cw));
       ++own;
     } else if (std::is_same_v<TO, float> && p.tma_out) {
       // Through this consumer's 16 KiB staging box (128 rows x 32 f32, 128-byte swizzle) in four column
@@ -613,11 +627,11 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
   } else {
     const uint64_t da[2] = {uint64_t(q.mo), rows}, db[2] = {uint64_t(q.k), rows};
     ok = make_map(&p.ta, q.a, 2, da, q.mo, 0, kBK) && make_map(&p.tb, q.b, 2, db, q.k, 0, kBK);
-    // The f32 epilogue by rows per group (one H200, 2026-11-28, the kernel alone on even splits): with beta 1
-    // below kReduceEpilogueMinRows the staged box (64 rows of 64 experts, fc1 shapes: 0.83 ms against 1.19
-    // reduce-add and 1.36 from registers; 512 rows: 1.04 against 1.33 and 1.64), from there the reduce-add
-    // (1024 rows, 1.1B-MoE fc1: 0.69 against 0.88 staged and 0.99 from registers); with beta 0 the TMA store
-    // from kTmaEpilogueMinRows rows.
+    // The f32 epilogue by rows per group (one H200, 2026-11-28, the kernel alone on even splits,
+    // moe_gemm_kernel_diag_NVIDIA_H200.json): with beta 1 below kReduceEpilogueMinRows the staged box (64 rows of
+    // 64 experts, fc1 shapes: 0.82 ms against 1.18 reduce-add and 1.34 from registers; 512 rows: 1.05 against
+    // 1.31 and 1.63), from there the reduce-add (1024 rows, 1.1B-MoE fc1: 0.67 against 0.88 staged and 0.98 from
+    // registers); with beta 0 the TMA store from kTmaEpilogueMinRows rows.
     int epi = q.epilogue;
     if (epi < 0) {
       const bool many = q.rows >= int64_t(kReduceEpilogueMinRows) * q.groups;
