@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -12,9 +13,25 @@
 
 namespace mctest {
 
-/// A fresh seed per call (printed by the INFO of the caller), so every run draws new inputs.
+/// A fresh seed per call (printed by the INFO of the caller), so every run draws new inputs. To rerun a failure
+/// with its inputs, set MEGACORE_TEST_SEEDS to the seeds it printed, comma-separated, and run that test case alone:
+/// the first calls return them in order, later ones fresh seeds again.
 inline uint64_t fresh_seed() {
   static std::mt19937_64 rng{std::random_device{}()};
+  static std::vector<uint64_t> given = [] {
+    std::vector<uint64_t> v;
+    if (const char* e = std::getenv("MEGACORE_TEST_SEEDS")) {
+      for (const char* p = e; *p;) {
+        char* end = nullptr;
+        v.push_back(std::strtoull(p, &end, 10));
+        if (end == p) break;
+        p = *end == ',' ? end + 1 : end;
+      }
+    }
+    return v;
+  }();
+  static size_t next = 0;
+  if (next < given.size()) return given[next++];
   return rng();
 }
 
