@@ -10,20 +10,24 @@
 namespace megacore::ops::cuda {
 namespace {
 
-// Hopper with CUDA >= 12.1 takes up to 32 KiB of kernel parameters; a launch of 1280 chunks fills the
-// GPU several times over, where apex's 320 (sized for the old 4 KiB limit) left SMs idle.
-constexpr int kMaxTensors = 48;
-constexpr int kMaxBlocks = 1280;
+// Hopper with CUDA >= 12.1 takes up to 32 KiB of kernel parameters (Meta<5> here: 25 KiB); a launch of up to
+// 4096 chunks fills the GPU about eight times over (528 resident blocks on an H100/H200), so the partly filled
+// last wave of each launch is a small part of it (apex's 320 chunks, sized for the old 4 KiB limit, left SMs idle).
+constexpr int kMaxTensors = 96;
+constexpr int kMaxBlocks = 4096;
 constexpr int64_t kChunk = 65536;
 constexpr int kThreads = 512;
 
 template <int NP>
 struct Meta {
+  static_assert(kMaxTensors <= 256, "tensor indices are bytes");
   void* p[NP][kMaxTensors];
   int64_t n[kMaxTensors];
   uint8_t tensor[kMaxBlocks];
   int32_t chunk[kMaxBlocks];
 };
+
+static_assert(sizeof(Meta<5>) + sizeof(AdamWArgs) <= 32764, "kernel parameters above the 32 KiB CUDA 12.1+ limit");
 
 /// Packs the tensors into launches of at most kMaxTensors tensors and kMaxBlocks chunks each.
 template <int NP, class Launch>

@@ -49,9 +49,9 @@ TEST_CASE("multi-tensor norm, scale and cast on the CPU", "[ops][optimizer]") {
 TEST_CASE("multi-tensor CUDA kernels match the CPU reference", "[ops][optimizer][gpu]") {
   MC_REQUIRE_GPU();
   Device d = gpu();
-  // Sizes around the chunk size, many tensors (several launches), one misaligned view.
+  // Sizes around the chunk size, more tensors than one launch takes (96: two launches), one misaligned view.
   std::vector<int64_t> sizes{1, 7, 65536, 65537, 300001, 1 << 20};
-  for (int i = 0; i < 30; ++i) sizes.push_back(1000 + 37 * i);
+  for (int i = 0; i < 110; ++i) sizes.push_back(1000 + 37 * i);
   for (DType gdt : {DType::F32, DType::BF16}) {
     const uint64_t seed = fresh_seed();
     INFO("grads " << dtype_name(gdt) << " seed " << seed);
