@@ -959,11 +959,12 @@ void grouped_run(GroupedKind kind, const Tensor& a, const Tensor& b, std::span<c
         log_once(LogLevel::Info, fmt::format("{}:path:sm90", op), "ops",
                  fmt::format("{}: megacore's Hopper grouped kernel (one launch for all {} groups)", op, q.groups));
         cuda_impl::DeviceGuard guard(d.index);
-        const cudaError_t err = cudaError_t(cuda::grouped_sm90(q, d.index, detail::launch_stream(s, d, op)));
+        bool launched = false;
+        const cudaError_t err = cudaError_t(cuda::grouped_sm90(q, d.index, detail::launch_stream(s, d, op), &launched));
         if (err != cudaSuccess)
           raise<CudaError>("{}: the Hopper grouped kernel failed to launch: {} ({})", op, cudaGetErrorString(err),
                            cudaGetErrorName(err));
-        if (off.back() > 0 && q.mo > 0 && q.k > 0) sm90_launch_count().fetch_add(1);  // else nothing was launched
+        if (launched) sm90_launch_count().fetch_add(1);
         if (wgrad) scale_empty_groups(off, out, beta, s);
         return;
       }

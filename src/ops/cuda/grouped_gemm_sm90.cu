@@ -583,13 +583,16 @@ const char* grouped_sm90_unsupported(const GroupedSm90& p, int device) {
   if (p.kind != GroupedSm90::Kind::Wgrad && p.out_f32) return "forward and dgrad outputs are the inputs' dtype";
   if (p.groups < 1 || p.groups > kGroupedSm90MaxGroups) return "more groups than one launch takes (256)";
   if (p.mo % 8 != 0 || p.k % 8 != 0) return "feature counts must be multiples of 8 (16-byte TMA rows)";
+  if ((p.kind == GroupedSm90::Kind::Forward && p.k == 0) || (p.kind == GroupedSm90::Kind::Dgrad && p.mo == 0))
+    return "the reduction is empty (no input features)";
   if (p.rows >= (int64_t(1) << 31) || p.mo >= (int64_t(1) << 31) || p.k >= (int64_t(1) << 31))
     return "a dimension reaches 2^31";
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out)) return "an operand is not 16-byte aligned";
   return nullptr;
 }
 
-int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
+int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched) {
+  if (launched) *launched = false;
   if (grouped_sm90_unsupported(q, device) != nullptr) return int(cudaErrorNotSupported);
   Params p{};
   const bool wgrad = q.kind == GroupedSm90::Kind::Wgrad;
@@ -629,8 +632,8 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
     ok = make_map(&p.ta, q.a, 2, da, q.mo, 0, kBK) && make_map(&p.tb, q.b, 2, db, q.k, 0, kBK);
     // The f32 epilogue by rows per group (one H200, 2026-11-28, the kernel alone on even splits,
     // moe_gemm_kernel_diag_NVIDIA_H200.json): with beta 1 below kReduceEpilogueMinRows the staged box (64 rows of
-    // 64 experts, fc1 shapes: 0.82 ms against 1.18 reduce-add and 1.34 from registers; 512 rows: 1.05 against
-    // 1.31 and 1.63), from there the reduce-add (1024 rows, 1.1B-MoE fc1: 0.67 against 0.88 staged and 0.98 from
+    // 64 experts, fc1 shapes: 0.83 ms against 1.20 reduce-add and 1.37 from registers; 512 rows: 1.05 against
+    // 1.33 and 1.64), from there the reduce-add (1024 rows, 1.1B-MoE fc1: 0.69 against 0.84 staged and 1.00 from
     // registers); with beta 0 the TMA store from kTmaEpilogueMinRows rows.
     int epi = q.epilogue;
     if (epi < 0) {
@@ -647,6 +650,7 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream) {
   if (!ok) return int(cudaErrorInvalidValue);
   const int grid = int(std::min<int64_t>(tiles, std::max(1, device_info(device).sms)));
   auto s = static_cast<cudaStream_t>(stream);
+  if (launched) *launched = true;
   switch (q.kind) {
     case GroupedSm90::Kind::Forward: return launch<kFwd, __nv_bfloat16>(p, grid, s);
     case GroupedSm90::Kind::Dgrad: return launch<kDgrad, __nv_bfloat16>(p, grid, s);

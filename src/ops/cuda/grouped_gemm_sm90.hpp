@@ -42,8 +42,9 @@ const char* grouped_sm90_device_unsupported(int device);
 /// too many groups.
 const char* grouped_sm90_unsupported(const GroupedSm90& p, int device);
 
-/// Launches it on `stream` (a cudaStream_t). Returns the CUDA error of the launch (0: none; a problem with no
-/// rows launches nothing); a driver without tensor maps gives cudaErrorNotSupported.
-int grouped_sm90(const GroupedSm90& p, int device, void* stream);
+/// Launches it on `stream` (a cudaStream_t). Returns the CUDA error of the launch (0: none); a driver without
+/// tensor maps gives cudaErrorNotSupported. `launched` (optional) says whether a kernel was launched: a problem
+/// with no output tiles (no rows, or no output features) launches nothing.
+int grouped_sm90(const GroupedSm90& p, int device, void* stream, bool* launched = nullptr);
 
 }  // namespace megacore::ops::cuda

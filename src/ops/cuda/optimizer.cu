@@ -5,6 +5,7 @@
 #include <array>
 
 #include "ops/cuda/memops_common.cuh"
+#include "ops/cuda/multi_tensor_pack.hpp"
 #include "ops/cuda/optimizer_cuda.hpp"
 
 namespace megacore::ops::cuda {
@@ -33,32 +34,7 @@ static_assert(sizeof(Meta<5>) + sizeof(AdamWArgs) <= 32764, "kernel parameters a
 template <int NP, class Launch>
 void for_each_launch(const std::vector<std::array<void*, NP>>& ptrs, const std::vector<int64_t>& n, Launch&& launch) {
   Meta<NP> m{};
-  int t = 0, b = 0;
-  for (size_t i = 0; i < n.size(); ++i) {
-    if (n[i] == 0) continue;
-    for (int k = 0; k < NP; ++k) m.p[k][t] = ptrs[i][k];
-    m.n[t] = n[i];
-    const int64_t chunks = (n[i] + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      m.tensor[b] = uint8_t(t);
-      m.chunk[b] = int32_t(c);
-      ++b;
-      const bool last = c == chunks - 1;
-      if (b == kMaxBlocks || (last && t + 1 == kMaxTensors)) {
-        launch(m, b);
-        b = 0;
-        if (!last) {  // the rest of this tensor continues in slot 0 of the next launch
-          for (int k = 0; k < NP; ++k) m.p[k][0] = m.p[k][t];
-          m.n[0] = m.n[t];
-          t = 0;
-        } else {
-          t = -1;
-        }
-      }
-    }
-    ++t;
-  }
-  if (b > 0) launch(m, b);
+  pack_launches<NP, kMaxTensors, kMaxBlocks, kChunk>(m, ptrs, n, launch);
 }
 
 // W: the weights updated in place (f32 masters, or the bf16 parameters themselves); M, V: the moments' storage.

@@ -1,12 +1,16 @@
 // Helpers for the ops tests: fresh random inputs, poisoned outputs, comparisons and finite differences.
 #pragma once
 
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "test_helpers.hpp"
@@ -14,24 +18,42 @@
 namespace mctest {
 
 /// A fresh seed per call (printed by the INFO of the caller), so every run draws new inputs. To rerun a failure
-/// with its inputs, set MEGACORE_TEST_SEEDS to the seeds it printed, comma-separated, and run that test case alone:
-/// the first calls return them in order, later ones fresh seeds again.
+/// with its inputs, run that test case alone with MEGACORE_TEST_SEEDS set to the seeds of its fresh_seed calls in
+/// order, comma-separated; `_` keeps a call's seed fresh (`_,_,1234` replays only the third). Later calls draw
+/// fresh seeds again. Not thread-safe (tests call it from one thread).
 inline uint64_t fresh_seed() {
   static std::mt19937_64 rng{std::random_device{}()};
-  static std::vector<uint64_t> given = [] {
-    std::vector<uint64_t> v;
-    if (const char* e = std::getenv("MEGACORE_TEST_SEEDS")) {
-      for (const char* p = e; *p;) {
+  // Each entry: the seed to return, or nullopt for a fresh one.
+  static const std::vector<std::optional<uint64_t>> given = [] {
+    std::vector<std::optional<uint64_t>> v;
+    const char* e = std::getenv("MEGACORE_TEST_SEEDS");
+    if (e == nullptr || *e == '\0') return v;
+    const std::string all(e);
+    size_t pos = 0;
+    while (true) {
+      const size_t comma = all.find(',', pos);
+      const std::string tok = all.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+      if (tok == "_" || tok.empty()) {
+        v.emplace_back(std::nullopt);
+      } else {
         char* end = nullptr;
-        v.push_back(std::strtoull(p, &end, 10));
-        if (end == p) break;
-        p = *end == ',' ? end + 1 : end;
+        errno = 0;
+        const unsigned long long x = std::strtoull(tok.c_str(), &end, 10);
+        if (errno != 0 || end == tok.c_str() || *end != '\0' || tok[0] == '-') {
+          std::fprintf(stderr, "MEGACORE_TEST_SEEDS=%s: '%s' is not a seed; give unsigned decimal seeds or _, comma-separated\n",
+                       e, tok.c_str());
+          std::abort();
+        }
+        v.emplace_back(uint64_t(x));
       }
+      if (comma == std::string::npos) break;
+      pos = comma + 1;
     }
     return v;
   }();
   static size_t next = 0;
-  if (next < given.size()) return given[next++];
+  const size_t i = next++;
+  if (i < given.size() && given[i]) return *given[i];
   return rng();
 }
 

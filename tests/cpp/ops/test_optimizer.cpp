@@ -1,6 +1,13 @@
+#include <array>
+#include <cstdint>
+#include <random>
+#include <utility>
+#include <vector>
+
 #include "megacore/ops/cast.hpp"
 #include "megacore/ops/optimizer.hpp"
 
+#include "ops/cuda/multi_tensor_pack.hpp"
 #include "ops/ops_test_util.hpp"
 
 using namespace megacore;
@@ -44,6 +51,60 @@ TEST_CASE("multi-tensor norm, scale and cast on the CPU", "[ops][optimizer]") {
   CHECK(c.to_double_vector() == std::vector<double>{3, 4});
   Tensor c3 = Tensor::empty({3}, DType::F16);
   REQUIRE_THROWS_WITH(ops::cast(a, c3), Catch::Contains("dst has shape [3], expected [2]"));
+}
+
+// The launch packing of the multi-tensor kernels (host code) at small limits: every chunk of every non-empty
+// tensor lands in exactly one launch, in order, with its tensor's pointers and size, within the limits, also for
+// tensors split across launches (they continue in slot 0) and launches cut by the tensor limit.
+TEST_CASE("multi-tensor launch packing covers every chunk once", "[ops][optimizer]") {
+  constexpr int kNP = 2, kTensors = 3, kBlocks = 4;
+  constexpr int64_t kChunk = 10;
+  struct Table {
+    void* p[kNP][kTensors];
+    int64_t n[kTensors];
+    uint8_t tensor[kBlocks];
+    int32_t chunk[kBlocks];
+  };
+  auto check = [&](const std::vector<int64_t>& n) {
+    std::vector<std::array<void*, kNP>> ptrs(n.size());
+    for (size_t i = 0; i < n.size(); ++i)
+      ptrs[i] = {reinterpret_cast<void*>(uintptr_t(0x1000 + 16 * i)), reinterpret_cast<void*>(uintptr_t(0x9000 + 16 * i))};
+    std::vector<std::pair<size_t, int64_t>> seen;  // (tensor, chunk) in launch order
+    int launches = 0;
+    Table t{};
+    megacore::ops::cuda::pack_launches<kNP, kTensors, kBlocks, kChunk>(t, ptrs, n, [&](const Table& m, int blocks) {
+      ++launches;
+      REQUIRE(blocks >= 1);
+      REQUIRE(blocks <= kBlocks);
+      for (int b = 0; b < blocks; ++b) {
+        REQUIRE(int(m.tensor[b]) < kTensors);
+        const auto i = size_t((reinterpret_cast<uintptr_t>(m.p[0][m.tensor[b]]) - 0x1000) / 16);
+        REQUIRE(i < n.size());
+        CHECK(m.p[1][m.tensor[b]] == ptrs[i][1]);
+        CHECK(m.n[m.tensor[b]] == n[i]);
+        seen.emplace_back(i, int64_t(m.chunk[b]));
+      }
+    });
+    std::vector<std::pair<size_t, int64_t>> want;
+    for (size_t i = 0; i < n.size(); ++i)
+      for (int64_t c = 0; c < (n[i] + kChunk - 1) / kChunk; ++c) want.emplace_back(i, c);
+    CHECK(seen == want);
+    return launches;
+  };
+  // Split by the block limit mid-tensor (47: 5 chunks), by the tensor limit, empty tensors skipped, exact fits.
+  CHECK(check({25, 0, 3, 47, 10, 1, 100, 5}) >= 6);
+  CHECK(check({}) == 0);
+  CHECK(check({40}) == 1);                  // 4 chunks: one full launch
+  CHECK(check({1, 1, 1, 1}) == 2);          // cut by the tensor limit after 3 tensors
+  CHECK(check({10, 10, 10, 10, 10}) == 2);  // 3 tensors end a launch of 3 blocks, then 2
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int r = 0; r < 50; ++r) {
+    std::vector<int64_t> n(size_t(rng() % 12));
+    for (auto& v : n) v = int64_t(rng() % 4 == 0 ? 0 : rng() % 75);
+    check(n);
+  }
 }
 
 TEST_CASE("multi-tensor CUDA kernels match the CPU reference", "[ops][optimizer][gpu]") {
