@@ -40,7 +40,8 @@
 // and reduce-added into dw by TMA (L2 does the read-modify-write); with few rows (tiles that are all
 // epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB) by TMA while the
 // tile's k-blocks stream in, and the consumer adds its accumulators to the box's values and stores the sums
-// to dw from registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
+// to dw from registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA.
+// See grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
