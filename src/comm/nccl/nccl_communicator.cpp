@@ -984,8 +984,10 @@ class NcclCommunicator final : public Communicator {
     enqueue(fmt::format("{} (exchange)", what), Stream::default_stream(device()), {in, out}, [&] {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(w), ncclInt64, st_->comm, cudaStream_t(nullptr));
     })->wait();
-    std::vector<double> v = out.to_double_vector();
-    return std::vector<int64_t>(v.begin(), v.end());
+    // Exact: read as int64 (a trip through double would round values above 2^53).
+    Tensor host = out.to(Device::cpu());
+    const int64_t* p = static_cast<const int64_t*>(host.data_ptr());
+    return std::vector<int64_t>(p, p + w * size_);
   }
 
   void agree(const OpSignature& sig, const std::string& what, const AllToAllLayout* l) {
