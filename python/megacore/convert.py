@@ -22,8 +22,14 @@ Name and layout mapping (docs/checkpoint.md has the table):
 * Mixtral: attention, norms and embeddings as for Llama; each layer's router ``block_sparse_moe.gate`` [E, H] →
   ``mlp.router``; the experts' ``w1`` (gate) / ``w3`` (up) [F, H] → ``mlp.experts.linear_fc1`` [E, 2F, H] (each
   expert's [gate; up]), ``w2`` [H, F] → ``mlp.experts.linear_fc2`` [E, H, F]. HF's routing (softmax over all
-  experts, top-k, renormalised) is megacore's moe_router_pre_softmax = false. Qwen2-MoE and Qwen3-MoE are
-  refused naming what megacore lacks (a gated shared expert and q/k-only biases; per-head q/k norms).
+  experts, top-k, renormalised) is megacore's moe_router_pre_softmax = false. Qwen2-MoE is refused naming what
+  megacore lacks (a gated shared expert and q/k-only biases).
+* Qwen3 (dense) and Qwen3-MoE: Llama's mapping plus the per-head query / key norms ``self_attn.q_norm`` /
+  ``k_norm`` [head_dim] → ``self_attention.q_layernorm`` / ``k_layernorm`` (megacore's qk_layernorm). Qwen3-MoE's
+  router ``mlp.gate`` → ``mlp.router`` and per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` → the stacked
+  ``mlp.experts.linear_fc1`` / ``linear_fc2``; ``norm_topk_prob`` true (top-k renormalised) is
+  moe_router_pre_softmax = false, false is moe_router_pre_softmax = true. Every layer must be a MoE layer
+  (decoder_sparse_step 1, no mlp_only_layers), as in the released models.
 * GPT-2: Conv1D weights are stored [in, out] and are transposed; c_attn is [q | k | v] along its output,
   fused per head like Llama with groups = heads (bias too).
 """
@@ -105,9 +111,34 @@ _QWEN_MOE_MISSING = {
     "qwen2_moe": "Qwen2MoeForCausalLM cannot be converted: it has biases on q/k/v only (megacore's add_bias_linear "
                  "puts biases on every linear layer or none) and a shared expert scaled by a sigmoid gate "
                  "(shared_expert_gate), which megacore's shared expert (model.moe_shared_expert_size) does not have",
-    "qwen3_moe": "Qwen3MoeForCausalLM cannot be converted: it normalises queries and keys per head (q_norm / k_norm), "
-                 "which megacore's attention does not have",
 }
+
+# megacore's MoE settings that a Hugging Face Qwen3MoeForCausalLM has (moe_router_pre_softmax is its
+# norm_topk_prob, either way).
+_QWEN3_MOE = {"moe_layer_freq": 1, "moe_shared_expert_size": 0, "moe_router_score_function": "softmax",
+              "moe_router_topk_scaling_factor": 1.0, "moe_router_enable_expert_bias": False}
+
+
+def _moe_config_from_qwen3(hf: Mapping[str, Any]) -> Dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json. Routing: softmax over all experts, the top k, renormalised when
+    norm_topk_prob (the softmax over the top-k logits, megacore's moe_router_pre_softmax = false, as for Mixtral),
+    else kept as they are (moe_router_pre_softmax = true). The aux loss is Mixtral's (coefficient × k)."""
+    # config.json names the expert count num_experts (the hub's files) or num_local_experts (what transformers
+    # 5.17's save_pretrained writes for Qwen3-MoE; its config maps one name onto the other).
+    n = hf.get("num_experts", hf.get("num_local_experts"))
+    if n is None:
+        raise ConfigError("this Qwen3-MoE config.json has neither num_experts nor num_local_experts")
+    e, k = int(n), int(hf["num_experts_per_tok"])
+    if not 1 <= k <= e:
+        raise ConfigError(f"num_experts_per_tok = {k} must be in [1, num_experts = {e}]")
+    step, dense = int(hf.get("decoder_sparse_step", 1) or 1), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ConfigError(f"this Qwen3-MoE has dense layers (decoder_sparse_step = {step}, mlp_only_layers = {dense}); "
+                          "megacore converts Qwen3-MoE models whose every layer is a MoE layer (decoder_sparse_step 1, "
+                          "mlp_only_layers [])")
+    return {"num_moe_experts": e, "moe_router_topk": k, "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)) * k, **_QWEN3_MOE,
+            "moe_router_pre_softmax": not bool(hf.get("norm_topk_prob", True))}
 
 # megacore's MoE settings that a Hugging Face MixtralForCausalLM has (anything else has no Mixtral equivalent).
 _MIXTRAL_MOE = {"moe_layer_freq": 1, "moe_shared_expert_size": 0, "moe_router_score_function": "softmax",
@@ -155,16 +186,17 @@ def _check_mixtral_compatible(c: Mapping[str, Any]) -> None:
 def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str, Any]:
     """A megacore TransformerConfig (as a dict of its fields) from an HF config.json dict."""
     mt = hf.get("model_type")
-    if mt in ("qwen2_moe", "qwen3_moe"):
+    if mt in _QWEN_MOE_MISSING:
         raise ConfigError(_QWEN_MOE_MISSING[mt])
-    if mt in ("llama", "mistral", "mixtral") or (mt is None and "num_hidden_layers" in hf):
+    if mt in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe") or (mt is None and "num_hidden_layers" in hf):
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act '{hf['hidden_act']}' is not SwiGLU's silu; megacore Llama uses silu")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias Llama variants are not supported (megacore puts biases on "
                               "every linear layer or none)")
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        window = hf.get("sliding_window")
+        # Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if window is not None and int(window) < max_pos:
             raise ConfigError(f"sliding_window = {window} is shorter than max_position_embeddings = {max_pos}: "
                               "megacore has no sliding-window attention, so this model's attention would differ on "
@@ -184,8 +216,12 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
              "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
              "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
              "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
+        if mt in ("qwen3", "qwen3_moe"):
+            c["qk_layernorm"] = True
         if mt == "mixtral":
             c.update(_moe_config_from_mixtral(hf))
+        if mt == "qwen3_moe":
+            c.update(_moe_config_from_qwen3(hf))
         return c
     if mt == "gpt2" or (mt is None and "n_embd" in hf):
         act = hf.get("activation_function", "gelu_new")
@@ -202,7 +238,7 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
                 "position_embedding": "Learned", "rope_theta": 10000.0, "rope_scaling": {"type": "None"},
                 "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
     raise ConfigError(f"model_type '{mt}' is not supported; megacore converts Llama-family (llama, mistral), "
-                      "Mixtral and GPT-2 checkpoints")
+                      "Mixtral, Qwen3 (qwen3, qwen3_moe) and GPT-2 checkpoints")
 
 
 def _flavour(c: Mapping[str, Any]) -> str:
@@ -210,6 +246,8 @@ def _flavour(c: Mapping[str, Any]) -> str:
         ("RMSNorm", "SwiGLU", "RoPE", False)
     gpt2 = (c["normalization"], c["activation"], c["position_embedding"], c["add_bias_linear"]) == \
         ("LayerNorm", "GELU", "Learned", True)
+    if llama and c.get("qk_layernorm"):
+        return "qwen3_moe" if _is_moe(c) else "qwen3"
     if llama:
         return "mixtral" if _is_moe(c) else "llama"
     if gpt2:
@@ -231,7 +269,7 @@ def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[i
     dt = _TORCH_DTYPE.get(str(c.get("params_dtype", "f32")).lower(), "float32")
     ids = {k: (special or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     flavour = _flavour(c)
-    if flavour in ("llama", "mixtral"):
+    if flavour in ("llama", "mixtral", "qwen3", "qwen3_moe"):
         rs = c.get("rope_scaling") or {"type": "None"}
         rope = {"rope_theta": float(c["rope_theta"]), "rope_type": "default"}
         if str(rs.get("type", "None")).lower() == "llama3":
@@ -241,6 +279,8 @@ def config_to_hf(c: Mapping[str, Any], special: Optional[Mapping[str, Optional[i
         heads = c["num_attention_heads"]
         if flavour == "mixtral":
             return _mixtral_config_to_hf(c, rope, ids, dt)
+        if flavour in ("qwen3", "qwen3_moe"):
+            return _qwen3_config_to_hf(c, rope, ids, dt)
         return {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, **ids,
                 "dtype": dt, "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",
                 "hidden_size": c["hidden_size"], "initializer_range": c.get("init_method_std", 0.02),
@@ -282,6 +322,44 @@ def _mixtral_config_to_hf(c: Mapping[str, Any], rope: Mapping[str, Any], ids: Ma
             "transformers_version": HF_FORMAT_VERSION, "use_cache": True, "vocab_size": c["vocab_size"]}
 
 
+def _check_qwen3_moe_compatible(c: Mapping[str, Any]) -> None:
+    """Refuses MoE settings that Qwen3MoeForCausalLM cannot express."""
+    bad = [f"{k} = {c.get(k, v)} (Qwen3-MoE: {v})" for k, v in _QWEN3_MOE.items()
+           if not (str(c.get(k, v)).lower() == v if isinstance(v, str) else c.get(k, v) == v)]
+    if bad:
+        raise ConfigError("this MoE model with qk_layernorm has no Hugging Face Qwen3-MoE equivalent: " + "; ".join(bad) +
+                          ". Only softmax routing, every layer MoE, no shared expert and no expert bias export as "
+                          "Qwen3MoeForCausalLM")
+
+
+def _qwen3_config_to_hf(c: Mapping[str, Any], rope: Mapping[str, Any], ids: Mapping[str, Any], dt: str):
+    """config.json of Qwen3ForCausalLM / Qwen3MoeForCausalLM (as transformers >= 5 writes it) for a Llama-shaped
+    model with qk_layernorm."""
+    if rope.get("rope_type") != "default":
+        raise ConfigError(f"rope_scaling {c.get('rope_scaling')} has no Qwen3 equivalent in megacore's export (plain "
+                          "RoPE only); export a model without RoPE scaling")
+    heads = c["num_attention_heads"]
+    out = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, **ids,
+           "dtype": dt, "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",
+           "hidden_size": c["hidden_size"], "initializer_range": c.get("init_method_std", 0.02),
+           "intermediate_size": c["ffn_hidden_size"], "max_position_embeddings": c["max_position_embeddings"],
+           "max_window_layers": c["num_layers"], "model_type": "qwen3", "num_attention_heads": heads,
+           "num_hidden_layers": c["num_layers"], "num_key_value_heads": c.get("num_query_groups") or heads,
+           "rms_norm_eps": c["norm_eps"], "rope_parameters": dict(rope), "sliding_window": None,
+           "tie_word_embeddings": bool(c["tie_word_embeddings"]), "transformers_version": HF_FORMAT_VERSION,
+           "use_cache": True, "use_sliding_window": False, "vocab_size": c["vocab_size"]}
+    if not _is_moe(c):
+        return out
+    _check_qwen3_moe_compatible(c)
+    k = int(c.get("moe_router_topk", 2))
+    out.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "moe_intermediate_size": int(c.get("moe_ffn_hidden_size") or 0) or
+                int(c["ffn_hidden_size"]), "norm_topk_prob": not bool(c.get("moe_router_pre_softmax", False)),
+                "num_experts": int(c["num_moe_experts"]), "num_experts_per_tok": k, "output_router_logits": False,
+                "router_aux_loss_coef": float(c.get("moe_aux_loss_coeff", 0.0)) / k})
+    return out
+
+
 def generation_config_to_hf(special: Optional[Mapping[str, Optional[int]]] = None) -> Dict[str, Any]:
     """generation_config.json as transformers writes it for a model config (only the ids that exist)."""
     out: Dict[str, Any] = {"_from_model_config": True}
@@ -298,7 +376,7 @@ def config_dict(cfg) -> Dict[str, Any]:
     d = {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by", "norm_eps", "add_bias_linear",
-        "tie_word_embeddings", "rope_theta", "init_method_std", "params_dtype", "seed")}
+        "tie_word_embeddings", "rope_theta", "init_method_std", "params_dtype", "seed", "qk_layernorm")}
     d["num_query_groups"] = cfg.query_groups
     d["ffn_hidden_size"] = cfg.ffn_size
     d["kv_channels"] = cfg.head_dim
@@ -379,7 +457,8 @@ def config_from_recipe(recipe: Mapping[str, Any]) -> Dict[str, Any]:
                              "high_freq_factor": float(g("rope_high_freq_factor", 4.0)),
                              "original_max_position_embeddings": int(g("rope_original_max_position_embeddings", 8192))},
             "init_method_std": float(g("init_method_std", 0.02)), "params_dtype": precision,
-            "seed": int(g("seed", 1234)), **_moe_config_from_recipe(m)}
+            "seed": int(g("seed", 1234)), "qk_layernorm": bool(g("qk_layernorm", False)),
+            **_moe_config_from_recipe(m)}
 
 
 def _moe_config_from_recipe(m: Mapping[str, Any]) -> Dict[str, Any]:
@@ -524,11 +603,18 @@ def _read_hf_tensors(hf_dir: str) -> Dict[str, np.ndarray]:
     return out
 
 
-def _mixtral_experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: str, e: int) -> Dict[str, np.ndarray]:
-    """One Mixtral layer's router and experts (HF prefix ``p``) → megacore's MoE tensors (prefix ``m``).
+# Per-expert tensor names of the two MoE families: (router, expert prefix with {} for the expert, gate, up, down),
+# relative to a layer's HF prefix.
+_MIXTRAL_EXPERT_NAMES = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.", "w1", "w3", "w2")
+_QWEN3_EXPERT_NAMES = ("mlp.gate.weight", "mlp.experts.{}.", "gate_proj", "up_proj", "down_proj")
 
-    Hub checkpoints (and transformers' save_pretrained) hold ``block_sparse_moe.gate.weight`` [E, H] and per
-    expert ``w1`` (gate) / ``w3`` (up) [F, H] and ``w2`` [H, F]; the modules of transformers >= 5 hold them fused
+
+def _experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: str, e: int, names) -> Dict[str, np.ndarray]:
+    """One MoE layer's router and experts (HF prefix ``p``) → megacore's MoE tensors (prefix ``m``).
+
+    Hub checkpoints (and transformers' save_pretrained) hold the router [E, H] and per expert gate / up [F, H] and
+    down [H, F] (Mixtral: ``block_sparse_moe.gate``, ``experts.{e}.w1`` / ``w3`` / ``w2``; Qwen3-MoE: ``mlp.gate``,
+    ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``); the modules of transformers >= 5 hold them fused
     (a raw state_dict has these names): ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows,
     then up rows) and ``mlp.experts.down_proj`` [E, H, F].
     megacore's ``mlp.experts.linear_fc1.weight`` is [E, 2F, H] with each expert's [gate; up] rows (its SwiGLU
@@ -537,28 +623,28 @@ def _mixtral_experts_to_megacore(take, hf: Mapping[str, np.ndarray], p: str, m: 
         return {m + "mlp.router.weight": take(p + "mlp.gate.weight"),
                 m + "mlp.experts.linear_fc1.weight": take(p + "mlp.experts.gate_up_proj"),
                 m + "mlp.experts.linear_fc2.weight": take(p + "mlp.experts.down_proj")}
-    b = p + "block_sparse_moe."
-    x = [b + f"experts.{j}." for j in range(e)]
-    return {m + "mlp.router.weight": take(b + "gate.weight"),
-            m + "mlp.experts.linear_fc1.weight": _stack([_cat([take(q + "w1.weight"), take(q + "w3.weight")])
+    router, expert, gate, up, down = names
+    x = [p + expert.format(j) for j in range(e)]
+    return {m + "mlp.router.weight": take(p + router),
+            m + "mlp.experts.linear_fc1.weight": _stack([_cat([take(q + gate + ".weight"), take(q + up + ".weight")])
                                                          for q in x]),
-            m + "mlp.experts.linear_fc2.weight": _stack([take(q + "w2.weight") for q in x])}
+            m + "mlp.experts.linear_fc2.weight": _stack([take(q + down + ".weight") for q in x])}
 
 
-def _mixtral_experts_to_hf(take, p: str, m: str, e: int) -> Dict[str, np.ndarray]:
-    """Inverse of _mixtral_experts_to_megacore, in the hub layout (``block_sparse_moe``, ``w1``/``w2``/``w3``)."""
+def _experts_to_hf(take, p: str, m: str, e: int, names) -> Dict[str, np.ndarray]:
+    """Inverse of _experts_to_megacore, in the hub layout of ``names``."""
     fc1, fc2 = take(m + "mlp.experts.linear_fc1.weight"), take(m + "mlp.experts.linear_fc2.weight")
     if fc1.shape[0] != e or fc2.shape[0] != e:
         raise ConfigError(f"'{m}mlp.experts.*' hold {fc1.shape[0]} experts but the model config says {e}")
     f = fc1.shape[1] // 2
-    b = p + "block_sparse_moe."
-    out = {b + "gate.weight": take(m + "mlp.router.weight")}
+    router, expert, gate, up, down = names
+    out = {p + router: take(m + "mlp.router.weight")}
     a1, a2 = np.asarray(fc1), np.asarray(fc2)
     for j in range(e):
-        q = b + f"experts.{j}."
-        out[q + "w1.weight"] = _keep(np.ascontiguousarray(a1[j, :f]), fc1)
-        out[q + "w2.weight"] = _keep(np.ascontiguousarray(a2[j]), fc2)
-        out[q + "w3.weight"] = _keep(np.ascontiguousarray(a1[j, f:]), fc1)
+        q = p + expert.format(j)
+        out[q + gate + ".weight"] = _keep(np.ascontiguousarray(a1[j, :f]), fc1)
+        out[q + up + ".weight"] = _keep(np.ascontiguousarray(a1[j, f:]), fc1)
+        out[q + down + ".weight"] = _keep(np.ascontiguousarray(a2[j]), fc2)
     return out
 
 
@@ -572,7 +658,8 @@ def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> 
 
     out: Dict[str, np.ndarray] = {}
     L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
-    if _flavour(c) in ("llama", "mixtral"):
+    flavour = _flavour(c)
+    if flavour in ("llama", "mixtral", "qwen3", "qwen3_moe"):
         out["embedding.weight"] = take("model.embed_tokens.weight")
         for i in range(L):
             p, m = f"model.layers.{i}.", f"layers.{i}."
@@ -580,10 +667,14 @@ def hf_state_to_megacore(hf: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> 
             out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
                 take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
                 take(p + "self_attn.v_proj.weight"), heads, groups)
+            if c.get("qk_layernorm"):
+                out[m + "self_attention.q_layernorm.weight"] = take(p + "self_attn.q_norm.weight")
+                out[m + "self_attention.k_layernorm.weight"] = take(p + "self_attn.k_norm.weight")
             out[m + "self_attention.linear_proj.weight"] = take(p + "self_attn.o_proj.weight")
             out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
             if _is_moe(c):
-                out.update(_mixtral_experts_to_megacore(take, hf, p, m, int(c["num_moe_experts"])))
+                names = _QWEN3_EXPERT_NAMES if flavour == "qwen3_moe" else _MIXTRAL_EXPERT_NAMES
+                out.update(_experts_to_megacore(take, hf, p, m, int(c["num_moe_experts"]), names))
                 continue
             out[m + "mlp.linear_fc1.weight"] = _cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
@@ -626,9 +717,10 @@ def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> D
 
     out: Dict[str, np.ndarray] = {}
     L, heads, groups = c["num_layers"], c["num_attention_heads"], c["num_query_groups"]
+    flavour = _flavour(c)
     if _is_moe(c):  # before any tensor is looked up: a model with dense layers between MoE ones is refused here
-        _check_mixtral_compatible(c)
-    if _flavour(c) in ("llama", "mixtral"):
+        (_check_qwen3_moe_compatible if flavour == "qwen3_moe" else _check_mixtral_compatible)(c)
+    if flavour in ("llama", "mixtral", "qwen3", "qwen3_moe"):
         out["model.embed_tokens.weight"] = take("embedding.weight")
         f = c["ffn_hidden_size"]
         for i in range(L):
@@ -637,10 +729,14 @@ def megacore_state_to_hf(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> D
             q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), heads, groups)
             out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
             out[p + "self_attn.v_proj.weight"] = v
+            if c.get("qk_layernorm"):
+                out[p + "self_attn.q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
+                out[p + "self_attn.k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
             out[p + "self_attn.o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
             out[p + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
             if _is_moe(c):
-                out.update(_mixtral_experts_to_hf(take, p, m, int(c["num_moe_experts"])))
+                names = _QWEN3_EXPERT_NAMES if flavour == "qwen3_moe" else _MIXTRAL_EXPERT_NAMES
+                out.update(_experts_to_hf(take, p, m, int(c["num_moe_experts"]), names))
                 continue
             fc1 = take(m + "mlp.linear_fc1.weight")
             out[p + "mlp.gate_proj.weight"] = _keep(np.ascontiguousarray(fc1[:f]), fc1)
@@ -720,6 +816,8 @@ def _check_shapes(t: Mapping[str, np.ndarray], c: Mapping[str, Any]) -> None:
     f = c["ffn_hidden_size"] * gated
     want = {"layers.0.self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
             "layers.0.mlp.linear_fc1.weight": (f, h), "embedding.weight": (c["vocab_size"], h)}
+    if c.get("qk_layernorm"):
+        want.update({"layers.0.self_attention.q_layernorm.weight": (d,), "layers.0.self_attention.k_layernorm.weight": (d,)})
     if _is_moe(c):  # layer 0 is a MoE layer whenever the model has any
         e, fm = int(c["num_moe_experts"]), int(c.get("moe_ffn_hidden_size") or 0) or c["ffn_hidden_size"]
         want.update({"layers.0.mlp.router.weight": (e, h),

@@ -106,6 +106,7 @@ def finetune_recipe(model_path: str, data_path: str, peft=None, trainer: Optiona
     for k in _SAME + MOE_FIELDS:
         if k in _SAME or k in c:  # MoE fields: only a MoE model's config has them
             setattr(r.model, k, c[k])
+    r.model.qk_layernorm = bool(c.get("qk_layernorm", False))  # configs written before the field lack it
     r.model.name = os.path.basename(os.path.normpath(model_path)) or "model"
     r.model.make_vocab_size_divisible_by = int(c.get("make_vocab_size_divisible_by", 128))
     rs = c.get("rope_scaling") or {"type": "None"}
@@ -170,12 +171,13 @@ def finetune(model_path: str, data_path: str, peft=None, trainer: Optional[dict]
     if r.peft.scheme == "lora":
         from .convert import _flavour, config_from_checkpoint
 
-        if _flavour(config_from_checkpoint(out.base)) == "llama":
+        if _flavour(config_from_checkpoint(out.base)) in ("llama", "qwen3"):  # HF module names the same
             name = base_model_name_or_path or (os.path.abspath(model_path) if _is_hf_dir(model_path) else out.base)
             out.adapter = _peft.export_peft(ckpts, os.path.join(output_path, "peft"), base_model_name_or_path=name)
             log(f"megacore finetune: LoRA adapter (Hugging Face PEFT) -> {out.adapter}")
         else:
-            log("megacore finetune: no PEFT adapter written (Hugging Face PEFT export needs a Llama-family model); "
+            log("megacore finetune: no PEFT adapter written (Hugging Face PEFT export here covers dense Llama and "
+                "Qwen3 models); "
                 "the adapter checkpoints are under " + ckpts)
     if export_hf:
         out.hf = megacore_to_hf(ckpts, os.path.join(output_path, "hf"), log=log)

@@ -296,8 +296,14 @@ def merge(ckpt: str, out_root: str, base: str | None = None, dtype: str | None =
 def _llama_only(c, what: str) -> None:
     from .convert import _flavour
 
-    if c is not None and _flavour(c) not in ("llama", "mixtral"):
-        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family (and Mixtral) models only; GPT-2's "
+    f = _flavour(c) if c is not None else None
+    if f == "qwen3_moe":
+        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family models (Llama, Qwen3, "
+                          "Mixtral); a Qwen3-MoE adapter is not (export the merged model with `megacore convert "
+                          "megacore-to-hf`, which writes Qwen3MoeForCausalLM)")
+    if f is not None and f not in ("llama", "mixtral", "qwen3"):
+        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family (Llama, Qwen3, Mixtral) "
+                          "models only; GPT-2's "
                           "c_attn fuses q, k and v into one Conv1D whose single LoRA pair cannot hold megacore's "
                           "separate q/k/v adapters (export the merged model with `megacore convert megacore-to-hf`)")
 

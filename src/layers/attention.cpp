@@ -107,6 +107,14 @@ SelfAttention::SelfAttention(comm::Communicator& tp, const AttentionConfig& cfg,
     ops::RopeConfig rc{.rotary_dim = rotary_dim_, .theta = cfg_.rope_theta, .scaling = rope_scaling_of(cfg_.rope_scaling)};
     inv_freq_ = ops::rope_inv_freq(rc, opts_.device);
   }
+  if (cfg_.qk_layernorm) {
+    // Each TP rank normalises its own heads: the weights' gradients are partial sums over the heads, which
+    // the sequence_parallel flag has summed over TP before the optimizer (with or without SP).
+    const NormOptions no{.eps = cfg_.norm_eps, .sequence_parallel = tp.size() > 1, .params_dtype = cfg_.params_dtype,
+                         .device = opts_.device};
+    q_norm_ = std::make_unique<RMSNorm>(head_dim_, no);
+    k_norm_ = std::make_unique<RMSNorm>(head_dim_, no);
+  }
 }
 
 ops::AttentionOptions SelfAttention::attention_options() const {
@@ -199,17 +207,29 @@ Tensor SelfAttention::forward(const ForwardContext& ctx, const Tensor& x, const 
   Tensor grouped = qkv.view({s, b, groups_local_, hpg + 2, d});
   // Contiguous q, k, v: attention and RoPE want contiguous heads, and they are what backward keeps.
   Tensor q, k, v, positions;
-  if (rotary_dim_ > 0) {
+  if (q_norm_) {
+    // Split, normalise each query and key head, then rotate (the norms sit between the split and RoPE, so
+    // the fused split + RoPE kernel does not apply).
+    q = q_norm_->forward(ctx, grouped.narrow(3, 0, hpg).contiguous(st).view({s, b, heads_local_, d}));
+    k = k_norm_->forward(ctx, grouped.select(3, hpg).contiguous(st));
+    v = grouped.select(3, hpg + 1).contiguous(st);
+    if (rotary_dim_ > 0) {
+      positions = positions_for(position_ids, s, b, st);
+      ops::rope_forward(q, positions, inv_freq_, q, opts_.rotary_interleaved, st);
+      ops::rope_forward(k, positions, inv_freq_, k, opts_.rotary_interleaved, st);
+    }
+  } else if (rotary_dim_ > 0) {
     positions = positions_for(position_ids, s, b, st);
     q = Tensor::empty({s, b, heads_local_, d}, qkv.dtype(), qkv.device(), st);
     k = Tensor::empty({s, b, groups_local_, d}, qkv.dtype(), qkv.device(), st);
     v = Tensor::empty({s, b, groups_local_, d}, qkv.dtype(), qkv.device(), st);
     ops::qkv_split_rope(grouped, positions, inv_freq_, q, k, v, opts_.rotary_interleaved, st);
-  } else {
-    MC_CHECK(!position_ids.defined(),
-             "{}.forward: position_ids were given but this layer has no RoPE (position_embedding is learned); add "
-             "the positions at the embedding instead",
-             kName);
+  }
+  MC_CHECK(rotary_dim_ > 0 || !position_ids.defined(),
+           "{}.forward: position_ids were given but this layer has no RoPE (position_embedding is learned); add "
+           "the positions at the embedding instead",
+           kName);
+  if (rotary_dim_ == 0 && !q_norm_) {
     q = grouped.narrow(3, 0, hpg).contiguous(st).view({s, b, heads_local_, d});
     k = grouped.select(3, hpg).contiguous(st);
     v = grouped.select(3, hpg + 1).contiguous(st);
@@ -299,7 +319,15 @@ Tensor SelfAttention::backward(const ForwardContext& ctx, const Tensor& dy) {
     ops::attention_backward(bshd(q_), bshd(k_), bshd(v_), bshd(out.view({s, b, heads_local_, d})), lse,
                             bshd(dout.view({s, b, heads_local_, d})), dq4, dk4, dv4, attention_options(), st);
   }
-  if (rotary_dim_ > 0) {
+  if (q_norm_) {
+    if (rotary_dim_ > 0) {
+      ops::rope_backward(dq, positions_, inv_freq_, dq, opts_.rotary_interleaved, st);
+      ops::rope_backward(dk, positions_, inv_freq_, dk, opts_.rotary_interleaved, st);
+    }
+    dqkv.narrow(3, 0, hpg).copy_(q_norm_->backward(ctx, dq).view({s, b, groups_local_, hpg, d}), st);
+    dqkv.select(3, hpg).copy_(k_norm_->backward(ctx, dk), st);
+    dqkv.select(3, hpg + 1).copy_(dv, st);
+  } else if (rotary_dim_ > 0) {
     ops::qkv_merge_rope_backward(dq, dk, dv, positions_, inv_freq_, dqkv, opts_.rotary_interleaved, st);
   } else {
     dqkv.narrow(3, 0, hpg).copy_(dq.view({s, b, groups_local_, hpg, d}), st);
@@ -692,12 +720,14 @@ void SelfAttention::gather_backward(const Tensor& out, const Tensor& lse, const 
 
 std::vector<Parameter*> SelfAttention::parameters() {
   std::vector<Parameter*> p = qkv_.parameters();
+  if (q_norm_) p.push_back(&q_norm_->weight()), p.push_back(&k_norm_->weight());
   for (Parameter* q : proj_.parameters()) p.push_back(q);
   return p;
 }
 
 void SelfAttention::zero_grad() {
   qkv_.zero_grad();
+  if (q_norm_) q_norm_->zero_grad(), k_norm_->zero_grad();
   proj_.zero_grad();
 }
 
@@ -750,6 +780,7 @@ std::vector<Tensor> split_qkv_weight(const Tensor& wqkv, int64_t heads, int64_t 
 
 void SelfAttention::stash_activations(ActivationStash& s) {
   qkv_.stash_activations(s);
+  if (q_norm_) q_norm_->stash_activations(s), k_norm_->stash_activations(s);
   proj_.stash_activations(s);
   for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.put(*t);
   s.put_int(int64_t(ring_kv_.size()));
@@ -762,6 +793,7 @@ void SelfAttention::stash_activations(ActivationStash& s) {
 
 void SelfAttention::restore_activations(ActivationStash& s) {
   qkv_.restore_activations(s);
+  if (q_norm_) q_norm_->restore_activations(s), k_norm_->restore_activations(s);
   proj_.restore_activations(s);
   for (Tensor* t : {&q_, &k_, &v_, &out_, &lse_, &positions_, &cu_}) s.take(*t);
   ring_kv_.assign(size_t(s.take_int()), Tensor());

@@ -205,6 +205,10 @@ std::vector<ly::Parameter*> GPTModel::all_parameters() {
     };
     norm("input_layernorm.", l.input_layernorm());
     linear("self_attention.linear_qkv.", l.self_attention().linear_qkv());
+    if (ly::NormLayer* qn = l.self_attention().q_layernorm()) {
+      norm("self_attention.q_layernorm.", *qn);
+      norm("self_attention.k_layernorm.", *l.self_attention().k_layernorm());
+    }
     linear("self_attention.linear_proj.", l.self_attention().linear_proj());
     norm("pre_mlp_layernorm.", l.pre_mlp_layernorm());
     if (ly::MoELayer* moe = l.moe()) {

@@ -19,7 +19,9 @@ ActivationEstimate activation_bytes_per_layer(const TransformerConfig& cfg, int6
   } else {
     // h-sized tensors on the sequence: QKV input, residual, MLP norm output, layer output, norm statistics.
     const double seq_terms = tokens * (4 * h * a + stats);
-    const double head_terms = tokens * ((heads * d + 2 * groups * d) + heads * d + fc1_out + f) * a / t;
+    // qk_layernorm keeps the un-normalised q and k heads (the norms' inputs) and their f32 statistics too.
+    const double qk_norm = cfg.qk_layernorm ? tokens * ((heads + groups) * d * a + (heads + groups) * 4) / t : 0;
+    const double head_terms = tokens * ((heads * d + 2 * groups * d) + heads * d + fc1_out + f) * a / t + qk_norm;
     const double lse = recompute == RecomputeGranularity::Selective ? 0 : tokens * heads * 4 / t;
     e.replicated = sequence_parallel ? 0 : seq_terms;
     e.sharded = head_terms + lse + (sequence_parallel ? seq_terms / t : 0);

@@ -192,6 +192,10 @@ std::vector<std::string> validation_errors(const TransformerConfig& c, int tp, i
     add("rope_scaling is set but position_embedding is learned; set rope_scaling.type to None or use RoPE");
   }
   if (!(c.norm_eps > 0)) add("norm_eps is {}; set it to a small positive number (1e-5)", c.norm_eps);
+  if (c.qk_layernorm && c.normalization != NormType::RMSNorm)
+    add("qk_layernorm normalises query and key heads with RMSNorm (Qwen3) but normalization is {}; set "
+        "normalization = RMSNorm or qk_layernorm = false",
+        norm_type_name(c.normalization));
   if (!(c.init_method_std > 0)) add("init_method_std is {}; set it to a positive standard deviation (0.02)", c.init_method_std);
   if (!is_floating(c.params_dtype))
     add("params_dtype is {}; parameters must be f32, bf16 or f16", dtype_name(c.params_dtype));
@@ -243,7 +247,7 @@ LayerShapes layer_shapes(const TransformerConfig& c) {
   s.fc1_w = h * fc1_out;
   s.fc2_w = f * h;
   s.biases = c.add_bias_linear ? c.qkv_width() + h + fc1_out + h : 0;
-  s.norms = 2 * norm;
+  s.norms = 2 * norm + (c.qk_layernorm ? 2 * c.head_dim() : 0);
   if (c.is_moe()) {
     s.router_w = c.num_moe_experts * h;
     s.expert_w = mlp_weights(c, c.moe_ffn_size());

@@ -88,6 +88,8 @@ layers::AttentionConfig attention_config(const TransformerConfig& cfg) {
           .num_query_groups = cfg.num_query_groups,
           .head_dim = cfg.kv_channels,
           .add_bias_linear = cfg.add_bias_linear,
+          .qk_layernorm = cfg.qk_layernorm,
+          .norm_eps = cfg.norm_eps,
           .sequence_parallel = cfg.sequence_parallel,
           .params_dtype = cfg.params_dtype,
           .init_method_std = cfg.init_method_std,
@@ -249,6 +251,10 @@ std::vector<std::pair<std::string, ly::Parameter*>> TransformerLayer::named_para
   };
   norm("input_layernorm.", *input_norm_);
   linear("self_attention.linear_qkv.", attention_.linear_qkv());
+  if (attention_.q_layernorm()) {
+    norm("self_attention.q_layernorm.", *attention_.q_layernorm());
+    norm("self_attention.k_layernorm.", *attention_.k_layernorm());
+  }
   linear("self_attention.linear_proj.", attention_.linear_proj());
   norm("pre_mlp_layernorm.", *mlp_norm_);
   if (mlp_) {

@@ -460,6 +460,9 @@ void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view
     const json a = saved->value(k, json()), b = want.value(k, json());
     if (a != b) diff.push_back(fmt::format("{} {} vs {}", k, a.dump(), b.dump()));
   }
+  // Recipes saved before the field existed have no qk_layernorm: false.
+  if (saved->value("qk_layernorm", false) != want.value("qk_layernorm", false))
+    diff.push_back(fmt::format("qk_layernorm {} vs {}", saved->value("qk_layernorm", false), want.value("qk_layernorm", false)));
   if (!diff.empty())
     err(field,
         fmt::format("'{}' holds another model ({}, checkpoint vs recipe); resume from a checkpoint of this model, or "

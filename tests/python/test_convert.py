@@ -222,9 +222,26 @@ def mixtral_moe_numpy(p, q_, n, c):
     return out
 
 
+def qwen3_moe_numpy(p, q_, n, c):
+    """HF Qwen3-MoE's sparse block: softmax over all experts, the top k, renormalised when norm_topk_prob."""
+    logits = n @ p[q_ + "mlp.gate.weight"].T
+    pr = np.exp(logits - logits.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    top = np.argsort(-pr, axis=-1, kind="stable")[..., :c["num_experts_per_tok"]]
+    w = np.take_along_axis(pr, top, -1)
+    if c.get("norm_topk_prob", True):
+        w /= w.sum(-1, keepdims=True)
+    out = np.zeros_like(n)
+    for e in range(c["num_experts"]):
+        q = q_ + f"mlp.experts.{e}."
+        out += swiglu_numpy(p, q + "gate_proj.", q + "up_proj.", q + "down_proj.", n) * \
+            ((top == e) * w).sum(-1, keepdims=True)
+    return out
+
+
 def hf_llama_numpy(t, c, tokens):
-    """Logits of a Llama (or, with num_local_experts in ``c``, Mixtral) forward written in HF's layout (f64), with
-    llama3 RoPE scaling when configured."""
+    """Logits of a Llama (or, with num_local_experts in ``c``, Mixtral; with q_norm / k_norm tensors, Qwen3; with
+    num_experts, Qwen3-MoE) forward written in HF's layout (f64), with llama3 RoPE scaling when configured."""
     h, H, G, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     eps, theta = c["rms_norm_eps"], c.get("rope_theta", 10000.0)
     p = {k: np.asarray(v, dtype=np.float64) for k, v in t.items()}
@@ -255,8 +272,11 @@ def hf_llama_numpy(t, c, tokens):
     for i in range(c["num_hidden_layers"]):
         q_ = f"model.layers.{i}."
         n = norm(x, p[q_ + "input_layernorm.weight"])
-        q = rope((n @ p[q_ + "self_attn.q_proj.weight"].T).reshape(b, s, H, d))
-        k = np.repeat(rope((n @ p[q_ + "self_attn.k_proj.weight"].T).reshape(b, s, G, d)), H // G, 2)
+        q = (n @ p[q_ + "self_attn.q_proj.weight"].T).reshape(b, s, H, d)
+        k = (n @ p[q_ + "self_attn.k_proj.weight"].T).reshape(b, s, G, d)
+        if q_ + "self_attn.q_norm.weight" in p:  # Qwen3: RMSNorm of each head before RoPE
+            q, k = norm(q, p[q_ + "self_attn.q_norm.weight"]), norm(k, p[q_ + "self_attn.k_norm.weight"])
+        q, k = rope(q), np.repeat(rope(k), H // G, 2)
         v = np.repeat((n @ p[q_ + "self_attn.v_proj.weight"].T).reshape(b, s, G, d), H // G, 2)
         sc = np.where(mask, np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d), -np.inf)
         pr = np.exp(sc - sc.max(-1, keepdims=True))
@@ -264,6 +284,7 @@ def hf_llama_numpy(t, c, tokens):
         x = x + np.einsum("bhqk,bkhd->bqhd", pr, v).reshape(b, s, H * d) @ p[q_ + "self_attn.o_proj.weight"].T
         n = norm(x, p[q_ + "post_attention_layernorm.weight"])
         x = x + (mixtral_moe_numpy(p, q_, n, c) if "num_local_experts" in c else
+                 qwen3_moe_numpy(p, q_, n, c) if "num_experts" in c else
                  swiglu_numpy(p, q_ + "mlp.gate_proj.", q_ + "mlp.up_proj.", q_ + "mlp.down_proj.", n))
     x = norm(x, p["model.norm.weight"])
     head = p["model.embed_tokens.weight"] if c["tie_word_embeddings"] else p["lm_head.weight"]

@@ -218,6 +218,16 @@ def peft_library_vs_megacore(tmp_path, torch, peft_lib, hf, make_adapter, r, alp
     return np.abs(logits["merged"] - want).max() / top, np.abs(logits["base"] - want).max() / top
 
 
+def _check_peft_library(tmp_path, torch, peft_lib, hf, what):
+    """The adapter exported as PEFT, loaded by the peft library onto ``hf``, gives megacore's merged logits (1e-4),
+    and the adapter changes the logits (a dropped or misplaced adapter would fail)."""
+    err, effect = peft_library_vs_megacore(tmp_path, torch, peft_lib, hf,
+                                           lambda c: (random_adapter(c, 8, np.random.default_rng(7)), TARGETS), 8, 16.0)
+    print(f"peft vs megacore merged ({what}): max |diff| / max |logit| = {err:.3g} (the adapter's effect: {effect:.3g})")
+    assert effect > 0.01
+    assert err <= 1e-4
+
+
 def test_peft_library_loads_the_exported_adapter_with_megacore_logits(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -226,9 +236,21 @@ def test_peft_library_loads_the_exported_adapter_with_megacore_logits(tmp_path):
     hc = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                                   rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(hc).float().eval()
-    err, effect = peft_library_vs_megacore(tmp_path, torch, peft_lib, hf,
-                                           lambda c: (random_adapter(c, 8, np.random.default_rng(7)), TARGETS), 8, 16.0)
-    print(f"peft vs megacore merged: max |diff| / max |logit| = {err:.3g} (the adapter's effect: {effect:.3g})")
-    assert effect > 0.01  # the adapter changes the logits, so a dropped or misplaced adapter would fail
-    assert err <= 1e-4
+    _check_peft_library(tmp_path, torch, peft_lib, transformers.LlamaForCausalLM(hc).float().eval(), "Llama")
+
+
+def test_peft_library_loads_an_exported_qwen3_adapter_with_megacore_logits(tmp_path):
+    """The same for a Qwen3ForCausalLM base (per-head q/k norms): its modules have Llama's names."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    hc = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                  rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False)
+    hf = transformers.Qwen3ForCausalLM(hc).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    _check_peft_library(tmp_path, torch, peft_lib, hf, "Qwen3")

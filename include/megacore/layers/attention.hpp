@@ -65,6 +65,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
@@ -72,6 +73,7 @@
 #include "megacore/layers/activation_stash.hpp"
 #include "megacore/layers/forward_context.hpp"
 #include "megacore/layers/linear.hpp"
+#include "megacore/layers/norm.hpp"
 #include "megacore/layers/parameter.hpp"
 #include "megacore/layers/layer_types.hpp"
 #include "megacore/ops/attention.hpp"
@@ -92,6 +94,11 @@ struct AttentionConfig {
   int64_t num_query_groups = 0;  ///< KV heads (GQA); 0 = num_attention_heads
   int64_t head_dim = 0;          ///< 0 = hidden_size / num_attention_heads
   bool add_bias_linear = false;  ///< biases on linear_qkv and linear_proj
+  /// RMSNorm of every query and key head over head_dim before RoPE (Qwen3's q_norm / k_norm), with one
+  /// weight [head_dim] for the queries and one for the keys, replicated over TP (each rank's gradient covers
+  /// its heads only: the Parameters are flagged sequence_parallel, so the TP sum completes them).
+  bool qk_layernorm = false;
+  double norm_eps = 1e-5;  ///< epsilon of the q/k norms
   /// Input and output are this rank's sequence chunk [s/TP, b, h] (needs TP > 1).
   bool sequence_parallel = false;
   DType params_dtype = DType::F32;
@@ -166,7 +173,10 @@ class SelfAttention {
 
   ColumnParallelLinear& linear_qkv() { return qkv_; }
   RowParallelLinear& linear_proj() { return proj_; }
-  /// linear_qkv's weight (and bias), then linear_proj's.
+  /// The query / key head norms (AttentionConfig::qk_layernorm); null without them.
+  NormLayer* q_layernorm() { return q_norm_.get(); }
+  NormLayer* k_layernorm() { return k_norm_.get(); }
+  /// linear_qkv's weight (and bias), the q / k norm weights (qk_layernorm), then linear_proj's.
   std::vector<Parameter*> parameters();
   void zero_grad();
   const AttentionConfig& config() const { return cfg_; }
@@ -188,6 +198,7 @@ class SelfAttention {
   Tensor inv_freq_;  // f32 [rotary_dim / 2] on the layer's device, empty without RoPE
   ColumnParallelLinear qkv_;
   RowParallelLinear proj_;
+  std::unique_ptr<RMSNorm> q_norm_, k_norm_;  // qk_layernorm
   // Saved between forward and backward (see the header comment for what each mode keeps).
   Tensor q_, k_, v_, out_, lse_, positions_;
   int64_t seq_ = 0, batch_ = 0;

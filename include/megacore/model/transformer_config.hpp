@@ -49,6 +49,9 @@ struct TransformerConfig {
   double norm_eps = 1e-5;
   ActivationType activation = ActivationType::SwiGLU;
   bool add_bias_linear = false;  ///< biases on every linear layer (GPT-2: yes, Llama: no)
+  /// RMSNorm of each query and key head (over head_dim, one weight per layer for q and one for k) before RoPE:
+  /// Qwen3's q_norm / k_norm, Megatron-Core's qk_layernorm.
+  bool qk_layernorm = false;
   bool tie_word_embeddings = false;
   PositionEmbeddingType position_embedding = PositionEmbeddingType::RoPE;
   double rope_theta = 10000.0;
@@ -110,6 +113,9 @@ struct TransformerConfig {
     f(Field{"norm_eps", "Epsilon of the norms."}, s.norm_eps);
     f(Field{"activation", "SwiGLU (fc1 makes [gate | up]) or GELU (tanh, GPT-2)."}, s.activation);
     f(Field{"add_bias_linear", "Biases on every linear layer (GPT-2: yes, Llama: no)."}, s.add_bias_linear);
+    f(Field{"qk_layernorm",
+            "RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm); RMSNorm models only."},
+      s.qk_layernorm);
     f(Field{"tie_word_embeddings", "The output layer shares the word-embedding weight."}, s.tie_word_embeddings);
     f(Field{"position_embedding", "RoPE or Learned (absolute positions, GPT-2)."}, s.position_embedding);
     f(Field{"rope_theta", "RoPE base (10000 Llama 2, 500000 Llama 3)."}, s.rope_theta);

@@ -108,7 +108,8 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   const int tpn = gpu_tp.size();
   INFO("TP " << tpn << " SP " << sp << " overlap " << cfg.tp_comm_overlap << " forward overlap "
              << cfg.tp_comm_overlap_forward << " dtype " << dtype_name(dtype) << " norm "
-             << mdl::norm_type_name(cfg.normalization) << " tied " << cfg.tie_word_embeddings);
+             << mdl::norm_type_name(cfg.normalization) << " tied " << cfg.tie_word_embeddings << " qk_layernorm "
+             << cfg.qk_layernorm);
   const Batch batch = make_batch(cfg.vocab_size);
   ly::ForwardContext cpu_ctx;
 
@@ -135,9 +136,10 @@ void compare(comm::Communicator& mpi_tp1, comm::Communicator& mpi_tp, comm::Comm
   logits = logits.narrow(-1, 0, cfg.vocab_size).contiguous();
   const double loss_err = std::abs(loss - ref_loss) / std::abs(ref_loss), logits_err = rel(logits, ref_logits);
   if (mpi_tp.rank() == 0 && mpi_tp1.rank() == 0)
-    std::printf("[gpu model] TP %d SP %d fwd-overlap %d %s %s: loss %.6f (cpu %.6f, rel %.2e) logits rel %.2e\n", tpn,
+    std::printf("[gpu model] TP %d SP %d fwd-overlap %d %s %s%s: loss %.6f (cpu %.6f, rel %.2e) logits rel %.2e\n", tpn,
                 int(sp), int(cfg.tp_comm_overlap_forward), std::string(dtype_name(dtype)).c_str(),
-                cfg.tie_word_embeddings ? "tied" : "untied", loss, ref_loss, loss_err, logits_err);
+                cfg.tie_word_embeddings ? "tied" : "untied", cfg.qk_layernorm ? " qk_layernorm" : "", loss, ref_loss,
+                loss_err, logits_err);
     CHECK(loss_err <= 1e-2);
   CHECK(logits_err <= 3e-2);
   const double worst =
@@ -178,9 +180,10 @@ TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP 
       c.ffn_hidden_size = 1024;
       return c;
     };
-    mdl::TransformerConfig llama = gpu_sized(mdl::presets::tiny_llama()), tied = llama;
+    mdl::TransformerConfig llama = gpu_sized(mdl::presets::tiny_llama()), tied = llama, qwen3 = llama;
     tied.tie_word_embeddings = true;
-    for (mdl::TransformerConfig cfg : {llama, tied, gpu_sized(mdl::presets::tiny_gpt2())})
+    qwen3.qk_layernorm = true;  // per-head q/k RMSNorm before RoPE (Qwen3)
+    for (mdl::TransformerConfig cfg : {llama, tied, gpu_sized(mdl::presets::tiny_gpt2()), qwen3})
       for (bool overlap : {false, true}) {  // TP collective overlapped with the weight-gradient GEMM (side stream)
         cfg.tp_comm_overlap = overlap;
         for (bool sp : {false, true})

@@ -1,11 +1,14 @@
 // SelfAttention under mpirun: for every TP in {1, 2, 4} dividing the world (split with a ProcessGrid),
 // with and without sequence parallelism, with selective recompute off and on, and with and without
-// biases, each rank's output, input gradient and gathered parameter gradients equal a TP = 1 layer run
+// biases, and with qk_layernorm (Qwen3's per-head q/k norms, whose replicated weights get TP-partial gradients),
+// each rank's output, input gradient and gathered parameter gradients equal a TP = 1 layer run
 // locally on the full tensors (same config, seed and init offsets, so the same full weights).
 //
 // Tolerances: the TP layer and the local one differ only in the order of f32 additions (TP partial
 // products summed by the reductions, sequence chunks gathered), so they agree to a relative error
 // (||a - b|| / ||b||) of 1e-5 in f32. The two recompute modes are required to be bit-identical.
+#include <utility>
+
 #include "megacore/comm/mpi_communicator.hpp"
 #include "megacore/layers/attention.hpp"
 #include "megacore/model/transformer_layer.hpp"
@@ -57,7 +60,7 @@ void require_close(const Tensor& got, const Tensor& want, double tol, const char
 }
 
 // h64, 8 query heads in 4 KV groups (head_dim 8): groups % TP == 0 for TP 1, 2 and 4.
-mdl::TransformerConfig config(bool bias, bool sp, bool selective) {
+mdl::TransformerConfig config(bool bias, bool sp, bool selective, bool qk = false) {
   mdl::TransformerConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
@@ -70,6 +73,7 @@ mdl::TransformerConfig config(bool bias, bool sp, bool selective) {
                     .original_max_position_embeddings = 32};
   c.init_method_std = 0.1;
   c.add_bias_linear = bias;
+  c.qk_layernorm = qk;
   c.sequence_parallel = sp;
   c.recompute_granularity = selective ? mdl::RecomputeGranularity::Selective : mdl::RecomputeGranularity::None;
   return c;
@@ -77,6 +81,7 @@ mdl::TransformerConfig config(bool bias, bool sp, bool selective) {
 
 struct Outputs {
   Tensor y, dx, dw_qkv, db_qkv, dw_proj, db_proj;  // parameter gradients gathered to full shape
+  Tensor dq_norm, dk_norm;                          // qk_layernorm: replicated, summed over TP
 };
 
 // Runs two micro-batches (so main_grad accumulation is covered) and returns the last output and input
@@ -88,6 +93,10 @@ Outputs run(comm::Communicator& tp, const mdl::TransformerConfig& c, const Tenso
   if (c.add_bias_linear) {
     attn.linear_qkv().bias().data.copy_(chunk(bqkv, 0, tpn, r));
     attn.linear_proj().bias().data.copy_(bproj);
+  }
+  if (c.qk_layernorm) {
+    attn.q_layernorm()->weight().data.copy_(randn({8}, 5, 0.5));
+    attn.k_layernorm()->weight().data.copy_(randn({8}, 6, 0.5));
   }
   const Tensor x = c.sequence_parallel ? chunk(X, 0, tpn, r) : X;
   const Tensor g = c.sequence_parallel ? chunk(G, 0, tpn, r) : G;
@@ -103,6 +112,10 @@ Outputs run(comm::Communicator& tp, const mdl::TransformerConfig& c, const Tenso
   if (c.add_bias_linear) {
     o.db_qkv = all_gather_along(tp, attn.linear_qkv().bias().main_grad, 0);
     o.db_proj = attn.linear_proj().bias().main_grad;
+  }
+  if (c.qk_layernorm) {
+    o.dq_norm = attn.q_layernorm()->weight().main_grad;
+    o.dk_norm = attn.k_layernorm()->weight().main_grad;
   }
   return o;
 }
@@ -132,22 +145,26 @@ TEST_CASE("SelfAttention under TP/SP and selective recompute equals the TP = 1 l
     ProcessGrid grid(*world, ParallelConfig{.tensor = tpn}, {GroupKind::Tp});
     comm::Communicator& tp = grid.tp();
     const int r = tp.rank();
-    for (bool bias : {false, true})
+    for (auto [bias, qk] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}})
       for (bool sp : {false, true}) {
         if (sp && tpn == 1) continue;  // SP needs TP > 1 (the config check refuses it)
         for (bool given_ids : {false, true}) {
-          INFO("TP " << tpn << " SP " << sp << " bias " << bias << " position ids " << given_ids);
+          INFO("TP " << tpn << " SP " << sp << " bias " << bias << " qk_layernorm " << qk << " position ids " << given_ids);
           const Tensor pos = given_ids ? position_ids : Tensor();
-          const Outputs want = run(solo.tp(), config(bias, false, false), X, G, pos, bqkv, bproj);
+          const Outputs want = run(solo.tp(), config(bias, false, false, qk), X, G, pos, bqkv, bproj);
           Outputs got[2];
           for (int selective = 0; selective < 2; ++selective) {
             INFO("selective recompute " << selective);
-            got[selective] = run(tp, config(bias, sp, selective == 1), X, G, pos, bqkv, bproj);
+            got[selective] = run(tp, config(bias, sp, selective == 1, qk), X, G, pos, bqkv, bproj);
             const Outputs& o = got[selective];
             require_close(o.y, sp ? chunk(want.y, 0, tpn, r) : want.y, kTol, "output");
             require_close(o.dx, sp ? chunk(want.dx, 0, tpn, r) : want.dx, kTol, "input gradient");
             require_close(o.dw_qkv, want.dw_qkv, kTol, "QKV weight gradient (gathered)");
             require_close(o.dw_proj, want.dw_proj, kTol, "output projection weight gradient (gathered)");
+            if (qk) {
+              require_close(o.dq_norm, want.dq_norm, kTol, "q norm weight gradient (summed over TP)");
+              require_close(o.dk_norm, want.dk_norm, kTol, "k norm weight gradient (summed over TP)");
+            }
             if (bias) {
               require_close(o.db_qkv, want.db_qkv, kTol, "QKV bias gradient (gathered)");
               require_close(o.db_proj, want.db_proj, kTol, "output projection bias gradient");
@@ -159,6 +176,7 @@ TEST_CASE("SelfAttention under TP/SP and selective recompute equals the TP = 1 l
           require_identical(got[0].dw_proj, got[1].dw_proj, "recompute modes: proj weight gradient");
           require_identical(got[0].db_qkv, got[1].db_qkv, "recompute modes: QKV bias gradient");
           require_identical(got[0].db_proj, got[1].db_proj, "recompute modes: proj bias gradient");
+          require_identical(got[0].dq_norm, got[1].dq_norm, "recompute modes: q norm gradient");
         }
       }
   }

@@ -48,6 +48,8 @@ mdl::TransformerConfig tiny_config() {
 
 struct RefParams {
   std::vector<double> wqkv, bqkv, wo, bo;  // bqkv / bo empty without biases
+  std::vector<double> qn, kn;              // qk_layernorm weights [head_dim]; empty without
+  double eps = 1e-5;
 };
 
 struct RefShape {
@@ -104,6 +106,14 @@ std::vector<double> ref_attention(const RefShape& r, const RefParams& p, const s
       vec[c2] = bb * std::cos(ang) + a * std::sin(ang);
     }
   };
+  // qk_layernorm: RMSNorm of one head's channels, before RoPE.
+  auto head_norm = [&](std::vector<double>& t, const std::vector<double>& w) {
+    if (w.empty()) return;
+    double ms = 0;
+    for (double e : t) ms += e * e;
+    const double r = 1.0 / std::sqrt(ms / double(t.size()) + p.eps);
+    for (size_t c = 0; c < t.size(); ++c) t[c] = t[c] * r * w[c];
+  };
   // q[b][i][s][c], k/v[b][g][s][c]
   std::vector<double> q(size_t(B * H * S * D)), k(size_t(B * G * S * D)), v(size_t(B * G * S * D));
   for (int64_t bi = 0; bi < B; ++bi)
@@ -111,12 +121,14 @@ std::vector<double> ref_attention(const RefShape& r, const RefParams& p, const s
       for (int64_t i = 0; i < H; ++i) {
         std::vector<double> t(static_cast<size_t>(D));
         for (int64_t c = 0; c < D; ++c) t[size_t(c)] = proj(si, bi, q_row(i, c));
+        head_norm(t, p.qn);
         if (r.rot > 0) rope(t, pos[size_t(bi)][size_t(si)]);
         for (int64_t c = 0; c < D; ++c) q[size_t(((bi * H + i) * S + si) * D + c)] = t[size_t(c)];
       }
       for (int64_t g = 0; g < G; ++g) {
         std::vector<double> t(static_cast<size_t>(D));
         for (int64_t c = 0; c < D; ++c) t[size_t(c)] = proj(si, bi, k_row(g, c));
+        head_norm(t, p.kn);
         if (r.rot > 0) rope(t, pos[size_t(bi)][size_t(si)]);
         for (int64_t c = 0; c < D; ++c) {
           k[size_t(((bi * G + g) * S + si) * D + c)] = t[size_t(c)];
@@ -194,7 +206,19 @@ RefParams params_of(ly::SelfAttention& attn) {
     p.bqkv = attn.linear_qkv().bias().data.to_double_vector();
     p.bo = attn.linear_proj().bias().data.to_double_vector();
   }
+  if (attn.q_layernorm()) {
+    p.qn = attn.q_layernorm()->weight().data.to_double_vector();
+    p.kn = attn.k_layernorm()->weight().data.to_double_vector();
+    p.eps = attn.config().norm_eps;
+  }
   return p;
+}
+
+// Random q/k norm weights (not the ones they start at), so their gradients and the scaling are exercised.
+void randomize_qk_norms(ly::SelfAttention& attn) {
+  if (!attn.q_layernorm()) return;
+  attn.q_layernorm()->weight().data.copy_(randn(attn.q_layernorm()->weight().data.shape(), 92, 0.5));
+  attn.k_layernorm()->weight().data.copy_(randn(attn.k_layernorm()->weight().data.shape(), 93, 0.5));
 }
 
 // Non-zero biases, so the forward and the bias gradients are exercised.
@@ -340,6 +364,45 @@ TEST_CASE("SelfAttention gradients match central differences of the float64 refe
       CHECK(mctest::rel_err(attn.linear_proj().bias().main_grad.to_double_vector(), numeric_grad(p.bo, gd, f)) <= 1e-4);
     }
   }
+}
+
+// Qwen3's q_norm / k_norm: each query and key head RMS-normalised (with its own weight) before RoPE.
+TEST_CASE("SelfAttention with qk_layernorm equals the float64 reference, gradients included", "[layers]") {
+  NoCommCommunicator tp1(0, 1);
+  const int64_t s = 5, b = 2;
+  for (bool rope : {true, false}) {
+    INFO("RoPE " << rope);
+    mdl::TransformerConfig c = tiny_config();
+    c.qk_layernorm = true;
+    c.norm_eps = 1e-6;
+    if (!rope) c.position_embedding = mdl::PositionEmbeddingType::Learned;
+    ly::SelfAttention attn(tp1, mdl::attention_config(c));
+    REQUIRE(attn.q_layernorm() != nullptr);
+    REQUIRE(attn.parameters().size() == 4);  // qkv, q norm, k norm, proj
+    randomize_qk_norms(attn);
+    const Tensor x = randn({s, b, c.hidden_size}, 8), g = randn({s, b, c.hidden_size}, 9);
+    ly::ForwardContext ctx;
+    Tensor y = attn.forward(ctx, x);
+    Tensor dx = attn.backward(ctx, g);
+    RefShape rs = shape_of(c, s, b, attn.rotary_dim());
+    RefParams p = params_of(attn);
+    std::vector<double> xd = x.to_double_vector();
+    const std::vector<double> gd = g.to_double_vector();
+    const auto pos = default_positions(s, b);
+    auto f = [&] { return ref_attention(rs, p, xd, pos); };
+    CHECK(mctest::rel_err(y.to_double_vector(), f()) <= 2e-6);
+    CHECK(mctest::rel_err(dx.to_double_vector(), numeric_grad(xd, gd, f)) <= 1e-4);
+    CHECK(mctest::rel_err(attn.linear_qkv().weight().main_grad.to_double_vector(), numeric_grad(p.wqkv, gd, f)) <= 1e-4);
+    CHECK(mctest::rel_err(attn.linear_proj().weight().main_grad.to_double_vector(), numeric_grad(p.wo, gd, f)) <= 1e-4);
+    CHECK(mctest::rel_err(attn.q_layernorm()->weight().main_grad.to_double_vector(), numeric_grad(p.qn, gd, f)) <= 1e-4);
+    CHECK(mctest::rel_err(attn.k_layernorm()->weight().main_grad.to_double_vector(), numeric_grad(p.kn, gd, f)) <= 1e-4);
+  }
+  // A LayerNorm model cannot take RMSNorm head norms: refused with the fix.
+  mdl::TransformerConfig c = tiny_config();
+  c.qk_layernorm = true;
+  c.normalization = mdl::NormType::LayerNorm;
+  CHECK_THROWS_AS(mdl::validate(c), ConfigError);
+  CHECK_THROWS_WITH(mdl::validate(c), Catch::Contains("set normalization = RMSNorm or qk_layernorm = false"));
 }
 
 TEST_CASE("SelfAttention selective recompute gives bit-identical results", "[layers]") {

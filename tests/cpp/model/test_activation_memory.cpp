@@ -17,10 +17,13 @@ TEST_CASE("a layer's saved activations match the analytic count (none, selective
   layers_test::NoCommCommunicator tp(0, 1);
   for (auto rc : {mdl::RecomputeGranularity::None, mdl::RecomputeGranularity::Selective,
                   mdl::RecomputeGranularity::Full})
-    for (auto flavour : {mdl::presets::tiny_llama(), mdl::presets::tiny_gpt2()}) {
-      mdl::TransformerConfig cfg = flavour;
+    for (int flavour_i = 0; flavour_i < 3; ++flavour_i) {
+      // Llama, GPT-2, and Llama with qk_layernorm (Qwen3's per-head q/k norms).
+      mdl::TransformerConfig cfg = flavour_i == 1 ? mdl::presets::tiny_gpt2() : mdl::presets::tiny_llama();
+      cfg.qk_layernorm = flavour_i == 2;
       cfg.recompute_granularity = rc;
-      INFO("recompute " << mdl::recompute_granularity_name(rc) << " norm " << mdl::norm_type_name(cfg.normalization));
+      INFO("recompute " << mdl::recompute_granularity_name(rc) << " norm " << mdl::norm_type_name(cfg.normalization)
+                        << " qk_layernorm " << cfg.qk_layernorm);
       const int64_t s = 64, b = 3;
       mdl::TransformerLayer layer(tp, cfg);
       Tensor x = layers_test::randn({s, b, cfg.hidden_size}, 5);
