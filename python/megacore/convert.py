@@ -122,7 +122,8 @@ _QWEN3_MOE = {"moe_layer_freq": 1, "moe_shared_expert_size": 0, "moe_router_scor
 def _moe_config_from_qwen3(hf: Mapping[str, Any]) -> Dict[str, Any]:
     """The MoE fields of a Qwen3-MoE config.json. Routing: softmax over all experts, the top k, renormalised when
     norm_topk_prob (the softmax over the top-k logits, megacore's moe_router_pre_softmax = false, as for Mixtral),
-    else kept as they are (moe_router_pre_softmax = true). The aux loss is Mixtral's (coefficient × k)."""
+    else kept as they are (moe_router_pre_softmax = true; also when the key is absent, transformers' default). The
+    aux loss is Mixtral's (coefficient × k)."""
     # config.json names the expert count num_experts (the hub's files) or num_local_experts (what transformers
     # 5.17's save_pretrained writes for Qwen3-MoE; its config maps one name onto the other).
     n = hf.get("num_experts", hf.get("num_local_experts"))
@@ -138,7 +139,7 @@ def _moe_config_from_qwen3(hf: Mapping[str, Any]) -> Dict[str, Any]:
                           "mlp_only_layers [])")
     return {"num_moe_experts": e, "moe_router_topk": k, "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)) * k, **_QWEN3_MOE,
-            "moe_router_pre_softmax": not bool(hf.get("norm_topk_prob", True))}
+            "moe_router_pre_softmax": not bool(hf.get("norm_topk_prob", False))}  # transformers' default: False
 
 # megacore's MoE settings that a Hugging Face MixtralForCausalLM has (anything else has no Mixtral equivalent).
 _MIXTRAL_MOE = {"moe_layer_freq": 1, "moe_shared_expert_size": 0, "moe_router_score_function": "softmax",
@@ -195,8 +196,10 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
             raise ConfigError("attention_bias / mlp_bias Llama variants are not supported (megacore puts biases on "
                               "every linear layer or none)")
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        # Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        # Qwen3 configs carry a sliding_window that applies only with use_sliding_window (default false there;
+        # Mistral's has no such switch).
+        qwen3 = mt in ("qwen3", "qwen3_moe")
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", not qwen3) else None
         if window is not None and int(window) < max_pos:
             raise ConfigError(f"sliding_window = {window} is shorter than max_position_embeddings = {max_pos}: "
                               "megacore has no sliding-window attention, so this model's attention would differ on "
@@ -208,7 +211,8 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
              "num_attention_heads": heads,
              "num_query_groups": int(hf.get("num_key_value_heads") or heads),
              "ffn_hidden_size": int(hf["intermediate_size"]),
-             "kv_channels": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+             # Qwen3's config defaults head_dim to 128, Llama's to hidden / heads.
+             "kv_channels": int(hf.get("head_dim") or (128 if qwen3 else int(hf["hidden_size"]) // heads)),
              "vocab_size": int(hf["vocab_size"]),
              "max_position_embeddings": max_pos,
              "normalization": "RMSNorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
@@ -335,9 +339,6 @@ def _check_qwen3_moe_compatible(c: Mapping[str, Any]) -> None:
 def _qwen3_config_to_hf(c: Mapping[str, Any], rope: Mapping[str, Any], ids: Mapping[str, Any], dt: str):
     """config.json of Qwen3ForCausalLM / Qwen3MoeForCausalLM (as transformers >= 5 writes it) for a Llama-shaped
     model with qk_layernorm."""
-    if rope.get("rope_type") != "default":
-        raise ConfigError(f"rope_scaling {c.get('rope_scaling')} has no Qwen3 equivalent in megacore's export (plain "
-                          "RoPE only); export a model without RoPE scaling")
     heads = c["num_attention_heads"]
     out = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, **ids,
            "dtype": dt, "head_dim": c.get("kv_channels") or c["hidden_size"] // heads, "hidden_act": "silu",

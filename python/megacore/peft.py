@@ -298,9 +298,10 @@ def _llama_only(c, what: str) -> None:
 
     f = _flavour(c) if c is not None else None
     if f == "qwen3_moe":
-        raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family models (Llama, Qwen3, "
-                          "Mixtral); a Qwen3-MoE adapter is not (export the merged model with `megacore convert "
-                          "megacore-to-hf`, which writes Qwen3MoeForCausalLM)")
+        hint = (" (export the merged model with `megacore convert megacore-to-hf`, which writes Qwen3MoeForCausalLM)"
+                if "export" in what else "")
+        raise ConfigError(f"{what}: megacore maps Hugging Face PEFT adapters of Llama-family models (Llama, Qwen3, "
+                          f"Mixtral), not of a Qwen3-MoE model{hint}")
     if f is not None and f not in ("llama", "mixtral", "qwen3"):
         raise ConfigError(f"{what}: Hugging Face PEFT adapters are written for Llama-family (Llama, Qwen3, Mixtral) "
                           "models only; GPT-2's "

@@ -451,7 +451,47 @@ void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view
     err(field, fmt::format("cannot read the checkpoint metadata in '{}': {}", path.string(), e.what()));
     return;
   }
-  if (!saved) return;  // written outside the trainer (e.g. converted): the loader compares tensor shapes
+  if (!saved) {
+    // Written outside the trainer (megacore convert, megacore.checkpoint): its "config" blob is the whole
+    // TransformerConfig (sizes derived, e.g. num_query_groups = heads). The loader compares the shapes of the
+    // tensors the model asks for, but a tensor the model does not ask for (the q/k norms of a Qwen3 checkpoint
+    // loaded without qk_layernorm) would be skipped without a word, so the architecture is compared here.
+    std::optional<json> config;
+    try {
+      std::ifstream in(path / "metadata.json");
+      if (in) {
+        json j = json::parse(in);
+        if (j.contains("json") && j["json"].contains("config")) {
+          config = j["json"]["config"];
+          if (config->is_string()) config = json::parse(config->get<std::string>());
+        }
+      }
+    } catch (const std::exception&) {
+      config.reset();  // unreadable blobs are the loader's to report
+    }
+    if (!config || !config->is_object()) return;
+    const model::TransformerConfig& m = r.model;
+    std::vector<std::string> diff;
+    auto cmp = [&](const char* k, const json& want) {
+      if (config->contains(k) && (*config)[k] != want) diff.push_back(fmt::format("{} {} vs {}", k, (*config)[k].dump(), want.dump()));
+    };
+    cmp("num_layers", m.num_layers);
+    cmp("hidden_size", m.hidden_size);
+    cmp("num_attention_heads", m.num_attention_heads);
+    cmp("num_query_groups", m.query_groups());
+    cmp("ffn_hidden_size", m.ffn_size());
+    cmp("kv_channels", m.head_dim());
+    cmp("vocab_size", m.vocab_size);
+    cmp("tie_word_embeddings", m.tie_word_embeddings);
+    cmp("add_bias_linear", m.add_bias_linear);
+    if (config->value("qk_layernorm", false) != m.qk_layernorm)
+      diff.push_back(fmt::format("qk_layernorm {} vs {}", config->value("qk_layernorm", false), m.qk_layernorm));
+    if (!diff.empty())
+      err(field, fmt::format("'{}' holds another model ({}, checkpoint vs recipe); set the recipe's model section to "
+                             "the checkpoint's (e.g. model.qk_layernorm = true for a Qwen3 import)",
+                             path.string(), join(diff, "; ")));
+    return;
+  }
   const json want = json::parse(model_section_json(r.model));
   std::vector<std::string> diff;
   for (const char* k : {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",

@@ -229,7 +229,7 @@ def qwen3_moe_numpy(p, q_, n, c):
     pr /= pr.sum(-1, keepdims=True)
     top = np.argsort(-pr, axis=-1, kind="stable")[..., :c["num_experts_per_tok"]]
     w = np.take_along_axis(pr, top, -1)
-    if c.get("norm_topk_prob", True):
+    if c.get("norm_topk_prob", False):  # transformers' default
         w /= w.sum(-1, keepdims=True)
     out = np.zeros_like(n)
     for e in range(c["num_experts"]):

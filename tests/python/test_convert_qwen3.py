@@ -241,3 +241,38 @@ def test_finetune_from_a_qwen3_moe_hub_directory_exports_qwen3_moe(tmp_path, wor
 def test_expert_count_under_either_name():
     hc = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
     assert convert.config_from_hf({**hc, "num_local_experts": 4})["num_moe_experts"] == 4
+
+
+def test_hf_defaults_and_rope_scaling_round_trip():
+    """Keys a Qwen3 config.json may leave out take transformers' defaults (norm_topk_prob false, head_dim 128,
+    use_sliding_window false); llama3 RoPE scaling travels both ways."""
+    hc = {k: v for k, v in QWEN3_MOE.items() if k not in ("norm_topk_prob", "head_dim", "use_sliding_window")}
+    c = convert.config_from_hf(hc)
+    assert c["moe_router_pre_softmax"] is True and c["kv_channels"] == 128
+    scaled = {**QWEN3, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+    c = convert.config_from_hf(scaled)
+    assert c["rope_scaling"]["type"] == "Llama3"
+    back = convert.config_from_hf(convert.config_to_hf(c))
+    assert back["rope_scaling"] == c["rope_scaling"] and back["qk_layernorm"] is True
+
+
+def test_a_recipe_without_qk_layernorm_refuses_a_converted_qwen3_checkpoint(tmp_path):
+    """The loader fills the tensors the model asks for; a Qwen3 import loaded by a model without qk_layernorm would
+    drop its q/k norms without a word, so validation compares the converted checkpoint's config first."""
+    from megacore import finetuning
+
+    hc = {**QWEN3, "vocab_size": 320}  # room for the byte tokenizer's 259 ids
+    write_hf(str(tmp_path / "hf"), hc, hub_state(hc, np.random.default_rng(5)))
+    ckpt = convert.hf_to_megacore(str(tmp_path / "hf"), str(tmp_path / "mc"))
+    (tmp_path / "sft.jsonl").write_text('{"input": "a", "output": "b"}\n')
+    r = finetuning.finetune_recipe(str(tmp_path / "mc"), str(tmp_path / "sft.jsonl"), output_path=str(tmp_path / "ft"))
+    assert r.model.qk_layernorm is True
+    r.validate(check_paths=True)  # the recipe built from the checkpoint's config is accepted
+    r.model.qk_layernorm = False
+    with pytest.raises(ConfigError, match=r"holds another model \(qk_layernorm true vs false.*qk_layernorm = true"):
+        r.validate(check_paths=True)
+    r.model.qk_layernorm, r.model.num_layers = True, 3
+    with pytest.raises(ConfigError, match="num_layers 2 vs 3"):
+        r.validate(check_paths=True)
+    assert os.path.isdir(ckpt)

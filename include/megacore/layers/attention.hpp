@@ -6,6 +6,7 @@
 //   x [s, b, h] (or [s/TP, b, h] with SP)
 //     → linear_qkv (ColumnParallelLinear; with SP it all-gathers the sequence)  → [s, b, qkv_width/TP]
 //     → split into q [s, b, heads/TP, d], k and v [s, b, groups/TP, d]
+//     → (qk_layernorm) RMSNorm of every q and k head over d
 //     → RoPE on q and k (rotate-half unless rotary_interleaved; partial rotary with rotary_percent)
 //     → causal core attention (ops::attention_forward, GQA native)              → [s, b, heads/TP · d]
 //     → linear_proj (RowParallelLinear, input_is_parallel; with SP it reduce-scatters the sequence)
@@ -96,7 +97,10 @@ struct AttentionConfig {
   bool add_bias_linear = false;  ///< biases on linear_qkv and linear_proj
   /// RMSNorm of every query and key head over head_dim before RoPE (Qwen3's q_norm / k_norm), with one
   /// weight [head_dim] for the queries and one for the keys, replicated over TP (each rank's gradient covers
-  /// its heads only: the Parameters are flagged sequence_parallel, so the TP sum completes them).
+  /// its heads only: the Parameters are flagged sequence_parallel, so the TP sum completes them). The split
+  /// q and k heads are then copied out of the fused QKV output, normalised, and rotated in place (the fused
+  /// split + RoPE kernel is not used); the norms keep their inputs (the un-normalised heads) and f32
+  /// statistics for the backward, on top of the saved q, k, v.
   bool qk_layernorm = false;
   double norm_eps = 1e-5;  ///< epsilon of the q/k norms
   /// Input and output are this rank's sequence chunk [s/TP, b, h] (needs TP > 1).

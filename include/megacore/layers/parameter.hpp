@@ -23,10 +23,11 @@ struct Parameter {
   /// fc1 ([gate ; up] full, [gate_r ; up_r] on rank r). Checkpoints use it to place shards in the full
   /// tensor independently of the TP degree.
   int partition_chunks = 1;
-  /// True for a replicated parameter whose gradient each TP rank computed from only its own sequence
-  /// chunk (biases and norms after a sequence-parallel region): main_grad must be summed over the TP
-  /// group before the optimizer uses it (see layers::allreduce_sequence_parallel_grads). Deferred, as
-  /// in Megatron-Core, so it is one collective per step, not one per layer per micro-batch.
+  /// True for a replicated parameter whose gradient each TP rank computed from only its share (biases and
+  /// norms after a sequence-parallel region: its sequence chunk; qk_layernorm's head norms: its heads):
+  /// main_grad must be summed over the TP group before the optimizer uses it
+  /// (layers::allreduce_sequence_parallel_grads). model::TransformerBlock sums it after each layer's backward,
+  /// one small all-reduce per flagged parameter (Megatron-Core defers it to once per step).
   bool sequence_parallel = false;
   /// True for a routed expert's weight (MoE): its gradient is reduced over the expert-data-parallel group
   /// (ProcessGrid::expert_dp), not DP×CP, and ZeRO-1 shards it over that group.

@@ -177,6 +177,7 @@ TEST_CASE("SelfAttention under TP/SP and selective recompute equals the TP = 1 l
           require_identical(got[0].db_qkv, got[1].db_qkv, "recompute modes: QKV bias gradient");
           require_identical(got[0].db_proj, got[1].db_proj, "recompute modes: proj bias gradient");
           require_identical(got[0].dq_norm, got[1].dq_norm, "recompute modes: q norm gradient");
+          require_identical(got[0].dk_norm, got[1].dk_norm, "recompute modes: k norm gradient");
         }
       }
   }
