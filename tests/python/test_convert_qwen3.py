@@ -193,8 +193,13 @@ def test_transformers_qwen3_imports_with_same_logits(tmp_path, world, hc):
     _close(megacore_logits(m, cfg, tokens), hf_logits(hf, tokens))
 
 
+QWEN3_LLAMA3_ROPE = {**QWEN3, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16}}
+
+
 @needs_transformers
-@pytest.mark.parametrize("hc", [QWEN3, QWEN3_MOE], ids=["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("hc", [QWEN3, QWEN3_MOE, QWEN3_LLAMA3_ROPE], ids=["qwen3", "qwen3_moe", "qwen3_llama3_rope"])
 def test_exported_megacore_qk_layernorm_model_gives_same_logits_in_transformers(tmp_path, world, hc):
     assert export_random_model_to_transformers(tmp_path, world, hc) == hc["architectures"][0]
 
@@ -249,9 +254,7 @@ def test_hf_defaults_and_rope_scaling_round_trip():
     hc = {k: v for k, v in QWEN3_MOE.items() if k not in ("norm_topk_prob", "head_dim", "use_sliding_window")}
     c = convert.config_from_hf(hc)
     assert c["moe_router_pre_softmax"] is True and c["kv_channels"] == 128
-    scaled = {**QWEN3, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
-    c = convert.config_from_hf(scaled)
+    c = convert.config_from_hf(QWEN3_LLAMA3_ROPE)
     assert c["rope_scaling"]["type"] == "Llama3"
     back = convert.config_from_hf(convert.config_to_hf(c))
     assert back["rope_scaling"] == c["rope_scaling"] and back["qk_layernorm"] is True
