@@ -220,7 +220,7 @@ def config_from_hf(hf: Mapping[str, Any], params_dtype: str = "f32") -> Dict[str
              "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
              "position_embedding": "RoPE", "rope_theta": theta, "rope_scaling": scaling,
              "init_method_std": float(hf.get("initializer_range", 0.02)), "params_dtype": params_dtype}
-        if mt in ("qwen3", "qwen3_moe"):
+        if qwen3:
             c["qk_layernorm"] = True
         if mt == "mixtral":
             c.update(_moe_config_from_mixtral(hf))

@@ -414,18 +414,32 @@ void check_files(const RunConfig& r, Err&& err) {
   }
 }
 
-// The model section stored with a checkpoint (metadata.json's json.recipe, or a recipe.json beside it).
-std::optional<json> saved_model(const fs::path& dir) {
+// The model a checkpoint was saved from: the model section of the recipe stored with it (metadata.json's
+// json.recipe, or a recipe.json beside it), or, for checkpoints written outside the trainer (megacore convert,
+// megacore.checkpoint), the whole TransformerConfig of its "config" blob (sizes derived: num_query_groups =
+// heads, not 0).
+struct SavedModel {
+  json model;
+  bool whole_config = false;
+};
+
+std::optional<SavedModel> saved_model(const fs::path& dir) {
+  auto blob = [](json j) { return j.is_string() ? json::parse(j.get<std::string>()) : j; };
   for (const auto& [file, nested] : {std::pair{"metadata.json", true}, std::pair{"recipe.json", false}}) {
     std::ifstream in(dir / file);
     if (!in) continue;
     json j = json::parse(in);
     if (nested) {
-      if (!j.contains("json") || !j["json"].contains("recipe")) return std::nullopt;
-      j = j["json"]["recipe"];
-      if (j.is_string()) j = json::parse(j.get<std::string>());
+      if (!j.contains("json")) return std::nullopt;
+      if (!j["json"].contains("recipe")) {
+        if (!j["json"].contains("config")) return std::nullopt;
+        json c = blob(j["json"]["config"]);
+        if (c.is_object()) return SavedModel{std::move(c), true};
+        return std::nullopt;
+      }
+      j = blob(j["json"]["recipe"]);
     }
-    if (j.is_object() && j.contains("model")) return j["model"];
+    if (j.is_object() && j.contains("model")) return SavedModel{j["model"], false};
     return std::nullopt;
   }
   return std::nullopt;
@@ -444,70 +458,47 @@ void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view
     in >> name;
     path /= name;
   }
-  std::optional<json> saved;
+  std::optional<SavedModel> saved;
   try {
     saved = saved_model(path);
   } catch (const std::exception& e) {
     err(field, fmt::format("cannot read the checkpoint metadata in '{}': {}", path.string(), e.what()));
     return;
   }
-  if (!saved) {
-    // Written outside the trainer (megacore convert, megacore.checkpoint): its "config" blob is the whole
-    // TransformerConfig (sizes derived, e.g. num_query_groups = heads). The loader compares the shapes of the
-    // tensors the model asks for, but a tensor the model does not ask for (the q/k norms of a Qwen3 checkpoint
-    // loaded without qk_layernorm) would be skipped without a word, so the architecture is compared here.
-    std::optional<json> config;
-    try {
-      std::ifstream in(path / "metadata.json");
-      if (in) {
-        json j = json::parse(in);
-        if (j.contains("json") && j["json"].contains("config")) {
-          config = j["json"]["config"];
-          if (config->is_string()) config = json::parse(config->get<std::string>());
-        }
-      }
-    } catch (const std::exception&) {
-      config.reset();  // unreadable blobs are the loader's to report
-    }
-    if (!config || !config->is_object()) return;
-    const model::TransformerConfig& m = r.model;
-    std::vector<std::string> diff;
-    auto cmp = [&](const char* k, const json& want) {
-      if (config->contains(k) && (*config)[k] != want) diff.push_back(fmt::format("{} {} vs {}", k, (*config)[k].dump(), want.dump()));
-    };
-    cmp("num_layers", m.num_layers);
-    cmp("hidden_size", m.hidden_size);
-    cmp("num_attention_heads", m.num_attention_heads);
-    cmp("num_query_groups", m.query_groups());
-    cmp("ffn_hidden_size", m.ffn_size());
-    cmp("kv_channels", m.head_dim());
-    cmp("vocab_size", m.vocab_size);
-    cmp("tie_word_embeddings", m.tie_word_embeddings);
-    cmp("add_bias_linear", m.add_bias_linear);
-    if (config->value("qk_layernorm", false) != m.qk_layernorm)
-      diff.push_back(fmt::format("qk_layernorm {} vs {}", config->value("qk_layernorm", false), m.qk_layernorm));
-    if (!diff.empty())
-      err(field, fmt::format("'{}' holds another model ({}, checkpoint vs recipe); set the recipe's model section to "
-                             "the checkpoint's (e.g. model.qk_layernorm = true for a Qwen3 import)",
-                             path.string(), join(diff, "; ")));
-    return;
-  }
-  const json want = json::parse(model_section_json(r.model));
+  if (!saved) return;  // no model description stored: the loader compares tensor shapes
+  // The loader compares the shapes of the tensors the model asks for, but skips a tensor the model does not ask
+  // for (the q/k norms of a Qwen3 checkpoint loaded without qk_layernorm) without a word: the architecture is
+  // compared here first.
+  const json& have = saved->model;
   std::vector<std::string> diff;
-  for (const char* k : {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                        "vocab_size", "normalization", "activation", "tie_word_embeddings", "position_embedding",
-                        "add_bias_linear"}) {
-    const json a = saved->value(k, json()), b = want.value(k, json());
+  auto differs = [&](const char* k, const json& a, const json& b) {
     if (a != b) diff.push_back(fmt::format("{} {} vs {}", k, a.dump(), b.dump()));
+  };
+  if (saved->whole_config) {
+    const model::TransformerConfig& m = r.model;
+    const std::pair<const char*, json> want[] = {
+        {"num_layers", m.num_layers},           {"hidden_size", m.hidden_size},
+        {"num_attention_heads", m.num_attention_heads}, {"num_query_groups", m.query_groups()},
+        {"ffn_hidden_size", m.ffn_size()},      {"kv_channels", m.head_dim()},
+        {"vocab_size", m.vocab_size},           {"tie_word_embeddings", m.tie_word_embeddings},
+        {"add_bias_linear", m.add_bias_linear}};
+    for (const auto& [k, v] : want)
+      if (have.contains(k)) differs(k, have[k], v);
+  } else {
+    const json want = json::parse(model_section_json(r.model));
+    for (const char* k : {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                          "vocab_size", "normalization", "activation", "tie_word_embeddings", "position_embedding",
+                          "add_bias_linear"})
+      differs(k, have.value(k, json()), want.value(k, json()));
   }
-  // Recipes saved before the field existed have no qk_layernorm: false.
-  if (saved->value("qk_layernorm", false) != want.value("qk_layernorm", false))
-    diff.push_back(fmt::format("qk_layernorm {} vs {}", saved->value("qk_layernorm", false), want.value("qk_layernorm", false)));
-  if (!diff.empty())
-    err(field,
-        fmt::format("'{}' holds another model ({}, checkpoint vs recipe); resume from a checkpoint of this model, or "
-                    "set checkpoint.resume = '' to start fresh",
-                    path.string(), join(diff, "; ")));
+  // Recipes and configs saved before the field existed have no qk_layernorm: false.
+  differs("qk_layernorm", have.value("qk_layernorm", false), r.model.qk_layernorm);
+  if (diff.empty()) return;
+  err(field, fmt::format("'{}' holds another model ({}, checkpoint vs recipe); {}", path.string(), join(diff, "; "),
+                         saved->whole_config
+                             ? "set the recipe's model section to the checkpoint's (e.g. model.qk_layernorm = true "
+                               "for a Qwen3 import)"
+                             : "resume from a checkpoint of this model, or set checkpoint.resume = '' to start fresh"));
 }
 
 }  // namespace
