@@ -9,7 +9,8 @@
 //     benchmarks/moe/grouped_sm90_check.cu src/ops/cuda/grouped_gemm_sm90.cu -lcublas -o /tmp/gg
 //   /tmp/gg check && /tmp/gg bench
 //
-// Add -DMC_SM90_DEBUG_HANG to make a stuck mbarrier wait print and trap instead of hanging.
+// Add -DMC_SM90_DEBUG_HANG to make a stuck mbarrier wait print and trap instead of hanging. Under Nsight Compute
+// set GG_ITERS=1 (one timed launch after three warm-ups per variant) and pick one case: `/tmp/gg bench2 2`.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -208,7 +209,7 @@ int main(int argc, char** argv) {
       if (c.kind != 2 || c.beta == 0.f || true) if (*bad) printf("   (cuBLAS loop disagrees with the reference too: bad %llu) \n", *bad);
     } else {
       if (c.f32) init_out();
-      const int iters = 10;
+      const int iters = getenv("GG_ITERS") ? atoi(getenv("GG_ITERS")) : 10;  // GG_ITERS=1 under ncu
       const float t_k = time_ms([&] { CK(cudaError_t(grouped_sm90(p, 0, nullptr))); }, iters);
       if (c.kind == 2) {
         float te[3], tz[2];
