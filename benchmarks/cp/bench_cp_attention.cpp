@@ -12,7 +12,12 @@
 //     overlapped (cp_overlap = true, the default) and serialised on the compute stream (cp_overlap = false);
 //   ring_exchange_ms: the exchanges alone (the forward's CP−1 K/V passes and the backward's CP−1 f32 dK/dV
 //     passes, same sizes) and hidden_fraction = (serial − overlapped) / exchange time, i.e. the
-//     share of the communication the overlap takes off the critical path;
+//     share of the communication the overlap takes off the critical path. The difference is a few percent of
+//     the layer's time, so the two layers are timed in --rounds alternating rounds (overlapped, serialised,
+//     the exchanges alone; --iters steps each): the ms figures are the rounds' medians, hidden_fraction the
+//     median of the rounds' fractions, and hidden_fraction_rounds lists every round's. The direct measure:
+//     stall_ms_per_step, the time the compute stream of the overlapped layer waited for an exchange
+//     (layers::RingWaitLog: events around each wait), and hidden_by_stall = 1 − stall / exchange time;
 //   model: GPTModel forward + backward on this rank's 2 chunks of the sequence, ms, tokens/s per GPU and
 //     model TFLOP/s per GPU (6·N_matmul + causal attention per token, model::flops_per_token(causal)).
 #include <mpi.h>
@@ -21,7 +26,9 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -44,6 +51,7 @@ namespace {
 
 struct Args : bench::ShapeArgs {
   bool skip_model = false;
+  int rounds = 5;
   std::string out_dir;
   Args() : ShapeArgs{.micro_batch = 1, .seq = 32768, .iters = 5, .warmup = 2} {}
 };
@@ -55,6 +63,7 @@ Args parse(int argc, char** argv) {
     const std::string& k = r.key();
     if (a.read(r)) continue;
     if (k == "--skip-model") a.skip_model = true;
+    else if (k == "--rounds") a.rounds = int(std::max<int64_t>(1, r.integer()));
     else if (k == "--out-dir") a.out_dir = r.text();
     else r.unknown();
   }
@@ -107,43 +116,73 @@ int main(int argc, char** argv) {
     }();
     const double layer_flops = double(b * a.seq) *
                                (one.attention + 6.0 * double(h * cfg.qkv_width() + cfg.attention_width() * h));
-    json layer = json::object();
-    double t_overlap = 0, t_serial = 0;
-    for (bool overlap : {true, false}) {
-      if (n == 1 && !overlap) break;
+    // Both layers (same weights, ring overlapped and serialised) and the exchanges alone, timed in alternating
+    // rounds so drift (clocks, the other ranks) falls on both alike.
+    ly::RingWaitLog stalls;
+    auto make_layer = [&](bool overlap) {
       ly::SelfAttentionOptions o;
       o.device = dev;
       o.cp = n > 1 ? cp.get() : nullptr;
       o.cp_overlap = overlap;
-      ly::SelfAttention attn(*tp, megacore::model::attention_config(cfg), o);
-      Tensor x = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
-      Generator g(11, uint64_t(mpi->rank()));
-      x.normal_(g, 0.0, 1.0, ctx.stream);
-      Tensor dy = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
-      dy.normal_(g, 0.0, 1.0, ctx.stream);
-      const double sec = time_it(a, *mpi, ctx.stream, [&] {
+      if (overlap) o.cp_wait_log = &stalls;
+      return std::make_unique<ly::SelfAttention>(*tp, megacore::model::attention_config(cfg), o);
+    };
+    auto attn_overlap = make_layer(true);
+    auto attn_serial = n > 1 ? make_layer(false) : nullptr;
+    Tensor x = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
+    Generator g(11, uint64_t(mpi->rank()));
+    x.normal_(g, 0.0, 1.0, ctx.stream);
+    Tensor dy = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
+    dy.normal_(g, 0.0, 1.0, ctx.stream);
+    auto layer_step = [&](ly::SelfAttention& attn) {
+      return time_it(a, *mpi, ctx.stream, [&] {
         attn.forward(ctx, x);
         attn.backward(ctx, dy);
       });
-      (overlap ? t_overlap : t_serial) = sec;
-      layer[overlap ? "overlapped" : "serialised"] = {{"ms", sec * 1e3},
-                                                      {"tflops_per_gpu", layer_flops / sec / n / 1e12}};
-    }
-    json ring = nullptr;
-    if (n > 1) {
-      const int64_t G = cfg.query_groups(), d = cfg.head_dim();
-      Tensor k = Tensor::zeros({s_local, b, G, d}, cfg.params_dtype, dev, ctx.stream), v = k.clone(ctx.stream);
-      Tensor rk = Tensor::empty(k.shape(), k.dtype(), dev, ctx.stream), rv = rk.clone(ctx.stream);
-      Tensor gk = Tensor::zeros(k.shape(), DType::F32, dev, ctx.stream), gv = gk.clone(ctx.stream);
-      Tensor rgk = gk.clone(ctx.stream), rgv = gk.clone(ctx.stream);
-      const double sec = time_it(a, *mpi, ctx.stream, [&] {
+    };
+    const int64_t G = cfg.query_groups(), d = cfg.head_dim();
+    Tensor k = Tensor::zeros({s_local, b, G, d}, cfg.params_dtype, dev, ctx.stream), v = k.clone(ctx.stream);
+    Tensor rk = Tensor::empty(k.shape(), k.dtype(), dev, ctx.stream), rv = rk.clone(ctx.stream);
+    Tensor gk = Tensor::zeros(k.shape(), DType::F32, dev, ctx.stream), gv = gk.clone(ctx.stream);
+    Tensor rgk = gk.clone(ctx.stream), rgv = gk.clone(ctx.stream);
+    auto exchange_step = [&] {
+      return time_it(a, *mpi, ctx.stream, [&] {
         for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);      // forward: K/V
         for (int i = 0; i + 1 < n; ++i) pass(*cp, gk, gv, rgk, rgv, ctx.stream);  // backward: dK/dV (f32)
       });
-      const double hidden = (t_serial - t_overlap) / sec;
-      ring = {{"ring_exchange_ms", sec * 1e3},
+    };
+    std::vector<double> t_ov, t_se, t_ex, frac, stall;
+    for (int round = 0; round < a.rounds; ++round) {
+      stalls.clear();
+      t_ov.push_back(layer_step(*attn_overlap));
+      if (n == 1) continue;
+      stall.push_back(stalls.stalled_ms() / double(a.warmup + a.iters));
+      t_se.push_back(layer_step(*attn_serial));
+      t_ex.push_back(exchange_step());
+      frac.push_back((t_se.back() - t_ov.back()) / t_ex.back());
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      const size_t m = v.size() / 2;
+      return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+    };
+    json layer = json::object();
+    const double t_overlap = median(t_ov);
+    layer["overlapped"] = {{"ms", t_overlap * 1e3}, {"tflops_per_gpu", layer_flops / t_overlap / n / 1e12}};
+    json ring = nullptr;
+    if (n > 1) {
+      const double t_serial = median(t_se), t_exchange = median(t_ex), hidden = median(frac);
+      const double stall_ms = median(stall);
+      layer["serialised"] = {{"ms", t_serial * 1e3}, {"tflops_per_gpu", layer_flops / t_serial / n / 1e12}};
+      ring = {{"ring_exchange_ms", t_exchange * 1e3},
               {"hidden_fraction", hidden},
-              {"exposed_ms_estimate", std::max(0.0, sec - (t_serial - t_overlap)) * 1e3}};
+              {"hidden_fraction_rounds", frac},
+              {"exposed_ms_estimate", std::max(0.0, (1.0 - hidden) * t_exchange) * 1e3},
+              {"stall_ms_per_step", stall_ms},
+              {"stall_ms_rounds", stall},
+              {"hidden_by_stall", 1.0 - stall_ms / (t_exchange * 1e3)},
+              {"rounds", a.rounds},
+              {"iters_per_round", a.iters}};
     }
 
     // ---- the whole model -------------------------------------------------------------------------------

@@ -369,10 +369,11 @@ class RingPass {
 
   RingPass() = default;
   RingPass(comm::Communicator& cp, const Tensor& x, const Tensor& y, int next, int prev, const Stream& compute,
-           const Stream& comm)
+           const Stream& comm, RingWaitLog* log = nullptr)
       : a(Tensor::empty(x.shape(), x.dtype(), x.device(), compute)),
         b(Tensor::empty(y.shape(), y.dtype(), y.device(), compute)),
-        compute_(compute) {
+        compute_(compute),
+        log_(comm == compute ? nullptr : log) {
     if (!(comm == compute)) {
       Event ready;
       ready.record(compute);
@@ -401,11 +402,20 @@ class RingPass {
   void finish() {
     if (!work_) return;
     comm::WorkPtr w = std::move(work_);
+    if (!log_) {
+      w->wait_on(compute_);
+      return;
+    }
+    Event before(true), after(true);
+    before.record(compute_);
     w->wait_on(compute_);
+    after.record(compute_);
+    log_->waits.emplace_back(std::move(before), std::move(after));
   }
 
  private:
   Stream compute_;
+  RingWaitLog* log_ = nullptr;
   comm::WorkPtr work_;
 };
 
@@ -474,12 +484,15 @@ struct Ring {
   bool packed;
   std::vector<int32_t> cu;
 
-  Ring(comm::Communicator& c, const Stream& compute, const Stream& exchange, Device d, const Tensor& cu_full)
+  RingWaitLog* log;
+
+  Ring(comm::Communicator& c, const Stream& compute, const Stream& exchange, Device d, const Tensor& cu_full,
+       RingWaitLog* wait_log)
       : cp(c), n(c.size()), r(c.rank()), next((r + 1) % n), prev((r + n - 1) % n), st(compute), cs(exchange),
-        dev(d), packed(cu_full.defined()), cu(packed ? host_cu(cu_full) : std::vector<int32_t>()) {}
+        dev(d), packed(cu_full.defined()), cu(packed ? host_cu(cu_full) : std::vector<int32_t>()), log(wait_log) {}
 
   // Starts passing (x, y) to the next rank (and receiving the previous rank's pair).
-  RingPass pass(const Tensor& x, const Tensor& y) const { return RingPass(cp, x, y, next, prev, st, cs); }
+  RingPass pass(const Tensor& x, const Tensor& y) const { return RingPass(cp, x, y, next, prev, st, cs, log); }
 
   // Step i (b rows of s local tokens) with the K/V block (kc, vc) held now: the block goes on to the next rank
   // unless this is the last step, and the step says which rank's block it is, the rows it pairs, and the
@@ -513,6 +526,15 @@ struct Ring {
 };
 }  // namespace
 
+double RingWaitLog::stalled_ms() const {
+  double ms = 0;
+  for (const auto& [before, after] : waits) {
+    after.synchronize();
+    ms += double(before.elapsed_ms(after));
+  }
+  return ms;
+}
+
 Stream SelfAttention::ring_stream(const Stream& st) const {
   if (!opts_.device.is_cuda() || !opts_.cp_overlap) return st;
   if (cp_stream_.device() != opts_.device || cp_stream_.is_default()) cp_stream_ = Stream::create(opts_.device);
@@ -524,7 +546,7 @@ Tensor SelfAttention::ring_forward(const Tensor& q, const Tensor& k, const Tenso
   // A host Stream with CUDA tensors means the legacy default stream: name it so events can be recorded.
   const Device dev = q.device();
   const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
-  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_);
+  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_, opts_.cp_wait_log);
   const int64_t s = q.size(0), b = q.size(1), d = head_dim_, H = heads_local_;
   Tensor acc = Tensor::zeros({s, b, H, d}, DType::F32, dev, st);
   Tensor acc_lse = Tensor::full({b, H, s}, double(kNegInf), DType::F32, dev, st);
@@ -566,7 +588,7 @@ void SelfAttention::ring_backward(const Tensor& out, const Tensor& lse, const Te
   const int64_t s = seq_, b = batch_, d = head_dim_, H = heads_local_, G = groups_local_;
   const Device dev = q_.device();
   const Stream st = dev.is_cuda() && given.device().is_cpu() ? Stream::default_stream(dev) : given;
-  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_);
+  const Ring ring(*opts_.cp, st, ring_stream(st), dev, cu_, opts_.cp_wait_log);
   MC_CHECK(blocks.size() == size_t(2 * ring.n),
            "{}.backward: the ring forward's K/V blocks are missing ({} of {} tensors); run forward with ctx.training = "
            "true before backward",

@@ -67,6 +67,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "megacore/comm/communicator.hpp"
@@ -120,6 +121,18 @@ struct AttentionConfig {
   int64_t attention_width() const { return num_attention_heads * head_size(); }
 };
 
+/// Where the ring's exchanges stall the compute stream (diagnostics; SelfAttentionOptions::cp_wait_log). Every
+/// wait of the compute stream on a ring exchange (the forward's K/V, the backward's dK/dV) is bracketed by two
+/// timing events on that stream: the first completes when the work before the wait is done, the second when
+/// the exchange has also arrived, so the time between them is how long the exchange held the attention up.
+/// Only waits across streams are logged (CUDA with cp_overlap); serialised exchanges are on the stream itself.
+struct RingWaitLog {
+  std::vector<std::pair<Event, Event>> waits;
+  /// The summed stall in milliseconds (synchronises on the events).
+  double stalled_ms() const;
+  void clear() { waits.clear(); }
+};
+
 struct SelfAttentionOptions {
   Device device = Device::cpu();
   /// Philox offsets of the two full weights' draws; give every layer of a model its own pair.
@@ -146,8 +159,10 @@ struct SelfAttentionOptions {
   CpCommType cp_comm_type = CpCommType::P2P;
   /// P2P on CUDA: run the ring's exchanges on the layer's communication stream, overlapping the attention
   /// (default). false enqueues them on the compute stream, serialised with it: the same results, for
-  /// measuring how much of the exchange the overlap hides (benchmarks/model/cp_attention.py).
+  /// measuring how much of the exchange the overlap hides (benchmarks/cp/bench_cp_attention.cpp).
   bool cp_overlap = true;
+  /// Diagnostics: when set, the ring logs its stream waits here (RingWaitLog; must outlive the layer's calls).
+  RingWaitLog* cp_wait_log = nullptr;
 };
 
 /// Causal multi-head / grouped-query self-attention over one TP group. Biases, sequence parallelism,

@@ -160,6 +160,20 @@ mdl::TransformerConfig overlap_test_config() {
   return cfg;
 }
 
+// Every rank in one NCCL CP group beside NCCL TP groups of one rank (the CP tests' layout); cp stays empty where
+// a rank has no GPU of its own or there is a single rank (the case then returns: nothing to compare).
+struct CpOfEveryRank {
+  std::unique_ptr<comm::Communicator> world, cp, tp;
+};
+CpOfEveryRank cp_of_every_rank() {
+  CpOfEveryRank g;
+  g.world = world_comm();
+  if (!one_gpu_per_rank(*g.world) || g.world->size() < 2) return g;
+  g.cp = nccl_tp(*g.world, g.world->size());
+  g.tp = nccl_tp(*g.world, 1);
+  return g;
+}
+
 }  // namespace
 
 TEST_CASE("GPTModel on GPUs with NCCL TP (±SP, bf16 and f16) equals the CPU TP = 1 model", "[gpu][model][mpi]") {
@@ -322,12 +336,10 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
   // gradients summed over CP (host MPI) against the f32 CPU model on the full sequences, at this file's 16-bit
   // tolerances: loss 1e-2, every gradient 1e-1 (measured values printed).
   MC_REQUIRE_GPU();
-  auto world = world_comm();
-  if (!one_gpu_per_rank(*world)) return;
+  CpOfEveryRank g = cp_of_every_rank();
+  if (!g.cp) return;
+  auto &world = g.world, &gpu_cp = g.cp, &gpu_tp = g.tp;
   const int cpn = world->size();
-  if (cpn < 2) return;
-  auto gpu_cp = nccl_tp(*world, cpn);
-  auto gpu_tp = nccl_tp(*world, 1);
   ProcessGrid grid1(*world, ParallelConfig{.tensor = 1}, {GroupKind::Tp});
   mdl::TransformerConfig llama = overlap_test_config();
   llama.sequence_parallel = false;
@@ -381,4 +393,75 @@ TEST_CASE("GPTModel on GPUs with the NCCL CP ring (CP = every rank) equals the C
                     std::string(mdl::recompute_granularity_name(cfg.recompute_granularity)).c_str(), loss.item(),
                     ref_loss, loss_err, worst);
     }
+}
+
+TEST_CASE("the CP ring's wait log brackets every cross-stream wait and changes no number", "[gpu][cp][mpi]") {
+  // One SelfAttention over a CP ring of every rank (bf16, TP 1, exchanges on the layer's communication stream),
+  // built twice from one seed: with a RingWaitLog and without. Forward + backward on the same input: the
+  // output and every gradient are bit-identical (the log only records events), the log holds one event pair
+  // per exchange the compute stream waits for (the forward's CP − 1 K/V passes and the backward's CP − 1
+  // dK/dV passes, per call), and each stall is a finite, non-negative time no longer than the whole call.
+  MC_REQUIRE_GPU();
+  const CpOfEveryRank g = cp_of_every_rank();
+  if (!g.cp) return;
+  const int cpn = g.world->size(), rank = g.world->rank();
+  const Device dev = my_device();
+  const ly::AttentionConfig acfg = mdl::attention_config([] {
+    mdl::TransformerConfig c = overlap_test_config();
+    c.sequence_parallel = false;
+    return c;
+  }());
+  const int64_t s_local = 64, b = 2;
+  struct Run {
+    Tensor y, dx;
+    std::vector<Tensor> grads;
+    double call_ms = 0;
+  };
+  auto run = [&](ly::RingWaitLog* log) {
+    ly::SelfAttentionOptions o;
+    o.device = dev;
+    o.cp = g.cp.get();
+    o.cp_wait_log = log;
+    ly::SelfAttention attn(*g.tp, acfg, o);
+    ly::ForwardContext ctx;
+    ctx.stream = Stream::create(dev);
+    const Tensor x = randn({s_local, b, acfg.hidden_size}, uint64_t(rank) * 2)
+                         .to(DType::BF16)
+                         .to(dev, ctx.stream);
+    const Tensor dy = randn({s_local, b, acfg.hidden_size}, uint64_t(rank) * 2 + 1)
+                          .to(DType::BF16)
+                          .to(dev, ctx.stream);
+    Run r;
+    Event t0(true), t1(true);
+    t0.record(ctx.stream);
+    r.y = attn.forward(ctx, x).to(Device::cpu(), ctx.stream);
+    r.dx = attn.backward(ctx, dy).to(Device::cpu(), ctx.stream);
+    t1.record(ctx.stream);
+    for (ly::Parameter* p : attn.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
+    ctx.stream.synchronize();
+    r.call_ms = t0.elapsed_ms(t1);
+    return r;
+  };
+  ly::RingWaitLog log;
+  const Run plain = run(nullptr), logged = run(&log);
+  REQUIRE(log.waits.size() == size_t(2 * (cpn - 1)));
+  require_equal(logged.y, plain.y, "output");
+  require_equal(logged.dx, plain.dx, "input gradient");
+  REQUIRE(logged.grads.size() == plain.grads.size());
+  for (size_t i = 0; i < plain.grads.size(); ++i) require_equal(logged.grads[i], plain.grads[i], "weight gradient");
+  double sum = 0;
+  for (const auto& [before, after] : log.waits) {
+    after.synchronize();
+    const double ms = before.elapsed_ms(after);
+    CHECK(std::isfinite(ms));
+    CHECK(ms >= 0.0);
+    sum += ms;
+  }
+  CHECK(std::abs(log.stalled_ms() - sum) <= 1e-9 * std::max(1.0, sum));
+  CHECK(sum <= logged.call_ms);
+  if (rank == 0)
+    std::printf("[gpu cp] wait log CP %d: %zu waits, stalled %.3f ms of a %.3f ms forward + backward\n", cpn,
+                log.waits.size(), sum, logged.call_ms);
+  log.clear();
+  CHECK(log.waits.empty());
 }
