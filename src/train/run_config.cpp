@@ -1,6 +1,7 @@
 #include "megacore/train/run_config.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -30,6 +31,11 @@ std::string join(const std::vector<std::string>& v, std::string_view sep = ", ")
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? std::string(sep) : "") + v[i];
   return out;
+}
+
+std::string lowered(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  return s;
 }
 
 std::vector<std::string> split_choices(std::string_view c) {
@@ -195,8 +201,7 @@ json parse_text(const std::string& text, const std::string& where) {
   };
   const std::string t = trimmed(text);
   if constexpr (std::is_same_v<T, bool>) {
-    std::string l = t;
-    std::transform(l.begin(), l.end(), l.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    const std::string l = lowered(t);
     if (l == "1" || l == "true" || l == "yes" || l == "on") return true;
     if (l == "0" || l == "false" || l == "no" || l == "off") return false;
     raise<ConfigError>("{} must be true or false, got '{}'", where, text);
@@ -445,8 +450,61 @@ std::optional<SavedModel> saved_model(const fs::path& dir) {
   return std::nullopt;
 }
 
-template <class Err>
-void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view field = "checkpoint.resume") {
+// A saved model's flavour settings under the recipe's names. A recipe's model section has them flat
+// (rope_scaling, rope_scaling_factor, ...); a converted checkpoint's config blob nests the RoPE scaling
+// ({type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}) and spells its type as
+// the Python enum does (None, Llama3), lowered here to the recipe's none / llama3. A field the blob lacks (saved
+// before the field existed) is absent.
+json saved_flavour(const SavedModel& s) {
+  const json& m = s.model;
+  json out = json::object();
+  for (const char* k : {"normalization", "norm_eps", "activation", "position_embedding", "rope_theta"})
+    if (m.contains(k)) out[k] = m[k];
+  if (!s.whole_config) {
+    for (const char* k : {"rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                          "rope_original_max_position_embeddings"})
+      if (m.contains(k)) out[k] = m[k];
+  } else if (m.contains("rope_scaling") && m["rope_scaling"].is_object()) {
+    const json& rs = m["rope_scaling"];
+    if (rs.contains("type") && rs["type"].is_string()) out["rope_scaling"] = lowered(rs["type"].get<std::string>());
+    for (const auto& [k, recipe_key] : {std::pair{"factor", "rope_scaling_factor"},
+                                        std::pair{"low_freq_factor", "rope_low_freq_factor"},
+                                        std::pair{"high_freq_factor", "rope_high_freq_factor"},
+                                        std::pair{"original_max_position_embeddings",
+                                                  "rope_original_max_position_embeddings"}})
+      if (rs.contains(k)) out[recipe_key] = rs[k];
+  }
+  return out;
+}
+
+// Whether two saved settings are the same: numbers within 1e-9 relative (a value that went through Python's
+// float or a text form), names case-insensitively (RoPE / rope), anything else exactly.
+bool same_setting(const json& a, const json& b) {
+  if (a.is_number() && b.is_number()) {
+    const double x = a.get<double>(), y = b.get<double>();
+    return std::abs(x - y) <= 1e-9 * std::max(std::abs(x), std::abs(y));
+  }
+  if (a.is_string() && b.is_string()) return lowered(a.get<std::string>()) == lowered(b.get<std::string>());
+  return a == b;
+}
+
+// A setting as `--set model.KEY=VALUE` takes it: names unquoted, floats in their shortest form (1e-06, 1000000).
+std::string setting_text(const json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_float()) return fmt::format("{}", v.get<double>());
+  return v.dump();
+}
+
+// Where a run loads a checkpoint from: its own run (checkpoint.resume), or the weights a fine-tune starts from
+// (checkpoint.pretrained_checkpoint).
+enum class Load { resume, fine_tune };
+
+// Compares the model stored with the checkpoint at `path` with the recipe's. Every difference is an error,
+// except that a fine-tune may change the RoPE (rope_theta, the RoPE scaling) on purpose to extend the context:
+// that is a warning naming both values.
+template <class Err, class Warn>
+void check_resume(const RunConfig& r, fs::path path, Load load, Err&& err, Warn&& warn) {
+  const std::string_view field = load == Load::resume ? "checkpoint.resume" : "checkpoint.pretrained_checkpoint";
   if (!fs::is_directory(path)) {
     err(field,
         fmt::format("'{}' is not a checkpoint directory; give a step_<N> directory, 'auto' or ''", path.string()));
@@ -467,38 +525,80 @@ void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view
   }
   if (!saved) return;  // no model description stored: the loader compares tensor shapes
   // The loader compares the shapes of the tensors the model asks for, but skips a tensor the model does not ask
-  // for (the q/k norms of a Qwen3 checkpoint loaded without qk_layernorm) without a word: the architecture is
-  // compared here first.
+  // for (the q/k norms of a Qwen3 checkpoint loaded without qk_layernorm) without a word, and settings without a
+  // tensor (norm_eps, rope_theta, ...) have no shape at all: the model is compared here first.
   const json& have = saved->model;
-  std::vector<std::string> diff;
-  auto differs = [&](const char* k, const json& a, const json& b) {
-    if (a != b) diff.push_back(fmt::format("{} {} vs {}", k, a.dump(), b.dump()));
+  const json want = json::parse(model_section_json(r.model));
+  struct Diff {
+    std::string key;
+    json have, want;
+  };
+  std::vector<Diff> diff, rope;
+  auto differs = [](std::vector<Diff>& to, const char* k, const json& a, const json& b) {
+    if (!same_setting(a, b)) to.push_back({k, a, b});
   };
   if (saved->whole_config) {
     const model::TransformerConfig& m = r.model;
-    const std::pair<const char*, json> want[] = {
+    const std::pair<const char*, json> shapes[] = {
         {"num_layers", m.num_layers},           {"hidden_size", m.hidden_size},
         {"num_attention_heads", m.num_attention_heads}, {"num_query_groups", m.query_groups()},
         {"ffn_hidden_size", m.ffn_size()},      {"kv_channels", m.head_dim()},
         {"vocab_size", m.vocab_size},           {"tie_word_embeddings", m.tie_word_embeddings},
         {"add_bias_linear", m.add_bias_linear}};
-    for (const auto& [k, v] : want)
-      if (have.contains(k)) differs(k, have[k], v);
+    for (const auto& [k, v] : shapes)
+      if (have.contains(k)) differs(diff, k, have[k], v);
   } else {
-    const json want = json::parse(model_section_json(r.model));
     for (const char* k : {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                          "vocab_size", "normalization", "activation", "tie_word_embeddings", "position_embedding",
-                          "add_bias_linear"})
-      differs(k, have.value(k, json()), want.value(k, json()));
+                          "vocab_size", "tie_word_embeddings", "add_bias_linear"})
+      differs(diff, k, have.value(k, json()), want.value(k, json()));
+  }
+  const json flavour = saved_flavour(*saved);
+  for (const char* k : {"normalization", "norm_eps", "activation", "position_embedding"})
+    if (flavour.contains(k)) differs(diff, k, flavour[k], want[k]);
+  // The RoPE settings count only when both models rotate (learned positions ignore them), the scaling factors
+  // only when both scale with llama3.
+  auto is = [](const json& j, const char* k, std::string_view v) {
+    return j.contains(k) && j[k].is_string() && lowered(j[k].get<std::string>()) == v;
+  };
+  const bool both_rope = is(want, "position_embedding", "rope") &&
+                         (!flavour.contains("position_embedding") || is(flavour, "position_embedding", "rope"));
+  if (both_rope) {
+    for (const char* k : {"rope_theta", "rope_scaling"})
+      if (flavour.contains(k)) differs(rope, k, flavour[k], want[k]);
+    if (is(flavour, "rope_scaling", "llama3") && is(want, "rope_scaling", "llama3"))
+      for (const char* k : {"rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                            "rope_original_max_position_embeddings"})
+        if (flavour.contains(k)) differs(rope, k, flavour[k], want[k]);
   }
   // Recipes and configs saved before the field existed have no qk_layernorm: false.
-  differs("qk_layernorm", have.value("qk_layernorm", false), r.model.qk_layernorm);
+  differs(diff, "qk_layernorm", have.value("qk_layernorm", false), want["qk_layernorm"]);
+
+  auto listed = [](const std::vector<Diff>& ds) {
+    std::vector<std::string> out;
+    for (const Diff& d : ds)
+      out.push_back(fmt::format("{} {} vs {}", d.key, setting_text(d.have), setting_text(d.want)));
+    return join(out, "; ");
+  };
+  auto fixes = [](const std::vector<Diff>& ds) {
+    std::vector<std::string> out;
+    for (const Diff& d : ds) out.push_back(fmt::format("model.{} = {}", d.key, setting_text(d.have)));
+    return join(out, ", ");
+  };
+  const char* origin = saved->whole_config ? "imported" : "saved";
+  if (load == Load::resume) {
+    diff.insert(diff.end(), rope.begin(), rope.end());
+  } else if (!rope.empty()) {
+    warn(field, fmt::format("'{}' was saved with other RoPE settings ({}, checkpoint vs recipe); set {} to train the "
+                            "{} model as it was, or keep {} to extend the context on purpose",
+                            path.string(), listed(rope), fixes(rope), origin,
+                            rope.size() == 1 ? "this value" : "these values"));
+  }
   if (diff.empty()) return;
-  err(field, fmt::format("'{}' holds another model ({}, checkpoint vs recipe); {}", path.string(), join(diff, "; "),
-                         saved->whole_config
-                             ? "set the recipe's model section to the checkpoint's (e.g. model.qk_layernorm = true "
-                               "for a Qwen3 import)"
-                             : "resume from a checkpoint of this model, or set checkpoint.resume = '' to start fresh"));
+  const char* or_else =
+      load == Load::resume ? ", or resume from a checkpoint of this model, or set checkpoint.resume = '' to start fresh"
+                           : "";
+  err(field, fmt::format("'{}' holds another model ({}, checkpoint vs recipe); set {} to train the {} model{}",
+                         path.string(), listed(diff), fixes(diff), origin, or_else));
 }
 
 }  // namespace
@@ -506,6 +606,9 @@ void check_resume(const RunConfig& r, fs::path path, Err&& err, std::string_view
 ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& opts) {
   ValidationReport rep;
   auto err = [&](std::string_view field, std::string msg) { rep.errors.push_back(fmt::format("{}: {}", field, msg)); };
+  auto warn = [&](std::string_view field, std::string msg) {
+    rep.warnings.push_back(fmt::format("{}: {}", field, msg));
+  };
   const ParallelSection& p = r.parallel;
   const DataSection& d = r.data;
   const OptimSection& o = r.optim;
@@ -865,12 +968,12 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
                         "'latest'; `megacore convert hf-to-megacore` makes one from a Hugging Face model)",
                         ck.pretrained_checkpoint));
       else
-        check_resume(r, ck.pretrained_checkpoint, err, "checkpoint.pretrained_checkpoint");
+        check_resume(r, ck.pretrained_checkpoint, Load::fine_tune, err, warn);
     }
     if (ck.resume != "" && ck.resume != "auto") {
-      check_resume(r, ck.resume, err);
+      check_resume(r, ck.resume, Load::resume, err, warn);
     } else if (ck.resume == "auto" && !ck.save_dir.empty() && fs::exists(fs::path(ck.save_dir) / "latest")) {
-      check_resume(r, ck.save_dir, err);
+      check_resume(r, ck.save_dir, Load::resume, err, warn);
     }
   }
   return rep;

@@ -279,3 +279,34 @@ def test_a_recipe_without_qk_layernorm_refuses_a_converted_qwen3_checkpoint(tmp_
     with pytest.raises(ConfigError, match="num_layers 2 vs 3"):
         r.validate(check_paths=True)
     assert os.path.isdir(ckpt)
+
+
+@pytest.mark.parametrize("from_hf", [True, False], ids=["hf_dir", "megacore_checkpoint"])
+def test_a_finetune_of_a_converted_qwen3_keeps_its_rope_theta_and_norm_eps(tmp_path, from_hf):
+    """`megacore finetune` (from the Hugging Face directory, or from its import) takes rope_theta 1e6 and norm_eps
+    1e-6 from the model, so validation has nothing to say; a recipe that sets them back to the defaults is told:
+    another norm_eps is an error, another rope_theta (a context extension, perhaps) a warning."""
+    from megacore import finetuning
+
+    hc = {**QWEN3, "vocab_size": 320}  # room for the byte tokenizer's 259 ids
+    assert hc["rope_theta"] == 1e6 and hc["rms_norm_eps"] == 1e-6
+    write_hf(str(tmp_path / "hf"), hc, hub_state(hc, np.random.default_rng(6)))
+    (tmp_path / "sft.jsonl").write_text('{"input": "a", "output": "b"}\n')
+    ft = str(tmp_path / "ft")
+    if from_hf:  # finetune imports the directory into ft/base after validating without paths
+        r = finetuning.finetune_recipe(str(tmp_path / "hf"), str(tmp_path / "sft.jsonl"), output_path=ft)
+        r.validate(check_paths=False)
+        finetuning._import_hf(str(tmp_path / "hf"), ft, log=lambda m: None)
+    else:
+        convert.hf_to_megacore(str(tmp_path / "hf"), str(tmp_path / "mc"))
+        r = finetuning.finetune_recipe(str(tmp_path / "mc"), str(tmp_path / "sft.jsonl"), output_path=ft)
+    assert (r.model.rope_theta, r.model.norm_eps, r.model.rope_scaling) == (1e6, 1e-6, "none")
+    assert r.validate(check_paths=True) == []
+    r.model.rope_theta = 10000.0
+    w = r.validate(check_paths=True)
+    assert len(w) == 1 and "checkpoint.pretrained_checkpoint" in w[0] and "rope_theta 1000000 vs 10000" in w[0]
+    assert "set model.rope_theta = 1000000 to train the imported model as it was" in w[0]
+    r.model.norm_eps = 1e-5
+    with pytest.raises(ConfigError, match=r"norm_eps 1e-06 vs 1e-05, checkpoint vs recipe\); set model.norm_eps = "
+                                          r"1e-06"):
+        r.validate(check_paths=True)

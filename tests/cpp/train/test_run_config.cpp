@@ -299,6 +299,160 @@ TEST_CASE("validate checks the files a run reads, naming how to get them", "[con
   std::filesystem::remove_all(dir);
 }
 
+namespace {
+
+// A checkpoint directory whose metadata.json holds `blobs` as its JSON blobs ("config" for an import, "recipe" for
+// a training run); its path.
+std::string write_checkpoint(const std::filesystem::path& dir, const json& blobs) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "metadata.json") << json{{"format", "megacore-dist-checkpoint"}, {"json", blobs}}.dump();
+  return dir.string();
+}
+
+// The "config" blob `megacore convert` writes for a Qwen3 of RunConfig's default shape: rope_theta 1e6,
+// norm_eps 1e-6, q/k norms.
+json qwen3_config() {
+  return json{{"num_layers", 4},           {"hidden_size", 128},        {"num_attention_heads", 4},
+              {"num_query_groups", 2},     {"ffn_hidden_size", 256},    {"kv_channels", 32},
+              {"vocab_size", 259},         {"max_position_embeddings", 256}, {"normalization", "RMSNorm"},
+              {"norm_eps", 1e-6},          {"activation", "SwiGLU"},    {"add_bias_linear", false},
+              {"tie_word_embeddings", false}, {"position_embedding", "RoPE"}, {"rope_theta", 1e6},
+              {"rope_scaling", {{"type", "None"}}}, {"init_method_std", 0.02}, {"params_dtype", "f32"},
+              {"qk_layernorm", true}};
+}
+
+// Validates `c` loading `ckpt` both ways (checkpoint.resume, checkpoint.pretrained_checkpoint): no error and no
+// warning.
+void check_silent(RunConfig c, const std::string& ckpt) {
+  for (const bool resume : {true, false}) {
+    c.checkpoint.resume = resume ? ckpt : "";
+    c.checkpoint.pretrained_checkpoint = resume ? "" : ckpt;
+    const ValidationReport r = validate(c, 1);
+    CHECK(r.errors.empty());
+    CHECK(r.warnings.empty());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a recipe with the default rope_theta and norm_eps is told about a converted Qwen3 checkpoint's",
+          "[config]") {
+  const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config_rope";
+  std::filesystem::remove_all(dir);
+  const std::string ckpt = write_checkpoint(dir / "qwen3", {{"config", qwen3_config()}});
+  RunConfig c;
+  c.checkpoint.save_last = false;  // no warning that nothing is saved
+  c.model.qk_layernorm = true;     // the shapes match; rope_theta 10000 and norm_eps 1e-5 stay the defaults
+  c.checkpoint.pretrained_checkpoint = ckpt;
+  ValidationReport r = validate(c, 1);
+  // Fine-tuning: a different norm_eps trains another model; a different rope_theta may extend the context.
+  CHECK(has(r.errors, "checkpoint.pretrained_checkpoint: '" + ckpt + "' holds another model (norm_eps 1e-06 vs "
+                      "1e-05, checkpoint vs recipe); set model.norm_eps = 1e-06 to train the imported model"));
+  CHECK(!has(r.errors, "rope_theta"));
+  CHECK(has(r.warnings, "checkpoint.pretrained_checkpoint: '" + ckpt + "' was saved with other RoPE settings "
+                        "(rope_theta 1000000 vs 10000, checkpoint vs recipe); set model.rope_theta = 1000000 to "
+                        "train the imported model as it was, or keep this value to extend the context on purpose"));
+  // Resuming: every difference is an error.
+  c.checkpoint.pretrained_checkpoint = "";
+  c.checkpoint.resume = ckpt;
+  r = validate(c, 1);
+  CHECK(has(r.errors, "checkpoint.resume: '" + ckpt + "' holds another model (norm_eps 1e-06 vs 1e-05; rope_theta "
+                      "1000000 vs 10000, checkpoint vs recipe); set model.norm_eps = 1e-06, model.rope_theta = "
+                      "1000000 to train the imported model, or resume from a checkpoint of this model"));
+  CHECK(!has(r.warnings, "rope_theta"));
+  // The imported model's values (floats within 1e-9 relative, names in any case): nothing to say.
+  c.model.norm_eps = 1e-6;
+  c.model.rope_theta = 1e6 * (1 + 1e-12);
+  json lower = qwen3_config();
+  lower["position_embedding"] = "rope";
+  lower["normalization"] = "rmsnorm";
+  write_checkpoint(dir / "qwen3", {{"config", lower}});
+  check_silent(c, ckpt);
+  // A config blob written before these fields existed: nothing to compare them with.
+  json old = qwen3_config();
+  for (const char* k : {"norm_eps", "rope_theta", "rope_scaling", "normalization", "activation", "position_embedding"})
+    old.erase(k);
+  write_checkpoint(dir / "qwen3", {{"config", old}});
+  c.model.norm_eps = 1e-5;
+  c.model.rope_theta = 10000;
+  check_silent(c, ckpt);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the RoPE scaling, norm and activation of a checkpoint are compared with the recipe's", "[config]") {
+  const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config_flavour";
+  std::filesystem::remove_all(dir);
+  json cfg = qwen3_config();
+  cfg["rope_theta"] = 500000.0;
+  cfg["rope_scaling"] = {{"type", "Llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                         {"original_max_position_embeddings", 8192}};
+  const std::string ckpt = write_checkpoint(dir / "llama32", {{"config", cfg}});
+  RunConfig c;
+  c.checkpoint.save_last = false;
+  c.model.qk_layernorm = true;
+  c.model.norm_eps = 1e-6;
+  c.model.rope_theta = 500000;
+  c.checkpoint.pretrained_checkpoint = ckpt;
+  ValidationReport r = validate(c, 1);
+  CHECK(r.errors.empty());
+  CHECK(has(r.warnings, "(rope_scaling llama3 vs none, checkpoint vs recipe); set model.rope_scaling = llama3 to "
+                        "train the imported model as it was"));
+  c.model.rope_scaling.type = model::RopeScalingType::Llama3;  // factor 8 (Llama 3.1) against the checkpoint's 32
+  r = validate(c, 1);
+  CHECK(r.errors.empty());
+  CHECK(has(r.warnings, "(rope_scaling_factor 32 vs 8, checkpoint vs recipe); set model.rope_scaling_factor = 32"));
+  c.model.rope_scaling.factor = 32;
+  c.model.activation = model::ActivationType::GELU;
+  c.model.normalization = model::NormType::LayerNorm;
+  c.model.qk_layernorm = false;  // q/k norms are RMSNorms
+  r = validate(c, 1);
+  CHECK(r.warnings.empty());
+  CHECK(has(r.errors, "holds another model (normalization RMSNorm vs LayerNorm; activation SwiGLU vs GELU; "
+                      "qk_layernorm true vs false, checkpoint vs recipe); set model.normalization = RMSNorm, "
+                      "model.activation = SwiGLU, model.qk_layernorm = true to train the imported model"));
+  // Learned positions ignore the RoPE settings.
+  json gpt2 = qwen3_config();
+  gpt2["position_embedding"] = "Learned";
+  gpt2["qk_layernorm"] = false;
+  write_checkpoint(dir / "llama32", {{"config", gpt2}});
+  RunConfig learned;
+  learned.checkpoint.save_last = false;
+  learned.model.norm_eps = 1e-6;
+  learned.model.position_embedding = model::PositionEmbeddingType::Learned;
+  check_silent(learned, ckpt);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("resuming from a training run's checkpoint with another rope_theta or norm_eps is refused", "[config]") {
+  const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config_recipe_rope";
+  std::filesystem::remove_all(dir);
+  RunConfig saved;
+  saved.model.rope_theta = 500000;
+  saved.model.norm_eps = 1e-6;
+  // The trainer stores its recipe as the "recipe" blob of metadata.json.
+  const std::string ckpt = write_checkpoint(dir / "step_10", {{"recipe", json::parse(to_json(saved))}});
+  RunConfig c;
+  c.checkpoint.save_last = false;
+  c.checkpoint.resume = ckpt;
+  ValidationReport r = validate(c, 1);
+  CHECK(has(r.errors, "checkpoint.resume: '" + ckpt + "' holds another model (norm_eps 1e-06 vs 1e-05; rope_theta "
+                      "500000 vs 10000, checkpoint vs recipe); set model.norm_eps = 1e-06, model.rope_theta = 500000 "
+                      "to train the saved model, or resume from a checkpoint of this model, or set "
+                      "checkpoint.resume = '' to start fresh"));
+  // Fine-tuning from it: norm_eps is an error, rope_theta a warning.
+  c.checkpoint.resume = "";
+  c.checkpoint.pretrained_checkpoint = ckpt;
+  r = validate(c, 1);
+  CHECK(has(r.errors, "(norm_eps 1e-06 vs 1e-05, checkpoint vs recipe); set model.norm_eps = 1e-06 to train the "
+                      "saved model"));
+  CHECK(has(r.warnings, "(rope_theta 500000 vs 10000, checkpoint vs recipe); set model.rope_theta = 500000 to train "
+                        "the saved model as it was"));
+  c.model.rope_theta = 500000;
+  c.model.norm_eps = 1e-6;
+  check_silent(c, ckpt);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("validate checks context parallelism: sequence divisibility, comm type, unsupported combinations",
           "[config]") {
   RunConfig c;
