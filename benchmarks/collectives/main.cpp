@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/bench_common.hpp"
 #include "megacore/build_config.hpp"
 #include "megacore/comm/communicator.hpp"
 #include "megacore/comm/nccl_communicator.hpp"
@@ -61,12 +62,6 @@ struct Row {
   double raw_us, mc_us;  // medians over the trials
   std::vector<double> raw_trials, mc_trials;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 }  // namespace
 
@@ -218,7 +213,7 @@ int main(int argc, char** argv) {
           raw_t.push_back(time_it(raw_fn));
         }
       }
-      const double raw_us = median(raw_t), mc_us = median(mc_t);
+      const double raw_us = bench::median(raw_t), mc_us = bench::median(mc_t);
       rows.push_back({op, full * 4, raw_us, mc_us, raw_t, mc_t});
       if (rank == 0) {
         double n = world;

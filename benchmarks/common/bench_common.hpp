@@ -84,6 +84,13 @@ double time_steps(megacore::comm::Communicator& world, const megacore::Stream& s
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(iters);
 }
 
+/// The median of timing samples (0 for none): what a benchmark reports from rounds that alternate its variants.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 /// Prints a result (JSON text) and, when out_dir is set, writes it to out_dir/<stem>_<card>.json (spaces in the
 /// card's name become '_'), saying where.
 inline void write_result(const std::string& json_text, const std::string& out_dir, const std::string& stem,

@@ -161,18 +161,13 @@ int main(int argc, char** argv) {
       t_ex.push_back(exchange_step());
       frac.push_back((t_se.back() - t_ov.back()) / t_ex.back());
     }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      const size_t m = v.size() / 2;
-      return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-    };
     json layer = json::object();
-    const double t_overlap = median(t_ov);
+    const double t_overlap = bench::median(t_ov);
     layer["overlapped"] = {{"ms", t_overlap * 1e3}, {"tflops_per_gpu", layer_flops / t_overlap / n / 1e12}};
     json ring = nullptr;
     if (n > 1) {
-      const double t_serial = median(t_se), t_exchange = median(t_ex), hidden = median(frac);
-      const double stall_ms = median(stall);
+      const double t_serial = bench::median(t_se), t_exchange = bench::median(t_ex), hidden = bench::median(frac);
+      const double stall_ms = bench::median(stall);
       layer["serialised"] = {{"ms", t_serial * 1e3}, {"tflops_per_gpu", layer_flops / t_serial / n / 1e12}};
       ring = {{"ring_exchange_ms", t_exchange * 1e3},
               {"hidden_fraction", hidden},
