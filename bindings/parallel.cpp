@@ -23,7 +23,8 @@ void bind_parallel(pyb::module_& root) {
       .def_readwrite("expert", &ParallelConfig::expert)
       .def_readwrite("expert_tensor", &ParallelConfig::expert_tensor)
       .def_readwrite("order", &ParallelConfig::order)
-      .def_readwrite("virtual_pipeline", &ParallelConfig::virtual_pipeline);
+      .def_readwrite("virtual_pipeline", &ParallelConfig::virtual_pipeline)
+      .def_readwrite("cp_copy_engine", &ParallelConfig::cp_copy_engine);
 
   auto kind = [](const std::string& name) { return group_kind_from_name(name); };
   m.def("group_kinds", [] {

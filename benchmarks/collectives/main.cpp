@@ -3,6 +3,8 @@
 // Communicator next to raw NCCL calls on the same GPUs, in the same run.
 //   mpirun -np <GPUs> megacore_bench_collectives [--min-bytes 8] [--max-bytes 1G] [--iters 20]
 //                                               [--warmup 5] [--trials 8] [--ops all_reduce,...] [--out file.json]
+//                                               [--copy-engine]  (megacore's all-gathers and sum reduce-scatters
+//                                                                 by copy engines: CommOptions::copy_engine)
 // Every (op, size) is timed in `trials` rounds that alternate which side goes first (raw NCCL, then
 // megacore; then megacore, then raw …), each round `warmup` untimed and `iters` timed calls; a side's
 // time is the median of its rounds. One sample per side (the first version) let a cold first call, a
@@ -78,6 +80,7 @@ int main(int argc, char** argv) {
 #else
   int64_t min_bytes = 8, max_bytes = int64_t(1) << 30;
   int iters = 20, warmup = 5, trials = 8;  // even: each side goes first equally often
+  bool copy_engine = false;  // megacore's all-gathers and sum reduce-scatters by copy engines (CommOptions::copy_engine)
   bool blocking = true;  // megacore's default: blocking NCCL calls (--non-blocking: every call non-blocking and polled)
   std::string out_path, ops_arg = "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast";
   for (int i = 1; i < argc; ++i) {
@@ -92,6 +95,7 @@ int main(int argc, char** argv) {
     else if (a == "--out") out_path = next();
     else if (a == "--blocking") blocking = true;
     else if (a == "--non-blocking") blocking = false;
+    else if (a == "--copy-engine") copy_engine = true;
   }
   int ndev = cuda_device_count();
   if (ndev == 0) {
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
   comm::CommOptions opt;
   opt.name = "bench";
   opt.nccl_blocking = blocking;
+  opt.copy_engine = copy_engine;
   auto mc = comm::make_nccl_communicator(rank, world, uid, device, opt);
   ncclUniqueId raw_id;
   if (rank == 0) CK(ncclGetUniqueId(&raw_id));
@@ -236,6 +241,7 @@ int main(int argc, char** argv) {
     j["statistic"] = "median over alternating rounds (raw first in even rounds, megacore first in odd ones)";
     j["peer"] = "raw NCCL (ncclCommInitRank, blocking) in the same run";
     j["megacore_mode"] = blocking ? "blocking" : "non-blocking";
+    j["megacore_copy_engine"] = mc->copy_engine_active();
     j["busbw_formula"] = "nccl-tests PERFORMANCE.md";
     for (const Row& r : rows) {
       double n = world;

@@ -61,12 +61,13 @@ inline megacore::model::TransformerConfig llama_1b() {
 inline std::unique_ptr<megacore::comm::Communicator> nccl_over(megacore::comm::Communicator& mpi,
                                                                megacore::Device dev, const std::string& name,
                                                                std::chrono::seconds timeout, int max_ctas = 0,
-                                                               int cta_policy = 0) {
+                                                               int cta_policy = 0, bool copy_engine = false) {
   megacore::comm::CommOptions o;
   o.name = name;
   o.timeout = timeout;
   o.nccl_max_ctas = max_ctas;
   o.nccl_cta_policy = cta_policy;
+  o.copy_engine = copy_engine;
   return megacore::comm::make_nccl_communicator_over(mpi, dev, o);
 }
 

@@ -20,6 +20,10 @@
 //     (layers::RingWaitLog: events around each wait), and hidden_by_stall = 1 − stall / exchange time;
 //   model: GPTModel forward + backward on this rank's 2 chunks of the sequence, ms, tokens/s per GPU and
 //     model TFLOP/s per GPU (6·N_matmul + causal attention per token, model::flops_per_token(causal)).
+// --copy-engine adds a second CP group of the same ranks whose transfers move by copy engines
+// (comm::CommOptions::copy_engine, the trainer's parallel.cp_comm_copy_engine): its overlapped layer and its
+// exchanges alone join the same alternating rounds (ring_copy_engine: ms, stall, hidden_by_stall, and
+// hidden_fraction against the same serialised layer), and the model is timed over both groups.
 #include <mpi.h>
 
 #include <algorithm>
@@ -50,7 +54,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Args : bench::ShapeArgs {
-  bool skip_model = false;
+  bool skip_model = false, copy_engine = false;
   int rounds = 5;
   std::string out_dir;
   Args() : ShapeArgs{.micro_batch = 1, .seq = 32768, .iters = 5, .warmup = 2} {}
@@ -63,6 +67,7 @@ Args parse(int argc, char** argv) {
     const std::string& k = r.key();
     if (a.read(r)) continue;
     if (k == "--skip-model") a.skip_model = true;
+    else if (k == "--copy-engine") a.copy_engine = true;
     else if (k == "--rounds") a.rounds = int(std::max<int64_t>(1, r.integer()));
     else if (k == "--out-dir") a.out_dir = r.text();
     else r.unknown();
@@ -94,6 +99,11 @@ int main(int argc, char** argv) {
     auto mpi = comm::make_mpi_world();
     const Device dev = bench::local_gpu();
     auto cp = bench::nccl_over(*mpi, dev, "cp", std::chrono::seconds(600));
+    std::unique_ptr<comm::Communicator> cp_ce;
+    if (a.copy_engine && mpi->size() > 1) {
+      cp_ce = bench::nccl_over(*mpi, dev, "cp_ce", std::chrono::seconds(600), 0, 0, /*copy_engine=*/true);
+      if (!cp_ce->copy_engine_active()) throw std::runtime_error("--copy-engine: the copy engines could not be set up");
+    }
     comm::CommOptions to;
     to.name = "tp";
     auto tp_host = mpi->split(mpi->rank(), 0, to);  // TP = 1, on NCCL like every group the layers use on GPUs
@@ -118,17 +128,18 @@ int main(int argc, char** argv) {
                                (one.attention + 6.0 * double(h * cfg.qkv_width() + cfg.attention_width() * h));
     // Both layers (same weights, ring overlapped and serialised) and the exchanges alone, timed in alternating
     // rounds so drift (clocks, the other ranks) falls on both alike.
-    ly::RingWaitLog stalls;
-    auto make_layer = [&](bool overlap) {
+    ly::RingWaitLog stalls, stalls_ce;
+    auto make_layer = [&](bool overlap, comm::Communicator* group, ly::RingWaitLog* log) {
       ly::SelfAttentionOptions o;
       o.device = dev;
-      o.cp = n > 1 ? cp.get() : nullptr;
+      o.cp = n > 1 ? group : nullptr;
       o.cp_overlap = overlap;
-      if (overlap) o.cp_wait_log = &stalls;
+      if (overlap) o.cp_wait_log = log;
       return std::make_unique<ly::SelfAttention>(*tp, megacore::model::attention_config(cfg), o);
     };
-    auto attn_overlap = make_layer(true);
-    auto attn_serial = n > 1 ? make_layer(false) : nullptr;
+    auto attn_overlap = make_layer(true, cp.get(), &stalls);
+    auto attn_serial = n > 1 ? make_layer(false, cp.get(), nullptr) : nullptr;
+    auto attn_ce = cp_ce ? make_layer(true, cp_ce.get(), &stalls_ce) : nullptr;
     Tensor x = Tensor::empty({s_local, b, h}, cfg.params_dtype, dev, ctx.stream);
     Generator g(11, uint64_t(mpi->rank()));
     x.normal_(g, 0.0, 1.0, ctx.stream);
@@ -145,21 +156,27 @@ int main(int argc, char** argv) {
     Tensor rk = Tensor::empty(k.shape(), k.dtype(), dev, ctx.stream), rv = rk.clone(ctx.stream);
     Tensor gk = Tensor::zeros(k.shape(), DType::F32, dev, ctx.stream), gv = gk.clone(ctx.stream);
     Tensor rgk = gk.clone(ctx.stream), rgv = gk.clone(ctx.stream);
-    auto exchange_step = [&] {
+    auto exchange_step = [&](comm::Communicator& group) {
       return time_it(a, *mpi, ctx.stream, [&] {
-        for (int i = 0; i + 1 < n; ++i) pass(*cp, k, v, rk, rv, ctx.stream);      // forward: K/V
-        for (int i = 0; i + 1 < n; ++i) pass(*cp, gk, gv, rgk, rgv, ctx.stream);  // backward: dK/dV (f32)
+        for (int i = 0; i + 1 < n; ++i) pass(group, k, v, rk, rv, ctx.stream);      // forward: K/V
+        for (int i = 0; i + 1 < n; ++i) pass(group, gk, gv, rgk, rgv, ctx.stream);  // backward: dK/dV (f32)
       });
     };
-    std::vector<double> t_ov, t_se, t_ex, frac, stall;
+    std::vector<double> t_ov, t_se, t_ex, frac, stall, t_ce, t_ex_ce, frac_ce, stall_ce;
     for (int round = 0; round < a.rounds; ++round) {
       stalls.clear();
       t_ov.push_back(layer_step(*attn_overlap));
       if (n == 1) continue;
       stall.push_back(stalls.stalled_ms() / double(a.warmup + a.iters));
       t_se.push_back(layer_step(*attn_serial));
-      t_ex.push_back(exchange_step());
+      t_ex.push_back(exchange_step(*cp));
       frac.push_back((t_se.back() - t_ov.back()) / t_ex.back());
+      if (!attn_ce) continue;
+      stalls_ce.clear();
+      t_ce.push_back(layer_step(*attn_ce));
+      stall_ce.push_back(stalls_ce.stalled_ms() / double(a.warmup + a.iters));
+      t_ex_ce.push_back(exchange_step(*cp_ce));
+      frac_ce.push_back((t_se.back() - t_ce.back()) / t_ex_ce.back());
     }
     json layer = json::object();
     const double t_overlap = bench::median(t_ov);
@@ -179,13 +196,25 @@ int main(int argc, char** argv) {
               {"rounds", a.rounds},
               {"iters_per_round", a.iters}};
     }
+    json ring_ce = nullptr;
+    if (attn_ce) {
+      const double t = bench::median(t_ce), t_exchange = bench::median(t_ex_ce), stall_ms = bench::median(stall_ce);
+      layer["overlapped_copy_engine"] = {{"ms", t * 1e3}, {"tflops_per_gpu", layer_flops / t / n / 1e12}};
+      ring_ce = {{"ring_exchange_ms", t_exchange * 1e3},
+                 {"hidden_fraction", bench::median(frac_ce)},
+                 {"hidden_fraction_rounds", frac_ce},
+                 {"stall_ms_per_step", stall_ms},
+                 {"stall_ms_rounds", stall_ce},
+                 {"hidden_by_stall", 1.0 - stall_ms / (t_exchange * 1e3)},
+                 {"layer_ms_rounds", t_ce},
+                 {"nccl_layer_ms_rounds", t_ov}};
+    }
 
     // ---- the whole model -------------------------------------------------------------------------------
-    json model = nullptr;
-    if (!a.skip_model) {
+    auto model_step = [&](comm::Communicator* group) -> json {
       mdl::GPTModelOptions mo;
       mo.device = dev;
-      mo.cp = n > 1 ? cp.get() : nullptr;
+      mo.cp = n > 1 ? group : nullptr;
       mdl::GPTModel m(cfg, *tp, mo);
       std::vector<int64_t> tok(size_t(b * a.seq)), lab(tok.size());
       for (size_t i = 0; i < tok.size(); ++i) {
@@ -203,11 +232,16 @@ int main(int argc, char** argv) {
         m.backward(ctx);
       });
       const mdl::FlopsPerToken fpt = mdl::flops_per_token(cfg, a.seq, /*causal=*/true);
-      model = {{"ms_per_step", sec * 1e3},
-               {"tokens_per_s_per_gpu", double(b * a.seq) / sec / n},
-               {"tflops_per_gpu", fpt.total * double(b * a.seq) / sec / n / 1e12},
-               {"loss", loss.item()},
-               {"peak_allocated_gib", double(al.stats().peak_allocated) / (1 << 30)}};
+      return {{"ms_per_step", sec * 1e3},
+              {"tokens_per_s_per_gpu", double(b * a.seq) / sec / n},
+              {"tflops_per_gpu", fpt.total * double(b * a.seq) / sec / n / 1e12},
+              {"loss", loss.item()},
+              {"peak_allocated_gib", double(al.stats().peak_allocated) / (1 << 30)}};
+    };
+    json model = nullptr, model_ce = nullptr;
+    if (!a.skip_model) {
+      model = model_step(cp.get());
+      if (cp_ce) model_ce = model_step(cp_ce.get());
     }
 
     const std::string card = cuda_device_name(dev.index);
@@ -223,7 +257,9 @@ int main(int argc, char** argv) {
               {"flops_convention", "causal: attention 6*a*d*S per token + 6*N_matmul"},
               {"attention_layer", layer},
               {"ring", ring},
-              {"model_fwd_bwd", model}};
+              {"ring_copy_engine", ring_ce},
+              {"model_fwd_bwd", model},
+              {"model_fwd_bwd_copy_engine", model_ce}};
     if (root)
       bench::write_result(r.dump(2), a.out_dir, "cp" + std::to_string(n) + "_seq" + std::to_string(a.seq), card);
   });

@@ -17,6 +17,8 @@ ProcessGrid::ProcessGrid(comm::Communicator& world, const ParallelConfig& config
     if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) continue;
     comm::CommOptions o = world.options();
     o.name = std::string(group_kind_name(k));
+    o.copy_engine = k == GroupKind::Cp && config.cp_copy_engine;
+    if (o.copy_engine) o.copy_engine_buffer_bytes = size_t(32) << 20;  // only all_gather's collectives stage
     int color = layout_.group_index(k, world.rank());
     int key = layout_.rank_in_group(k, world.rank());
     groups_[kind_slot(k)] = world.split(color, key, o);

@@ -278,6 +278,7 @@ parallel::ParallelConfig RunConfig::grid_config() const {
   pc.context = parallel.context_parallel_size;
   pc.expert = parallel.expert_model_parallel_size;
   pc.expert_tensor = parallel.expert_tensor_parallel_size;
+  pc.cp_copy_engine = parallel.cp_comm_copy_engine;
   return pc;
 }
 

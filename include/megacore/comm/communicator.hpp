@@ -49,6 +49,17 @@ struct CommOptions {
   /// decent speed: for collectives that overlap compute); 2 = zero-CTA where NCCL can (copy engines;
   /// needs registered symmetric buffers, otherwise NCCL falls back to its kernels).
   int nccl_cta_policy = 0;
+  /// NCCL only: all-gathers, sum reduce-scatters and send/receive batches move by the GPUs' copy engines
+  /// over NVLink/P2P (CUDA IPC staging buffers and stream-ordered flags) instead of NCCL's kernels, so they
+  /// need no SM and run beside kernels that hold every SM (cuDNN's attention), when every rank of the group
+  /// is on this host and can map its peers' memory; otherwise the group says so once in the log and keeps
+  /// NCCL. Set up when the communicator is made (collective). Other ops and reductions stay on NCCL. The
+  /// context-parallel group's setting is parallel.cp_comm_copy_engine.
+  bool copy_engine = false;
+  /// Device memory each rank of a copy-engine group stages through: half for the collectives (two slots; a
+  /// collective larger than a slot's share per rank is moved in chunks), half for send/receive batches (two
+  /// slots per sending rank; a larger transfer is moved in slot-sized chunks).
+  size_t copy_engine_buffer_bytes = size_t(128) << 20;
 };
 
 /// Handle of an asynchronous operation.
@@ -93,6 +104,9 @@ class Communicator {
   virtual Backend backend() const = 0;
   /// Where this communicator's tensors must live: the CPU for MPI, its CUDA device for NCCL.
   virtual Device device() const { return Device::cpu(); }
+  /// True when this group's all-gathers, sum reduce-scatters and send/receive batches move by copy engines
+  /// (CommOptions::copy_engine, and the setup found every rank able).
+  virtual bool copy_engine_active() const { return false; }
 
   /// In place: every rank ends with op over all ranks' t.
   virtual WorkPtr all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, const Stream& s = {}) = 0;

@@ -33,6 +33,9 @@ struct ParallelConfig {
   /// may be left out.
   std::string order = "tp-cp-ep-dp-pp";
   int virtual_pipeline = 1;  ///< Model chunks per pipeline stage (interleaved 1F1B); 1 = none.
+  /// The CP group's transfers by copy engines (comm::CommOptions::copy_engine, 32 MiB staging buffer for its
+  /// collectives); no effect on the rank math.
+  bool cp_copy_engine = false;
 };
 
 /// The kinds of group Megatron-Core builds (names as in its parallel_state / nccl config keys).

@@ -45,6 +45,7 @@ struct ParallelSection {
   int virtual_pipeline_model_parallel_size = 1;
   int context_parallel_size = 1;
   std::string cp_comm_type = "p2p";
+  bool cp_comm_copy_engine = true;
   int expert_model_parallel_size = 1;
   int expert_tensor_parallel_size = 0;
   bool sequence_parallel = false;
@@ -78,6 +79,14 @@ struct ParallelSection {
             "first, then attend locally (simpler, no overlap; dK/dV reduce-scattered back).",
             "p2p|all_gather"},
       s.cp_comm_type);
+    f(Field{"cp_comm_copy_engine",
+            "GPUs: the CP group's transfers move by the GPUs' copy engines over NVLink/P2P instead of NCCL's "
+            "kernels, which need SMs and so wait while cuDNN's attention kernels hold them all: the p2p ring's "
+            "K/V and dK/dV passes are read by the receiving GPU straight from the sender's tensor (CUDA IPC), "
+            "all_gather's gathers and reduce-scatters go through a 32 MiB staging buffer per rank. Needs the CP "
+            "group on one host with peer access between its GPUs (else logged once, and NCCL stays). Same "
+            "numbers. CPU ranks ignore it."},
+      s.cp_comm_copy_engine);
     f(Field{.name = "expert_model_parallel_size",
             .doc = "EP: MoE layers spread their experts over this many ranks, carved from DP x CP (must divide it and "
                    "model.num_moe_experts).",

@@ -20,6 +20,8 @@
 #include <thread>
 
 #include "comm/comm_detail.hpp"
+#include "comm/nccl/peer_copy.hpp"
+#include "megacore/core/log.hpp"
 #include "megacore/core/allocator.hpp"
 #include "megacore/core/host_sync.hpp"
 #include "core/cuda/cuda_check.hpp"
@@ -158,6 +160,10 @@ struct NcclState {
   std::string_view call_what;
   std::mutex reason_mu;
   std::string abort_reason;
+  // Run by the abort after `before` (the copy-engine collectives' release of their flags, so that a stream
+  // waiting for a dead peer goes on); set and cleared by the communicator under hook_mu.
+  std::mutex hook_mu;
+  std::function<void()> abort_hook;
 
   ~NcclState() {
     if (!comm || aborting.load()) return;
@@ -220,6 +226,10 @@ struct NcclState {
       abort_reason = std::move(reason);
     }
     if (before) before();
+    {
+      std::lock_guard<std::mutex> hl(hook_mu);
+      if (abort_hook) abort_hook();
+    }
     // Polling loops under `mu` see `aborting` and let go within a poll; only a call stuck inside NCCL keeps
     // the lock past that.
     std::unique_lock<std::timed_mutex> l(mu, std::defer_lock);
@@ -673,6 +683,9 @@ class NcclCommunicator final : public Communicator {
     MC_CHECK_AS(CommError, int(world_ranks_.size()) == size_, "NCCL communicator '{}' has {} ranks, expected {}",
                 options_.name, size_, world_ranks_.size());
     flight_ = FlightRecorder::create(options_.name, world_ranks_, rank_);
+    // Creation is collective over the group, so the copy engines' setup (which exchanges IPC handles) happens
+    // here, not at a first send/receive batch that only some ranks of the group may issue.
+    if (options_.copy_engine) peer_copy();
   }
 
   // Orderly teardown on the owner's thread (finalize under the watchdog's stuck-call check, then destroy),
@@ -682,11 +695,17 @@ class NcclCommunicator final : public Communicator {
       st_->shutdown();
     } catch (...) {
     }
+    {
+      std::lock_guard<std::mutex> hl(st_->hook_mu);
+      st_->abort_hook = nullptr;
+    }
+    peer_copy_.reset();  // after the device has finished every operation (its destructor synchronises)
     drain_deferred();
   }
 
   Backend backend() const override { return Backend::NCCL; }
   Device device() const override { return Device::cuda(st_->device); }
+  bool copy_engine_active() const override { return peer_copy_ != nullptr; }
 
   WorkPtr all_reduce(Tensor& t, ReduceOp op, const Stream& s) override {
     constexpr std::string_view name = "all_reduce";
@@ -717,6 +736,11 @@ class NcclCommunicator final : public Communicator {
     OpSignature sig{int64_t(OpKind::AllGather), int64_t(in.dtype()), in.numel(), 0};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
+    if (detail::PeerCopy* pc = peer_copy(); pc && in.numel() > 0) {
+      return enqueue(what, sobj, {in, out}, [&] {
+        return ce_result(pc->all_gather(in.data_ptr(), out.data_ptr(), size_t(in.nbytes()), stream));
+      });
+    }
     return enqueue(what, sobj, {in, out}, [&] {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), nccl_type(in.dtype()), st_->comm,
                            stream);
@@ -737,6 +761,13 @@ class NcclCommunicator final : public Communicator {
     OpSignature sig{int64_t(OpKind::ReduceScatter), int64_t(out.dtype()), out.numel(), int64_t(op)};
     std::string what = signature_str(sig);
     if (options_.check_shapes) agree(sig, what, nullptr);
+    if (op == ReduceOp::Sum && detail::PeerCopy::sums(out.dtype())) {
+      if (detail::PeerCopy* pc = peer_copy(); pc && out.numel() > 0) {
+        return enqueue(what, sobj, {in, out}, [&] {
+          return ce_result(pc->reduce_scatter_sum(in.data_ptr(), out.data_ptr(), out.numel(), out.dtype(), stream));
+        });
+      }
+    }
     return enqueue(what, sobj, {in, out}, [&] {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.dtype()),
                                nccl_op(op), st_->comm, stream);
@@ -804,6 +835,22 @@ class NcclCommunicator final : public Communicator {
     }
     const Stream sobj = stream_of(s, name);
     cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
+    if (detail::PeerCopy* pc = peer_copy()) {
+      std::vector<detail::PeerCopyTransfer> transfers;
+      for (const auto& op : ops)
+        transfers.push_back({op.kind == P2POp::Send, op.peer, op.tensor.data_ptr(), size_t(op.tensor.nbytes())});
+      const std::string what = fmt::format("batch_send_recv ({} ops, copy engines)", ops.size());
+      // The host half (peer_copy.hpp): post the sends' addresses, wait for the receives' (timed out, abortable).
+      const std::string err =
+          pc->post_and_match(transfers, options_.timeout, [this] { return st_->aborting.load(); });
+      if (!err.empty()) {
+        usable(what);  // throws when the communicator was aborted meanwhile, with the abort's reason
+        const std::string msg = fmt::format("{}: {}; the communicator is aborted", error_context(*this, what), err);
+        st_->abort_now(msg);
+        throw CommError(msg);
+      }
+      return enqueue(what, sobj, std::move(keep), [&] { return ce_result(pc->send_recv(transfers, stream)); });
+    }
     return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep),
                          [&]() -> ncclResult_t {
                            for (const auto& op : ops) {
@@ -890,6 +937,42 @@ class NcclCommunicator final : public Communicator {
   bool aborted() const override { return st_->aborting.load(); }
 
  private:
+  // The copy-engine path of this group (CommOptions::copy_engine), set up when the communicator is made
+  // (collective over the group). Null when the option is off, the group has one rank, or the setup found the
+  // group unable (said once in the log).
+  detail::PeerCopy* peer_copy() {
+    if (!options_.copy_engine || size_ == 1) return nullptr;
+    if (!peer_copy_tried_) {
+      peer_copy_tried_ = true;
+      std::string why;
+      DeviceGuard g(st_->device);
+      peer_copy_ = detail::PeerCopy::create(
+          rank_, size_, st_->device, options_.copy_engine_buffer_bytes,
+          [this](const std::vector<int64_t>& v) { return gather_host(v, "copy-engine setup"); }, &why);
+      if (peer_copy_) {
+        std::weak_ptr<detail::PeerCopy> weak = peer_copy_;
+        std::lock_guard<std::mutex> hl(st_->hook_mu);
+        st_->abort_hook = [weak] {
+          if (auto pc = weak.lock()) pc->release();
+        };
+        log_once(LogLevel::Info, "copy_engine:" + options_.name, "comm",
+                 fmt::format("group '{}': all-gathers, reduce-scatters and send/receive batches move by copy "
+                             "engines ({} MiB staging buffer per rank)", options_.name, options_.copy_engine_buffer_bytes >> 20));
+      } else {
+        log_once(LogLevel::Warning, "copy_engine:" + options_.name, "comm",
+                 fmt::format("group '{}': copy-engine collectives are unavailable ({}); its transfers stay on "
+                             "NCCL's kernels", options_.name, why));
+      }
+    }
+    return peer_copy_.get();
+  }
+
+  static ncclResult_t ce_result(cudaError_t e) {
+    if (e == cudaSuccess) return ncclSuccess;
+    (void)cudaGetLastError();
+    return ncclUnhandledCudaError;
+  }
+
   void usable(std::string_view op) {
     if (st_->aborting.load()) {
       raise<CommError>("{}: the communicator was aborted ({}); make a new one", error_context(*this, op),
@@ -1005,6 +1088,8 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<NcclState> st_;
   WatchdogUser watchdog_;
+  std::shared_ptr<detail::PeerCopy> peer_copy_;
+  bool peer_copy_tried_ = false;
   Tensor barrier_buf_;
   std::string context_prefix_;
 };

@@ -465,3 +465,87 @@ TEST_CASE("the CP ring's wait log brackets every cross-stream wait and changes n
   log.clear();
   CHECK(log.waits.empty());
 }
+
+TEST_CASE("the CP group by copy engines (cp_comm_copy_engine) gives the NCCL group's numbers", "[gpu][cp][mpi]") {
+  // One SelfAttention over a CP group of every rank (bf16, TP 1, deterministic attention backward), built from
+  // one seed over two NCCL groups of the same ranks: the plain one and one whose transfers move by copy engines
+  // (CommOptions::copy_engine).
+  // p2p ring (plain and packed rows): the K/V and dK/dV passes move the same bytes, so the output and every
+  // gradient are bit-identical. all_gather: the gathers are exact and the dK/dV reduce-scatters sum in rank
+  // order in f32 (NCCL in its ring order), so those differ by f32 round-off before the bf16 rounding:
+  // within 2e-2 relative (one bf16 rounding step apart at most, measured values printed).
+  MC_REQUIRE_GPU();
+  const CpOfEveryRank g = cp_of_every_rank();
+  if (!g.cp) return;
+  const int cpn = g.world->size(), rank = g.world->rank();
+  const Device dev = my_device();
+  comm::CommOptions co;
+  co.timeout = std::chrono::seconds(120);
+  co.name = "cp_ce";
+  co.copy_engine = true;
+  auto ce = comm::make_nccl_communicator_over(*g.world, dev, co);
+  REQUIRE(ce->copy_engine_active());
+  REQUIRE_FALSE(g.cp->copy_engine_active());
+  const ly::AttentionConfig acfg = mdl::attention_config([] {
+    mdl::TransformerConfig c = overlap_test_config();
+    c.sequence_parallel = false;
+    return c;
+  }());
+  const int64_t b = 2;
+  struct Run {
+    Tensor y, dx;
+    std::vector<Tensor> grads;
+  };
+  auto run = [&](comm::Communicator& cp, ly::CpCommType type, int64_t s_local, bool packed) {
+    ly::SelfAttentionOptions o;
+    o.device = dev;
+    o.cp = &cp;
+    o.cp_comm_type = type;
+    o.deterministic = true;  // run-to-run identical attention gradients (no atomic dQ sums), so equal bytes in
+                             // give equal bytes out
+    ly::SelfAttention attn(*g.tp, acfg, o);
+    ly::ForwardContext ctx;
+    ctx.stream = Stream::create(dev);
+    if (packed) {  // each row of CP · s_local tokens cut into segments that cross the chunk borders
+      const int32_t row = int32_t(cpn * s_local);
+      std::vector<int32_t> cu{0};
+      int64_t longest = 0;
+      for (int64_t r = 0; r < b; ++r) {
+        for (int32_t at = 37; at < row; at += 37 + (at % 51)) cu.push_back(int32_t(r) * row + at);
+        cu.push_back(int32_t(r + 1) * row);
+      }
+      for (size_t i = 1; i < cu.size(); ++i) longest = std::max<int64_t>(longest, cu[i] - cu[i - 1]);
+      ctx.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())}).to(dev, ctx.stream);
+      ctx.max_seqlen = longest;
+    }
+    const Tensor x = randn({s_local, b, acfg.hidden_size}, uint64_t(rank) * 2 + 100).to(DType::BF16).to(dev, ctx.stream);
+    const Tensor dy =
+        randn({s_local, b, acfg.hidden_size}, uint64_t(rank) * 2 + 101).to(DType::BF16).to(dev, ctx.stream);
+    Run r;
+    r.y = attn.forward(ctx, x).to(Device::cpu(), ctx.stream);
+    r.dx = attn.backward(ctx, dy).to(Device::cpu(), ctx.stream);
+    for (ly::Parameter* p : attn.parameters()) r.grads.push_back(p->main_grad.to(Device::cpu(), ctx.stream));
+    ctx.stream.synchronize();
+    return r;
+  };
+  for (int64_t s_local : {int64_t(64), int64_t(512)}) {
+    for (bool packed : {false, true}) {
+      INFO("p2p ring, local sequence " << s_local << (packed ? ", packed rows" : ""));
+      const Run nccl = run(*g.cp, ly::CpCommType::P2P, s_local, packed), by_ce = run(*ce, ly::CpCommType::P2P, s_local, packed);
+      require_equal(by_ce.y, nccl.y, "output");
+      require_equal(by_ce.dx, nccl.dx, "input gradient");
+      REQUIRE(by_ce.grads.size() == nccl.grads.size());
+      for (size_t i = 0; i < nccl.grads.size(); ++i) require_equal(by_ce.grads[i], nccl.grads[i], "weight gradient");
+    }
+    INFO("all_gather, local sequence " << s_local);
+    const Run nccl = run(*g.cp, ly::CpCommType::AllGather, s_local, false),
+              by_ce = run(*ce, ly::CpCommType::AllGather, s_local, false);
+    double worst = std::max(rel(by_ce.y, nccl.y), rel(by_ce.dx, nccl.dx));
+    CHECK(rel(by_ce.y, nccl.y) == 0.0);  // the forward only gathers: exact
+    for (size_t i = 0; i < nccl.grads.size(); ++i) worst = std::max(worst, rel(by_ce.grads[i], nccl.grads[i]));
+    CHECK(worst <= 2e-2);
+    if (rank == 0)
+      std::printf("[gpu cp] copy engines CP %d seq %lld: p2p bit-identical, all_gather worst rel %.2e\n", cpn,
+                  (long long)(s_local * cpn), worst);
+  }
+}
