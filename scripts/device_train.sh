@@ -26,8 +26,10 @@
 #                comma-separated; TPEERS_ONLY=op prefixes for torch_peers.py --only; TORCH_PEERS=0 / ATTN_PEERS=0
 #                skip the fused-op / SDPA peers; KTESTS=0 skips the tests)
 #   cp           context parallelism: the [cp] tests (merge kernels, ring blocks on cuDNN and flash), the bf16 model at
-#                CP = all GPUs over NCCL against the CPU model, the CP 2/4 trainer parity test, then megacore_bench_cp at
-#                CP = all GPUs (seq 32768 and 65536) and on 1 GPU (seq 8192 and 32768), and the torch
+#                CP = all GPUs over NCCL against the CPU model, the copy-engine transfers ([copy_engine]; the ring over
+#                them bit-identical to NCCL's), the CP 2/4 trainer tests (parity with CP 1, copy engines on and off),
+#                then megacore_bench_cp --copy-engine at CP = all GPUs (seq 32768 and 65536: NCCL's ring and the
+#                copy engines' in the same rounds) and on 1 GPU (seq 8192 and 32768), and the torch
 #                context_parallel peer on the same shapes (CUDNN=ON for cuDNN SDPA)
 #   moe          the MoE ops' [moe] tests (CUDA kernels and the cuBLAS grouped GEMM against the CPU reference), then
 #                megacore_bench_moe (grouped expert GEMMs vs a per-expert loop vs a dense GEMM of the same FLOPs),
@@ -273,10 +275,13 @@ fi
 if has cp; then
   step cp_tests 300 $B/tests/megacore_tests "[cp]"; tail -2 $OUT_DIR/cp_tests.log
   step cp_mpi_gpu 200 mpirun -np $ngpu --bind-to none $B/tests/megacore_mpi_tests "[gpu][cp]"
-  grep -E "\[gpu model\]|test cases|assertions" $OUT_DIR/cp_mpi_gpu.log | sort -u | head -8
-  step cp_pytest 400 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k context_parallel; tail -3 $OUT_DIR/cp_pytest.log
+  grep -E "\[gpu model\]|\[gpu cp\]|test cases|assertions" $OUT_DIR/cp_mpi_gpu.log | sort -u | head -10
+  step cp_copy_engine 200 mpirun -np $ngpu --bind-to none $B/tests/megacore_mpi_tests "[copy_engine]"; tail -2 $OUT_DIR/cp_copy_engine.log
+  step cp_pytest 500 $PY -m pytest -q -rs -s tests/python/test_train_gpu.py -k "context_parallel or cp_comm_copy_engine"
+  tail -3 $OUT_DIR/cp_pytest.log
   for S in 32768 65536; do
-    step bench_cp_$S 300 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_cp --seq $S --out-dir $OUT_DIR/json
+    step bench_cp_$S 300 mpirun -np $ngpu --bind-to none $B/benchmarks/megacore_bench_cp --seq $S --copy-engine \
+      --out-dir $OUT_DIR/json
     grep -E "ms\"|tflops|hidden|tokens_per_s|exchange|wrote|error" $OUT_DIR/bench_cp_$S.log | head -20
     step peer_cp_$S 300 $PY -m torch.distributed.run --nproc-per-node $ngpu benchmarks/cp/torch_cp_peer.py --seq $S \
       --out-dir $OUT_DIR/json; grep -E "ms\"|tflops|error|wrote" $OUT_DIR/peer_cp_$S.log | head -6
