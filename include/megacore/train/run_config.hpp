@@ -45,7 +45,7 @@ struct ParallelSection {
   int virtual_pipeline_model_parallel_size = 1;
   int context_parallel_size = 1;
   std::string cp_comm_type = "p2p";
-  bool cp_comm_copy_engine = true;
+  bool cp_comm_copy_engine = false;
   int expert_model_parallel_size = 1;
   int expert_tensor_parallel_size = 0;
   bool sequence_parallel = false;
@@ -85,7 +85,8 @@ struct ParallelSection {
             "K/V and dK/dV passes are read by the receiving GPU straight from the sender's tensor (CUDA IPC), "
             "all_gather's gathers and reduce-scatters go through a 32 MiB staging buffer per rank. Needs the CP "
             "group on one host with peer access between its GPUs (else logged once, and NCCL stays). Same "
-            "numbers. CPU ranks ignore it."},
+            "numbers. Off by default: a peer's allocations stay mapped until the group ends (memory an OOM retry "
+            "frees is not returned) and a receive waits on the host for the peer's post. CPU ranks ignore it."},
       s.cp_comm_copy_engine);
     f(Field{.name = "expert_model_parallel_size",
             .doc = "EP: MoE layers spread their experts over this many ranks, carved from DP x CP (must divide it and "
