@@ -104,8 +104,8 @@ def test_context_parallel_on_gpus_matches_cp1(tmp_path, cp, comm_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_comm_copy_engine_on_gpus_changes_no_number(tmp_path, cp):
-    """`--set parallel.cp_comm_copy_engine=true` (the CP ring's K/V and dK/dV passes by copy engines through CUDA IPC
-    slots instead of NCCL's kernels) moves the same bytes, so the tiny recipe in bf16 at CP = cp trains to the same
+    """`--set parallel.cp_comm_copy_engine=true` (the CP ring's K/V and dK/dV passes read by the receiving GPU's
+    copy engine from the sender's tensor through CUDA IPC instead of NCCL's kernels) moves the same bytes, so the tiny recipe in bf16 at CP = cp trains to the same
     losses as with NCCL's send/receive (the rest of the step is the same kernels in the same order): within 1e-3
     relative at every step (bit-identical where the kernels are deterministic; printed), and the log says the CP
     group moves by copy engines."""

@@ -56,9 +56,9 @@ struct CommOptions {
   /// NCCL. Set up when the communicator is made (collective). Other ops and reductions stay on NCCL. The
   /// context-parallel group's setting is parallel.cp_comm_copy_engine.
   bool copy_engine = false;
-  /// Device memory each rank of a copy-engine group stages through: half for the collectives (two slots; a
-  /// collective larger than a slot's share per rank is moved in chunks), half for send/receive batches (two
-  /// slots per sending rank; a larger transfer is moved in slot-sized chunks).
+  /// Device memory each rank of a copy-engine group stages its all-gathers and reduce-scatters through (two
+  /// slots; a collective larger than a slot's share per rank is moved in chunks). Send/receive batches stage
+  /// nothing: the receiver reads the sender's tensor.
   size_t copy_engine_buffer_bytes = size_t(128) << 20;
 };
 

@@ -128,7 +128,6 @@ class PeerCopy {
 
  private:
   PeerCopy() = default;
-  size_t chunk_bytes() const { return chunk_bytes_; }
   // Flag addresses: this rank's own flags (waited on), and the same flag in a peer's buffer (written).
   uint64_t* ready_flag(int base_rank, int from, int slot) const;
   uint64_t* consumed_flag(int base_rank, int from, int slot) const;

@@ -286,7 +286,7 @@ TEST_CASE("nccl copy-engine collectives: a rank that skips one ends in CommError
 // rank + 1, two from rank − 1, as layers::SelfAttention's ring passes them), every pair of ranks including a
 // rank to itself with a byte count that differs per (sender, receiver) pair and empty transfers, and two
 // batches in a row to the same peer before anyone waits (they pair in issue order). Tensors come from the
-// caching allocator, so several live in one allocation and later ones reuse mapped allocations. Fresh values
+// caching allocator, whose freed blocks are reused, so later batches read allocations already mapped. Fresh values
 // each run (rank 0's salt); results are read on another stream after wait_on, with no host wait. A small
 // staging buffer makes the collectives interleaved on the group run in chunks.
 TEST_CASE("nccl copy-engine send/receive batches", "[gpu][comm][copy_engine]") {
