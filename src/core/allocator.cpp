@@ -57,6 +57,7 @@ struct Allocator::Impl {
   std::unordered_map<void*, Block> live;
   std::map<void*, std::multimap<size_t, Block>> free_by_stream;
   std::vector<Pending> pending;
+  std::unordered_map<void*, int> pinned;  // block address -> pin count
   MemoryStats st;
   int64_t limit = 0;
 
@@ -102,12 +103,25 @@ struct Allocator::Impl {
   }
   void release_cached(int device) {
     for (auto& [stream, pool] : free_by_stream)
-      for (auto& [size, b] : pool) {
-        cuda_impl::raw_free(b.ptr, device);
-        st.reserved -= int64_t(b.size);
+      for (auto it = pool.begin(); it != pool.end();) {
+        if (pinned.count(it->second.ptr)) {
+          ++it;
+          continue;
+        }
+        cuda_impl::raw_free(it->second.ptr, device);
+        st.reserved -= int64_t(it->second.size);
         ++st.num_device_frees;
+        it = pool.erase(it);
       }
-    free_by_stream.clear();
+  }
+  bool owns(void* p) const {
+    if (live.count(p)) return true;
+    for (const auto& [stream, pool] : free_by_stream)
+      for (const auto& [size, b] : pool)
+        if (b.ptr == p) return true;
+    for (const Pending& q : pending)
+      if (q.block.ptr == p) return true;
+    return false;
   }
 };
 
@@ -260,6 +274,22 @@ void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(I.mu);
   I.process_pending();
   I.release_cached(device_.index);
+}
+
+bool Allocator::pin(void* p) {
+  if (device_.is_cpu() || !p) return false;
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.mu);
+  if (!I.owns(p)) return false;
+  ++I.pinned[p];
+  return true;
+}
+
+void Allocator::unpin(void* p) {
+  auto& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.mu);
+  auto it = I.pinned.find(p);
+  if (it != I.pinned.end() && --it->second <= 0) I.pinned.erase(it);
 }
 
 MemoryStats Allocator::stats() const {

@@ -4,7 +4,9 @@
 // (2 MiB-rounded above 1 MiB), kept on free lists per stream and reused without calling the
 // driver. A block used on another stream (record_stream) returns to its pool only when that
 // stream's work has finished. On out-of-memory the cache is released and the allocation retried
-// once before OutOfMemoryError is thrown. Host memory goes through the same interface (aligned to
+// once before OutOfMemoryError is thrown. A pinned block (pin) is never returned to the driver:
+// another process maps it through CUDA IPC (the copy-engine transfers), and it stays cached and
+// reusable instead. Host memory goes through the same interface (aligned to
 // 64 bytes, not cached) so that host statistics are available too.
 #pragma once
 
@@ -50,8 +52,15 @@ class Allocator {
   /// then returns to its pool at once when freed (stream order already protects it), instead of waiting
   /// on a host-polled event. Unknown pointers and unmarked streams are ignored.
   void release_stream_use(void* p, const Stream& s);
-  /// Returns cached blocks to the driver.
+  /// Returns cached blocks to the driver (pinned ones stay).
   void empty_cache();
+  /// Keeps the block that starts at p (an address this allocator returned) from going back to the driver
+  /// until as many unpin calls: empty_cache and the out-of-memory retry leave it cached, free or not. For
+  /// memory another process has mapped (CUDA IPC). False, and nothing pinned, when p does not start a
+  /// block of this allocator (a view's address, memory from elsewhere).
+  bool pin(void* p);
+  /// Withdraws one pin of p; unknown or unpinned addresses are ignored.
+  void unpin(void* p);
   MemoryStats stats() const;
   void reset_peak_stats();
   Device device() const { return device_; }

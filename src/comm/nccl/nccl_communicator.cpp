@@ -849,7 +849,23 @@ class NcclCommunicator final : public Communicator {
         st_->abort_now(msg);
         throw CommError(msg);
       }
-      return enqueue(what, sobj, std::move(keep), [&] { return ce_result(pc->send_recv(transfers, stream)); });
+      // Transfers whose send tensor is not the caching allocator's were marked by both sides: NCCL moves them,
+      // in the batch's order, after the copy engines' part is enqueued.
+      const bool any_nccl =
+          std::any_of(transfers.begin(), transfers.end(), [](const detail::PeerCopyTransfer& t) { return t.nccl; });
+      return enqueue(what, sobj, std::move(keep), [&]() -> ncclResult_t {
+        ncclResult_t r = ce_result(pc->send_recv(transfers, stream));
+        if (r != ncclSuccess || !any_nccl) return r;
+        if ((r = ncclGroupStart()) != ncclSuccess) return r;
+        ncclResult_t inner = ncclSuccess;
+        for (const detail::PeerCopyTransfer& t : transfers) {
+          if (!t.nccl || inner != ncclSuccess) continue;
+          inner = t.send ? ncclSend(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream)
+                         : ncclRecv(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream);
+        }
+        r = ncclGroupEnd();
+        return inner != ncclSuccess ? inner : r;
+      });
     }
     return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep),
                          [&]() -> ncclResult_t {
@@ -947,7 +963,7 @@ class NcclCommunicator final : public Communicator {
       std::string why;
       DeviceGuard g(st_->device);
       peer_copy_ = detail::PeerCopy::create(
-          rank_, size_, st_->device, options_.copy_engine_buffer_bytes,
+          rank_, size_, st_->device, options_.copy_engine_buffer_bytes, options_.timeout,
           [this](const std::vector<int64_t>& v) { return gather_host(v, "copy-engine setup"); }, &why);
       if (peer_copy_) {
         std::weak_ptr<detail::PeerCopy> weak = peer_copy_;

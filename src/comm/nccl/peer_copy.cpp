@@ -4,18 +4,23 @@
 #include <cuda.h>  // CUstream, CUdeviceptr and the stream memory operation flags; the functions come through
                    // cudaGetDriverEntryPointByVersion (the library does not link the driver library)
 #include <fcntl.h>
+#include <signal.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <fstream>
 #include <thread>
+
+#include "megacore/core/allocator.hpp"
 
 namespace megacore::comm::detail {
 namespace {
@@ -26,11 +31,29 @@ using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned in
 
 constexpr uint64_t kReleased = uint64_t(1) << 62;  // larger than any sequence number a job reaches
 
+// The host: its name and the kernel's boot id (two containers or machines may share a host name).
 int64_t host_id() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) return 0;
-  return int64_t(std::hash<std::string>{}(std::string(name)) & 0x7fffffffffffffffULL);
+  std::string id(name);
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string b;
+  if (boot >> b) id += "/" + b;
+  return int64_t(std::hash<std::string>{}(id) & 0x7fffffffffffffffULL);
 }
+
+// Makes `device` current for a scope and restores the caller's device after it.
+struct CurrentDevice {
+  int prev = -1;
+  explicit CurrentDevice(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1, (void)cudaGetLastError();
+    if (prev != device) cudaSetDevice(device);
+  }
+  ~CurrentDevice() {
+    int now = -1;
+    if (prev >= 0 && cudaGetDevice(&now) == cudaSuccess && now != prev) cudaSetDevice(prev);
+  }
+};
 
 void* driver_fn(const char* name) {
   void* f = nullptr;
@@ -79,6 +102,11 @@ constexpr uint64_t kMailboxDepth = 64;
 struct MailboxEntry {
   cudaIpcMemHandle_t handle;
   uint64_t base, offset, bytes;
+  uint64_t by_nccl;  // 1: the tensor is not the caching allocator's; both sides move it with NCCL
+};
+struct MailboxHeader {
+  std::atomic<uint64_t> closed[kPeerCopyMaxRanks];  // 1 once rank r closed its mappings at teardown
+  std::atomic<int64_t> pid[kPeerCopyMaxRanks];      // rank r's process (a dead one maps nothing)
 };
 struct MailboxPair {
   std::atomic<uint64_t> posted{0};
@@ -93,8 +121,10 @@ struct PeerCopyMailbox {
   void* base = nullptr;
   size_t bytes = 0;
   int size = 0;
+  MailboxHeader* header() const { return static_cast<MailboxHeader*>(base); }
   MailboxPair* pair(int from, int to) const {
-    return static_cast<MailboxPair*>(base) + (size_t(from) * size_t(size) + size_t(to));
+    return reinterpret_cast<MailboxPair*>(static_cast<char*>(base) + sizeof(MailboxHeader)) +
+           (size_t(from) * size_t(size) + size_t(to));
   }
   ~PeerCopyMailbox() {
     if (base) munmap(base, bytes);
@@ -102,12 +132,14 @@ struct PeerCopyMailbox {
 };
 
 std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_t buffer_bytes,
-                                           const GatherFn& gather, std::string* why) {
+                                           std::chrono::milliseconds timeout, const GatherFn& gather,
+                                           std::string* why) {
   static_assert(sizeof(cudaIpcMemHandle_t) == 64, "an IPC handle travels as 8 int64 values");
   std::shared_ptr<PeerCopy> pc(new PeerCopy());
   pc->rank_ = rank;
   pc->size_ = size;
   pc->device_ = device;
+  pc->timeout_ = timeout;
   const size_t flags_bytes = (size_t(2) * size * kSlots + size_t(2) * size + kSlots) * sizeof(uint64_t);
   pc->slot_bytes_ = (buffer_bytes / kSlots) & ~size_t(255);
   pc->chunk_bytes_ = (pc->slot_bytes_ / size) & ~size_t(255);
@@ -115,7 +147,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
   pc->sent_.assign(size_t(size), 0);
   pc->received_.assign(size_t(size), 0);
   const size_t total = pc->flags_offset_ + flags_bytes;
-  cudaSetDevice(device);
+  CurrentDevice current(device);
 
   std::string mine;
   cudaIpcMemHandle_t handle{};
@@ -171,7 +203,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
   const std::string name = fmt::format("/megacore_pc_{:x}", uint64_t(all0[10]));
   auto mb = std::make_shared<PeerCopyMailbox>();
   mb->size = size;
-  mb->bytes = sizeof(MailboxPair) * size_t(size) * size_t(size);
+  mb->bytes = sizeof(MailboxHeader) + sizeof(MailboxPair) * size_t(size) * size_t(size);
   auto map_it = [&](int flags) -> std::string {
     const int fd = shm_open(name.c_str(), flags, 0600);
     if (fd < 0) return fmt::format("shm_open({}) failed: {}", name, std::strerror(errno));
@@ -196,6 +228,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
   if (rank == 0) shm_unlink(name.c_str());
   for (int r = 0; r < size; ++r)
     if (mapped_ok[size_t(r)] != 1) return give_up(r == rank ? made : fmt::format("rank {} could not map the host mailbox", r));
+  mb->header()->pid[rank].store(int64_t(getpid()), std::memory_order_relaxed);
   pc->mailbox_ = std::move(mb);
   pc->range_fn_ = driver_fn("cuMemGetAddressRange");
   if (!pc->range_fn_) return give_up("the driver has no cuMemGetAddressRange");  // same driver on every rank
@@ -204,11 +237,44 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
 
 PeerCopy::~PeerCopy() {
   if (!own_) return;
-  cudaSetDevice(device_);
-  cudaDeviceSynchronize();  // nothing of this rank still reads or writes a mapping
+  CurrentDevice current(device_);
+  if (!drain_device()) {
+    // Something on this device never ended (not a wait of ours: those were released): leave the mappings and
+    // the buffer as they are rather than free memory a running copy may still touch.
+    fmt::print(stderr, "[megacore] comm: copy-engine teardown on cuda:{}: the device did not finish within the "
+               "timeout even with every flag released; its mappings and buffer are left in place\n", device_);
+    return;
+  }
   for (int r = 0; r < int(base_.size()); ++r)
     if (r != rank_ && base_[size_t(r)]) cudaIpcCloseMemHandle(base_[size_t(r)]);
   for (const auto& [key, p] : opened_) cudaIpcCloseMemHandle(p);
+  (void)cudaGetLastError();
+  if (mailbox_) {
+    MailboxHeader* h = mailbox_->header();
+    h->closed[rank_].store(1, std::memory_order_release);
+    if (!pinned_.empty() && !released_.load()) {
+      // This rank's pinned allocations go back to the caching allocator's rules only once no peer maps them: every
+      // rank closed its mappings, or its process is gone (after an abort they stay pinned: a peer may still be
+      // running without ever arriving).
+      auto done = [&](int r) {
+        if (h->closed[r].load(std::memory_order_acquire)) return true;
+        const int64_t pid = h->pid[r].load(std::memory_order_relaxed);
+        return pid > 0 && kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+      };
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
+      bool all = false;
+      for (;;) {
+        all = true;
+        for (int r = 0; r < size_ && all; ++r) all = done(r);
+        if (all || std::chrono::steady_clock::now() > deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (all) {
+        Allocator& a = Allocator::get(Device::cuda(device_));
+        for (void* p : pinned_) a.unpin(p);
+      }
+    }
+  }
   cudaFree(own_);
   if (push_) cudaStreamDestroy(push_);
   if (recv_) cudaStreamDestroy(recv_);
@@ -216,6 +282,44 @@ PeerCopy::~PeerCopy() {
   if (join_) cudaEventDestroy(join_);
   if (join_recv_) cudaEventDestroy(join_recv_);
   (void)cudaGetLastError();
+}
+
+bool PeerCopy::drain_device() {
+  // cudaDeviceSynchronize on a helper thread, so that this one can bound the wait: up to the timeout for the
+  // group's transfers to end by themselves (a live peer finishes its side), then with every flag of this rank
+  // written to its largest value, again and again (a slower peer's late write can lower one), for as long
+  // once more. After an abort the flags are released from the start.
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  const int device = device_;
+  std::thread sync([done, device] {
+    cudaSetDevice(device);
+    cudaDeviceSynchronize();
+    (void)cudaGetLastError();
+    done->store(true, std::memory_order_release);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto last_release = start - std::chrono::hours(1);
+  while (!done->load(std::memory_order_acquire)) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start > 2 * timeout_ + std::chrono::seconds(1)) {
+      sync.detach();  // it holds nothing of this object
+      return false;
+    }
+    if ((released_.load() || now - start > timeout_) && now - last_release > std::chrono::milliseconds(10)) {
+      release();
+      last_release = now;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  sync.join();
+  return true;
+}
+
+bool PeerCopy::pin_allocation(void* base) {
+  if (std::find(pinned_.begin(), pinned_.end(), base) != pinned_.end()) return true;
+  if (!Allocator::get(Device::cuda(device_)).pin(base)) return false;
+  pinned_.push_back(base);
+  return true;
 }
 
 uint64_t* PeerCopy::ready_flag(int base_rank, int from, int slot) const {
@@ -291,7 +395,7 @@ FinishArgs PeerCopy::finish_args(uint64_t q, int slot) const {
 }
 
 cudaError_t PeerCopy::all_gather(const void* in, void* out, size_t bytes_per_rank, cudaStream_t s) {
-  cudaSetDevice(device_);
+  CurrentDevice current(device_);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   MC_PC_TRY(fork(s));
@@ -315,7 +419,7 @@ cudaError_t PeerCopy::all_gather(const void* in, void* out, size_t bytes_per_ran
 }
 
 cudaError_t PeerCopy::reduce_scatter_sum(const void* in, void* out, int64_t count, DType dtype, cudaStream_t s) {
-  cudaSetDevice(device_);
+  CurrentDevice current(device_);
   const size_t es = dtype_size(dtype);
   const size_t bytes = size_t(count) * es;
   const size_t step = chunk_bytes_ / es * es;
@@ -361,86 +465,127 @@ char* PeerCopy::mapped(const void* handle, std::string* why) {
 
 std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, std::chrono::milliseconds timeout,
                                      const std::function<bool()>& aborted) {
-  cudaSetDevice(device_);
+  CurrentDevice current(device_);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  // Waits until ready() under the deadline and the abort; "" or why not.
-  auto wait_for = [&](auto&& ready, auto&& what) -> std::string {
-    for (int spins = 0; !ready(); ++spins) {
-      if (aborted()) return fmt::format("{}: the communicator was aborted meanwhile", what());
-      if (std::chrono::steady_clock::now() > deadline)
-        return fmt::format("{} within the timeout ({} ms): that rank did not post the matching send (it skipped "
-                           "this batch, posted another, or died)",
-                           what(), timeout.count());
-      if (spins > 2000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-      else std::this_thread::yield();
-    }
-    return {};
+  struct Post {
+    size_t t;  // index into transfers
+    MailboxEntry e;
   };
+  std::vector<Post> sends;
+  std::vector<size_t> recvs;
   std::vector<const void*> self_sends;
-  for (PeerCopyTransfer& t : transfers) {
-    if (!t.send || t.bytes == 0) continue;
+  // Sequence numbers in issue order per pair; the sends' entries are made up front.
+  for (size_t i = 0; i < transfers.size(); ++i) {
+    PeerCopyTransfer& t = transfers[i];
+    if (t.bytes == 0) continue;
     if (t.peer < 0 || t.peer >= size_) return fmt::format("peer {} is out of range [0, {})", t.peer, size_);
+    if (!t.send) {
+      if (t.peer != rank_) t.seq = ++received_[size_t(t.peer)], recvs.push_back(i);
+      continue;
+    }
     if (t.peer == rank_) {
       self_sends.push_back(t.data);
       continue;
     }
+    Post post{i, {}};
     CUdeviceptr base = 0;
     size_t len = 0;
-    if (reinterpret_cast<GetAddressRange>(range_fn_)(&base, &len, reinterpret_cast<CUdeviceptr>(t.data)) != CUDA_SUCCESS)
-      return "cuMemGetAddressRange failed on a send tensor (not device memory from cudaMalloc?)";
-    cudaIpcMemHandle_t h;
-    if (cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)); e != cudaSuccess) {
+    const bool ours =
+        reinterpret_cast<GetAddressRange>(range_fn_)(&base, &len, reinterpret_cast<CUdeviceptr>(t.data)) ==
+            CUDA_SUCCESS &&
+        pin_allocation(reinterpret_cast<void*>(base));
+    if (ours) {
+      if (cudaError_t e = cudaIpcGetMemHandle(&post.e.handle, reinterpret_cast<void*>(base)); e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fmt::format("cudaIpcGetMemHandle failed on a send tensor's allocation ({})", cudaGetErrorString(e));
+      }
+      post.e.base = uint64_t(base);
+      post.e.offset = uint64_t(reinterpret_cast<CUdeviceptr>(t.data) - base);
+    } else {
       (void)cudaGetLastError();
-      return fmt::format("cudaIpcGetMemHandle failed on a send tensor's allocation ({})", cudaGetErrorString(e));
+      post.e.by_nccl = 1;
+      t.nccl = true;
     }
-    const uint64_t k = ++sent_[size_t(t.peer)];
-    MailboxPair* mp = mailbox_->pair(rank_, t.peer);
-    std::string err = wait_for([&] { return mp->read.load(std::memory_order_acquire) + kMailboxDepth >= k; },
-                               [&] { return fmt::format("rank {} did not read this rank's send #{}", t.peer, k - kMailboxDepth); });
-    if (!err.empty()) return err;
-    MailboxEntry& e = mp->entry[k % kMailboxDepth];
-    e.handle = h;
-    e.base = uint64_t(base);
-    e.offset = uint64_t(reinterpret_cast<CUdeviceptr>(t.data) - base);
-    e.bytes = t.bytes;
-    mp->posted.store(k, std::memory_order_release);
-    t.seq = k;
+    post.e.bytes = t.bytes;
+    t.seq = ++sent_[size_t(t.peer)];
+    sends.push_back(post);
   }
   size_t self_next = 0;
   for (PeerCopyTransfer& t : transfers) {
-    if (t.send || t.bytes == 0) continue;
-    if (t.peer < 0 || t.peer >= size_) return fmt::format("peer {} is out of range [0, {})", t.peer, size_);
-    if (t.peer == rank_) {
-      if (self_next >= self_sends.size())
-        return "a receive from this rank itself has no matching send to itself in the same batch";
-      t.source = self_sends[self_next++];
+    if (t.send || t.bytes == 0 || t.peer != rank_) continue;
+    if (self_next >= self_sends.size())
+      return "a receive from this rank itself has no matching send to itself in the same batch";
+    t.source = self_sends[self_next++];
+  }
+  // One progress loop: post each send once the pair's ring has room (the peer has read the entry that used its
+  // place), read each receive once its sender posted it; per pair strictly in sequence order. Reading while
+  // waiting to post is what lets any number of transfers per pair through a ring of kMailboxDepth entries.
+  size_t next_send = 0, next_recv = 0;
+  std::vector<bool> posted(sends.size(), false), read(recvs.size(), false);
+  for (int spins = 0; next_send < sends.size() || next_recv < recvs.size(); ++spins) {
+    bool progress = false;
+    for (size_t j = next_send; j < sends.size(); ++j) {
+      if (posted[j]) continue;
+      const PeerCopyTransfer& t = transfers[sends[j].t];
+      MailboxPair* mp = mailbox_->pair(rank_, t.peer);
+      if (mp->posted.load(std::memory_order_relaxed) + 1 != t.seq) continue;  // an earlier send to that peer first
+      if (mp->read.load(std::memory_order_acquire) + kMailboxDepth < t.seq) continue;  // no room yet
+      mp->entry[t.seq % kMailboxDepth] = sends[j].e;
+      mp->posted.store(t.seq, std::memory_order_release);
+      posted[j] = true, progress = true;
+    }
+    while (next_send < sends.size() && posted[next_send]) ++next_send;
+    for (size_t j = next_recv; j < recvs.size(); ++j) {
+      if (read[j]) continue;
+      PeerCopyTransfer& t = transfers[recvs[j]];
+      MailboxPair* mp = mailbox_->pair(t.peer, rank_);
+      if (mp->read.load(std::memory_order_relaxed) + 1 != t.seq) continue;  // an earlier receive from that peer first
+      if (mp->posted.load(std::memory_order_acquire) < t.seq) continue;
+      const MailboxEntry e = mp->entry[t.seq % kMailboxDepth];
+      mp->read.store(t.seq, std::memory_order_release);
+      read[j] = true, progress = true;
+      if (e.bytes != t.bytes)
+        return fmt::format("receive #{} from rank {} is {} bytes but that rank sent {}; a send and its receive must "
+                           "have the same size",
+                           t.seq, t.peer, t.bytes, e.bytes);
+      if (e.by_nccl) {
+        t.nccl = true;
+        continue;
+      }
+      std::string why;
+      char* p = mapped(&e.handle, &why);
+      if (!p) return why;
+      t.source = p + e.offset;
+    }
+    while (next_recv < recvs.size() && read[next_recv]) ++next_recv;
+    if (progress) {
+      spins = 0;
       continue;
     }
-    const uint64_t k = ++received_[size_t(t.peer)];
-    MailboxPair* mp = mailbox_->pair(t.peer, rank_);
-    std::string err = wait_for([&] { return mp->posted.load(std::memory_order_acquire) >= k; },
-                               [&] { return fmt::format("no send #{} from rank {} arrived", k, t.peer); });
-    if (!err.empty()) return err;
-    const MailboxEntry e = mp->entry[k % kMailboxDepth];
-    mp->read.store(k, std::memory_order_release);
-    if (e.bytes != t.bytes)
-      return fmt::format("receive #{} from rank {} is {} bytes but that rank sent {}; a send and its receive must "
-                         "have the same size",
-                         k, t.peer, t.bytes, e.bytes);
-    std::string why;
-    char* p = mapped(&e.handle, &why);
-    if (!p) return why;
-    t.source = p + e.offset;
-    t.seq = k;
+    if (aborted()) return "the communicator was aborted meanwhile";
+    if (std::chrono::steady_clock::now() > deadline) {
+      if (next_recv < recvs.size()) {
+        const PeerCopyTransfer& t = transfers[recvs[next_recv]];
+        return fmt::format("no send #{} from rank {} arrived within the timeout ({} ms): that rank did not post the "
+                           "matching send (it skipped this batch, posted another, or died)",
+                           t.seq, t.peer, timeout.count());
+      }
+      const PeerCopyTransfer& t = transfers[sends[next_send].t];
+      return fmt::format("rank {} did not read this rank's send #{} within the timeout ({} ms) (it skipped this "
+                         "batch, posted another, or died)",
+                         t.peer, t.seq - kMailboxDepth, timeout.count());
+    }
+    if (spins > 2000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    else std::this_thread::yield();
   }
   return {};
 }
 
 cudaError_t PeerCopy::send_recv(const std::vector<PeerCopyTransfer>& transfers, cudaStream_t s) {
-  cudaSetDevice(device_);
+  CurrentDevice current(device_);
   bool sends = false, recvs = false;
   for (const PeerCopyTransfer& t : transfers) {
-    if (t.bytes == 0) continue;
+    if (t.bytes == 0 || t.nccl) continue;
     if (t.send) sends = sends || t.peer != rank_;
     else recvs = true;
   }
@@ -450,12 +595,14 @@ cudaError_t PeerCopy::send_recv(const std::vector<PeerCopyTransfer>& transfers, 
   if (recvs) MC_PC_TRY(cudaStreamWaitEvent(recv_, fork_, 0));
   // Sender: every tensor may be read now (its producers are ahead on `s`); then keep it until it was read.
   for (const PeerCopyTransfer& t : transfers)
-    if (t.send && t.bytes && t.peer != rank_) MC_PC_TRY(write_flag(push_, p2p_ready_flag(t.peer, rank_), t.seq));
+    if (t.send && t.bytes && !t.nccl && t.peer != rank_)
+      MC_PC_TRY(write_flag(push_, p2p_ready_flag(t.peer, rank_), t.seq));
   for (const PeerCopyTransfer& t : transfers)
-    if (t.send && t.bytes && t.peer != rank_) MC_PC_TRY(wait_flag(push_, p2p_consumed_flag(rank_, t.peer), t.seq));
+    if (t.send && t.bytes && !t.nccl && t.peer != rank_)
+      MC_PC_TRY(wait_flag(push_, p2p_consumed_flag(rank_, t.peer), t.seq));
   // Receiver: wait for the sender's word, read its tensor (a peer copy: the copy engines), say so.
   for (const PeerCopyTransfer& t : transfers) {
-    if (t.send || t.bytes == 0) continue;
+    if (t.send || t.bytes == 0 || t.nccl) continue;
     if (t.peer != rank_) MC_PC_TRY(wait_flag(recv_, p2p_ready_flag(rank_, t.peer), t.seq));
     MC_PC_TRY(cudaMemcpyAsync(t.data, t.source, t.bytes, cudaMemcpyDeviceToDevice, recv_));
     if (t.peer != rank_) MC_PC_TRY(write_flag(recv_, p2p_consumed_flag(t.peer, rank_), t.seq));
@@ -475,9 +622,8 @@ cudaError_t PeerCopy::send_recv(const std::vector<PeerCopyTransfer>& transfers, 
 
 void PeerCopy::release() noexcept {
   if (!own_) return;
-  int prev = -1;
-  cudaGetDevice(&prev);
-  cudaSetDevice(device_);
+  released_.store(true);
+  CurrentDevice current(device_);
   const size_t n = flag_count();
   std::vector<uint64_t> high(n, kReleased);
   // A non-blocking stream of its own: the legacy default stream would queue behind the waiting streams.
@@ -488,7 +634,6 @@ void PeerCopy::release() noexcept {
     cudaStreamDestroy(s);
   }
   (void)cudaGetLastError();
-  if (prev >= 0) cudaSetDevice(prev);
 }
 
 }  // namespace megacore::comm::detail

@@ -42,13 +42,28 @@
 //   receiver, on a second stream: wait for its own p2p_ready[a] >= k, copy (peer read, copy engine), write k
 //   into a's p2p_consumed[b].
 // A receive's byte count must equal the send's, as for NCCL; here a mismatch is an error naming both.
-// Nothing blocks the host but the mailbox. An abort of the communicator writes every flag to its largest
-// value (release()), which lets a stream or kernel waiting for a dead peer go on; the abort itself is what
-// reports the failure.
+// Nothing blocks the host but the mailbox. A batch posts and reads in one progress loop (a send waits for
+// mailbox room while the receives already posted to this rank are read), so any number of transfers per
+// pair fits the mailbox's fixed depth.
+//
+// A mapped sender allocation must not be returned to the driver while a peer maps it, or the peer's mapping
+// keeps memory the sender believes freed. So the sender pins the allocation in megacore's caching allocator
+// (Allocator::pin) the first time it posts it: empty_cache and the out-of-memory retry leave it cached and
+// reusable until the communicator ends. A send tensor that is not the caching allocator's (memory from torch
+// or the user) is posted as "by NCCL": both sides then move it with NCCL's send/receive, in the batch's
+// order, after the copy-engine part (PeerCopyTransfer::nccl).
+//
+// An abort of the communicator writes every flag to its largest value (release()), which lets a stream or
+// kernel waiting for a dead peer go on; the abort itself is what reports the failure. Teardown waits for the
+// device under the communicator's timeout, writing the flags to their largest value again while it waits
+// (a slower peer's late write can lower one), then closes every mapping, and unpins this rank's allocations
+// only once every rank of the group has closed its mappings or ended (a host barrier in the mailbox, under the
+// same timeout; a live rank that never arrives, or an abort, leaves them pinned until the process ends).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -87,6 +102,7 @@ struct PeerCopyTransfer {
   size_t bytes = 0;
   const void* source = nullptr;
   uint64_t seq = 0;  // set by post_and_match: the pair's sequence number of this transfer
+  bool nccl = false;  // set by post_and_match: moved by NCCL (the send tensor is not the caching allocator's)
 };
 
 struct PeerCopyMailbox;  // the host mailbox (peer_copy.cpp)
@@ -102,7 +118,8 @@ class PeerCopy {
   /// object, or null with `why` saying what the group lacks (ranks on different hosts, no IPC or stream
   /// memory operations on this device), in which case the caller keeps NCCL's kernels.
   static std::shared_ptr<PeerCopy> create(int rank, int size, int device, size_t buffer_bytes,
-                                          const GatherFn& gather, std::string* why);
+                                          std::chrono::milliseconds timeout, const GatherFn& gather,
+                                          std::string* why);
   ~PeerCopy();
   PeerCopy(const PeerCopy&) = delete;
   PeerCopy& operator=(const PeerCopy&) = delete;
@@ -111,13 +128,15 @@ class PeerCopy {
   cudaError_t all_gather(const void* in, void* out, size_t bytes_per_rank, cudaStream_t stream);
   /// out (count elements) = sum over ranks of in[rank * count, +count); f32, bf16 or f16.
   cudaError_t reduce_scatter_sum(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream);
-  /// Host half of a send/receive batch: posts every send's tensor in the mailbox, then waits for the peers'
-  /// posts of every receive and maps their tensors (t.source). An empty string, or what went wrong (a peer
-  /// that posted nothing within `timeout` or before `aborted()` turned true, a size mismatch, a mapping
-  /// that failed). Every transfer of a batch goes through this once, then through send_recv.
+  /// Host half of a send/receive batch: posts every send's tensor in the mailbox and reads the peers' posts
+  /// of every receive, mapping their tensors (t.source) or marking the transfer t.nccl. An empty string, or
+  /// what went wrong (a peer that posted nothing within `timeout` or before `aborted()` turned true, a size
+  /// mismatch, a mapping that failed). Every transfer of a batch goes through this once, then through
+  /// send_recv (which skips the t.nccl ones: the caller moves those with NCCL).
   std::string post_and_match(std::vector<PeerCopyTransfer>& transfers, std::chrono::milliseconds timeout,
                              const std::function<bool()>& aborted);
   /// Device half: the flags and peer copies, on streams forked from `stream`, which waits for them all.
+  /// Transfers marked nccl are left out.
   cudaError_t send_recv(const std::vector<PeerCopyTransfer>& transfers, cudaStream_t stream);
   /// True when the copy-engine reduce-scatter handles `dtype`.
   static bool sums(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
@@ -139,6 +158,10 @@ class PeerCopy {
   size_t flag_count() const { return size_t(2) * size_ * kSlots + size_t(2) * size_; }  // released by release()
   // The peer allocation behind an IPC handle, opened once (null with `why` set when opening failed).
   char* mapped(const void* handle, std::string* why);
+  // Pins a send tensor's allocation (once per allocation): false when it is not the caching allocator's.
+  bool pin_allocation(void* base);
+  // The device sync of teardown, bounded (see the header comment); false when it gave up waiting.
+  bool drain_device();
   cudaError_t wait_flag(cudaStream_t s, uint64_t* flag, uint64_t value) const;
   cudaError_t write_flag(cudaStream_t s, uint64_t* flag, uint64_t value) const;
   unsigned long long* counter(int slot) const;
@@ -153,6 +176,9 @@ class PeerCopy {
   std::vector<uint64_t> sent_, received_;  // sends / receives so far, per peer
   std::shared_ptr<PeerCopyMailbox> mailbox_;
   std::vector<std::pair<std::string, char*>> opened_;  // IPC handle bytes -> the peer allocation mapped here
+  std::vector<void*> pinned_;                          // this rank's allocations pinned for its peers
+  std::chrono::milliseconds timeout_{0};
+  std::atomic<bool> released_{false};
   char* own_ = nullptr;           // this rank's buffer
   std::vector<char*> base_;       // base_[r]: rank r's buffer as mapped here (own_ for r == rank_)
   uint64_t seq_ = 0;              // chunks issued so far

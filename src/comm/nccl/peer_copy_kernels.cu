@@ -18,14 +18,22 @@ namespace {
 
 constexpr int kThreads = 512;
 
+// Thread 0 of a block waits for peer p's piece: an acquire load at system scope, so that the block's reads of
+// the piece (after the __syncthreads that follows) see what the peer's copy engine wrote before its flag.
 __device__ __forceinline__ void wait_ready(const FinishArgs& a, int p) {
   if (p == a.rank) return;
-  const volatile unsigned long long* f = reinterpret_cast<const volatile unsigned long long*>(a.ready[p]);
-  while (static_cast<long long>(*f - a.q) < 0) __nanosleep(128);
+  for (;;) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a.ready[p]) : "memory");
+    if (static_cast<long long>(v - a.q) >= 0) break;
+    __nanosleep(128);
+  }
 }
 
-// Every block done with the slot: the last one signals the peers (after a system-scope fence, so that its
-// flag write cannot pass the reads) and resets the counter for the slot's next use.
+// Every block done with the slot: the last one resets the counter for the slot's next use, then (after a
+// barrier and a system-scope fence, so that neither the reset nor any block's reads can come after it) tells
+// the peers their pieces were consumed. The reset must be visible first: once a peer sees "consumed" it may
+// refill the slot, and the next chunk's kernel on this slot (possibly on another stream) counts from zero.
 __device__ __forceinline__ void finish(const FinishArgs& a) {
   __syncthreads();
   __shared__ bool last;
@@ -35,7 +43,11 @@ __device__ __forceinline__ void finish(const FinishArgs& a) {
   }
   __syncthreads();
   if (!last) return;
-  if (threadIdx.x == 0) *a.counter = 0;
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile unsigned long long*>(a.counter) = 0;
+    __threadfence_system();
+  }
+  __syncthreads();
   if (threadIdx.x < a.size && int(threadIdx.x) != a.rank) {
     __threadfence_system();
     *reinterpret_cast<volatile unsigned long long*>(a.consumed[threadIdx.x]) = a.q;

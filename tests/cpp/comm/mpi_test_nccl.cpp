@@ -6,6 +6,10 @@
 #include <thread>
 
 #include "comm/comm_suite.hpp"
+#include "megacore/build_config.hpp"
+#if MEGACORE_WITH_NCCL
+#include <cuda_runtime.h>
+#endif
 
 using namespace commtest;
 using namespace std::chrono_literals;
@@ -405,3 +409,40 @@ TEST_CASE("nccl copy-engine send/receive: a rank that skips a batch ends in Comm
   c->abort();
   CHECK(c->aborted());
 }
+
+#if MEGACORE_WITH_NCCL
+// A send tensor that is not the caching allocator's (plain cudaMalloc, as torch's or a user's memory would be)
+// cannot be pinned against the allocator's frees, so both sides move it with NCCL inside the same batch, in
+// order with the copy-engine transfers around it: every value arrives, and the group stays on copy engines.
+TEST_CASE("nccl copy-engine send/receive: foreign send memory goes by NCCL in the same batch",
+          "[gpu][comm][copy_engine]") {
+  MC_REQUIRE_GPU();
+  uint64_t salt = fresh_salt();
+  INFO("salt " << salt);
+  CommOptions o = nccl_opts("ce_foreign");
+  o.copy_engine = true;
+  auto c = nccl_world(o);
+  const int n = c->size(), me = c->rank(), next = (me + 1) % n, prev = (me + n - 1) % n;
+  if (n < 2) return;
+  REQUIRE(c->copy_engine_active());
+  const Device dev = my_device();
+  Stream s = Stream::create(dev);
+  const int64_t cnt = 10000 + int64_t(salt % 1000);
+  void* raw = nullptr;
+  REQUIRE(cudaSetDevice(dev.index) == cudaSuccess);
+  REQUIRE(cudaMalloc(&raw, size_t(cnt) * 4) == cudaSuccess);
+  Tensor foreign = Tensor::from_blob(raw, {cnt}, {1}, DType::F32, dev, [raw] { cudaFree(raw); });
+  foreign.copy_(make_on(DType::F32, values(DType::F32, cnt, me, salt), dev));
+  Tensor before = make_on(DType::F32, values(DType::F32, 777, me, salt + 1), dev);
+  Tensor after = make_on(DType::F32, values(DType::F32, 999, me, salt + 2), dev);
+  Tensor r0 = Tensor::zeros({777}, DType::F32, dev), r1 = Tensor::zeros({cnt}, DType::F32, dev),
+         r2 = Tensor::zeros({999}, DType::F32, dev);
+  c->batch_send_recv({{P2POp::Send, before, next}, {P2POp::Send, foreign, next}, {P2POp::Send, after, next},
+                      {P2POp::Recv, r0, prev}, {P2POp::Recv, r1, prev}, {P2POp::Recv, r2, prev}},
+                     s)
+      ->wait();
+  CHECK(r0.to_double_vector() == values(DType::F32, 777, prev, salt + 1));
+  CHECK(r1.to_double_vector() == values(DType::F32, cnt, prev, salt));
+  CHECK(r2.to_double_vector() == values(DType::F32, 999, prev, salt + 2));
+}
+#endif  // MEGACORE_WITH_NCCL

@@ -234,6 +234,45 @@ TEST_CASE("the CUDA caching allocator reuses blocks and keeps statistics", "[gpu
   a.set_memory_limit(0);
 }
 
+// Allocator::pin (the copy-engine transfers pin what another process maps through CUDA IPC): a pinned block
+// stays reserved through empty_cache and the out-of-memory retry, free or live, and is still reused; only a
+// block's own start address pins; unpin counts.
+TEST_CASE("a pinned block is never returned to the driver but stays reusable", "[gpu][core][allocator]") {
+  MC_REQUIRE_GPU();
+  Device d = Device::cuda(0);
+  Allocator& a = Allocator::get(d);
+  Stream s = Stream::create(d);
+  a.empty_cache();
+  const MemoryStats s0 = a.stats();
+  CHECK_FALSE(Allocator::get(Device::cpu()).pin(nullptr));
+  void* p = nullptr;
+  {
+    Tensor t = Tensor::empty({1 << 20}, DType::F32, d, s);  // 4 MiB
+    p = t.data_ptr();
+    CHECK_FALSE(a.pin(static_cast<char*>(p) + 512));  // a view's address is not a block
+    REQUIRE(a.pin(p));
+    REQUIRE(a.pin(p));  // counted
+    a.empty_cache();    // live: nothing to return anyway
+  }
+  a.empty_cache();  // free now, but pinned: stays
+  CHECK(a.stats().reserved - s0.reserved == 4 << 20);
+  {
+    Tensor t = Tensor::empty({1 << 20}, DType::F32, d, s);
+    CHECK(t.data_ptr() == p);  // reused from the cache
+  }
+  // The out-of-memory retry empties the cache too, and leaves the pinned block.
+  CHECK_THROWS_AS(Tensor::empty({int64_t(1) << 40}, DType::F32, d, s), OutOfMemoryError);
+  CHECK(a.stats().reserved - s0.reserved == 4 << 20);
+  a.unpin(p);
+  a.empty_cache();
+  CHECK(a.stats().reserved - s0.reserved == 4 << 20);  // one pin left
+  a.unpin(p);
+  a.unpin(p);  // an extra unpin is ignored
+  a.empty_cache();
+  CHECK(a.stats().reserved == s0.reserved);
+  CHECK_FALSE(a.pin(p));  // returned to the driver: no longer a block of this allocator
+}
+
 TEST_CASE("a block used on another stream is not reused before that stream finishes, unless the use is withdrawn",
           "[gpu][core][allocator]") {
   MC_REQUIRE_GPU();
