@@ -38,9 +38,10 @@
 // Epilogues: forward/dgrad (and bf16 dw, or beta outside {0, 1}) store from registers. An f32 dw with
 // beta 1 goes through shared memory: with many rows per group the accumulators are staged in 16 KiB boxes
 // and reduce-added into dw by TMA (L2 does the read-modify-write); with few rows (tiles that are all
-// epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB) by TMA while the
-// tile's k-blocks stream in, and the consumer adds its accumulators to the box's values and stores the sums
-// to dw from registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA.
+// epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB, four 16 KiB chunks)
+// by TMA after the tile's k-blocks, each chunk as soon as the consumer's previous epilogue has read that chunk,
+// and the consumer adds its accumulators to the box's values chunk by chunk and stores the sums to dw from
+// registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA.
 // See grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
@@ -71,6 +72,7 @@ constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kThreadsGG = 384;
 constexpr int kTmaEpilogueMinRows = 512;      // beta 0: mean rows per group from which dw is stored by TMA
 constexpr int kReduceEpilogueMinRows = 1024;  // beta 1: from here the TMA reduce-add, below it the staged box
+constexpr int kStagedPartsMinRows = 256;      // the staged box: from here in four parts, below it in one
 constexpr uint32_t kStageBytes = uint32_t((kBM + kBN) * kBK * 2);  // 32 KiB
 constexpr uint32_t kHalfBytes = 8192;                               // one MN-major 64 x 64 box
 // Stages, the mbarriers (padded to 1 KiB), two 16 KiB staging boxes for the TMA epilogue, 1 KiB to align.
@@ -280,7 +282,7 @@ __device__ __forceinline__ void chunk_pairs(uint32_t box, int ch, int warp, int 
 }
 #endif
 
-template <int Kind, class TO, bool kStaged>
+template <int Kind, class TO, bool kStaged, int kParts = 1>
 __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __grid_constant__ Params p) {
 #if MC_GG_DEVICE
   constexpr int kStages = stages_of<kStaged>();
@@ -290,11 +292,14 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   const uint32_t bars = base + kStages * kStageBytes;  // then 1 KiB of barriers, then the staging boxes
   auto full = [&](int s) { return bars + uint32_t(s) * 8u; };
   auto empty = [&](int s) { return bars + uint32_t(kStages + s) * 8u; };
-  // kStaged: consumer c's main-grad box at cbox(c); cfull(c) completes when its TMA load landed, cempty(c)
-  // when the consumer's TMA store has read it back out.
+  // kStaged: consumer c's main-grad box at cbox(c), four 16 KiB chunks of 32 columns, loaded and freed in kParts
+  // parts (1: the whole box, 4: chunk by chunk); cfull(c, part) completes when the part's TMA loads landed,
+  // cempty(c, part) when every thread of the consumer has read it.
+  static_assert(kParts == 1 || kParts == 4, "the staged box goes in one part or four");
+  auto part = [](int ch) { return kParts == 4 ? ch : 0; };
   auto cbox = [&](int c) { return bars + 1024u + uint32_t(c) * 65536u; };
-  auto cfull = [&](int c) { return bars + uint32_t(2 * kStages + c) * 8u; };
-  auto cempty = [&](int c) { return bars + uint32_t(2 * kStages + 2 + c) * 8u; };
+  auto cfull = [&](int c, int ch) { return bars + uint32_t(2 * kStages + 4 * c + ch) * 8u; };
+  auto cempty = [&](int c, int ch) { return bars + uint32_t(2 * kStages + 8 + 4 * c + ch) * 8u; };
   constexpr int kTA = Kind == kWgrad ? 1 : 0;
   constexpr int kTB = Kind == kFwd ? 0 : 1;
 
@@ -305,7 +310,8 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(full(s), 1), mbar_init(empty(s), 4);
     if (kStaged)
-      for (int c = 0; c < 2; ++c) mbar_init(cfull(c), 1), mbar_init(cempty(c), 1);
+      for (int c = 0; c < 2; ++c)
+        for (int ch = 0; ch < kParts; ++ch) mbar_init(cfull(c, ch), 1), mbar_init(cempty(c, ch), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -316,15 +322,24 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.ta)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tb)) : "memory");
       if (p.tma_out) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tc)) : "memory");
+      // kStaged: the tile's main grad into its consumer's box (use j = i / 2 of that box), each part as soon as
+      // the consumer's previous epilogue has read it. In one part it goes before the tile's k-blocks (the box is
+      // then the longer wait: few k-blocks per tile); in four, after them (the k-blocks are needed first, and
+      // must not wait behind the other consumer's epilogue).
+      auto load_box = [&](const Tile& x, int i) {
+        const int c = i & 1, j = i >> 1;
+        for (int ch = 0; ch < 4; ++ch) {
+          if (kParts == 4 || ch == 0) {
+            mbar_wait(cempty(c, part(ch)), uint32_t(j & 1) ^ 1u);
+            mbar_expect_tx(cfull(c, part(ch)), 65536u / kParts);
+          }
+          tma_3d(cbox(c) + uint32_t(ch) * 16384u, &p.tc, x.n0 + 32 * ch, x.m0, x.g, cfull(c, part(ch)));
+        }
+      };
       int it = 0, g = 0, i = 0;
       for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) {
         const Tile x = decode<Kind>(p, t, g);
-        if constexpr (kStaged) {  // the tile's main grad into its consumer's box (use j = i / 2 of that box)
-          const int c = i & 1, j = i >> 1;
-          mbar_wait(cempty(c), uint32_t(j & 1) ^ 1u);
-          mbar_expect_tx(cfull(c), 65536u);
-          for (int ch = 0; ch < 4; ++ch) tma_3d(cbox(c) + uint32_t(ch) * 16384u, &p.tc, x.n0 + 32 * ch, x.m0, x.g, cfull(c));
-        }
+        if constexpr (kStaged && kParts == 1) load_box(x, i);
         for (int kb = 0; kb < x.kblocks; ++kb, ++it) {
           const int s = it % kStages;
           mbar_wait(empty(s), uint32_t((it / kStages) & 1) ^ 1u);
@@ -345,6 +360,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
             tma_2d(b + kHalfBytes, &p.tb, x.n0 + 64, r, full(s));
           }
         }
+        if constexpr (kStaged && kParts == 4) load_box(x, i);
       }
     }
     return;
@@ -424,15 +440,14 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     // Epilogue: thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row half, columns
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
     if constexpr (kStaged) {
-      // The main grad is already in this consumer's box (same layout as the staging box, four 32-column
-      // chunks).
-      mbar_wait(cfull(cw), uint32_t(own & 1));
+      // The main grad arrives in this consumer's box (same layout as the staging box, four 32-column chunks).
       const uint32_t box = cbox(cw);
-      // Add the accumulators to the box's values and store the sums to dw from registers (no TMA store); the
-      // box is free as soon as every thread has read it.
+      // Add the accumulators to each chunk's values and store the sums to dw from registers (no TMA store); a
+      // part is free for the producer's next load as soon as every thread has read it.
       float* out = static_cast<float*>(p.out) + int64_t(x.g) * p.group_stride;
 #pragma unroll
       for (int ch = 0; ch < 4; ++ch) {
+        if (kParts == 4 || ch == 0) mbar_wait(cfull(cw, part(ch)), uint32_t(own & 1));
 #pragma unroll
         for (int mh = 0; mh < 2; ++mh) {
 #pragma unroll
@@ -452,10 +467,12 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
             }
           }
         }
+        if (kParts == 4 || ch == 3) {
+          fence_proxy_async();          // these generic reads before the producer's next TMA write into the part
+          named_bar_sync(1 + cw, 128);  // every thread has read the part
+          if (tid == 0) mbar_arrive(cempty(cw, part(ch)));
+        }
       }
-      fence_proxy_async();          // these generic reads before the producer's next TMA write into the box
-      named_bar_sync(1 + cw, 128);  // every thread has read the box
-      if (tid == 0) mbar_arrive(cempty(cw));
       ++own;
     } else if (std::is_same_v<TO, float> && p.tma_out) {
       // Through this consumer's 16 KiB staging box (128 rows x 32 f32, 128-byte swizzle) in four column
@@ -552,13 +569,13 @@ DeviceInfo device_info(int device) {
   return infos[device];
 }
 
-template <int Kind, class TO, bool kStaged = false>
+template <int Kind, class TO, bool kStaged = false, int kParts = 1>
 int launch(const Params& p, int grid, cudaStream_t stream) {
   constexpr int bytes = smem_bytes_of<kStaged>();
-  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO, kStaged>,
+  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO, kStaged, kParts>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return int(attr);
-  grouped_sm90_kernel<Kind, TO, kStaged><<<grid, kThreadsGG, bytes, stream>>>(p);
+  grouped_sm90_kernel<Kind, TO, kStaged, kParts><<<grid, kThreadsGG, bytes, stream>>>(p);
   return int(cudaGetLastError());
 }
 
@@ -656,7 +673,13 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched)
     case GroupedSm90::Kind::Forward: return launch<kFwd, __nv_bfloat16>(p, grid, s);
     case GroupedSm90::Kind::Dgrad: return launch<kDgrad, __nv_bfloat16>(p, grid, s);
     default:
-      if (p.tma_out == 3) return launch<kWgrad, float, true>(p, grid, s);
+      if (p.tma_out == 3) {
+        // The staged box in four parts from kStagedPartsMinRows rows per group (one H200, 2026-11-29, the kernel
+        // alone, grouped_sm90_check bench2: 128 experts at 256 / 512 rows, fc1, 1.96 / 2.01 ms in four parts
+        // against 2.01 / 2.07 in one; at 128 rows 1.80 against 1.72).
+        if (q.rows >= int64_t(kStagedPartsMinRows) * q.groups) return launch<kWgrad, float, true, 4>(p, grid, s);
+        return launch<kWgrad, float, true>(p, grid, s);
+      }
       return q.out_f32 ? launch<kWgrad, float>(p, grid, s) : launch<kWgrad, __nv_bfloat16>(p, grid, s);
   }
 }
