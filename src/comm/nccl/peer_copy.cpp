@@ -253,21 +253,16 @@ PeerCopy::~PeerCopy() {
     MailboxHeader* h = mailbox_->header();
     h->closed[rank_].store(1, std::memory_order_release);
     if (!pinned_.empty() && !released_.load()) {
-      // This rank's pinned allocations go back to the caching allocator's rules only once no peer maps them: every
-      // rank closed its mappings, or its process is gone (after an abort they stay pinned: a peer may still be
-      // running without ever arriving).
-      auto done = [&](int r) {
-        if (h->closed[r].load(std::memory_order_acquire)) return true;
+      // This rank's pinned allocations go back to the caching allocator's rules only if no peer maps them any
+      // more: every rank has closed its mappings, or its process is gone. No waiting for that (ranks destroy
+      // their communicators in their own order, and one that waited here could hold up a peer waiting for it
+      // elsewhere): otherwise they stay pinned, cached and reusable, for the rest of the process. After an
+      // abort they stay pinned too.
+      bool all = true;
+      for (int r = 0; r < size_ && all; ++r) {
+        if (h->closed[r].load(std::memory_order_acquire)) continue;
         const int64_t pid = h->pid[r].load(std::memory_order_relaxed);
-        return pid > 0 && kill(pid_t(pid), 0) != 0 && errno == ESRCH;
-      };
-      const auto deadline = std::chrono::steady_clock::now() + timeout_;
-      bool all = false;
-      for (;;) {
-        all = true;
-        for (int r = 0; r < size_ && all; ++r) all = done(r);
-        if (all || std::chrono::steady_clock::now() > deadline) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        all = pid > 0 && kill(pid_t(pid), 0) != 0 && errno == ESRCH;
       }
       if (all) {
         Allocator& a = Allocator::get(Device::cuda(device_));

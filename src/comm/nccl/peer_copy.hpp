@@ -49,16 +49,16 @@
 // A mapped sender allocation must not be returned to the driver while a peer maps it, or the peer's mapping
 // keeps memory the sender believes freed. So the sender pins the allocation in megacore's caching allocator
 // (Allocator::pin) the first time it posts it: empty_cache and the out-of-memory retry leave it cached and
-// reusable until the communicator ends. A send tensor that is not the caching allocator's (memory from torch
-// or the user) is posted as "by NCCL": both sides then move it with NCCL's send/receive, in the batch's
-// order, after the copy-engine part (PeerCopyTransfer::nccl).
+// reusable at least until the communicator ends (see teardown below). A send tensor that is not the caching
+// allocator's (memory from torch or the user) is posted as "by NCCL": both sides then move it with NCCL's
+// send/receive, in the batch's order, after the copy-engine part (PeerCopyTransfer::nccl).
 //
 // An abort of the communicator writes every flag to its largest value (release()), which lets a stream or
 // kernel waiting for a dead peer go on; the abort itself is what reports the failure. Teardown waits for the
 // device under the communicator's timeout, writing the flags to their largest value again while it waits
 // (a slower peer's late write can lower one), then closes every mapping, and unpins this rank's allocations
-// only once every rank of the group has closed its mappings or ended (a host barrier in the mailbox, under the
-// same timeout; a live rank that never arrives, or an abort, leaves them pinned until the process ends).
+// if every rank of the group has already closed its mappings or ended (the mailbox records both; no waiting:
+// otherwise, and after an abort, they stay pinned, cached and reusable, until the process ends).
 #pragma once
 
 #include <cuda_runtime.h>

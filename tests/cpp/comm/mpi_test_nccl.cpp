@@ -437,6 +437,7 @@ TEST_CASE("nccl copy-engine send/receive: foreign send memory goes by NCCL in th
   Tensor after = make_on(DType::F32, values(DType::F32, 999, me, salt + 2), dev);
   Tensor r0 = Tensor::zeros({777}, DType::F32, dev), r1 = Tensor::zeros({cnt}, DType::F32, dev),
          r2 = Tensor::zeros({999}, DType::F32, dev);
+  s.wait(Stream::default_stream(dev));  // the tensors were made on the legacy default stream
   c->batch_send_recv({{P2POp::Send, before, next}, {P2POp::Send, foreign, next}, {P2POp::Send, after, next},
                       {P2POp::Recv, r0, prev}, {P2POp::Recv, r1, prev}, {P2POp::Recv, r2, prev}},
                      s)

@@ -49,8 +49,10 @@ std::shared_ptr<PeerCopy> make_pc(Communicator& mpi, Device dev, size_t buffer, 
 PeerCopyTransfer send_of(const Tensor& t, int peer) { return {true, peer, t.data_ptr(), size_t(t.nbytes())}; }
 PeerCopyTransfer recv_of(const Tensor& t, int peer) { return {false, peer, t.data_ptr(), size_t(t.nbytes())}; }
 
-// Host half and device half of one batch; the host half must succeed.
+// Host half and device half of one batch on `s`; the host half must succeed. The tests make their tensors on
+// the device's legacy default stream, which a created (non-blocking) stream does not follow by itself.
 void run_batch(PeerCopy& pc, std::vector<PeerCopyTransfer>& tr, const Stream& s) {
+  s.wait(Stream::default_stream(s.device()));
   const std::string err = pc.post_and_match(tr, 20s, [] { return false; });
   INFO(err);
   REQUIRE(err.empty());
@@ -136,6 +138,17 @@ TEST_CASE("peer copy: send/receive batches at offsets, beyond the mailbox's dept
   alloc.empty_cache();
   CHECK(alloc.pin(last_pool));
   alloc.unpin(last_pool);
+  mpi->barrier();
+  // Teardown in turn: every rank but the last leaves its allocations pinned (a peer still maps them), the last one
+  // finds every mapping closed and unpins, so its cache empties.
+  for (int r = 0; r < n; ++r) {
+    if (r == me) pc.reset();
+    mpi->barrier();
+  }
+  alloc.empty_cache();
+  const bool still_there = alloc.pin(last_pool);
+  if (still_there) alloc.unpin(last_pool);
+  CHECK(still_there == (me != n - 1));
   mpi->barrier();
 }
 
