@@ -204,6 +204,7 @@ TEST_CASE("nccl copy-engine all-gather and reduce-scatter", "[gpu][comm][copy_en
         const Stream& st = (n % 2) ? s : Stream{};  // a created stream and the legacy default stream
         Tensor in = make_on(dt, values(dt, n, me, salt), dev);
         Tensor out = Tensor::zeros({n * n_ranks}, dt, dev);
+        s.wait(Stream::default_stream(dev));  // the tensors were made on the legacy default stream
         c->all_gather(in, out, st)->wait();
         std::vector<double> want;
         for (int r = 0; r < n_ranks; ++r) {
@@ -217,6 +218,7 @@ TEST_CASE("nccl copy-engine all-gather and reduce-scatter", "[gpu][comm][copy_en
         auto all = all_values(dt, n * n_ranks, n_ranks, salt + 7777);
         Tensor rin = make_on(dt, all[size_t(me)], dev);
         Tensor rout = Tensor::zeros({n}, dt, dev);
+        s.wait(Stream::default_stream(dev));
         // Stream-ordered: the result is read on another stream after wait_on, with no host wait between.
         c->reduce_scatter(rin, rout, ReduceOp::Sum, st)->wait_on(consumer);
         std::vector<double> got = rout.to(Device::cpu(), consumer).to_double_vector(), rw, scale;
@@ -227,6 +229,7 @@ TEST_CASE("nccl copy-engine all-gather and reduce-scatter", "[gpu][comm][copy_en
                      "copy-engine reduce_scatter n " + std::to_string(n));
         // Avg is not the copy engines' (NCCL's kernels run it) and lines up with them on the same group.
         Tensor aout = Tensor::zeros({n}, dt, dev);
+        s.wait(Stream::default_stream(dev));
         c->reduce_scatter(rin, aout, ReduceOp::Avg, st)->wait();
         reference_reduce(dt, ReduceOp::Avg, all, rw, scale);
         expect_close(aout.to_double_vector(), std::vector<double>(rw.begin() + std::ptrdiff_t(n * me),
@@ -321,6 +324,7 @@ TEST_CASE("nccl copy-engine send/receive batches", "[gpu][comm][copy_engine]") {
       Tensor y = make_on(dt, values(dt, nb, me, tag(me, next, 2)), dev);
       Tensor rx = Tensor::zeros({na}, dt, dev), ry = Tensor::zeros({nb}, dt, dev);
       const Stream& st = round % 2 ? Stream{} : s;  // a created stream and the legacy default stream
+      s.wait(Stream::default_stream(dev));           // the tensors were made on the legacy default stream
       c->batch_send_recv({{P2POp::Send, x, next}, {P2POp::Send, y, next}, {P2POp::Recv, rx, prev},
                           {P2POp::Recv, ry, prev}},
                          st)
@@ -335,6 +339,7 @@ TEST_CASE("nccl copy-engine send/receive batches", "[gpu][comm][copy_engine]") {
         recv[size_t(p)] = Tensor::zeros({pair_count(p, me)}, dt, dev);
         ops.push_back({P2POp::Recv, recv[size_t(p)], p});
       }
+      s.wait(Stream::default_stream(dev));
       c->batch_send_recv(ops, s)->wait_on(consumer);
       for (int p = 0; p < n; ++p) {
         INFO("from rank " << p << ", " << pair_count(p, me) << " elements");
@@ -345,6 +350,7 @@ TEST_CASE("nccl copy-engine send/receive batches", "[gpu][comm][copy_engine]") {
       Tensor a1 = make_on(dt, values(dt, 9000, me, tag(me, next, 4)), dev);
       Tensor a2 = make_on(dt, values(dt, 7000, me, tag(me, next, 5)), dev);
       Tensor r1 = Tensor::zeros({9000}, dt, dev), r2 = Tensor::zeros({7000}, dt, dev);
+      s.wait(Stream::default_stream(dev));
       WorkPtr w1 = c->batch_send_recv({{P2POp::Send, a1, next}, {P2POp::Recv, r1, prev}}, s);
       WorkPtr w2 = c->batch_send_recv({{P2POp::Send, a2, next}, {P2POp::Recv, r2, prev}}, s);
       w1->wait_on(consumer);
