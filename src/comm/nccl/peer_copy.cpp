@@ -42,6 +42,12 @@ int64_t host_id() {
   return int64_t(std::hash<std::string>{}(id) & 0x7fffffffffffffffULL);
 }
 
+// This process's PID namespace (the inode of /proc/self/ns/pid; -1 when unknown).
+int64_t pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? int64_t(st.st_ino) : -1;
+}
+
 // Makes `device` current for a scope and restores the caller's device after it.
 struct CurrentDevice {
   int prev = -1;
@@ -107,6 +113,7 @@ struct MailboxEntry {
 struct MailboxHeader {
   std::atomic<uint64_t> closed[kPeerCopyMaxRanks];  // 1 once rank r closed its mappings at teardown
   std::atomic<int64_t> pid[kPeerCopyMaxRanks];      // rank r's process (a dead one maps nothing)
+  std::atomic<int64_t> pid_ns[kPeerCopyMaxRanks];   // and its PID namespace (pid_namespace())
 };
 struct MailboxPair {
   std::atomic<uint64_t> posted{0};
@@ -229,6 +236,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
   for (int r = 0; r < size; ++r)
     if (mapped_ok[size_t(r)] != 1) return give_up(r == rank ? made : fmt::format("rank {} could not map the host mailbox", r));
   mb->header()->pid[rank].store(int64_t(getpid()), std::memory_order_relaxed);
+  mb->header()->pid_ns[rank].store(pid_namespace(), std::memory_order_relaxed);
   pc->mailbox_ = std::move(mb);
   pc->range_fn_ = driver_fn("cuMemGetAddressRange");
   if (!pc->range_fn_) return give_up("the driver has no cuMemGetAddressRange");  // same driver on every rank
@@ -251,7 +259,8 @@ PeerCopy::~PeerCopy() {
   (void)cudaGetLastError();
   if (mailbox_) {
     MailboxHeader* h = mailbox_->header();
-    h->closed[rank_].store(1, std::memory_order_release);
+    h->closed[rank_].store(1, std::memory_order_seq_cst);  // seq_cst with the loads below: of two ranks tearing
+                                                           // down at once, at least one sees the other's flag
     if (!pinned_.empty() && !released_.load()) {
       // This rank's pinned allocations go back to the caching allocator's rules only if no peer maps them any
       // more: every rank has closed its mappings, or its process is gone. No waiting for that (ranks destroy
@@ -260,9 +269,12 @@ PeerCopy::~PeerCopy() {
       // abort they stay pinned too.
       bool all = true;
       for (int r = 0; r < size_ && all; ++r) {
-        if (h->closed[r].load(std::memory_order_acquire)) continue;
+        if (h->closed[r].load(std::memory_order_seq_cst)) continue;
+        // A process ID means something only within this rank's PID namespace (containers can share a host name
+        // and boot id): a rank in another one counts as alive.
         const int64_t pid = h->pid[r].load(std::memory_order_relaxed);
-        all = pid > 0 && kill(pid_t(pid), 0) != 0 && errno == ESRCH;
+        all = pid > 0 && h->pid_ns[r].load(std::memory_order_relaxed) == pid_namespace() &&
+              kill(pid_t(pid), 0) != 0 && errno == ESRCH;
       }
       if (all) {
         Allocator& a = Allocator::get(Device::cuda(device_));
@@ -468,7 +480,7 @@ std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, s
   };
   std::vector<Post> sends;
   std::vector<size_t> recvs;
-  std::vector<const void*> self_sends;
+  std::vector<std::pair<const void*, size_t>> self_sends;  // sends to this rank itself: (data, bytes)
   // Sequence numbers in issue order per pair; the sends' entries are made up front.
   for (size_t i = 0; i < transfers.size(); ++i) {
     PeerCopyTransfer& t = transfers[i];
@@ -479,7 +491,7 @@ std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, s
       continue;
     }
     if (t.peer == rank_) {
-      self_sends.push_back(t.data);
+      self_sends.emplace_back(t.data, t.bytes);
       continue;
     }
     Post post{i, {}};
@@ -510,8 +522,16 @@ std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, s
     if (t.send || t.bytes == 0 || t.peer != rank_) continue;
     if (self_next >= self_sends.size())
       return "a receive from this rank itself has no matching send to itself in the same batch";
-    t.source = self_sends[self_next++];
+    const auto [data, bytes] = self_sends[self_next++];
+    if (bytes != t.bytes)
+      return fmt::format("receive #{} from this rank itself is {} bytes but its send to itself is {}; a send and its "
+                         "receive must have the same size",
+                         self_next, t.bytes, bytes);
+    t.source = data;
   }
+  if (self_next != self_sends.size())
+    return fmt::format("{} send(s) from this rank to itself have no matching receive in the same batch",
+                       self_sends.size() - self_next);
   // One progress loop: post each send once the pair's ring has room (the peer has read the entry that used its
   // place), read each receive once its sender posted it; per pair strictly in sequence order. Reading while
   // waiting to post is what lets any number of transfers per pair through a ring of kMailboxDepth entries.

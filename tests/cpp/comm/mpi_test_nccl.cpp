@@ -382,6 +382,7 @@ TEST_CASE("nccl copy-engine send/receive: a rank that skips a batch ends in Comm
   Stream side = Stream::create(dev), consumer = Stream::create(dev);
   const int n = c->size(), me = c->rank(), next = (me + 1) % n, prev = (me + n - 1) % n;
   Tensor x = Tensor::full({1 << 20}, double(me), DType::F32, dev), rx = Tensor::zeros({1 << 20}, DType::F32, dev);
+  side.wait(Stream::default_stream(dev));  // the tensors were made on the legacy default stream
   c->batch_send_recv({{P2POp::Send, x, next}, {P2POp::Recv, rx, prev}}, side)->wait();
   CHECK(rx.to_double_vector().front() == double(prev));
   c->barrier();

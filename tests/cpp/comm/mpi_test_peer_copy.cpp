@@ -83,7 +83,8 @@ TEST_CASE("peer copy: send/receive batches at offsets, beyond the mailbox's dept
     ++salt;
     INFO("round " << round);
     // 1. Views at an offset: the peer maps the whole allocation and adds the offset.
-    const int64_t big = (int64_t(3) << 20) / 4, off = 12345 + int64_t(salt % 1000), len = 50000 + int64_t(salt % 777);
+    const int64_t big = ((int64_t(5) << 20) + 12345) / 4,  // a 6 MiB block, a size no other case pins
+                 off = 12345 + int64_t(salt % 1000), len = 50000 + int64_t(salt % 777);
     Tensor pool = make_on(DType::F32, values(DType::F32, big, me, salt), dev);
     Tensor view = pool.narrow(0, off, len);
     last_pool = pool.data_ptr();
@@ -133,6 +134,7 @@ TEST_CASE("peer copy: send/receive batches at offsets, beyond the mailbox's dept
     s.synchronize();
     consumer.synchronize();
     mpi->barrier();  // every peer has read this round's sends before they are freed
+    alloc.empty_cache();  // the sent (pinned) blocks stay and are reused next round, mapped as they are
   }
   // The sent allocations are pinned: emptying the cache keeps them (still blocks of the allocator, free ones).
   alloc.empty_cache();
@@ -179,6 +181,12 @@ TEST_CASE("peer copy: foreign send memory goes by NCCL on both sides, a size mis
   CHECK(got2.to_double_vector() == std::vector<double>(16, double(prev)));
   cudaFree(raw);
   mpi->barrier();
+  // A send to this rank itself must match its receive like any other.
+  {
+    Tensor s64 = Tensor::zeros({16}, DType::F32, dev), r32 = Tensor::zeros({8}, DType::F32, dev);
+    std::vector<PeerCopyTransfer> t{send_of(s64, me), recv_of(r32, me)};
+    CHECK_THAT(pc->post_and_match(t, 20s, [] { return false; }), Catch::Contains("its send to itself is 64"));
+  }
   // Rank 0 sends 64 bytes to rank 1, which expects 128.
   Tensor a = Tensor::zeros({16}, DType::F32, dev), b = Tensor::zeros({32}, DType::F32, dev);
   if (me == 0) {
@@ -192,8 +200,9 @@ TEST_CASE("peer copy: foreign send memory goes by NCCL on both sides, a size mis
   mpi->barrier();
 }
 
-// The collectives, many small chunks (a 64 KiB buffer), issued on alternating streams so that consecutive
-// chunks of one slot may run on different streams: every all-gather exact, every sum within one rounding.
+// The collectives, many small chunks (a 64 KiB buffer), issued on two streams in turn with no host wait between
+// them (all inputs made and ordered first, all results checked at the end), so that consecutive chunks of one slot
+// may run on different streams at once: every all-gather exact, every sum within one rounding.
 TEST_CASE("peer copy: all-gathers and reduce-scatters in many chunks across streams",
           "[gpu][comm][copy_engine][peer_copy]") {
   MC_REQUIRE_GPU();
@@ -205,31 +214,46 @@ TEST_CASE("peer copy: all-gathers and reduce-scatters in many chunks across stre
   auto pc = make_pc(*mpi, dev, size_t(64) << 10, 20s);
   const int n = mpi->size(), me = mpi->rank();
   Stream s1 = Stream::create(dev), s2 = Stream::create(dev);
+  struct Round {
+    int64_t count;
+    uint64_t salt;
+    Tensor in, out, rin, rout;
+    std::vector<std::vector<double>> all;
+  };
+  std::vector<Round> rounds;
   for (int it = 0; it < 6; ++it) {
-    ++salt;
-    const Stream& s = it % 2 ? s2 : s1;
-    const int64_t count = 30000 + int64_t(salt % 5000);
-    Tensor in = make_on(DType::F32, values(DType::F32, count, me, salt), dev);
-    Tensor out = Tensor::zeros({count * n}, DType::F32, dev);
-    REQUIRE(pc->all_gather(in.data_ptr(), out.data_ptr(), size_t(in.nbytes()), static_cast<cudaStream_t>(s.native())) ==
-            cudaSuccess);
+    Round r;
+    r.salt = ++salt;
+    r.count = 30000 + int64_t(salt % 5000);
+    r.in = make_on(DType::F32, values(DType::F32, r.count, me, salt), dev);
+    r.out = Tensor::zeros({r.count * n}, DType::F32, dev);
+    r.all = all_values(DType::F32, r.count * n, n, salt + 99);
+    r.rin = make_on(DType::F32, r.all[size_t(me)], dev);
+    r.rout = Tensor::zeros({r.count}, DType::F32, dev);
+    rounds.push_back(std::move(r));
+  }
+  s1.wait(Stream::default_stream(dev));  // the tensors were made on the legacy default stream
+  s2.wait(Stream::default_stream(dev));
+  for (size_t it = 0; it < rounds.size(); ++it) {
+    Round& r = rounds[it];
+    auto st = static_cast<cudaStream_t>((it % 2 ? s2 : s1).native());
+    REQUIRE(pc->all_gather(r.in.data_ptr(), r.out.data_ptr(), size_t(r.in.nbytes()), st) == cudaSuccess);
+    REQUIRE(pc->reduce_scatter_sum(r.rin.data_ptr(), r.rout.data_ptr(), r.count, DType::F32, st) == cudaSuccess);
+  }
+  s1.synchronize();
+  s2.synchronize();
+  for (Round& r : rounds) {
     std::vector<double> want;
-    for (int r = 0; r < n; ++r) {
-      auto v = values(DType::F32, count, r, salt);
+    for (int k = 0; k < n; ++k) {
+      auto v = values(DType::F32, r.count, k, r.salt);
       want.insert(want.end(), v.begin(), v.end());
     }
-    s.synchronize();
-    CHECK(out.to_double_vector() == want);
-    auto all = all_values(DType::F32, count * n, n, salt + 99);
-    Tensor rin = make_on(DType::F32, all[size_t(me)], dev);
-    Tensor rout = Tensor::zeros({count}, DType::F32, dev);
-    REQUIRE(pc->reduce_scatter_sum(rin.data_ptr(), rout.data_ptr(), count, DType::F32,
-                                   static_cast<cudaStream_t>(s.native())) == cudaSuccess);
+    CHECK(r.out.to_double_vector() == want);
     std::vector<double> rw, scale;
-    reference_reduce(DType::F32, ReduceOp::Sum, all, rw, scale);
-    s.synchronize();
-    expect_close(rout.to_double_vector(), std::vector<double>(rw.begin() + count * me, rw.begin() + count * (me + 1)),
-                 std::vector<double>(scale.begin() + count * me, scale.begin() + count * (me + 1)), DType::F32, 1,
+    reference_reduce(DType::F32, ReduceOp::Sum, r.all, rw, scale);
+    const int64_t c = r.count;
+    expect_close(r.rout.to_double_vector(), std::vector<double>(rw.begin() + c * me, rw.begin() + c * (me + 1)),
+                 std::vector<double>(scale.begin() + c * me, scale.begin() + c * (me + 1)), DType::F32, 1,
                  "peer copy reduce_scatter");
   }
   mpi->barrier();
