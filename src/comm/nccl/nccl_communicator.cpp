@@ -31,6 +31,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using cuda_impl::DeviceGuard;
+using cuda_impl::QuietDeviceGuard;
 using namespace detail;
 
 std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
@@ -126,20 +127,6 @@ void check_options(const CommOptions& o) {
   MC_CHECK(o.nccl_cta_policy >= 0 && o.nccl_cta_policy <= 2,
            "CommOptions.nccl_cta_policy must be 0 (default), 1 (efficiency) or 2 (zero), got {}", o.nccl_cta_policy);
 }
-
-// Switches the calling thread's device without throwing (for the watchdog, which must survive a device in
-// a sticky error state).
-struct QuietDeviceGuard {
-  int prev = -1;
-  explicit QuietDeviceGuard(int device) {
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    if (prev != device) (void)cudaSetDevice(device);
-    (void)cudaGetLastError();
-  }
-  ~QuietDeviceGuard() {
-    if (prev >= 0) (void)cudaSetDevice(prev);
-  }
-};
 
 struct NcclState {
   ncclComm_t comm = nullptr;
@@ -853,18 +840,16 @@ class NcclCommunicator final : public Communicator {
       // in the batch's order, after the copy engines' part is enqueued.
       const bool any_nccl =
           std::any_of(transfers.begin(), transfers.end(), [](const detail::PeerCopyTransfer& t) { return t.nccl; });
-      return enqueue(what, sobj, std::move(keep), [&]() -> ncclResult_t {
-        ncclResult_t r = ce_result(pc->send_recv(transfers, stream));
-        if (r != ncclSuccess || !any_nccl) return r;
-        if ((r = ncclGroupStart()) != ncclSuccess) return r;
-        ncclResult_t inner = ncclSuccess;
+      auto copy_engines = [&] { return ce_result(pc->send_recv(transfers, stream)); };
+      if (!any_nccl) return enqueue(what, sobj, std::move(keep), copy_engines);
+      return enqueue_group(what, sobj, std::move(keep), [&]() -> ncclResult_t {
+        ncclResult_t r = copy_engines();
         for (const detail::PeerCopyTransfer& t : transfers) {
-          if (!t.nccl || inner != ncclSuccess) continue;
-          inner = t.send ? ncclSend(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream)
-                         : ncclRecv(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream);
+          if (!t.nccl || r != ncclSuccess) continue;
+          r = t.send ? ncclSend(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream)
+                     : ncclRecv(t.data, t.bytes, ncclUint8, t.peer, st_->comm, stream);
         }
-        r = ncclGroupEnd();
-        return inner != ncclSuccess ? inner : r;
+        return r;
       });
     }
     return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep),

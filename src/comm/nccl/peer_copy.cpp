@@ -20,10 +20,13 @@
 #include <fstream>
 #include <thread>
 
+#include "core/cuda/cuda_check.hpp"
 #include "megacore/core/allocator.hpp"
 
 namespace megacore::comm::detail {
 namespace {
+
+using cuda_impl::QuietDeviceGuard;
 
 using WaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -47,19 +50,6 @@ int64_t pid_namespace() {
   struct stat st {};
   return stat("/proc/self/ns/pid", &st) == 0 ? int64_t(st.st_ino) : -1;
 }
-
-// Makes `device` current for a scope and restores the caller's device after it.
-struct CurrentDevice {
-  int prev = -1;
-  explicit CurrentDevice(int device) {
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1, (void)cudaGetLastError();
-    if (prev != device) cudaSetDevice(device);
-  }
-  ~CurrentDevice() {
-    int now = -1;
-    if (prev >= 0 && cudaGetDevice(&now) == cudaSuccess && now != prev) cudaSetDevice(prev);
-  }
-};
 
 void* driver_fn(const char* name) {
   void* f = nullptr;
@@ -154,7 +144,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
   pc->sent_.assign(size_t(size), 0);
   pc->received_.assign(size_t(size), 0);
   const size_t total = pc->flags_offset_ + flags_bytes;
-  CurrentDevice current(device);
+  QuietDeviceGuard current(device);
 
   std::string mine;
   cudaIpcMemHandle_t handle{};
@@ -245,7 +235,7 @@ std::shared_ptr<PeerCopy> PeerCopy::create(int rank, int size, int device, size_
 
 PeerCopy::~PeerCopy() {
   if (!own_) return;
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   if (!drain_device()) {
     // Something on this device never ended (not a wait of ours: those were released): leave the mappings and
     // the buffer as they are rather than free memory a running copy may still touch.
@@ -402,7 +392,7 @@ FinishArgs PeerCopy::finish_args(uint64_t q, int slot) const {
 }
 
 cudaError_t PeerCopy::all_gather(const void* in, void* out, size_t bytes_per_rank, cudaStream_t s) {
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   MC_PC_TRY(fork(s));
@@ -426,7 +416,7 @@ cudaError_t PeerCopy::all_gather(const void* in, void* out, size_t bytes_per_ran
 }
 
 cudaError_t PeerCopy::reduce_scatter_sum(const void* in, void* out, int64_t count, DType dtype, cudaStream_t s) {
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   const size_t es = dtype_size(dtype);
   const size_t bytes = size_t(count) * es;
   const size_t step = chunk_bytes_ / es * es;
@@ -472,7 +462,7 @@ char* PeerCopy::mapped(const void* handle, std::string* why) {
 
 std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, std::chrono::milliseconds timeout,
                                      const std::function<bool()>& aborted) {
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   struct Post {
     size_t t;  // index into transfers
@@ -597,7 +587,7 @@ std::string PeerCopy::post_and_match(std::vector<PeerCopyTransfer>& transfers, s
 }
 
 cudaError_t PeerCopy::send_recv(const std::vector<PeerCopyTransfer>& transfers, cudaStream_t s) {
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   bool sends = false, recvs = false;
   for (const PeerCopyTransfer& t : transfers) {
     if (t.bytes == 0 || t.nccl) continue;
@@ -638,7 +628,7 @@ cudaError_t PeerCopy::send_recv(const std::vector<PeerCopyTransfer>& transfers, 
 void PeerCopy::release() noexcept {
   if (!own_) return;
   released_.store(true);
-  CurrentDevice current(device_);
+  QuietDeviceGuard current(device_);
   const size_t n = flag_count();
   std::vector<uint64_t> high(n, kReleased);
   // A non-blocking stream of its own: the legacy default stream would queue behind the waiting streams.

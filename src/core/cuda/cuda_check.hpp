@@ -37,4 +37,20 @@ class DeviceGuard {
  private:
   int prev_ = 0, cur_ = 0;
 };
+
+/// DeviceGuard that never throws (for watchdogs, destructors and error-returning code, which must survive a
+/// device in a sticky error state): failures are ignored and the runtime's last error is cleared.
+struct QuietDeviceGuard {
+  int prev = -1;
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    if (prev != device) (void)cudaSetDevice(device);
+    (void)cudaGetLastError();
+  }
+  ~QuietDeviceGuard() {
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
+  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+};
 }  // namespace megacore::cuda_impl
