@@ -20,6 +20,8 @@
 // 2.5x of even, expert 1 empty). The auto column is what a model gets; its path is printed beside it.
 // Target (issue 22): auto >= 85 % of what the shape allows: the dense GEMM's time, or the roofline's where
 // the op must move more bytes than the copy bandwidth carries in that time (attainable = max of the two).
+// auto, sm90 and dense are timed call by call in turn, so clock drift over the run does not tilt their ratio.
+// The summary at the end sums each layer's six ops (fc1 and fc2; forward, dgrad, wgrad).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -105,6 +107,30 @@ double time_ms(const std::function<void()>& fn, const Stream& s, int samples) {
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+/// Median milliseconds of each fn() over `samples` event-timed calls made in turn (fn 0, fn 1, ..., fn 0, ...)
+/// after warm-up, so clock and temperature drift over the run reaches every fn alike.
+std::vector<double> time_ms_interleaved(const std::vector<std::function<void()>>& fns, const Stream& s,
+                                        int samples) {
+  for (int i = 0; i < 3; ++i)
+    for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> ms(fns.size());
+  for (int i = 0; i < samples; ++i)
+    for (size_t f = 0; f < fns.size(); ++f) {
+      Event a(true), b(true);
+      a.record(s);
+      fns[f]();
+      b.record(s);
+      b.synchronize();
+      ms[f].push_back(a.elapsed_ms(b));
+    }
+  std::vector<double> med;
+  for (auto& v : ms) {
+    std::sort(v.begin(), v.end());
+    med.push_back(v[v.size() / 2]);
+  }
+  return med;
 }
 
 /// Rows per expert: even, or fixed-seed shares between 0.25x and 2.5x of even with expert 1 empty.
@@ -210,14 +236,23 @@ int main(int argc, char** argv) {
               const bool wgrad = i == 2;  // bf16 -> f32: no cuBLAS grouped kernel, every path loops
               // The path auto takes: the Hopper kernel where it runs (it counts its launches), else cuBLAS's.
               const int64_t sm90_before = ops::grouped_gemm_sm90_launches();
-              const double t_auto = on_path(setting);
+              op.grouped();
               const bool auto_sm90 = ops::grouped_gemm_sm90_launches() > sm90_before;
               const char* chosen =
                   auto_sm90 ? "sm90"
                             : ops::grouped_gemm_path_name(
                                   ops::grouped_gemm_choice(setting, sizes, l.out_f * l.in_f, !wgrad));
               const bool has_sm90 = ops::grouped_gemm_sm90_available(dev);
-              const double t_sm90 = has_sm90 ? on_path(ops::GroupedGemmPath::Sm90) : 0.0;
+              // auto, the Hopper kernel and the dense GEMM (the target's ratio) timed in turn, call by call.
+              std::vector<std::function<void()>> paired{op.grouped, op.dense};
+              if (has_sm90)
+                paired.push_back([&] {
+                  ops::set_grouped_gemm_path(ops::GroupedGemmPath::Sm90);
+                  op.grouped();
+                  ops::set_grouped_gemm_path(setting);
+                });
+              const std::vector<double> t_paired = time_ms_interleaved(paired, s, a.samples);
+              const double t_auto = t_paired[0], t_dense = t_paired[1], t_sm90 = has_sm90 ? t_paired[2] : 0.0;
               const double t_grouped = on_path(ops::GroupedGemmPath::Grouped);
               const double t_loop = on_path(ops::GroupedGemmPath::Loop);
               // The loop on 1, 2, 4 and 8 CUDA streams (t_loop: on the streams in force).
@@ -230,7 +265,6 @@ int main(int argc, char** argv) {
                 ops::set_grouped_gemm_loop_streams(streams_setting);
               }
               const double t_loop1 = loop_by_streams["1"].get<double>();
-              const double t_dense = time_ms(op.dense, s, a.samples);
               const double t_best = std::min({t_grouped, t_loop, has_sm90 ? t_sm90 : t_loop});
               // Bytes every path must move at least: the experts' weights (bf16; wgrad reads and writes their f32
               // main grads) and the rows in and out.
@@ -285,6 +319,48 @@ int main(int argc, char** argv) {
           }
         }
       }
+    // Per layer (model, tokens, split): the six ops' attainable time over their auto time, summed, i.e. what the
+    // MoE layer's expert GEMMs (forward and backward) get of what the shapes allow; and the rows below 85 %.
+    json layers = json::array();
+    int below = 0;
+    for (size_t r = 0; r < rows.size();) {
+      size_t e = r;
+      double att = 0, t = 0;
+      int n_below = 0;
+      while (e < rows.size() && rows[e]["model"] == rows[r]["model"] && rows[e]["tokens"] == rows[r]["tokens"] &&
+             rows[e]["split"] == rows[r]["split"]) {
+        att += rows[e]["attainable_ms"].get<double>(), t += rows[e]["auto_ms"].get<double>();
+        n_below += rows[e]["auto_vs_attainable"].get<double>() < 0.85 ? 1 : 0;
+        ++e;
+      }
+      // fc1 and fc2 rows of one split are not adjacent (fc1's even and imbalanced come first): merge by key below.
+      bool merged = false;
+      for (auto& L : layers)
+        if (L["model"] == rows[r]["model"] && L["tokens"] == rows[r]["tokens"] && L["split"] == rows[r]["split"]) {
+          L["attainable_ms"] = L["attainable_ms"].get<double>() + att;
+          L["auto_ms"] = L["auto_ms"].get<double>() + t;
+          L["rows_below_85pct"] = L["rows_below_85pct"].get<int>() + n_below;
+          merged = true;
+        }
+      if (!merged)
+        layers.push_back({{"model", rows[r]["model"]},
+                          {"tokens", rows[r]["tokens"]},
+                          {"rows_per_expert_mean", rows[r]["rows_per_expert_mean"]},
+                          {"split", rows[r]["split"]},
+                          {"attainable_ms", att},
+                          {"auto_ms", t},
+                          {"rows_below_85pct", n_below}});
+      below += n_below;
+      r = e;
+    }
+    std::printf("\nper layer (fc1 + fc2, forward + dgrad + wgrad): attainable / auto\n");
+    for (auto& L : layers) {
+      L["auto_vs_attainable"] = L["attainable_ms"].get<double>() / L["auto_ms"].get<double>();
+      std::printf("%-13s %6lld %-10s %6.1f%%  (%d of 6 ops below 85 %%)\n", L["model"].get<std::string>().c_str(),
+                  (long long)L["tokens"].get<int64_t>(), L["split"].get<std::string>().c_str(),
+                  100.0 * L["auto_vs_attainable"].get<double>(), L["rows_below_85pct"].get<int>());
+    }
+    std::printf("rows below 85 %% of attainable: %d of %zu\n", below, rows.size());
     const json result = {
         {"benchmark", "moe_gemm"},
         {"card", card},
@@ -298,7 +374,13 @@ int main(int argc, char** argv) {
                  "(wgrad into the f32 main grad), so its grouped path loops there. loop_ms_by_streams: the loop on "
                  "1/2/4/8 CUDA streams; min_bytes: the bytes every path must move (bf16 weights, or for wgrad the f32 "
                  "main grads read and written, plus the rows in and out); roofline_ms = min_bytes / the measured "
-                 "device-to-device copy bandwidth; attainable_ms = max(dense_ms, roofline_ms)"},
+                 "device-to-device copy bandwidth; attainable_ms = max(dense_ms, roofline_ms). auto, sm90 and dense "
+                 "are timed call by call in turn (medians of --samples calls each), so drift over the run reaches "
+                 "the three alike; grouped and the loops are timed on their own. layers: per model, tokens and "
+                 "split, the six ops' attainable_ms and auto_ms summed (the layer's expert GEMMs forward and "
+                 "backward)"},
+        {"rows_below_85pct_of_attainable", below},
+        {"layers", layers},
         {"rows", rows}};
     if (!a.out_dir.empty()) {
       std::string c = card;
