@@ -113,6 +113,22 @@ class LocalExecutor:
         n = recipe.resources.num_gpus_per_node
         for w in recipe.validate():
             print(f"megacore: warning: {w}", file=sys.stderr)
+        if not self.cpu and recipe.trainer.device != "cpu":
+            from .launch import _gpu_count
+
+            gpus = _gpu_count()
+            if 0 < gpus < n:
+                p = recipe.parallel
+                msg = (f"the recipe runs {n} ranks on this machine (resources.num_gpus_per_node = {n}; TP "
+                       f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x CP "
+                       f"{p.context_parallel_size} x DP {recipe.data_parallel_size}), but {gpus} GPU"
+                       f"{'s are' if gpus > 1 else ' is'} visible and each GPU rank needs one of its own; run it with "
+                       f"--nproc-per-node {gpus} (`megacore train` then sizes a small recipe's layout to the GPUs; "
+                       f"LocalExecutor(nproc_per_node={gpus}) in Python), set a layout that fits, or use CPU ranks "
+                       f"(--cpu)")
+                if not dryrun:
+                    raise ConfigError(msg)
+                print(f"megacore: warning: {msg}", file=sys.stderr)
         checked = _check_memory(recipe, local=not self.cpu, nproc=n)
         cfg = os.path.abspath(_config_path(recipe))
         cmd = [sys.executable, "-m", "megacore.launch", "--nproc-per-node", str(n)] + (["--cpu"] if self.cpu else []) \

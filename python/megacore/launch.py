@@ -228,6 +228,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("MEGACORE_STDOUT_IS_TTY", "1" if sys.stdout.isatty() else "0")
     gpus = 0 if a.cpu else _gpu_count()
     nproc = a.nproc_per_node or max(gpus, 1)
+    if gpus and nproc > gpus:
+        # Rank r takes GPU r % gpus, and NCCL refuses two ranks of one communicator on one GPU: refused here, before
+        # any rank starts, instead of by every rank's NCCL init.
+        raise SystemExit(f"megacore.launch: --nproc-per-node {nproc} starts {nproc} GPU ranks, but this node has {gpus} "
+                         f"visible GPU{'s' if gpus > 1 else ''} and each GPU rank needs one of its own; start at most "
+                         f"{gpus} (--nproc-per-node {gpus}), or CPU ranks with --cpu")
     token = port = None
     if gpus > 0:
         token = store_token(a.nnodes)

@@ -103,6 +103,37 @@ def test_local_dry_run_command(capsys, tmp_path, monkeypatch):
     assert os.path.isfile(cfg)  # the command reads it: a dry run writes it
 
 
+def test_more_ranks_than_gpus_is_refused_before_launch(capsys, tmp_path, monkeypatch):
+    """On a machine with fewer GPUs than the recipe's ranks (tiny: TP 2 x PP 2 on 4), `megacore train` is refused
+    before any rank starts, naming the layout and the fixes (every rank would otherwise fail in NCCL's init with
+    two ranks on one GPU); a dry run warns; --cpu and --nproc-per-node 1 are not refused."""
+    from megacore import cli, launch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "_gpu_count", lambda: 1)
+    r = recipes.tiny.pretrain_recipe()
+    with pytest.raises(ConfigError, match=r"runs 4 ranks .*TP 2 x PP 2 x CP 1 x DP 1.*1 GPU is visible.*"
+                                          r"--nproc-per-node 1.*--cpu"):
+        executors.LocalExecutor().launch(r)
+    assert not os.path.exists(tmp_path / "runs/tiny_pretrain/logs/recipe.json")  # nothing written
+    r.parallel.tensor_model_parallel_size = r.parallel.pipeline_model_parallel_size = 1  # DP 4: still 4 ranks
+    with pytest.raises(ConfigError, match=r"TP 1 x PP 1 x CP 1 x DP 4"):
+        executors.LocalExecutor().launch(r)
+    assert executors.LocalExecutor().launch(recipes.tiny.pretrain_recipe(), dryrun=True) == 0
+    assert "warning: the recipe runs 4 ranks" in capsys.readouterr().err
+    # From the CLI as getting-started gives it: an error (exit status 1), no rank started.
+    assert cli.main(["train", "--recipe", "tiny", "--set", "trainer.max_steps=20"]) == 1
+    err = capsys.readouterr().err
+    assert "1 GPU is visible" in err and "--nproc-per-node 1" in err
+    # The fixes it names pass this check: CPU ranks, and one rank (the recipe's layout follows it).
+    assert executors.LocalExecutor(cpu=True).launch(recipes.tiny.pretrain_recipe(), dryrun=True) == 0
+    assert cli.main(["train", "--recipe", "tiny", "--nproc-per-node", "1", "--dryrun"]) == 0
+    out = capsys.readouterr()
+    assert "--nproc-per-node 1 -m megacore.train" in out.out and "warning: the recipe runs" not in out.err
+    one = json.load(open(tmp_path / "runs/tiny_pretrain/logs/recipe.json"))
+    assert one["parallel"]["tensor_model_parallel_size"] == one["parallel"]["pipeline_model_parallel_size"] == 1
+
+
 def test_slurm_cpu_ranks_script():
     r = recipes.tiny.pretrain_recipe(num_gpus_per_node=2)
     s = executors.SlurmExecutor(cpu=True, job_dir="/shared/cpu").script(r)

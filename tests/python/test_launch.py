@@ -46,6 +46,16 @@ def test_several_nodes_need_a_token_from_the_environment(monkeypatch):
         launch.main(["--nnodes", "2", "--node-rank", "0", "--master-port", "29511", "x.py"])
 
 
+def test_more_gpu_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "_gpu_count", lambda: 1)
+    script = tmp_path / "rank.py"
+    script.write_text("import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('started')\n")
+    with pytest.raises(SystemExit, match=r"--nproc-per-node 4 starts 4 GPU ranks, but this node has 1 visible GPU "
+                                         r"and each GPU rank needs one of its own; start at most 1 .*--cpu"):
+        launch.main(["--nproc-per-node", "4", str(script), str(tmp_path / "flag")])
+    assert not (tmp_path / "flag").exists()
+
+
 # The GPU path's supervision (ranks started by the launcher itself), with CPU scripts standing in for ranks.
 GPU_PATH = ("import sys; from megacore import launch; launch._gpu_count = lambda: 2; "
             "sys.exit(launch.main(sys.argv[1:]))")

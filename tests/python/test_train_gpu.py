@@ -130,9 +130,13 @@ def test_cp_comm_copy_engine_on_gpus_changes_no_number(tmp_path, cp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 def test_fp8_training_tracks_bf16_on_gpus(tmp_path, scaling):
-    """FP8 linears (cuBLASLt E4M3/E5M2 GEMMs) on the tiny recipe, TP 2 on 2 GPUs (or TP 1 on one): the mean loss of
-    the last 5 of 30 steps within 2 % of the bf16 run's (the CPU emulation gives 0.15 % at 20 steps), and the run
-    prints its FP8 line (skipped on cards other than H100/H200)."""
+    """FP8 linears (cuBLASLt E4M3/E5M2 GEMMs) on the tiny recipe, TP 2 on 2 GPUs (or TP 1 on one): the run prints
+    its FP8 line, learns (the mean loss of the last 5 of 30 steps under 60 % of the first step's), and that mean is
+    within 5 % of the bf16 run's (skipped on cards other than H100/H200). 5 %: at this size and learning rate the
+    two trajectories part after about 10 steps and do not meet again by step 30 — on one H200 (2026-11-29, TP 1,
+    model and data seeds 1234 / 7 / 42) the last-5 means differed by -2.5 / +0.2 / +3.0 % with current scaling and
+    -1.5 / -0.3 / +3.2 % with delayed, both FP8 modes to the same side for a seed. The numerics of each FP8 GEMM are
+    held to a CPU reference by the [fp8][gpu] tests; the CPU emulation tracks bf16 to 0.15 % at 20 steps."""
     n = mc.cuda_device_count()
     world = 2 if n >= 2 else 1
     runs = {}
@@ -149,7 +153,8 @@ def test_fp8_training_tracks_bf16_on_gpus(tmp_path, scaling):
             assert f"FP8 {scaling} scaling" in out and "CPU emulation" not in out
     a, b = sum(runs[scaling][-5:]) / 5, sum(runs["bf16"][-5:]) / 5
     print(scaling, [round(x, 3) for x in runs[scaling]], "bf16", [round(x, 3) for x in runs["bf16"]])
-    assert abs(a - b) / b < 0.02, (a, b)
+    assert a < 0.6 * runs[scaling][0], (a, runs[scaling][0])
+    assert abs(a - b) / b < 0.05, (a, b)
 
 
 @pytest.mark.gpu
