@@ -1,6 +1,7 @@
 """The user's path from the command line, as docs/getting-started.md gives it: pretrain the tiny model, fine-tune
 it on a JSONL file from that checkpoint into a run directory of its own, resume the fine-tuning run exactly,
-and the hand-off errors a user meets on the way (CPU ranks)."""
+and the hand-off errors a user meets on the way (CPU ranks); and the whole path on one rank — a CPU rank here, one
+GPU where there is one — through LoRA and the Hugging Face exports, whose logits in transformers equal megacore's."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import megacore as mc
@@ -176,3 +178,116 @@ def test_sft_longer_than_its_data_makes_more_passes(tmp_path):
     rc, out, err = _cli(args[:-2] + ["--set", "trainer.max_epochs=2", "--set", "name=two_passes"], tmp_path)
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "2 epoch(s) of" in out
+
+
+def _user_path_on_one_rank(tmp_path, device_args, check_hf):
+    """getting-started's path from the CLI on one rank (``device_args``: [] for one GPU, ["--cpu"] for a CPU rank):
+    pretrain, resume, SFT from it, LoRA fine-tune with --export-hf, convert to Hugging Face; ``check_hf(hf_dir,
+    tokens, megacore_logits)`` compares an export in transformers."""
+    one = ["--nproc-per-node", "1", *device_args]
+    quiet = ["--set", "trainer.generate_tokens=0", "--set", "data.embedded_documents=400"]
+    pre = ["train", "--recipe", "tiny", *one, *quiet, "--set", "trainer.val_check_interval=10"]
+    rc, out, err = _cli(pre + ["--set", "trainer.max_steps=20"], tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    base = tmp_path / "runs" / "tiny_pretrain" / "checkpoints"
+    steps, vals = _rows(tmp_path / "runs" / "tiny_pretrain" / "logs")
+    assert [s["step"] for s in steps] == list(range(1, 21)) and [v["step"] for v in vals] == [10, 20]
+    assert steps[-1]["loss"] < 0.5 * steps[0]["loss"], (steps[0], steps[-1])
+    rc, out, err = _cli(pre + ["--set", "trainer.max_steps=24"], tmp_path)  # the same command, longer: resumes
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "resumed at step 20" in out and (base / "step_24" / "metadata.json").is_file()
+
+    sft = tmp_path / "qa.jsonl"
+    _qa_jsonl(sft, 800)
+    ft = ["train", "--recipe", "tiny_finetune", *one, "--set", f"data.sft_path={sft}",
+          "--set", f"checkpoint.pretrained_checkpoint={base}", "--set", "trainer.max_steps=6",
+          "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=2",
+          "--set", "trainer.val_check_interval=3", "--set", "trainer.limit_val_batches=1"]
+    rc, out, err = _cli(ft, tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert f"weights from {base}" in out
+    steps, _ = _rows(tmp_path / "runs" / "tiny_finetune" / "logs")
+    assert [s["step"] for s in steps] == list(range(1, 7)) and steps[0]["loss"] < 5.0  # pretrained, not fresh
+
+    lora = ["finetune", "--model", str(base), "--data", str(sft), "--output", str(tmp_path / "qa_lora"),
+            "--lora-dim", "8", "--lora-alpha", "16", "--devices", "1", *device_args, "--max-steps", "4",
+            "--set", "data.seq_length=128", "--set", "data.global_batch_size=8", "--set", "trainer.val_check_interval=0",
+            "--export-hf"]
+    rc, out, err = _cli(lora, tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    for f in ("peft/adapter_config.json", "peft/adapter_model.safetensors", "hf/config.json", "hf/model.safetensors"):
+        assert (tmp_path / "qa_lora" / f).is_file(), f
+
+    hf = tmp_path / "hf_tiny"
+    rc, out, err = _cli(["convert", "megacore-to-hf", str(tmp_path / "runs" / "tiny_finetune" / "checkpoints"), str(hf)],
+                        tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    # megacore's logits of the exported weights (imported back, in the export's dtype, then widened to an f32 model
+    # on a CPU rank) against transformers'
+    back = tmp_path / "back"
+    rc, out, err = _cli(["convert", "hf-to-megacore", str(hf), str(back)], tmp_path)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    from megacore import checkpoint as ck
+    from megacore import convert, model
+
+    world = mc.comm.init_from_env("cpu")
+    c = convert.config_from_checkpoint(str(back))
+    stored = model.GPTModel(convert.transformer_config(c), world)
+    vocab = c["vocab_size"]
+    ck.load(None, str(back), [(name, data, [vocab, *data.shape[1:]] if name in ("embedding.weight", "output_layer.weight")
+                               else list(data.shape), [0] * len(data.shape))
+                              for name, (data, _) in stored.parameters().items()])
+    c["params_dtype"] = "f32"
+    m = model.GPTModel(convert.transformer_config(c), world)
+    weights = stored.parameters()
+    for name, (data, _) in m.parameters().items():
+        data.copy_(weights[name][0])
+    tokens = np.array([list(b"what is 3 plus 4?")], dtype=np.int64)
+    m.forward(tokens, tokens, training=False)
+    check_hf(hf, tokens, np.asarray(m.logits().numpy())[..., :vocab].astype(np.float64))
+    check_hf(tmp_path / "qa_lora" / "hf", tokens, None)
+
+
+@needs_mpi
+def test_the_user_path_from_the_cli_on_one_cpu_rank(tmp_path):
+    """The same path on one CPU rank (`--nproc-per-node 1 --cpu`); the logits check runs where transformers is
+    installed, else the exports' config.json must name LlamaForCausalLM."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        torch = transformers = None
+
+    def check_hf(path, tokens, want):
+        if transformers is None:
+            assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+            return
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).float().eval()
+        with torch.no_grad():
+            got = hf(torch.from_numpy(tokens)).logits.double().numpy()
+        assert np.isfinite(got).all()
+        if want is not None:
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+
+    _user_path_on_one_rank(tmp_path, ["--cpu"], check_hf)
+
+
+@pytest.mark.gpu
+def test_the_user_path_from_the_cli_on_one_gpu(tmp_path):
+    """Pretrain (20 steps, the loss halves), resume, SFT from it, LoRA with --export-hf and convert, all on one GPU
+    from the CLI (the tiny recipe's TP 2 x PP 2 sized to one GPU by --nproc-per-node 1); transformers loads both
+    exports on the GPU, and the fine-tuned model's logits (f32) equal megacore's of the same weights to 1e-4 of
+    their largest magnitude."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    def check_hf(path, tokens, want):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).float().cuda().eval()
+        with torch.no_grad():
+            got = hf(torch.from_numpy(tokens).cuda()).logits.double().cpu().numpy()
+        assert np.isfinite(got).all()
+        if want is not None:
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+
+    _user_path_on_one_rank(tmp_path, [], check_hf)
