@@ -122,10 +122,10 @@ class LocalExecutor:
                 msg = (f"the recipe runs {n} ranks on this machine (resources.num_gpus_per_node = {n}; TP "
                        f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x CP "
                        f"{p.context_parallel_size} x DP {recipe.data_parallel_size}), but {gpus} GPU"
-                       f"{'s are' if gpus > 1 else ' is'} visible and each GPU rank needs one of its own; run it with "
-                       f"--nproc-per-node {gpus} (`megacore train` then sizes a small recipe's layout to the GPUs; "
-                       f"LocalExecutor(nproc_per_node={gpus}) in Python), set a layout that fits, or use CPU ranks "
-                       f"(--cpu)")
+                       f"{'s are' if gpus > 1 else ' is'} visible and each GPU rank needs one of its own; run it on "
+                       f"{gpus} (`megacore train --nproc-per-node {gpus}`, which sizes a small recipe's layout to the "
+                       f"GPUs; `megacore finetune --devices {gpus}`; LocalExecutor(nproc_per_node={gpus}) in Python), "
+                       f"set a layout that fits, or use CPU ranks (--cpu)")
                 if not dryrun:
                     raise ConfigError(msg)
                 print(f"megacore: warning: {msg}", file=sys.stderr)
