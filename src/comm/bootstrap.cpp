@@ -156,6 +156,18 @@ std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::millisecon
   return std::make_unique<TcpStore>(c.connect_host, c.port, false, o);
 }
 
+Device rank_gpu(const LaunchEnv& e, int visible_gpus, const char* cuda_visible_devices) {
+  MC_CHECK_AS(ConfigError, visible_gpus > 0, "rank {}: no CUDA device is visible", e.rank);
+  const bool bound = cuda_visible_devices != nullptr && *cuda_visible_devices != '\0';
+  MC_CHECK_AS(ConfigError, bound || e.local_world_size <= visible_gpus,
+              "{} ranks on this node (local world size, from the {}) but {} GPU{} visible to each: GPU ranks need one "
+              "GPU each (NCCL refuses two ranks of one communicator on one GPU); start at most {} rank{} per node "
+              "(--nproc-per-node {} for torchrun or megacore.launch), or CPU ranks through mpirun",
+              e.local_world_size, launcher_name(e.launcher), visible_gpus, visible_gpus == 1 ? " is" : "s are",
+              visible_gpus, visible_gpus == 1 ? "" : "s", visible_gpus);
+  return Device::cuda(e.local_rank % visible_gpus);
+}
+
 std::string_view launcher_name(Launcher l) {
   switch (l) {
     case Launcher::None: return "none";
@@ -246,7 +258,7 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
   int ndev = cuda_device_count();
   MC_CHECK_AS(ConfigError, ndev > 0, "init_from_env(cuda): no CUDA device is visible to rank {} (check "
               "CUDA_VISIBLE_DEVICES), or use the CPU (MPI)", e.rank);
-  Device dev = Device::cuda(e.local_rank % ndev);
+  Device dev = rank_gpu(e, ndev, std::getenv("CUDA_VISIBLE_DEVICES"));
   if (e.world_size == 1) return make_nccl_communicator(0, 1, nccl_unique_id(), dev, options);
 
   if (launched_by_mpirun() && mpi_available()) {

@@ -38,6 +38,12 @@ LaunchEnv detect_launch_env();
 /// True when this process was started by mpirun/mpiexec (OMPI_COMM_WORLD_SIZE or PMI_SIZE is set).
 bool launched_by_mpirun();
 
+/// The GPU of this rank, cuda:(local_rank % visible_gpus). ConfigError when the node's ranks outnumber its GPUs and
+/// every rank sees the same GPUs (`cuda_visible_devices` null or empty: no per-rank binding), since NCCL refuses two
+/// ranks of one communicator on one GPU; with CUDA_VISIBLE_DEVICES set (a launcher binding GPUs per rank) the
+/// mapping is taken as given.
+Device rank_gpu(const LaunchEnv& e, int visible_gpus, const char* cuda_visible_devices);
+
 /// Where megacore's rendezvous store (a TcpStore served by rank 0) listens and how the ranks reach it.
 struct StoreConfig {
   std::string bind;          ///< the address rank 0 listens on

@@ -183,6 +183,25 @@ TEST_CASE("init_from_env refuses what cannot work", "[comm]") {
   CHECK_THROWS_AS(init_from_env(Device::cuda()), ConfigError);
 }
 
+TEST_CASE("rank_gpu: ranks outnumbering the GPUs they all see are refused", "[comm]") {
+  LaunchEnv e;
+  e.launcher = Launcher::Torchrun;
+  e.world_size = e.local_world_size = 4;
+  e.rank = e.local_rank = 3;
+  CHECK(rank_gpu(e, 4, nullptr) == Device::cuda(3));
+  CHECK(rank_gpu(e, 8, "") == Device::cuda(3));
+  // Four ranks, one GPU, no per-rank binding: every rank would take cuda:0.
+  CHECK_THROWS_AS(rank_gpu(e, 1, nullptr), ConfigError);
+  const std::string msg = error_of([&] { rank_gpu(e, 2, ""); });
+  CHECK(msg.find("4 ranks on this node") != std::string::npos);
+  CHECK(msg.find("2 GPUs are visible") != std::string::npos);
+  CHECK(msg.find("--nproc-per-node 2") != std::string::npos);
+  // A launcher that binds GPUs per rank (CUDA_VISIBLE_DEVICES set): each rank's own GPU is its cuda:0.
+  CHECK(rank_gpu(e, 1, "GPU-3") == Device::cuda(0));
+  CHECK(rank_gpu(e, 2, "4,5") == Device::cuda(1));
+  CHECK_THROWS_AS(rank_gpu(e, 0, nullptr), ConfigError);
+}
+
 TEST_CASE("tcp store: set, get, wait across clients", "[comm][store]") {
   TcpStore server("127.0.0.1", 0, /*is_server=*/true, 10s);
   REQUIRE(server.is_server());
