@@ -93,22 +93,6 @@ std::vector<int64_t> tokens_for(const Args& a, const ModelShape& m) {
   return t;
 }
 
-/// Median milliseconds of fn() over `samples` event-timed calls after warm-up.
-double time_ms(const std::function<void()>& fn, const Stream& s, int samples) {
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<double> ms;
-  for (int i = 0; i < samples; ++i) {
-    Event a(true), b(true);
-    a.record(s);
-    fn();
-    b.record(s);
-    b.synchronize();
-    ms.push_back(a.elapsed_ms(b));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 /// Median milliseconds of each fn() over `samples` event-timed calls made in turn (fn 0, fn 1, ..., fn 0, ...)
 /// after warm-up, so clock and temperature drift over the run reaches every fn alike.
 std::vector<double> time_ms_interleaved(const std::vector<std::function<void()>>& fns, const Stream& s,
@@ -131,6 +115,11 @@ std::vector<double> time_ms_interleaved(const std::vector<std::function<void()>>
     med.push_back(v[v.size() / 2]);
   }
   return med;
+}
+
+/// Median milliseconds of fn() over `samples` event-timed calls after warm-up.
+double time_ms(const std::function<void()>& fn, const Stream& s, int samples) {
+  return time_ms_interleaved({fn}, s, samples)[0];
 }
 
 /// Rows per expert: even, or fixed-seed shares between 0.25x and 2.5x of even with expert 1 empty.
@@ -323,35 +312,25 @@ int main(int argc, char** argv) {
     // MoE layer's expert GEMMs (forward and backward) get of what the shapes allow; and the rows below 85 %.
     json layers = json::array();
     int below = 0;
-    for (size_t r = 0; r < rows.size();) {
-      size_t e = r;
-      double att = 0, t = 0;
-      int n_below = 0;
-      while (e < rows.size() && rows[e]["model"] == rows[r]["model"] && rows[e]["tokens"] == rows[r]["tokens"] &&
-             rows[e]["split"] == rows[r]["split"]) {
-        att += rows[e]["attainable_ms"].get<double>(), t += rows[e]["auto_ms"].get<double>();
-        n_below += rows[e]["auto_vs_attainable"].get<double>() < 0.85 ? 1 : 0;
-        ++e;
+    for (const json& row : rows) {
+      auto L = std::find_if(layers.begin(), layers.end(), [&](const json& l) {
+        return l["model"] == row["model"] && l["tokens"] == row["tokens"] && l["split"] == row["split"];
+      });
+      if (L == layers.end()) {
+        layers.push_back({{"model", row["model"]},
+                          {"tokens", row["tokens"]},
+                          {"rows_per_expert_mean", row["rows_per_expert_mean"]},
+                          {"split", row["split"]},
+                          {"attainable_ms", 0.0},
+                          {"auto_ms", 0.0},
+                          {"rows_below_85pct", 0}});
+        L = layers.end() - 1;
       }
-      // fc1 and fc2 rows of one split are not adjacent (fc1's even and imbalanced come first): merge by key below.
-      bool merged = false;
-      for (auto& L : layers)
-        if (L["model"] == rows[r]["model"] && L["tokens"] == rows[r]["tokens"] && L["split"] == rows[r]["split"]) {
-          L["attainable_ms"] = L["attainable_ms"].get<double>() + att;
-          L["auto_ms"] = L["auto_ms"].get<double>() + t;
-          L["rows_below_85pct"] = L["rows_below_85pct"].get<int>() + n_below;
-          merged = true;
-        }
-      if (!merged)
-        layers.push_back({{"model", rows[r]["model"]},
-                          {"tokens", rows[r]["tokens"]},
-                          {"rows_per_expert_mean", rows[r]["rows_per_expert_mean"]},
-                          {"split", rows[r]["split"]},
-                          {"attainable_ms", att},
-                          {"auto_ms", t},
-                          {"rows_below_85pct", n_below}});
-      below += n_below;
-      r = e;
+      const int low = row["auto_vs_attainable"].get<double>() < 0.85 ? 1 : 0;
+      (*L)["attainable_ms"] = (*L)["attainable_ms"].get<double>() + row["attainable_ms"].get<double>();
+      (*L)["auto_ms"] = (*L)["auto_ms"].get<double>() + row["auto_ms"].get<double>();
+      (*L)["rows_below_85pct"] = (*L)["rows_below_85pct"].get<int>() + low;
+      below += low;
     }
     std::printf("\nper layer (fc1 + fc2, forward + dgrad + wgrad): attainable / auto\n");
     for (auto& L : layers) {

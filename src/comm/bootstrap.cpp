@@ -157,7 +157,8 @@ std::unique_ptr<TcpStore> open_store(const LaunchEnv& e, std::chrono::millisecon
 }
 
 Device rank_gpu(const LaunchEnv& e, int visible_gpus, const char* cuda_visible_devices) {
-  MC_CHECK_AS(ConfigError, visible_gpus > 0, "rank {}: no CUDA device is visible", e.rank);
+  MC_CHECK_AS(ConfigError, visible_gpus > 0, "init_from_env(cuda): no CUDA device is visible to rank {} (check "
+              "CUDA_VISIBLE_DEVICES), or use the CPU (MPI)", e.rank);
   const bool bound = cuda_visible_devices != nullptr && *cuda_visible_devices != '\0';
   MC_CHECK_AS(ConfigError, bound || e.local_world_size <= visible_gpus,
               "{} ranks on this node (local world size, from the {}) but {} GPU{} visible to each: GPU ranks need one "
@@ -255,10 +256,7 @@ std::unique_ptr<Communicator> init_from_env(Device device_kind, const CommOption
 
   MC_CHECK_AS(ConfigError, nccl_available(),
               "init_from_env(cuda) needs NCCL, but this megacore was built without it; install NCCL and rebuild");
-  int ndev = cuda_device_count();
-  MC_CHECK_AS(ConfigError, ndev > 0, "init_from_env(cuda): no CUDA device is visible to rank {} (check "
-              "CUDA_VISIBLE_DEVICES), or use the CPU (MPI)", e.rank);
-  Device dev = rank_gpu(e, ndev, std::getenv("CUDA_VISIBLE_DEVICES"));
+  Device dev = rank_gpu(e, cuda_device_count(), std::getenv("CUDA_VISIBLE_DEVICES"));
   if (e.world_size == 1) return make_nccl_communicator(0, 1, nccl_unique_id(), dev, options);
 
   if (launched_by_mpirun() && mpi_available()) {
