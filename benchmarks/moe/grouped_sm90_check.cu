@@ -113,6 +113,10 @@ int main(int argc, char** argv) {
     cases.push_back({"wgrad beta1 f32", 2, {100, 0, 257, 1, 64, 130}, 200, 136, 1.f, true});
     cases.push_back({"wgrad beta0.5 bf16", 2, {190, 3, 0, 257}, 264, 392, 0.5f, false});
     cases.push_back({"wgrad bf16 beta0", 2, {128, 64, 65}, 256, 128, 0.f, false});
+    // beta 1 f32 from 256 rows per group (the staged box in four parts), several tiles per CTA, uneven groups
+    cases.push_back({"wgrad staged 4 parts", 2, {600, 0, 513, 400, 1, 700, 350, 90}, 1032, 776, 1.f, true});
+    // beta 1 f32, every group at most 256 rows (the staged box as the accumulators' start), several tiles per CTA
+    cases.push_back({"wgrad staged init", 2, {200, 0, 256, 1, 130, 64, 255, 90, 17, 256}, 1032, 776, 1.f, true});
     std::vector<int64_t> many(64); for (int i = 0; i < 64; ++i) many[i] = (i * 37) % 50; 
     for (int kind = 0; kind < 3; ++kind) cases.push_back({"64 groups", kind, many, 2816 / 4, 512, 1.f, kind == 2});
   } else {
@@ -134,13 +138,15 @@ int main(int argc, char** argv) {
     };
     struct S { const char* m; int g; int64_t rows, mo, k; };
     // `bench`: the shapes of the MoE models; `bench2`: megacore_bench_moe's rows below 85 % of attainable
-    // (Mixtral wgrad at 1024 rows per expert, fine-grained experts from 128 rows per expert), even and imbalanced.
+    // (Mixtral wgrad at 1024 rows per expert, fine-grained experts from 128 rows per expert) and 64 fine-grained
+    // experts at 32 and 64 rows per expert, even and imbalanced.
     const bool b2 = std::string(argv[1]) == "bench2";
     const std::vector<S> shapes = b2 ? std::vector<S>{
         S{"mixtral fc1", 8, 8192, 28672, 4096}, S{"mixtral fc2", 8, 8192, 4096, 14336},
         S{"fine128 fc1 128", 128, 16384, 2816, 2048}, S{"fine128 fc2 128", 128, 16384, 2048, 1408},
         S{"fine128 fc1 256", 128, 32768, 2816, 2048}, S{"fine128 fc2 256", 128, 32768, 2048, 1408},
-        S{"fine128 fc1 512", 128, 65536, 2816, 2048}, S{"fine128 fc2 512", 128, 65536, 2048, 1408}}
+        S{"fine128 fc1 512", 128, 65536, 2816, 2048}, S{"fine128 fc2 512", 128, 65536, 2048, 1408},
+        S{"fine64 fc1 32", 64, 2048, 2816, 2048}, S{"fine64 fc2 64", 64, 4096, 2048, 1408}}
       : std::vector<S>{S{"mixtral fc1", 8, 8192, 28672, 4096}, S{"mixtral fc2", 8, 8192, 4096, 14336}, S{"mixtral fc1 16k", 8, 16384, 28672, 4096},
                 S{"1.1b-moe fc1", 8, 8192, 11264, 2048}, S{"fine64 fc1", 64, 4096, 2816, 2048}, S{"fine64 fc2", 64, 8192, 2048, 1408},
                 S{"fine128 fc1", 128, 16384, 2816, 2048}, S{"fine64 fc1 512", 64, 32768, 2816, 2048}, S{"1.1b fc2", 8, 8192, 2048, 5632}};

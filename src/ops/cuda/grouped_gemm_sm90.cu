@@ -41,8 +41,11 @@
 // epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB, four 16 KiB chunks)
 // by TMA after the tile's k-blocks, each chunk as soon as the consumer's previous epilogue has read that chunk,
 // and the consumer adds its accumulators to the box's values chunk by chunk and stores the sums to dw from
-// registers (a TMA store of the box measured 2-8 % slower). Beta 0 stores the staged boxes by TMA.
-// See grouped_sm90() for the rows-per-group bounds.
+// registers (a TMA store of the box measured 2-8 % slower). When no group has more than 256 rows (kInit: at
+// most four k-blocks per tile), warp 1 of the producer loads the boxes instead, each part as soon as the
+// consumer's store of its tile two before has read it; the consumer reads its box into the accumulators before
+// its main loop (the wgmmas then add to the main grad), writes the sums back into the box and stores it by TMA.
+// Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -73,11 +76,14 @@ constexpr int kThreadsGG = 384;
 constexpr int kTmaEpilogueMinRows = 512;      // beta 0: mean rows per group from which dw is stored by TMA
 constexpr int kReduceEpilogueMinRows = 1024;  // beta 1: from here the TMA reduce-add, below it the staged box
 constexpr int kStagedPartsMinRows = 256;      // the staged box: from here in four parts, below it in one
+constexpr int kInitMaxRows = 256;            // the staged box: with every group at most this many rows, it is
+                                              // where the accumulators start (kInit)
 constexpr uint32_t kStageBytes = uint32_t((kBM + kBN) * kBK * 2);  // 32 KiB
 constexpr uint32_t kHalfBytes = 8192;                               // one MN-major 64 x 64 box
 // Stages, the mbarriers (padded to 1 KiB), two 16 KiB staging boxes for the TMA epilogue, 1 KiB to align.
 // kStaged (wgrad, f32, beta 1, few rows per group): 3 stages and, per consumer, a 64 KiB box of the tile's main
-// grad that the producer loads by TMA ahead of the epilogue; else 6 stages and two 16 KiB staging boxes.
+// grad that the producer loads by TMA (ahead of the epilogue, or with kInit ahead of the main loop); else 6
+// stages and two 16 KiB staging boxes.
 template <bool kStaged>
 __host__ __device__ constexpr int stages_of() { return kStaged ? 3 : 6; }
 template <bool kStaged>
@@ -193,7 +199,10 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t sr
   }
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+template <int N = 0>  // at most N bulk groups still reading shared memory
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // wgmma.mma_async m64n128k16 f32 += bf16 · bf16, both operands from shared memory; TA / TB = 1 read A / B
 // MN-major (imm-trans). acc = 0 overwrites d.
@@ -259,13 +268,13 @@ __device__ __forceinline__ void store_half(const Params& p, const float (&d)[64]
 #endif
 
 #if MC_GG_DEVICE
-// f(shared address, value, value) for each accumulator pair of 32-column chunk ch of the 128 x 128 tile, at
-// its place in a box of 128 rows x 32 f32 (rows of 128 bytes, 16-byte chunk c of row r at c ^ (r % 8): the
-// 128-byte swizzle of the f32 TMA map). Thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row
-// half and columns 8 j + 2 tq (+ 1): d[4 j + 2 h + e] is (row + 8 h, column + e).
+// f(shared address, value, value) for each accumulator pair of 32-column chunk ch of the 128 x 128 tile (the
+// two accumulators by reference), at its place in a box of 128 rows x 32 f32 (rows of 128 bytes, 16-byte chunk c
+// of row r at c ^ (r % 8): the 128-byte swizzle of the f32 TMA map). Thread (warp, gq, tq) holds rows
+// 16 warp + gq (+ 8) of each 64-row half and columns 8 j + 2 tq (+ 1): d[4 j + 2 h + e] is (row + 8 h, column + e).
 template <class F>
-__device__ __forceinline__ void chunk_pairs(uint32_t box, int ch, int warp, int gq, int tq, const float (&d0)[64],
-                                            const float (&d1)[64], F&& f) {
+__device__ __forceinline__ void chunk_pairs(uint32_t box, int ch, int warp, int gq, int tq, float (&d0)[64],
+                                            float (&d1)[64], F&& f) {
 #pragma unroll
   for (int mh = 0; mh < 2; ++mh) {
 #pragma unroll
@@ -282,7 +291,7 @@ __device__ __forceinline__ void chunk_pairs(uint32_t box, int ch, int warp, int 
 }
 #endif
 
-template <int Kind, class TO, bool kStaged, int kParts = 1>
+template <int Kind, class TO, bool kStaged, int kParts = 1, bool kInit = false>
 __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __grid_constant__ Params p) {
 #if MC_GG_DEVICE
   constexpr int kStages = stages_of<kStaged>();
@@ -296,6 +305,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   // parts (1: the whole box, 4: chunk by chunk); cfull(c, part) completes when the part's TMA loads landed,
   // cempty(c, part) when every thread of the consumer has read it.
   static_assert(kParts == 1 || kParts == 4, "the staged box goes in one part or four");
+  static_assert(!kInit || (kStaged && kParts == 4), "kInit is a way of running the staged box, in four parts");
   auto part = [](int ch) { return kParts == 4 ? ch : 0; };
   auto cbox = [&](int c) { return bars + 1024u + uint32_t(c) * 65536u; };
   auto cfull = [&](int c, int ch) { return bars + uint32_t(2 * kStages + 4 * c + ch) * 8u; };
@@ -318,28 +328,28 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    // kStaged: the tile's main grad into its consumer's box (use j = i / 2 of that box), each part as soon as
+    // the consumer's previous epilogue has read it. In one part it goes before the tile's k-blocks (the box is
+    // then the longer wait: few k-blocks per tile); in four, after them (the k-blocks are needed first, and
+    // must not wait behind the other consumer's epilogue).
+    auto load_box = [&](const Tile& x, int i) {
+      const int c = i & 1, j = i >> 1;
+      for (int ch = 0; ch < 4; ++ch) {
+        if (kParts == 4 || ch == 0) {
+          mbar_wait(cempty(c, part(ch)), uint32_t(j & 1) ^ 1u);
+          mbar_expect_tx(cfull(c, part(ch)), 65536u / kParts);
+        }
+        tma_3d(cbox(c) + uint32_t(ch) * 16384u, &p.tc, x.n0 + 32 * ch, x.m0, x.g, cfull(c, part(ch)));
+      }
+    };
     if (warp == 0 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.ta)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tb)) : "memory");
       if (p.tma_out) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tc)) : "memory");
-      // kStaged: the tile's main grad into its consumer's box (use j = i / 2 of that box), each part as soon as
-      // the consumer's previous epilogue has read it. In one part it goes before the tile's k-blocks (the box is
-      // then the longer wait: few k-blocks per tile); in four, after them (the k-blocks are needed first, and
-      // must not wait behind the other consumer's epilogue).
-      auto load_box = [&](const Tile& x, int i) {
-        const int c = i & 1, j = i >> 1;
-        for (int ch = 0; ch < 4; ++ch) {
-          if (kParts == 4 || ch == 0) {
-            mbar_wait(cempty(c, part(ch)), uint32_t(j & 1) ^ 1u);
-            mbar_expect_tx(cfull(c, part(ch)), 65536u / kParts);
-          }
-          tma_3d(cbox(c) + uint32_t(ch) * 16384u, &p.tc, x.n0 + 32 * ch, x.m0, x.g, cfull(c, part(ch)));
-        }
-      };
       int it = 0, g = 0, i = 0;
       for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) {
         const Tile x = decode<Kind>(p, t, g);
-        if constexpr (kStaged && kParts == 1) load_box(x, i);
+        if constexpr (kStaged && !kInit && kParts == 1) load_box(x, i);
         for (int kb = 0; kb < x.kblocks; ++kb, ++it) {
           const int s = it % kStages;
           mbar_wait(empty(s), uint32_t((it / kStages) & 1) ^ 1u);
@@ -360,8 +370,14 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
             tma_2d(b + kHalfBytes, &p.tb, x.n0 + 64, r, full(s));
           }
         }
-        if constexpr (kStaged && kParts == 4) load_box(x, i);
+        if constexpr (kStaged && !kInit && kParts == 4) load_box(x, i);
       }
+    } else if (kInit && warp == 1 && lane == 0) {
+      // kInit: the boxes on a warp of their own, each part as soon as its consumer's store of tile i - 2 has read
+      // it (the consumer needs the box before its main loop, not after: it must not wait behind the k-blocks).
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tc)) : "memory");
+      int g = 0, i = 0;
+      for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) load_box(decode<Kind>(p, t, g), i);
     }
     return;
   }
@@ -386,6 +402,19 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     // the previous tile's (named barrier 3 + cw, which the other arrives at). Besides handing the tensor
     // cores to one warpgroup while the other stores, this keeps every full-barrier wait at most one phase
     // ahead of the barrier (a parity wait two phases ahead would return at once).
+    if constexpr (kInit) {
+      // The tile's main grad (in this consumer's box, from warp 1 of the producer) is where the accumulators
+      // start: the wgmmas add the tile's product to it and the epilogue only stores. Read before this consumer's
+      // turn on the tensor cores, while the other consumer's main loop runs.
+      const uint32_t box = cbox(cw);
+#pragma unroll
+      for (int ch = 0; ch < 4; ++ch) {
+        mbar_wait(cfull(cw, ch), uint32_t(own & 1));
+        chunk_pairs(box + uint32_t(ch) * 16384u, ch, warp, gq, tq, d0, d1, [](uint32_t addr, float& v0, float& v1) {
+          asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v0), "=f"(v1) : "r"(addr) : "memory");
+        });
+      }
+    }
     if (t != int(blockIdx.x)) named_bar_sync(3 + cw, 256);
     wgmma_fence();  // the accumulators were read by the previous tile's epilogue
     for (int kb = 0; kb < x.kblocks; ++kb, ++it) {
@@ -421,7 +450,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
         } else {
           db = smem_desc(b + uint32_t(ks) * 2048u, kHalfBytes, 1024u);
         }
-        const int acc = (kb > 0 || ks > 0) ? 1 : 0;
+        const int acc = (kInit || kb > 0 || ks > 0) ? 1 : 0;
         mma_128<kTA, kTB>(d0, da0, db, acc);
         mma_128<kTA, kTB>(d1, da1, db, acc);
       }
@@ -439,7 +468,27 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
 
     // Epilogue: thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row half, columns
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
-    if constexpr (kStaged) {
+    if constexpr (kInit) {
+      // The sums into the box (each thread where its loads came from), then the box to dw by four TMA stores
+      // (TMA clips rows and columns outside dw); each part goes back to the box loader once its store has read it.
+      const uint32_t box = cbox(cw);
+#pragma unroll
+      for (int ch = 0; ch < 4; ++ch)
+        chunk_pairs(box + uint32_t(ch) * 16384u, ch, warp, gq, tq, d0, d1, [](uint32_t addr, float& v0, float& v1) {
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
+        });
+      fence_proxy_async();
+      named_bar_sync(1 + cw, 128);
+      if (tid == 0) {
+        for (int ch = 0; ch < 4; ++ch)
+          tma_store_3d<false>(&p.tc, box + uint32_t(ch) * 16384u, x.n0 + 32 * ch, x.m0, x.g);
+        bulk_wait_read<3>(), mbar_arrive(cempty(cw, 0));
+        bulk_wait_read<2>(), mbar_arrive(cempty(cw, 1));
+        bulk_wait_read<1>(), mbar_arrive(cempty(cw, 2));
+        bulk_wait_read<0>(), mbar_arrive(cempty(cw, 3));
+      }
+      ++own;
+    } else if constexpr (kStaged) {
       // The main grad arrives in this consumer's box (same layout as the staging box, four 32-column chunks).
       const uint32_t box = cbox(cw);
       // Add the accumulators to each chunk's values and store the sums to dw from registers (no TMA store); a
@@ -569,13 +618,13 @@ DeviceInfo device_info(int device) {
   return infos[device];
 }
 
-template <int Kind, class TO, bool kStaged = false, int kParts = 1>
+template <int Kind, class TO, bool kStaged = false, int kParts = 1, bool kInit = false>
 int launch(const Params& p, int grid, cudaStream_t stream) {
   constexpr int bytes = smem_bytes_of<kStaged>();
-  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO, kStaged, kParts>,
+  const cudaError_t attr = cudaFuncSetAttribute(grouped_sm90_kernel<Kind, TO, kStaged, kParts, kInit>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return int(attr);
-  grouped_sm90_kernel<Kind, TO, kStaged, kParts><<<grid, kThreadsGG, bytes, stream>>>(p);
+  grouped_sm90_kernel<Kind, TO, kStaged, kParts, kInit><<<grid, kThreadsGG, bytes, stream>>>(p);
   return int(cudaGetLastError());
 }
 
@@ -674,9 +723,16 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched)
     case GroupedSm90::Kind::Dgrad: return launch<kDgrad, __nv_bfloat16>(p, grid, s);
     default:
       if (p.tma_out == 3) {
-        // The staged box in four parts from kStagedPartsMinRows rows per group (one H200, 2026-11-29, the kernel
-        // alone, grouped_sm90_check bench2: 128 experts at 256 / 512 rows, fc1, 1.96 / 2.01 ms in four parts
-        // against 2.01 / 2.07 in one; at 128 rows 1.80 against 1.72).
+        // With every group at most kInitMaxRows rows, the box as the accumulators' start (one H200, 2026-11-29,
+        // grouped_sm90_check bench2, even splits, fc1 / fc2 shapes: 128 experts at 256 rows 1.66-1.70 / 0.84-0.87 ms
+        // against 1.96 / 0.98 adding the box in the epilogue; 64 experts at 32 / 64 rows 2-4 % faster; 128 rows
+        // alike; at 512 rows, where tiles have eight k-blocks, it measured 8-10 % slower). Otherwise the staged
+        // box in four parts from kStagedPartsMinRows rows per group (one H200, 2026-11-29, the kernel alone,
+        // grouped_sm90_check bench2: 128 experts at 256 / 512 rows, fc1, 1.96 / 2.01 ms in four parts against
+        // 2.01 / 2.07 in one; at 128 rows 1.80 against 1.72).
+        int64_t most = 0;
+        for (int g = 0; g < q.groups; ++g) most = std::max<int64_t>(most, q.offsets[g + 1] - q.offsets[g]);
+        if (most <= int64_t(kInitMaxRows)) return launch<kWgrad, float, true, 4, true>(p, grid, s);
         if (q.rows >= int64_t(kStagedPartsMinRows) * q.groups) return launch<kWgrad, float, true, 4>(p, grid, s);
         return launch<kWgrad, float, true>(p, grid, s);
       }
