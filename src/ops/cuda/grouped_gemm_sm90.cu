@@ -375,7 +375,6 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     } else if (kInit && warp == 1 && lane == 0) {
       // kInit: the boxes on a warp of their own, each part as soon as its consumer's store of tile i - 2 has read
       // it (the consumer needs the box before its main loop, not after: it must not wait behind the k-blocks).
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.tc)) : "memory");
       int g = 0, i = 0;
       for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) load_box(decode<Kind>(p, t, g), i);
     }
@@ -673,10 +672,11 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched)
   p.ld_out = n;
   p.group_stride = wgrad ? q.mo * q.k : 0;
   p.beta = q.beta;
-  int64_t tiles = 0;
+  int64_t tiles = 0, most = 0;  // most: the largest group's rows
   p.off[0] = 0, p.tile_start[0] = 0;
   for (int g = 0; g < q.groups; ++g) {
     const int64_t r = q.offsets[g + 1] - q.offsets[g];
+    most = std::max(most, r);
     p.off[g + 1] = int32_t(q.offsets[g + 1]);
     tiles += wgrad ? (r > 0 ? int64_t(p.m_tiles_fixed) * p.n_tiles : 0) : (r + kBM - 1) / kBM * p.n_tiles;
     if (tiles >= (int64_t(1) << 31)) return int(cudaErrorInvalidValue);
@@ -730,8 +730,6 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched)
         // box in four parts from kStagedPartsMinRows rows per group (one H200, 2026-11-29, the kernel alone,
         // grouped_sm90_check bench2: 128 experts at 256 / 512 rows, fc1, 1.96 / 2.01 ms in four parts against
         // 2.01 / 2.07 in one; at 128 rows 1.80 against 1.72).
-        int64_t most = 0;
-        for (int g = 0; g < q.groups; ++g) most = std::max<int64_t>(most, q.offsets[g + 1] - q.offsets[g]);
         if (most <= int64_t(kInitMaxRows)) return launch<kWgrad, float, true, 4, true>(p, grid, s);
         if (q.rows >= int64_t(kStagedPartsMinRows) * q.groups) return launch<kWgrad, float, true, 4>(p, grid, s);
         return launch<kWgrad, float, true>(p, grid, s);
