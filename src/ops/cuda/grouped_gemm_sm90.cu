@@ -38,14 +38,15 @@
 // Epilogues: forward/dgrad (and bf16 dw, or beta outside {0, 1}) store from registers. An f32 dw with
 // beta 1 goes through shared memory: with many rows per group the accumulators are staged in 16 KiB boxes
 // and reduce-added into dw by TMA (L2 does the read-modify-write); with few rows (tiles that are all
-// epilogue) the kernel runs with 3 stages, the producer loads each tile's dw box (64 KiB, four 16 KiB chunks)
-// by TMA after the tile's k-blocks, each chunk as soon as the consumer's previous epilogue has read that chunk,
-// and the consumer adds its accumulators to the box's values chunk by chunk and stores the sums to dw from
-// registers (a TMA store of the box measured 2-8 % slower). When no group has more than 256 rows (kInit: at
-// most four k-blocks per tile), warp 1 of the producer loads the boxes instead, each part as soon as the
-// consumer's store of its tile two before has read it; the consumer reads its box into the accumulators before
-// its main loop (the wgmmas then add to the main grad), writes the sums back into the box and stores it by TMA.
-// Beta 0 stores the staged boxes by TMA. See grouped_sm90() for the rows-per-group bounds.
+// epilogue) the kernel runs with 3 stages, each freed as soon as its wgmmas are done; the producer loads each
+// tile's dw box (64 KiB, four 16 KiB chunks) by TMA (from 256 rows per group on a warp of its own, each chunk as
+// soon as the consumer's previous epilogue has read that chunk), and the consumer adds its accumulators to the
+// box's values chunk by chunk and stores the sums to dw from registers (a TMA store of the box measured 2-8 %
+// slower). When no group has more than 256 rows (kInit: at most four k-blocks per tile), warp 1 of the producer
+// loads each box part as soon as the consumer's store of its tile two before has read it; the consumer reads its
+// box into the accumulators before its main loop (the wgmmas then add to the main grad; one k-block of wgmmas stays
+// in flight), writes the sums back into the box and stores it by TMA. Beta 0 stores the staged boxes by TMA. See
+// grouped_sm90() for the rows-per-group bounds.
 #include <cuda.h>  // CUtensorMap and its enums; the encoder comes through cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -329,9 +330,8 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     // kStaged: the tile's main grad into its consumer's box (use j = i / 2 of that box), each part as soon as
-    // the consumer's previous epilogue has read it. In one part it goes before the tile's k-blocks (the box is
-    // then the longer wait: few k-blocks per tile); in four, after them (the k-blocks are needed first, and
-    // must not wait behind the other consumer's epilogue).
+    // the consumer is done with it for the tile before. In one part warp 0 loads it before the tile's k-blocks (the
+    // box is then the longer wait: few k-blocks per tile); in four, warp 1 does (below).
     auto load_box = [&](const Tile& x, int i) {
       const int c = i & 1, j = i >> 1;
       for (int ch = 0; ch < 4; ++ch) {
@@ -370,11 +370,13 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
             tma_2d(b + kHalfBytes, &p.tb, x.n0 + 64, r, full(s));
           }
         }
-        if constexpr (kStaged && !kInit && kParts == 4) load_box(x, i);
       }
-    } else if (kInit && warp == 1 && lane == 0) {
-      // kInit: the boxes on a warp of their own, each part as soon as its consumer's store of tile i - 2 has read
-      // it (the consumer needs the box before its main loop, not after: it must not wait behind the k-blocks).
+    } else if ((kInit || (kStaged && kParts == 4)) && warp == 1 && lane == 0) {
+      // Boxes in four parts on a warp of their own, each part as soon as its consumer is done with it for tile i - 2
+      // (with kInit: its store has read it; else its epilogue has), so warp 0 never waits on an epilogue before
+      // issuing k-blocks (on one H200, with the stage release in the consumers' loop, 128 experts at 256-512 rows
+      // per expert: 3-11 % faster than the parts loaded by warp 0 after each tile's k-blocks). kInit needs its box
+      // before the main loop, the others before the epilogue.
       int g = 0, i = 0;
       for (int t = int(blockIdx.x); t < p.tiles; t += int(gridDim.x), ++i) load_box(decode<Kind>(p, t, g), i);
     }
@@ -454,7 +456,14 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
         mma_128<kTA, kTB>(d1, da1, db, acc);
       }
       wgmma_commit();
-      if (kb > 0) {
+      if constexpr (kStaged && !kInit) {
+        // Three stages only: each is freed as soon as its own wgmmas are done, so the producer has two to fill, not
+        // one (grouped_sm90_check bench2, one H200, 2026-11-29, same call: with the box loader on warp 1, 128
+        // experts at 512 rows per expert fc1 / fc2 wgrad 1.90 / 0.97 ms against 2.08 / 1.09 with neither; the kInit
+        // tiles, short, ran 1-3 % slower this way and keep one k-block of wgmmas in flight).
+        wgmma_wait<0>();
+        mbar_arrive_if(empty(it % kStages), lane == 0);
+      } else if (kb > 0) {
         wgmma_wait<1>();  // k-block kb - 1's wgmmas are done: its stage is free
         mbar_arrive_if(empty((it - 1) % kStages), lane == 0);
       }
@@ -463,7 +472,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     wgmma_wait<0>();
     reg_fence(d0);
     reg_fence(d1);
-    mbar_arrive_if(empty((it - 1) % kStages), lane == 0);
+    if constexpr (!kStaged || kInit) mbar_arrive_if(empty((it - 1) % kStages), lane == 0);
 
     // Epilogue: thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row half, columns
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
