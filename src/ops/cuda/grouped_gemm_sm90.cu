@@ -311,6 +311,8 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
   auto cbox = [&](int c) { return bars + 1024u + uint32_t(c) * 65536u; };
   auto cfull = [&](int c, int ch) { return bars + uint32_t(2 * kStages + 4 * c + ch) * 8u; };
   auto cempty = [&](int c, int ch) { return bars + uint32_t(2 * kStages + 8 + 4 * c + ch) * 8u; };
+  // The staged box without kInit frees each stage as soon as its own wgmmas are done (see the consumer's loop).
+  constexpr bool kFreeEach = kStaged && !kInit;
   constexpr int kTA = Kind == kWgrad ? 1 : 0;
   constexpr int kTB = Kind == kFwd ? 0 : 1;
 
@@ -371,7 +373,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
           }
         }
       }
-    } else if ((kInit || (kStaged && kParts == 4)) && warp == 1 && lane == 0) {
+    } else if (kStaged && kParts == 4 && warp == 1 && lane == 0) {
       // Boxes in four parts on a warp of their own, each part as soon as its consumer is done with it for tile i - 2
       // (with kInit: its store has read it; else its epilogue has), so warp 0 never waits on an epilogue before
       // issuing k-blocks (on one H200, with the stage release in the consumers' loop, 128 experts at 256-512 rows
@@ -456,7 +458,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
         mma_128<kTA, kTB>(d1, da1, db, acc);
       }
       wgmma_commit();
-      if constexpr (kStaged && !kInit) {
+      if constexpr (kFreeEach) {
         // Three stages only: each is freed as soon as its own wgmmas are done, so the producer has two to fill, not
         // one (grouped_sm90_check bench2, one H200, 2026-11-29, same call: with the box loader on warp 1, 128
         // experts at 512 rows per expert fc1 / fc2 wgrad 1.90 / 0.97 ms against 2.08 / 1.09 with neither; the kInit
@@ -472,7 +474,7 @@ __global__ void __launch_bounds__(kThreadsGG, 1) grouped_sm90_kernel(const __gri
     wgmma_wait<0>();
     reg_fence(d0);
     reg_fence(d1);
-    if constexpr (!kStaged || kInit) mbar_arrive_if(empty((it - 1) % kStages), lane == 0);
+    if constexpr (!kFreeEach) mbar_arrive_if(empty((it - 1) % kStages), lane == 0);
 
     // Epilogue: thread (warp, gq, tq) holds rows 16 warp + gq (+ 8) of each 64-row half, columns
     // 8 j + 2 tq (+ 1) for j < 16: d[4 j + 2 h + e] is (row + 8 h, column + e).
