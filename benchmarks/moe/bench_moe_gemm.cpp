@@ -20,7 +20,8 @@
 // 2.5x of even, expert 1 empty). The auto column is what a model gets; its path is printed beside it.
 // Target (issue 22): auto >= 85 % of what the shape allows: the dense GEMM's time, or the roofline's where
 // the op must move more bytes than the copy bandwidth carries in that time (attainable = max of the two).
-// auto, sm90 and dense are timed call by call in turn, so clock drift over the run does not tilt their ratio.
+// auto, dense, grouped, loop and sm90 are timed call by call in turn, so clock drift over the run does not tilt
+// their ratios (the loop's stream sweep is timed on its own).
 // The summary at the end sums each layer's six ops (fc1 and fc2; forward, dgrad, wgrad).
 #include <algorithm>
 #include <cstdio>
@@ -232,18 +233,22 @@ int main(int argc, char** argv) {
                             : ops::grouped_gemm_path_name(
                                   ops::grouped_gemm_choice(setting, sizes, l.out_f * l.in_f, !wgrad));
               const bool has_sm90 = ops::grouped_gemm_sm90_available(dev);
-              // auto, the Hopper kernel and the dense GEMM (the target's ratio) timed in turn, call by call.
-              std::vector<std::function<void()>> paired{op.grouped, op.dense};
-              if (has_sm90)
-                paired.push_back([&] {
-                  ops::set_grouped_gemm_path(ops::GroupedGemmPath::Sm90);
+              // auto, the dense GEMM (the target's ratio), the cuBLAS grouped launch, the per-expert loop (on the
+              // streams in force) and the Hopper kernel timed in turn, call by call, so that clock and temperature
+              // drift over the run reach every path alike and auto_vs_best compares like with like.
+              auto forced = [&](ops::GroupedGemmPath p) {
+                return std::function<void()>([&, p] {
+                  ops::set_grouped_gemm_path(p);
                   op.grouped();
                   ops::set_grouped_gemm_path(setting);
                 });
+              };
+              std::vector<std::function<void()>> paired{op.grouped, op.dense, forced(ops::GroupedGemmPath::Grouped),
+                                                        forced(ops::GroupedGemmPath::Loop)};
+              if (has_sm90) paired.push_back(forced(ops::GroupedGemmPath::Sm90));
               const std::vector<double> t_paired = time_ms_interleaved(paired, s, a.samples);
-              const double t_auto = t_paired[0], t_dense = t_paired[1], t_sm90 = has_sm90 ? t_paired[2] : 0.0;
-              const double t_grouped = on_path(ops::GroupedGemmPath::Grouped);
-              const double t_loop = on_path(ops::GroupedGemmPath::Loop);
+              const double t_auto = t_paired[0], t_dense = t_paired[1], t_grouped = t_paired[2], t_loop = t_paired[3];
+              const double t_sm90 = has_sm90 ? t_paired[4] : 0.0;
               // The loop on 1, 2, 4 and 8 CUDA streams (t_loop: on the streams in force).
               json loop_by_streams = json::object();
               const int streams_setting = ops::grouped_gemm_loop_streams();
@@ -353,9 +358,10 @@ int main(int argc, char** argv) {
                  "(wgrad into the f32 main grad), so its grouped path loops there. loop_ms_by_streams: the loop on "
                  "1/2/4/8 CUDA streams; min_bytes: the bytes every path must move (bf16 weights, or for wgrad the f32 "
                  "main grads read and written, plus the rows in and out); roofline_ms = min_bytes / the measured "
-                 "device-to-device copy bandwidth; attainable_ms = max(dense_ms, roofline_ms). auto, sm90 and dense "
-                 "are timed call by call in turn (medians of --samples calls each), so drift over the run reaches "
-                 "the three alike; grouped and the loops are timed on their own. layers: per model, tokens and "
+                 "device-to-device copy bandwidth; attainable_ms = max(dense_ms, roofline_ms). auto, dense, grouped, "
+                 "loop (on the streams in force) and sm90 are timed call by call in turn (medians of --samples "
+                 "calls each), so drift over the run reaches them alike; loop_ms_by_streams is timed on its own. "
+                 "layers: per model, tokens and "
                  "split, the six ops' attainable_ms and auto_ms summed (the layer's expert GEMMs forward and "
                  "backward)"},
         {"rows_below_85pct_of_attainable", below},
