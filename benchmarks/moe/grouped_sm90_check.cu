@@ -11,6 +11,8 @@
 //
 // Add -DMC_SM90_DEBUG_HANG to make a stuck mbarrier wait print and trap instead of hanging. Under Nsight Compute
 // set GG_ITERS=1 (one timed launch after three warm-ups per variant) and pick one case: `/tmp/gg bench2 2`.
+// GG_KINDS=2 runs the wgrad cases only (digits: 0 forward, 1 dgrad, 2 wgrad); GG_FAST=1 times the kernel alone
+// (no epilogue sweep, no cuBLAS loop or dense GEMM), for comparing builds of the kernel in one call.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -100,6 +102,8 @@ int main(int argc, char** argv) {
   const bool bench = argc > 1 && std::string(argv[1]).rfind("bench", 0) == 0;
   setvbuf(stdout, nullptr, _IONBF, 0);
   const int only = argc > 2 ? atoi(argv[2]) : -1;
+  const char* kinds = getenv("GG_KINDS");     // e.g. GG_KINDS=2: wgrad cases only (0 forward, 1 dgrad)
+  const bool fast = getenv("GG_FAST") != nullptr;  // bench: the kernel's own time only (no epilogue sweep, no cuBLAS)
   CB(cublasCreate(&H));
   cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, 0));
   printf("device %s\n", prop.name);
@@ -109,6 +113,10 @@ int main(int argc, char** argv) {
       cases.push_back({"even", kind, {256, 256, 256}, 384, 512, 0.f, kind == 2});
       cases.push_back({"ragged", kind, {100, 0, 257, 1, 64, 130}, 200, 136, 0.f, kind == 2});
       cases.push_back({"single", kind, {77}, 1032, 264, 0.f, kind == 2});
+      // forward/dgrad wide tail tiles (64 x 256; 282 rows per group on average) with an odd number of n-tiles: the
+      // second half of the last one lies past N (forward N = 328: 3 n-tiles; dgrad N = 392: 4); groups below 64
+      // rows, just above 128, and one whose tail (88 rows) stays a 128-row tile
+      cases.push_back({"wide tails", kind, {40, 300, 600, 5, 129, 0, 900}, 328, 392, 0.f, kind == 2});
     }
     cases.push_back({"wgrad beta1 f32", 2, {100, 0, 257, 1, 64, 130}, 200, 136, 1.f, true});
     cases.push_back({"wgrad beta0.5 bf16", 2, {190, 3, 0, 257}, 264, 392, 0.5f, false});
@@ -160,6 +168,7 @@ int main(int argc, char** argv) {
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& c = cases[ci];
     if (only >= 0 && int(ci) != only) continue;
+    if (kinds != nullptr && std::string(kinds).find(char('0' + c.kind)) == std::string::npos) continue;
     printf("case %zu %s kind %d\n", ci, c.name.c_str(), c.kind);
     const int G = int(c.sizes.size());
     std::vector<int64_t> off(G + 1, 0); for (int g = 0; g < G; ++g) off[g + 1] = off[g] + c.sizes[g];
@@ -217,6 +226,12 @@ int main(int argc, char** argv) {
       if (c.f32) init_out();
       const int iters = getenv("GG_ITERS") ? atoi(getenv("GG_ITERS")) : 10;  // GG_ITERS=1 under ncu
       const float t_k = time_ms([&] { CK(cudaError_t(grouped_sm90(p, 0, nullptr))); }, iters);
+      if (fast) {
+        printf("%-20s kind %d rows %6ld mo %5ld k %5ld: sm90 %.3f ms %.0f TF\n", c.name.c_str(), c.kind, (long)rows,
+               (long)mo, (long)k, t_k, flops / t_k / 1e9);
+        cudaFree(a); cudaFree(b); cudaFree(out); cudaFree(ref); cudaFree(init); cudaFree(doff);
+        continue;
+      }
       if (c.kind == 2) {
         float te[3], tz[2];
         for (int epi = 0; epi < 3; ++epi) { p.epilogue = epi; te[epi] = time_ms([&] { CK(cudaError_t(grouped_sm90(p, 0, nullptr))); }, iters); }

@@ -946,6 +946,9 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
   cases.push_back(GroupedCase{{100, 0, 257, 1, 64, 130}, 200, 136});
   cases.push_back(GroupedCase{std::vector<int64_t>(64, 40), 264, 136});  // 192 forward tiles, 384 wgrad tiles
   cases.push_back(GroupedCase{{700, 0, 1500, 33}, 136, 72});
+  // Forward/dgrad tails of 1-64 rows as 64 x 256 tiles (268 rows per group on average), dgrad's 328 columns in
+  // three n-tiles (the last wide tile half past them), one tail of 88 rows kept as a 128-row tile.
+  cases.push_back(GroupedCase{{300, 0, 520, 290, 129, 40, 600}, 200, 328});
   const ops::GroupedGemmPath before = ops::grouped_gemm_path();
   const int streams = ops::grouped_gemm_loop_streams();
   const bool hopper = ops::grouped_gemm_sm90_available(gpu());
