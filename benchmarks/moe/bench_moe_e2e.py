@@ -146,6 +146,8 @@ def megacore_part(a, m: dict, work: str) -> dict:
     res["loss"] = [s["loss"] for s in steps]
     # max/mean tokens per expert of every step (the worst MoE layer), as the trainer logged it
     res["moe_load_imbalance"] = [s.get("moe_load_imbalance") for s in steps]
+    # and every step's time, so a run's throughput can be read against its load (learned routing varies from run to run)
+    res["step_seconds"] = [s.get("step_seconds") for s in steps]
     if rc != 0 or len(steps) < m["steps"]:
         res["error"] = f"exit status {rc}, {len(steps)}/{m['steps']} steps: {first_error(tail)}"
         res["out_of_memory"] = ran_out_of_memory(tail)
@@ -243,6 +245,11 @@ def main() -> int:
     if a.measure_from < 2 or m["steps"] < a.measure_from + 1:
         ap.error(f"--steps must be at least --measure-from + 1 = {a.measure_from + 1} and --measure-from at least 2 "
                  "(steady state is steps measure_from..N)")
+    if a.out_dir:  # made (or refused) now, not after the runs
+        try:
+            os.makedirs(a.out_dir, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out-dir {a.out_dir}: {e.strerror}; give a folder that can be created or written")
     m["global_batch"] = max(m["global_batch"], m["micro_batch"] * a.nproc)
     m["global_batch"] -= m["global_batch"] % (m["micro_batch"] * a.nproc)
 
