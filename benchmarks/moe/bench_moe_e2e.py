@@ -250,6 +250,11 @@ def main() -> int:
             os.makedirs(a.out_dir, exist_ok=True)
         except OSError as e:
             ap.error(f"--out-dir {a.out_dir}: {e.strerror}; give a folder that can be created or written")
+        try:  # a file written and removed: os.access says yes to root on any folder
+            with tempfile.NamedTemporaryFile(dir=a.out_dir):
+                pass
+        except OSError as e:
+            ap.error(f"--out-dir {a.out_dir}: cannot write there ({e.strerror}); give a folder that can be written")
     m["global_batch"] = max(m["global_batch"], m["micro_batch"] * a.nproc)
     m["global_batch"] -= m["global_batch"] % (m["micro_batch"] * a.nproc)
 

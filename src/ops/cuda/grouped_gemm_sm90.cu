@@ -10,11 +10,12 @@
 // cores. Fine-grained experts (tens of rows each) gain most from the single launch: every expert's tiles
 // are in one stream of work over all SMs.
 //
-// Tiles: 128 x 128 outputs, 64-deep k-blocks, kStages shared-memory stages of A and B (32 KiB each).
+// Tiles: 128 x 128 outputs, 64-deep k-blocks, kStages shared-memory stages of A and B (32 KiB each; 40 KiB
+// where wide tail tiles, below, run).
 // CTA = 3 warpgroups: warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2
 // consume alternate tiles of the CTA's list (tile t, t + grid, t + 2 grid, ...). The producer and both
 // consumers walk the same list, so all agree on which stage and phase each k-block uses.
-//   full[s]:  count 1 (the producer's arrive.expect_tx of 32 KiB); TMA completes the bytes.
+//   full[s]:  count 1 (the producer's arrive.expect_tx of the k-block's bytes); TMA completes them.
 //   empty[s]: count 4 (lane 0 of each warp of the consuming warpgroup, after wgmma.wait_group has
 //             retired the wgmmas that read the stage).
 //   named barriers 3 and 4 (256 threads): consumer 1 - cw arrives at 3 + cw when it has issued its tile's
@@ -33,8 +34,8 @@
 // expert's weight (rows past mo are zero-filled); x and dy are 2-D over all rows. A forward/dgrad tile's
 // rows past its group's end belong to the next group: they are multiplied but never stored. With 256 or more
 // rows per group on average, a group's last 1-64 rows go in 64 x 256 tiles instead (A 64 rows, B two 128-column
-// boxes; the second accumulator holds columns 128-255 instead of rows 64-127), so no multiply-add is spent on
-// the next group's rows there; the stages are then 40 KiB and five (decode, grouped_sm90()). In the wgrad
+// boxes; the second accumulator holds columns 128-255 instead of rows 64-127), which multiplies at most 63 of the
+// next group's rows there instead of 64-127; the stages are then 40 KiB and five (decode, grouped_sm90()). In the wgrad
 // the rows are the reduction, so the k-block at a group's end has its foreign rows zeroed in shared memory
 // by the consuming warpgroup before its wgmmas (then fence.proxy.async and a warpgroup barrier).
 //
@@ -144,7 +145,8 @@ __device__ __forceinline__ void band_order(int local, int m_tiles, int n_tiles, 
 
 // Forward / dgrad with kWide: a group whose rows leave a remainder of 1-64 past its last full 128-row tile takes
 // that remainder in 64 x 256 tiles (one per two n-tiles, after its 128 x 128 tiles): the same multiply-adds per
-// k-block as a 128 x 128 tile, none of them on rows past the group (a 128-row tile there would pad 64-127 rows).
+// k-block as a 128 x 128 tile, padding at most 63 rows where a 128-row tile would pad 64-127 (with an odd number of
+// n-tiles the last wide tile's second half lies past N).
 __host__ __device__ constexpr bool wide_tail(int rows) { return rows % kBM != 0 && rows % kBM <= kBM / 2; }
 
 template <int Kind, bool kWide = false>
