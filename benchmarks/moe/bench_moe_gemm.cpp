@@ -216,13 +216,15 @@ int main(int argc, char** argv) {
             };
             for (size_t i = 0; i < op_list.size(); ++i) {
               const Op& op = op_list[i];
-              // The op on one path: the setting in force for the run, then each forced path.
-              auto on_path = [&](ops::GroupedGemmPath p) {
-                ops::set_grouped_gemm_path(p);
-                const double ms = time_ms(op.grouped, s, a.samples);
-                ops::set_grouped_gemm_path(setting);
-                return ms;
+              // The op forced onto one path (the setting in force restored after each call), and its time alone.
+              auto forced = [&](ops::GroupedGemmPath p) {
+                return std::function<void()>([&, p] {
+                  ops::set_grouped_gemm_path(p);
+                  op.grouped();
+                  ops::set_grouped_gemm_path(setting);
+                });
               };
+              auto on_path = [&](ops::GroupedGemmPath p) { return time_ms(forced(p), s, a.samples); };
               const bool wgrad = i == 2;  // bf16 -> f32: no cuBLAS grouped kernel, every path loops
               // The path auto takes: the Hopper kernel where it runs (it counts its launches), else cuBLAS's.
               const int64_t sm90_before = ops::grouped_gemm_sm90_launches();
@@ -236,13 +238,6 @@ int main(int argc, char** argv) {
               // auto, the dense GEMM (the target's ratio), the cuBLAS grouped launch, the per-expert loop (on the
               // streams in force) and the Hopper kernel timed in turn, call by call, so that clock and temperature
               // drift over the run reach every path alike and auto_vs_best compares like with like.
-              auto forced = [&](ops::GroupedGemmPath p) {
-                return std::function<void()>([&, p] {
-                  ops::set_grouped_gemm_path(p);
-                  op.grouped();
-                  ops::set_grouped_gemm_path(setting);
-                });
-              };
               std::vector<std::function<void()>> paired{op.grouped, op.dense, forced(ops::GroupedGemmPath::Grouped),
                                                         forced(ops::GroupedGemmPath::Loop)};
               if (has_sm90) paired.push_back(forced(ops::GroupedGemmPath::Sm90));

@@ -148,6 +148,11 @@ __device__ __forceinline__ void band_order(int local, int m_tiles, int n_tiles, 
 // k-block as a 128 x 128 tile, padding at most 63 rows where a 128-row tile would pad 64-127 (with an odd number of
 // n-tiles the last wide tile's second half lies past N).
 __host__ __device__ constexpr bool wide_tail(int rows) { return rows % kBM != 0 && rows % kBM <= kBM / 2; }
+// A forward/dgrad group's 128-row m-tiles (wide: a run with wide tails). Rows past them are its wide tail, in
+// (n_tiles + 1) / 2 tiles after them; the host's tile count and decode both follow this.
+__host__ __device__ constexpr int m_tiles_of(int rows, bool wide) {
+  return wide && wide_tail(rows) ? rows / kBM : (rows + kBM - 1) / kBM;
+}
 
 template <int Kind, bool kWide = false>
 __device__ __forceinline__ Tile decode(const Params& p, int t, int& g) {
@@ -164,9 +169,7 @@ __device__ __forceinline__ Tile decode(const Params& p, int t, int& g) {
     x.k0 = p.off[g];
     x.kblocks = (p.off[g + 1] - p.off[g] + kBK - 1) / kBK;
   } else {
-    const int rows = p.off[g + 1] - p.off[g];
-    const bool tail = kWide && wide_tail(rows);
-    const int mt_g = tail ? rows / kBM : (rows + kBM - 1) / kBM;
+    const int mt_g = m_tiles_of(p.off[g + 1] - p.off[g], kWide);
     if (local < mt_g * p.n_tiles) {
       int mt, nt;
       band_order(local, mt_g, p.n_tiles, mt, nt);
@@ -754,12 +757,12 @@ int grouped_sm90(const GroupedSm90& q, int device, void* stream, bool* launched)
     const int64_t r = q.offsets[g + 1] - q.offsets[g];
     most = std::max(most, r);
     p.off[g + 1] = int32_t(q.offsets[g + 1]);
-    if (wgrad)
+    if (wgrad) {
       tiles += r > 0 ? int64_t(p.m_tiles_fixed) * p.n_tiles : 0;
-    else if (wide && wide_tail(int(r)))
-      tiles += r / kBM * p.n_tiles + (p.n_tiles + 1) / 2;
-    else
-      tiles += (r + kBM - 1) / kBM * p.n_tiles;
+    } else {
+      const int64_t mt = m_tiles_of(int(r), wide);
+      tiles += mt * p.n_tiles + (mt * kBM < r ? (p.n_tiles + 1) / 2 : 0);
+    }
     if (tiles >= (int64_t(1) << 31)) return int(cudaErrorInvalidValue);
     p.tile_start[g + 1] = int32_t(tiles);
   }
