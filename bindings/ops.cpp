@@ -11,6 +11,7 @@
 #include "megacore/ops/attention.hpp"
 #include "megacore/ops/fp8.hpp"
 #include "megacore/ops/gemm_fp8.hpp"
+#include "megacore/ops/moe.hpp"
 
 namespace megacore::py {
 
@@ -22,6 +23,28 @@ using namespace megacore::ops;
 constexpr const char* kPythonCudnnOff =
     "it was turned off from Python with megacore.ops.set_cudnn_attention_enabled(False); call "
     "set_cudnn_attention_enabled(True) to turn it back on, or use backend='flash'";
+
+// Group sizes are host values (the kernels' tile counts are planned on the host): a list, tuple, numpy array
+// or CPU tensor of ints. A CUDA tensor would be read element by element with a sync each; refuse it instead.
+std::vector<int64_t> group_sizes_arg(const pyb::handle& o) {
+  if (pyb::hasattr(o, "device") && !pyb::isinstance(o, pyb::module_::import("numpy").attr("ndarray"))) {
+    const std::string dev = pyb::str(o.attr("device"));
+    MC_CHECK(dev.rfind("cuda", 0) != 0 && dev.rfind("gpu", 0) != 0,
+             "ops: group_sizes is on {}; the grouped GEMM plans its tiles on the host, so pass host sizes "
+             "(e.g. counts.tolist() or counts.cpu())", dev);
+  }
+  MC_CHECK(pyb::isinstance<pyb::sequence>(o) || pyb::hasattr(o, "__iter__"),
+           "ops: group_sizes must be a sequence of ints (rows per group), got {}", std::string(pyb::repr(o)));
+  std::vector<int64_t> v;
+  for (const pyb::handle& e : pyb::iter(o)) {
+    MC_CHECK(pyb::hasattr(e, "__index__"), "ops: group_sizes holds {}, not an integer; pass the rows of each group",
+             std::string(pyb::repr(e)));
+    v.push_back(pyb::reinterpret_borrow<pyb::object>(e).attr("__index__")().cast<int64_t>());
+  }
+  return v;
+}
+
+GroupedGemmPath path_arg(const std::string& s) { return parse_grouped_gemm_path(s, "megacore.ops.set_grouped_gemm_path"); }
 
 // Every tensor shares the caller's memory (outputs are written in place; inputs are never copied).
 Tensor share_arg(const pyb::handle& o, const char* what) {
@@ -117,6 +140,58 @@ void bind_ops(pyb::module_& root) {
         "cuDNN SDPA plan choice: on, the first call of a shape times every plan cuDNN offers and keeps the "
         "fastest (synchronises the device once per shape); off (the default), the heuristic's first plan.");
   m.def("cudnn_attention_autotune", &cudnn_attention_autotune);
+
+  // ---- Grouped GEMM over experts (ops/moe.hpp): the MoE layer's three products on the caller's tensors.
+  m.def(
+      "grouped_gemm_forward",
+      [](const pyb::object& x, const pyb::object& w, const pyb::object& sizes, const pyb::object& y,
+         const pyb::object& stream) {
+        Tensor tx = share_arg(x, "x"), tw = share_arg(w, "w"), ty = share_arg(y, "y");
+        const std::vector<int64_t> g = group_sizes_arg(sizes);
+        const Stream s = stream_arg(stream, tx.device());
+        pyb::gil_scoped_release nogil;
+        grouped_gemm_forward(tx, tw, g, ty, s);
+      },
+      pyb::arg("x"), pyb::arg("w"), pyb::arg("group_sizes"), pyb::arg("y"), pyb::kw_only(),
+      pyb::arg("stream") = pyb::none(),
+      "y [N, M] = x_g [rows_g, K] @ w_g^T per group g: x [N, K] holds the groups' rows one after another "
+      "(group_sizes: host ints summing to N, zeros allowed), w [G, M, K] one weight per group. f32, bf16 or f16 "
+      "(accumulating in f32); y is written in place.");
+  m.def(
+      "grouped_gemm_dgrad",
+      [](const pyb::object& dy, const pyb::object& w, const pyb::object& sizes, const pyb::object& dx,
+         const pyb::object& stream) {
+        Tensor tdy = share_arg(dy, "dy"), tw = share_arg(w, "w"), tdx = share_arg(dx, "dx");
+        const std::vector<int64_t> g = group_sizes_arg(sizes);
+        const Stream s = stream_arg(stream, tdy.device());
+        pyb::gil_scoped_release nogil;
+        grouped_gemm_dgrad(tdy, tw, g, tdx, s);
+      },
+      pyb::arg("dy"), pyb::arg("w"), pyb::arg("group_sizes"), pyb::arg("dx"), pyb::kw_only(),
+      pyb::arg("stream") = pyb::none(), "dx [N, K] = dy_g [rows_g, M] @ w_g per group (w [G, M, K]); dx in place.");
+  m.def(
+      "grouped_gemm_wgrad",
+      [](const pyb::object& dy, const pyb::object& x, const pyb::object& sizes, const pyb::object& dw, float beta,
+         const pyb::object& stream) {
+        Tensor tdy = share_arg(dy, "dy"), tx = share_arg(x, "x"), tdw = share_arg(dw, "dw");
+        const std::vector<int64_t> g = group_sizes_arg(sizes);
+        const Stream s = stream_arg(stream, tdy.device());
+        pyb::gil_scoped_release nogil;
+        grouped_gemm_wgrad(tdy, tx, g, tdw, beta, s);
+      },
+      pyb::arg("dy"), pyb::arg("x"), pyb::arg("group_sizes"), pyb::arg("dw"), pyb::kw_only(), pyb::arg("beta") = 1.f,
+      pyb::arg("stream") = pyb::none(),
+      "dw_g = beta * dw_g + dy_g^T @ x_g per group: dw [G, M, K] is f32 (the main grad) for 16-bit inputs, or "
+      "their dtype; beta = 1 accumulates, a group with no rows keeps beta * dw_g.");
+  m.def("grouped_gemm_path", [] { return std::string(grouped_gemm_path_name(grouped_gemm_path())); },
+        "The process's grouped-GEMM path setting: 'auto', 'loop', 'grouped' or 'sm90' (MEGACORE_MOE_GEMM).");
+  m.def("set_grouped_gemm_path", [](const std::string& p) { set_grouped_gemm_path(path_arg(p)); }, pyb::arg("path"),
+        "Forces the CUDA grouped-GEMM path for the process: 'auto', 'loop', 'grouped' or 'sm90' (where sm90 cannot "
+        "run, the log says why and auto's cuBLAS path runs).");
+  m.def("grouped_gemm_sm90_available", [](const pyb::object& d) { return grouped_gemm_sm90_available(device_arg(d)); },
+        pyb::arg("device") = "cuda:0", "Whether megacore's Hopper grouped kernel can run on this device.");
+  m.def("grouped_gemm_sm90_launches", &grouped_gemm_sm90_launches,
+        "How many grouped GEMMs this process has run on the Hopper kernel (shows which path a call took).");
 
   // ---- FP8 (ops/fp8.hpp, ops/gemm_fp8.hpp): FP8 tensors are megacore.Tensor (no numpy dtype; read their
   // codes with t.view_as_dtype('u8')).

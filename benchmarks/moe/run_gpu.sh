@@ -4,6 +4,8 @@
 #   2. bench_moe_e2e.py: a Mixtral-style model (~3.5B total parameters) trained with EP = 4 vs Hugging Face
 #      MixtralForCausalLM on one GPU (eager and torch.compile); its --small smoke test runs first; then the
 #      same model with forced balanced routing (--force-balance, megacore only: the peer cannot force it)
+#   3. bench_grouped_peer.py: the expert GEMMs through megacore.ops against torch._grouped_mm on GPU 0 (the shapes of
+#      the committed megacore_bench_moe JSON)
 #   (TESTS=1) the tiny_moe EP 2 vs EP 1 GPU test of tests/python/test_moe_train.py
 # Compact tables go to stdout, full logs to OUT_DIR/logs, JSON to OUT_DIR.
 #
@@ -51,6 +53,9 @@ if [ -z "${SKIP_FULL:-}" ]; then
   step moe_e2e_forced 1200 "$PY" benchmarks/moe/bench_moe_e2e.py --nproc "$NP" --python "$PY" --out-dir "$OUT" \
     --timeout 900 --no-peer --force-balance --keep
 fi
+
+echo; echo "== 3. expert GEMMs vs torch._grouped_mm (the peer's time over megacore's; one GPU)"
+CUDA_VISIBLE_DEVICES=0 step moe_gemm_peer 600 "$PY" benchmarks/moe/bench_grouped_peer.py --out-dir "$OUT"
 
 if [ -n "${TESTS:-}" ]; then
   echo; echo "== tiny_moe on 2 GPUs: EP 2 trains and matches EP 1"

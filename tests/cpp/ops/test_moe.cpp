@@ -949,6 +949,9 @@ TEST_CASE("CUDA grouped GEMM matches the f64 per-group reference", "[ops][moe][g
   // Forward/dgrad tails of 1-64 rows as 64 x 256 tiles (268 rows per group on average), dgrad's 328 columns in
   // three n-tiles (the last wide tile half past them), one tail of 88 rows kept as a 128-row tile.
   cases.push_back(GroupedCase{{300, 0, 520, 290, 129, 40, 600}, 200, 328});
+  // Both sides of the wide-tail bound (tails of 63, 64 and 65 rows past whole tiles; 65 stays a 128-row tile) and a
+  // wide launch whose forward output has one 128-column n-tile (M = 120: each wide tile's second half lies past it).
+  cases.push_back(GroupedCase{{0, 257, 319, 320, 321, 1, 600, 130, 700}, 120, 256});
   const ops::GroupedGemmPath before = ops::grouped_gemm_path();
   const int streams = ops::grouped_gemm_loop_streams();
   const bool hopper = ops::grouped_gemm_sm90_available(gpu());
