@@ -24,22 +24,51 @@ constexpr const char* kPythonCudnnOff =
     "it was turned off from Python with megacore.ops.set_cudnn_attention_enabled(False); call "
     "set_cudnn_attention_enabled(True) to turn it back on, or use backend='flash'";
 
-// Group sizes are host values (the kernels' tile counts are planned on the host): a list, tuple, numpy array
-// or CPU tensor of ints. A CUDA tensor would be read element by element with a sync each; refuse it instead.
+// Group sizes are host integers (the kernels plan their tiles on the host): a list or tuple of ints, or a 1-D
+// integer numpy array / CPU tensor (megacore, torch, anything with __dlpack_device__). A device tensor would be read
+// element by element with a sync each, so it is refused with the fix; so are floats, bools, strings, bytes, sets
+// and dicts (no group order), and values outside int64.
 std::vector<int64_t> group_sizes_arg(const pyb::handle& o) {
-  if (pyb::hasattr(o, "device") && !pyb::isinstance(o, pyb::module_::import("numpy").attr("ndarray"))) {
-    const std::string dev = pyb::str(o.attr("device"));
-    MC_CHECK(dev.rfind("cuda", 0) != 0 && dev.rfind("gpu", 0) != 0,
-             "ops: group_sizes is on {}; the grouped GEMM plans its tiles on the host, so pass host sizes "
-             "(e.g. counts.tolist() or counts.cpu())", dev);
+  constexpr const char* kFix = "pass the rows of each group as host integers (a list, or an integer CPU array)";
+  if (pyb::isinstance<Tensor>(o)) {
+    const Tensor t = o.cast<Tensor>();
+    MC_CHECK(t.device().is_cpu(), "ops: group_sizes is a megacore tensor on {}; the grouped GEMM plans its tiles on "
+             "the host, so pass sizes.to('cpu') (or a list)", t.device().str());
+    return group_sizes_arg(o.attr("numpy")());
   }
-  MC_CHECK(pyb::isinstance<pyb::sequence>(o) || pyb::hasattr(o, "__iter__"),
-           "ops: group_sizes must be a sequence of ints (rows per group), got {}", std::string(pyb::repr(o)));
+  MC_CHECK(!pyb::isinstance<pyb::str>(o) && !pyb::isinstance<pyb::bytes>(o) && !PyAnySet_Check(o.ptr()) &&
+               !PyDict_Check(o.ptr()),
+           "ops: group_sizes is {}; {}", std::string(pyb::repr(o)), kFix);
+  if (pyb::hasattr(o, "__dlpack_device__")) {  // numpy, torch, cupy, jax: (device type, id); 1 = CPU, 3 = pinned
+    const pyb::tuple dev = o.attr("__dlpack_device__")();
+    const int type = dev[0].cast<int>();
+    MC_CHECK(type == 1 || type == 3, "ops: group_sizes is a device array (DLPack device type {}); the grouped GEMM "
+             "plans its tiles on the host, so pass host sizes (e.g. counts.tolist() or counts.cpu())", type);
+  }
+  if (pyb::hasattr(o, "dtype")) {  // integer dtypes only: int8..int64, uint8..uint64 (not bool, not floats)
+    const std::string dt = pyb::str(o.attr("dtype"));
+    MC_CHECK(dt.find("int") != std::string::npos, "ops: group_sizes has dtype {}; {}", dt, kFix);
+  }
+  if (pyb::hasattr(o, "ndim")) {
+    const int nd = o.attr("ndim").cast<int>();
+    MC_CHECK(nd == 1, "ops: group_sizes has {} dimensions; pass one size per group (1-D)", nd);
+  }
+  MC_CHECK(pyb::hasattr(o, "__iter__"), "ops: group_sizes must be a sequence of ints (rows per group), got {}",
+           std::string(pyb::repr(o)));
   std::vector<int64_t> v;
   for (const pyb::handle& e : pyb::iter(o)) {
-    MC_CHECK(pyb::hasattr(e, "__index__"), "ops: group_sizes holds {}, not an integer; pass the rows of each group",
-             std::string(pyb::repr(e)));
-    v.push_back(pyb::reinterpret_borrow<pyb::object>(e).attr("__index__")().cast<int64_t>());
+    MC_CHECK(!PyBool_Check(e.ptr()), "ops: group_sizes holds {}, a bool; {}", std::string(pyb::repr(e)), kFix);
+    PyObject* idx = PyNumber_Index(e.ptr());
+    if (idx == nullptr) {
+      PyErr_Clear();
+      raise<ValueError>("ops: group_sizes[{}] is {}, not an integer; {}", v.size(), std::string(pyb::repr(e)), kFix);
+    }
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    MC_CHECK(overflow == 0, "ops: group_sizes[{}] = {} does not fit in int64; {}", v.size(), std::string(pyb::repr(e)),
+             kFix);
+    v.push_back(int64_t(x));
   }
   return v;
 }
