@@ -12,8 +12,11 @@ Each row of the shapes file (model, op, group sizes, M x K) becomes one problem 
   wgrad  dw_g += dy_g^T x_g  megacore.ops.grouped_gemm_wgrad    | torch._grouped_mm(dy.t(), x, offs) (bf16) and, as
          into the f32 main grad (beta = 1)                        'peer_accum', the same plus main_grad.add_(it)
 The dense reference is one torch.mm over all rows with the first expert's weight (bf16 out). Every path runs
-`reps` back-to-back calls between two CUDA events (so Python's launch cost hides behind queued work), the
-paths in turn, `--samples` times; the medians are reported. megacore runs on torch's current stream through
+`reps` back-to-back calls (at least 2, enough to span --min-ms) between two CUDA events, the paths in turn,
+`--samples` times; the medians are reported. Within a window the host enqueues the next call while the GPU runs
+the last, so only the first call's launch is timed (spread over the window), and the GPU stays under load as in a
+training step (as megacore_bench_moe times its paths). `reps` in the JSON lists megacore, dense, peer and (wgrad)
+peer + add in that order. megacore runs on torch's current stream through
 megacore.Stream.from_handle, on its default path (auto: the Hopper kernel where it can run). The first call of
 each path is checked against the others (relative Frobenius error < 2e-2 against megacore's result).
 """
@@ -37,11 +40,13 @@ def parse():
                     help="a megacore_bench_moe JSON whose rows give the problems (default: the committed H200 run)")
     ap.add_argument("--models", default="all", help="comma-separated model names of the shapes file, or all")
     ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--min-ms", type=float, default=1.5, help="back-to-back calls per timed sample reach this")
+    ap.add_argument("--min-ms", type=float, default=2.0, help="back-to-back calls per timed sample span this")
     ap.add_argument("--out-dir", help="writes moe_gemm_torch_peer_<card>.json there")
     a = ap.parse_args()
     if a.samples < 1:
         ap.error("--samples must be at least 1")
+    if not a.min_ms > 0:
+        ap.error("--min-ms must be a positive number of milliseconds")
     if not os.path.isfile(a.shapes_from):
         ap.error(f"--shapes-from {a.shapes_from} is not a file; pass a megacore_bench_moe JSON "
                  "(benchmarks/results/moe_gemm_sm90_<card>.json)")
@@ -60,8 +65,12 @@ def load_rows(path, models):
     with open(path) as f:
         d = json.load(f)
     rows = d.get("rows")
-    if not isinstance(rows, list) or not rows or "group_sizes" not in rows[0]:
-        raise SystemExit(f"{path} has no megacore_bench_moe rows (each with group_sizes); pass such a JSON")
+    need = ("model", "op", "group_sizes", "shape_MxK", "flops", "tokens", "split")
+    if not isinstance(rows, list) or not rows or any(not all(k in r for k in need) for r in rows):
+        raise SystemExit(f"{path} has no megacore_bench_moe rows (each with {', '.join(need)}); pass such a JSON")
+    bad = sorted({r["op"] for r in rows if r["op"].rsplit("_", 1)[-1] not in ("fwd", "dgrad", "wgrad")})
+    if bad:
+        raise SystemExit(f"{path} has ops {', '.join(bad)}; this benchmark knows *_fwd, *_dgrad and *_wgrad")
     if models != "all":
         keep = set(models.split(","))
         unknown = keep - {r["model"] for r in rows}
@@ -84,7 +93,7 @@ def timed(fns, samples, min_ms):
             fn()
         torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / 3 * 1e3
-        reps.append(max(1, min(200, int(np.ceil(min_ms / max(per, 1e-3))))))
+        reps.append(max(2, min(200, int(np.ceil(min_ms / max(per, 1e-3))))))
     ms = [[] for _ in fns]
     for _ in range(samples):
         for i, fn in enumerate(fns):
@@ -113,7 +122,7 @@ def problem(r, gen):
     def randn(*shape):
         return (torch.randn(*shape, generator=gen, **bf) * 0.5)
 
-    op = r["op"].rsplit("_", 1)[1]
+    op = r["op"].rsplit("_", 1)[1]  # fwd, dgrad or wgrad (load_rows refuses others)
     if op in ("fwd", "dgrad"):
         w = randn(e, m, k)
         if op == "fwd":
@@ -150,7 +159,8 @@ def main():
     card = torch.cuda.get_device_name(0)
     src, rows = load_rows(a.shapes_from, a.models)
     stream = mc.Stream.from_handle("cuda:0", torch.cuda.current_stream().cuda_stream)
-    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    seed = int(np.random.default_rng().integers(1 << 30))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"card: {card}; torch {torch.__version__}; megacore grouped-GEMM path: {mc.ops.grouped_gemm_path()}"
           f" (sm90 kernel available: {mc.ops.grouped_gemm_sm90_available('cuda:0')})")
     print(f"{'model':12} {'tokens':>6} {'split':10} {'op':10} {'megacore':>9} {'peer':>9} {'peer+acc':>9} "
@@ -164,18 +174,16 @@ def main():
             torch.cuda.synchronize()
             on_sm90 = mc.ops.grouped_gemm_sm90_launches() > launches
             # megacore's result against the peer's before anything is timed
-            peer_error = None
+            peer_error, err = None, None
             try:
-                if p["accum"] is None:
-                    ref = p["peer"]()
-                    torch.cuda.synchronize()
-                    err = rel(p["out"], ref)
-                else:
-                    p["accum"]()
-                    torch.cuda.synchronize()
-                    err = rel(p["out"], p["peer_main"])
+                ref = p["accum"]() if p["accum"] else p["peer"]()
             except RuntimeError as e:  # a layout or alignment the peer refuses: time megacore and dense only
-                peer_error, err = str(e).splitlines()[0][:300], None
+                if "CUDA" in str(e) or "cuda" in str(e):
+                    raise  # a fault on the device, not a refusal: the context is gone
+                peer_error = str(e).splitlines()[0][:300]
+            if peer_error is None:
+                torch.cuda.synchronize()
+                err = rel(p["out"], ref)
             if err is not None and not err < 2e-2:
                 raise SystemExit(f"{r['model']} {r['op']} {r['split']}: megacore and torch._grouped_mm differ by "
                                  f"{err:.3g} (relative); not timing a wrong result")
@@ -204,21 +212,25 @@ def main():
                   + (f"  peer refused: {peer_error}" if peer_error else ""), flush=True)
             del p
     timed_rows = [x for x in out_rows if x["peer_vs_megacore"] is not None]
-    ratios = np.array([x["peer_vs_megacore"] for x in timed_rows] or [np.nan])
+    ratios = np.array([x["peer_vs_megacore"] for x in timed_rows])
     by_op = {}
     for x in timed_rows:
         by_op.setdefault(x["op"].rsplit("_", 1)[1], []).append(x["peer_vs_megacore"])
+    geo = lambda v: float(np.exp(np.log(np.asarray(v)).mean()))  # noqa: E731
     summary = dict(rows=len(out_rows), rows_peer_refused=len(out_rows) - len(timed_rows),
-                   peer_vs_megacore_geomean=float(np.exp(np.log(ratios).mean())),
-                   peer_vs_megacore_min=float(ratios.min()), peer_vs_megacore_max=float(ratios.max()),
+                   peer_vs_megacore_geomean=geo(ratios) if len(ratios) else None,
+                   peer_vs_megacore_min=float(ratios.min()) if len(ratios) else None,
+                   peer_vs_megacore_max=float(ratios.max()) if len(ratios) else None,
                    megacore_slower_rows=int((ratios < 1.0).sum()),
-                   by_op={k: dict(geomean=float(np.exp(np.log(v).mean())), min=float(min(v)), max=float(max(v)))
-                          for k, v in by_op.items()})
+                   megacore_slower_than_peer_bf16_product_alone=sum(
+                       1 for x in timed_rows if x["peer_ms"] < x["megacore_ms"]),
+                   by_op={k: dict(geomean=geo(v), min=float(min(v)), max=float(max(v))) for k, v in by_op.items()})
     print(json.dumps(summary, indent=1))
     if a.out_dir:
         path = os.path.join(a.out_dir, f"moe_gemm_torch_peer_{card.replace(' ', '_')}.json")
         doc = dict(benchmark="moe_gemm_torch_peer", card=card, date=time.strftime("%Y-%m-%d"),
                    command=" ".join([os.path.basename(sys.executable)] + sys.argv), torch=torch.__version__,
+                   megacore=mc.build_info().get("version"), megacore_path=mc.ops.grouped_gemm_path(), seed=seed,
                    shapes_from=os.path.relpath(a.shapes_from), shapes_from_date=src.get("date"),
                    note="peer_vs_megacore = the peer's time over megacore's (above 1: megacore faster); for wgrad the "
                         "peer's time includes adding its bf16 result into the f32 main grad (peer_accum_ms), which "

@@ -21,9 +21,11 @@
 // Target (issue 22): auto >= 85 % of what the shape allows: the dense GEMM's time, or the roofline's where
 // the op must move more bytes than the copy bandwidth carries in that time (attainable = max of the two).
 // auto, dense, grouped, loop and sm90 are timed call by call in turn, so clock drift over the run does not tilt
-// their ratios (the loop's stream sweep is timed on its own).
+// their ratios (the loop's stream sweep is timed on its own); each timing window runs one path back to back for
+// about 2 ms, so the host's launch time stays out of it (time_ms_interleaved says why not single calls).
 // The summary at the end sums each layer's six ops (fc1 and fc2; forward, dgrad, wgrad).
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -94,21 +96,35 @@ std::vector<int64_t> tokens_for(const Args& a, const ModelShape& m) {
   return t;
 }
 
-/// Median milliseconds of each fn() over `samples` event-timed calls made in turn (fn 0, fn 1, ..., fn 0, ...)
-/// after warm-up, so clock and temperature drift over the run reaches every fn alike.
+/// Median milliseconds per call of each fn() over `samples` event-timed windows made in turn (fn 0, fn 1, ...,
+/// fn 0, ...) after warm-up, so clock and temperature drift over the run reaches every fn alike. Each window runs
+/// the fn back to back until it spans about kWindowMs (reps fixed per fn from the warm-up): the host enqueues the
+/// next call while the GPU runs the last, so the host's planning and launch are not timed beyond the first call of
+/// a window, and the GPU stays under load as in a training step (a single call after a synchronize times the
+/// launch; an idle or memory-bound gap before it lets a compute-bound kernel start at a higher clock).
+constexpr double kWindowMs = 2.0;
 std::vector<double> time_ms_interleaved(const std::vector<std::function<void()>>& fns, const Stream& s,
                                         int samples) {
-  for (int i = 0; i < 3; ++i)
-    for (const auto& fn : fns) fn();
+  std::vector<int> reps;
+  for (const auto& fn : fns) {
+    fn();
+    Event a(true), b(true);
+    a.record(s);
+    for (int i = 0; i < 3; ++i) fn();
+    b.record(s);
+    b.synchronize();
+    const double per = std::max(a.elapsed_ms(b) / 3.0, 1e-3);
+    reps.push_back(int(std::clamp(std::ceil(kWindowMs / per), 1.0, 200.0)));
+  }
   std::vector<std::vector<double>> ms(fns.size());
   for (int i = 0; i < samples; ++i)
     for (size_t f = 0; f < fns.size(); ++f) {
       Event a(true), b(true);
       a.record(s);
-      fns[f]();
+      for (int r = 0; r < reps[f]; ++r) fns[f]();
       b.record(s);
       b.synchronize();
-      ms[f].push_back(a.elapsed_ms(b));
+      ms[f].push_back(a.elapsed_ms(b) / reps[f]);
     }
   std::vector<double> med;
   for (auto& v : ms) {
@@ -354,8 +370,9 @@ int main(int argc, char** argv) {
                  "1/2/4/8 CUDA streams; min_bytes: the bytes every path must move (bf16 weights, or for wgrad the f32 "
                  "main grads read and written, plus the rows in and out); roofline_ms = min_bytes / the measured "
                  "device-to-device copy bandwidth; attainable_ms = max(dense_ms, roofline_ms). auto, dense, grouped, "
-                 "loop (on the streams in force) and sm90 are timed call by call in turn (medians of --samples "
-                 "calls each), so drift over the run reaches them alike; loop_ms_by_streams is timed on its own. "
+                 "loop (on the streams in force) and sm90 are timed in turn, each in windows of about 2 ms of "
+                 "back-to-back calls (ms per call: the median over --samples windows), so drift over the run reaches "
+                 "them alike and the host's launch time stays out; loop_ms_by_streams is timed on its own. "
                  "layers: per model, tokens and "
                  "split, the six ops' attainable_ms and auto_ms summed (the layer's expert GEMMs forward and "
                  "backward)"},
