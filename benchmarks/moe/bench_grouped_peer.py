@@ -28,7 +28,11 @@ import sys
 import time
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as e:  # the peer is torch's kernel
+    raise SystemExit(f"this benchmark needs torch 2.8 or newer with CUDA (the peer is torch._grouped_mm): {e}")
 
 import megacore as mc
 
