@@ -73,11 +73,21 @@ std::vector<int64_t> group_sizes_arg(const pyb::handle& o) {
   return v;
 }
 
-GroupedGemmPath path_arg(const std::string& s) { return parse_grouped_gemm_path(s, "megacore.ops.set_grouped_gemm_path"); }
-
 // Every tensor shares the caller's memory (outputs are written in place; inputs are never copied).
 Tensor share_arg(const pyb::handle& o, const char* what) {
   return tensor_arg(o, std::string("ops: ") + what, TensorArg::Share);
+}
+
+// One grouped product from Python: a, b and out shared with the caller, host group sizes, the stream; run without
+// the GIL as run(a, b, sizes, out, stream).
+template <class Run>
+void grouped_call(const pyb::object& a, const char* an, const pyb::object& b, const char* bn, const pyb::object& sizes,
+                  const pyb::object& out, const char* on, const pyb::object& stream, Run run) {
+  Tensor ta = share_arg(a, an), tb = share_arg(b, bn), to = share_arg(out, on);
+  const std::vector<int64_t> g = group_sizes_arg(sizes);
+  const Stream s = stream_arg(stream, ta.device());
+  pyb::gil_scoped_release nogil;
+  run(ta, tb, g, to, s);
 }
 
 AttentionBackend backend_arg(const std::string& s) {
@@ -174,13 +184,7 @@ void bind_ops(pyb::module_& root) {
   m.def(
       "grouped_gemm_forward",
       [](const pyb::object& x, const pyb::object& w, const pyb::object& sizes, const pyb::object& y,
-         const pyb::object& stream) {
-        Tensor tx = share_arg(x, "x"), tw = share_arg(w, "w"), ty = share_arg(y, "y");
-        const std::vector<int64_t> g = group_sizes_arg(sizes);
-        const Stream s = stream_arg(stream, tx.device());
-        pyb::gil_scoped_release nogil;
-        grouped_gemm_forward(tx, tw, g, ty, s);
-      },
+         const pyb::object& stream) { grouped_call(x, "x", w, "w", sizes, y, "y", stream, grouped_gemm_forward); },
       pyb::arg("x"), pyb::arg("w"), pyb::arg("group_sizes"), pyb::arg("y"), pyb::kw_only(),
       pyb::arg("stream") = pyb::none(),
       "y [N, M] = x_g [rows_g, K] @ w_g^T per group g: x [N, K] holds the groups' rows one after another "
@@ -189,24 +193,16 @@ void bind_ops(pyb::module_& root) {
   m.def(
       "grouped_gemm_dgrad",
       [](const pyb::object& dy, const pyb::object& w, const pyb::object& sizes, const pyb::object& dx,
-         const pyb::object& stream) {
-        Tensor tdy = share_arg(dy, "dy"), tw = share_arg(w, "w"), tdx = share_arg(dx, "dx");
-        const std::vector<int64_t> g = group_sizes_arg(sizes);
-        const Stream s = stream_arg(stream, tdy.device());
-        pyb::gil_scoped_release nogil;
-        grouped_gemm_dgrad(tdy, tw, g, tdx, s);
-      },
+         const pyb::object& stream) { grouped_call(dy, "dy", w, "w", sizes, dx, "dx", stream, grouped_gemm_dgrad); },
       pyb::arg("dy"), pyb::arg("w"), pyb::arg("group_sizes"), pyb::arg("dx"), pyb::kw_only(),
       pyb::arg("stream") = pyb::none(), "dx [N, K] = dy_g [rows_g, M] @ w_g per group (w [G, M, K]); dx in place.");
   m.def(
       "grouped_gemm_wgrad",
       [](const pyb::object& dy, const pyb::object& x, const pyb::object& sizes, const pyb::object& dw, float beta,
          const pyb::object& stream) {
-        Tensor tdy = share_arg(dy, "dy"), tx = share_arg(x, "x"), tdw = share_arg(dw, "dw");
-        const std::vector<int64_t> g = group_sizes_arg(sizes);
-        const Stream s = stream_arg(stream, tdy.device());
-        pyb::gil_scoped_release nogil;
-        grouped_gemm_wgrad(tdy, tx, g, tdw, beta, s);
+        grouped_call(dy, "dy", x, "x", sizes, dw, "dw", stream,
+                     [beta](const Tensor& a, const Tensor& b, std::span<const int64_t> g, Tensor& out,
+                            const Stream& s) { grouped_gemm_wgrad(a, b, g, out, beta, s); });
       },
       pyb::arg("dy"), pyb::arg("x"), pyb::arg("group_sizes"), pyb::arg("dw"), pyb::kw_only(), pyb::arg("beta") = 1.f,
       pyb::arg("stream") = pyb::none(),
@@ -214,7 +210,9 @@ void bind_ops(pyb::module_& root) {
       "their dtype; beta = 1 accumulates, a group with no rows keeps beta * dw_g.");
   m.def("grouped_gemm_path", [] { return std::string(grouped_gemm_path_name(grouped_gemm_path())); },
         "The process's grouped-GEMM path setting: 'auto', 'loop', 'grouped' or 'sm90' (MEGACORE_MOE_GEMM).");
-  m.def("set_grouped_gemm_path", [](const std::string& p) { set_grouped_gemm_path(path_arg(p)); }, pyb::arg("path"),
+  m.def("set_grouped_gemm_path", [](const std::string& p) {
+          set_grouped_gemm_path(parse_grouped_gemm_path(p, "megacore.ops.set_grouped_gemm_path"));
+        }, pyb::arg("path"),
         "Forces the CUDA grouped-GEMM path for the process: 'auto', 'loop', 'grouped' or 'sm90' (where sm90 cannot "
         "run, the log says why and auto's cuBLAS path runs).");
   m.def("grouped_gemm_sm90_available", [](const pyb::object& d) { return grouped_gemm_sm90_available(device_arg(d)); },
