@@ -35,6 +35,7 @@ except ImportError as e:  # the peer is torch's kernel
     raise SystemExit(f"this benchmark needs torch 2.8 or newer with CUDA (the peer is torch._grouped_mm): {e}")
 
 import megacore as mc
+from out_dir import check_out_dir
 
 
 def parse():
@@ -54,14 +55,8 @@ def parse():
     if not os.path.isfile(a.shapes_from):
         ap.error(f"--shapes-from {a.shapes_from} is not a file; pass a megacore_bench_moe JSON "
                  "(benchmarks/results/moe_gemm_sm90_<card>.json)")
-    if a.out_dir:
-        os.makedirs(a.out_dir, exist_ok=True)
-        probe = os.path.join(a.out_dir, ".write_probe")
-        try:
-            open(probe, "w").close()
-            os.remove(probe)
-        except OSError as e:
-            ap.error(f"--out-dir {a.out_dir} is not writable ({e}); pass a folder this user can write")
+    if a.out_dir:  # made (or refused) now, not after the runs
+        check_out_dir(ap, a.out_dir)
     return a
 
 
@@ -116,7 +111,8 @@ def rel(got, want):
 
 
 def problem(r, gen):
-    """Tensors and the three callables (megacore, peer, dense) of one row; the peer's layout notes."""
+    """One row's tensors and callables: megacore, the peer, dense and (wgrad) the peer plus its add into the main
+    grad; `out` is megacore's result."""
     sizes = [int(s) for s in r["group_sizes"]]
     e, n = len(sizes), sum(sizes)
     m, k = (int(v) for v in r["shape_MxK"].split("x"))  # w_g is [M, K]
@@ -151,7 +147,7 @@ def problem(r, gen):
     peer_main = torch.zeros_like(main)
     accum_fn = lambda: peer_main.add_(torch._grouped_mm(dyt, x, offs=offs))  # noqa: E731
     dense_fn = lambda: torch.mm(dyt, x)  # noqa: E731
-    return dict(mc=mc_fn, peer=peer_fn, dense=dense_fn, out=main, accum=accum_fn, peer_main=peer_main)
+    return dict(mc=mc_fn, peer=peer_fn, dense=dense_fn, out=main, accum=accum_fn)
 
 
 def main():

@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from out_dir import check_out_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=4096, experts=8, topk=2, vocab=32000, seq=2048,
@@ -246,15 +248,7 @@ def main() -> int:
         ap.error(f"--steps must be at least --measure-from + 1 = {a.measure_from + 1} and --measure-from at least 2 "
                  "(steady state is steps measure_from..N)")
     if a.out_dir:  # made (or refused) now, not after the runs
-        try:
-            os.makedirs(a.out_dir, exist_ok=True)
-        except OSError as e:
-            ap.error(f"--out-dir {a.out_dir}: {e.strerror}; give a folder that can be created or written")
-        try:  # a file written and removed: os.access says yes to root on any folder
-            with tempfile.NamedTemporaryFile(dir=a.out_dir):
-                pass
-        except OSError as e:
-            ap.error(f"--out-dir {a.out_dir}: cannot write there ({e.strerror}); give a folder that can be written")
+        check_out_dir(ap, a.out_dir)
     m["global_batch"] = max(m["global_batch"], m["micro_batch"] * a.nproc)
     m["global_batch"] -= m["global_batch"] % (m["micro_batch"] * a.nproc)
 

@@ -20,9 +20,9 @@
 // 2.5x of even, expert 1 empty). The auto column is what a model gets; its path is printed beside it.
 // Target (issue 22): auto >= 85 % of what the shape allows: the dense GEMM's time, or the roofline's where
 // the op must move more bytes than the copy bandwidth carries in that time (attainable = max of the two).
-// auto, dense, grouped, loop and sm90 are timed call by call in turn, so clock drift over the run does not tilt
-// their ratios (the loop's stream sweep is timed on its own); each timing window runs one path back to back for
-// about 2 ms, so the host's launch time stays out of it (time_ms_interleaved says why not single calls).
+// auto, dense, grouped, loop and sm90 are timed in turn, window by window, so clock drift over the run does not tilt
+// their ratios (the loop's stream sweep is timed on its own); each window runs one path back to back for about
+// 2 ms, so the host's launch time stays out of it (time_ms_interleaved says why not single calls).
 // The summary at the end sums each layer's six ops (fc1 and fc2; forward, dgrad, wgrad).
 #include <algorithm>
 #include <cmath>
@@ -134,7 +134,7 @@ std::vector<double> time_ms_interleaved(const std::vector<std::function<void()>>
   return med;
 }
 
-/// Median milliseconds of fn() over `samples` event-timed calls after warm-up.
+/// Median milliseconds per call of fn() over `samples` event-timed windows after warm-up.
 double time_ms(const std::function<void()>& fn, const Stream& s, int samples) {
   return time_ms_interleaved({fn}, s, samples)[0];
 }
@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
                                   ops::grouped_gemm_choice(setting, sizes, l.out_f * l.in_f, !wgrad));
               const bool has_sm90 = ops::grouped_gemm_sm90_available(dev);
               // auto, the dense GEMM (the target's ratio), the cuBLAS grouped launch, the per-expert loop (on the
-              // streams in force) and the Hopper kernel timed in turn, call by call, so that clock and temperature
+              // streams in force) and the Hopper kernel timed in turn, window by window, so that clock and temperature
               // drift over the run reach every path alike and auto_vs_best compares like with like.
               std::vector<std::function<void()>> paired{op.grouped, op.dense, forced(ops::GroupedGemmPath::Grouped),
                                                         forced(ops::GroupedGemmPath::Loop)};
