@@ -573,6 +573,27 @@ void check_resume(const RunConfig& r, fs::path path, Load load, Err&& err, Warn&
   }
   // Recipes and configs saved before the field existed have no qk_layernorm: false.
   differs(diff, "qk_layernorm", have.value("qk_layernorm", false), want["qk_layernorm"]);
+  // Mixture of experts: a blob without num_moe_experts is a dense model. When both are MoE, the experts' shapes
+  // (each expert's FFN width as moe_ffn_hidden_size gives it, moe_layer_freq, the shared expert) must match, and so
+  // must the routing on a resume (top-k, scores, pre-softmax, top-k scaling, expert bias: no tensor says them); a
+  // fine-tune may change the routing on purpose, which is a warning.
+  std::vector<Diff> routing;
+  auto number = [](const json& j, const char* k, double dflt) {
+    return j.contains(k) && j[k].is_number() ? j[k].get<double>() : dflt;
+  };
+  const int64_t have_experts = int64_t(number(have, "num_moe_experts", 0));
+  differs(diff, "num_moe_experts", json(have_experts), json(r.model.num_moe_experts));
+  if (have_experts > 0 && r.model.num_moe_experts > 0) {
+    const double hidden = number(have, "hidden_size", 0), ffn = number(have, "ffn_hidden_size", 0),
+                 moe_ffn = number(have, "moe_ffn_hidden_size", 0);
+    const int64_t have_width = int64_t(moe_ffn > 0 ? moe_ffn : ffn > 0 ? ffn : 4 * hidden);
+    differs(diff, "moe_ffn_hidden_size", json(have_width), json(r.model.moe_ffn_size()));
+    for (const char* k : {"moe_layer_freq", "moe_shared_expert_size"})
+      if (have.contains(k)) differs(diff, k, have[k], want[k]);
+    for (const char* k : {"moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                          "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias"})
+      if (have.contains(k)) differs(routing, k, have[k], want[k]);
+  }
 
   auto listed = [](const std::vector<Diff>& ds) {
     std::vector<std::string> out;
@@ -588,11 +609,18 @@ void check_resume(const RunConfig& r, fs::path path, Load load, Err&& err, Warn&
   const char* origin = saved->whole_config ? "imported" : "saved";
   if (load == Load::resume) {
     diff.insert(diff.end(), rope.begin(), rope.end());
-  } else if (!rope.empty()) {
-    warn(field, fmt::format("'{}' was saved with other RoPE settings ({}, checkpoint vs recipe); set {} to train the "
-                            "{} model as it was, or keep {} to extend the context on purpose",
-                            path.string(), listed(rope), fixes(rope), origin,
-                            rope.size() == 1 ? "this value" : "these values"));
+    diff.insert(diff.end(), routing.begin(), routing.end());
+  } else {
+    if (!rope.empty())
+      warn(field, fmt::format("'{}' was saved with other RoPE settings ({}, checkpoint vs recipe); set {} to train "
+                              "the {} model as it was, or keep {} to extend the context on purpose",
+                              path.string(), listed(rope), fixes(rope), origin,
+                              rope.size() == 1 ? "this value" : "these values"));
+    if (!routing.empty())
+      warn(field, fmt::format("'{}' was saved with other expert routing ({}, checkpoint vs recipe); set {} to route "
+                              "as the {} model did, or keep {} to change the routing on purpose",
+                              path.string(), listed(routing), fixes(routing), origin,
+                              routing.size() == 1 ? "this value" : "these values"));
   }
   if (diff.empty()) return;
   const char* or_else =

@@ -453,6 +453,84 @@ TEST_CASE("resuming from a training run's checkpoint with another rope_theta or 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a checkpoint's experts and routing are compared with the recipe's", "[config][moe]") {
+  const auto dir = std::filesystem::temp_directory_path() / "megacore_test_run_config_moe";
+  std::filesystem::remove_all(dir);
+  RunConfig saved;
+  saved.model.num_moe_experts = 4;  // each expert's FFN width: ffn_hidden_size (moe_ffn_hidden_size 0), 256
+  const std::string ckpt = write_checkpoint(dir / "step_10", {{"recipe", json::parse(to_json(saved))}});
+  RunConfig c;
+  c.checkpoint.save_last = false;
+  c.model.num_moe_experts = 4;
+  check_silent(c, ckpt);
+  c.model.moe_ffn_hidden_size = 256;  // the same width, spelled out
+  check_silent(c, ckpt);
+  // A dense recipe on a MoE checkpoint (and the other way round): the expert count, whichever way it loads.
+  RunConfig dense;
+  dense.checkpoint.save_last = false;
+  dense.checkpoint.pretrained_checkpoint = ckpt;
+  CHECK(has(validate(dense, 1).errors, "holds another model (num_moe_experts 4 vs 0, checkpoint vs recipe); set "
+                                       "model.num_moe_experts = 4 to train the saved model"));
+  // Expert shapes: errors on a fine-tune too.
+  c.model.moe_ffn_hidden_size = 128;
+  c.model.moe_shared_expert_size = 64;
+  c.checkpoint.pretrained_checkpoint = ckpt;
+  ValidationReport r = validate(c, 1);
+  CHECK(has(r.errors, "holds another model (moe_ffn_hidden_size 256 vs 128; moe_shared_expert_size 0 vs 64, "
+                      "checkpoint vs recipe); set model.moe_ffn_hidden_size = 256, model.moe_shared_expert_size = 0"));
+  c.model.moe_ffn_hidden_size = 0;
+  c.model.moe_shared_expert_size = 0;
+  // Routing: no tensor holds it. A fine-tune may change it (a warning); a resume may not.
+  c.model.moe_router_topk = 1;
+  c.model.moe_router_score_function = model::MoERouterScore::Sigmoid;
+  r = validate(c, 1);
+  CHECK(r.errors.empty());
+  CHECK(has(r.warnings, "was saved with other expert routing (moe_router_topk 2 vs 1; moe_router_score_function "
+                        "softmax vs sigmoid, checkpoint vs recipe); set model.moe_router_topk = 2, "
+                        "model.moe_router_score_function = softmax to route as the saved model did, or keep these "
+                        "values to change the routing on purpose"));
+  c.checkpoint.pretrained_checkpoint = "";
+  c.checkpoint.resume = ckpt;
+  r = validate(c, 1);
+  CHECK(has(r.errors, "checkpoint.resume: '" + ckpt + "' holds another model (moe_router_topk 2 vs 1; "
+                      "moe_router_score_function softmax vs sigmoid, checkpoint vs recipe); set model.moe_router_topk = "
+                      "2, model.moe_router_score_function = softmax to train the saved model, or resume"));
+  c.model.moe_router_topk = 2;
+  c.model.moe_router_score_function = model::MoERouterScore::Softmax;
+  c.model.moe_router_enable_expert_bias = true;
+  CHECK(has(validate(c, 1).errors, "(moe_router_enable_expert_bias false vs true, checkpoint vs recipe)"));
+  c.model.moe_router_enable_expert_bias = false;
+  // Training hyperparameters of the MoE layers (loss coefficients, capacity, dispatcher) may change on a resume.
+  c.model.moe_aux_loss_coeff = 0.05;
+  c.model.moe_expert_capacity_factor = 1.5;
+  check_silent(c, ckpt);
+  // An imported config blob: a Mixtral's MoE keys are compared; a dense model's blob has none (0 experts).
+  json mixtral = qwen3_config();
+  mixtral["qk_layernorm"] = false;
+  mixtral["norm_eps"] = 1e-5;
+  mixtral["rope_theta"] = 10000.0;
+  mixtral.update(json{{"num_moe_experts", 4}, {"moe_router_topk", 2}, {"moe_ffn_hidden_size", 256},
+                      {"moe_layer_freq", 1}, {"moe_shared_expert_size", 0}, {"moe_router_score_function", "softmax"},
+                      {"moe_router_pre_softmax", false}, {"moe_router_topk_scaling_factor", 1.0},
+                      {"moe_router_enable_expert_bias", false}});
+  write_checkpoint(dir / "mixtral", {{"config", mixtral}});
+  c.checkpoint.resume = "";
+  check_silent(c, (dir / "mixtral").string());
+  mixtral["moe_router_pre_softmax"] = true;
+  write_checkpoint(dir / "mixtral", {{"config", mixtral}});
+  c.checkpoint.pretrained_checkpoint = (dir / "mixtral").string();
+  CHECK(has(validate(c, 1).warnings, "(moe_router_pre_softmax true vs false, checkpoint vs recipe); set "
+                                     "model.moe_router_pre_softmax = true to route as the imported model did"));
+  for (const char* k : {"num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                        "moe_shared_expert_size", "moe_router_score_function", "moe_router_pre_softmax",
+                        "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias"})
+    mixtral.erase(k);
+  write_checkpoint(dir / "mixtral", {{"config", mixtral}});
+  CHECK(has(validate(c, 1).errors, "(num_moe_experts 0 vs 4, checkpoint vs recipe); set model.num_moe_experts = 0 "
+                                   "to train the imported model"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("validate checks context parallelism: sequence divisibility, comm type, unsupported combinations",
           "[config]") {
   RunConfig c;
