@@ -61,8 +61,11 @@ std::vector<std::array<std::string, 3>> moe_fields_set(const TransformerConfig& 
 void moe_validation_errors(const TransformerConfig& c, int tp, int ep, int etp, std::vector<std::string>& errs) {
   auto add = [&]<class... A>(fmt::format_string<A...> f, A&&... a) { errs.push_back(fmt::format(f, std::forward<A>(a)...)); };
   const int64_t e = c.num_moe_experts;
-  if (e < 0) add("num_moe_experts is {}; set it to the number of routed experts, or 0 for a dense model", e);
-  if (e <= 0) {
+  if (e < 0) {  // the one error: the other MoE fields' checks would follow from a wrong count
+    add("num_moe_experts is {}; set it to the number of routed experts, or 0 for a dense model", e);
+    return;
+  }
+  if (e == 0) {
     for (const auto& [name, value, dflt] : moe_fields_set(c))
       add("{} is {} but num_moe_experts is 0 (a dense model has no MoE layers); set num_moe_experts to the expert "
           "count, or leave {} at its default {}",

@@ -257,4 +257,8 @@ TEST_CASE("MoE config errors name the fix, all at once", "[model][moe]") {
                     "expert parallelism (EP = 2) splits the experts of MoE layers but num_moe_experts is 0; set "
                     "parallel.expert_model_parallel_size (ep) to 1");
   require_moe_error(with([](auto& c) { c.num_moe_experts = -1; }), 1, 1, 0, "num_moe_experts is -1");
+  // A negative count is the one error (the MoE fields it comes with are not also called settings of a dense model).
+  require_moe_error(with([](auto& c) { c.num_moe_experts = -4; }), 2, 2, 0,
+                    "invalid TransformerConfig: num_moe_experts is -4; set it to the number of routed experts, or 0 "
+                    "for a dense model");
 }
