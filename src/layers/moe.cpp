@@ -320,12 +320,16 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
            hidden_, shape_str(x.shape()));
   comm::Communicator& tp = *g_.tp;
   const int tpn = tp.size();
-  const bool split = tpn > 1 && !opts_.sequence_parallel;
   const int64_t e = opts_.num_experts, k = opts_.topk;
   const Device dev = x.device();
   in_shape_ = x.shape();
 
   Tensor xt = x.contiguous(s).view({-1, hidden_});
+  // Without SP each TP rank routes its share of the tokens and the outputs are gathered. Outside training a token
+  // count that does not split evenly (generation grows the sequence one token at a time) is routed whole on every
+  // TP rank instead: the experts' work repeats over TP, and each token's output is what TP = 1 gives it (the
+  // capacity, if any, counts all the tokens, as at TP = 1).
+  const bool split = tpn > 1 && !opts_.sequence_parallel && (ctx.training || xt.size(0) % tpn == 0);
   if (split) {
     MC_CHECK(xt.size(0) % tpn == 0,
              "{}.forward: {} tokens do not split evenly over TP = {} (each TP rank routes its share); use a sequence "
@@ -347,11 +351,11 @@ Tensor MoELayer::forward(const ForwardContext& ctx, const Tensor& x) {
   Tensor topk_idx = Tensor::empty({t, k}, DType::I32, dev, s);
   if (opts_.force_load_balancing) {
     // A replay under full recompute reuses its forward's draw; this rank's tokens start at tp.rank() · t in
-    // the TP group's micro-batch (both the SP chunk and the even split of the flattened tokens).
+    // the TP group's micro-batch (both the SP chunk and the even split of the flattened tokens; 0 when routed whole).
     if (ctx.recompute_pass != ForwardContext::RecomputePass::Replay) draw_ = next_draw_++;
     Tensor random_logits = Tensor::empty({t, e}, DType::F32, dev, s);
     ops::router_random_logits(random_logits, force_seed(), (force_step_ << 24) | (draw_ & 0xFFFFFFu),
-                              int64_t(tp.rank()) * t, s);
+                              split || opts_.sequence_parallel ? int64_t(tp.rank()) * t : 0, s);
     ops::router_topk(random_logits, Tensor(), ro, probs, topk_idx, s);
   } else {
     ops::router_topk(logits, expert_bias_, ro, probs, topk_idx, s);

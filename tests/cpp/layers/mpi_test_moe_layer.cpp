@@ -189,6 +189,30 @@ void run_case(comm::Communicator& world, const Case& c) {
   }
 }
 
+// Outside training (evaluation, generation) without SP: `tokens` tokens, which TP need not divide, against the
+// single-rank layer on the same input (every replica feeds the same one). A count TP does not divide is routed whole
+// on every TP rank; one it divides is split as in training. In training such a count is a ValueError naming the fix.
+void run_inference_case(comm::Communicator& world, const Case& c, int64_t tokens) {
+  INFO(describe(c) << ", " << tokens << " tokens outside training");
+  ProcessGrid grid(world, ParallelConfig{.tensor = c.tp, .expert = c.ep, .expert_tensor = c.etp},
+                   {GroupKind::Tp, GroupKind::Dp, GroupKind::Ep, GroupKind::ExpertTp, GroupKind::ExpertDp,
+                    GroupKind::TpEp});
+  const ly::MoEOptions o = options(c);
+  ly::MoELayer moe({&grid.tp(), &grid.ep(), &grid.expert_tp(), &grid.group(GroupKind::TpEp)}, kH, o);
+  NoCommCommunicator solo(0, 1);
+  ly::MoELayer ref({&solo, &solo, &solo, &solo}, kH, o);
+  ly::ForwardContext ctx;
+  ctx.training = false;
+  const Tensor x = randn({tokens, 1, kH}, 400 + tokens);
+  moe.set_routing_step(3, 0), ref.set_routing_step(3, 0);
+  require_close(moe.forward(ctx, x), ref.forward(ctx, x), kTol, "output");
+  if (tokens % c.tp != 0) {
+    ly::ForwardContext train;
+    REQUIRE_THROWS_WITH(moe.forward(train, x), Catch::Contains("do not split evenly over TP") &&
+                                                   Catch::Contains("use a sequence length"));
+  }
+}
+
 bool fits(const Case& c, int world) {
   const int etp = c.etp > 0 ? c.etp : c.tp;
   return world % c.tp == 0 && (world / c.tp) % (c.etp > 0 && c.etp != c.tp ? 1 : c.ep) == 0 && world % (etp * c.ep) == 0;
@@ -251,6 +275,21 @@ TEST_CASE("LoRA on MoE experts over EP = 1, 2, 4 and expert-TP = 2 equals the si
              {.tp = 1, .ep = 2, .etp = 2, .lora = true},
              {.tp = 1, .ep = 2, .etp = 2, .dispatcher = D::AllGather, .lora = true},
              {.tp = 2, .sp = true, .ep = 2, .shared = true, .lora = true}});
+}
+
+TEST_CASE("MoELayer at TP = 2 without SP, outside training, takes token counts TP does not divide (generation)",
+          "[layers][mpi][moe]") {
+  auto world = world_comm();
+  for (const Case& c : std::vector<Case>{{.tp = 2, .ep = 1},
+                                         {.tp = 2, .ep = 2, .shared = true},
+                                         {.tp = 2, .ep = 2, .etp = 1},
+                                         {.tp = 2, .ep = 2, .dispatcher = D::AllGather},
+                                         {.tp = 2, .ep = 2, .capacity = 0.5},
+                                         {.tp = 2, .ep = 2, .force = true}})
+    if (fits(c, world->size()))
+      for (int64_t tokens : {int64_t(13), int64_t(1), int64_t(14)})
+        if (c.capacity == 0 || tokens % 2 != 0)  // split, each TP rank's capacity counts its share only
+          run_inference_case(*world, c, tokens);
 }
 
 TEST_CASE("moe_exchange_counts and moe_exchange_rows: the dispatcher's exchange, uneven and with empty peers",
