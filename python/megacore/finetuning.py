@@ -171,14 +171,13 @@ def finetune(model_path: str, data_path: str, peft=None, trainer: Optional[dict]
     if r.peft.scheme == "lora":
         from .convert import _flavour, config_from_checkpoint
 
-        if _flavour(config_from_checkpoint(out.base)) in ("llama", "qwen3"):  # HF module names the same
+        if _flavour(config_from_checkpoint(out.base)) in ("llama", "qwen3", "mixtral"):  # PEFT maps their modules
             name = base_model_name_or_path or (os.path.abspath(model_path) if _is_hf_dir(model_path) else out.base)
             out.adapter = _peft.export_peft(ckpts, os.path.join(output_path, "peft"), base_model_name_or_path=name)
             log(f"megacore finetune: LoRA adapter (Hugging Face PEFT) -> {out.adapter}")
         else:
-            log("megacore finetune: no PEFT adapter written (Hugging Face PEFT export here covers dense Llama and "
-                "Qwen3 models); "
-                "the adapter checkpoints are under " + ckpts)
+            log("megacore finetune: no PEFT adapter written (Hugging Face PEFT export covers Llama, Qwen3 and "
+                "Mixtral models); the adapter checkpoints are under " + ckpts)
     if export_hf:
         out.hf = megacore_to_hf(ckpts, os.path.join(output_path, "hf"), log=log)
     return out

@@ -200,6 +200,11 @@ def test_finetune_lora_on_experts_from_tiny_moe_at_ep2(tmp_path):
     print("LoRA-on-experts fine-tuning losses (EP 2):", [round(x, 4) for x in losses])
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # measured 4.99 -> 3.96
+    # The run's adapter as a Hugging Face PEFT adapter of the Mixtral the base exports as (experts' w1, w3, w2).
+    assert "LoRA adapter (Hugging Face PEFT) ->" in out, out[-3000:]
+    cfg = json.load(open(tmp_path / "ft" / "peft" / "adapter_config.json"))
+    assert sorted(cfg["target_modules"]) == ["w1", "w2", "w3"], cfg
+    assert (tmp_path / "ft" / "peft" / "adapter_model.safetensors").is_file()
 
 
 def test_peft_library_loads_the_exported_mixtral_expert_adapter(tmp_path):
