@@ -295,7 +295,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
         shard = (2 if bf16_reduce else 4) * n / dp_cp if zero and dp_cp > 1 else 0.0
         return shard + (2 * n if staging and dp_cp > 1 else 0.0)
 
-    def rank_memory(r):
+    def rank_memory(r, moe_act=moe_act, moe_full=moe_full):
         # 1F1B: pipeline rank r holds up to PP − r micro-batches' activations of its layers.
         return {
             "weights": 2 * stage_params[r],
@@ -316,6 +316,23 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
     busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
     mem = rank_memory(busiest_rank)
     total = sum(mem.values())
+    # Dropless routing is priced at balanced load. Early in training a router may send one EP rank up to
+    # min(EP, E/k) times its share (every token's k experts on that rank's E/EP experts): the same estimate at that
+    # load (moe_activation_bytes_per_layer's capacity factor is the received rows' multiple of the balanced share).
+    worst = None
+    if cfg.num_moe_experts > 0 and cfg.moe_expert_capacity_factor == 0:
+        load = min(float(ep), cfg.num_moe_experts / cfg.moe_router_topk)
+        if load > 1:
+            wcfg = cfg.copy()
+            wcfg.moe_expert_capacity_factor = load
+            w_kept = m.moe_activation_bytes_per_layer(wcfg, s, b, tp, sequence_parallel, 2, kept_rc, etp_size)
+            w_full = (m.moe_activation_bytes_per_layer(wcfg, s, b, tp, sequence_parallel, 2, "full", etp_size)
+                      if block else w_kept)
+            if kept_rc == "none" and cp > 1:
+                w_kept = dict(w_kept, saved=w_kept["saved"] + kv_blocks)
+            w_rank = max(range(pp), key=lambda r: sum(rank_memory(r, w_kept, w_full).values()))
+            w_mem = rank_memory(w_rank, w_kept, w_full)
+            worst = {"load": load, "busiest_rank": w_rank, "memory_bytes": w_mem, "total_bytes": sum(w_mem.values())}
     headroom = max(4.0, 0.12 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
             "stage_layers": list(lay.counts), "rank_layers": rank_layers, "busiest_rank": busiest_rank,
@@ -326,7 +343,8 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
             "flops_per_token": m.flops_per_token(cfg, seq_length, True), "seq_length": seq_length,
             "seq_length_per_rank": s,
             "moe": ({"ep": ep, "expert_tp": etp_size, "expert_dp": edp, "total": counts["total"],
-                     "active": counts["active"], "expert_params_per_gpu": expert_params}
+                     "active": counts["active"], "expert_params_per_gpu": expert_params,
+                     "dropless_worst": worst}
                     if cfg.num_moe_experts > 0 else None)}
 
 
@@ -522,6 +540,13 @@ def check_memory(rec, gpu_gib, headroom_gib=None) -> dict:
             problem = (f"{rec.name}: {layout} fits with {usable - est:.1f} GiB to spare beyond the "
                        f"{r['headroom_gib']:.1f} GiB headroom of the GPU's {gpu_gib:.1f} GiB"
                        + (f"; if it runs out of memory, use {fix}" if fix else ""))
+    w = r["moe"]["dropless_worst"] if r["moe"] else None
+    if fits and w and w["total_bytes"] / gib > usable:
+        problem = ((problem + "; ") if problem else "") + (
+            f"{rec.name}: dropless MoE routing is estimated at balanced load; if the router sends the busiest EP rank "
+            f"{w['load']:g}× its share (early in training it can), that rank needs {w['total_bytes'] / gib:.1f} GiB, "
+            f"more than the {usable:.1f} GiB usable: set model.moe_expert_capacity_factor (e.g. 1.5) to bound the "
+            f"expert rows, or keep dropless and watch the step log's load max/mean")
     return {"plan": r, "gpu_gib": gpu_gib, "usable_gib": usable, "fits": fits, "tight": tight, "summary": summary,
             "problem": problem}
 
@@ -613,6 +638,12 @@ def _run_plan(args) -> int:
     mem = r["memory_bytes"]
     print(f"memory per GPU (pipeline rank {r['busiest_rank']}, the largest; estimate): " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in mem.items())
           + f" = {r['total_bytes'] / gib:.2f} GiB of {args.gpu_memory_gib:g} GiB")
+    w = r["moe"]["dropless_worst"] if r["moe"] else None
+    if w:
+        print(f"MoE routing is dropless (model.moe_expert_capacity_factor = 0), priced at balanced load; a router that "
+              f"sends the busiest EP rank min(EP, experts/top-k) = {w['load']:g}× its share (seen early in training) "
+              f"takes it to {w['total_bytes'] / gib:.2f} GiB (activations {w['memory_bytes']['activations'] / gib:.2f} "
+              f"GiB, moe_dispatch {w['memory_bytes']['moe_dispatch'] / gib:.2f} GiB); a capacity factor bounds it")
     if not r["fits"]:
         usable = args.gpu_memory_gib - r["headroom_gib"]
         print(f"warning: the estimate ({r['total_bytes'] / gib:.1f} GiB) exceeds the {usable:g} GiB per GPU left after "

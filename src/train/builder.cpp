@@ -9,6 +9,7 @@
 
 #include "core/cuda_backend.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/core/log.hpp"
 #include "megacore/model/fp8.hpp"
 #include "megacore/core/tensor.hpp"
 #include "megacore/parallel/context_parallel.hpp"
@@ -68,13 +69,40 @@ std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid
   return out;
 }
 
+std::vector<checkpoint::ShardedTensor> expert_bias_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks) {
+  // The same on every rank that holds the layer (token counts summed over DP x CP update it), so the stage's
+  // DP / CP / TP rank 0 writes it, like a replicated weight.
+  const checkpoint::ShardLayout sl = checkpoint::shard_layout(grid);
+  std::vector<checkpoint::ShardedTensor> out;
+  for (const auto& ch : chunks)
+    for (ly::MoELayer* m : ch->moe_layers()) {
+      if (!m->expert_bias().defined()) continue;
+      const std::string& router = m->router_weight().name;  // layers.<i>.mlp.router.weight
+      out.push_back(checkpoint::replicated_tensor(router.substr(0, router.rfind('.')) + ".expert_bias",
+                                                  m->expert_bias(), sl.replica_writer && sl.tp_rank == 0));
+    }
+  return out;
+}
+
 checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& grid, const ModelChunks& chunks,
                                                 const std::string& path, bool convert_dtype) {
   std::optional<std::string> dir = checkpoint::resolve_checkpoint(path);
   MC_CHECK_AS(IOError, dir.has_value(), "no complete checkpoint at '{}'", path);
   std::vector<checkpoint::ShardedTensor> targets = model_tensors(grid, chunks);
   for (checkpoint::ShardedTensor& t : targets) t.convert_dtype = convert_dtype;
-  return checkpoint::load_checkpoint(&grid.world(), *dir, targets);
+  checkpoint::CheckpointReader reader = checkpoint::load_checkpoint(&grid.world(), *dir, targets);
+  // Expert biases: part of the model (they steer the routing), so a resume and a fine-tune both start from the
+  // saved ones; a checkpoint without them (a run without the bias, a converted Hugging Face model) leaves them at 0.
+  for (checkpoint::ShardedTensor& t : expert_bias_tensors(grid, chunks)) {
+    if (reader.has_tensor(t.name)) {
+      reader.load(t);
+    } else if (t.write) {
+      log_line(LogLevel::Warning, "checkpoint",
+               fmt::format("{} holds no {} (written without moe_router_enable_expert_bias): the bias starts at 0",
+                           *dir, t.name));
+    }
+  }
+  return reader;
 }
 
 namespace {

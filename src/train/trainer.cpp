@@ -261,6 +261,15 @@ void Trainer::Impl::build() {
                 m.sequence_parallel ? " | SP" : "", m.tp_comm_overlap ? " | tp_comm_overlap" : "",
                 m.tp_comm_overlap_forward ? " | tp_comm_overlap_forward" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "", recompute_text(cfg.trainer).c_str());
+    if (m.is_moe()) {
+      // The expert layout (EP carved from DP x CP; expert-DP the rest of the world).
+      const int etp = pc.expert_tensor > 0 ? pc.expert_tensor : pc.tensor;
+      std::printf("megacore: MoE %lld experts (top-%lld, %lld of %lld layers), %s dispatcher | EP %d x expert-TP %d x "
+                  "expert-DP %d per stage, %lld experts per EP rank\n",
+                  (long long)m.num_moe_experts, (long long)m.moe_router_topk, (long long)m.num_moe_layers(),
+                  (long long)m.num_layers, std::string(enum_name(m.moe_token_dispatcher_type)).c_str(), pc.expert, etp,
+                  world.size() / pc.pipeline / (pc.expert * etp), (long long)(m.num_moe_experts / pc.expert));
+    }
     if (cfg.trainer.fp8_param_gather)
       std::printf("megacore: fp8_param_gather: the FP8 linears' weights are all-gathered over DP as E4M3 codes%s\n",
                   dp() * pc.context > 1 ? "" : " (DP x CP = 1: nothing to gather)");
@@ -601,6 +610,7 @@ checkpoint::CheckpointState Trainer::Impl::checkpoint_state(std::optional<double
   state.scheduler_steps = parts.optimizer.sched->num_steps();
   state.loss_scaler = parts.optimizer.scaler ? std::optional(parts.optimizer.scaler->state()) : std::nullopt;
   for (auto& t : fp8_tensors(parts.chunks, grid())) st.tensors.push_back(std::move(t));
+  for (auto& t : expert_bias_tensors(grid(), parts.chunks)) st.tensors.push_back(std::move(t));
   state.write(st.json);
   st.json["recipe"] = to_json(cfg);
   return st;

@@ -90,6 +90,54 @@ def test_tiny_moe_forced_load_balancing_is_balanced_and_layout_independent(tmp_p
         assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows1], rel=REL_TOL), key
 
 
+@needs_mpi
+def test_tiny_moe_at_tp2_without_sp_trains_and_samples_and_the_log_names_the_expert_layout(tmp_path):
+    # The end-of-run sample feeds the prompt's 13 tokens, then 14, ...: counts TP 2 does not always divide, which
+    # the MoE layers route whole on each TP rank outside training. The start banner names the expert layout.
+    d = tmp_path / "run"
+    d.mkdir()
+    cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", "tiny_moe", "--cpu", "--set", "parallel.tp=2",
+           "--set", "parallel.ep=2", "--set", "parallel.etp=1", "--set", "trainer.max_steps=3",
+           "--set", "trainer.val_check_interval=0", "--set", "checkpoint.save_last=false", "--set", "optim.lr_warmup_iters=1",
+           "--set", "trainer.generate_tokens=5", "--set", f"data.cache_dir={tmp_path / 'data'}"]
+    # env: Python's view of the environment, without what an MPI library initialised in this process (by an earlier
+    # test) set underneath it, which would make the nested mpirun fail
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(d), env=dict(os.environ))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ("megacore: MoE 4 experts (top-2, 4 of 4 layers), alltoall dispatcher | EP 2 x expert-TP 1 x expert-DP 2 "
+            "per stage, 2 experts per EP rank") in p.stdout, p.stdout[:3000]
+    assert "sample: 'sam says tree' -> " in p.stdout, p.stdout[-3000:]
+
+
+@needs_mpi
+def test_expert_bias_is_kept_in_checkpoints_so_a_resume_is_exact(tmp_path):
+    # Aux-loss-free balancing (sigmoid scores, an expert bias updated every step): the bias steers the routing, so
+    # it is saved with the model (layers.<i>.mlp.router.expert_bias) and a run stopped at step 3 and resumed gives
+    # the uninterrupted run's losses bit for bit (same layout, same ranks). EP 2 on 2 CPU ranks.
+    sets = ["--nproc-per-node", "2", "--set", "parallel.ep=2", "--set", "model.moe_router_score_function=sigmoid",
+            "--set", "model.moe_router_enable_expert_bias=true", "--set", "model.moe_router_bias_update_rate=0.01",
+            "--set", "trainer.max_steps=6", "--set", "trainer.generate_tokens=0", "--set", "trainer.val_check_interval=0",
+            "--set", f"data.cache_dir={tmp_path / 'data'}", "--set", "optim.lr_warmup_iters=2"]
+
+    def train(d, *more):
+        d.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "megacore.cli", "train", "--recipe", "tiny_moe", "--cpu", *sets, *more]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(d), env=dict(os.environ))
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        run = d / "runs" / "tiny_moe_pretrain"
+        return run, {r["step"]: r["loss"] for r in map(json.loads, open(run / "logs" / "metrics.jsonl")) if "loss" in r}
+
+    _, whole = train(tmp_path / "whole")
+    run, first = train(tmp_path / "parts", "--set", "trainer.stop_after_steps=3")
+    assert sorted(first) == [1, 2, 3]
+    meta = json.load(open(run / "checkpoints" / "step_3" / "metadata.json"))
+    assert [n for n in meta["tensors"] if n.endswith("expert_bias")] == [f"layers.{i}.mlp.router.expert_bias"
+                                                                         for i in range(4)], list(meta["tensors"])
+    _, resumed = train(tmp_path / "parts")
+    assert sorted(whole) == list(range(1, 7)) and set(resumed) >= {4, 5, 6}
+    assert [resumed[i] for i in (4, 5, 6)] == [whole[i] for i in (4, 5, 6)], (whole, resumed)
+
+
 GPU_REL_TOL = 2e-2
 
 
@@ -139,6 +187,16 @@ def test_mixtral_8x7b_preset_and_recipe():
     assert m.norm_eps == 1e-5 and m.rope_theta == 1e6
     assert r.parallel.expert_model_parallel_size == 8
     r.validate(check_paths=False)
+    # The layout is fitted to the GPUs' memory (80 GiB by default): the memory check before launch passes it, and
+    # warns that dropless routing at the skew bound (4x the busiest EP rank's share) would not fit.
+    from megacore import cli
+    p, t = r.parallel, r.trainer
+    assert (p.tensor_model_parallel_size, p.sequence_parallel, p.use_distributed_optimizer) == (2, True, True)
+    assert (t.recompute, t.recompute_num_layers) == ("full", 3)
+    c = cli.check_memory(r, 80.0)
+    assert c["fits"] and "dropless MoE routing" in c["problem"] and "moe_expert_capacity_factor" in c["problem"]
+    h200 = recipes.get("mixtral_8x7b", gpu_memory_gib=141)
+    assert h200.parallel.tensor_model_parallel_size == 1 and cli.check_memory(h200, 141.0)["fits"]
     t = recipes.get("tiny_moe")
     assert t.model.num_moe_experts == 4 and t.model.moe_router_topk == 2
     t.validate()
@@ -164,6 +222,15 @@ def test_plan_shows_expert_groups_and_moe_memory(capsys):
     assert r["memory_bytes"]["activations"] == pytest.approx(32 * moe["saved"])
     assert moe["saved"] > 1.3 * dense["total"]
     assert r["memory_bytes"]["moe_dispatch"] == moe["dispatch"] > 0
+    # Dropless routing is priced at balanced load; the worst case (the busiest EP rank sent min(EP, E/k) = 4 times
+    # its share) is the same estimate with that capacity factor.
+    w = r["moe"]["dropless_worst"]
+    cfg4 = r["config"].copy()
+    cfg4.moe_expert_capacity_factor = 4.0
+    moe4 = mm.moe_activation_bytes_per_layer(cfg4, 4096, 1, 2, True, 2, rc, 2)
+    assert w["load"] == 4.0 and w["memory_bytes"]["activations"] == pytest.approx(32 * moe4["saved"])
+    assert w["total_bytes"] > r["total_bytes"]
+    assert cli.plan("mixtral_8x7b", 16, tp=2, ep=1, seq_length=4096, sequence_parallel=True)["moe"]["dropless_worst"] is None
     assert cli.main(["plan", "--recipe", "tiny_moe", "--set", "parallel.ep=2", "--no-table"]) == 0
     out = capsys.readouterr().out
     assert "expert groups EP 2 × expert-TP 1 × expert-DP 2" in out and "B active per token" in out

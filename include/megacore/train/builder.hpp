@@ -83,8 +83,12 @@ ModelChunks build_model_chunks(const RunConfig& cfg, const model::TransformerCon
 
 /// The model's tensors with their place in the global model (checkpoint sharding over the grid).
 std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks);
-/// Loads the chunks' parameters from a checkpoint directory or root (its latest), whatever layout wrote it;
-/// the returned reader serves the rest of the checkpoint. IOError when none is complete there. Collective.
+/// Each MoE layer's expert bias (moe_router_enable_expert_bias) as a replicated [experts] f32 tensor named
+/// layers.<i>.mlp.router.expert_bias: not a parameter (no gradient, no optimizer state), but model state that
+/// checkpoints keep.
+std::vector<checkpoint::ShardedTensor> expert_bias_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks);
+/// Loads the chunks' parameters (and expert biases, where the checkpoint has them) from a checkpoint directory or
+/// root (its latest), whatever layout wrote it; the returned reader serves the rest of the checkpoint. IOError when none is complete there. Collective.
 /// convert_dtype: floating-point weights stored in another precision are converted (a pretrained f32 model
 /// into bf16 parameters, rounded to nearest even); false (a resume) refuses any dtype difference.
 checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& grid, const ModelChunks& chunks,
