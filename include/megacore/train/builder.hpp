@@ -88,7 +88,8 @@ std::vector<checkpoint::ShardedTensor> model_tensors(const parallel::ProcessGrid
 /// checkpoints keep.
 std::vector<checkpoint::ShardedTensor> expert_bias_tensors(const parallel::ProcessGrid& grid, const ModelChunks& chunks);
 /// Loads the chunks' parameters (and expert biases, where the checkpoint has them) from a checkpoint directory or
-/// root (its latest), whatever layout wrote it; the returned reader serves the rest of the checkpoint. IOError when none is complete there. Collective.
+/// root (its latest), whatever layout wrote it; the returned reader serves the rest of the checkpoint. IOError
+/// when none is complete there. Collective.
 /// convert_dtype: floating-point weights stored in another precision are converted (a pretrained f32 model
 /// into bf16 parameters, rounded to nearest even); false (a resume) refuses any dtype difference.
 checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& grid, const ModelChunks& chunks,
