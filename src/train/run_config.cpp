@@ -722,6 +722,14 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     err("data.seq_length", fmt::format("{} is not divisible by TP = {}, which sequence parallelism needs; use a "
                                        "multiple of {}",
                                        d.seq_length, tp, tp));
+  // Without SP each TP rank of a MoE layer routes its share of a micro-batch's tokens (layers/moe.hpp).
+  if (r.model.num_moe_experts > 0 && tp > 1 && !p.sequence_parallel && cp > 0 && d.micro_batch_size > 0 &&
+      (d.seq_length / cp * d.micro_batch_size) % tp)
+    err("data.seq_length",
+        fmt::format("{} tokens per micro-batch on each CP rank (seq_length / CP × micro_batch_size = {} / {} × {}) do "
+                    "not split evenly over TP = {}, and each TP rank of a MoE layer routes its share of them; use a "
+                    "seq_length or micro_batch_size that makes it a multiple of {}",
+                    d.seq_length / cp * d.micro_batch_size, d.seq_length, cp, d.micro_batch_size, tp, tp));
   if (p.use_distributed_optimizer && o.optimizer != "adamw")
     err("parallel.use_distributed_optimizer",
         "ZeRO-1 shards AdamW state; set optim.optimizer = adamw or turn use_distributed_optimizer off");

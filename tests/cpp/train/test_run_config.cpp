@@ -531,6 +531,24 @@ TEST_CASE("a checkpoint's experts and routing are compared with the recipe's", "
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a MoE model at TP > 1 without SP needs micro-batches whose tokens TP divides", "[config][moe]") {
+  RunConfig c;
+  c.resources.num_gpus_per_node = 2;
+  c.parallel.tensor_model_parallel_size = 2;
+  c.model.num_moe_experts = 4;
+  c.data.seq_length = 127;
+  c.data.micro_batch_size = 1;
+  c.data.global_batch_size = 8;
+  CHECK(has(validate(c, 2, {.check_paths = false}).errors,
+            "data.seq_length: 127 tokens per micro-batch on each CP rank (seq_length / CP × micro_batch_size = 127 / 1 "
+            "× 1) do not split evenly over TP = 2"));
+  c.data.micro_batch_size = 2;  // 254 tokens: even
+  CHECK_FALSE(has(validate(c, 2, {.check_paths = false}).errors, "do not split evenly"));
+  c.data.micro_batch_size = 1;
+  c.model.num_moe_experts = 0;  // a dense model splits nothing
+  CHECK_FALSE(has(validate(c, 2, {.check_paths = false}).errors, "do not split evenly"));
+}
+
 TEST_CASE("validate checks context parallelism: sequence divisibility, comm type, unsupported combinations",
           "[config]") {
   RunConfig c;
