@@ -167,7 +167,10 @@ def fail_fast(exc: BaseException, world=None, code: int = 1):
     msg = f"{type(exc).__name__}: {exc}".strip().replace("\n", " | ")
     if not isinstance(exc, Error):  # our errors say what to fix; anything else is worth its traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    print(f"megacore.train: rank {rank}: error: {msg}", file=sys.stderr, flush=True)
+    # One write of the whole line: the ranks run unbuffered (python -u), and print's separate write of the newline
+    # let another rank's line land between them.
+    sys.stderr.write(f"megacore.train: rank {rank}: error: {msg}\n")
+    sys.stderr.flush()
     _proc.report_error(rank, msg)
     sys.stdout.flush()
     # An abort that does not return (a driver call stuck on a dead peer) must not keep the job alive.
