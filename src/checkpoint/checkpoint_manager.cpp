@@ -58,7 +58,7 @@ std::optional<CheckpointReader> CheckpointManager::resume(std::vector<ShardedTen
 
 void CheckpointManager::apply_retention() {
   if (world_.rank() != 0) return;
-  if (policy_.keep_last == 0 && policy_.keep_top_k == 0) return;
+  if (policy_.keep_last == 0) return;  // every checkpoint is kept; keep_top_k only adds to keep_last's
   std::vector<CheckpointInfo> all = list_checkpoints(root_);
   std::set<std::string> keep;
   if (auto l = latest()) keep.insert(fs::path(*l).filename().string());

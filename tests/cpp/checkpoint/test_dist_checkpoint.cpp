@@ -712,3 +712,17 @@ TEST_CASE("CheckpointManager: save every N, keep last k and top-k by validation 
   for (size_t i = 0; i < targets.size(); ++i) require_same(targets[i].local, last.tensors[i].local);
   CHECK_THROWS_AS(CheckpointManager(w, tmp.path, CheckpointPolicy{.keep_last = -1}), ValueError);
 }
+
+TEST_CASE("CheckpointManager: keep_last 0 keeps every checkpoint, with keep_top_k too", "[checkpoint]") {
+  TempDir tmp;
+  SoloWorld w;
+  CheckpointManager mgr(w, tmp.path, CheckpointPolicy{.save_every = 2, .keep_last = 0, .keep_top_k = 1});
+  for (int64_t step = 2; step <= 8; step += 2) {
+    CheckpointState st = sample_state(step, uint64_t(step));
+    st.val_loss = 10.0 - double(step);
+    mgr.save(st);
+  }
+  std::vector<int64_t> kept;
+  for (const auto& c : list_checkpoints(tmp.path)) kept.push_back(c.step);
+  REQUIRE(kept == std::vector<int64_t>{2, 4, 6, 8});
+}
