@@ -147,10 +147,34 @@ def _check_gpu_memory(recipe, world) -> None:
 
 
 def _restart_resume(recipe) -> None:
-    """A job the launcher restarted (MEGACORE_RESTART=n) resumes from its latest checkpoint."""
+    """A job the launcher restarted (MEGACORE_RESTART=n) resumes from the latest checkpoint under its
+    checkpoint.save_dir, unless checkpoint.resume names a newer one (the first attempt resumed from that path and
+    has saved nothing since). With no checkpoint under save_dir it starts as the first attempt did, and rank 0 says
+    so: the steps since are trained again."""
+    from . import _proc
+    from .checkpoint import resolve_checkpoint
+
     n = int(os.environ.get("MEGACORE_RESTART", "0") or 0)
-    if n > 0 and recipe.checkpoint.save_dir and not recipe.checkpoint.resume:
-        recipe.checkpoint.resume = "auto"
+    c = recipe.checkpoint
+    if n <= 0:
+        return
+
+    def step(path):  # a checkpoint directory's step (step_<N>), -1 for none
+        name = os.path.basename(os.path.normpath(path)) if path else ""
+        return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
+
+    saved = resolve_checkpoint(c.save_dir) if c.save_dir else None
+    given = resolve_checkpoint(c.resume) if c.resume not in ("", "auto") else None
+    if saved is not None:
+        # The newer of the two: a save_dir that held older checkpoints of another run does not take a restart back.
+        if given is None or step(saved) >= step(given):
+            c.resume = "auto"
+        return
+    if _proc.rank_from_env() == 0:
+        start = f"checkpoint.resume = '{c.resume}'" if c.resume not in ("", "auto") else "step 0"
+        sys.stderr.write(f"megacore.train: warning: restart {n} finds no complete checkpoint under checkpoint.save_dir "
+                         f"= '{c.save_dir}' (moved, deleted, or none saved yet): it starts from {start}\n")
+        sys.stderr.flush()
 
 
 def fail_fast(exc: BaseException, world=None, code: int = 1):

@@ -364,3 +364,41 @@ def test_a_rank_killed_during_a_checkpoint_save_resumes_from_the_previous_checkp
     assert not [n for n in left if n.startswith(".tmp.")], left
     for step in (4, 6):  # written again, whole, by the restarted job
         assert os.path.isfile(os.path.join(r.checkpoint.save_dir, f"step_{step}", "metadata.json")), left
+
+
+def test_a_restart_resumes_from_the_newest_checkpoint_it_can_find(tmp_path, monkeypatch, capsys):
+    # What megacore.train does with checkpoint.resume when the launcher restarts the job (MEGACORE_RESTART = n):
+    # the latest checkpoint under checkpoint.save_dir, unless the path the first attempt resumed from is newer; with
+    # none under save_dir the first attempt's start again, and rank 0 says so.
+    import numpy as np
+
+    from megacore import train
+    from megacore.checkpoint import save_full_checkpoint
+
+    def recipe(resume, save_dir):
+        r = recipes.get("tiny")
+        r.checkpoint.resume, r.checkpoint.save_dir = resume, save_dir
+        return r
+
+    w = {"w": np.zeros(2, np.float32)}
+    own, other = tmp_path / "own", tmp_path / "other"
+    save_full_checkpoint(str(other), 9, w)
+    monkeypatch.setenv("MEGACORE_RESTART", "0")
+    r = recipe(str(other / "step_9"), str(own))
+    train._restart_resume(r)
+    assert r.checkpoint.resume == str(other / "step_9")  # a first attempt keeps what it was given
+    monkeypatch.setenv("MEGACORE_RESTART", "1")
+    train._restart_resume(r)  # nothing saved under save_dir yet: the given path again, with a warning
+    assert r.checkpoint.resume == str(other / "step_9")
+    assert f"restart 1 finds no complete checkpoint under checkpoint.save_dir = '{own}'" in capsys.readouterr().err
+    save_full_checkpoint(str(own), 12, w)  # the first attempt saved step 12 after resuming from step 9
+    train._restart_resume(r)
+    assert r.checkpoint.resume == "auto"
+    old = recipe(str(other / "step_9"), str(tmp_path / "old"))
+    save_full_checkpoint(str(tmp_path / "old"), 3, w)  # a save_dir holding an older run's checkpoint
+    train._restart_resume(old)
+    assert old.checkpoint.resume == str(other / "step_9")
+    fresh = recipe("", str(tmp_path / "none"))
+    train._restart_resume(fresh)
+    assert fresh.checkpoint.resume == "" and "it starts from step 0" in capsys.readouterr().err
+
