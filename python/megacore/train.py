@@ -60,6 +60,22 @@ def build_data(recipe, world):
     return out
 
 
+def _metrics_server(lg):
+    """The Prometheus endpoint of logging.metrics_host:metrics_port; ConfigError naming the fields when it cannot
+    listen there (the port taken, an address not of this machine)."""
+    from .metrics import MetricsServer
+
+    try:
+        server = MetricsServer(lg.metrics_host, lg.metrics_port,
+                               restarts=int(os.environ.get("MEGACORE_RESTART", "0") or 0))
+    except OSError as e:
+        raise ConfigError(f"logging.metrics_port: cannot serve metrics on {lg.metrics_host}:{lg.metrics_port} "
+                          f"({e.strerror or e}); choose a free port (or 0 to turn the endpoint off), or a "
+                          "logging.metrics_host this machine has") from None
+    print(f"megacore: metrics at http://{lg.metrics_host}:{lg.metrics_port}/metrics", flush=True)
+    return server
+
+
 def run(recipe, world=None, on_step=None, on_world=None) -> dict:
     """Trains `recipe` on this rank (collective over the world); returns the C++ trainer's result dict.
     `on_step(metrics)` runs on every rank after each step (an exception it raises ends the run);
@@ -85,19 +101,18 @@ def run(recipe, world=None, on_step=None, on_world=None) -> dict:
     if world.rank == 0 and recipe.logging.log_dir:
         os.makedirs(recipe.logging.log_dir, exist_ok=True)
         recipe.to_json(os.path.join(recipe.logging.log_dir, "recipe.json"))
-    train, valid = build_data(recipe, world)
-    cfg = _C.train.RunConfig.from_json(recipe.to_json())
-    trainer = _C.train.Trainer(cfg, world, train, valid)
-    server = None
+    # The metrics endpoint first (rank 0): a port it cannot take is said before the data and the model are built.
+    server = _metrics_server(recipe.logging) if world.rank == 0 and recipe.logging.metrics_port else None
+    try:
+        train, valid = build_data(recipe, world)
+        cfg = _C.train.RunConfig.from_json(recipe.to_json())
+        trainer = _C.train.Trainer(cfg, world, train, valid)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     if world.rank == 0:
         _proc.report_progress(trainer.step)
-        lg = recipe.logging
-        if lg.metrics_port:
-            from .metrics import MetricsServer
-
-            server = MetricsServer(lg.metrics_host, lg.metrics_port,
-                                   restarts=int(os.environ.get("MEGACORE_RESTART", "0") or 0))
-            print(f"megacore: metrics at http://{lg.metrics_host}:{lg.metrics_port}/metrics", flush=True)
 
     def step_done(m):
         if world.rank == 0:

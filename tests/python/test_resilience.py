@@ -402,3 +402,24 @@ def test_a_restart_resumes_from_the_newest_checkpoint_it_can_find(tmp_path, monk
     train._restart_resume(fresh)
     assert fresh.checkpoint.resume == "" and "it starts from step 0" in capsys.readouterr().err
 
+
+def test_a_metrics_port_that_cannot_be_served_is_a_config_error(tmp_path):
+    # megacore.train opens the endpoint on rank 0 before building the data and the model: a taken port (or an address
+    # this machine does not have) is a ConfigError naming logging.metrics_port, not an OSError traceback.
+    import socket
+    from types import SimpleNamespace
+
+    from megacore import train
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(mc.ConfigError, match=rf"logging.metrics_port: cannot serve metrics on 127.0.0.1:{port} "
+                                                 r"\(.+\); choose a free port \(or 0"):
+            train._metrics_server(SimpleNamespace(metrics_host="127.0.0.1", metrics_port=port))
+    with pytest.raises(mc.ConfigError, match="logging.metrics_host this machine has"):
+        train._metrics_server(SimpleNamespace(metrics_host="10.255.255.1", metrics_port=port))
+    server = train._metrics_server(SimpleNamespace(metrics_host="127.0.0.1", metrics_port=port))  # free again
+    server.close()
+
