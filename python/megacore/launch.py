@@ -264,7 +264,7 @@ def main(argv=None) -> int:
             step = _proc.read_progress(job_dir)
             if sigs.stop_at is not None:
                 _proc.write_stderr(f"megacore.launch: job stopped on request: {what}")
-                return code
+                return 130 if sigs.interrupts > 1 else code  # a second Ctrl-C: the shell's code for an interrupt
             if restarts >= a.max_restarts:
                 extra = f" after {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""
                 _proc.write_stderr(f"megacore.launch: job failed{extra}: {what}")
