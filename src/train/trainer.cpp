@@ -729,7 +729,11 @@ TrainResult Trainer::fit() {
       I.save(val);
       I.watch(WatchPhase::Step, I.state.step);
       if (I.root) {
-        std::printf("step %lld | checkpoint %s\n", (long long)I.state.step, I.last_checkpoint.c_str());
+        // An async save is committed (complete on disk, named by 'latest', what a restart resumes from) by the
+        // next save or at the end of the run: until then the directory is .tmp.step_<N>.
+        std::printf("step %lld | checkpoint %s%s\n", (long long)I.state.step, I.last_checkpoint.c_str(),
+                    I.ckpt->policy().async ? " (writing in the background; committed at the next save or the end)"
+                                           : "");
         std::fflush(stdout);
       }
     }
