@@ -90,6 +90,26 @@ def report_progress(step: int) -> None:
         pass
 
 
+def report_ready(rank: int) -> None:
+    """This rank handles the stop signals now (megacore.train.guarded): the launcher may pass a stop request on
+    (before, the signal's default action would end the rank mid-start-up). No-op outside a launcher."""
+    d = os.environ.get(JOB_DIR_ENV)
+    if not d:
+        return
+    try:
+        open(os.path.join(d, f"ready.rank{rank}"), "w").close()
+    except OSError:
+        pass
+
+
+def ready_ranks(job_dir: str) -> int:
+    """How many ranks of the current attempt reported themselves ready (report_ready)."""
+    try:
+        return sum(1 for n in os.listdir(job_dir) if n.startswith("ready.rank"))
+    except OSError:
+        return 0
+
+
 def read_progress(job_dir: str) -> int:
     try:
         with open(os.path.join(job_dir, "step")) as f:
@@ -120,7 +140,7 @@ def first_error(job_dir: str):
 
 def clear_reports(job_dir: str) -> None:
     for n in os.listdir(job_dir):
-        if n.startswith("error.rank"):
+        if n.startswith(("error.rank", "ready.rank")):
             try:
                 os.remove(os.path.join(job_dir, n))
             except OSError:

@@ -14,7 +14,9 @@ rank's code. With ``--max-restarts N`` it instead starts every rank again (MEGAC
 resume from the latest checkpoint, up to N times, as long as each restart gets further than the one before.
 
 Signals: SIGTERM, SIGUSR1 or a first Ctrl-C asks every rank to finish its current step, save a checkpoint and
-exit 0 (passed to the ranks as SIGTERM, or to mpirun as SIGUSR1, which it passes on); a second Ctrl-C, or a stop
+exit 0 (passed to the ranks as SIGTERM, or to mpirun as SIGUSR1, which it passes on, once every rank has reported
+that it handles the signal, ``_proc.report_ready`` as megacore.train does, or ``READY_WAIT_S`` after the ranks
+started; a signal's default action would end a rank still starting); a second Ctrl-C (exit 130), or a stop
 that takes longer than ``--stop-timeout``, ends them at once. The ranks run in a session of their own and die
 with the launcher, so no rank outlives it, even when it is killed.
 """
@@ -105,6 +107,7 @@ class _Job:
 
     def __init__(self, procs, soft, hard, label):
         self.procs, self.soft_sig, self.hard_sig, self.label = procs, soft, hard, label
+        self.started = time.monotonic()
 
     def send(self, sig):
         for p in self.procs:
@@ -168,6 +171,7 @@ class _Signals:
         self.stop_at = None   # monotonic time of the first stop request
         self.interrupts = 0
         self.job = None
+        self.pending = False  # a stop request not yet passed to the ranks (_wait passes it once they handle it)
         for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(s, self._on)
 
@@ -183,14 +187,23 @@ class _Signals:
             self.stop_at = time.monotonic()
             _proc.write_stderr(f"megacore.launch: {signal.Signals(sig).name}: the ranks stop after the current step "
                                "and save a checkpoint (Ctrl-C again to end them now)")
-        if self.job:
-            self.job.send(self.job.soft_sig)
+        self.pending = True
 
 
-def _wait(job: _Job, a, sigs: _Signals):
-    """Waits for the attempt to end; returns (label, index, code) of the first failure, or None."""
+# A stop request reaches the ranks once every one has reported that it handles the stop signals
+# (_proc.report_ready, from megacore.train): before that the signal's default action would end a rank still
+# starting. A rank command that never reports gets it this long after its start.
+READY_WAIT_S = 10.0
+
+
+def _wait(job: _Job, a, sigs: _Signals, job_dir: str, nproc: int):
+    """Waits for the attempt to end, passing a stop request on when the ranks can take it; returns (label, index,
+    code) of the first failure, or None."""
     failed, deadline = None, None
     while True:
+        if sigs.pending and (_proc.ready_ranks(job_dir) >= nproc or time.monotonic() > job.started + READY_WAIT_S):
+            sigs.pending = False
+            job.send(job.soft_sig)
         codes = [p.poll() for p in job.procs]
         bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if bad and failed is None:
@@ -255,8 +268,8 @@ def main(argv=None) -> int:
                 job = _start_ranks(a, nproc, env, token, port)
             sigs.job = job
             if sigs.stop_at is not None:
-                job.send(job.soft_sig)
-            failed = _wait(job, a, sigs)
+                sigs.pending = True  # asked to stop between attempts: passed on once the ranks can take it
+            failed = _wait(job, a, sigs, job_dir, nproc)
             if failed is None:
                 return 0
             what = _describe(failed, job_dir)

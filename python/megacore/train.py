@@ -246,8 +246,11 @@ def guarded(body) -> int:
     current step with a checkpoint (exit 0); any exception ends the whole job through fail_fast."""
     from . import _C
 
+    from . import _proc
+
     world = []
     _C.train.install_stop_signal_handlers()
+    _proc.report_ready(_proc.rank_from_env())  # the launcher holds a stop request back until every rank is here
     try:
         body(world.append)
     except BaseException as e:  # noqa: BLE001 - every failure must end the job, whatever raised it

@@ -113,6 +113,28 @@ def test_sigterm_to_the_launcher_asks_every_rank_to_stop(tmp_path):
     assert [(out / r).read_text() for r in ("0", "1")] == [f"stopped {int(signal.SIGTERM)}"] * 2
 
 
+def test_a_stop_during_the_ranks_start_up_waits_until_they_handle_it(tmp_path):
+    # Ranks that take 2 s to install their stop handlers (importing a large package, building a model) and then
+    # report ready as megacore.train does; the launcher is asked to stop while they start. Passed on at once the
+    # SIGTERM would end them (its default action); held back, it reaches their handlers and they stop cleanly.
+    body = ("import os, sys, time, pathlib\n"
+            "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text('starting')\n"
+            "time.sleep(2)\n"
+            + STOPPING_RANK.replace("_C.train.install_stop_signal_handlers()\n",
+                                    "_C.train.install_stop_signal_handlers()\n"
+                                    "from megacore import _proc\n"
+                                    "_proc.report_ready(int(os.environ['RANK']))\n"))
+    p, out = _gpu_launch(tmp_path, body)
+    deadline = time.monotonic() + 30
+    while len(list(out.iterdir())) < 2:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert [(out / r).read_text() for r in ("0", "1")] == [f"stopped {int(signal.SIGTERM)}"] * 2
+
+
 def test_a_second_interrupt_ends_the_ranks_at_once(tmp_path):
     # Ranks that never reach the end of a step: the first Ctrl-C asks, the second ends them.
     p, out = _gpu_launch(tmp_path, STOPPING_RANK.replace("while not _C.train.stop_requested() and", "while"))
