@@ -262,13 +262,13 @@ void Trainer::Impl::build() {
                 m.tp_comm_overlap_forward ? " | tp_comm_overlap_forward" : "",
                 ps.overlap_param_gather ? " | overlap_param_gather" : "", recompute_text(cfg.trainer).c_str());
     if (m.is_moe()) {
-      // The expert layout (EP carved from DP x CP; expert-DP the rest of the world).
-      const int etp = pc.expert_tensor > 0 ? pc.expert_tensor : pc.tensor;
+      // The expert layout (EP carved from DP x CP), as the grid built it.
+      const parallel::GridLayout& gl = grid().layout();
       std::printf("megacore: MoE %lld experts (top-%lld, %lld of %lld layers), %s dispatcher | EP %d x expert-TP %d x "
                   "expert-DP %d per stage, %lld experts per EP rank\n",
                   (long long)m.num_moe_experts, (long long)m.moe_router_topk, (long long)m.num_moe_layers(),
-                  (long long)m.num_layers, std::string(enum_name(m.moe_token_dispatcher_type)).c_str(), pc.expert, etp,
-                  world.size() / pc.pipeline / (pc.expert * etp), (long long)(m.num_moe_experts / pc.expert));
+                  (long long)m.num_layers, std::string(enum_name(m.moe_token_dispatcher_type)).c_str(), gl.ep_size(),
+                  gl.expert_tp_size(), gl.expert_dp_size(), (long long)(m.num_moe_experts / gl.ep_size()));
     }
     if (cfg.trainer.fp8_param_gather)
       std::printf("megacore: fp8_param_gather: the FP8 linears' weights are all-gathered over DP as E4M3 codes%s\n",
