@@ -243,6 +243,12 @@ def _metadata(path):
         return None
 
 
+def checkpoint_step(path: str) -> int:
+    """N of a checkpoint directory named ``step_<N>`` (any parent), -1 for another name."""
+    name = os.path.basename(os.path.normpath(path)) if path else ""
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
+
+
 def resolve_checkpoint(path: str) -> Optional[str]:
     """``path`` if it is a complete checkpoint, else ``path/latest``'s target if complete, else the complete
     ``step_<N>`` with the largest N; None when there is none."""
@@ -251,14 +257,14 @@ def resolve_checkpoint(path: str) -> Optional[str]:
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
         name = open(latest).read().strip()
-        if name.startswith("step_") and name[5:].isdigit() and _metadata(os.path.join(path, name)):
+        if checkpoint_step(name) >= 0 and _metadata(os.path.join(path, name)):
             return os.path.join(path, name)
     best = None
     if os.path.isdir(path):
         for n in os.listdir(path):
-            if n.startswith("step_") and n[5:].isdigit() and _metadata(os.path.join(path, n)):
-                if best is None or int(n[5:]) > best[0]:
-                    best = (int(n[5:]), os.path.join(path, n))
+            if checkpoint_step(n) >= 0 and _metadata(os.path.join(path, n)):
+                if best is None or checkpoint_step(n) > best[0]:
+                    best = (checkpoint_step(n), os.path.join(path, n))
     return best[1] if best else None
 
 

@@ -60,14 +60,18 @@ def build_data(recipe, world):
     return out
 
 
+def _restart_count() -> int:
+    """Which restart of the job this attempt is (MEGACORE_RESTART, set by megacore.launch; 0: the first attempt)."""
+    return int(os.environ.get("MEGACORE_RESTART", "0") or 0)
+
+
 def _metrics_server(lg):
     """The Prometheus endpoint of logging.metrics_host:metrics_port; ConfigError naming the fields when it cannot
     listen there (the port taken, an address not of this machine)."""
     from .metrics import MetricsServer
 
     try:
-        server = MetricsServer(lg.metrics_host, lg.metrics_port,
-                               restarts=int(os.environ.get("MEGACORE_RESTART", "0") or 0))
+        server = MetricsServer(lg.metrics_host, lg.metrics_port, restarts=_restart_count())
     except OSError as e:
         raise ConfigError(f"logging.metrics_port: cannot serve metrics on {lg.metrics_host}:{lg.metrics_port} "
                           f"({e.strerror or e}); choose a free port (or 0 to turn the endpoint off), or a "
@@ -167,22 +171,17 @@ def _restart_resume(recipe) -> None:
     has saved nothing since). With no checkpoint under save_dir it starts as the first attempt did, and rank 0 says
     so: the steps since are trained again."""
     from . import _proc
-    from .checkpoint import resolve_checkpoint
+    from .checkpoint import checkpoint_step, resolve_checkpoint
 
-    n = int(os.environ.get("MEGACORE_RESTART", "0") or 0)
+    n = _restart_count()
     c = recipe.checkpoint
     if n <= 0:
         return
-
-    def step(path):  # a checkpoint directory's step (step_<N>), -1 for none
-        name = os.path.basename(os.path.normpath(path)) if path else ""
-        return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
-
     saved = resolve_checkpoint(c.save_dir) if c.save_dir else None
     given = resolve_checkpoint(c.resume) if c.resume not in ("", "auto") else None
     if saved is not None:
         # The newer of the two: a save_dir that held older checkpoints of another run does not take a restart back.
-        if given is None or step(saved) >= step(given):
+        if given is None or checkpoint_step(saved) >= checkpoint_step(given):
             c.resume = "auto"
         return
     if _proc.rank_from_env() == 0:
@@ -244,9 +243,7 @@ def _load(config, overrides):
 def guarded(body) -> int:
     """Runs ``body(on_world)`` as one rank of a job: SIGTERM, SIGUSR1 and a first Ctrl-C stop it after the
     current step with a checkpoint (exit 0); any exception ends the whole job through fail_fast."""
-    from . import _C
-
-    from . import _proc
+    from . import _C, _proc
 
     world = []
     _C.train.install_stop_signal_handlers()
