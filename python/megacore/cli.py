@@ -313,8 +313,12 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
                if fp8_on else {}),
         }
 
-    busiest_rank = max(range(pp), key=lambda r: sum(rank_memory(r).values()))
-    mem = rank_memory(busiest_rank)
+    def busiest(moe_kept, moe_f):
+        """(pipeline rank, its memory) of the rank needing the most, with these MoE layer estimates."""
+        r = max(range(pp), key=lambda i: sum(rank_memory(i, moe_kept, moe_f).values()))
+        return r, rank_memory(r, moe_kept, moe_f)
+
+    busiest_rank, mem = busiest(moe_act, moe_full)
     total = sum(mem.values())
     # Dropless routing is priced at balanced load. Early in training a router may send one EP rank up to
     # min(EP, E/k) times its share (every token's k experts on that rank's E/EP experts): the same estimate at that
@@ -330,8 +334,7 @@ def plan(model="tiny_llama", world_size=1, tp=1, pp=1, cp=1, ep=1, vp=1, seq_len
                       if block else w_kept)
             if kept_rc == "none" and cp > 1:
                 w_kept = dict(w_kept, saved=w_kept["saved"] + kv_blocks)
-            w_rank = max(range(pp), key=lambda r: sum(rank_memory(r, w_kept, w_full).values()))
-            w_mem = rank_memory(w_rank, w_kept, w_full)
+            w_rank, w_mem = busiest(w_kept, w_full)
             worst = {"load": load, "busiest_rank": w_rank, "memory_bytes": w_mem, "total_bytes": sum(w_mem.values())}
     headroom = max(4.0, 0.12 * gpu_memory_gib) if headroom_gib is None else headroom_gib
     return {"config": cfg, "layout": layout, "parameters": counts, "stage_params": stage_params,
