@@ -248,6 +248,11 @@ int main(int argc, char** argv) {
       const float t_d = time_ms([&] {
         if (c.kind == 2) cublas_group(2, a, b, out, c.f32, 0, rows, 0, mo, k, p.beta);
         else cublas_group(c.kind, a, b, out, false, 0, rows, 0, mo, k, 0.f); }, iters);
+      // wgrad: a dense GEMM of the same FLOPs and the same output (dw of every group as one [G mo, k] f32 main grad,
+      // beta 1, reduced over rows / G rows): the same bytes to read and write as the grouped op, without groups
+      float t_ds = 0.f;
+      if (c.kind == 2 && c.f32 && rows % G == 0)
+        t_ds = time_ms([&] { cublas_group(2, a, b, out, true, 0, rows / G, 0, int64_t(G) * mo, k, p.beta); }, iters);
       const char* kn[3] = {"fwd", "dgrad", "wgrad"};
       // attainable = max(dense time, memory roofline of the bytes the problem must move at 4.18 TB/s, the
       // H200's measured copy bandwidth), as megacore_bench_moe reports it
@@ -256,6 +261,9 @@ int main(int argc, char** argv) {
       printf("%-20s %-5s rows %6ld mo %5ld k %5ld: sm90 %.3f ms %.0f TF | loop %.3f ms | dense %.3f ms %.0f TF | roof %.3f | sm90/att %.2f sm90/loop %.2f\n",
              c.name.c_str(), kn[c.kind], (long)rows, (long)mo, (long)k, t_k, flops / t_k / 1e9, t_l, t_d, flops / t_d / 1e9,
              t_roof, t_att / t_k, t_l / t_k);
+      if (t_ds > 0.f)
+        printf("   dense of the same output (one [%ld, %ld] f32 main grad, %ld rows): %.3f ms %.0f TF | sm90/that %.2f\n",
+               (long)(G * mo), (long)k, (long)(rows / G), t_ds, flops / t_ds / 1e9, t_ds / t_k);
     }
     cudaFree(a); cudaFree(b); cudaFree(out); cudaFree(ref); cudaFree(init); cudaFree(doff);
   }
