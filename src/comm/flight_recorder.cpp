@@ -33,6 +33,12 @@ const FlightEntry* FlightSnapshot::pending_collective() const {
   return nullptr;
 }
 
+const FlightEntry* FlightSnapshot::pending_p2p() const {
+  for (const FlightEntry& e : entries)
+    if (e.p2p && !e.done()) return &e;
+  return nullptr;
+}
+
 std::shared_ptr<FlightRecorder> FlightRecorder::create(std::string group, std::vector<int> world_ranks, int rank,
                                                        size_t capacity) {
   std::shared_ptr<FlightRecorder> r(new FlightRecorder(std::move(group), std::move(world_ranks), rank, capacity));
@@ -47,7 +53,7 @@ FlightRecorder::FlightRecorder(std::string group, std::vector<int> world_ranks, 
     : group_(std::move(group)), world_ranks_(std::move(world_ranks)), rank_(rank),
       ring_(std::max<size_t>(capacity, 1)) {}
 
-uint64_t FlightRecorder::start(std::string_view op, int64_t bytes, bool p2p) {
+uint64_t FlightRecorder::start(std::string_view op, int64_t bytes, bool p2p, const FlightPeers* peers) {
   const auto now = Clock::now();
   std::lock_guard<std::mutex> l(mu_);
   const uint64_t id = next_id_++;
@@ -57,6 +63,7 @@ uint64_t FlightRecorder::start(std::string_view op, int64_t bytes, bool p2p) {
   s.p2p = p2p;
   s.op.assign(op);  // op names fit the small-string buffer: no allocation
   s.bytes = bytes;
+  s.peers = peers ? *peers : FlightPeers{};
   s.start = now;
   s.done = false;
   return id;
@@ -80,7 +87,11 @@ FlightSnapshot FlightRecorder::snapshot() const {
   for (uint64_t id = first; id < next_id_; ++id) {
     const Slot& x = ring_[id % ring_.size()];
     if (x.id != id) continue;
-    s.entries.push_back({x.seq, x.p2p, x.op, x.bytes, ago(x.start), x.done ? ago(x.end) : -1.0});
+    FlightEntry e{x.seq, x.p2p, x.op, x.bytes, ago(x.start), x.done ? ago(x.end) : -1.0, {}, {}};
+    auto world = [&](int r) { return r >= 0 && size_t(r) < world_ranks_.size() ? world_ranks_[size_t(r)] : r; };
+    for (int i = 0; i < x.peers.n_send; ++i) e.send_to.push_back(world(x.peers.send[i]));
+    for (int i = 0; i < x.peers.n_recv; ++i) e.recv_from.push_back(world(x.peers.recv[i]));
+    s.entries.push_back(std::move(e));
   }
   return s;
 }
@@ -99,6 +110,13 @@ std::vector<FlightSnapshot> flight_records() {
   return out;
 }
 
+std::string format_p2p_peers(const FlightEntry& e) {
+  std::vector<std::string> parts;
+  if (!e.send_to.empty()) parts.push_back(fmt::format("sending to rank {}", fmt::join(e.send_to, ", ")));
+  if (!e.recv_from.empty()) parts.push_back(fmt::format("receiving from rank {}", fmt::join(e.recv_from, ", ")));
+  return fmt::format("({})", fmt::join(parts, ", "));
+}
+
 std::string format_flight_records(const std::vector<FlightSnapshot>& records, size_t last_n) {
   std::string out;
   std::vector<std::string> idle;
@@ -114,6 +132,7 @@ std::string format_flight_records(const std::vector<FlightSnapshot>& records, si
     for (size_t i = s.entries.size() - n; i < s.entries.size(); ++i) {
       const FlightEntry& e = s.entries[i];
       out += fmt::format(" {}#{} {} {}", e.p2p ? "p2p " : "", e.seq, e.op, format_bytes(e.bytes));
+      if (!e.send_to.empty() || !e.recv_from.empty()) out += " " + format_p2p_peers(e);
       out += e.done() ? fmt::format(" (took {:.3f} s)", e.started_ago_s - e.done_ago_s)
                       : fmt::format(" (NOT FINISHED, started {:.1f} s ago)", e.started_ago_s);
       out += i + 1 < s.entries.size() ? ";" : "";

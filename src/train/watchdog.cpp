@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -75,6 +76,39 @@ std::string last_op(const comm::FlightSnapshot& s) {
   return s.collectives == 0 ? "none" : fmt::format("#{}", s.collectives);
 }
 
+// The group whose unfinished p2p batch started longest ago, or nullptr.
+const comm::FlightSnapshot* longest_p2p(const std::vector<comm::FlightSnapshot>& recs) {
+  const comm::FlightSnapshot* g = nullptr;
+  for (const auto& s : recs) {
+    const comm::FlightEntry* e = s.pending_p2p();
+    if (e && (!g || e->started_ago_s > g->pending_p2p()->started_ago_s)) g = &s;
+  }
+  return g;
+}
+
+// Where a peer of this rank's p2p batch in group `pg` is, from its published record: in a collective, in a p2p batch
+// of that group (and with whom), or in no communication at all.
+std::string whereabouts(const std::vector<comm::FlightSnapshot>& peer, const comm::FlightSnapshot& pg) {
+  const comm::FlightSnapshot* cg = nullptr;
+  const comm::FlightEntry* ce = nullptr;
+  for (const auto& s : peer) {
+    const comm::FlightEntry* e = s.pending_collective();
+    if (e && (!ce || e->started_ago_s > ce->started_ago_s)) cg = &s, ce = e;
+  }
+  if (ce)
+    return fmt::format("waits in collective #{} {} of group '{}' ({:.1f} s)", ce->seq, ce->op, cg->group,
+                       ce->started_ago_s);
+  if (const comm::FlightSnapshot* ps = same_group(peer, pg)) {
+    if (const comm::FlightEntry* e = ps->pending_p2p())
+      return fmt::format("waits in its p2p batch #{} of group '{}' ({:.1f} s) {}", e->seq, pg.group, e->started_ago_s,
+                         comm::format_p2p_peers(*e));
+    return fmt::format("is in no collective or p2p batch (its last p2p batch there: #{}): computing, or stuck outside "
+                       "communication",
+                       ps->p2p);
+  }
+  return "is in no collective (its record has no such group)";
+}
+
 }  // namespace
 
 const char* watch_phase_field(WatchPhase p) {
@@ -136,7 +170,8 @@ std::string Watchdog::to_json(const std::vector<comm::FlightSnapshot>& records) 
     json entries = json::array();
     for (const auto& e : s.entries)
       entries.push_back({{"seq", e.seq}, {"p2p", e.p2p}, {"op", e.op}, {"bytes", e.bytes},
-                         {"started_ago_s", e.started_ago_s}, {"done_ago_s", e.done_ago_s}});
+                         {"started_ago_s", e.started_ago_s}, {"done_ago_s", e.done_ago_s}, {"send_to", e.send_to},
+                         {"recv_from", e.recv_from}});
     arr.push_back({{"group", s.group}, {"world_ranks", s.world_ranks}, {"rank", s.rank},
                    {"collectives", s.collectives}, {"p2p", s.p2p}, {"entries", entries}});
   }
@@ -155,7 +190,8 @@ std::vector<comm::FlightSnapshot> Watchdog::from_json(const std::string& text) {
     for (const json& e : g.at("entries"))
       s.entries.push_back({e.at("seq").get<uint64_t>(), e.at("p2p").get<bool>(), e.at("op").get<std::string>(),
                            e.at("bytes").get<int64_t>(), e.at("started_ago_s").get<double>(),
-                           e.at("done_ago_s").get<double>()});
+                           e.at("done_ago_s").get<double>(), e.value("send_to", std::vector<int>{}),
+                           e.value("recv_from", std::vector<int>{})});
     out.push_back(std::move(s));
   }
   return out;
@@ -193,8 +229,27 @@ std::string Watchdog::report(int rank, const std::string& what, const std::vecto
     }
     head += missing.empty() ? "; every rank of the group had arrived (the operation itself is stuck)"
                             : fmt::format("; ranks that had not arrived: {}", fmt::join(missing, ", "));
+  } else if (const comm::FlightSnapshot* pg = longest_p2p(mine)) {
+    // A point-to-point batch (pipeline sends and receives): its peers, and where each of them is.
+    const comm::FlightEntry* e = pg->pending_p2p();
+    head += fmt::format("; waiting in p2p batch #{} {} ({}) of group '{}' for {:.1f} s {}", e->seq, e->op,
+                        comm::format_bytes(e->bytes), pg->group, e->started_ago_s, comm::format_p2p_peers(*e));
+    std::vector<int> peer_ranks = e->send_to;
+    for (int p : e->recv_from)
+      if (std::find(peer_ranks.begin(), peer_ranks.end(), p) == peer_ranks.end()) peer_ranks.push_back(p);
+    std::vector<std::string> where;
+    for (int p : peer_ranks) {
+      if (p == rank) continue;
+      const bool pub = p >= 0 && size_t(p) < published.size() && published[size_t(p)];
+      if (!pub) {
+        where.push_back(fmt::format("rank {} sent no record: dead, hung hard, or its watchdog is off", p));
+        continue;
+      }
+      where.push_back(fmt::format("rank {} {}", p, whereabouts(peers[size_t(p)], *pg)));
+    }
+    if (!where.empty()) head += fmt::format("; {}", fmt::join(where, "; "));
   } else {
-    head += "; not inside a collective";
+    head += "; not inside a collective or a p2p batch";
     std::vector<std::string> waiting;
     for (const auto& s : mine) {
       for (int p : s.world_ranks) {
@@ -203,6 +258,12 @@ std::string Watchdog::report(int rank, const std::string& what, const std::vecto
         const comm::FlightEntry* pe = ps ? ps->pending_collective() : nullptr;
         if (pe && pe->seq > s.collectives)
           waiting.push_back(fmt::format("rank {} in collective #{} {} of group '{}'", p, pe->seq, pe->op, s.group));
+        // A peer's send/receive batch with this rank in it (a pipeline neighbour waiting for this stage).
+        const comm::FlightEntry* pp = ps ? ps->pending_p2p() : nullptr;
+        auto names = [&](const std::vector<int>& v) { return std::find(v.begin(), v.end(), rank) != v.end(); };
+        if (pp && (names(pp->send_to) || names(pp->recv_from)))
+          waiting.push_back(fmt::format("rank {} in p2p batch #{} of group '{}' {}", p, pp->seq, s.group,
+                                        comm::format_p2p_peers(*pp)));
       }
     }
     if (!waiting.empty()) head += fmt::format("; waiting for this rank: {}", fmt::join(waiting, ", "));

@@ -21,6 +21,21 @@
 
 namespace megacore::comm {
 
+/// The peers of a point-to-point batch, as ranks of its communicator: the first kMax distinct ones it sends to and
+/// receives from (a pipeline batch has at most two of each). Fixed arrays: recording one allocates nothing.
+struct FlightPeers {
+  static constexpr int kMax = 4;
+  int send[kMax] = {}, recv[kMax] = {};
+  int n_send = 0, n_recv = 0;
+  void add(bool is_send, int peer) {
+    int* v = is_send ? send : recv;
+    int& n = is_send ? n_send : n_recv;
+    for (int i = 0; i < n; ++i)
+      if (v[i] == peer) return;
+    if (n < kMax) v[n++] = peer;
+  }
+};
+
 /// One recorded operation.
 struct FlightEntry {
   uint64_t seq = 0;            ///< 1-based, per kind (collectives and point-to-point batches count apart)
@@ -29,6 +44,7 @@ struct FlightEntry {
   int64_t bytes = 0;           ///< this rank's payload (its input buffer; sends plus receives for a batch)
   double started_ago_s = 0;    ///< seconds before the snapshot that it started
   double done_ago_s = -1;      ///< seconds before the snapshot that it was seen finished; < 0 = not finished
+  std::vector<int> send_to, recv_from;  ///< a p2p batch's peers as world ranks (FlightPeers' first ones)
   bool done() const { return done_ago_s >= 0; }
 };
 
@@ -42,6 +58,8 @@ struct FlightSnapshot {
   std::vector<FlightEntry> entries;  ///< the newest ones, oldest first
   /// The oldest collective that has started but not finished, or nullptr.
   const FlightEntry* pending_collective() const;
+  /// The oldest point-to-point batch that has started but not finished, or nullptr.
+  const FlightEntry* pending_p2p() const;
 };
 
 class FlightRecorder {
@@ -52,8 +70,8 @@ class FlightRecorder {
   static std::shared_ptr<FlightRecorder> create(std::string group, std::vector<int> world_ranks, int rank,
                                                 size_t capacity = kDefaultCapacity);
 
-  /// Records the start of an operation; returns its id for done().
-  uint64_t start(std::string_view op, int64_t bytes, bool p2p = false);
+  /// Records the start of an operation; returns its id for done(). `peers`: a p2p batch's (ranks of this group).
+  uint64_t start(std::string_view op, int64_t bytes, bool p2p = false, const FlightPeers* peers = nullptr);
   /// Marks operation `id` finished (a no-op when the ring has already dropped it).
   void done(uint64_t id);
   FlightSnapshot snapshot() const;
@@ -67,6 +85,7 @@ class FlightRecorder {
     bool p2p = false;
     std::string op;
     int64_t bytes = 0;
+    FlightPeers peers;
     Clock::time_point start, end;
     bool done = false;
   };
@@ -83,6 +102,9 @@ std::vector<FlightSnapshot> flight_records();
 
 /// "512 B", "4.0 KiB", "1.5 MiB".
 std::string format_bytes(int64_t bytes);
+
+/// A p2p batch's peers: "(sending to rank 3, receiving from rank 1)" (world ranks).
+std::string format_p2p_peers(const FlightEntry& e);
 
 /// Human-readable lines, one per communicator, with its last `last_n` operations.
 std::string format_flight_records(const std::vector<FlightSnapshot>& records, size_t last_n = 4);

@@ -543,6 +543,8 @@ class MpiCommunicator final : public Communicator {
       bytes += op.tensor.nbytes();
     }
     std::string what = fmt::format("batch_send_recv ({} ops)", ops.size());
+    FlightPeers peers;
+    for (const auto& op : ops) peers.add(op.kind == P2POp::Send, op.peer);
     auto p = pending(std::move(keep), ops.size());
     // Receives first, so sends to ranks that are already waiting can complete at once. Several ops to
     // the same peer match in posting order (MPI's non-overtaking rule).
@@ -563,7 +565,7 @@ class MpiCommunicator final : public Communicator {
         ++k;
       }
     }
-    return make_work(what, std::move(p), nullptr, name, bytes, /*p2p=*/true);
+    return make_work(what, std::move(p), nullptr, name, bytes, /*p2p=*/true, &peers);
   }
 
   void barrier() override {
@@ -625,10 +627,10 @@ class MpiCommunicator final : public Communicator {
     throw CommError(msg);
   }
 
-  // `op` and `bytes` go to the flight record (a collective unless `p2p`).
+  // `op` and `bytes` go to the flight record (a collective unless `p2p`; a p2p batch with its `peers`).
   WorkPtr make_work(std::string_view what, std::unique_ptr<Pending> p, std::function<void()> finish,
-                    std::string_view op, int64_t bytes, bool p2p = false) {
-    const uint64_t id = flight_->start(op, bytes, p2p);
+                    std::string_view op, int64_t bytes, bool p2p = false, const FlightPeers* peers = nullptr) {
+    const uint64_t id = flight_->start(op, bytes, p2p, peers);
     return std::make_shared<MpiWork>(st_, error_context(*this, what), options_.timeout, std::move(p),
                                      std::move(finish), flight_, id);
   }

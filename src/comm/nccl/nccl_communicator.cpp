@@ -822,6 +822,8 @@ class NcclCommunicator final : public Communicator {
     }
     const Stream sobj = stream_of(s, name);
     cudaStream_t stream = static_cast<cudaStream_t>(sobj.native());
+    FlightPeers peers;  // for the flight record (the watchdog names them when the batch hangs)
+    for (const auto& op : ops) peers.add(op.kind == P2POp::Send, op.peer);
     if (detail::PeerCopy* pc = peer_copy()) {
       std::vector<detail::PeerCopyTransfer> transfers;
       for (const auto& op : ops)
@@ -841,8 +843,8 @@ class NcclCommunicator final : public Communicator {
       const bool any_nccl =
           std::any_of(transfers.begin(), transfers.end(), [](const detail::PeerCopyTransfer& t) { return t.nccl; });
       auto copy_engines = [&] { return ce_result(pc->send_recv(transfers, stream)); };
-      if (!any_nccl) return enqueue(what, sobj, std::move(keep), copy_engines);
-      return enqueue_group(what, sobj, std::move(keep), [&]() -> ncclResult_t {
+      if (!any_nccl) return enqueue(what, sobj, std::move(keep), copy_engines, &peers);
+      return enqueue_group(what, sobj, std::move(keep), &peers, [&]() -> ncclResult_t {
         ncclResult_t r = copy_engines();
         for (const detail::PeerCopyTransfer& t : transfers) {
           if (!t.nccl || r != ncclSuccess) continue;
@@ -852,7 +854,7 @@ class NcclCommunicator final : public Communicator {
         return r;
       });
     }
-    return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep),
+    return enqueue_group(fmt::format("batch_send_recv ({} ops)", ops.size()), sobj, std::move(keep), &peers,
                          [&]() -> ncclResult_t {
                            for (const auto& op : ops) {
                              if (op.tensor.numel() == 0) continue;  // the peer's matching op is empty too
@@ -1009,7 +1011,8 @@ class NcclCommunicator final : public Communicator {
   // zero-byte tensor in some versions. The state's lock is held while NCCL is called, so the watchdog
   // cannot abort the communicator under the call.
   template <class F>
-  WorkPtr enqueue(std::string_view what, const Stream& stream, std::vector<Tensor> keep, F&& call) {
+  WorkPtr enqueue(std::string_view what, const Stream& stream, std::vector<Tensor> keep, F&& call,
+                  const FlightPeers* peers = nullptr) {
     drain_deferred();  // external buffers of finished operations, released here on the calling thread
     DeviceGuard g(st_->device);
     auto start = Clock::now();
@@ -1024,7 +1027,7 @@ class NcclCommunicator final : public Communicator {
       op_bytes += t.nbytes();
       if (!p2p) break;
     }
-    const uint64_t flight_id = flight_->start(op_name, op_bytes, p2p);
+    const uint64_t flight_id = flight_->start(op_name, op_bytes, p2p, peers);
     ncclResult_t r = ncclSuccess;
     std::string detail;
     bool was_aborted = false;
@@ -1051,13 +1054,21 @@ class NcclCommunicator final : public Communicator {
 
   template <class F>
   WorkPtr enqueue_group(std::string_view what, const Stream& stream, std::vector<Tensor> keep, F&& calls) {
-    return enqueue(what, stream, std::move(keep), [&]() -> ncclResult_t {
-      ncclResult_t r = ncclGroupStart();
-      if (r != ncclSuccess) return r;
-      ncclResult_t inner = calls();
-      r = ncclGroupEnd();  // always closes the group, even after a failed call inside it
-      return inner != ncclSuccess ? inner : r;
-    });
+    return enqueue_group(what, stream, std::move(keep), nullptr, std::forward<F>(calls));
+  }
+  template <class F>
+  WorkPtr enqueue_group(std::string_view what, const Stream& stream, std::vector<Tensor> keep,
+                        const FlightPeers* peers, F&& calls) {
+    return enqueue(
+        what, stream, std::move(keep),
+        [&]() -> ncclResult_t {
+          ncclResult_t r = ncclGroupStart();
+          if (r != ncclSuccess) return r;
+          ncclResult_t inner = calls();
+          r = ncclGroupEnd();  // always closes the group, even after a failed call inside it
+          return inner != ncclSuccess ? inner : r;
+        },
+        peers);
   }
 
   // A small all-gather of host integers through the device (split and check_shapes).

@@ -240,6 +240,16 @@ inline void check_ring_send_recv(Communicator& c, Device dev, const Stream& s) {
     CHECK(ra.to_double_vector() == values(dt, 9, prev, 500));
     CHECK(rb.to_double_vector() == values(dt, 4, prev, 501));
   }
+  // The flight record names the last batch's peers as world ranks (the watchdog's report of a hung batch).
+  if (const FlightRecorder* fr = c.flight_recorder()) {
+    const FlightSnapshot snap = fr->snapshot();
+    const FlightEntry* last = nullptr;
+    for (const FlightEntry& e : snap.entries)
+      if (e.p2p) last = &e;
+    REQUIRE(last != nullptr);
+    CHECK(last->send_to == std::vector<int>{c.world_ranks()[size_t(next)]});
+    CHECK(last->recv_from == std::vector<int>{c.world_ranks()[size_t(prev)]});
+  }
 }
 
 inline void check_split(Communicator& c, Device dev, const Stream& s, const CommOptions& base) {

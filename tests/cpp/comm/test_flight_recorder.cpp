@@ -18,7 +18,9 @@ const FlightSnapshot* find(const std::vector<FlightSnapshot>& all, const std::st
 TEST_CASE("flight recorder numbers collectives and p2p batches apart and keeps the newest", "[comm][flight]") {
   auto r = FlightRecorder::create("fr_test_tp", {4, 5}, 1, /*capacity=*/4);
   const uint64_t a = r->start("all_reduce", 64);
-  const uint64_t b = r->start("batch_send_recv", 32, /*p2p=*/true);
+  FlightPeers peers;
+  peers.add(/*is_send=*/true, 0), peers.add(false, 1), peers.add(true, 0);  // the repeated send peer is kept once
+  const uint64_t b = r->start("batch_send_recv", 32, /*p2p=*/true, &peers);
   r->done(a);
   FlightSnapshot s = r->snapshot();
   CHECK(s.group == "fr_test_tp");
@@ -34,7 +36,12 @@ TEST_CASE("flight recorder numbers collectives and p2p batches apart and keeps t
   CHECK(s.entries[0].started_ago_s >= s.entries[0].done_ago_s);
   CHECK(s.entries[1].p2p);
   CHECK_FALSE(s.entries[1].done());
+  CHECK(s.entries[1].send_to == std::vector<int>{4});  // group ranks 0 and 1 are world ranks 4 and 5
+  CHECK(s.entries[1].recv_from == std::vector<int>{5});
+  CHECK(s.entries[0].send_to.empty());
   CHECK(s.pending_collective() == nullptr);  // the open p2p batch is no collective
+  REQUIRE(s.pending_p2p() == &s.entries[1]);
+  CHECK(format_p2p_peers(s.entries[1]) == "(sending to rank 4, receiving from rank 5)");
 
   // Six more collectives: the ring keeps the last 4 operations, in order; done() of a dropped id is a no-op.
   std::vector<uint64_t> ids;

@@ -1,5 +1,6 @@
 // Watchdog: the report names the collective a rank waits in and the ranks that had not arrived (from the
-// peers' published records), or the peers waiting for a rank outside any collective; the records survive
+// peers' published records), the p2p batch it waits in and where each of its peers is, or the peers waiting for a
+// rank outside any collective; the records survive
 // their JSON exchange; a watchdog fires once its phase's timeout passes without a beat, and not while beaten.
 #include <unistd.h>
 
@@ -51,8 +52,9 @@ TEST_CASE("watchdog report names the waiting collective and the ranks that had n
   CHECK(a.find("group 'dp' (world ranks 0,2), rank 0: 3 collectives") != std::string::npos);
 
   const std::string b = Watchdog::report(1, "step 4 made no progress", r1, peers, published);
-  CHECK(b.substr(0, b.find('\n')) == "megacore: watchdog: rank 1: step 4 made no progress; not inside a collective; "
-                                     "waiting for this rank: rank 0 in collective #8 all_reduce of group 'tp'");
+  CHECK(b.substr(0, b.find('\n')) == "megacore: watchdog: rank 1: step 4 made no progress; not inside a collective or "
+                                     "a p2p batch; waiting for this rank: rank 0 in collective #8 all_reduce of group "
+                                     "'tp'");
 
   // A group with a member that sent no record: it is named as such.
   std::vector<FlightSnapshot> w0{group("world", {0, 3}, 0, 2, true)};
@@ -65,10 +67,46 @@ TEST_CASE("watchdog report names the waiting collective and the ranks that had n
   CHECK(d.find("every rank of the group had arrived") != std::string::npos);
 }
 
+TEST_CASE("watchdog report names a waiting p2p batch's peers and where each of them is", "[train][watchdog]") {
+  // World of 4, pipeline group 'pp' = {0, 1, 2}, 'dp' = {1, 3}. Rank 0 waits in p2p batch #5 (sending to rank 1,
+  // receiving from rank 2); rank 1 waits in dp's all_reduce #4; rank 2 waits in its own p2p batch with rank 0.
+  auto pp = [](int rank, uint64_t batches, bool pending, std::vector<int> to, std::vector<int> from) {
+    FlightSnapshot s = group("pp", {0, 1, 2}, rank, 0, false);
+    s.p2p = batches;
+    s.entries.push_back(FlightEntry{batches - 1, true, "batch_send_recv", 64, 9.0, 8.9, {}, {}});
+    s.entries.push_back(FlightEntry{batches, true, "batch_send_recv", 128, 6.5, pending ? -1.0 : 6.4, to, from});
+    return s;
+  };
+  std::vector<FlightSnapshot> r0{pp(0, 5, true, {1}, {2})};
+  std::vector<FlightSnapshot> r1{pp(1, 5, false, {2}, {0}), group("dp", {1, 3}, 0, 3, true)};
+  std::vector<FlightSnapshot> r2{pp(2, 5, true, {0}, {1})};
+  const std::vector<bool> all{true, true, true, true};
+  const std::string a = Watchdog::report(0, "step 7 made no progress", r0, {r0, r1, r2, {}}, all);
+  CHECK(a.substr(0, a.find('\n')) ==
+        "megacore: watchdog: rank 0: step 7 made no progress; waiting in p2p batch #5 batch_send_recv (128 B) of group "
+        "'pp' for 6.5 s (sending to rank 1, receiving from rank 2); rank 1 waits in collective #4 all_reduce of group "
+        "'dp' (3.2 s); rank 2 waits in its p2p batch #5 of group 'pp' (6.5 s) (sending to rank 0, receiving from rank 1)");
+  // The flight record lines carry the peers too.
+  CHECK(a.find("p2p #5 batch_send_recv 128 B (sending to rank 1, receiving from rank 2) (NOT FINISHED") !=
+        std::string::npos);
+  // A peer that published nothing, and one outside any communication.
+  std::vector<FlightSnapshot> r1_idle{pp(1, 5, false, {2}, {0})};
+  const std::string b = Watchdog::report(0, "x", r0, {r0, r1_idle, {}, {}}, {true, true, false, false});
+  CHECK(b.find("rank 1 is in no collective or p2p batch (its last p2p batch there: #5): computing, or stuck outside "
+               "communication") != std::string::npos);
+  CHECK(b.find("rank 2 sent no record: dead, hung hard, or its watchdog is off") != std::string::npos);
+  // Rank 1, outside any communication, learns that rank 0 waits for it in a p2p batch.
+  const std::string c = Watchdog::report(1, "step 7 made no progress", r1_idle, {r0, r1_idle, {}, {}},
+                                         {true, true, false, false});
+  CHECK(c.substr(0, c.find('\n')) == "megacore: watchdog: rank 1: step 7 made no progress; not inside a collective or "
+                                     "a p2p batch; waiting for this rank: rank 0 in p2p batch #5 of group 'pp' "
+                                     "(sending to rank 1, receiving from rank 2)");
+}
+
 TEST_CASE("watchdog records survive their JSON exchange", "[train][watchdog]") {
   std::vector<FlightSnapshot> r{group("tp", {2, 3}, 1, 9, true), group("pp", {1, 3}, 1, 0, false)};
   r[1].p2p = 4;
-  r[1].entries.push_back(FlightEntry{4, true, "batch_send_recv", 96, 1.5, 1.25});
+  r[1].entries.push_back(FlightEntry{4, true, "batch_send_recv", 96, 1.5, 1.25, {3}, {1, 3}});
   const auto back = Watchdog::from_json(Watchdog::to_json(r));
   REQUIRE(back.size() == 2);
   CHECK(back[0].group == "tp");
@@ -81,6 +119,8 @@ TEST_CASE("watchdog records survive their JSON exchange", "[train][watchdog]") {
   CHECK(back[1].entries[0].op == "batch_send_recv");
   CHECK(back[1].entries[0].bytes == 96);
   CHECK(back[1].entries[0].done_ago_s == 1.25);
+  CHECK(back[1].entries[0].send_to == std::vector<int>{3});
+  CHECK(back[1].entries[0].recv_from == std::vector<int>{1, 3});
 }
 
 TEST_CASE("watchdog fires after its phase's timeout without a beat, not while beaten", "[train][watchdog]") {
