@@ -2,6 +2,7 @@
 #include "bindings.hpp"
 
 #include "megacore/build_config.hpp"
+#include "megacore/core/peer_error.hpp"
 
 namespace megacore::py {
 namespace {
@@ -23,6 +24,11 @@ void translate(std::exception_ptr p) {
     set("OutOfMemoryError", e);
   } catch (const CudaError& e) {
     set("CudaError", e);
+  } catch (const PeerIOError& e) {
+    // The instance carries the rank that failed (megacore.train.fail_fast waits for that rank's own report).
+    pyb::object cls = errors->attr("PeerIOError"), exc = cls(e.what());
+    exc.attr("failed_rank") = e.failed_rank();
+    PyErr_SetObject(cls.ptr(), exc.ptr());
   } catch (const IOError& e) {
     set("IOError", e);
   } catch (const InternalError& e) {

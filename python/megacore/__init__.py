@@ -34,7 +34,8 @@ from ._C import (
     zeros,
 )
 from ._C import _set_current_stream
-from .errors import CommError, ConfigError, CudaError, Error, InternalError, IOError, OutOfMemoryError, ValueError
+from .errors import (CommError, ConfigError, CudaError, Error, InternalError, IOError, OutOfMemoryError, PeerIOError,
+                     ValueError)
 from .executors import KubernetesExecutor, LocalExecutor, SlurmExecutor, run
 from .finetuning import finetune
 
@@ -70,7 +71,8 @@ def tensor(array, dtype=None, device="cpu"):
 
 
 __all__ = [
-    "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "InternalError", "errors",
+    "Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError", "PeerIOError",
+    "InternalError", "errors",
     "Tensor", "Generator", "Stream", "Event", "empty", "zeros", "full", "tensor", "from_numpy", "from_dlpack",
     "cuda_available", "cuda_device_count", "cuda_device_name", "cuda_device_total_memory", "current_stream", "stream", "synchronize",
     "memory_stats", "reset_peak_memory_stats", "host_sync_count", "host_sync_counts", "reset_host_syncs", "empty_cache", "set_memory_limit", "build_info", "log_level",

@@ -64,16 +64,36 @@ def rank_from_env() -> int:
     return 0
 
 
-def report_error(rank: int, message: str) -> None:
-    """Records this rank's error for the launcher (no-op outside a launcher that asked for it)."""
+def report_error(rank: int, message: str, failed_rank=None) -> None:
+    """Records this rank's error for the launcher (no-op outside a launcher that asked for it). `failed_rank`: the
+    error only passes on another rank's failure (megacore.PeerIOError); the launcher names that rank's own report
+    before this one."""
     d = os.environ.get(JOB_DIR_ENV)
     if not d:
         return
+    report = {"rank": rank, "time": time.time(), "host": socket.gethostname(), "error": message}
+    if failed_rank is not None:
+        report["failed_rank"] = failed_rank
+    tmp = os.path.join(d, f"error.rank{rank}.json.tmp")
     try:
-        with open(os.path.join(d, f"error.rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "host": socket.gethostname(), "error": message}, f)
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, os.path.join(d, f"error.rank{rank}.json"))  # a reader never sees half a report
     except OSError:
         pass  # the report is a courtesy; the exit code still says the rank failed
+
+
+def wait_for_error_report(rank: int, timeout: float) -> None:
+    """Waits up to `timeout` s for `rank`'s error report in the launcher's job folder (without a launcher: sleeps
+    `timeout` s), so that a rank passing on another's failure does not end the job before that rank has said why:
+    an MPI abort or the launcher's stop would cut its report and its message off."""
+    d = os.environ.get(JOB_DIR_ENV)
+    deadline = time.monotonic() + timeout
+    path = os.path.join(d, f"error.rank{rank}.json") if d else None
+    while time.monotonic() < deadline:
+        if path is not None and os.path.exists(path):
+            return
+        time.sleep(0.02)
 
 
 def report_progress(step: int) -> None:
@@ -134,7 +154,8 @@ def first_error(job_dir: str):
                 continue
     if not reports:
         return None
-    r = min(reports, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+    # A rank's own failure before any report that only passes another's on (a PeerIOError names the rank that failed)
+    r = min(reports, key=lambda r: ("failed_rank" in r, r.get("time", 0), r.get("rank", 0)))
     return r.get("rank"), r.get("error", "")
 
 

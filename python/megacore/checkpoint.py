@@ -249,23 +249,73 @@ def checkpoint_step(path: str) -> int:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
 
 
+def _metadata_damage(path):
+    """Why the step_<N> directory `path` cannot be loaded, or None (the C++ resolve_checkpoint's rule: the save
+    protocol renames only complete directories to step_<N>, so one without valid metadata was damaged later)."""
+    p = os.path.join(path, "metadata.json")
+    if not os.path.isfile(p):
+        return "metadata.json is missing"
+    try:
+        with open(p) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"metadata.json cannot be read or is not valid JSON ({e})"
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return f'metadata.json is not a megacore checkpoint\'s (no "format": "{FORMAT}")'
+    return None
+
+
+def _raise_damaged(root, bad, why, intact, named=False):
+    fix = "megacore neither loads nor deletes a damaged checkpoint"
+    if intact:
+        where = "It cannot be loaded" if named else f"It is the newest under '{root}', where a resume starts"
+        raise MegacoreIOError(f"checkpoint '{bad}' is damaged: {why}. {where}: resume from the newest intact one "
+                              f"with checkpoint.resume = '{intact}', or move '{bad}' out of '{root}' ({fix})")
+    raise MegacoreIOError(f"checkpoint '{bad}' is damaged: {why}, and '{root}' holds no intact checkpoint: start "
+                          f"without one (checkpoint.resume = ''), or move '{bad}' out of '{root}' ({fix})")
+
+
+def _scan_steps(root, after):
+    """(newest loadable step_<N> dir newer than `after`, (newest damaged one newer than that, why)) under root."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None, None
+    dirs = sorted(((checkpoint_step(n), os.path.join(root, n)) for n in names
+                   if checkpoint_step(n) > after and os.path.isdir(os.path.join(root, n))), reverse=True)
+    damaged = None
+    for step, d in dirs:
+        why = _metadata_damage(d)
+        if why is None:
+            return (step, d), damaged
+        damaged = damaged or (step, d, why)
+    return None, damaged
+
+
 def resolve_checkpoint(path: str) -> Optional[str]:
     """``path`` if it is a complete checkpoint, else ``path/latest``'s target if complete, else the complete
-    ``step_<N>`` with the largest N; None when there is none."""
+    ``step_<N>`` with the largest N; None when there is none. A damaged ``step_<N>`` (metadata.json missing or
+    invalid) newer than that, or one named by ``path``, is a megacore.IOError naming the newest intact one."""
     if _metadata(path):
         return path
+    if checkpoint_step(path) >= 0 and os.path.isdir(path) and not os.path.exists(os.path.join(path, "latest")):
+        why = _metadata_damage(path)
+        if why:
+            root = os.path.dirname(os.path.normpath(path))
+            intact, _ = _scan_steps(root, -1)
+            _raise_damaged(root, path, why, intact[1] if intact else None, named=True)
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
-        name = open(latest).read().strip()
+        try:
+            name = open(latest).read().strip()
+        except OSError:
+            name = ""
         if checkpoint_step(name) >= 0 and _metadata(os.path.join(path, name)):
-            return os.path.join(path, name)
-    best = None
-    if os.path.isdir(path):
-        for n in os.listdir(path):
-            if checkpoint_step(n) >= 0 and _metadata(os.path.join(path, n)):
-                if best is None or checkpoint_step(n) > best[0]:
-                    best = (checkpoint_step(n), os.path.join(path, n))
-    return best[1] if best else None
+            return os.path.join(path, name)  # a user may point it back at an older step
+    chosen, damaged = _scan_steps(path, -1)
+    if damaged:
+        _raise_damaged(path, damaged[1], damaged[2], chosen[1] if chosen else None)
+    return chosen[1] if chosen else None
 
 
 def save_full_checkpoint(root: str, step: int, tensors: Mapping[str, np.ndarray],

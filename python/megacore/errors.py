@@ -35,9 +35,16 @@ class IOError(Error, builtins.OSError):  # noqa: A001
     """A file is missing, truncated, corrupt or of the wrong kind."""
 
 
+class PeerIOError(IOError):
+    """This rank stops because another rank failed in a step every rank takes together (a checkpoint's save or
+    load): that rank's own error says why. ``failed_rank`` is the rank that failed."""
+
+    failed_rank = None
+
+
 class InternalError(Error, builtins.RuntimeError):
     """A broken invariant inside megacore: a bug in the library, not in the caller's input."""
 
 
 __all__ = ["Error", "ValueError", "ConfigError", "CommError", "CudaError", "OutOfMemoryError", "IOError",
-           "InternalError"]
+           "PeerIOError", "InternalError"]

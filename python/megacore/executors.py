@@ -164,7 +164,10 @@ class SlurmExecutor:
     The job runs with the submitting shell's environment (sbatch exports it by default): the python that runs
     ``megacore.train`` on the nodes is ``python`` (default: this interpreter, ``sys.executable``, or ``python``
     inside a container) and must import megacore there: an installed package, or PYTHONPATH passed through
-    ``env``. ``job_dir`` (default: the recipe's ``logging.log_dir``) must be on a filesystem every node sees.
+    ``env``. ``job_dir`` (default: the recipe's ``logging.log_dir``) must be on a filesystem every node sees; the
+    ranks report to ``<job_dir>/.megacore-job-<id>``. With ``trainer.max_restarts = N`` the script starts a failed
+    attempt's ranks again within the allocation (``MEGACORE_RESTART=<n>``: they resume from the latest checkpoint),
+    up to N times, as long as each attempt got further than the one before (the rule of ``megacore.launch``).
 
     Preemption and time limits: the script asks for ``--signal=TERM@120`` (``signal``; "" leaves it out): 120 s
     before the time limit Slurm sends SIGTERM to every task, and the ranks finish the current step, save a
@@ -241,7 +244,38 @@ class SlurmExecutor:
             mounts = list(self.container_mounts) + [f"{job_dir}:{job_dir}"]
             srun.append("--container-mounts=" + ",".join(mounts))
         python = self.python or ("python" if self.container_image else sys.executable)
-        lines.append(" ".join(srun + [shlex.quote(python), "-u"] + [shlex.quote(a) for a in _entry(cfg)]))
+        cmd = " ".join(srun + [shlex.quote(python), "-u"] + [shlex.quote(a) for a in _entry(cfg)])
+        # The job's folder for the ranks' reports (errors, rank 0's last completed step), on the file system every
+        # node shares with job_dir.
+        lines += ["# The ranks' reports (errors, rank 0's last step) go to a folder of this job beside the recipe.",
+                  f'export MEGACORE_JOB_DIR={shlex.quote(job_dir)}/.megacore-job-"$SLURM_JOB_ID"',
+                  'mkdir -p "$MEGACORE_JOB_DIR"']
+        n = int(recipe.trainer.max_restarts or 0)
+        if n <= 0:
+            lines.append(cmd)
+            return "\n".join(lines) + "\n"
+        # trainer.max_restarts within the allocation, by the rule megacore.launch follows locally: a failed attempt
+        # starts every rank again (MEGACORE_RESTART=<n>: they resume from the latest checkpoint under
+        # checkpoint.save_dir), as long as it got further than the attempt before.
+        lines += [f"# trainer.max_restarts = {n}: a failed attempt starts every rank again (MEGACORE_RESTART=<n>; they "
+                  "resume from the latest checkpoint), as long as it got further than the one before.",
+                  "restart=0",
+                  "last=-1",
+                  "while true; do",
+                  "  rc=0",
+                  f'  MEGACORE_RESTART="$restart" {cmd} || rc=$?',
+                  '  if [ "$rc" -eq 0 ]; then exit 0; fi',
+                  '  step=$(cat "$MEGACORE_JOB_DIR/step" 2>/dev/null || echo -1)',
+                  f'  if [ "$restart" -ge {n} ] || [ "$step" -le "$last" ]; then',
+                  f'    echo "megacore: job failed (code $rc, last completed step $step) after $restart of {n} restarts'
+                  '$( [ "$step" -le "$last" ] && echo ": no progress since the attempt before")" >&2',
+                  '    exit "$rc"',
+                  "  fi",
+                  "  restart=$((restart + 1))",
+                  "  last=$step",
+                  f'  echo "megacore: attempt failed (code $rc) after step $step; restart $restart of {n}" >&2',
+                  '  rm -f "$MEGACORE_JOB_DIR"/error.rank* "$MEGACORE_JOB_DIR"/ready.rank*',
+                  "done"]
         return "\n".join(lines) + "\n"
 
     def submit(self, recipe) -> str:
@@ -361,6 +395,13 @@ class KubernetesExecutor:
         recipe = _sized(recipe, self.nodes, self.gpus_per_node)
         for w in recipe.validate(check_paths=False):
             print(f"megacore: warning: {w}", file=sys.stderr)
+        if recipe.trainer.max_restarts:
+            # Each pod runs megacore.launch for its own node, so a launcher-side restart would restart one node's
+            # ranks only; the PyTorchJob ends on the first failure (backoffLimit 0).
+            print(f"megacore: warning: trainer.max_restarts = {recipe.trainer.max_restarts} is not applied to a "
+                  "PyTorchJob (it ends on the first failure): resubmit it to resume from the latest checkpoint, or "
+                  "run on Slurm (SlurmExecutor) or one node (megacore.launch), which restart failed attempts",
+                  file=sys.stderr)
         _check_memory(recipe, local=False)
         text = self.render(recipe)
         if self.dryrun if dryrun is None else dryrun:

@@ -191,6 +191,10 @@ def _restart_resume(recipe) -> None:
         sys.stderr.flush()
 
 
+# How long a rank that only passes another rank's failure on (PeerIOError) waits for that rank's own report.
+PEER_REPORT_WAIT_S = 5.0
+
+
 def fail_fast(exc: BaseException, world=None, code: int = 1):
     """Reports `exc` (stderr and the launcher's job folder) and ends the job: this rank's communicators are
     aborted and the process exits with `code` at once (MPI_Abort under mpirun, which then ends every rank;
@@ -201,16 +205,23 @@ def fail_fast(exc: BaseException, world=None, code: int = 1):
     from . import _proc
     from .errors import Error
 
+    from .errors import PeerIOError
+
     rank = world.rank if world is not None else _proc.rank_from_env()
     msg = f"{type(exc).__name__}: {exc}".strip().replace("\n", " | ")
+    failed_rank = exc.failed_rank if isinstance(exc, PeerIOError) else None
     if not isinstance(exc, Error):  # our errors say what to fix; anything else is worth its traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     # One write of the whole line: the ranks run unbuffered (python -u), and print's separate write of the newline
     # let another rank's line land between them.
     sys.stderr.write(f"megacore.train: rank {rank}: error: {msg}\n")
     sys.stderr.flush()
-    _proc.report_error(rank, msg)
+    _proc.report_error(rank, msg, failed_rank)
     sys.stdout.flush()
+    if failed_rank is not None and failed_rank != rank:
+        # The rank that failed raises at the same agreement; it reports and aborts within moments. This rank's abort
+        # must not end the job before that rank has said why.
+        _proc.wait_for_error_report(failed_rank, PEER_REPORT_WAIT_S)
     # An abort that does not return (a driver call stuck on a dead peer) must not keep the job alive.
     threading.Timer(5.0, lambda: os._exit(code)).start()
     if world is not None:

@@ -24,6 +24,7 @@
 #include "megacore/build_config.hpp"
 #include "megacore/checkpoint/safetensors.hpp"
 #include "megacore/core/error.hpp"
+#include "megacore/core/peer_error.hpp"
 #include "megacore/optim/optimizer.hpp"
 
 namespace megacore::checkpoint {
@@ -114,25 +115,6 @@ int64_t volume(const Shape& s) {
 
 using detail::parallel_for;
 
-// Every rank learns whether any rank failed; the failing ranks rethrow their own error, the others an
-// IOError naming the lowest failing rank. Acts as a barrier.
-void agree(comm::Communicator* world, const std::exception_ptr& local, const char* phase) {
-  if (world == nullptr || world->size() == 1) {
-    if (local) std::rethrow_exception(local);
-    return;
-  }
-  // On the communicator's device (a CUDA tensor for NCCL worlds), then back to the host.
-  Tensor flag = Tensor::from_vector<int32_t>({local ? 1 : 0, local ? world->size() - world->rank() : 0}, {2})
-                    .to(world->device());
-  world->all_reduce(flag, comm::ReduceOp::Max)->wait();
-  flag = flag.to(Device::cpu());
-  const int32_t* f = flag.data<int32_t>();
-  if (local) std::rethrow_exception(local);
-  if (f[0] != 0)
-    raise<IOError>("checkpoint {}: rank {} failed (its own error message says why); nothing was committed", phase,
-                   world->size() - f[1]);
-}
-
 struct Entry {
   std::string name, key;
   Shape global_shape, offsets, shape;
@@ -199,6 +181,27 @@ std::optional<int64_t> step_of_dir_name(const std::string& name) {
 }
 
 }  // namespace
+
+void agree(comm::Communicator* world, const std::exception_ptr& local, const char* phase) {
+  if (world == nullptr || world->size() == 1) {
+    if (local) std::rethrow_exception(local);
+    return;
+  }
+  // On the communicator's device (a CUDA tensor for NCCL worlds), then back to the host.
+  Tensor flag = Tensor::from_vector<int32_t>({local ? 1 : 0, local ? world->size() - world->rank() : 0}, {2})
+                    .to(world->device());
+  world->all_reduce(flag, comm::ReduceOp::Max)->wait();
+  flag = flag.to(Device::cpu());
+  const int32_t* f = flag.data<int32_t>();
+  if (local) std::rethrow_exception(local);
+  if (f[0] != 0) {
+    const int failed = world->size() - f[1];
+    const bool save = std::string_view(phase).rfind("save", 0) == 0;
+    throw PeerIOError(fmt::format("checkpoint {}: rank {} failed (its own error message says why){}", phase, failed,
+                                  save ? "; nothing was committed" : ""),
+                      failed);
+  }
+}
 
 std::string checkpoint_dir(const std::string& root, int64_t step) {
   return (fs::path(root) / ("step_" + std::to_string(step))).string();
@@ -681,28 +684,99 @@ std::string save_checkpoint(comm::Communicator& world, const std::string& root, 
 
 // ---- resolve --------------------------------------------------------------------------------------
 
+namespace {
+
+// Why the step_<N> directory `dir` cannot be loaded, or nullopt when its metadata is a megacore checkpoint's. The
+// save protocol renames a directory to step_<N> only once it is complete, so one without valid metadata was damaged
+// after its commit (a disk fault, a partial copy, a deleted file).
+std::optional<std::string> metadata_damage(const fs::path& dir) {
+  const fs::path p = dir / kMetadataFile;
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec)) return std::string(kMetadataFile) + " is missing";
+  try {
+    const json j = json::parse(read_text(p.string()));
+    if (!j.is_object() || j.value("format", "") != kFormat)
+      return fmt::format("{} is not a megacore checkpoint's (no \"format\": \"{}\")", kMetadataFile, kFormat);
+  } catch (const std::exception& e) {
+    return fmt::format("{} cannot be read or is not valid JSON ({})", kMetadataFile, e.what());
+  }
+  return std::nullopt;
+}
+
+struct StepDir {
+  int64_t step;
+  fs::path dir;
+};
+
+// The newest loadable step_<N> under `root` newer than `after`, and the newest damaged one newer than that (if any).
+void scan_steps(const fs::path& root, int64_t after, std::optional<StepDir>& best, std::optional<StepDir>& damaged,
+                std::string& why) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return;
+  std::vector<StepDir> dirs;
+  for (const auto& de : fs::directory_iterator(root, ec)) {
+    auto step = step_of_dir_name(de.path().filename().string());
+    if (step && *step > after && de.is_directory(ec)) dirs.push_back({*step, de.path()});
+  }
+  std::sort(dirs.begin(), dirs.end(), [](const StepDir& a, const StepDir& b) { return a.step > b.step; });
+  for (const StepDir& d : dirs) {  // newest first: the first loadable one ends the scan
+    if (auto bad = metadata_damage(d.dir)) {
+      if (!damaged) damaged = d, why = *bad;
+      continue;
+    }
+    best = d;
+    return;
+  }
+}
+
+// `named`: the damaged directory was asked for by name, not found as the newest under its root.
+[[noreturn]] void raise_damaged(const fs::path& root, const StepDir& bad, const std::string& why,
+                                const std::optional<StepDir>& intact, bool named = false) {
+  if (intact)
+    raise<IOError>("checkpoint '{}' is damaged: {}. {}: resume from the newest intact one with checkpoint.resume = "
+                   "'{}', or move '{}' out of '{}' (megacore neither loads nor deletes a damaged checkpoint)",
+                   bad.dir.string(), why,
+                   named ? "It cannot be loaded" : fmt::format("It is the newest under '{}', where a resume starts",
+                                                               root.string()),
+                   intact->dir.string(), bad.dir.string(), root.string());
+  raise<IOError>("checkpoint '{}' is damaged: {}, and '{}' holds no intact checkpoint: start without one "
+                 "(checkpoint.resume = ''), or move '{}' out of '{}' (megacore neither loads nor deletes a damaged "
+                 "checkpoint)",
+                 bad.dir.string(), why, root.string(), bad.dir.string(), root.string());
+}
+
+}  // namespace
+
 std::optional<std::string> resolve_checkpoint(const std::string& path) {
   if (parse_metadata(path)) return path;
   std::error_code ec;
-  const fs::path latest = fs::path(path) / kLatestFile;
+  const fs::path p(path);
+  // A step_<N> directory given by name: damaged if its metadata is (the newest intact sibling is the fix).
+  if (step_of_dir_name(p.filename().string()) && fs::is_directory(p, ec) && !fs::exists(p / kLatestFile, ec)) {
+    if (auto bad = metadata_damage(p)) {
+      std::optional<StepDir> intact, newer_bad;
+      std::string ignored;
+      scan_steps(p.parent_path(), -1, intact, newer_bad, ignored);
+      raise_damaged(p.parent_path(), StepDir{*step_of_dir_name(p.filename().string()), p}, *bad, intact, true);
+    }
+  }
+  // A root: `latest`'s target when it is loadable (a user may point it back at an older step); else the newest
+  // loadable step_<N> (no `latest`, a stale one, or one naming a damaged directory), where a damaged step_<N> newer
+  // than it is an error, not skipped.
+  const fs::path latest = p / kLatestFile;
   if (fs::is_regular_file(latest, ec)) {
     try {
       std::string name = read_text(latest.string());
       while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r')) name.pop_back();
-      if (step_of_dir_name(name) && parse_metadata((fs::path(path) / name).string()))
-        return (fs::path(path) / name).string();
+      if (step_of_dir_name(name) && parse_metadata((p / name).string())) return (p / name).string();
     } catch (const IOError&) {
     }
   }
-  std::optional<std::pair<int64_t, std::string>> best;
-  if (!fs::is_directory(path, ec)) return std::nullopt;
-  for (const auto& de : fs::directory_iterator(path, ec)) {
-    const std::string n = de.path().filename().string();
-    auto step = step_of_dir_name(n);
-    if (!step || !de.is_directory(ec)) continue;
-    if ((!best || *step > best->first) && parse_metadata(de.path().string())) best = {*step, de.path().string()};
-  }
-  if (best) return best->second;
+  std::optional<StepDir> chosen, damaged;
+  std::string why;
+  scan_steps(p, -1, chosen, damaged, why);
+  if (damaged) raise_damaged(p, *damaged, why, chosen);
+  if (chosen) return chosen->dir.string();
   return std::nullopt;
 }
 

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "megacore/checkpoint/dist_checkpoint.hpp"
 #include "megacore/core/error.hpp"
 
 namespace megacore::train {
@@ -504,18 +505,21 @@ enum class Load { resume, fine_tune };
 // except that a fine-tune may change the RoPE (rope_theta, the RoPE scaling) on purpose to extend the context:
 // that is a warning naming both values.
 template <class Err, class Warn>
-void check_resume(const RunConfig& r, fs::path path, Load load, Err&& err, Warn&& warn) {
+void check_resume(const RunConfig& r, fs::path path, Load load, Err&& err, Warn&& warn, bool auto_resume = false) {
   const std::string_view field = load == Load::resume ? "checkpoint.resume" : "checkpoint.pretrained_checkpoint";
   if (!fs::is_directory(path)) {
     err(field,
         fmt::format("'{}' is not a checkpoint directory; give a step_<N> directory, 'auto' or ''", path.string()));
     return;
   }
-  if (!fs::is_regular_file(path / "metadata.json") && fs::is_regular_file(path / "latest")) {
-    std::ifstream in(path / "latest");
-    std::string name;
-    in >> name;
-    path /= name;
+  // The directory the trainer will load (checkpoint::resolve_checkpoint: `latest`, a newer step_<N>, an error for
+  // a damaged newest one).
+  try {
+    if (auto dir = checkpoint::resolve_checkpoint(path.string())) path = *dir;
+    else if (auto_resume) return;  // checkpoint.resume = auto with nothing saved yet: a fresh start
+  } catch (const IOError& e) {
+    err(field, e.what());
+    return;
   }
   std::optional<SavedModel> saved;
   try {
@@ -1009,8 +1013,8 @@ ValidationReport validate(const RunConfig& r, int world, const ValidateOptions& 
     }
     if (ck.resume != "" && ck.resume != "auto") {
       check_resume(r, ck.resume, Load::resume, err, warn);
-    } else if (ck.resume == "auto" && !ck.save_dir.empty() && fs::exists(fs::path(ck.save_dir) / "latest")) {
-      check_resume(r, ck.save_dir, Load::resume, err, warn);
+    } else if (ck.resume == "auto" && !ck.save_dir.empty() && fs::is_directory(ck.save_dir)) {
+      check_resume(r, ck.save_dir, Load::resume, err, warn, /*auto_resume=*/true);
     }
   }
   return rep;

@@ -624,30 +624,43 @@ void Trainer::Impl::load(const std::string& path, bool optimizer) {
 void Trainer::Impl::load_training_state(TrainingParts& p, checkpoint::CheckpointReader& reader) {
   // Only the parameters' shard mapping is needed here (the optimizer state is mapped like its parameter).
   const std::vector<checkpoint::ShardedTensor> targets = model_tensors(*p.grid, p.chunks);
-  for (OptimizerGroup& g : p.optimizer.groups) {
-    if (g.zero) {
-      // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
-      std::vector<checkpoint::ShardedTensor> st =
-          checkpoint::shard_zero_state(*g.zero, targets, checkpoint::shard_layout(*p.grid));
-      reader.load_all(st);
-      const json oj = json::parse(reader.json("optimizer"));
-      g.zero->finish_load(oj.at("step").get<int64_t>());
-    } else {
-      checkpoint::load_optimizer_state(reader, *g.opt, targets);
-    }
-  }
+  // The reads first, ended by an agreement: a rank whose shard is damaged raises its error, every other rank a
+  // PeerIOError naming it, before any rank goes on to a collective (ZeRO's parameter gather below, the first step).
+  std::vector<int64_t> zero_steps;
   std::vector<checkpoint::ShardedTensor> fp8 = fp8_tensors(p.chunks, *p.grid);
-  const bool fp8_saved = std::all_of(fp8.begin(), fp8.end(), [&](const checkpoint::ShardedTensor& t) {
-    return reader.has_tensor(t.name) && reader.meta(t.name).global_shape == t.global_shape;
-  });
-  if (fp8_saved) {
-    for (auto& t : fp8) reader.load(t);  // into the live state; the next step's begin_step goes on from it
-  } else if (!fp8.empty() && world.rank() == 0) {
+  bool fp8_saved = false;
+  std::exception_ptr err;
+  try {
+    for (OptimizerGroup& g : p.optimizer.groups) {
+      if (g.zero) {
+        // Straight into the owned ranges of the live state, whatever layout wrote the checkpoint.
+        std::vector<checkpoint::ShardedTensor> st =
+            checkpoint::shard_zero_state(*g.zero, targets, checkpoint::shard_layout(*p.grid));
+        reader.load_all(st);
+        const json oj = json::parse(reader.json("optimizer"));
+        zero_steps.push_back(oj.at("step").get<int64_t>());
+      } else {
+        checkpoint::load_optimizer_state(reader, *g.opt, targets);
+      }
+    }
+    fp8_saved = std::all_of(fp8.begin(), fp8.end(), [&](const checkpoint::ShardedTensor& t) {
+      return reader.has_tensor(t.name) && reader.meta(t.name).global_shape == t.global_shape;
+    });
+    if (fp8_saved)
+      for (auto& t : fp8) reader.load(t);  // into the live state; the next step's begin_step goes on from it
+    state = TrainingState::read(reader.json());
+  } catch (...) {
+    err = std::current_exception();
+  }
+  checkpoint::agree(&world, err, "load (optimizer and training state)");
+  size_t z = 0;
+  for (OptimizerGroup& g : p.optimizer.groups)
+    if (g.zero) g.zero->finish_load(zero_steps[z++]);
+  if (!fp8_saved && !fp8.empty() && world.rank() == 0) {
     log_line(LogLevel::Warning, "fp8",
              "the checkpoint has no FP8 scaling state for this layout (a bf16 run, or another world size or "
              "amax history length): the scales start again from 1");
   }
-  state = TrainingState::read(reader.json());
   p.optimizer.sched->set_num_steps(state.scheduler_steps);
   if (p.optimizer.scaler && state.loss_scaler) p.optimizer.scaler->load_state(*state.loss_scaler);
   if (p.loader) {  // a load after construction restarts the data at the saved position

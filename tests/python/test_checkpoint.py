@@ -6,6 +6,7 @@ megacore.IOError."""
 
 import json
 import os
+import shutil
 import zlib
 
 import numpy as np
@@ -231,3 +232,28 @@ def test_convert_refuses_a_checkpoint_whose_k_proj_aliases_q_proj(tmp_path, caps
     assert cli.main(["convert", "hf-to-megacore", str(d), str(tmp_path / "mc")]) == 1
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "k_proj" in err and "overlaps" in err
+
+
+def test_python_resolve_refuses_a_damaged_newest_checkpoint_like_the_loader(tmp_path):
+    # megacore.checkpoint.resolve_checkpoint (the restart logic, convert, peft) and the C++ loader's
+    # resolve_checkpoint apply one rule: a damaged step_<N> newer than the intact one found is an error naming it.
+    root = str(tmp_path)
+    s2 = ck.save_full_checkpoint(root, 2, {"x": np.zeros(3, np.float32)})
+    s4 = ck.save_full_checkpoint(root, 4, {"x": np.ones(3, np.float32)})
+    assert ck.resolve_checkpoint(root) == s4
+    with open(os.path.join(s4, "metadata.json"), "w") as f:
+        f.write('{"format": ')
+    for resolve in (ck.resolve_checkpoint, mc._C.checkpoint.resolve):
+        with pytest.raises(mc.IOError) as e:
+            resolve(root)
+        msg = str(e.value)
+        assert msg.startswith(f"checkpoint '{s4}' is damaged: metadata.json cannot be read or is not valid JSON"), msg
+        assert f"resume from the newest intact one with checkpoint.resume = '{s2}'" in msg, msg
+    os.remove(os.path.join(s4, "metadata.json"))
+    with pytest.raises(mc.IOError, match="metadata.json is missing. It is the newest"):
+        ck.resolve_checkpoint(root)
+    with pytest.raises(mc.IOError, match=f"It cannot be loaded: resume from the newest intact one with "
+                                         f"checkpoint.resume = '{s2}'"):
+        ck.resolve_checkpoint(s4)
+    shutil.rmtree(s4)
+    assert ck.resolve_checkpoint(root) == s2

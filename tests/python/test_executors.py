@@ -169,3 +169,54 @@ def test_slurm_submit_writes_the_job_and_strips_rank_variables(tmp_path, monkeyp
     env = dict(line.split("=", 1) for line in (bindir / "env.txt").read_text().splitlines() if "=" in line)
     assert "KEEP_ME" in env
     assert not {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "RANK", "WORLD_SIZE"} & set(env)
+
+
+@pytest.mark.parametrize("outcomes,code,restarts", [
+    # (exit code, rank 0's last step) per attempt: fails at 3, fails at 5 (progress), then succeeds
+    ([(1, 3), (1, 5), (0, 7)], 0, ["0", "1", "2"]),
+    # fails at 3, then at 3 again: no progress, the job ends with the attempt's code
+    ([(1, 3), (7, 3)], 7, ["0", "1"]),
+    # out of restarts (2): three attempts with progress, all failing
+    ([(1, 2), (1, 4), (5, 6)], 5, ["0", "1", "2"]),
+])
+def test_slurm_script_restarts_failed_attempts_like_the_local_launcher(tmp_path, outcomes, code, restarts):
+    """trainer.max_restarts on Slurm: the job script starts the ranks again within the allocation while each attempt
+    gets further (rank 0's last step, in the job's folder) and restarts remain. The script runs here with a stand-in
+    srun that records MEGACORE_RESTART and plays one attempt's outcome."""
+    import subprocess
+
+    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=2, dir=str(tmp_path / "run"))
+    r.parallel.pipeline_model_parallel_size = 1
+    r.trainer.max_restarts = 2
+    job_dir = tmp_path / "job"
+    script = executors.SlurmExecutor(cpu=True, job_dir=str(job_dir)).script(r)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    plan = tmp_path / "plan.txt"
+    plan.write_text("".join(f"{c} {s}\n" for c, s in outcomes))
+    (bindir / "srun").write_text(
+        '#!/bin/bash\n'
+        f'echo "$MEGACORE_RESTART" >> {tmp_path}/restarts.txt\n'
+        f'n=$(wc -l < {tmp_path}/restarts.txt)\n'
+        f'read -r code step < <(sed -n "${{n}}p" {plan})\n'
+        'echo "$step" > "$MEGACORE_JOB_DIR/step"\n'
+        'touch "$MEGACORE_JOB_DIR/error.rank1.json"\n'
+        'exit "$code"\n')
+    (bindir / "srun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="77")
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == code, p.stdout + p.stderr
+    assert (tmp_path / "restarts.txt").read_text().split() == restarts
+    assert (job_dir / ".megacore-job-77").is_dir()
+    if code:
+        assert "megacore: job failed (code" in p.stderr, p.stderr
+        assert ("no progress since the attempt before" in p.stderr) == (outcomes[-1][1] == outcomes[-2][1]), p.stderr
+    assert p.stderr.count("megacore: attempt failed") == len(restarts) - 1, p.stderr
+
+
+def test_slurm_script_without_restarts_runs_srun_once():
+    r = recipes.tiny.pretrain_recipe(num_gpus_per_node=2)
+    r.trainer.max_restarts = 0
+    s = executors.SlurmExecutor(cpu=True, job_dir="/shared/cpu").script(r)
+    assert "while true" not in s and sum(line.startswith("srun ") for line in s.splitlines()) == 1
+    assert 'export MEGACORE_JOB_DIR=/shared/cpu/.megacore-job-"$SLURM_JOB_ID"' in s

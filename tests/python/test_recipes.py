@@ -182,13 +182,14 @@ def test_resume_from_a_checkpoint_of_another_model_is_refused(tmp_path):
     other = recipes.tiny.pretrain_recipe()
     other.model.hidden_size = 256
     # the trainer stores its recipe as the "recipe" JSON blob of metadata.json
-    (ck / "metadata.json").write_text(json.dumps({"format": "megacore-dist-checkpoint", "json": {"recipe": other.to_dict()}}))
+    (ck / "metadata.json").write_text(json.dumps({"format": "megacore-distributed-checkpoint", "json": {"recipe": other.to_dict()}}))
     r = recipes.tiny.pretrain_recipe()
     r.checkpoint.resume = str(ck)
     with pytest.raises(ConfigError, match="holds another model \\(hidden_size 256 vs 128"):
         r.validate()
     same = recipes.tiny.pretrain_recipe()
-    (ck / "metadata.json").write_text(json.dumps({"json": {"recipe": same.to_dict()}}))
+    (ck / "metadata.json").write_text(json.dumps({"format": "megacore-distributed-checkpoint",
+                                                  "json": {"recipe": same.to_dict()}}))
     r.validate()
     r.checkpoint.resume = str(tmp_path)  # a root: resolved through `latest`
     (tmp_path / "latest").write_text("step_10\n")

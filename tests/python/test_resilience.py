@@ -108,6 +108,32 @@ def test_a_bad_data_file_on_rank_0_before_the_first_collective_ends_the_job(tmp_
 
 
 @needs_mpi
+def test_a_checkpoint_error_on_one_rank_is_named_by_that_rank_not_by_a_rank_passing_it_on(tmp_path):
+    # Rank 1's shard of step_2 is damaged: on resume rank 1's CRC check fails, and rank 0 stops at the load's
+    # agreement with a PeerIOError naming rank 1. Rank 1 reports 1.5 s late: rank 0 must neither end the job first
+    # nor be named as the rank that failed.
+    r, cfg = _tiny(tmp_path, "ck", 6, checkpoint__save_interval=2, trainer__stop_after_steps=2)
+    p, _ = _launch(cfg)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    shard = os.path.join(r.checkpoint.save_dir, "step_2", "shard_00001.safetensors")
+    raw = bytearray(open(shard, "rb").read())
+    raw[-5] ^= 1
+    open(shard, "wb").write(bytes(raw))
+    r.trainer.stop_after_steps = 0
+    r.to_json(cfg)
+    p, took = _launch(cfg, env={"FAULT_KIND": "slow_report", "FAULT_RANK": "1"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert took < 30, (took, out)
+    lines = SUMMARY.findall(p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("megacore.launch: job failed: rank 1 failed first: IOError: "), out
+    assert "CRC" in lines[0] and "shard_00001" in lines[0], out
+    assert "rank 0: error: PeerIOError: checkpoint load (optimizer and training state): rank 1 failed (its own error " \
+        "message says why)\n" in out, out
+    assert "resumed at step" not in out  # no rank went on past the load
+
+
+@needs_mpi
 def test_sigterm_stops_every_rank_after_the_step_with_a_checkpoint_and_resume_is_exact(tmp_path):
     want = _reference_losses(tmp_path, 6)
 
@@ -325,7 +351,8 @@ def test_a_stalled_rank_is_reported_by_the_watchdog_and_every_rank_exits(tmp_pat
     assert last == seq - 1
     # Rank 1 is outside any collective and knows rank 0 waits for it in that very one.
     m1 = re.search(r"megacore: watchdog: rank 1: step 2 made no progress for [0-9.]+ s "
-                   r"\(trainer\.step_timeout_s = 3\); not inside a collective; waiting for this rank: (.*)", err)
+                   r"\(trainer\.step_timeout_s = 3\); not inside a collective or a p2p batch; waiting for this rank: "
+                   r"(.*)", err)
     assert m1, err
     assert f"rank 0 in collective #{seq} {op} of group '{grp}'" in m1.group(1), m1.group(0)
     # Each rank printed its flight record; the launcher named the first report once.

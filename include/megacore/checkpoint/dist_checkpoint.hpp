@@ -23,11 +23,12 @@
 // the next save removes; a crash after it leaves a complete checkpoint whatever `latest` says, and
 // resolve_checkpoint() falls back to the newest complete step_<N> if `latest` is missing or stale.
 //
-// Errors: every phase ends with an agreement (all-reduce of a failure flag), so a failure on one rank
-// is an IOError on every rank (naming the rank that failed), never a hang or a half-finished save.
+// Errors: every phase ends with an agreement (agree(): all-reduce of a failure flag), so a failure on one rank is
+// its own error there and a PeerIOError naming it on every other rank, never a hang or a half-finished save.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -138,7 +139,9 @@ class AsyncCheckpointSaver {
 
 /// The checkpoint directory to load from `path`: `path` itself when it holds a metadata.json, else the
 /// target of `<path>/latest` when complete, else the complete step_<N> with the largest N; nullopt when
-/// there is none. Never returns a .tmp.* directory.
+/// there is none. Never returns a .tmp.* directory. A step_<N> directory is renamed into place complete, so one
+/// whose metadata.json is missing or invalid is damaged: an IOError when it is newer than the directory chosen
+/// without `latest` (or is `path` itself), naming the newest intact one to resume from instead.
 std::optional<std::string> resolve_checkpoint(const std::string& path);
 
 /// A complete checkpoint under a root.
@@ -229,6 +232,12 @@ class CheckpointReader {
   std::map<std::string, std::string> json_;
   std::unique_ptr<Files> files_;
 };
+
+/// Ends a phase every rank of `world` takes together (acts as a barrier): each rank passes the error its part of the
+/// phase raised (or none); a rank that failed rethrows its own error, every other rank, when any failed, a
+/// PeerIOError (core/peer_error.hpp) naming the lowest failing rank. Without a world (or with one rank) it rethrows
+/// `local` if set. `phase` names the step in the message ("load", "save (write)", ...).
+void agree(comm::Communicator* world, const std::exception_ptr& local, const char* phase);
 
 /// Loads every target (a missing one is an IOError unless allow_missing) and returns the reader (for
 /// the step and JSON blobs). Collective over `world` when given: a failure on one rank is an IOError on

@@ -27,6 +27,7 @@
 #include "layers/layers_test_util.hpp"
 #include "megacore/checkpoint/checkpoint_manager.hpp"
 #include "megacore/checkpoint/dist_checkpoint.hpp"
+#include "megacore/core/peer_error.hpp"
 #include "megacore/model/gpt_model.hpp"
 #include "megacore/optim/distributed_data_parallel.hpp"
 #include "megacore/optim/distributed_optimizer.hpp"
@@ -338,6 +339,52 @@ TEST_CASE("model + optimizer state saved at TP2 x DP (AdamW and ZeRO-1) load int
         CHECK(std::abs(loss - src_after) <= kLossTol * std::abs(src_after));
       }
   }
+}
+
+TEST_CASE("a damaged shard fails the load on the rank that reads it and is a PeerIOError naming it on the others",
+          "[checkpoint][mpi]") {
+  auto world = world_comm();
+  SharedTmp tmp(*world);
+  const int n = world->size(), me = world->rank();
+  // "x" [n, 8]: rank r writes and reads row r only (its own shard file).
+  auto sharded = [&](Tensor local) {
+    ck::ShardedTensor t;
+    t.name = "x";
+    t.global_shape = {n, 8};
+    t.local = local;
+    t.pieces.push_back({{0, 0}, {me, 0}, {1, 8}, Tensor()});
+    return t;
+  };
+  ck::CheckpointState st;
+  st.step = 3;
+  st.tensors.push_back(sharded(Tensor::full({1, 8}, float(me))));
+  const std::string dir = ck::save_checkpoint(*world, tmp.path, st);
+  const int bad = n - 1;
+  if (me == 0) {  // one byte of the last rank's shard flipped: its CRC check fails
+    const std::string shard = fmt::format("{}/shard_{:05d}.safetensors", dir, bad);
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-4, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-4, std::ios::end);
+    f.put(char(c ^ 1));
+  }
+  world->barrier();
+  std::vector<ck::ShardedTensor> targets{sharded(Tensor::zeros({1, 8}))};
+  try {
+    (void)ck::load_checkpoint(world.get(), dir, targets);
+    FAIL("the load went through on rank " << me);
+  } catch (const PeerIOError& e) {
+    CHECK(me != bad);
+    CHECK(e.failed_rank() == bad);
+    CHECK(std::string(e.what()) ==
+          fmt::format("checkpoint load: rank {} failed (its own error message says why)", bad));
+  } catch (const IOError& e) {
+    CHECK(me == bad);
+    CHECK(std::string(e.what()).find("CRC") != std::string::npos);
+  }
+  // Every rank is past the agreement: the communicator still works.
+  world->barrier();
 }
 
 TEST_CASE("exact resume: 10 steps equal 5 steps, save, fresh objects, load, 5 steps (bit for bit)", "[checkpoint][mpi]") {

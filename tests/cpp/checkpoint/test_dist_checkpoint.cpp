@@ -472,10 +472,11 @@ TEST_CASE("corrupt, truncated, incomplete and mismatched checkpoints are IOError
     o.allow_missing = true;
     load_checkpoint(&w, tmp.path, t, o);
   }
-  SECTION("garbage metadata: the directory is not a checkpoint") {
+  SECTION("garbage metadata: the directory is not a checkpoint, and resolving its root says it is damaged") {
     std::ofstream(dir + "/metadata.json") << "{\"format\": 1";
     CHECK_THROWS_AS(CheckpointReader(tmp.path), IOError);
-    CHECK_FALSE(resolve_checkpoint(tmp.path).has_value());
+    CHECK_THROWS_WITH(resolve_checkpoint(tmp.path), Catch::Contains("is damaged: metadata.json cannot be read or is "
+                                                                    "not valid JSON"));
   }
 }
 
@@ -725,4 +726,60 @@ TEST_CASE("CheckpointManager: keep_last 0 keeps every checkpoint, with keep_top_
   std::vector<int64_t> kept;
   for (const auto& c : list_checkpoints(tmp.path)) kept.push_back(c.step);
   REQUIRE(kept == std::vector<int64_t>{2, 4, 6, 8});
+}
+
+TEST_CASE("a damaged newest checkpoint is an IOError naming the newest intact one, not skipped", "[checkpoint]") {
+  SoloWorld w;
+  TempDir tmp;
+  const std::string s2 = save_checkpoint(w, tmp.path, sample_state(2, 20));
+  const std::string s4 = save_checkpoint(w, tmp.path, sample_state(4, 40));
+  const fs::path meta4 = fs::path(s4) / "metadata.json";
+  const std::string good = [&] {
+    std::ifstream in(meta4);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  auto resolve_error = [&](const std::string& path) {
+    try {
+      (void)resolve_checkpoint(path);
+    } catch (const IOError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  SECTION("latest names a step whose metadata is not valid JSON") {
+    std::ofstream(meta4) << good.substr(0, good.size() / 2);
+    const std::string e = resolve_error(tmp.path);
+    CHECK(e.find("checkpoint '" + s4 + "' is damaged: metadata.json cannot be read or is not valid JSON") == 0);
+    CHECK(e.find("It is the newest under '" + tmp.path + "', where a resume starts: resume from the newest intact "
+                 "one with checkpoint.resume = '" + s2 + "', or move '" + s4 + "' out of '" + tmp.path + "'") !=
+          std::string::npos);
+    // Named directly, it is damaged too; the intact one still resolves by name.
+    CHECK(resolve_error(s4).find("It cannot be loaded: resume from the newest intact one with checkpoint.resume = '" +
+                                 s2 + "'") != std::string::npos);
+    CHECK(resolve_checkpoint(s2) == s2);
+  }
+  SECTION("its metadata is missing, and latest is gone") {
+    fs::remove(meta4);
+    fs::remove(fs::path(tmp.path) / "latest");
+    CHECK(resolve_error(tmp.path).find("' is damaged: metadata.json is missing. It is the newest") != std::string::npos);
+  }
+  SECTION("moved out of the root, the intact one resolves") {
+    std::ofstream(meta4) << "{";
+    fs::rename(s4, fs::path(tmp.path).parent_path() / (fs::path(tmp.path).filename().string() + "_step_4_damaged"));
+    CHECK(resolve_checkpoint(tmp.path) == s2);
+    fs::remove_all(fs::path(tmp.path).parent_path() / (fs::path(tmp.path).filename().string() + "_step_4_damaged"));
+  }
+  SECTION("every checkpoint damaged") {
+    std::ofstream(meta4) << "[]";
+    std::ofstream(fs::path(s2) / "metadata.json") << "";
+    CHECK(resolve_error(tmp.path).find("is damaged: metadata.json is not a megacore checkpoint's (no \"format\": "
+                                       "\"megacore-distributed-checkpoint\"), and '" + tmp.path + "' holds no intact "
+                                       "checkpoint: start without one "
+                                       "(checkpoint.resume = '')") != std::string::npos);
+  }
+  SECTION("latest pointed back at an older intact step is honoured, a damaged newer one notwithstanding") {
+    std::ofstream(meta4) << "{";
+    std::ofstream(fs::path(tmp.path) / "latest") << "step_2\n";
+    CHECK(resolve_checkpoint(tmp.path) == s2);
+  }
 }

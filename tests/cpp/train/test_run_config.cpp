@@ -305,7 +305,7 @@ namespace {
 // a training run); its path.
 std::string write_checkpoint(const std::filesystem::path& dir, const json& blobs) {
   std::filesystem::create_directories(dir);
-  std::ofstream(dir / "metadata.json") << json{{"format", "megacore-dist-checkpoint"}, {"json", blobs}}.dump();
+  std::ofstream(dir / "metadata.json") << json{{"format", "megacore-distributed-checkpoint"}, {"json", blobs}}.dump();
   return dir.string();
 }
 
@@ -576,4 +576,32 @@ TEST_CASE("validate checks context parallelism: sequence divisibility, comm type
   CHECK(!has(validate(c, 4, {.check_paths = false}).errors, "packed SFT rows"));
   c.parallel.cp_comm_type = "p2p";
   CHECK_THROWS_AS(set_field(c, "parallel.cp_comm_type", "ring"), ConfigError);  // not one of p2p|all_gather
+}
+
+TEST_CASE("a damaged newest checkpoint under save_dir is refused before launch with the intact one named",
+          "[config][checkpoint]") {
+  const auto root = std::filesystem::temp_directory_path() / "megacore_test_run_config_damaged";
+  std::filesystem::remove_all(root);
+  RunConfig saved;
+  const std::string s2 = write_checkpoint(root / "step_2", {{"recipe", json::parse(to_json(saved))}});
+  std::filesystem::create_directories(root / "step_4");
+  std::ofstream(root / "step_4" / "metadata.json") << "{\"format\": ";  // cut off
+  std::ofstream(root / "latest") << "step_4\n";
+  RunConfig c;
+  c.checkpoint.save_dir = root.string();
+  c.checkpoint.resume = "auto";
+  ValidationReport r = validate(c, 1);
+  CHECK(has(r.errors, "checkpoint.resume: checkpoint '" + (root / "step_4").string() + "' is damaged: metadata.json "
+                      "cannot be read or is not valid JSON"));
+  CHECK(has(r.errors, "resume from the newest intact one with checkpoint.resume = '" + s2 + "'"));
+  // The fix the error names passes.
+  c.checkpoint.resume = s2;
+  r = validate(c, 1);
+  CHECK_FALSE(has(r.errors, "damaged"));
+  // An empty save_dir with resume = auto is a fresh start, not an error.
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  c.checkpoint.resume = "auto";
+  CHECK_FALSE(has(validate(c, 1).errors, "checkpoint.resume"));
+  std::filesystem::remove_all(root);
 }

@@ -3,7 +3,8 @@ argv: recipe path. Environment: FAULT_KIND (raise | kill | sigterm | hang | oom 
 its step callback for good, so its peers wait for it in the next collective; oom: the rank's GPU gets a memory
 limit of what it holds now, so its next step runs out of memory), FAULT_RANK, FAULT_STEP; the fault
 fires only in the first attempt of a job (MEGACORE_RESTART unset or 0), so a restarted job runs clean.
-FAULT_STEP_DELAY: seconds every rank sleeps after each step (a window for a test to act in)."""
+FAULT_STEP_DELAY: seconds every rank sleeps after each step (a window for a test to act in).
+FAULT_KIND=slow_report: rank FAULT_RANK's error report to the launcher (if it fails) is written 1.5 s late."""
 
 import os
 import signal
@@ -18,6 +19,18 @@ fault_step = int(os.environ.get("FAULT_STEP", "1"))
 delay = float(os.environ.get("FAULT_STEP_DELAY", "0"))
 first_attempt = int(os.environ.get("MEGACORE_RESTART", "0") or 0) == 0
 world = []
+
+if kind == "slow_report" and first_attempt:
+    from megacore import _proc
+
+    if _proc.rank_from_env() == fault_rank:
+        report = _proc.report_error
+
+        def late_report(*args, **kwargs):
+            time.sleep(1.5)
+            report(*args, **kwargs)
+
+        _proc.report_error = late_report
 
 
 def on_step(m):
