@@ -266,7 +266,8 @@ int main(int argc, char** argv) {
               // wgrad: the dense GEMM of the same FLOPs that also writes the same f32 main grad: dw of all experts as
               // one [E out_f, in_f] matrix, beta 1, reduced over N / E rows (dy viewed as [N / E, E out_f]). The
               // other dense GEMM reduces over all N rows into one expert's dw, so it reads and writes 1/E of the main
-              // grad bytes the grouped op must; this one moves the same bytes and does the same FLOPs, without groups.
+              // grad bytes the grouped op must; this one reads and writes the same main grad and does the same FLOPs,
+              // without groups (it reads N / E rows of x where the grouped op reads all N).
               const bool same_out = wgrad && n % g == 0;
               Tensor dy_same, x_same, dw_same;
               if (same_out) {

@@ -265,8 +265,18 @@ def _metadata_damage(path):
     return None
 
 
+def _holds_checkpoint_files(path):
+    """Whether `path` holds a checkpoint's own files (metadata.json or shard_*.safetensors), damaged or not: a
+    checkpoint root that happens to be named step_<N> does not."""
+    try:
+        return any(n == "metadata.json" or (n.startswith("shard_") and n.endswith(".safetensors"))
+                   for n in os.listdir(path))
+    except OSError:
+        return False
+
+
 def _raise_damaged(root, bad, why, intact, named=False):
-    fix = "megacore neither loads nor deletes a damaged checkpoint"
+    fix = "megacore never loads a damaged checkpoint, and retention does not delete one"
     if intact:
         where = "It cannot be loaded" if named else f"It is the newest under '{root}', where a resume starts"
         raise MegacoreIOError(f"checkpoint '{bad}' is damaged: {why}. {where}: resume from the newest intact one "
@@ -298,7 +308,7 @@ def resolve_checkpoint(path: str) -> Optional[str]:
     invalid) newer than that, or one named by ``path``, is a megacore.IOError naming the newest intact one."""
     if _metadata(path):
         return path
-    if checkpoint_step(path) >= 0 and os.path.isdir(path) and not os.path.exists(os.path.join(path, "latest")):
+    if checkpoint_step(path) >= 0 and os.path.isdir(path) and _holds_checkpoint_files(path):
         why = _metadata_damage(path)
         if why:
             root = os.path.dirname(os.path.normpath(path))

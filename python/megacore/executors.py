@@ -266,9 +266,12 @@ class SlurmExecutor:
                   f'  MEGACORE_RESTART="$restart" {cmd} || rc=$?',
                   '  if [ "$rc" -eq 0 ]; then exit 0; fi',
                   '  step=$(cat "$MEGACORE_JOB_DIR/step" 2>/dev/null || echo -1)',
-                  f'  if [ "$restart" -ge {n} ] || [ "$step" -le "$last" ]; then',
+                  # the first failure is always restarted (it may come before any step); later ones need progress
+                  '  stalled=0',
+                  '  if [ "$restart" -gt 0 ] && [ "$step" -le "$last" ]; then stalled=1; fi',
+                  f'  if [ "$restart" -ge {n} ] || [ "$stalled" -eq 1 ]; then',
                   f'    echo "megacore: job failed (code $rc, last completed step $step) after $restart of {n} restarts'
-                  '$( [ "$step" -le "$last" ] && echo ": no progress since the attempt before")" >&2',
+                  '$( [ "$stalled" -eq 1 ] && echo ": no progress since the attempt before")" >&2',
                   '    exit "$rc"',
                   "  fi",
                   "  restart=$((restart + 1))",

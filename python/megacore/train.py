@@ -177,8 +177,13 @@ def _restart_resume(recipe) -> None:
     c = recipe.checkpoint
     if n <= 0:
         return
-    saved = resolve_checkpoint(c.save_dir) if c.save_dir else None
     given = resolve_checkpoint(c.resume) if c.resume not in ("", "auto") else None
+    try:
+        saved = resolve_checkpoint(c.save_dir) if c.save_dir else None
+    except Exception:  # noqa: BLE001 - a damaged newest checkpoint under save_dir
+        if given is None:
+            raise
+        saved = None  # the checkpoint the user named instead (the damaged one's error suggests exactly that)
     if saved is not None:
         # The newer of the two: a save_dir that held older checkpoints of another run does not take a restart back.
         if given is None or checkpoint_step(saved) >= checkpoint_step(given):

@@ -195,7 +195,9 @@ void agree(comm::Communicator* world, const std::exception_ptr& local, const cha
   const int32_t* f = flag.data<int32_t>();
   if (local) std::rethrow_exception(local);
   if (f[0] != 0) {
-    const int failed = world->size() - f[1];
+    const int group_rank = world->size() - f[1];  // named by its world rank, as its own reports are
+    const int failed = size_t(group_rank) < world->world_ranks().size() ? world->world_ranks()[size_t(group_rank)]
+                                                                       : group_rank;
     const bool save = std::string_view(phase).rfind("save", 0) == 0;
     throw PeerIOError(fmt::format("checkpoint {}: rank {} failed (its own error message says why){}", phase, failed,
                                   save ? "; nothing was committed" : ""),
@@ -708,6 +710,16 @@ struct StepDir {
   fs::path dir;
 };
 
+// Whether `dir` holds a checkpoint's own files (metadata.json or shard_*.safetensors), damaged or not.
+bool holds_checkpoint_files(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(dir, ec)) {
+    const std::string n = de.path().filename().string();
+    if (n == kMetadataFile || (n.rfind("shard_", 0) == 0 && de.path().extension() == ".safetensors")) return true;
+  }
+  return false;
+}
+
 // The newest loadable step_<N> under `root` newer than `after`, and the newest damaged one newer than that (if any).
 void scan_steps(const fs::path& root, int64_t after, std::optional<StepDir>& best, std::optional<StepDir>& damaged,
                 std::string& why) {
@@ -734,14 +746,15 @@ void scan_steps(const fs::path& root, int64_t after, std::optional<StepDir>& bes
                                 const std::optional<StepDir>& intact, bool named = false) {
   if (intact)
     raise<IOError>("checkpoint '{}' is damaged: {}. {}: resume from the newest intact one with checkpoint.resume = "
-                   "'{}', or move '{}' out of '{}' (megacore neither loads nor deletes a damaged checkpoint)",
+                   "'{}', or move '{}' out of '{}' (megacore never loads a damaged checkpoint, and retention does not "
+                   "delete one)",
                    bad.dir.string(), why,
                    named ? "It cannot be loaded" : fmt::format("It is the newest under '{}', where a resume starts",
                                                                root.string()),
                    intact->dir.string(), bad.dir.string(), root.string());
   raise<IOError>("checkpoint '{}' is damaged: {}, and '{}' holds no intact checkpoint: start without one "
-                 "(checkpoint.resume = ''), or move '{}' out of '{}' (megacore neither loads nor deletes a damaged "
-                 "checkpoint)",
+                 "(checkpoint.resume = ''), or move '{}' out of '{}' (megacore never loads a damaged checkpoint, and "
+                 "retention does not delete one)",
                  bad.dir.string(), why, root.string(), bad.dir.string(), root.string());
 }
 
@@ -750,14 +763,17 @@ void scan_steps(const fs::path& root, int64_t after, std::optional<StepDir>& bes
 std::optional<std::string> resolve_checkpoint(const std::string& path) {
   if (parse_metadata(path)) return path;
   std::error_code ec;
-  const fs::path p(path);
-  // A step_<N> directory given by name: damaged if its metadata is (the newest intact sibling is the fix).
-  if (step_of_dir_name(p.filename().string()) && fs::is_directory(p, ec) && !fs::exists(p / kLatestFile, ec)) {
+  fs::path p = fs::path(path).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();  // "root/step_4/"
+  // A step_<N> directory given by name that holds a checkpoint's files (a metadata.json or shards; not a checkpoint
+  // root that happens to be named so): damaged if its metadata is (the newest intact sibling is the fix).
+  if (step_of_dir_name(p.filename().string()) && fs::is_directory(p, ec) && holds_checkpoint_files(p)) {
     if (auto bad = metadata_damage(p)) {
       std::optional<StepDir> intact, newer_bad;
       std::string ignored;
-      scan_steps(p.parent_path(), -1, intact, newer_bad, ignored);
-      raise_damaged(p.parent_path(), StepDir{*step_of_dir_name(p.filename().string()), p}, *bad, intact, true);
+      const fs::path root = p.parent_path().empty() ? fs::path(".") : p.parent_path();  // a bare "step_4"
+      scan_steps(root, -1, intact, newer_bad, ignored);
+      raise_damaged(root, StepDir{*step_of_dir_name(p.filename().string()), p}, *bad, intact, true);
     }
   }
   // A root: `latest`'s target when it is loadable (a user may point it back at an older step); else the newest

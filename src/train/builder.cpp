@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 #include <fmt/format.h>
 #include <unordered_map>
@@ -93,15 +94,23 @@ checkpoint::CheckpointReader load_model_weights(const parallel::ProcessGrid& gri
   checkpoint::CheckpointReader reader = checkpoint::load_checkpoint(&grid.world(), *dir, targets);
   // Expert biases: part of the model (they steer the routing), so a resume and a fine-tune both start from the
   // saved ones; a checkpoint without them (a run without the bias, a converted Hugging Face model) leaves them at 0.
-  for (checkpoint::ShardedTensor& t : expert_bias_tensors(grid, chunks)) {
-    if (reader.has_tensor(t.name)) {
-      reader.load(t);
-    } else if (t.write) {
-      log_line(LogLevel::Warning, "checkpoint",
-               fmt::format("{} holds no {} (written without moe_router_enable_expert_bias): the bias starts at 0",
-                           *dir, t.name));
+  // Read on each rank, then agreed: a damaged entry is that rank's error and a PeerIOError on the others.
+  std::vector<checkpoint::ShardedTensor> biases = expert_bias_tensors(grid, chunks);
+  std::exception_ptr err;
+  try {
+    for (checkpoint::ShardedTensor& t : biases) {
+      if (reader.has_tensor(t.name)) {
+        reader.load(t);
+      } else if (t.write) {
+        log_line(LogLevel::Warning, "checkpoint",
+                 fmt::format("{} holds no {} (written without moe_router_enable_expert_bias): the bias starts at 0",
+                             *dir, t.name));
+      }
     }
+  } catch (...) {
+    err = std::current_exception();
   }
+  checkpoint::agree(&grid.world(), err, "load (expert biases)");  // every rank: stages differ in their biases
   return reader;
 }
 

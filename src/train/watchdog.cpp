@@ -76,18 +76,29 @@ std::string last_op(const comm::FlightSnapshot& s) {
   return s.collectives == 0 ? "none" : fmt::format("#{}", s.collectives);
 }
 
-// The group whose unfinished p2p batch started longest ago, or nullptr.
-const comm::FlightSnapshot* longest_p2p(const std::vector<comm::FlightSnapshot>& recs) {
+// A group's newest unfinished p2p batch, or nullptr: the one its host waits in (an older unfinished one is a send
+// batch the pipeline waits for only at the end of its schedule, which MPI may well have completed).
+const comm::FlightEntry* newest_p2p(const comm::FlightSnapshot& s) {
+  for (auto it = s.entries.rbegin(); it != s.entries.rend(); ++it)
+    if (it->p2p && !it->done()) return &*it;
+  return nullptr;
+}
+
+// The group (and its entry) of the newest unfinished p2p batch of any group, or nullptr.
+const comm::FlightSnapshot* newest_p2p_group(const std::vector<comm::FlightSnapshot>& recs,
+                                             const comm::FlightEntry** entry) {
   const comm::FlightSnapshot* g = nullptr;
+  *entry = nullptr;
   for (const auto& s : recs) {
-    const comm::FlightEntry* e = s.pending_p2p();
-    if (e && (!g || e->started_ago_s > g->pending_p2p()->started_ago_s)) g = &s;
+    const comm::FlightEntry* e = newest_p2p(s);
+    if (e && (!*entry || e->started_ago_s < (*entry)->started_ago_s)) g = &s, *entry = e;
   }
   return g;
 }
 
 // Where a peer of this rank's p2p batch in group `pg` is, from its published record: in a collective, in a p2p batch
-// of that group (and with whom), or in no communication at all.
+// (of that group, or of another: on GPUs each direction between two stages is a communicator of its own), or in no
+// communication at all.
 std::string whereabouts(const std::vector<comm::FlightSnapshot>& peer, const comm::FlightSnapshot& pg) {
   const comm::FlightSnapshot* cg = nullptr;
   const comm::FlightEntry* ce = nullptr;
@@ -98,15 +109,17 @@ std::string whereabouts(const std::vector<comm::FlightSnapshot>& peer, const com
   if (ce)
     return fmt::format("waits in collective #{} {} of group '{}' ({:.1f} s)", ce->seq, ce->op, cg->group,
                        ce->started_ago_s);
-  if (const comm::FlightSnapshot* ps = same_group(peer, pg)) {
-    if (const comm::FlightEntry* e = ps->pending_p2p())
-      return fmt::format("waits in its p2p batch #{} of group '{}' ({:.1f} s) {}", e->seq, pg.group, e->started_ago_s,
-                         comm::format_p2p_peers(*e));
-    return fmt::format("is in no collective or p2p batch (its last p2p batch there: #{}): computing, or stuck outside "
-                       "communication",
-                       ps->p2p);
-  }
-  return "is in no collective (its record has no such group)";
+  const comm::FlightSnapshot* ps = same_group(peer, pg);
+  const comm::FlightEntry* pe = ps ? newest_p2p(*ps) : nullptr;
+  if (!pe) ps = newest_p2p_group(peer, &pe);
+  if (pe)
+    return fmt::format("waits in its p2p batch #{} of group '{}' ({:.1f} s) {}", pe->seq, ps->group, pe->started_ago_s,
+                       comm::format_p2p_peers(*pe));
+  if (const comm::FlightSnapshot* same = same_group(peer, pg))
+    return fmt::format("is in no collective or p2p batch (its last p2p batch in group '{}': #{}): computing, or stuck "
+                       "outside communication",
+                       pg.group, same->p2p);
+  return "is in no collective or p2p batch: computing, or stuck outside communication";
 }
 
 }  // namespace
@@ -229,9 +242,8 @@ std::string Watchdog::report(int rank, const std::string& what, const std::vecto
     }
     head += missing.empty() ? "; every rank of the group had arrived (the operation itself is stuck)"
                             : fmt::format("; ranks that had not arrived: {}", fmt::join(missing, ", "));
-  } else if (const comm::FlightSnapshot* pg = longest_p2p(mine)) {
+  } else if (const comm::FlightEntry* e = nullptr; const comm::FlightSnapshot* pg = newest_p2p_group(mine, &e)) {
     // A point-to-point batch (pipeline sends and receives): its peers, and where each of them is.
-    const comm::FlightEntry* e = pg->pending_p2p();
     head += fmt::format("; waiting in p2p batch #{} {} ({}) of group '{}' for {:.1f} s {}", e->seq, e->op,
                         comm::format_bytes(e->bytes), pg->group, e->started_ago_s, comm::format_p2p_peers(*e));
     std::vector<int> peer_ranks = e->send_to;
@@ -259,7 +271,7 @@ std::string Watchdog::report(int rank, const std::string& what, const std::vecto
         if (pe && pe->seq > s.collectives)
           waiting.push_back(fmt::format("rank {} in collective #{} {} of group '{}'", p, pe->seq, pe->op, s.group));
         // A peer's send/receive batch with this rank in it (a pipeline neighbour waiting for this stage).
-        const comm::FlightEntry* pp = ps ? ps->pending_p2p() : nullptr;
+        const comm::FlightEntry* pp = ps ? newest_p2p(*ps) : nullptr;
         auto names = [&](const std::vector<int>& v) { return std::find(v.begin(), v.end(), rank) != v.end(); };
         if (pp && (names(pp->send_to) || names(pp->recv_from)))
           waiting.push_back(fmt::format("rank {} in p2p batch #{} of group '{}' {}", p, pp->seq, s.group,

@@ -257,3 +257,8 @@ def test_python_resolve_refuses_a_damaged_newest_checkpoint_like_the_loader(tmp_
         ck.resolve_checkpoint(s4)
     shutil.rmtree(s4)
     assert ck.resolve_checkpoint(root) == s2
+    # A checkpoint root that happens to be named step_<N> (a save_dir, with a crashed first save) is no damaged step.
+    named_root = os.path.join(root, "step_1")
+    os.makedirs(os.path.join(named_root, ".tmp.step_2"))
+    for resolve in (ck.resolve_checkpoint, mc._C.checkpoint.resolve):
+        assert resolve(named_root) is None

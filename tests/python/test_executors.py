@@ -178,6 +178,8 @@ def test_slurm_submit_writes_the_job_and_strips_rank_variables(tmp_path, monkeyp
     ([(1, 3), (7, 3)], 7, ["0", "1"]),
     # out of restarts (2): three attempts with progress, all failing
     ([(1, 2), (1, 4), (5, 6)], 5, ["0", "1", "2"]),
+    # the first attempt fails before any step (rank 0 recorded none): restarted all the same, as megacore.launch does
+    ([(1, -1), (0, 4)], 0, ["0", "1"]),
 ])
 def test_slurm_script_restarts_failed_attempts_like_the_local_launcher(tmp_path, outcomes, code, restarts):
     """trainer.max_restarts on Slurm: the job script starts the ranks again within the allocation while each attempt
@@ -199,7 +201,7 @@ def test_slurm_script_restarts_failed_attempts_like_the_local_launcher(tmp_path,
         f'echo "$MEGACORE_RESTART" >> {tmp_path}/restarts.txt\n'
         f'n=$(wc -l < {tmp_path}/restarts.txt)\n'
         f'read -r code step < <(sed -n "${{n}}p" {plan})\n'
-        'echo "$step" > "$MEGACORE_JOB_DIR/step"\n'
+        'if [ "$step" -ge 0 ]; then echo "$step" > "$MEGACORE_JOB_DIR/step"; fi\n'
         'touch "$MEGACORE_JOB_DIR/error.rank1.json"\n'
         'exit "$code"\n')
     (bindir / "srun").chmod(0o755)

@@ -428,6 +428,17 @@ def test_a_restart_resumes_from_the_newest_checkpoint_it_can_find(tmp_path, monk
     fresh = recipe("", str(tmp_path / "none"))
     train._restart_resume(fresh)
     assert fresh.checkpoint.resume == "" and "it starts from step 0" in capsys.readouterr().err
+    # The newest checkpoint under save_dir is damaged and the user resumed from the intact one its error named: a
+    # restart before the next save goes back to that one (not to the damaged one's error on every rank).
+    dmg = tmp_path / "dmg"
+    intact = save_full_checkpoint(str(dmg), 4, w)
+    bad = save_full_checkpoint(str(dmg), 6, w)
+    open(os.path.join(bad, "metadata.json"), "w").write("{")
+    named = recipe(intact, str(dmg))
+    train._restart_resume(named)
+    assert named.checkpoint.resume == intact
+    with pytest.raises(mc.IOError, match="is damaged"):  # resume = auto has nothing else to go back to
+        train._restart_resume(recipe("auto", str(dmg)))
 
 
 def test_a_metrics_port_that_cannot_be_served_is_a_config_error(tmp_path):

@@ -756,6 +756,7 @@ TEST_CASE("a damaged newest checkpoint is an IOError naming the newest intact on
     // Named directly, it is damaged too; the intact one still resolves by name.
     CHECK(resolve_error(s4).find("It cannot be loaded: resume from the newest intact one with checkpoint.resume = '" +
                                  s2 + "'") != std::string::npos);
+    CHECK(resolve_error(s4 + "/").find("It cannot be loaded") != std::string::npos);
     CHECK(resolve_checkpoint(s2) == s2);
   }
   SECTION("its metadata is missing, and latest is gone") {
@@ -776,6 +777,13 @@ TEST_CASE("a damaged newest checkpoint is an IOError naming the newest intact on
                                        "\"megacore-distributed-checkpoint\"), and '" + tmp.path + "' holds no intact "
                                        "checkpoint: start without one "
                                        "(checkpoint.resume = '')") != std::string::npos);
+  }
+  SECTION("a checkpoint root that happens to be named step_<N> is a root, not a damaged checkpoint") {
+    const fs::path root = fs::path(tmp.path) / "step_1";
+    fs::create_directories(root / ".tmp.step_2");  // a first save that crashed before its rename
+    CHECK_FALSE(resolve_checkpoint(root.string()).has_value());
+    const std::string s3 = save_checkpoint(w, root.string(), sample_state(3, 30));
+    CHECK(resolve_checkpoint(root.string()) == s3);
   }
   SECTION("latest pointed back at an older intact step is honoured, a damaged newer one notwithstanding") {
     std::ofstream(meta4) << "{";

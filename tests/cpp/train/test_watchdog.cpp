@@ -92,9 +92,24 @@ TEST_CASE("watchdog report names a waiting p2p batch's peers and where each of t
   // A peer that published nothing, and one outside any communication.
   std::vector<FlightSnapshot> r1_idle{pp(1, 5, false, {2}, {0})};
   const std::string b = Watchdog::report(0, "x", r0, {r0, r1_idle, {}, {}}, {true, true, false, false});
-  CHECK(b.find("rank 1 is in no collective or p2p batch (its last p2p batch there: #5): computing, or stuck outside "
-               "communication") != std::string::npos);
+  CHECK(b.find("rank 1 is in no collective or p2p batch (its last p2p batch in group 'pp': #5): computing, or stuck "
+               "outside communication") != std::string::npos);
   CHECK(b.find("rank 2 sent no record: dead, hung hard, or its watchdog is off") != std::string::npos);
+  // GPU pipelines: each direction between two stages is a two-rank communicator of its own. Rank 0 receives on
+  // 'p2p_1to0' (its older, unfinished send batch on 'p2p_0to1' is not what it waits in), rank 1 on 'p2p_0to1'.
+  auto one = [](std::string name, int rank, uint64_t seq, double ago, std::vector<int> to, std::vector<int> from) {
+    FlightSnapshot s = group(std::move(name), {0, 1}, rank, 0, false);
+    s.p2p = seq;
+    s.entries.push_back(FlightEntry{seq, true, "batch_send_recv", 256, ago, -1.0, to, from});
+    return s;
+  };
+  std::vector<FlightSnapshot> g0{one("p2p_0to1", 0, 3, 9.0, {1}, {}), one("p2p_1to0", 0, 2, 4.0, {}, {1})};
+  std::vector<FlightSnapshot> g1{one("p2p_0to1", 1, 3, 5.0, {}, {0}), one("p2p_1to0", 1, 1, 30.0, {0}, {})};
+  g1[1].entries.back().done_ago_s = 29.0;
+  const std::string d = Watchdog::report(0, "x", g0, {g0, g1, {}, {}}, {true, true, false, false});
+  CHECK(d.substr(0, d.find('\n')) ==
+        "megacore: watchdog: rank 0: x; waiting in p2p batch #2 batch_send_recv (256 B) of group 'p2p_1to0' for 4.0 s "
+        "(receiving from rank 1); rank 1 waits in its p2p batch #3 of group 'p2p_0to1' (5.0 s) (receiving from rank 0)");
   // Rank 1, outside any communication, learns that rank 0 waits for it in a p2p batch.
   const std::string c = Watchdog::report(1, "step 7 made no progress", r1_idle, {r0, r1_idle, {}, {}},
                                          {true, true, false, false});
