@@ -233,14 +233,23 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
     return {n: r.get(n) for n in r.names()}
 
 
-def _metadata(path):
+def _read_metadata(path):
+    """(metadata of the checkpoint in `path`, None) or (None, what is wrong with it: the C++ parse_metadata's words)."""
     p = os.path.join(path, "metadata.json")
+    if not os.path.isfile(p):
+        return None, "metadata.json is missing"
     try:
         with open(p) as f:
             m = json.load(f)
-        return m if isinstance(m, dict) and m.get("format") == FORMAT else None
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"metadata.json cannot be read or is not valid JSON ({e})"
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return None, f'metadata.json is not a megacore checkpoint\'s (no "format": "{FORMAT}")'
+    return m, None
+
+
+def _metadata(path):
+    return _read_metadata(path)[0]
 
 
 def checkpoint_step(path: str) -> int:
@@ -252,17 +261,7 @@ def checkpoint_step(path: str) -> int:
 def _metadata_damage(path):
     """Why the step_<N> directory `path` cannot be loaded, or None (the C++ resolve_checkpoint's rule: the save
     protocol renames only complete directories to step_<N>, so one without valid metadata was damaged later)."""
-    p = os.path.join(path, "metadata.json")
-    if not os.path.isfile(p):
-        return "metadata.json is missing"
-    try:
-        with open(p) as f:
-            m = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"metadata.json cannot be read or is not valid JSON ({e})"
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        return f'metadata.json is not a megacore checkpoint\'s (no "format": "{FORMAT}")'
-    return None
+    return _read_metadata(path)[1]
 
 
 def _holds_checkpoint_files(path):

@@ -172,6 +172,7 @@ def _restart_resume(recipe) -> None:
     so: the steps since are trained again."""
     from . import _proc
     from .checkpoint import checkpoint_step, resolve_checkpoint
+    from .errors import IOError as MegacoreIOError
 
     n = _restart_count()
     c = recipe.checkpoint
@@ -180,7 +181,7 @@ def _restart_resume(recipe) -> None:
     given = resolve_checkpoint(c.resume) if c.resume not in ("", "auto") else None
     try:
         saved = resolve_checkpoint(c.save_dir) if c.save_dir else None
-    except Exception:  # noqa: BLE001 - a damaged newest checkpoint under save_dir
+    except MegacoreIOError:  # a damaged newest checkpoint under save_dir
         if given is None:
             raise
         saved = None  # the checkpoint the user named instead (the damaged one's error suggests exactly that)

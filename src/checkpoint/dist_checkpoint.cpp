@@ -160,16 +160,23 @@ void check_tiling(const std::string& where, const std::string& name, const Shape
                    where, name, covered, volume(gs), shape_str(gs));
 }
 
-std::optional<json> parse_metadata(const std::string& dir) {
+// The metadata of the checkpoint in `dir`, or nullopt when it has none that is a megacore checkpoint's; `why` (if
+// given) then says what is wrong with it.
+std::optional<json> parse_metadata(const std::string& dir, std::string* why = nullptr) {
   const fs::path p = fs::path(dir) / kMetadataFile;
   std::error_code ec;
-  if (!fs::is_regular_file(p, ec)) return std::nullopt;
+  auto fail = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (!fs::is_regular_file(p, ec)) return fail(std::string(kMetadataFile) + " is missing");
   try {
     json j = json::parse(read_text(p.string()));
-    if (!j.is_object() || j.value("format", "") != kFormat) return std::nullopt;
+    if (!j.is_object() || j.value("format", "") != kFormat)
+      return fail(fmt::format("{} is not a megacore checkpoint's (no \"format\": \"{}\")", kMetadataFile, kFormat));
     return j;
-  } catch (...) {
-    return std::nullopt;
+  } catch (const std::exception& e) {
+    return fail(fmt::format("{} cannot be read or is not valid JSON ({})", kMetadataFile, e.what()));
   }
 }
 
@@ -692,17 +699,9 @@ namespace {
 // save protocol renames a directory to step_<N> only once it is complete, so one without valid metadata was damaged
 // after its commit (a disk fault, a partial copy, a deleted file).
 std::optional<std::string> metadata_damage(const fs::path& dir) {
-  const fs::path p = dir / kMetadataFile;
-  std::error_code ec;
-  if (!fs::is_regular_file(p, ec)) return std::string(kMetadataFile) + " is missing";
-  try {
-    const json j = json::parse(read_text(p.string()));
-    if (!j.is_object() || j.value("format", "") != kFormat)
-      return fmt::format("{} is not a megacore checkpoint's (no \"format\": \"{}\")", kMetadataFile, kFormat);
-  } catch (const std::exception& e) {
-    return fmt::format("{} cannot be read or is not valid JSON ({})", kMetadataFile, e.what());
-  }
-  return std::nullopt;
+  std::string why;
+  if (parse_metadata(dir.string(), &why)) return std::nullopt;
+  return why;
 }
 
 struct StepDir {
