@@ -34,8 +34,8 @@ const FlightEntry* FlightSnapshot::pending_collective() const {
 }
 
 const FlightEntry* FlightSnapshot::pending_p2p() const {
-  for (const FlightEntry& e : entries)
-    if (e.p2p && !e.done()) return &e;
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it)
+    if (it->p2p && !it->done()) return &*it;
   return nullptr;
 }
 

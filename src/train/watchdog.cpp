@@ -76,21 +76,13 @@ std::string last_op(const comm::FlightSnapshot& s) {
   return s.collectives == 0 ? "none" : fmt::format("#{}", s.collectives);
 }
 
-// A group's newest unfinished p2p batch, or nullptr: the one its host waits in (an older unfinished one is a send
-// batch the pipeline waits for only at the end of its schedule, which MPI may well have completed).
-const comm::FlightEntry* newest_p2p(const comm::FlightSnapshot& s) {
-  for (auto it = s.entries.rbegin(); it != s.entries.rend(); ++it)
-    if (it->p2p && !it->done()) return &*it;
-  return nullptr;
-}
-
 // The group (and its entry) of the newest unfinished p2p batch of any group, or nullptr.
 const comm::FlightSnapshot* newest_p2p_group(const std::vector<comm::FlightSnapshot>& recs,
                                              const comm::FlightEntry** entry) {
   const comm::FlightSnapshot* g = nullptr;
   *entry = nullptr;
   for (const auto& s : recs) {
-    const comm::FlightEntry* e = newest_p2p(s);
+    const comm::FlightEntry* e = s.pending_p2p();
     if (e && (!*entry || e->started_ago_s < (*entry)->started_ago_s)) g = &s, *entry = e;
   }
   return g;
@@ -110,7 +102,7 @@ std::string whereabouts(const std::vector<comm::FlightSnapshot>& peer, const com
     return fmt::format("waits in collective #{} {} of group '{}' ({:.1f} s)", ce->seq, ce->op, cg->group,
                        ce->started_ago_s);
   const comm::FlightSnapshot* ps = same_group(peer, pg);
-  const comm::FlightEntry* pe = ps ? newest_p2p(*ps) : nullptr;
+  const comm::FlightEntry* pe = ps ? ps->pending_p2p() : nullptr;
   if (!pe) ps = newest_p2p_group(peer, &pe);
   if (pe)
     return fmt::format("waits in its p2p batch #{} of group '{}' ({:.1f} s) {}", pe->seq, ps->group, pe->started_ago_s,
@@ -271,7 +263,7 @@ std::string Watchdog::report(int rank, const std::string& what, const std::vecto
         if (pe && pe->seq > s.collectives)
           waiting.push_back(fmt::format("rank {} in collective #{} {} of group '{}'", p, pe->seq, pe->op, s.group));
         // A peer's send/receive batch with this rank in it (a pipeline neighbour waiting for this stage).
-        const comm::FlightEntry* pp = ps ? newest_p2p(*ps) : nullptr;
+        const comm::FlightEntry* pp = ps ? ps->pending_p2p() : nullptr;
         auto names = [&](const std::vector<int>& v) { return std::find(v.begin(), v.end(), rank) != v.end(); };
         if (pp && (names(pp->send_to) || names(pp->recv_from)))
           waiting.push_back(fmt::format("rank {} in p2p batch #{} of group '{}' {}", p, pp->seq, s.group,

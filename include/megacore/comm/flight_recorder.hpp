@@ -58,7 +58,8 @@ struct FlightSnapshot {
   std::vector<FlightEntry> entries;  ///< the newest ones, oldest first
   /// The oldest collective that has started but not finished, or nullptr.
   const FlightEntry* pending_collective() const;
-  /// The oldest point-to-point batch that has started but not finished, or nullptr.
+  /// The newest point-to-point batch that has started but not finished, or nullptr: the one the host waits in (an
+  /// older unfinished one is a send batch a pipeline waits for only at the end of its schedule).
   const FlightEntry* pending_p2p() const;
 };
 
